@@ -1,0 +1,103 @@
+"""Build real Hugging Face checkpoints locally (no model hub): random-init weights + a BPE tokenizer.
+
+Used by `pdserve up` (demo model, output is noise) and by the tests, which then load them through the
+same path a user's local model directory takes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+# Small shapes: fast on CPU, yet every structural feature (GQA, bias, tied embeddings) is present.
+TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def corpus_text() -> str:
+    """The training/evaluation text shipped in the package (Python docs excerpt, PSF license)."""
+    lines = CORPUS_PATH.read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if not line.startswith("# "))
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
+    """Train a byte-level BPE tokenizer on the shipped corpus and save it as HF tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([corpus_text()], trainer=trainer)
+    chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(out_dir))
+
+
+def build_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
+                     vocab_size: int = 512, **overrides) -> Path:
+    """Write config.json + model.safetensors + tokenizer files for `arch` in {llama, qwen2, mistral}.
+
+    Weights are random (seeded): the model's output is noise, but it is a real checkpoint.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+        Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, vocab_size=vocab_size)
+    shapes = {**TINY_SHAPES, **overrides}
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=None, **shapes)
+    if arch == "llama":
+        cfg = LlamaConfig(rope_theta=10000.0, tie_word_embeddings=False, **common)
+        cls = LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, **common)
+        cls = Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg = MistralConfig(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None, **common)
+        cls = MistralForCausalLM
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    with torch.no_grad():  # HF's default init (std 0.02) gives near-uniform logits; widen it so argmax is stable
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.25 if "embed" in name else 1.0 / p.shape[-1] ** 0.5)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def default_demo_dir() -> Path:
+    import os
+    base = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    return Path(base) / "demo-llama"
+
+
+def ensure_demo_model(path: Path | None = None) -> Path:
+    """Build the demo checkpoint once (random weights) and return its directory."""
+    path = path or default_demo_dir()
+    if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
+        tmp = path.with_name(path.name + ".tmp")
+        build_checkpoint(tmp, arch="llama", seed=0)
+        if path.exists():
+            import shutil
+            shutil.rmtree(path)
+        tmp.rename(path)
+    return path
+
+
+def read_config(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
