@@ -1,0 +1,83 @@
+"""Group-wise int8 quantization of KV tensors along the last dim (head_dim).
+
+Symmetric:  scale = absmax / 127,        q = round(x / scale)              in [-127, 127],
+            x' = q * scale.
+Asymmetric: scale = (max - min) / 255,   q = round((x - zero) / scale) - 128 in [-128, 127],
+            zero = min,                  x' = (q + 128) * scale + zero.
+
+Scales and zeros are stored as float16. Quantization uses the *fp16-rounded* scale and zero (the scale
+rounded up, the zero rounded down), so every value lies inside the representable grid and the
+reconstruction error is at most scale/2 (plus float32 arithmetic error), where `scale` is the stored fp16
+scale. A group with zero range gets scale 1 and dequantizes to its constant exactly (if the constant is
+representable in fp16: the zero point, or 0 in symmetric mode).
+
+Everything is vectorized torch, so it runs on whatever device `x` lives on, without host syncs.
+"""
+from __future__ import annotations
+
+import torch
+
+FP16_MAX = 65504.0
+
+
+def _check_group(head_dim: int, group_size: int) -> None:
+    if group_size <= 0 or head_dim % group_size != 0:
+        raise ValueError(f"head_dim {head_dim} is not divisible by group_size {group_size}")
+
+
+def _fp16_round_up(v: torch.Tensor) -> torch.Tensor:
+    """Smallest float16 >= v, for finite v in [0, FP16_MAX] (float32 in, float16 out)."""
+    h = v.to(torch.float16)
+    bits = h.view(torch.int16)
+    # For non-negative halves, bits + 1 is the next representable value up.
+    return torch.where(h.float() < v, (bits + 1).view(torch.float16), h)
+
+
+def _fp16_round_down(v: torch.Tensor) -> torch.Tensor:
+    """Largest float16 <= v, for finite v in [-FP16_MAX, FP16_MAX] (float32 in, float16 out)."""
+    h = v.to(torch.float16)
+    bits = h.view(torch.int16)
+    # Sign-magnitude: moving down is bits - 1 for positives and bits + 1 for negatives (incl. -0.0).
+    # A +0.0 that is > v cannot happen: a negative v rounds to -0.0 or below.
+    down = torch.where(bits < 0, bits + 1, bits - 1).view(torch.float16)
+    return torch.where(h.float() > v, down, h)
+
+
+def quantize(x: torch.Tensor, group_size: int,
+             asymmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [..., D] (any float dtype) -> q int8 [..., D], scales fp16 [..., D // g], zeros fp16 [..., D // g] | None.
+
+    Raises ValueError if D is not divisible by group_size.
+    """
+    d = x.shape[-1]
+    _check_group(d, group_size)
+    g = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # [..., G, g]
+    if asymmetric:
+        lo = g.amin(dim=-1).clamp(-FP16_MAX, FP16_MAX)                   # [..., G]
+        zero = _fp16_round_down(lo)                                      # fp16, <= every value of the group
+        rng = g.amax(dim=-1) - zero.float()                              # >= 0
+        scale = _fp16_round_up((rng / 255.0).clamp(max=FP16_MAX))
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # zero range -> exact constant
+        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 255) - 128
+    else:
+        absmax = g.abs().amax(dim=-1)                                    # [..., G]
+        scale = _fp16_round_up((absmax / 127.0).clamp(max=FP16_MAX))
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # all zeros -> q = 0, exact
+        zero = None
+        q = torch.round(g / scale.float()[..., None]).clamp_(-127, 127)
+    return q.to(torch.int8).reshape(x.shape), scale, zero
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q int8 [..., D], scales/zeros fp16 [..., D // g] -> x' [..., D] of `dtype` (computed in float32)."""
+    d = q.shape[-1]
+    _check_group(d, group_size)
+    if scales.shape != (*q.shape[:-1], d // group_size):
+        raise ValueError(f"scales shape {tuple(scales.shape)} does not match q {tuple(q.shape)} / {group_size}")
+    g = q.float().reshape(*q.shape[:-1], d // group_size, group_size)  # [..., G, g]
+    if zeros is None:
+        x = g * scales.float()[..., None]
+    else:
+        x = (g + 128.0) * scales.float()[..., None] + zeros.float()[..., None]
+    return x.reshape(q.shape).to(dtype)
