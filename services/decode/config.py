@@ -1,0 +1,15 @@
+"""Decode service configuration (CLI flags or PDSERVE_DECODE_* environment variables)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.service_config import EngineOptions, opt
+
+
+@dataclass
+class DecodeConfig(EngineOptions):
+    kv_asymmetric: bool = opt(False, "asymmetric int8 (scale + zero point) instead of symmetric")
+    page_timeout_s: float = opt(30.0, "longest wait for the next KV page from prefill")
+
+
+ENV_PREFIX = "PDSERVE_DECODE_"

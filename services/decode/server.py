@@ -1,0 +1,26 @@
+"""`pdserve serve decode`: one decode instance."""
+from __future__ import annotations
+
+from pdserve.decode.config import DecodeConfig
+from pdserve.service_runner import build_engine, run_service
+from pdserve.v1 import internal_pb2, internal_pb2_grpc
+
+SERVICE = internal_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+def serve(cfg: DecodeConfig) -> None:
+    from pdserve.decode.servicer import DecodeServicer
+
+    loop = build_engine(cfg, pool_kv_dtype=cfg.kv_dtype)  # int8 pool when pages arrive as int8
+    loop.start()
+
+    def register(server):
+        servicer = DecodeServicer(cfg, loop)
+        internal_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+
+        def cleanup():
+            servicer.prefill.close()
+            loop.stop()
+        return cleanup
+
+    run_service("decode", cfg, [SERVICE], register)

@@ -1,0 +1,187 @@
+"""Decode gRPC servicer: pulls KV pages from the chosen prefill instance, then joins the continuous batch."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from pdserve.decode.config import DecodeConfig
+from pdserve.engine.loop import EngineLoop
+from pdserve.grpc_util import channel, remaining
+from pdserve.kv.codec import KVLayoutSpec, KVPageError, decode_page
+from pdserve.kv.transfer import ReceiverPages, TransferError
+from pdserve.sampling_proto import sampling_from_proto
+from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger("pdserve.decode")
+
+FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH,
+          "abort": generate_pb2.FINISH_REASON_ABORT}
+_END = object()
+
+
+class PrefillChannels:
+    """One channel per prefill target, created on first use and reused."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stubs: dict[str, internal_pb2_grpc.PrefillStub] = {}
+        self._channels: list[grpc.Channel] = []
+
+    def stub(self, target: str) -> internal_pb2_grpc.PrefillStub:
+        with self._lock:
+            if target not in self._stubs:
+                ch = channel(target)
+                self._channels.append(ch)
+                self._stubs[target] = internal_pb2_grpc.PrefillStub(ch)
+            return self._stubs[target]
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+
+class DecodeServicer(internal_pb2_grpc.DecodeServicer):
+    def __init__(self, cfg: DecodeConfig, loop: EngineLoop):
+        self.cfg = cfg
+        self.loop = loop
+        engine = loop.engine
+        mc = engine.model_config
+        self.fingerprint: str = engine.fingerprint
+        self.max_model_len: int = mc.max_position_embeddings
+        self.vocab_size: int = mc.vocab_size
+        self.layout = KVLayoutSpec(
+            dtype="int8" if cfg.kv_dtype == "int8" else engine.kv_storage_dtype_name,
+            page_size=engine.page_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, group_size=cfg.kv_group_size if cfg.kv_dtype == "int8" else 0,
+            asymmetric=cfg.kv_asymmetric if cfg.kv_dtype == "int8" else False)
+        self.prefill = PrefillChannels()
+        self._active = 0
+        self._lock = threading.Lock()
+
+    def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):
+        t0 = time.perf_counter()
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        if len(prompt) >= self.max_model_len:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt has {len(prompt)} tokens; model context is {self.max_model_len}")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside vocabulary [0, {self.vocab_size})")
+        if not request.prefill_target:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_target is required")
+        try:
+            sampling = sampling_from_proto(request.sampling, self.max_model_len - len(prompt))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        outputs: queue.Queue = queue.Queue()
+        try:
+            self.loop.begin_import(rid, prompt, sampling, outputs.put)
+        except Exception as e:  # noqa: BLE001
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if "page" in str(e).lower() else grpc.StatusCode.INTERNAL
+            context.abort(code, f"decode could not reserve KV pages: {e}")
+        with self._lock:
+            self._active += 1
+        finished = False
+        n_out = 0
+        finish = "abort"
+        try:
+            first, cached = self._receive_kv(request, prompt, context)
+            self.loop.finish_import(rid, first)
+            deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
+            while True:
+                try:
+                    out = outputs.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    if time.monotonic() > deadline:
+                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode exceeded its deadline")
+                    continue
+                if isinstance(out, Exception):
+                    context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
+                n_out = out.num_completion_tokens
+                msg = internal_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.text_delta)
+                if out.finished:
+                    finished, finish = True, out.finish_reason
+                    msg.finish_reason = FINISH.get(out.finish_reason, generate_pb2.FINISH_REASON_ABORT)
+                    msg.stop_reason = out.stop_reason or ""
+                    msg.usage.CopyFrom(generate_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=cached,
+                                                          completion_tokens=out.num_completion_tokens))
+                yield msg
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.loop.abort(rid)
+            with self._lock:
+                self._active -= 1
+            log.info("decode rid=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.1f", rid, len(prompt),
+                     n_out, finish, (time.perf_counter() - t0) * 1e3)
+
+    def _receive_kv(self, request: internal_pb2.DecodeRequest, prompt: list[int],
+                    context: grpc.ServicerContext) -> tuple[int, int]:
+        """Open the Prefill stream, store pages as they arrive, ack them. Returns (first token, cached)."""
+        rid = request.request_id
+        pages = ReceiverPages(rid, -(-len(prompt) // self.layout.page_size))
+        acks: queue.Queue = queue.Queue()
+        first = internal_pb2.PrefillClientMessage(request=internal_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
+            kv_layout=self.layout.to_proto(), model_fingerprint=self.fingerprint))
+
+        def client_messages():
+            yield first
+            while True:
+                item = acks.get()
+                if item is _END:
+                    return
+                yield item
+
+        timeout = remaining(context) or self.cfg.request_timeout_s
+        call = self.prefill.stub(request.prefill_target).Prefill(client_messages(), timeout=timeout,
+                                                                 metadata=context.invocation_metadata())
+        context.add_callback(call.cancel)  # our caller went away: stop prefill too
+        try:
+            for msg in call:
+                if msg.HasField("page"):
+                    page = msg.page
+                    try:
+                        pages.check(page.seq_no, page.page_index)
+                        payload = decode_page(page, expected_layout=self.layout,
+                                              expected_fingerprint=self.fingerprint, expected_request_id=rid)
+                        self.loop.import_page(rid, payload)
+                    except (KVPageError, TransferError, ValueError) as e:
+                        call.cancel()
+                        context.abort(grpc.StatusCode.DATA_LOSS, f"bad KV page from prefill: {e}")
+                    pages.filled(page.page_index, payload.nbytes)
+                    acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=page.seq_no)))
+                    pages.acked()
+                else:
+                    done = msg.done
+                    try:
+                        pages.complete(done.num_pages)
+                    except TransferError as e:
+                        call.cancel()
+                        context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+                    return done.first_token_id, done.cached_tokens
+        except grpc.RpcError as e:
+            if not context.is_active():
+                raise
+            code = e.code() if e.code() != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"prefill {request.prefill_target}: {e.details()}")
+        finally:
+            acks.put(_END)
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill {request.prefill_target} ended without finishing")
+
+    def Stats(self, request, context):
+        used, total = self.loop.page_usage()
+        with self._lock:
+            active = self._active
+        return internal_pb2.InstanceStats(kv_pages_total=total, kv_pages_free=total - used, active_requests=active,
+                                          model_fingerprint=self.fingerprint, kv_dtype=self.layout.dtype)

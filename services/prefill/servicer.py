@@ -1,0 +1,160 @@
+"""Prefill gRPC servicer: chunked prefill, pages shipped to decode over the stream while later chunks compute."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from pdserve.engine.loop import EngineLoop
+from pdserve.kv.codec import KVLayoutSpec, KVPageError, encode_page
+from pdserve.kv.transfer import SenderPages, TransferError
+from pdserve.prefill.config import PrefillConfig
+from pdserve.sampling_proto import sampling_from_proto
+from pdserve.v1 import internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger("pdserve.prefill")
+
+_DONE = object()
+
+
+class PrefillServicer(internal_pb2_grpc.PrefillServicer):
+    def __init__(self, cfg: PrefillConfig, loop: EngineLoop):
+        self.cfg = cfg
+        self.loop = loop
+        engine = loop.engine
+        self.fingerprint: str = engine.fingerprint
+        self.model_config = engine.model_config
+        self.page_size: int = engine.page_size
+        self.max_model_len: int = engine.model_config.max_position_embeddings
+        self._active = 0
+        self._lock = threading.Lock()
+
+    # ---- validation -------------------------------------------------------------------------------------
+    def _check_request(self, req: internal_pb2.PrefillRequest, context: grpc.ServicerContext) -> KVLayoutSpec:
+        mc = self.model_config
+        if req.model_fingerprint != self.fingerprint:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"model fingerprint mismatch: decode has {req.model_fingerprint}, prefill has "
+                          f"{self.fingerprint}")
+        layout = KVLayoutSpec.from_proto(req.kv_layout)
+        expect = (self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        got = (layout.page_size, layout.num_layers, layout.num_kv_heads, layout.head_dim)
+        if got != expect:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"KV layout mismatch: decode wants (page, layers, kv_heads, head_dim)={got}, "
+                          f"prefill has {expect}")
+        ids = list(req.prompt_token_ids)
+        if not ids:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        if len(ids) >= self.max_model_len:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt has {len(ids)} tokens; model context is {self.max_model_len}")
+        if min(ids) < 0 or max(ids) >= mc.vocab_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside vocabulary [0, {mc.vocab_size})")
+        return layout
+
+    # ---- RPC ------------------------------------------------------------------------------------------
+    def Prefill(self, request_iterator, context: grpc.ServicerContext):
+        t0 = time.perf_counter()
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("request"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be a PrefillRequest")
+        req = first.request
+        layout = self._check_request(req, context)
+        try:
+            sampling = sampling_from_proto(req.sampling, self.max_model_len - len(req.prompt_token_ids))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = req.request_id
+        prompt = list(req.prompt_token_ids)
+        num_pages = -(-len(prompt) // self.page_size)
+        pages = SenderPages(rid, num_pages)
+        outbox: queue.Queue = queue.Queue()
+        released = threading.Event()
+        kv_dtype = layout.dtype
+
+        def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
+            try:
+                if out.ready_pages:
+                    payloads = self.loop.engine.export_pages(rid, out.ready_pages, kv_dtype)
+                    for p in payloads:
+                        outbox.put(p)
+                if out.finished:
+                    outbox.put((_DONE, out))
+            except Exception as e:  # noqa: BLE001 - surfaced to the RPC thread
+                outbox.put(e)
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                pages.free()
+                self.loop.release(rid)
+
+        context.add_callback(release)  # RPC ended for any reason (cancel, deadline, error, success)
+        with self._lock:
+            self._active += 1
+        try:
+            self.loop.add_request(rid, prompt, sampling, on_output, prefill_only=True)
+        except Exception as e:  # out of pages, duplicate id
+            with self._lock:
+                self._active -= 1
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if "page" in str(e).lower() else grpc.StatusCode.INTERNAL
+            context.abort(code, f"prefill could not admit request: {e}")
+
+        acks = threading.Thread(target=self._read_acks, args=(request_iterator, pages, release), daemon=True,
+                                name=f"acks-{rid[:8]}")
+        acks.start()
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        try:
+            while True:
+                try:
+                    item = outbox.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    if time.monotonic() > deadline:
+                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill exceeded request_timeout_s")
+                    continue
+                if isinstance(item, Exception):
+                    context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
+                if isinstance(item, tuple) and item[0] is _DONE:
+                    out = item[1]
+                    done = internal_pb2.PrefillDone(first_token_id=out.new_token_ids[0], num_pages=pages.num_shipped,
+                                                    cached_tokens=0, prefill_ms=(time.perf_counter() - t0) * 1e3)
+                    yield internal_pb2.PrefillServerMessage(done=done)
+                    log.info("prefill rid=%s prompt_tokens=%d pages=%d bytes=%d kv=%s ms=%.1f", rid, len(prompt),
+                             pages.num_shipped, pages.bytes_shipped, kv_dtype, done.prefill_ms)
+                    return
+                try:
+                    msg = encode_page(item, request_id=rid, seq_no=pages.num_shipped, layout=layout,
+                                      fingerprint=self.fingerprint)
+                    pages.ship(item.page_index, item.nbytes)
+                except (KVPageError, TransferError) as e:
+                    context.abort(grpc.StatusCode.INTERNAL, f"KV export failed: {e}")
+                yield internal_pb2.PrefillServerMessage(page=msg)
+        finally:
+            with self._lock:
+                self._active -= 1
+            # Pages stay allocated until decode acks them all or the RPC ends (callback above).
+
+    def _read_acks(self, request_iterator, pages: SenderPages, release) -> None:
+        try:
+            for msg in request_iterator:
+                if msg.HasField("ack"):
+                    pages.ack(msg.ack.seq_no)
+                    if pages.all_acked():
+                        release()
+        except (grpc.RpcError, TransferError, ValueError) as e:
+            log.debug("ack stream ended: %s", e)
+        except Exception:  # noqa: BLE001 - request iterator raises on cancel in some grpc versions
+            pass
+
+    def Stats(self, request, context):
+        used, total = self.loop.page_usage()
+        with self._lock:
+            active = self._active
+        return internal_pb2.InstanceStats(kv_pages_total=total, kv_pages_free=total - used, active_requests=active,
+                                          model_fingerprint=self.fingerprint, kv_dtype="auto")

@@ -1,0 +1,196 @@
+"""The `pdserve` command: `up` (whole stack on loopback), `serve <service>`, `generate`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.config import add_dataclass_args, config_from
+
+DEFAULT_TARGET = "localhost:50051"
+
+
+# ---- serve --------------------------------------------------------------------------------------------------
+def _service(name: str):
+    if name == "router":
+        from pdserve.router import config as mod
+        return mod.RouterConfig, mod.ENV_PREFIX
+    if name == "prefill":
+        from pdserve.prefill import config as mod
+        return mod.PrefillConfig, mod.ENV_PREFIX
+    from pdserve.decode import config as mod
+    return mod.DecodeConfig, mod.ENV_PREFIX
+
+
+def cmd_serve(name: str, argv: list[str]) -> int:
+    cls, prefix = _service(name)
+    parser = argparse.ArgumentParser(prog=f"pdserve serve {name}",
+                                     description=f"Run one {name} instance (flags override {prefix}* env vars).")
+    add_dataclass_args(parser, cls)
+    cfg = config_from(cls, parser.parse_args(argv), prefix)
+    from pdserve.service_runner import setup_logging
+    setup_logging(cfg.log_level)
+    if name == "router":
+        from pdserve.router.server import serve
+    elif name == "prefill":
+        from pdserve.prefill.server import serve
+    else:
+        from pdserve.decode.server import serve
+    serve(cfg)
+    return 0
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+# ---- up -------------------------------------------------------------------------------------------------------
+def _wait_ready(procs: dict[str, subprocess.Popen], files: dict[str, Path], timeout: float) -> dict[str, str]:
+    addresses: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(addresses) < len(files):
+        for name, path in files.items():
+            if name not in addresses and path.exists():
+                addresses[name] = json.loads(path.read_text())["address"]
+        for name, p in procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"services not ready after {timeout:.0f}s: {sorted(set(files) - set(addresses))}")
+        time.sleep(0.1)
+    return addresses
+
+
+def cmd_up(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve up", description="Run router + 1 prefill + 1 decode on loopback.")
+    p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", ""),
+                   help="HF model directory (default: build a random-weight demo model once)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")),
+                   help="router port (0 = any free port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--kv-dtype", choices=["int8", "auto"], default="int8")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=2048)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+
+    model = args.model
+    if not model:
+        from pdserve.checkpoints import default_demo_dir, ensure_demo_model
+        print(f"no --model given: using a demo model with RANDOM weights at {default_demo_dir()} "
+              "(building it once); its output is noise.", flush=True)
+        model = str(ensure_demo_model())
+    elif not (Path(model) / "config.json").exists():
+        print(f"error: {model} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+
+    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    common = ["--model", model, "--dtype", args.dtype, "--page-size", str(args.page_size),
+              "--chunk-size", str(args.chunk_size), "--kv-dtype", args.kv_dtype, "--log-level", args.log_level]
+    exe = [sys.executable, "-m", "pdserve.cli", "serve"]
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, extra: list[str]) -> Path:
+        ready = run_dir / f"{name}.json"
+        procs[name] = subprocess.Popen([*exe, name.split("-")[0], "--ready-file", str(ready), *extra])
+        return ready
+
+    def shutdown(*_):
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        files = {"prefill": start("prefill", [*common, "--port", "0"]),
+                 "decode": start("decode", [*common, "--port", "0"])}
+        workers = _wait_ready(procs, files, args.ready_timeout)
+        router_file = start("router", ["--model", model, "--port", str(args.port), "--host", args.host,
+                                       "--prefill", workers["prefill"], "--decode", workers["decode"],
+                                       "--log-level", args.log_level])
+        router = _wait_ready(procs, {"router": router_file}, args.ready_timeout)["router"]
+        print(f"pdserve is up: router at {router}  (prefill {workers['prefill']}, decode {workers['decode']}, "
+              f"kv {args.kv_dtype})", flush=True)
+        print(f"try:  pdserve generate --target {router} \"hello\"", flush=True)
+        while all(proc.poll() is None for proc in procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, proc in procs.items() if proc.poll() is not None]
+        print(f"error: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown()
+
+
+# ---- generate -------------------------------------------------------------------------------------------------
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdserve generate", description="Stream a completion to the terminal.")
+    p.add_argument("prompt")
+    p.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET))
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    import grpc
+
+    from pdserve.client import Client
+
+    with Client(args.target, timeout=args.timeout) as c:
+        try:
+            last = None
+            for chunk in c.stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if last is not None and last.usage is not None:
+        print(f"\n[finish={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
+              f"completion_tokens={last.usage.completion_tokens}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    usage = ("usage: pdserve up [--model DIR] [--port N] [--kv-dtype int8|auto] [--dtype ...]\n"
+             "       pdserve serve router|prefill|decode [flags]   (--help for flags)\n"
+             "       pdserve generate [--target HOST:PORT] PROMPT")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        return cmd_up(rest)
+    if cmd == "serve" and rest and rest[0] in ("router", "prefill", "decode"):
+        return cmd_serve(rest[0], rest[1:])
+    if cmd == "generate":
+        return cmd_generate(rest)
+    print(usage, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Fill a service's config dataclass from CLI flags and environment variables.
+
+Precedence: CLI flag > environment variable (`PDSERVE_<SERVICE>_<FIELD>`, e.g. PDSERVE_ROUTER_PORT) >
+field default. Field names map to flags with dashes (`kv_dtype` → `--kv-dtype`). List fields take
+comma-separated values in the environment and repeated or comma-separated flags on the CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _field_type(cls: type, field: dataclasses.Field) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[field.name]
+
+
+def _parse_value(tp: Any, raw: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(tp)[:1]
+        return [_parse_value(inner, part.strip()) for part in raw.split(",") if part.strip()]
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if raw.lower() in ("", "none") else _parse_value(args[0], raw)
+    if tp is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {raw!r}")
+    return tp(raw)
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one `--flag` per dataclass field; help text comes from field metadata['help']."""
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, default=None, action="append" if _is_list(cls, f) else "store",
+                            help=f.metadata.get("help", ""), metavar=f.name.upper())
+
+
+def _is_list(cls: type, f: dataclasses.Field) -> bool:
+    return typing.get_origin(_field_type(cls, f)) in (list, tuple)
+
+
+def config_from(cls: type[T], args: argparse.Namespace | None, env_prefix: str,
+                environ: dict[str, str] | None = None) -> T:
+    """Build `cls` from parsed CLI args (None entries = not given), then env, then defaults."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp = _field_type(cls, f)
+        cli = getattr(args, f.name, None) if args is not None else None
+        env = environ.get(f"{env_prefix}{f.name.upper()}")
+        try:
+            if cli is not None:
+                values[f.name] = (_parse_value(tp, ",".join(cli)) if isinstance(cli, list)
+                                  else _parse_value(tp, cli))
+            elif env is not None:
+                values[f.name] = _parse_value(tp, env)
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"invalid value for {f.name}: {e}") from None
+    cfg = cls(**values)
+    validate = getattr(cfg, "validate", None)
+    if validate is not None:
+        validate()
+    return cfg

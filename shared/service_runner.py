@@ -1,0 +1,53 @@
+"""Run one gRPC service until SIGTERM/SIGINT: bind, serve health + reflection, announce readiness, drain."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Callable
+
+import grpc
+
+from pdserve.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
+from pdserve.service_config import EngineOptions, ServerOptions
+
+log = logging.getLogger("pdserve")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
+    """The engine of a prefill or decode instance; `pool_kv_dtype` is what its KV pool stores."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.loop import EngineLoop
+
+    engine = LLMEngine(EngineConfig(model_dir=cfg.model, dtype=cfg.dtype, device=cfg.device, page_size=cfg.page_size,
+                                    chunk_size=cfg.chunk_size, num_pages=cfg.num_pages,
+                                    max_num_seqs=cfg.max_num_seqs, kv_dtype=pool_kv_dtype,
+                                    kv_group_size=cfg.kv_group_size, attention_backend=cfg.attention_backend))
+    return EngineLoop(engine)
+
+
+def run_service(name: str, cfg: ServerOptions, service_names: list[str],
+                register: Callable[[grpc.Server], Callable[[], None]]) -> None:
+    """`register(server)` adds the servicer(s) and returns a cleanup callable run after the server stops."""
+    server = make_server(cfg.max_workers, cfg.max_concurrent_rpcs)
+    cleanup = register(server)
+    hs = add_health_and_reflection(server, service_names)
+    port = bind(server, cfg.host, cfg.port)
+    server.start()
+    set_serving(hs, service_names, True)
+    announce_ready(name, f"{cfg.host}:{port}", cfg.ready_file or None)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("%s draining", name)
+    set_serving(hs, service_names, False)
+    server.stop(grace=5).wait()
+    cleanup()
+    log.info("%s stopped", name)
