@@ -1,0 +1,72 @@
+"""`pdserve up` as a subprocess, talked to through the SDK and through `pdserve generate`."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pdserve
+from pdserve.checkpoints import build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    model = build_checkpoint(tmp_path_factory.mktemp("cli") / "ckpt", arch="qwen2", seed=2)
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    deadline = time.monotonic() + 180
+    target = None
+    while target is None:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "".join(lines)
+        lines.append(line)
+        m = re.search(r"router at (\S+)", line)
+        if m:
+            target = m.group(1)
+        assert time.monotonic() < deadline, "".join(lines)
+    yield target
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def test_sdk_against_pdserve_up(up):
+    with pdserve.Client(up, timeout=60) as c:
+        out = c.generate(prompt="hello", max_tokens=8, temperature=0, ignore_eos=True)
+        assert out.finish_reason == "length" and len(out.token_ids) == 8
+        assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
+        streamed = list(c.stream(prompt="hello", max_tokens=8, temperature=0, ignore_eos=True))
+        assert [t for ch in streamed for t in ch.token_ids] == out.token_ids
+
+
+def test_async_client(up):
+    async def run():
+        async with pdserve.AsyncClient(up, timeout=60) as c:
+            out = await c.generate(prompt="hello", max_tokens=5, temperature=0, ignore_eos=True)
+            chunks = [ch async for ch in c.stream(prompt="hello", max_tokens=5, temperature=0, ignore_eos=True)]
+            return out, chunks
+    out, chunks = asyncio.run(run())
+    assert [t for ch in chunks for t in ch.token_ids] == out.token_ids and len(out.token_ids) == 5
+
+
+def test_generate_command(up):
+    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--target", up, "--max-tokens", "6",
+                          "hello"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "finish=" in res.stderr and "completion_tokens=6" in res.stderr
+
+
+def test_generate_command_reports_bad_input(up):
+    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--target", up, "--max-tokens", "0",
+                          "hello"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "max_tokens" in res.stderr
