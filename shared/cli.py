@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,29 +49,13 @@ def _interrupt(*_) -> None:
 
 
 # ---- up -------------------------------------------------------------------------------------------------------
-def _wait_ready(procs: dict[str, subprocess.Popen], files: dict[str, Path], timeout: float) -> dict[str, str]:
-    addresses: dict[str, str] = {}
-    deadline = time.monotonic() + timeout
-    while len(addresses) < len(files):
-        for name, path in files.items():
-            if name not in addresses and path.exists():
-                addresses[name] = json.loads(path.read_text())["address"]
-        for name, p in procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {p.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"services not ready after {timeout:.0f}s: {sorted(set(files) - set(addresses))}")
-        time.sleep(0.1)
-    return addresses
-
-
 def cmd_up(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve up", description="Run router + 1 prefill + 1 decode on loopback.")
     p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", ""),
                    help="HF model directory (default: build a random-weight demo model once)")
     p.add_argument("--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")),
                    help="router port (0 = any free port)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="router interface")
     p.add_argument("--kv-dtype", choices=["int8", "auto"], default="int8")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--page-size", type=int, default=16)
@@ -82,53 +64,32 @@ def cmd_up(argv: list[str]) -> int:
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
 
+    from pdserve.launch import start_stack
+
     model = args.model
     if not model:
         from pdserve.checkpoints import default_demo_dir, ensure_demo_model
         print(f"no --model given: using a demo model with RANDOM weights at {default_demo_dir()} "
-              "(building it once); its output is noise.", flush=True)
+              "(built once); its output is noise.", flush=True)
         model = str(ensure_demo_model())
     elif not (Path(model) / "config.json").exists():
         print(f"error: {model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
 
-    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
-    common = ["--model", model, "--dtype", args.dtype, "--page-size", str(args.page_size),
-              "--chunk-size", str(args.chunk_size), "--kv-dtype", args.kv_dtype, "--log-level", args.log_level]
-    exe = [sys.executable, "-m", "pdserve.cli", "serve"]
-    procs: dict[str, subprocess.Popen] = {}
-
-    def start(name: str, extra: list[str]) -> Path:
-        ready = run_dir / f"{name}.json"
-        procs[name] = subprocess.Popen([*exe, name.split("-")[0], "--ready-file", str(ready), *extra])
-        return ready
-
-    def shutdown(*_):
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
     signal.signal(signal.SIGTERM, _interrupt)
+    stack = None
     try:
-        files = {"prefill": start("prefill", [*common, "--port", "0"]),
-                 "decode": start("decode", [*common, "--port", "0"])}
-        workers = _wait_ready(procs, files, args.ready_timeout)
-        router_file = start("router", ["--model", model, "--port", str(args.port), "--host", args.host,
-                                       "--prefill", workers["prefill"], "--decode", workers["decode"],
-                                       "--log-level", args.log_level])
-        router = _wait_ready(procs, {"router": router_file}, args.ready_timeout)["router"]
-        print(f"pdserve is up: router at {router}  (prefill {workers['prefill']}, decode {workers['decode']}, "
+        stack = start_stack(model, Path(tempfile.mkdtemp(prefix="pdserve-up-")), kv_dtype=args.kv_dtype,
+                            page_size=args.page_size, chunk_size=args.chunk_size,
+                            extra=["--dtype", args.dtype, "--log-level", args.log_level],
+                            router_port=args.port, router_host=args.host, to_terminal=True,
+                            timeout=args.ready_timeout)
+        print(f"pdserve is up: router at {stack.router}  (prefill {stack.prefill[0]}, decode {stack.decode[0]}, "
               f"kv {args.kv_dtype})", flush=True)
-        print(f"try:  pdserve generate --target {router} \"hello\"", flush=True)
-        while all(proc.poll() is None for proc in procs.values()):
+        print(f"try:  pdserve generate --target {stack.router} \"hello\"", flush=True)
+        while all(proc.poll() is None for proc in stack.procs):
             time.sleep(0.5)
-        dead = [n for n, proc in procs.items() if proc.poll() is not None]
-        print(f"error: {', '.join(dead)} exited; stopping the stack", file=sys.stderr)
+        print("error: a service exited; stopping the stack", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
@@ -136,7 +97,8 @@ def cmd_up(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        shutdown()
+        if stack is not None:
+            stack.stop()
 
 
 # ---- generate -------------------------------------------------------------------------------------------------

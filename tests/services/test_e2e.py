@@ -12,7 +12,7 @@ from pdserve.checkpoints import build_checkpoint
 from pdserve.grpc_util import channel
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
-from .stack import start_stack
+from pdserve.launch import start_stack
 
 PAGE, CHUNK = 4, 8
 # Prompt lengths at page and chunk edges, length 1 and a prompt spanning several chunks.
@@ -66,7 +66,7 @@ def wait_pools_empty(stack, timeout: float = 10.0) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def auto_stack(model_dir, tmp_path_factory):
-    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-auto"), kv_dtype="auto", page_size=PAGE,
+    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-auto"), kv_dtype="auto", page_size=PAGE, extra=["--num-pages", "512"],
                         chunk_size=CHUNK)
     yield stack
     stack.stop()
@@ -74,7 +74,7 @@ def auto_stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def int8_stack(model_dir, tmp_path_factory):
-    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-int8"), kv_dtype="int8", page_size=PAGE,
+    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-int8"), kv_dtype="int8", page_size=PAGE, extra=["--num-pages", "512"],
                         chunk_size=CHUNK)
     yield stack
     stack.stop()

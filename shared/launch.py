@@ -1,0 +1,89 @@
+"""Start router/prefill/decode as separate processes on loopback (`pdserve up`, tests, benchmarks)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Stack:
+    router: str
+    prefill: list[str]
+    decode: list[str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def log_text(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in self.logs if p.exists())
+
+
+def start_service(name: str, args: list[str], workdir: Path, env: dict | None = None,
+                  to_terminal: bool = False) -> tuple[subprocess.Popen, Path, Path]:
+    """Start `pdserve serve NAME ARGS`; its output goes to workdir/NAME<i>.log (or the terminal)."""
+    idx = len(list(workdir.glob(f"{name}*.json*"))) + len(list(workdir.glob(f"{name}*.log")))
+    ready = workdir / f"{name}{idx}.json"
+    log = workdir / f"{name}{idx}.log"
+    out = None if to_terminal else log.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", name, "--ready-file", str(ready), *args],
+                            stdout=out, stderr=None if to_terminal else subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+    return proc, ready, log
+
+
+def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 300.0) -> str:
+    """Block until the service wrote its ready file; returns its host:port."""
+    deadline = time.monotonic() + timeout
+    tail = lambda: log.read_text()[-4000:] if log.exists() else ""  # noqa: E731
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{ready.stem} exited with code {proc.returncode} before it was ready\n{tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{ready.stem} not ready after {timeout:.0f}s\n{tail()}")
+        time.sleep(0.05)
+    return json.loads(ready.read_text())["address"]
+
+
+def start_stack(model: Path | str, workdir: Path, kv_dtype: str = "int8", page_size: int = 16,
+                chunk_size: int = 2048, num_prefill: int = 1, num_decode: int = 1, extra: list[str] = (),
+                router_port: int = 0, router_host: str = "127.0.0.1", to_terminal: bool = False,
+                timeout: float = 300.0) -> Stack:
+    """Start prefill and decode instances on free ports, then a router wired to them."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    common = ["--model", str(model), "--page-size", str(page_size), "--chunk-size", str(chunk_size),
+              "--kv-dtype", kv_dtype, *extra]
+    started = [start_service("prefill", common, workdir, to_terminal=to_terminal) for _ in range(num_prefill)]
+    started += [start_service("decode", common, workdir, to_terminal=to_terminal) for _ in range(num_decode)]
+    procs = [s[0] for s in started]
+    logs = [s[2] for s in started]
+    try:
+        addrs = [wait_ready(*s, timeout=timeout) for s in started]
+        pre, dec = addrs[:num_prefill], addrs[num_prefill:]
+        rargs = ["--model", str(model), "--host", router_host, "--port", str(router_port)]
+        for a in pre:
+            rargs += ["--prefill", a]
+        for a in dec:
+            rargs += ["--decode", a]
+        r = start_service("router", rargs, workdir, to_terminal=to_terminal)
+        procs.append(r[0])
+        logs.append(r[2])
+        router = wait_ready(*r, timeout=timeout)
+    except BaseException:  # also KeyboardInterrupt: never leave half a stack running
+        Stack("", [], [], procs, logs).stop()
+        raise
+    return Stack(router, pre, dec, procs, logs)
