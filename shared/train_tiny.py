@@ -100,6 +100,24 @@ def train_tiny_checkpoint(out_dir: str | Path, seconds: float = 45, seed: int = 
     return out
 
 
+@torch.no_grad()
+def capture_kv(model_dir: str | Path, text: str, max_tokens: int = 512) -> torch.Tensor:
+    """Real K/V of `model_dir` on `text` (first max_tokens tokens), as HF caches them (K after RoPE).
+
+    Returns [2 (K, V), layers, T, kv_heads, head_dim] float32 - the PagePayload data layout.
+    """
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor(tok(text)["input_ids"][:max_tokens], dtype=torch.long)[None]  # [1, T]
+    out = model(input_ids=ids, use_cache=True)
+    cache = out["cache"] if "cache" in out else out.past_key_values
+    k = torch.stack([layer.keys[0] for layer in cache.layers])    # [layers, kv_heads, T, head_dim]
+    v = torch.stack([layer.values[0] for layer in cache.layers])
+    return torch.stack([k, v]).transpose(2, 3).contiguous()        # [2, layers, T, kv_heads, head_dim]
+
+
 if __name__ == "__main__":
     import sys
     logging.basicConfig(level=logging.INFO)

@@ -10,6 +10,8 @@ rounded up, the zero rounded down), so every value lies inside the representable
 reconstruction error is at most scale/2 (plus float32 arithmetic error), where `scale` is the stored fp16
 scale. A group with zero range gets scale 1 and dequantizes to its constant exactly (if the constant is
 representable in fp16: the zero point, or 0 in symmetric mode).
+Inputs are expected inside the fp16 range (|x| <= 65504, true of any model's K/V): scales are clamped to
+it, and an asymmetric zero point below -65504 is clamped too (values under it then saturate).
 
 Everything is vectorized torch, so it runs on whatever device `x` lives on, without host syncs.
 """

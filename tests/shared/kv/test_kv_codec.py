@@ -1,0 +1,188 @@
+"""KVPage codec: exact round trips, and every kind of corruption or mismatch raises KVPageError."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdserve.kv.codec import KVLayoutSpec, KVPageError, checksum, decode_page, encode_page
+from pdserve.kv.payload import PagePayload, quantize_payload
+from pdserve.v1 import kv_pb2
+
+FP = "sha256:model-a"
+RID = "req-1"
+
+
+def layout(dtype: str = "int8", asymmetric: bool = False, group_size: int = 32) -> KVLayoutSpec:
+    return KVLayoutSpec(dtype=dtype, page_size=16, num_layers=4, num_kv_heads=2, head_dim=64,
+                        group_size=group_size if dtype == "int8" else 0, asymmetric=asymmetric)
+
+
+def payload(lay: KVLayoutSpec, num_tokens: int = 11, layer_start: int = 1, layers: int = 3) -> PagePayload:
+    g = torch.Generator().manual_seed(1)
+    dense = PagePayload(page_index=7, num_tokens=num_tokens, layer_start=layer_start, scales=None, zeros=None,
+                        data=torch.randn(2, layers, num_tokens, lay.num_kv_heads, lay.head_dim, generator=g) * 3)
+    if lay.dtype == "int8":
+        return quantize_payload(dense, lay.group_size, lay.asymmetric)
+    dense.data = dense.data.to(lay.torch_dtype)
+    return dense
+
+
+def encode(p: PagePayload, lay: KVLayoutSpec, **kw) -> kv_pb2.KVPage:
+    args = dict(request_id=RID, seq_no=3, layout=lay, fingerprint=FP) | kw
+    return encode_page(p, **args)
+
+
+def decode(msg: kv_pb2.KVPage, lay: KVLayoutSpec, **kw) -> PagePayload:
+    args = dict(expected_layout=lay, expected_fingerprint=FP, expected_request_id=RID) | kw
+    return decode_page(msg, **args)
+
+
+def wire(msg: kv_pb2.KVPage) -> kv_pb2.KVPage:
+    """Through real protobuf bytes, as gRPC would."""
+    return kv_pb2.KVPage.FromString(msg.SerializeToString())
+
+
+@pytest.mark.parametrize("dtype,asym", [("int8", False), ("int8", True), ("float32", False),
+                                        ("bfloat16", False), ("float16", False)])
+def test_roundtrip_exact(dtype, asym):
+    lay = layout(dtype, asym)
+    p = payload(lay)
+    msg = wire(encode(p, lay))
+    assert msg.layer_count == 3 and msg.seq_no == 3 and msg.checksum == checksum(msg)
+    out = decode(msg, lay)
+    assert (out.page_index, out.num_tokens, out.layer_start, out.group_size) == \
+           (p.page_index, p.num_tokens, p.layer_start, p.group_size)
+    assert out.data.dtype == p.data.dtype and torch.equal(out.data, p.data)
+    for a, b in ((out.scales, p.scales), (out.zeros, p.zeros)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert out.nbytes == p.nbytes == len(msg.data) + len(msg.scales) + len(msg.zero_points)
+    out.data.add_(1) if out.data.is_floating_point() else out.data.fill_(0)  # own, writable memory
+
+
+def test_layout_proto_roundtrip():
+    for lay in (layout(), layout("int8", True, 64), layout("bfloat16")):
+        assert KVLayoutSpec.from_proto(lay.to_proto()) == lay
+    with pytest.raises(KVPageError):
+        KVLayoutSpec.from_proto(kv_pb2.KVLayout(format_version=1, dtype=kv_pb2.KV_DTYPE_UNSPECIFIED))
+
+
+def corrupt(name: str, msg: kv_pb2.KVPage) -> None:
+    """Apply one corruption in place."""
+    if name == "flip_data_byte":
+        b = bytearray(msg.data); b[len(b) // 2] ^= 0x01; msg.data = bytes(b)
+    elif name == "flip_scale_byte":
+        b = bytearray(msg.scales); b[3] ^= 0x80; msg.scales = bytes(b)
+    elif name == "flip_zero_byte":
+        b = bytearray(msg.zero_points); b[0] ^= 0x04; msg.zero_points = bytes(b)
+    elif name == "truncated_scales":
+        msg.scales = msg.scales[:-2]
+    elif name == "truncated_data":
+        msg.data = msg.data[:-1]
+    elif name == "extra_data":
+        msg.data = msg.data + b"\x00"
+    elif name == "missing_zero_points":
+        msg.zero_points = b""
+    elif name == "header_page_index":  # header field changed, checksum not updated
+        msg.page_index += 1
+    elif name == "header_seq_no":
+        msg.seq_no += 1
+    elif name == "checksum":
+        msg.checksum ^= 1
+    elif name == "format_version":
+        msg.layout.format_version = 2
+    elif name == "no_layout":
+        msg.ClearField("layout")
+    else:
+        raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["flip_data_byte", "flip_scale_byte", "flip_zero_byte", "truncated_scales",
+                                  "truncated_data", "extra_data", "missing_zero_points", "header_page_index",
+                                  "header_seq_no", "checksum", "format_version", "no_layout"])
+def test_corruption_raises(name):
+    lay = layout("int8", asymmetric=True)
+    msg = wire(encode(payload(lay), lay))
+    decode(msg, lay)  # sane before
+    corrupt(name, msg)
+    with pytest.raises(KVPageError):
+        decode(wire(msg), lay)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flipped_byte_dense_raises(dtype):
+    lay = layout(dtype)
+    msg = encode(payload(lay), lay)
+    b = bytearray(msg.data); b[-1] ^= 0x10; msg.data = bytes(b)
+    with pytest.raises(KVPageError, match="checksum"):
+        decode(msg, lay)
+
+
+def test_wrong_fingerprint_request_and_layout_raise():
+    lay = layout()
+    msg = encode(payload(lay), lay)
+    with pytest.raises(KVPageError, match="fingerprint"):
+        decode(msg, lay, expected_fingerprint="sha256:model-b")
+    with pytest.raises(KVPageError, match="request id"):
+        decode(msg, lay, expected_request_id="req-2")
+    for other in (dataclasses.replace(lay, group_size=64), dataclasses.replace(lay, asymmetric=True),
+                  dataclasses.replace(lay, page_size=32), dataclasses.replace(lay, num_layers=8),
+                  dataclasses.replace(lay, num_kv_heads=4), layout("float32")):
+        with pytest.raises(KVPageError, match="layout"):
+            decode(msg, other)
+
+
+def resign(msg: kv_pb2.KVPage) -> kv_pb2.KVPage:
+    """A well-formed (correct checksum) but semantically invalid page, as a buggy sender would produce."""
+    msg.checksum = checksum(msg)
+    return msg
+
+
+def test_num_tokens_over_page_size_raises_even_with_valid_checksum():
+    lay = layout("float32")
+    big = dataclasses.replace(lay, page_size=32)
+    msg = encode(payload(big, num_tokens=20), big)  # bytes sized for 20 tokens
+    msg.layout.CopyFrom(lay.to_proto())
+    resign(msg)
+    with pytest.raises(KVPageError, match="num_tokens"):
+        decode(msg, lay)
+    with pytest.raises(KVPageError, match="num_tokens"):
+        encode(payload(big, num_tokens=20), lay)
+
+
+def test_zero_tokens_and_layer_range_outside_model_raise():
+    lay = layout()
+    msg = encode(payload(lay, layer_start=1, layers=3), lay)
+    msg.layer_start = 2  # layers [2, 5) of a 4-layer model
+    with pytest.raises(KVPageError, match="layer range"):
+        decode(resign(msg), lay)
+    msg = encode(payload(lay), lay)
+    msg.num_tokens, msg.data, msg.scales = 0, b"", b""
+    with pytest.raises(KVPageError, match="num_tokens"):
+        decode(resign(msg), lay)
+    with pytest.raises(KVPageError, match="layer range"):
+        encode(payload(lay, layer_start=2, layers=3), lay)
+
+
+def test_resigned_size_mismatch_raises():
+    lay = layout("int8", asymmetric=False)
+    msg = encode(payload(lay), lay)
+    msg.zero_points = b"\x00" * len(msg.scales)  # zero points on a symmetric page
+    with pytest.raises(KVPageError, match="zero_points"):
+        decode(resign(msg), lay)
+
+
+def test_encode_rejects_payload_not_matching_layout():
+    lay = layout("int8", asymmetric=False)
+    p = payload(lay)
+    with pytest.raises(KVPageError):
+        encode(p, dataclasses.replace(lay, group_size=16))
+    with pytest.raises(KVPageError):
+        encode(p, dataclasses.replace(lay, asymmetric=True))
+    with pytest.raises(KVPageError):
+        encode(p, layout("bfloat16"))
+    with pytest.raises(KVPageError):
+        encode(payload(layout("float32")), layout("bfloat16"))
+    with pytest.raises(KVPageError):
+        encode(p, dataclasses.replace(lay, group_size=48))  # does not divide head_dim
