@@ -1,0 +1,346 @@
+"""LLMEngine: requests in, StepOutputs out; one forward pass per `step()`. Single-threaded by design (services
+drive it from one thread, see `pdserve.engine.loop.EngineLoop`).
+
+Roles: a plain engine prefills and decodes. A prefill instance adds requests with `prefill_only=True` and ships
+pages (`export_pages`) as `ready_pages` reports them; a decode instance imports them (`begin_import`,
+`import_page`, `finish_import`) and decodes.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, select_backend
+from pdserve.engine.config import EngineConfig, CPU_MAX_AUTO_PAGES, dtype_name, parse_dtype, resolve_device, \
+    resolve_dtype
+from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
+from pdserve.engine.model import load_model
+from pdserve.engine.page_table import OutOfPages, PageAllocator
+from pdserve.engine.sampling import SamplingParams, make_generator, sample
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
+from pdserve.kv.payload import PagePayload
+
+log = logging.getLogger("pdserve.engine")
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None          # "stop" | "length" | "prefill_done" | "abort" when finished
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    ready_pages: list[int] = field(default_factory=list)  # prefill-only: logical pages whose KV became final
+    logits: torch.Tensor | None = None  # step(return_logits=True): float32 [vocab] row used for the last token
+    stop_reason: str | None = None     # "eos", "token:<id>" or the matched stop string (finish_reason "stop")
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.model_config = mc = parse_model_config(cfg.model_dir)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, mc.torch_dtype)
+        self.max_model_len = mc.max_position_embeddings
+        self.page_size = cfg.page_size
+        self.tokenizer = load_tokenizer(cfg.model_dir)
+        self.fingerprint = model_fingerprint(cfg.model_dir)
+        self.backend, reason = select_backend(cfg.attention_backend, self.device, self.dtype)
+        log.info("attention backend: %s (%s)", self.backend.name, reason)
+        self.model = load_model(cfg.model_dir, mc, self.device, self.dtype)
+
+        self.kv_group_size = min(cfg.kv_group_size, mc.head_dim)
+        if mc.head_dim % self.kv_group_size:
+            raise ValueError(f"kv_group_size {cfg.kv_group_size} does not divide head_dim {mc.head_dim}")
+        self.kv_asymmetric = cfg.kv_asymmetric
+        num_pages = cfg.num_pages or self._auto_num_pages()
+        shape = (mc.num_layers, num_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.kv_cache: KVCache = Int8KVCache(*shape, self.kv_group_size, cfg.kv_asymmetric) \
+            if cfg.kv_dtype == "int8" else KVCache(*shape)
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs)
+
+        self._seqs: dict[str, Sequence] = {}  # live requests, incl. finished prefill-only ones holding pages
+        self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self._arrival = itertools.count()
+        self.last_step_scheduled = False  # whether the last step() ran a forward pass
+        kv = f"int8(g={self.kv_group_size},{'asym' if cfg.kv_asymmetric else 'sym'})" if cfg.kv_dtype == "int8" \
+            else dtype_name(self.dtype)
+        log.info("engine ready: arch=%s dtype=%s device=%s pages=%d page_size=%d chunk_size=%d max_num_seqs=%d "
+                 "kv=%s backend=%s", mc.arch, dtype_name(self.dtype), self.device, num_pages, cfg.page_size,
+                 cfg.chunk_size, cfg.max_num_seqs, kv, self.backend.name)
+
+    # ---- sizing ------------------------------------------------------------------------------------------
+    def _page_bytes(self) -> int:
+        mc, cfg = self.model_config, self.cfg
+        if cfg.kv_dtype == "int8":
+            return Int8KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim,
+                                              self.kv_group_size, cfg.kv_asymmetric)
+        return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+
+    def _auto_num_pages(self) -> int:
+        """CPU: enough for max_num_seqs full-length sequences, capped. GPU: a fraction of free memory."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            usable = free - (1.0 - self.cfg.gpu_memory_utilization) * total
+            pages = int(usable // self._page_bytes())
+            if pages <= 0:
+                raise RuntimeError(f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free)")
+            return pages
+        per_seq = -(-self.max_model_len // self.cfg.page_size)
+        return max(1, min(self.cfg.max_num_seqs * per_seq, CPU_MAX_AUTO_PAGES))
+
+    @property
+    def kv_storage_dtype_name(self) -> str:
+        """Name of the dense KV dtype (the model dtype): 'float32' | 'bfloat16' | 'float16'."""
+        return dtype_name(self.dtype)
+
+    def page_usage(self) -> tuple[int, int]:
+        return self.allocator.num_used, self.allocator.num_pages
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                      **kw) -> Sequence:
+        if request_id in self._seqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        sampling.validate(self.max_model_len)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt_token_ids is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model context is {self.max_model_len}")
+        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+            raise ValueError(f"token id outside the vocabulary [0, {self.model_config.vocab_size})")
+        need = -(-(len(ids) + 1) // self.page_size)
+        if need > self.allocator.num_pages:
+            raise OutOfPages(f"prompt needs {need} KV pages but the pool only has {self.allocator.num_pages}")
+        seed = sampling.seed if sampling.seed is not None else \
+            int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        return Sequence(request_id, ids, sampling, generator=make_generator(seed, self.device),
+                        detokenizer=IncrementalDetokenizer(self.tokenizer, ids), arrival=next(self._arrival),
+                        max_model_len=self.max_model_len, **kw)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    prefill_only: bool = False, forced_token_ids: list[int] | None = None) -> None:
+        """Queue a request. Raises ValueError (bad input, duplicate id) or OutOfPages (prompt larger than the
+        whole pool). `forced_token_ids`: teacher forcing, the i-th sampled token is replaced by the i-th forced
+        one (the logits are still those the model produced)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
+                                 forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request in any state and free its pages. If it had not finished, the next `step()` returns a
+        final StepOutput with finish_reason "abort". Returns False for unknown ids."""
+        seq = self._drop(request_id)
+        if seq is None:
+            return False
+        if not seq.finished:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            self._pending.append(self._output(seq, [], ""))
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free the pages of a request (normally a finished prefill-only one whose pages were shipped). Works in
+        any state like `abort`, but never produces an output. Returns False for unknown ids."""
+        return self._drop(request_id) is not None
+
+    def _drop(self, request_id: str) -> Sequence | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+            self.scheduler.free_pages(seq)
+        return seq
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def request_ids(self) -> list[str]:
+        """Ids of live requests (queued, running, importing, or finished prefill-only holding pages)."""
+        return list(self._seqs)
+
+    # ---- prefill side: page export -------------------------------------------------------------------------
+    def export_pages(self, request_id: str, page_indexes: list[int], kv_dtype: str = "auto",
+                     group_size: int | None = None, asymmetric: bool | None = None) -> list[PagePayload]:
+        """PagePayloads (all layers, CPU tensors) for logical pages of a request whose KV is computed.
+        kv_dtype: "int8" (quantized with group_size/asymmetric, default: this engine's settings), "auto" (the
+        model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        as_int8 = kv_dtype == "int8"
+        dense_dtype = None if as_int8 or kv_dtype == "auto" else parse_dtype(kv_dtype)
+        g = self.kv_group_size if group_size is None else group_size
+        asym = self.kv_asymmetric if asymmetric is None else asymmetric
+        out = []
+        for idx in page_indexes:
+            n = min(self.page_size, seq.num_computed_tokens - idx * self.page_size)
+            if idx < 0 or idx >= len(seq.page_table) or n <= 0:
+                raise ValueError(f"page {idx} of {request_id!r} has no computed KV "
+                                 f"({seq.num_computed_tokens} tokens computed)")
+            out.append(self.kv_cache.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype))
+        return out
+
+    # ---- decode side: page import --------------------------------------------------------------------------
+    def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Reserve pages for a prompt whose KV comes from a prefill instance. Raises OutOfPages (nothing
+        allocated) or ValueError."""
+        seq = self._new_sequence(request_id, prompt_token_ids, sampling)
+        n_pages = -(-seq.num_prompt_tokens // self.page_size)
+        seq.page_table = self.allocator.allocate(n_pages)
+        seq.status = SequenceStatus.IMPORTING
+        seq.imported_layers = torch.zeros(n_pages, self.model_config.num_layers, dtype=torch.bool)
+        self._seqs[request_id] = seq
+
+    def _importing(self, request_id: str) -> Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status != SequenceStatus.IMPORTING:
+            raise ValueError(f"request {request_id!r} is not importing")
+        return seq
+
+    def import_page(self, request_id: str, payload: PagePayload) -> None:
+        """Write one received page (a layer range of one logical page). Raises ValueError on any mismatch."""
+        seq = self._importing(request_id)
+        idx = payload.page_index
+        if not 0 <= idx < len(seq.page_table):
+            raise ValueError(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
+        want = min(self.page_size, seq.num_prompt_tokens - idx * self.page_size)
+        if payload.num_tokens != want:
+            raise ValueError(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
+        self.kv_cache.import_page(seq.page_table[idx], payload)
+        seq.imported_layers[idx, payload.layer_start:payload.layer_start + payload.data.shape[1]] = True
+
+    def finish_import(self, request_id: str, first_token_id: int) -> None:
+        """All pages are in: append the first token (stop checks apply) and join the running batch. The
+        StepOutput carrying the first token comes from the next `step()`."""
+        seq = self._importing(request_id)
+        if not bool(seq.imported_layers.all()):
+            missing = sorted({int(i) for i in (~seq.imported_layers).nonzero()[:, 0]})
+            raise ValueError(f"request {request_id!r}: pages {missing} not imported")
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token_id} outside the vocabulary")
+        seq.imported_layers = None
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.WAITING
+        text = seq.append_token(int(first_token_id), self.model_config.eos_token_ids)
+        self._pending.append(self._output(seq, [int(first_token_id)], text))
+        if seq.finished:
+            self._drop(request_id)
+        else:
+            self.scheduler.add(seq)
+
+    # ---- stepping ------------------------------------------------------------------------------------------
+    def step(self, return_logits: bool = False) -> list[StepOutput]:
+        """Run one prefill-chunk batch or one decode batch; return outputs (at most one per request)."""
+        outputs: dict[str, StepOutput] = {}
+        for o in self._pending:
+            self._merge(outputs, o)
+        self._pending = []
+        batch = self.scheduler.schedule()
+        self.last_step_scheduled = batch is not None
+        if batch is not None:
+            for o in self._run(batch, return_logits):
+                self._merge(outputs, o)
+        return list(outputs.values())
+
+    @staticmethod
+    def _merge(outputs: dict[str, StepOutput], o: StepOutput) -> None:
+        prev = outputs.get(o.request_id)
+        if prev is None:
+            outputs[o.request_id] = o
+            return
+        o.new_token_ids = prev.new_token_ids + o.new_token_ids
+        o.text_delta = prev.text_delta + o.text_delta
+        o.ready_pages = prev.ready_pages + o.ready_pages
+        outputs[o.request_id] = o
+
+    def _output(self, seq: Sequence, new_ids: list[int], text: str, ready: list[int] | None = None,
+                logits: torch.Tensor | None = None) -> StepOutput:
+        return StepOutput(seq.request_id, new_ids, text, seq.finished, seq.finish_reason, seq.num_prompt_tokens,
+                          seq.num_completion_tokens, ready or [], logits, seq.stop_reason)
+
+    def _run(self, batch: ScheduledBatch, return_logits: bool) -> list[StepOutput]:
+        ids: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
+        meta = AttentionMetadata([s.num_computed_tokens for s in batch.seqs], list(batch.num_new_tokens),
+                                 [s.page_table for s in batch.seqs], self.page_size, self.device)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache,
+                            self.backend)  # [T, hidden]
+        last = list(itertools.accumulate(batch.num_new_tokens))
+        sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                         if s.num_computed_tokens + n == s.num_tokens]
+        tokens: dict[int, int] = {}
+        logits = None
+        if sampling_rows:
+            logits = self.model.compute_logits(hidden[[last[i] - 1 for i in sampling_rows]])  # [S, V] float32
+            greedy = logits.argmax(dim=-1).tolist()
+            for r, i in enumerate(sampling_rows):
+                sp = batch.seqs[i].sampling
+                tokens[i] = greedy[r] if sp.greedy else sample(logits[r], sp, batch.seqs[i].generator)
+        outputs = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            row = None
+            if return_logits and i in tokens:
+                row = logits[sampling_rows.index(i)].clone()
+            if seq.prefill_only:
+                outputs.extend(self._postprocess_prefill_only(seq, start, tokens.get(i), row))
+            elif i in tokens:
+                outputs.append(self._postprocess_token(seq, tokens[i], batch.is_prefill, row))
+        return outputs
+
+    def _postprocess_prefill_only(self, seq: Sequence, start: int, token: int | None,
+                                  row: torch.Tensor | None) -> list[StepOutput]:
+        ps, end = self.page_size, seq.num_computed_tokens
+        ready = list(range(start // ps, end // ps))
+        if token is None:
+            return [self._output(seq, [], "", ready)] if ready else []
+        if end % ps:
+            ready.append(end // ps)  # the last, partial page is final now
+        seq.completion_token_ids.append(token)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "prefill_done"
+        self.scheduler.remove(seq)  # pages stay allocated until release()
+        return [self._output(seq, [token], "", ready, row)]
+
+    def _postprocess_token(self, seq: Sequence, token: int, was_prefill: bool, row: torch.Tensor | None) -> StepOutput:
+        forced = seq.forced_token()
+        if forced is not None:
+            token = forced
+        text = seq.append_token(token, self.model_config.eos_token_ids)
+        out = self._output(seq, [token], text, logits=row)
+        if seq.finished:
+            self._drop(seq.request_id)
+        elif was_prefill:
+            self.scheduler.prefill_done(seq)
+        return out
+
+    # ---- convenience ---------------------------------------------------------------------------------------
+    def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams]) \
+            -> list[list[int]]:
+        """Run prompts to completion (test helper); returns the completion token ids of each."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts_token_ids)
+        rids = [f"gen-{uuid.uuid4().hex}" for _ in prompts_token_ids]
+        results: dict[str, list[int]] = {r: [] for r in rids}
+        for rid, prompt, sp in zip(rids, prompts_token_ids, params):
+            self.add_request(rid, prompt, sp)
+        pending = set(rids)
+        while pending:
+            for o in self.step():
+                if o.request_id in results:
+                    results[o.request_id].extend(o.new_token_ids)
+                    if o.finished:
+                        pending.discard(o.request_id)
+        return [results[r] for r in rids]

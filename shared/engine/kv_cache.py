@@ -1,0 +1,213 @@
+"""Paged KV pools: dense (model dtype) and int8 (group-wise scales, optional zero points).
+
+Both store K and V together, index 0 = K, 1 = V:
+    data   [2, num_layers, num_pages, page_size, kv_heads, head_dim]          model dtype | int8
+    scales [2, num_layers, num_pages, page_size, kv_heads, head_dim // group]  float16 (int8 pool only)
+    zeros  same as scales                                                       float16 (asymmetric only)
+A token's "slot" is `page * page_size + offset`; attention reads a sequence's pages through its page table.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.kv.payload import PagePayload
+from pdserve.kv.quant import dequantize, quantize
+
+
+def _ids(ids, device: torch.device) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.long)
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+class KVCache:
+    """Dense pool in the model dtype."""
+
+    quantized = False
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.data = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
+                                device=device)
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    # ---- attention path --------------------------------------------------------------------------------
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one layer: K, V each [num_pages, page_size, kv_heads, head_dim] (for paged kernels)."""
+        return self.data[0, layer], self.data[1, layer]
+
+    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slot_ids [T] long; k, v [T, kv_heads, head_dim] -> stored at those slots of `layer`."""
+        flat = self.data[:, layer].view(2, -1, self.num_kv_heads, self.head_dim)  # [2, P*ps, kvh, d]
+        flat[0].index_copy_(0, slot_ids, k.to(self.dtype))
+        flat[1].index_copy_(0, slot_ids, v.to(self.dtype))
+
+    def read(self, layer: int, page_ids, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """First `num_tokens` tokens of a sequence whose page table is `page_ids`: K, V [num_tokens, kvh, d]."""
+        kv = self.data[:, layer, _ids(page_ids, self.device)]  # [2, n_pages, ps, kvh, d]
+        kv = kv.reshape(2, -1, self.num_kv_heads, self.head_dim)[:, :num_tokens]
+        return kv[0], kv[1]
+
+    def gather(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [len(slot_ids), kvh, d] at arbitrary slots."""
+        flat = self.data[:, layer].view(2, -1, self.num_kv_heads, self.head_dim)
+        return flat[0][slot_ids], flat[1][slot_ids]
+
+    # ---- page transfer ---------------------------------------------------------------------------------
+    def _page_dense(self, page: int, num_tokens: int) -> torch.Tensor:
+        return self.data[:, :, page, :num_tokens]  # [2, L, n, kvh, d]
+
+    def export_page(self, physical_page: int, logical_index: int, num_tokens: int, as_int8: bool,
+                    group_size: int = 0, asymmetric: bool = False,
+                    dense_dtype: torch.dtype | None = None) -> PagePayload:
+        """One page, all layers, as a PagePayload on CPU (int8-quantized if `as_int8`)."""
+        self._check_page(physical_page, num_tokens)
+        dense = self._page_dense(physical_page, num_tokens)
+        if as_int8:
+            q, s, z = quantize(dense, group_size, asymmetric)
+            return PagePayload(logical_index, num_tokens, 0, q.cpu(), s.cpu(), None if z is None else z.cpu(),
+                               group_size)
+        return PagePayload(logical_index, num_tokens, 0, dense.to("cpu", dense_dtype or self.dtype, copy=True),
+                           None, None, 0)
+
+    def import_page(self, physical_page: int, payload: PagePayload) -> None:
+        """Write a payload (dense or int8) into `physical_page`; int8 payloads are dequantized."""
+        self._check_payload(physical_page, payload)
+        if payload.group_size > 0:
+            dense = dequantize(payload.data.to(self.device), payload.scales.to(self.device),
+                               None if payload.zeros is None else payload.zeros.to(self.device),
+                               payload.group_size, self.dtype)
+        else:
+            dense = payload.data.to(self.device, self.dtype)
+        ls, n = payload.layer_start, payload.num_tokens
+        self.data[:, ls:ls + dense.shape[1], physical_page, :n] = dense
+
+    # ---- validation ------------------------------------------------------------------------------------
+    def _check_page(self, page: int, num_tokens: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"physical page {page} outside pool of {self.num_pages}")
+        if not 0 < num_tokens <= self.page_size:
+            raise ValueError(f"num_tokens {num_tokens} not in 1..{self.page_size}")
+
+    def _check_payload(self, page: int, p: PagePayload) -> None:
+        self._check_page(page, p.num_tokens)
+        d = p.data
+        if d.dim() != 5 or d.shape[0] != 2 or tuple(d.shape[2:]) != (p.num_tokens, self.num_kv_heads, self.head_dim):
+            raise ValueError(f"payload data shape {tuple(d.shape)} != [2, layers, {p.num_tokens}, "
+                             f"{self.num_kv_heads}, {self.head_dim}]")
+        if p.layer_start < 0 or p.layer_start + d.shape[1] > self.num_layers or d.shape[1] == 0:
+            raise ValueError(f"payload layers [{p.layer_start}, {p.layer_start + d.shape[1]}) outside "
+                             f"[0, {self.num_layers})")
+        if p.group_size > 0:
+            if d.dtype != torch.int8:
+                raise ValueError(f"quantized payload data must be int8, got {d.dtype}")
+            if self.head_dim % p.group_size:
+                raise ValueError(f"payload group_size {p.group_size} does not divide head_dim {self.head_dim}")
+            want = (*d.shape[:-1], self.head_dim // p.group_size)
+            if p.scales is None or tuple(p.scales.shape) != want:
+                raise ValueError(f"payload scales shape {None if p.scales is None else tuple(p.scales.shape)} "
+                                 f"!= {want}")
+            if p.zeros is not None and tuple(p.zeros.shape) != want:
+                raise ValueError(f"payload zeros shape {tuple(p.zeros.shape)} != {want}")
+        elif not d.is_floating_point():
+            raise ValueError(f"unquantized payload must be floating point, got {d.dtype}")
+
+
+class Int8KVCache(KVCache):
+    """int8 pool with per-group fp16 scales (+ fp16 zero points if asymmetric); dequantizes on read."""
+
+    quantized = True
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, group_size: int, asymmetric: bool):
+        if head_dim % group_size:
+            raise ValueError(f"kv group_size {group_size} does not divide head_dim {head_dim}")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device  # dtype: what reads dequantize to (the model dtype)
+        self.group_size, self.asymmetric = group_size, asymmetric
+        shape = (2, num_layers, num_pages, page_size, num_kv_heads)
+        self.data = torch.zeros(*shape, head_dim, dtype=torch.int8, device=device)
+        self.scales = torch.ones(*shape, head_dim // group_size, dtype=torch.float16, device=device)
+        self.zeros = torch.zeros_like(self.scales) if asymmetric else None
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, group_size: int,
+                       asymmetric: bool) -> int:
+        per_token = head_dim + (2 if asymmetric else 1) * 2 * (head_dim // group_size)
+        return 2 * num_layers * page_size * num_kv_heads * per_token
+
+    def layer_tensors(self, layer: int):
+        raise NotImplementedError("int8 pool has no dense per-layer view; use gather()/read()")
+
+    def _dequant(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        return dequantize(q, s, z, self.group_size, self.dtype)
+
+    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        q, s, z = quantize(torch.stack([k, v]), self.group_size, self.asymmetric)  # [2, T, kvh, d|G]
+        for dst, src in ((self.data, q), (self.scales, s), (self.zeros, z)):
+            if dst is not None:
+                dst[:, layer].view(2, -1, *dst.shape[-2:]).index_copy_(1, slot_ids, src)
+
+    def _select(self, layer: int, index: torch.Tensor, by_page: bool):
+        out = []
+        for t in (self.data, self.scales, self.zeros):
+            if t is None:
+                out.append(None)
+                continue
+            x = t[:, layer]
+            x = x[:, index].reshape(2, -1, *t.shape[-2:]) if by_page else \
+                x.reshape(2, -1, *t.shape[-2:])[:, index]
+            out.append(x)
+        return out
+
+    def read(self, layer: int, page_ids, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s, z = self._select(layer, _ids(page_ids, self.device), by_page=True)
+        kv = self._dequant(q[:, :num_tokens], s[:, :num_tokens], None if z is None else z[:, :num_tokens])
+        return kv[0], kv[1]
+
+    def gather(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._dequant(*self._select(layer, slot_ids, by_page=False))
+        return kv[0], kv[1]
+
+    def _page_dense(self, page: int, num_tokens: int) -> torch.Tensor:
+        z = None if self.zeros is None else self.zeros[:, :, page, :num_tokens]
+        return self._dequant(self.data[:, :, page, :num_tokens], self.scales[:, :, page, :num_tokens], z)
+
+    def export_page(self, physical_page: int, logical_index: int, num_tokens: int, as_int8: bool,
+                    group_size: int = 0, asymmetric: bool = False,
+                    dense_dtype: torch.dtype | None = None) -> PagePayload:
+        self._check_page(physical_page, num_tokens)
+        if as_int8 and group_size == self.group_size and asymmetric == self.asymmetric:  # straight copy
+            sl = (slice(None), slice(None), physical_page, slice(0, num_tokens))
+            z = None if self.zeros is None else self.zeros[sl].cpu()
+            return PagePayload(logical_index, num_tokens, 0, self.data[sl].cpu(), self.scales[sl].cpu(), z,
+                               group_size)
+        return super().export_page(physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric,
+                                   dense_dtype)
+
+    def import_page(self, physical_page: int, payload: PagePayload) -> None:
+        self._check_payload(physical_page, payload)
+        ls, n, nl = payload.layer_start, payload.num_tokens, payload.data.shape[1]
+        sl = (slice(None), slice(ls, ls + nl), physical_page, slice(0, n))
+        same_format = payload.group_size == self.group_size and (payload.zeros is not None) == self.asymmetric
+        if same_format:  # straight copy
+            q, s, z = payload.data, payload.scales, payload.zeros
+        else:
+            if payload.group_size > 0:
+                zeros = None if payload.zeros is None else payload.zeros.to(self.device)
+                dense = dequantize(payload.data.to(self.device), payload.scales.to(self.device), zeros,
+                                   payload.group_size, torch.float32)
+            else:
+                dense = payload.data.to(self.device)
+            q, s, z = quantize(dense, self.group_size, self.asymmetric)
+        self.data[sl] = q.to(self.device)
+        self.scales[sl] = s.to(self.device)
+        if self.zeros is not None:
+            self.zeros[sl] = z.to(self.device)

@@ -1,0 +1,157 @@
+"""Per-request state: token ids, KV progress, page table, stop conditions, incremental detokenization."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"        # queued for (chunked) prefill; also after preemption (recompute)
+    PREFILLING = "prefilling"  # part of its tokens computed, more chunks to go
+    RUNNING = "running"        # in the decode batch
+    IMPORTING = "importing"    # decode side: pages reserved, KV arriving from a prefill instance
+    FINISHED = "finished"
+
+
+class IncrementalDetokenizer:
+    """Text deltas from a growing token list, decoding only a small window per token (prefix/read offsets,
+    as in vLLM). Never emits a trailing U+FFFD: an incomplete UTF-8 sequence waits for the next token."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], context: int = 5):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = list(prompt_token_ids[-context:])  # a little prompt context for spacing
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return delta
+        return ""
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+    prefill_only: bool = False
+    forced_token_ids: list[int] | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    completion_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0       # tokens whose K/V are in the pool
+    page_table: list[int] = field(default_factory=list)  # logical page -> physical page
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | None = None     # "eos", "token:<id>", or the matched stop string
+    arrival: int = 0                   # admission order (preemption picks the newest)
+    text: str = ""                     # decoded completion text (may extend past what was emitted)
+    num_emitted_chars: int = 0
+    max_model_len: int = 0
+    imported_layers: torch.Tensor | None = None  # IMPORTING: bool [num_pages, num_layers] filled so far
+
+    # ---- sizes ---------------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.completion_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + completion, without copying the whole history."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.completion_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.completion_token_ids[:end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    # ---- appending tokens -------------------------------------------------------------------------------
+    def forced_token(self) -> int | None:
+        i = len(self.completion_token_ids)
+        if self.forced_token_ids is not None and i < len(self.forced_token_ids):
+            return self.forced_token_ids[i]
+        return None
+
+    def append_token(self, token_id: int, eos_token_ids: list[int]) -> str:
+        """Append a generated token, apply stop conditions, and return the text delta safe to emit.
+
+        Order: stop token / EOS (token's text not emitted) -> detokenize + stop strings (text truncated before
+        the stop string) -> max_tokens / context length. Text that might be the start of a stop string is
+        held back until it is disambiguated; it is flushed when the sequence finishes for another reason."""
+        self.completion_token_ids.append(token_id)
+        sp = self.sampling
+        if token_id in sp.stop_token_ids:
+            return self._finish("stop", f"token:{token_id}")
+        if not sp.ignore_eos and token_id in eos_token_ids:
+            return self._finish("stop", "eos")
+        if self.detokenizer is not None:
+            prev_len = len(self.text)
+            self.text += self.detokenizer.add(token_id)
+            if sp.stop:
+                hit = self._find_stop(prev_len)
+                if hit is not None:
+                    idx, s = hit
+                    self.text = self.text[:idx]
+                    return self._finish("stop", s)
+        if len(self.completion_token_ids) >= sp.max_tokens or (self.max_model_len and
+                                                               self.num_tokens >= self.max_model_len):
+            return self._finish("length", None)
+        return self._emit(self._safe_len())
+
+    def _find_stop(self, prev_len: int) -> tuple[int, str] | None:
+        """Earliest stop string occurrence that involves new text (older text was checked before)."""
+        best: tuple[int, str] | None = None
+        for s in self.sampling.stop:
+            idx = self.text.find(s, max(0, prev_len - len(s) + 1))
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        return best
+
+    def _safe_len(self) -> int:
+        """Length of text that cannot be the beginning of a stop string."""
+        hold = 0
+        for s in self.sampling.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return len(self.text) - hold
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.num_emitted_chars:
+            return ""
+        delta = self.text[self.num_emitted_chars:upto]
+        self.num_emitted_chars = upto
+        return delta
+
+    def _finish(self, reason: str, stop_reason: str | None) -> str:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        return self._emit(len(self.text))
