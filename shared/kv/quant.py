@@ -54,19 +54,18 @@ def quantize(x: torch.Tensor, group_size: int,
     d = x.shape[-1]
     _check_group(d, group_size)
     g = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # [..., G, g]
+    lo, hi = torch.aminmax(g, dim=-1)                                    # [..., G] each
     if asymmetric:
-        lo = g.amin(dim=-1).clamp(-FP16_MAX, FP16_MAX)                   # [..., G]
-        zero = _fp16_round_down(lo)                                      # fp16, <= every value of the group
-        rng = g.amax(dim=-1) - zero.float()                              # >= 0
-        scale = _fp16_round_up((rng / 255.0).clamp(max=FP16_MAX))
+        zero = _fp16_round_down(lo.clamp_(-FP16_MAX, FP16_MAX))          # fp16, <= every value of the group
+        scale = _fp16_round_up(((hi - zero.float()) / 255.0).clamp_(max=FP16_MAX))
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # zero range -> exact constant
-        q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 255) - 128
+        q = (g - zero.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 255).sub_(128)
     else:
-        absmax = g.abs().amax(dim=-1)                                    # [..., G]
-        scale = _fp16_round_up((absmax / 127.0).clamp(max=FP16_MAX))
+        absmax = torch.maximum(hi, lo.neg_())                            # [..., G]
+        scale = _fp16_round_up((absmax / 127.0).clamp_(max=FP16_MAX))
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # all zeros -> q = 0, exact
         zero = None
-        q = torch.round(g / scale.float()[..., None]).clamp_(-127, 127)
+        q = (g / scale.float()[..., None]).round_().clamp_(-127, 127)
     return q.to(torch.int8).reshape(x.shape), scale, zero
 
 
@@ -75,11 +74,14 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
     """q int8 [..., D], scales/zeros fp16 [..., D // g] -> x' [..., D] of `dtype` (computed in float32)."""
     d = q.shape[-1]
     _check_group(d, group_size)
+    if q.dtype != torch.int8:
+        raise ValueError(f"q must be int8, got {q.dtype}")
     if scales.shape != (*q.shape[:-1], d // group_size):
         raise ValueError(f"scales shape {tuple(scales.shape)} does not match q {tuple(q.shape)} / {group_size}")
     g = q.float().reshape(*q.shape[:-1], d // group_size, group_size)  # [..., G, g]
+    s = scales.float()[..., None]                                        # [..., G, 1]
     if zeros is None:
-        x = g * scales.float()[..., None]
+        x = g.mul_(s)
     else:
-        x = (g + 128.0) * scales.float()[..., None] + zeros.float()[..., None]
+        x = torch.addcmul(zeros.float()[..., None] + 128.0 * s, g, s)   # (q + 128) * s + zero
     return x.reshape(q.shape).to(dtype)
