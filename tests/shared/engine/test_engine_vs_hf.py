@@ -128,3 +128,22 @@ def test_preemption_recompute_keeps_greedy_output(make_engine, hf_greedy):
         ref, logits = hf_greedy("llama", prompt)
         assert_same_greedy(ours, ref, logits, f"preempted prompt_len={len(prompt)}")
     assert engine.allocator.num_used == 0
+
+
+def test_forced_tokens_and_returned_logits_match_hf(make_engine, hf_model):
+    """Teacher forcing: the forced tokens are emitted and each step's logits row equals HF's at that position."""
+    engine = make_engine("qwen2")
+    prompt, forced = random_prompt(CHUNK + 3, seed=5), random_prompt(10, seed=6)
+    sp = SamplingParams(max_tokens=len(forced), temperature=0.7, seed=1, ignore_eos=True)
+    engine.add_request("f", prompt, sp, forced_token_ids=forced)
+    tokens, rows = [], []
+    while engine.has_unfinished_requests():
+        for o in engine.step(return_logits=True):
+            tokens += o.new_token_ids
+            rows.append(o.logits)
+    assert tokens == forced
+    with torch.no_grad():
+        ref = hf_model("qwen2")(torch.tensor([prompt + forced])).logits[0, len(prompt) - 1:-1].float()
+    ours = torch.stack(rows)
+    assert ours.shape == ref.shape and ours.dtype == torch.float32
+    assert (ours - ref).abs().max().item() < 1e-4

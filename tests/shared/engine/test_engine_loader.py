@@ -1,0 +1,117 @@
+"""Loader (configs, fingerprint, RoPE), engine config resolution, and the KV pools as units."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig, resolve_dtype
+from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.loader import model_fingerprint, parse_model_config
+from pdserve.engine.model import rope_inv_freq
+
+
+def edited_copy(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_parse_configs(checkpoint):
+    q = parse_model_config(checkpoint("qwen2"))
+    assert (q.arch, q.qkv_bias, q.attention_bias, q.tie_word_embeddings) == ("qwen2", True, False, True)
+    assert q.rope_theta == 1_000_000.0 and q.rope_scaling is None and q.eos_token_ids == [2]
+    v = parse_model_config(checkpoint("llama_variant"))
+    assert (v.head_dim, v.qkv_bias, v.attention_bias, v.mlp_bias) == (8, True, True, True)
+    assert v.rope_scaling["rope_type"] == "llama3" and v.rope_scaling["factor"] == 8.0
+    m = parse_model_config(checkpoint("mistral"))
+    assert (m.arch, m.num_kv_heads, m.head_dim, m.bos_token_id) == ("mistral", 2, 16, 1)
+
+
+def test_generation_config_eos_and_old_rope_format(checkpoint, tmp_path):
+    d = edited_copy(checkpoint("llama"), tmp_path / "m", rope_parameters=None, rope_theta=5000.0,
+                    rope_scaling={"type": "linear", "factor": 2.0})
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4]}))
+    c = parse_model_config(d)
+    assert c.eos_token_ids == [2, 4]
+    assert c.rope_theta == 5000.0 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_unsupported_architecture_and_sliding_window(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        parse_model_config(edited_copy(checkpoint("llama"), tmp_path / "a", architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        parse_model_config(edited_copy(checkpoint("mistral"), tmp_path / "b", sliding_window=256))
+    parse_model_config(edited_copy(checkpoint("mistral"), tmp_path / "c", sliding_window=4096))  # >= max: fine
+    with pytest.raises(NotImplementedError, match="rope"):
+        parse_model_config(edited_copy(checkpoint("llama"), tmp_path / "d",
+                                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}))
+
+
+def test_fingerprint(checkpoint, tmp_path):
+    a = model_fingerprint(checkpoint("llama"))
+    assert a == model_fingerprint(checkpoint("llama")) and len(a) == 32
+    assert a != model_fingerprint(checkpoint("mistral"))  # other weights (same seed, different config)
+    d = tmp_path / "w"
+    shutil.copytree(checkpoint("llama"), d)
+    assert model_fingerprint(d) == a  # location-independent
+    (d / "config.json").write_text(json.dumps(json.loads((d / "config.json").read_text())))
+    assert model_fingerprint(d) != a  # config bytes count
+    shutil.copy(checkpoint("llama") / "config.json", d / "config.json")
+    st = d / "model.safetensors"
+    raw = bytearray(st.read_bytes())
+    raw[-100] ^= 0xFF  # one byte in the last sample window
+    st.write_bytes(bytes(raw))
+    assert model_fingerprint(d) != a
+
+
+def test_llama3_inv_freq_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = LlamaConfig(hidden_size=2048, num_attention_heads=16, head_dim=128, rope_parameters=rope)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    ours = rope_inv_freq(128, 500000.0, {k: v for k, v in rope.items() if k != "rope_theta"})
+    assert torch.equal(ours, ref.float())
+
+
+def test_engine_config_validation_and_dtype():
+    for bad in (dict(page_size=0), dict(kv_dtype="fp8"), dict(attention_backend="xformers"), dict(num_pages=-1)):
+        with pytest.raises(ValueError):
+            EngineConfig(model_dir="x", **bad).validate()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu, "bfloat16") == torch.float32
+    assert resolve_dtype("auto", cuda, "bfloat16") == torch.bfloat16
+    assert resolve_dtype("float16", cpu, None) == torch.float16
+
+
+@pytest.mark.parametrize("int8, asym", [(False, False), (True, False), (True, True)])
+def test_kv_pool_write_read_export_import(int8, asym):
+    L, P, ps, H, D = 2, 6, 4, 2, 16
+    pool = Int8KVCache(L, P, ps, H, D, torch.float32, torch.device("cpu"), 8, asym) if int8 else \
+        KVCache(L, P, ps, H, D, torch.float32, torch.device("cpu"))
+    k, v = torch.randn(6, H, D), torch.randn(6, H, D)
+    table = [4, 1]                                  # logical pages 0, 1 -> physical 4, 1
+    slots = torch.tensor([4 * ps + i for i in range(4)] + [1 * ps + i for i in range(2)])
+    pool.write(1, slots, k, v)
+    rk, rv = pool.read(1, table, 6)
+    tol = 0.05 if int8 else 0.0
+    assert (rk - k).abs().max() <= tol and (rv - v).abs().max() <= tol
+    gk, _ = pool.gather(1, slots[[5, 0]])
+    assert torch.equal(gk, rk[[5, 0]])
+    for as_int8 in (False, True):
+        p = pool.export_page(1, logical_index=1, num_tokens=2, as_int8=as_int8, group_size=8, asymmetric=False)
+        assert p.data.shape == (2, L, 2, H, D) and p.page_index == 1
+        pool.import_page(3, p)
+        k3, v3 = pool.read(1, [3], 2)
+        assert (k3 - k[4:6]).abs().max() <= 0.1 and (v3 - v[4:6]).abs().max() <= 0.1
+    with pytest.raises(ValueError):
+        pool.export_page(P, 0, 2, False)
+    with pytest.raises(ValueError):
+        pool.export_page(0, 0, ps + 1, False)

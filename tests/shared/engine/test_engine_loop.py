@@ -1,0 +1,109 @@
+"""EngineLoop: engine on a background thread, commands from other threads, per-request callbacks."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from engine_testutil import random_prompt
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.page_table import OutOfPages
+from pdserve.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def drain(q: queue.Queue, timeout: float = 20.0) -> list:
+    outs = []
+    while True:
+        o = q.get(timeout=timeout)
+        outs.append(o)
+        if isinstance(o, BaseException) or o.finished:
+            return outs
+
+
+@pytest.fixture
+def loop(make_engine):
+    lp = EngineLoop(make_engine("llama", num_pages=32))
+    yield lp
+    lp.stop()
+    assert not lp._thread.is_alive()
+
+
+def test_generate_through_loop_matches_direct(loop, llama_engine):
+    prompts = [random_prompt(n, seed=n) for n in (3, 12)]
+    refs = llama_engine.generate(prompts, GREEDY)
+    qs = [queue.Queue() for _ in prompts]
+    # submit from several threads at once
+    ts = [threading.Thread(target=loop.add_request, args=(f"r{i}", p, GREEDY, q.put)) for i, (p, q) in
+          enumerate(zip(prompts, qs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for q, ref in zip(qs, refs):
+        outs = drain(q)
+        assert [t for o in outs for t in o.new_token_ids] == ref
+        assert outs[-1].finish_reason == "length"
+    assert loop.page_usage() == (0, 32)
+
+
+def test_errors_propagate_to_caller(loop):
+    with pytest.raises(ValueError, match="empty"):
+        loop.add_request("bad", [], GREEDY, lambda o: None)
+    with pytest.raises(OutOfPages):
+        loop.begin_import("big", random_prompt(200, 1), GREEDY, lambda o: None)
+    assert loop.call(lambda e: e.request_ids()) == []
+
+
+def test_abort_release_and_idle(loop):
+    q: queue.Queue = queue.Queue()
+    loop.add_request("a", random_prompt(5, 2), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True), q.put)
+    q.get(timeout=20)  # running
+    assert loop.abort("a").result(10) is True
+    assert drain(q)[-1].finish_reason == "abort"
+    # prefill-only request: pages kept after prefill_done until release
+    q2: queue.Queue = queue.Queue()
+    loop.add_request("p", random_prompt(9, 3), GREEDY, q2.put, prefill_only=True)
+    assert drain(q2)[-1].finish_reason == "prefill_done"
+    assert loop.page_usage()[0] == 3
+    assert loop.release("p").result(10) is True
+    assert loop.page_usage()[0] == 0
+    # idle loop blocks instead of spinning
+    cpu0 = time.process_time()  # all threads of this process
+    time.sleep(0.3)
+    assert loop.call(lambda e: e.has_unfinished_requests()) is False
+    assert time.process_time() - cpu0 < 0.1
+
+
+def test_import_through_loop(loop, llama_engine):
+    prompt = random_prompt(7, 4)
+    ref = llama_engine.generate([prompt], GREEDY)[0]
+    llama_engine.add_request("x", prompt, GREEDY, prefill_only=True)
+    first, ready = None, []
+    while first is None:
+        for o in llama_engine.step():
+            ready += o.ready_pages
+            first = o.new_token_ids[0] if o.finished else None
+    payloads = llama_engine.export_pages("x", ready)
+    llama_engine.release("x")
+    q: queue.Queue = queue.Queue()
+    loop.begin_import("x", prompt, GREEDY, q.put)
+    for p in payloads:
+        loop.import_page("x", p)
+    loop.finish_import("x", first)
+    assert [t for o in drain(q) for t in o.new_token_ids] == ref
+
+
+def test_step_failure_reaches_callbacks(loop):
+    q: queue.Queue = queue.Queue()
+
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+    loop.call(lambda e: setattr(e, "_run", boom))
+    loop.add_request("f", random_prompt(4, 5), GREEDY, q.put)
+    err = q.get(timeout=20)
+    assert isinstance(err, RuntimeError) and "kaboom" in str(err)
+    assert loop.call(lambda e: (e.request_ids(), e.allocator.num_used)) == ([], 0)
