@@ -23,6 +23,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "mistral": ("mistral", {}),
     "llama_variant": ("llama", dict(seed=1, head_dim=8, attention_bias=True, mlp_bias=True,
                                     rope_parameters=LLAMA3_ROPE)),
+    "llama_hd64": ("llama", dict(head_dim=64)),  # a head_dim FlashAttention-3 kernels are built for (GPU test)
 }
 
 

@@ -1,0 +1,74 @@
+"""FlashAttention-3 backend vs the SDPA backend (Hopper GPU with flash_attn_interface only; skipped elsewhere)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_testutil import random_prompt
+from pdserve.engine.attention import AttentionMetadata, FA3Backend, SdpaBackend, select_backend
+from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                reason="needs a CUDA sm90 GPU")
+
+
+@pytest.fixture(scope="module")
+def fa3() -> FA3Backend:
+    backend, reason = select_backend("auto", torch.device("cuda"), torch.bfloat16)
+    if backend.name != "fa3":
+        pytest.skip(f"FA3 unavailable: {reason}")
+    return backend
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("int8", [False, True])
+def test_fa3_matches_sdpa_on_paged_pool(fa3, head_dim, int8):
+    dev, dt, ps, H, KVH = torch.device("cuda"), torch.bfloat16, 16, 8, 2
+    g = torch.Generator(device=dev).manual_seed(0)
+    pool = Int8KVCache(1, 64, ps, KVH, head_dim, dt, dev, 64, False) if int8 else \
+        KVCache(1, 64, ps, KVH, head_dim, dt, dev)
+    perm = torch.randperm(64, generator=g, device=dev).tolist()
+    # prefill chunks (mixed starts/lengths), then a decode batch over the same sequences
+    for starts, q_lens in (([0, 0, 0], [37, 1, 16]), ([37, 1, 16], [20, 5, 33]), ([57, 6, 49], [1, 1, 1])):
+        tables = [perm[0:8], perm[8:16], perm[16:24]]
+        meta = AttentionMetadata(starts, q_lens, tables, ps, dev)
+        T = sum(q_lens)
+        q = torch.randn(T, H, head_dim, device=dev, dtype=dt, generator=g)
+        k = torch.randn(T, KVH, head_dim, device=dev, dtype=dt, generator=g)
+        v = torch.randn(T, KVH, head_dim, device=dev, dtype=dt, generator=g)
+        ref = SdpaBackend().forward(0, q, k, v, meta, pool, head_dim ** -0.5)  # writes the pool too
+        out = fa3.forward(0, q, k, v, AttentionMetadata(starts, q_lens, tables, ps, dev), pool, head_dim ** -0.5)
+        assert out.shape == ref.shape
+        assert (out.float() - ref.float()).abs().max().item() < 2e-2, (starts, q_lens)
+
+
+def forced_logits(engine, prompts, forced) -> torch.Tensor:
+    """Teacher-forced per-step logits [sum of steps, V] (float32) for each prompt's forced continuation."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    for i, (p, f) in enumerate(zip(prompts, forced)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True),
+                           forced_token_ids=f)
+    while engine.has_unfinished_requests():
+        for o in engine.step(return_logits=True):
+            rows.setdefault(o.request_id, []).append(o.logits)
+    return torch.cat([torch.stack(rows[f"r{i}"]) for i in range(len(prompts))])
+
+
+def test_fa3_engine_matches_sdpa_engine(make_engine):
+    """Same token stream through three engines; FA3-bf16 must be as close to SDPA-fp32 as SDPA-bf16 is."""
+    kw = dict(device="cuda", page_size=16, chunk_size=32, num_pages=64)
+    ref = make_engine("llama_hd64", attention_backend="sdpa", dtype="float32", **kw)
+    sd = make_engine("llama_hd64", attention_backend="sdpa", dtype="bfloat16", **kw)
+    fa = make_engine("llama_hd64", attention_backend="fa3", dtype="bfloat16", **kw)
+    assert fa.backend.name == "fa3" and sd.backend.name == "sdpa"
+    prompts = [random_prompt(n, seed=n) for n in (1, 15, 16, 17, 70)]
+    forced = ref.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    base = forced_logits(ref, prompts, forced)
+    err_sd = (forced_logits(sd, prompts, forced) - base).abs().max().item()
+    fa_logits = forced_logits(fa, prompts, forced)
+    err_fa = (fa_logits - base).abs().max().item()
+    agree = (fa_logits.argmax(-1) == base.argmax(-1)).float().mean().item()
+    print(f"max |logit - fp32 sdpa|: sdpa-bf16 {err_sd:.3f}, fa3-bf16 {err_fa:.3f}; fa3 argmax agreement {agree:.1%}")
+    assert err_fa <= 2 * err_sd + 0.05
+    assert fa.allocator.num_used == 0
