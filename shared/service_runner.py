@@ -27,7 +27,8 @@ def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
     engine = LLMEngine(EngineConfig(model_dir=cfg.model, dtype=cfg.dtype, device=cfg.device, page_size=cfg.page_size,
                                     chunk_size=cfg.chunk_size, num_pages=cfg.num_pages,
                                     max_num_seqs=cfg.max_num_seqs, kv_dtype=pool_kv_dtype,
-                                    kv_group_size=cfg.kv_group_size, attention_backend=cfg.attention_backend))
+                                    kv_group_size=cfg.kv_group_size, attention_backend=cfg.attention_backend,
+                                    kv_asymmetric=getattr(cfg, "kv_asymmetric", False)))
     return EngineLoop(engine)
 
 

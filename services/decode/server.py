@@ -12,7 +12,6 @@ def serve(cfg: DecodeConfig) -> None:
     from pdserve.decode.servicer import DecodeServicer
 
     loop = build_engine(cfg, pool_kv_dtype=cfg.kv_dtype)  # int8 pool when pages arrive as int8
-    loop.start()
 
     def register(server):
         servicer = DecodeServicer(cfg, loop)

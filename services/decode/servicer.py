@@ -56,8 +56,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.layout = KVLayoutSpec(
             dtype="int8" if cfg.kv_dtype == "int8" else engine.kv_storage_dtype_name,
             page_size=engine.page_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, group_size=cfg.kv_group_size if cfg.kv_dtype == "int8" else 0,
-            asymmetric=cfg.kv_asymmetric if cfg.kv_dtype == "int8" else False)
+            head_dim=mc.head_dim, group_size=engine.kv_group_size if cfg.kv_dtype == "int8" else 0,
+            asymmetric=engine.kv_asymmetric if cfg.kv_dtype == "int8" else False)
         self.prefill = PrefillChannels()
         self._active = 0
         self._lock = threading.Lock()

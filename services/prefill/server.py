@@ -12,7 +12,6 @@ def serve(cfg: PrefillConfig) -> None:
     from pdserve.prefill.servicer import PrefillServicer
 
     loop = build_engine(cfg, pool_kv_dtype="auto")  # prefill keeps full precision; quantizes when shipping
-    loop.start()
 
     def register(server):
         internal_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(cfg, loop), server)

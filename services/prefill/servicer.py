@@ -39,7 +39,11 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"model fingerprint mismatch: decode has {req.model_fingerprint}, prefill has "
                           f"{self.fingerprint}")
-        layout = KVLayoutSpec.from_proto(req.kv_layout)
+        try:
+            layout = KVLayoutSpec.from_proto(req.kv_layout)
+            layout.validate()
+        except KVPageError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unsupported KV layout: {e}")
         expect = (self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim)
         got = (layout.page_size, layout.num_layers, layout.num_kv_heads, layout.head_dim)
         if got != expect:
@@ -75,11 +79,19 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         outbox: queue.Queue = queue.Queue()
         released = threading.Event()
         kv_dtype = layout.dtype
+        group_size = layout.group_size or None
 
         def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
+            if isinstance(out, BaseException):
+                outbox.put(out)
+                return
             try:
+                if out.finish_reason == "abort":
+                    outbox.put(RuntimeError("prefill aborted"))
+                    return
                 if out.ready_pages:
-                    payloads = self.loop.engine.export_pages(rid, out.ready_pages, kv_dtype)
+                    payloads = self.loop.engine.export_pages(rid, out.ready_pages, kv_dtype, group_size=group_size,
+                                                             asymmetric=layout.asymmetric)
                     for p in payloads:
                         outbox.put(p)
                 if out.finished:

@@ -244,6 +244,12 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     # ---- stepping ------------------------------------------------------------------------------------------
+    def take_pending(self) -> list[StepOutput]:
+        """Outputs produced outside a step (first token of an import, aborts), without running a step: lets the
+        caller stream a decode request's first token before the next batch computes."""
+        pending, self._pending = self._pending, []
+        return pending
+
     def step(self, return_logits: bool = False) -> list[StepOutput]:
         """Run one prefill-chunk batch or one decode batch; return outputs (at most one per request)."""
         outputs: dict[str, StepOutput] = {}
@@ -292,13 +298,12 @@ class LLMEngine:
             for r, i in enumerate(sampling_rows):
                 sp = batch.seqs[i].sampling
                 tokens[i] = greedy[r] if sp.greedy else sample(logits[r], sp, batch.seqs[i].generator)
+        row_of = {i: r for r, i in enumerate(sampling_rows)}
         outputs = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            row = None
-            if return_logits and i in tokens:
-                row = logits[sampling_rows.index(i)].clone()
+            row = logits[row_of[i]].clone() if return_logits and i in row_of else None
             if seq.prefill_only:
                 outputs.extend(self._postprocess_prefill_only(seq, start, tokens.get(i), row))
             elif i in tokens:

@@ -120,6 +120,8 @@ class EngineLoop:
                     except BaseException as e:  # noqa: BLE001 - delivered to the caller
                         fut.set_exception(e)
             blocked = False
+            for o in self.engine.take_pending():  # e.g. an imported request's first token: stream it now
+                self._dispatch(o)
             if self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()

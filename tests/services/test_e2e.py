@@ -35,8 +35,10 @@ def prompts(n_tokens: int, vocab: int = 512, seed: int = 0) -> list[int]:
     return torch.randint(5, vocab, (n_tokens,), generator=g).tolist()
 
 
+@torch.no_grad()
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+    """HF reference greedy continuation, EOS not special (like ignore_eos)."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                          pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     return out[0, len(ids):].tolist()
 
@@ -66,16 +68,16 @@ def wait_pools_empty(stack, timeout: float = 10.0) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def auto_stack(model_dir, tmp_path_factory):
-    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-auto"), kv_dtype="auto", page_size=PAGE, extra=["--num-pages", "512"],
-                        chunk_size=CHUNK)
+    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-auto"), kv_dtype="auto", page_size=PAGE,
+                        chunk_size=CHUNK, extra=["--num-pages", "512"])
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
 def int8_stack(model_dir, tmp_path_factory):
-    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-int8"), kv_dtype="int8", page_size=PAGE, extra=["--num-pages", "512"],
-                        chunk_size=CHUNK)
+    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-int8"), kv_dtype="int8", page_size=PAGE,
+                        chunk_size=CHUNK, extra=["--num-pages", "512"])
     yield stack
     stack.stop()
 
@@ -137,7 +139,8 @@ def test_seeded_sampling_reproducible(auto_stack):
 
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(prompt=""), "prompt is empty"),
-    (dict(token_ids=list(range(5, 1200))), "context"),
+    (dict(token_ids=[5 + i % 500 for i in range(1200)]), "context"),
+    (dict(prompt="assert statement " * 1500), "context"),
     (dict(prompt="hi", max_tokens=0), "max_tokens"),
     (dict(prompt="hi", max_tokens=-3), "max_tokens"),
     (dict(prompt="hi", temperature=-0.5), "temperature"),
