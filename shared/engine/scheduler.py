@@ -86,12 +86,12 @@ class Scheduler:
         return batch
 
     def _admit_decode_ready(self) -> None:
-        for seq in list(self.waiting):
-            if self._num_admitted() >= self.max_num_seqs:
-                return
-            if not seq.prefill_only and seq.num_uncomputed == 1 and seq.status == SequenceStatus.WAITING:
-                self.waiting.remove(seq)
-                self._join_running(seq)
+        admitted = self._num_admitted()
+        ready = [s for s in self.waiting if not s.prefill_only and s.num_uncomputed == 1
+                 and s.status == SequenceStatus.WAITING]
+        for seq in ready[:max(0, self.max_num_seqs - admitted)]:
+            self.waiting.remove(seq)
+            self._join_running(seq)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget, admitted = self.chunk_size, self._num_admitted()

@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         return ""
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: sequences live in queues and dicts
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]

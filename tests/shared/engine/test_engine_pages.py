@@ -135,3 +135,21 @@ def test_prompt_larger_than_pool_is_rejected(make_engine):
     e = make_engine("llama", num_pages=4)
     with pytest.raises(OutOfPages, match="pages"):
         e.add_request("big", random_prompt(40, 8), GREEDY)
+
+
+def test_scheduler_budgets(make_engine):
+    """Prefill steps stay within chunk_size tokens; at most max_num_seqs sequences are admitted at once."""
+    e = make_engine("llama", chunk_size=8, max_num_seqs=2)
+    for i, n in enumerate((13, 3, 5, 1)):
+        e.add_request(f"r{i}", random_prompt(n, seed=i), GREEDY)
+    seen = 0
+    while e.has_unfinished_requests():
+        batch = e.scheduler.schedule()
+        if batch is None:
+            break
+        assert sum(batch.num_new_tokens) <= 8
+        admitted = len(e.scheduler.running) + sum(s.status == SequenceStatus.PREFILLING for s in e.scheduler.waiting)
+        assert admitted <= 2
+        seen += 1
+        e._run(batch, False)
+    assert seen > 0 and not e.request_ids() and e.allocator.num_used == 0

@@ -119,14 +119,18 @@ def test_requests_join_mid_decode(name, make_engine, hf_greedy):
     assert engine.allocator.num_used == 0
 
 
-def test_preemption_recompute_keeps_greedy_output(make_engine, hf_greedy):
+def test_preemption_recompute_keeps_greedy_output(make_engine, hf_greedy, monkeypatch):
     """A pool too small for all sequences: the newest is preempted, recomputed, and still matches HF."""
     engine = make_engine("llama", num_pages=14, max_num_seqs=4)
+    preempted: list[str] = []
+    real = engine.scheduler._preempt
+    monkeypatch.setattr(engine.scheduler, "_preempt", lambda s: (preempted.append(s.request_id), real(s)))
     prompts = [random_prompt(n, seed=100 + n) for n in (CHUNK + 1, CHUNK, CHUNK - 1, PAGE + 1)]
     # each needs ceil((len + 16) / 4) = 5..7 pages at the end: 4 together cannot fit in 14 pages
     for prompt, ours in zip(prompts, engine.generate(prompts, GREEDY)):
         ref, logits = hf_greedy("llama", prompt)
         assert_same_greedy(ours, ref, logits, f"preempted prompt_len={len(prompt)}")
+    assert preempted, "the pool was meant to force preemption"
     assert engine.allocator.num_used == 0
 
 
