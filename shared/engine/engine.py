@@ -232,9 +232,10 @@ class LLMEngine:
             raise ValueError(f"first token {first_token_id} outside the vocabulary")
         seq.imported_layers = None
         seq.num_computed_tokens = seq.num_prompt_tokens
-        if not seq.sampling.greedy:  # the prefill side drew once for the first token: stay in step with it, so
-            torch.empty(self.model_config.vocab_size, device=self.device).exponential_(  # a seeded request samples
-                generator=seq.generator)                                         # as on a single engine
+        if not seq.sampling.greedy:
+            # The prefill side drew once from the same seed for the first token; skip that draw so a seeded
+            # request samples exactly as it would on a single engine.
+            torch.empty(self.model_config.vocab_size, device=self.device).exponential_(generator=seq.generator)
         seq.status = SequenceStatus.WAITING
         text = seq.append_token(int(first_token_id), self.model_config.eos_token_ids)
         self._pending.append(self._output(seq, [int(first_token_id)], text))
