@@ -58,7 +58,7 @@ def main() -> None:
     vocab = 512 if not args.model else 1000
     print(f"{'kv':6s} {'conc':>4s} {'ttft p50 ms':>12s} {'ttft p90 ms':>12s} {'ITL ms':>8s} {'tokens/s':>9s}")
     for kv in ("int8", "auto"):
-        stack = start_stack(model, work / f"stack-{kv}", kv_dtype=kv)
+        stack = start_stack(model, work / f"stack-{kv}", kv_dtype=kv, extra=["--torch-threads", "1"])
         try:
             for conc in (1, 8):
                 r = run(stack.router, args.requests, conc, args.prompt_len, args.max_tokens, vocab)

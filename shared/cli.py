@@ -62,6 +62,8 @@ def cmd_up(argv: list[str]) -> int:
     p.add_argument("--chunk-size", type=int, default=2048)
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="CPU threads per engine process (default: half the cores, two engines share the host)")
     args = p.parse_args(argv)
 
     from pdserve.launch import start_stack
@@ -81,7 +83,8 @@ def cmd_up(argv: list[str]) -> int:
     try:
         stack = start_stack(model, Path(tempfile.mkdtemp(prefix="pdserve-up-")), kv_dtype=args.kv_dtype,
                             page_size=args.page_size, chunk_size=args.chunk_size,
-                            extra=["--dtype", args.dtype, "--log-level", args.log_level],
+                            extra=["--dtype", args.dtype, "--log-level", args.log_level,
+                                   "--torch-threads", str(args.torch_threads)],
                             router_port=args.port, router_host=args.host, to_terminal=True,
                             timeout=args.ready_timeout)
         print(f"pdserve is up: router at {stack.router}  (prefill {stack.prefill[0]}, decode {stack.decode[0]}, "

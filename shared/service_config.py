@@ -32,6 +32,7 @@ class EngineOptions(ServerOptions):
     kv_group_size: int = opt(64, "int8 KV quantization group size along head_dim")
     attention_backend: str = opt("auto", "auto|fa3|sdpa")
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
+    torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
 
     def validate(self) -> None:
         if not self.model:

@@ -24,6 +24,9 @@ def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.loop import EngineLoop
 
+    if cfg.torch_threads > 0:
+        import torch
+        torch.set_num_threads(cfg.torch_threads)
     engine = LLMEngine(EngineConfig(model_dir=cfg.model, dtype=cfg.dtype, device=cfg.device, page_size=cfg.page_size,
                                     chunk_size=cfg.chunk_size, num_pages=cfg.num_pages,
                                     max_num_seqs=cfg.max_num_seqs, kv_dtype=pool_kv_dtype,

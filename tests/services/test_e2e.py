@@ -69,7 +69,7 @@ def wait_pools_empty(stack, timeout: float = 10.0) -> list[tuple[int, int]]:
 @pytest.fixture(scope="module")
 def auto_stack(model_dir, tmp_path_factory):
     stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-auto"), kv_dtype="auto", page_size=PAGE,
-                        chunk_size=CHUNK, extra=["--num-pages", "512"])
+                        chunk_size=CHUNK, extra=["--num-pages", "512", "--torch-threads", "1"])
     yield stack
     stack.stop()
 
@@ -77,7 +77,7 @@ def auto_stack(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def int8_stack(model_dir, tmp_path_factory):
     stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-int8"), kv_dtype="int8", page_size=PAGE,
-                        chunk_size=CHUNK, extra=["--num-pages", "512"])
+                        chunk_size=CHUNK, extra=["--num-pages", "512", "--torch-threads", "1"])
     yield stack
     stack.stop()
 
