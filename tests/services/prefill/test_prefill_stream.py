@@ -1,0 +1,124 @@
+"""The Prefill bidi stream, driven directly: pages stream while prefill still runs, protocol errors get a status,
+and pages are freed on ack and on abandonment."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve.checkpoints import build_checkpoint
+from pdserve.engine.loader import model_fingerprint
+from pdserve.grpc_util import channel
+from pdserve.kv.codec import KVLayoutSpec, decode_page
+from pdserve.launch import start_service, wait_ready
+from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
+
+PAGE, CHUNK = 4, 8
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory):
+    work = tmp_path_factory.mktemp("prefill")
+    model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
+    proc, ready, log = start_service("prefill", ["--model", str(model), "--page-size", str(PAGE), "--chunk-size",
+                                                 str(CHUNK), "--num-pages", "600", "--torch-threads", "1"], work)
+    addr = wait_ready(proc, ready, log)
+    ch = channel(addr)
+    yield internal_pb2_grpc.PrefillStub(ch), model_fingerprint(str(model))
+    ch.close()
+    proc.terminate()
+    proc.wait(20)
+
+
+def layout(dtype="int8") -> KVLayoutSpec:
+    return KVLayoutSpec(dtype=dtype, page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16,
+                        group_size=16 if dtype == "int8" else 0)
+
+
+def request(fp: str, n: int, dtype="int8", rid="r") -> internal_pb2.PrefillClientMessage:
+    return internal_pb2.PrefillClientMessage(request=internal_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids=[5 + i % 400 for i in range(n)],
+        sampling=generate_pb2.SamplingParams(temperature=0), kv_layout=layout(dtype).to_proto(),
+        model_fingerprint=fp))
+
+
+def free_pages(stub) -> tuple[int, int]:
+    s = stub.Stats(internal_pb2.StatsRequest(), timeout=5)
+    return s.kv_pages_free, s.kv_pages_total
+
+
+def wait_all_free(stub, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        free, total = free_pages(stub)
+        if free == total:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_pages_stream_while_prefill_runs_and_ack_frees(prefill):
+    stub, fp = prefill
+    n = 1500  # 188 chunks of 8 tokens
+    acks: queue.Queue = queue.Queue()
+
+    def client():
+        yield request(fp, n)
+        while (item := acks.get()) is not None:
+            yield item
+
+    t0 = time.perf_counter()
+    arrivals, pages = [], []
+    done = None
+    call = stub.Prefill(client(), timeout=120)
+    for msg in call:
+        if msg.HasField("page"):
+            arrivals.append(time.perf_counter() - t0)
+            pages.append(decode_page(msg.page, expected_layout=layout(), expected_fingerprint=fp,
+                                     expected_request_id="r"))
+            acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=msg.page.seq_no)))
+        else:
+            done = msg.done
+            t_done = time.perf_counter() - t0
+    acks.put(None)
+    assert done is not None and done.num_pages == len(pages) == -(-n // PAGE)
+    assert [p.page_index for p in pages] == list(range(len(pages)))
+    assert pages[-1].num_tokens == n - (len(pages) - 1) * PAGE
+    # Streaming, not store-and-forward: the first page left long before prefill finished.
+    assert arrivals[0] < 0.5 * t_done, (arrivals[0], t_done)
+    assert wait_all_free(stub)
+
+
+def test_abandoned_stream_frees_pages(prefill):
+    stub, fp = prefill
+    call = stub.Prefill(iter([request(fp, 1500, rid="gone")]), timeout=120)
+    next(call)  # first page arrived; never ack, then hang up mid-prefill
+    call.cancel()
+    assert wait_all_free(stub)
+
+
+@pytest.mark.parametrize("mutate, code, reason", [
+    (lambda m: setattr(m.request, "model_fingerprint", "other"), grpc.StatusCode.FAILED_PRECONDITION, "fingerprint"),
+    (lambda m: m.request.kv_layout.__setattr__("head_dim", 32), grpc.StatusCode.FAILED_PRECONDITION, "layout"),
+    (lambda m: m.request.kv_layout.__setattr__("group_size", 5), grpc.StatusCode.FAILED_PRECONDITION, "group_size"),
+    (lambda m: m.request.ClearField("prompt_token_ids"), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (lambda m: m.request.prompt_token_ids.append(10**6), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (lambda m: m.request.sampling.__setattr__("top_p", 2.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+])
+def test_bad_requests_get_status(prefill, mutate, code, reason):
+    stub, fp = prefill
+    msg = request(fp, 10)
+    mutate(msg)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Prefill(iter([msg]), timeout=30))
+    assert err.value.code() == code and reason in err.value.details()
+
+
+def test_first_message_must_be_request(prefill):
+    stub, _ = prefill
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Prefill(iter([internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=0))]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
