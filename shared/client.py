@@ -7,6 +7,8 @@
             print(chunk.text, end="")
 
 Errors are `grpc.RpcError` with the server's status code and reason (e.g. INVALID_ARGUMENT).
+`metadata=` (per client and per call) is sent as gRPC metadata: a W3C `traceparent` there is continued by the
+server's trace (router → decode → prefill), see docs/tracing.md.
 """
 from __future__ import annotations
 
@@ -102,14 +104,16 @@ class Client:
         self.timeout = timeout
         self.metadata = list(metadata)
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), **kw) -> Completion:
         resp = self._stub.Generate(build_request(prompt, **kw), timeout=timeout or self.timeout,
-                                   metadata=self.metadata)
+                                   metadata=[*self.metadata, *metadata])
         return _completion(resp)
 
-    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[CompletionChunk]:
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
+               metadata: Sequence[tuple[str, str]] = (), **kw) -> Iterator[CompletionChunk]:
         call = self._stub.GenerateStream(build_request(prompt, **kw), timeout=timeout or self.timeout,
-                                         metadata=self.metadata)
+                                         metadata=[*self.metadata, *metadata])
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -136,15 +140,16 @@ class AsyncClient:
         self.timeout = timeout
         self.metadata = list(metadata)
 
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                       metadata: Sequence[tuple[str, str]] = (), **kw) -> Completion:
         resp = await self._stub.Generate(build_request(prompt, **kw), timeout=timeout or self.timeout,
-                                         metadata=self.metadata)
+                                         metadata=[*self.metadata, *metadata])
         return _completion(resp)
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None,
-                     **kw) -> AsyncIterator[CompletionChunk]:
+                     metadata: Sequence[tuple[str, str]] = (), **kw) -> AsyncIterator[CompletionChunk]:
         call = self._stub.GenerateStream(build_request(prompt, **kw), timeout=timeout or self.timeout,
-                                         metadata=self.metadata)
+                                         metadata=[*self.metadata, *metadata])
         try:
             async for msg in call:
                 yield _chunk(msg)

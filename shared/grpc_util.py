@@ -53,14 +53,17 @@ def bind(server: grpc.Server, host: str, port: int) -> int:
     return bound
 
 
-def announce_ready(service: str, address: str, ready_file: str | None) -> None:
-    """Tell a supervisor (`pdserve up`, tests) where this service listens, once it can serve."""
-    line = f"PDSERVE_READY {service} {address}"
+def announce_ready(service: str, address: str, ready_file: str | None, metrics: str | None = None) -> None:
+    """Tell a supervisor (`pdserve up`, tests) where this service listens (and serves /metrics), once it can serve."""
+    line = f"PDSERVE_READY {service} {address}" + (f" metrics={metrics}" if metrics else "")
     print(line, flush=True)
     log.info("%s ready on %s", service, address)
     if ready_file:
         tmp = Path(ready_file + ".tmp")
-        tmp.write_text(json.dumps({"service": service, "address": address, "pid": os.getpid()}))
+        info = {"service": service, "address": address, "pid": os.getpid()}
+        if metrics:
+            info["metrics"] = metrics
+        tmp.write_text(json.dumps(info))
         tmp.replace(ready_file)
 
 

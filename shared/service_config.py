@@ -17,6 +17,7 @@ class ServerOptions:
     max_workers: int = opt(64, "RPC worker threads")
     max_concurrent_rpcs: int = opt(256, "RPCs beyond this get RESOURCE_EXHAUSTED")
     log_level: str = opt("INFO", "logging level")
+    metrics_port: int = opt(0, "Prometheus /metrics HTTP port on --host (0 = any free port, -1 = off)")
 
 
 @dataclass

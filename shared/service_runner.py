@@ -10,6 +10,7 @@ import grpc
 
 from pdserve.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
 from pdserve.service_config import EngineOptions, ServerOptions
+from pdserve.telemetry import Telemetry
 
 log = logging.getLogger("pdserve")
 
@@ -36,15 +37,19 @@ def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
 
 
 def run_service(name: str, cfg: ServerOptions, service_names: list[str],
-                register: Callable[[grpc.Server], Callable[[], None]]) -> None:
-    """`register(server)` adds the servicer(s) and returns a cleanup callable run after the server stops."""
+                register: Callable[[grpc.Server, Telemetry], Callable[[], None]]) -> None:
+    """`register(server, telemetry)` adds the servicer(s) and returns a cleanup callable run after the server stops.
+    Telemetry: tracing from the OTEL_* environment, /metrics on `cfg.metrics_port`; spans flushed at shutdown."""
+    telemetry = Telemetry(name)
     server = make_server(cfg.max_workers, cfg.max_concurrent_rpcs)
-    cleanup = register(server)
+    cleanup = register(server, telemetry)
     hs = add_health_and_reflection(server, service_names)
     port = bind(server, cfg.host, cfg.port)
+    metrics_port = telemetry.metrics.serve(cfg.host, cfg.metrics_port)
     server.start()
     set_serving(hs, service_names, True)
-    announce_ready(name, f"{cfg.host}:{port}", cfg.ready_file or None)
+    announce_ready(name, f"{cfg.host}:{port}", cfg.ready_file or None,
+                   metrics=f"{cfg.host}:{metrics_port}" if metrics_port is not None else None)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -54,4 +59,5 @@ def run_service(name: str, cfg: ServerOptions, service_names: list[str],
     set_serving(hs, service_names, False)
     server.stop(grace=5).wait()
     cleanup()
+    telemetry.shutdown()  # flushes batched spans
     log.info("%s stopped", name)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pdserve.decode.config import DecodeConfig
+from pdserve.metrics import watch_engine
 from pdserve.service_runner import build_engine, run_service
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
@@ -13,8 +14,9 @@ def serve(cfg: DecodeConfig) -> None:
 
     loop = build_engine(cfg, pool_kv_dtype=cfg.kv_dtype)  # int8 pool when pages arrive as int8
 
-    def register(server):
-        servicer = DecodeServicer(cfg, loop)
+    def register(server, telemetry):
+        watch_engine(telemetry.metrics, loop)
+        servicer = DecodeServicer(cfg, loop, telemetry)
         internal_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
         def cleanup():

@@ -14,6 +14,7 @@ from pdserve.grpc_util import channel, remaining
 from pdserve.kv.codec import KVLayoutSpec, KVPageError, decode_page
 from pdserve.kv.transfer import ReceiverPages, TransferError
 from pdserve.sampling_proto import sampling_from_proto
+from pdserve.telemetry import RequestScope, Telemetry
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
@@ -45,9 +46,10 @@ class PrefillChannels:
 
 
 class DecodeServicer(internal_pb2_grpc.DecodeServicer):
-    def __init__(self, cfg: DecodeConfig, loop: EngineLoop):
+    def __init__(self, cfg: DecodeConfig, loop: EngineLoop, telemetry: Telemetry | None = None):
         self.cfg = cfg
         self.loop = loop
+        self.telemetry = telemetry or Telemetry.off("decode")
         engine = loop.engine
         mc = engine.model_config
         self.fingerprint: str = engine.fingerprint
@@ -65,6 +67,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):
         t0 = time.perf_counter()
         rid = request.request_id
+        req = self.telemetry.request("decode.request", context, {
+            "pdserve.request_id": rid, "pdserve.prompt_tokens": len(request.prompt_token_ids),
+            "pdserve.prefill": request.prefill_target})
         prompt = list(request.prompt_token_ids)
         if not prompt:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
@@ -92,7 +97,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         n_out = 0
         finish = "abort"
         try:
-            first, cached = self._receive_kv(request, prompt, context)
+            first, cached = self._receive_kv(request, prompt, context, req)
             self.loop.finish_import(rid, first)
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
             while True:
@@ -108,8 +113,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
                 n_out = out.num_completion_tokens
                 msg = internal_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.text_delta)
+                req.first_token()
                 if out.finished:
                     finished, finish = True, out.finish_reason
+                    req.finish(out.num_completion_tokens, out.finish_reason, {"pdserve.cached_tokens": cached})
                     msg.finish_reason = FINISH.get(out.finish_reason, generate_pb2.FINISH_REASON_ABORT)
                     msg.stop_reason = out.stop_reason or ""
                     msg.usage.CopyFrom(generate_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=cached,
@@ -126,7 +133,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                      n_out, finish, (time.perf_counter() - t0) * 1e3)
 
     def _receive_kv(self, request: internal_pb2.DecodeRequest, prompt: list[int],
-                    context: grpc.ServicerContext) -> tuple[int, int]:
+                    context: grpc.ServicerContext, req: RequestScope) -> tuple[int, int]:
         """Open the Prefill stream, store pages as they arrive, ack them. Returns (first token, cached)."""
         rid = request.request_id
         pages = ReceiverPages(rid, -(-len(prompt) // self.layout.page_size))
@@ -144,8 +151,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 yield item
 
         timeout = remaining(context) or self.cfg.request_timeout_s
+        span = req.child("decode.kv_receive", {"pdserve.prefill": request.prefill_target,
+                                               "pdserve.kv.dtype": self.layout.dtype})
         call = self.prefill.stub(request.prefill_target).Prefill(client_messages(), timeout=timeout,
-                                                                 metadata=context.invocation_metadata())
+                                                                 metadata=req.outgoing_metadata(span))
         context.add_callback(call.cancel)  # our caller went away: stop prefill too
         try:
             for msg in call:
@@ -169,6 +178,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     except TransferError as e:
                         call.cancel()
                         context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+                    self.telemetry.metrics.kv_bytes.inc(pages.bytes_received)
+                    req.end_child(span, ok=True, attributes={
+                        "pdserve.kv.pages": done.num_pages, "pdserve.kv.bytes": pages.bytes_received,
+                        "pdserve.cached_tokens": done.cached_tokens, "pdserve.first_token_id": done.first_token_id})
                     return done.first_token_id, done.cached_tokens
         except grpc.RpcError as e:
             if not context.is_active():
@@ -177,6 +190,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             context.abort(code, f"prefill {request.prefill_target}: {e.details()}")
         finally:
             acks.put(_END)
+            req.end_child(span)  # no-op after success; else the status the RPC ends with
         context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill {request.prefill_target} ended without finishing")
 
     def Stats(self, request, context):

@@ -13,6 +13,7 @@ from pdserve.kv.codec import KVLayoutSpec, KVPageError, encode_page
 from pdserve.kv.transfer import SenderPages, TransferError
 from pdserve.prefill.config import PrefillConfig
 from pdserve.sampling_proto import sampling_from_proto
+from pdserve.telemetry import RequestScope, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
@@ -21,9 +22,13 @@ _DONE = object()
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
-    def __init__(self, cfg: PrefillConfig, loop: EngineLoop):
+    def __init__(self, cfg: PrefillConfig, loop: EngineLoop, telemetry: Telemetry | None = None):
         self.cfg = cfg
         self.loop = loop
+        self.telemetry = telemetry or Telemetry.off("prefill")
+        self._tokens = [0, 0]  # prompt tokens, cached prompt tokens (for the cache hit ratio gauge)
+        self.telemetry.metrics.gauge("cache_hit_ratio", "Cached / prompt tokens of finished prefills",
+                                     lambda: self._tokens[1] / max(1, self._tokens[0]))
         engine = loop.engine
         self.fingerprint: str = engine.fingerprint
         self.model_config = engine.model_config
@@ -63,6 +68,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     # ---- RPC ------------------------------------------------------------------------------------------
     def Prefill(self, request_iterator, context: grpc.ServicerContext):
         t0 = time.perf_counter()
+        scope = self.telemetry.request("prefill.request", context)
         first = next(request_iterator, None)
         if first is None or not first.HasField("request"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be a PrefillRequest")
@@ -80,6 +86,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         released = threading.Event()
         kv_dtype = layout.dtype
         group_size = layout.group_size or None
+        scope.set({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(prompt), "pdserve.kv.dtype": kv_dtype})
 
         def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
             if isinstance(out, BaseException):
@@ -89,6 +96,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 if out.finish_reason == "abort":
                     outbox.put(RuntimeError("prefill aborted"))
                     return
+                if scope.recording and out.token_range:  # this step computed one chunk of the prompt
+                    scope.record("prefill.chunk", self.loop.step_started_ns, {
+                        "pdserve.chunk.start": out.token_range[0], "pdserve.chunk.end": out.token_range[1],
+                        "pdserve.chunk.ready_pages": len(out.ready_pages)})
                 if out.ready_pages:
                     payloads = self.loop.engine.export_pages(rid, out.ready_pages, kv_dtype, group_size=group_size,
                                                              asymmetric=layout.asymmetric)
@@ -120,6 +131,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                                 name=f"acks-{rid[:8]}")
         acks.start()
         deadline = time.monotonic() + self.cfg.request_timeout_s
+        ship = None  # prefill.kv_ship span: first page shipped → PrefillDone
         try:
             while True:
                 try:
@@ -136,10 +148,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     out = item[1]
                     done = internal_pb2.PrefillDone(first_token_id=out.new_token_ids[0], num_pages=pages.num_shipped,
                                                     cached_tokens=0, prefill_ms=(time.perf_counter() - t0) * 1e3)
+                    self._record_done(scope, ship, pages, len(prompt), done)
                     yield internal_pb2.PrefillServerMessage(done=done)
                     log.info("prefill rid=%s prompt_tokens=%d pages=%d bytes=%d kv=%s ms=%.1f", rid, len(prompt),
                              pages.num_shipped, pages.bytes_shipped, kv_dtype, done.prefill_ms)
                     return
+                if ship is None:
+                    ship = scope.child("prefill.kv_ship", {"pdserve.kv.dtype": kv_dtype})
                 try:
                     msg = encode_page(item, request_id=rid, seq_no=pages.num_shipped, layout=layout,
                                       fingerprint=self.fingerprint)
@@ -150,7 +165,23 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         finally:
             with self._lock:
                 self._active -= 1
+            if ship is not None:
+                scope.end_child(ship)  # no-op after PrefillDone; else the status the RPC ends with
             # Pages stay allocated until decode acks them all or the RPC ends (callback above).
+
+    def _record_done(self, scope: RequestScope, ship, pages: SenderPages, prompt_tokens: int,
+                     done: internal_pb2.PrefillDone) -> None:
+        """Metrics and spans of a finished prefill (before PrefillDone is sent)."""
+        self.telemetry.metrics.kv_bytes.inc(pages.bytes_shipped)
+        with self._lock:
+            self._tokens[0] += prompt_tokens
+            self._tokens[1] += done.cached_tokens
+        kv = {"pdserve.kv.pages": pages.num_shipped, "pdserve.kv.bytes": pages.bytes_shipped}
+        if ship is not None:
+            scope.end_child(ship, ok=True, attributes=kv)
+        scope.first_token()
+        scope.finish(1, "prefill_done", {**kv, "pdserve.cached_tokens": done.cached_tokens,
+                                         "pdserve.first_token_id": done.first_token_id})
 
     def _read_acks(self, request_iterator, pages: SenderPages, release) -> None:
         try:

@@ -13,6 +13,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.instances import InstancePool
 from pdserve.router.pcs import PCSWeights, score
 from pdserve.sampling_proto import DEFAULT_MAX_TOKENS
+from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
@@ -21,8 +22,10 @@ MAX_ATTEMPTS = 2  # a request that fails UNAVAILABLE before its first token is r
 
 
 class RouterServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, cfg: RouterConfig, tokenizer, max_model_len: int, vocab_size: int):
+    def __init__(self, cfg: RouterConfig, tokenizer, max_model_len: int, vocab_size: int,
+                 telemetry: Telemetry | None = None):
         self.cfg = cfg
+        self.telemetry = telemetry or Telemetry.off("router")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -91,16 +94,21 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
     def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         t0 = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
+        req = self.telemetry.request("router.generate", context, {
+            "pdserve.request_id": rid, "pdserve.priority": generate_pb2.Priority.Name(request.priority)})
         ids = self._prompt_ids(request, context)
         max_tokens = self._check_sampling(request.sampling, context)
         pcs = score(ids, self.special_ids, max_tokens, self.weights)
+        req.set({"pdserve.prompt_tokens": len(ids), "pdserve.pcs.score": pcs.score, "pdserve.pcs.input_len":
+                 pcs.input_len, "pdserve.pcs.est_output_len": pcs.est_output_len,
+                 "pdserve.pcs.num_special": pcs.num_special})
         timeout = context.time_remaining()
         timeout = self.cfg.default_timeout_s if timeout is None or timeout > 1e8 else timeout
         sampling = generate_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         sampling.max_tokens = min(max_tokens, self.max_model_len - len(ids))
         decode_req = internal_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling)
-        metadata = [(k, v) for k, v in context.invocation_metadata() if k in ("traceparent", "tracestate")]
+        metadata = req.outgoing_metadata()  # decode.request continues this trace
 
         tried_p: set[str] = set()
         tried_d: set[str] = set()
@@ -111,6 +119,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             p = self.prefill.acquire(pcs.score, frozenset(tried_p))
             d = self.decode.acquire(pcs.score, frozenset(tried_d))
             decode_req.prefill_target = p.address
+            req.set({"pdserve.prefill": p.address, "pdserve.decode": d.address, "pdserve.attempt": attempt + 1,
+                     "pdserve.admission": "admitted"})
             call = self._decode_stub(d.address).Generate(decode_req, timeout=timeout, metadata=metadata)
             context.add_callback(call.cancel)
             try:
@@ -119,6 +129,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                     now_ms = (time.perf_counter() - t0) * 1e3
                     if ttft_ms is None:
                         ttft_ms = now_ms
+                        req.first_token()
                         out.timing.ttft_ms = ttft_ms
                     n_tokens += len(msg.token_ids)
                     if msg.finish_reason:
@@ -128,6 +139,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                         out.usage.CopyFrom(msg.usage)
                         out.timing.ttft_ms = ttft_ms
                         out.timing.total_ms = now_ms
+                        req.finish(msg.usage.completion_tokens, finish.removeprefix("FINISH_REASON_").lower())
                     yield out
                 break
             except grpc.RpcError as e:
@@ -139,6 +151,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                     return
                 log.warning("rid=%s retrying after UNAVAILABLE from %s/%s: %s", rid, p.address, d.address,
                             e.details())
+                req.event("retry", {"pdserve.prefill": p.address, "pdserve.decode": d.address,
+                                    "pdserve.error": e.details()})
                 tried_p.add(p.address)
                 tried_d.add(d.address)
             finally:

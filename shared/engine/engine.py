@@ -41,6 +41,7 @@ class StepOutput:
     ready_pages: list[int] = field(default_factory=list)  # prefill-only: logical pages whose KV became final
     logits: torch.Tensor | None = None  # step(return_logits=True): float32 [vocab] row used for the last token
     stop_reason: str | None = None     # "eos", "token:<id>" or the matched stop string (finish_reason "stop")
+    token_range: tuple[int, int] | None = None  # prefill-only: prompt tokens [start, end) this step computed
 
 
 class LLMEngine:
@@ -315,14 +316,15 @@ class LLMEngine:
                                   row: torch.Tensor | None) -> list[StepOutput]:
         ps, end = self.page_size, seq.num_computed_tokens
         ready = list(range(start // ps, end // ps))
-        if token is None:
-            return [self._output(seq, [], "", ready)] if ready else []
-        if end % ps:
-            ready.append(end // ps)  # the last, partial page is final now
-        seq.completion_token_ids.append(token)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "prefill_done"
-        self.scheduler.remove(seq)  # pages stay allocated until release()
-        return [self._output(seq, [token], "", ready, row)]
+        if token is not None:
+            if end % ps:
+                ready.append(end // ps)  # the last, partial page is final now
+            seq.completion_token_ids.append(token)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "prefill_done"
+            self.scheduler.remove(seq)  # pages stay allocated until release()
+        out = self._output(seq, [] if token is None else [token], "", ready, row)
+        out.token_range = (start, end)  # one output per chunk, also without ready pages (chunk spans)
+        return [out]
 
     def _postprocess_token(self, seq: Sequence, token: int, was_prefill: bool, row: torch.Tensor | None) -> StepOutput:
         forced = seq.forced_token()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -33,6 +34,7 @@ class EngineLoop:
         self._cmds: deque[tuple[Callable[[LLMEngine], Any], Future]] = deque()
         self._callbacks: dict[str, OutputCallback] = {}  # engine thread only
         self._stopping = False
+        self.step_started_ns = 0  # epoch ns when the current/last step began (callbacks: their step's start)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -124,6 +126,7 @@ class EngineLoop:
                 self._dispatch(o)
             if self.engine.has_unfinished_requests():
                 try:
+                    self.step_started_ns = time.time_ns()
                     outputs = self.engine.step()
                 except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
                     log.exception("engine step failed; aborting %d requests", len(self._callbacks))

@@ -18,18 +18,30 @@ def load():
     return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
 
 
-def test_compose_services_commands_parse():
-    compose = load()
-    assert set(compose["services"]) == {"router", "prefill", "decode"}
-    ports = {}
-    for name, svc in compose["services"].items():
-        cmd = svc["command"]
-        assert cmd[:2] == ["serve", name]
+PDSERVE = ("prefill", "decode", "router")
+OBSERVABILITY = ("jaeger", "prometheus", "grafana")
+
+
+def parsed_configs(compose) -> dict:
+    """Each pdserve service's config as its real parser and environment handling build it."""
+    out = {}
+    for name in PDSERVE:
+        svc = compose["services"][name]
         cls, prefix = _service(name)
         parser = argparse.ArgumentParser()
         add_dataclass_args(parser, cls)
         env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
-        cfg = config_from(cls, parser.parse_args(cmd[2:]), prefix, environ=env)
+        out[name] = config_from(cls, parser.parse_args(svc["command"][2:]), prefix, environ=env)
+    return out
+
+
+def test_compose_services_commands_parse():
+    compose = load()
+    assert set(compose["services"]) == {*PDSERVE, *OBSERVABILITY}
+    ports = {}
+    for name, cfg in parsed_configs(compose).items():  # router last: prefill/decode ports known
+        svc = compose["services"][name]
+        assert svc["command"][:2] == ["serve", name]
         assert cfg.model == "/models/model"
         ports[name] = cfg.port
         if name == "router":
@@ -45,3 +57,50 @@ def test_dockerfile_copies_package_sources():
     for path in ("pyproject.toml", "shared", "services", "protos"):
         assert f"COPY {path}" in text
     assert 'ENTRYPOINT ["pdserve"]' in text
+
+
+def test_observability_wiring():
+    """Every service exports traces to the compose Jaeger and serves /metrics where Prometheus scrapes it; Grafana
+    mounts files that exist and points at the compose Prometheus and Jaeger."""
+    from pdserve.tracing import tracing_enabled
+
+    compose = load()
+    services = compose["services"]
+    cfgs = parsed_configs(compose)
+    for name in PDSERVE:
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        assert tracing_enabled(env), name
+        host, port = env["OTEL_EXPORTER_OTLP_ENDPOINT"].removeprefix("http://").split(":")
+        assert host == "jaeger" and port == "4317"
+        assert cfgs[name].metrics_port > 0
+    mounts = dict(v.split(":")[:2] for v in services["prometheus"]["volumes"])
+    assert mounts["./prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]] for j in prom["scrape_configs"]}
+    assert jobs == {name: [f"{name}:{cfgs[name].metrics_port}"] for name in PDSERVE}
+    assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
+
+    grafana = services["grafana"]
+    for vol in grafana["volumes"]:
+        assert (DEPLOY / vol.split(":")[0]).exists(), vol
+    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/datasources.yml").read_text())["datasources"]
+    by_uid = {d["uid"]: d for d in ds}
+    assert by_uid["prometheus"]["url"] == "http://prometheus:9090" and by_uid["jaeger"]["url"] == "http://jaeger:16686"
+    assert by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"][0]["datasourceUid"] == "jaeger"
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboards.yml").read_text())["providers"][0]
+    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in grafana["volumes"]
+
+
+def test_dashboard_queries():
+    """The dashboard parses, uses the provisioned Prometheus, and selects jobs Prometheus has. (That every metric
+    it names is exported is checked against live /metrics in tests/services/test_tracing_e2e.py.)"""
+    import json
+    import re
+
+    dash = json.loads((DEPLOY / "grafana/dashboards/pdserve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10 and all(t["datasource"]["uid"] == "prometheus" for p in dash["panels"]
+                                     for t in p["targets"])
+    for job in {j for e in exprs for j in re.findall(r'job=~"([a-z]+)"', e)}:
+        assert job in PDSERVE
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])

@@ -1,0 +1,121 @@
+"""Prometheus metrics of one service, served at http://HOST:PORT/metrics (text format, or OpenMetrics with
+exemplars carrying trace ids when the scraper asks for `application/openmetrics-text`).
+
+Every service: `pdserve_requests_total{status}`, `pdserve_requests_in_flight`, histograms
+`pdserve_request_ttft_seconds`, `pdserve_request_tpot_seconds`, `pdserve_request_e2e_seconds`, and the gauges its
+server registers at start (`gauge(...)`: queue depth, KV pages, cache hit ratio, outstanding PCS), read at
+scrape time. Each service owns its registry (no process-global state).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("pdserve.metrics")
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+GaugeFn = Callable[[], float | Mapping[tuple[str, ...], float]]
+
+
+class _CallbackGauge(Collector):
+    """A gauge whose value(s) `fn` returns at scrape time: a number, or {label values: number}."""
+
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str], fn: GaugeFn):
+        self.name, self.doc, self.labelnames, self.fn = name, doc, list(labelnames), fn
+
+    def describe(self):
+        return [GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)]
+
+    def collect(self):
+        fam = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
+        try:
+            values = self.fn()
+        except Exception:  # noqa: BLE001 - a broken gauge must not break the scrape
+            log.exception("gauge %s failed", self.name)
+            return [fam]
+        if self.labelnames:
+            for key, v in values.items():
+                fam.add_metric(list(key), float(v))
+        else:
+            fam.add_metric([], float(values))
+        return [fam]
+
+
+class ServiceMetrics:
+    def __init__(self, service: str):
+        self.service = service
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("pdserve_requests", "Requests by final gRPC status", ["status"], registry=r)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)
+        self.ttft = Histogram("pdserve_request_ttft_seconds", "Time to first token (prefill: time to the prefill "
+                              "result)", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_request_tpot_seconds", "Time per output token after the first",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_request_e2e_seconds", "Request latency, start to end of the RPC",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.awaiting_first = Gauge("pdserve_requests_awaiting_first_token", "Requests without their first token "
+                                    "yet (queued or prefilling)", registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV page bytes shipped (prefill) or received (decode)",
+                                registry=r)
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def gauge(self, name: str, doc: str, fn: GaugeFn, labelnames: Sequence[str] = ()) -> None:
+        """Register a gauge read from `fn()` at scrape time (name without the `pdserve_` prefix)."""
+        self.registry.register(_CallbackGauge(f"pdserve_{name}", doc, labelnames, fn))
+
+    def observe(self, status: str, e2e_s: float, ttft_s: float | None = None, tpot_s: float | None = None,
+                trace_id: str | None = None) -> None:
+        """One finished request; `trace_id` becomes the exemplar of its samples."""
+        ex = {"trace_id": trace_id} if trace_id else None
+        self.requests.labels(status).inc(exemplar=ex)
+        self.e2e.observe(e2e_s, exemplar=ex)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, exemplar=ex)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s, exemplar=ex)
+
+    # ---- HTTP endpoint ---------------------------------------------------------------------------------
+    def serve(self, host: str, port: int) -> int | None:
+        """Serve /metrics on host:port (0 = any free port, negative = off). Returns the bound port."""
+        if port < 0:
+            return None
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._server.server_port
+        log.info("%s metrics on http://%s:%d/metrics", self.service, host, bound)
+        return bound
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def watch_engine(metrics: ServiceMetrics, loop) -> None:
+    """Gauges of a prefill/decode engine (`pdserve.engine.loop.EngineLoop`): KV pool pages used/free, queue depth
+    (requests waiting to be scheduled), running requests. Read without locks: possibly one step stale."""
+    def pages() -> dict[tuple[str, ...], float]:
+        used, total = loop.page_usage()
+        return {("used",): used, ("free",): total - used}
+    metrics.gauge("kv_pages", "KV pool pages by state", pages, ["state"])
+    metrics.gauge("queue_depth", "Requests waiting in the engine queue", lambda: len(loop.engine.scheduler.waiting))
+    metrics.gauge("running_requests", "Requests in the running (decode) batch",
+                  lambda: len(loop.engine.scheduler.running))
+
+
+def watch_pools(metrics: ServiceMetrics, *pools) -> None:
+    """Router gauge: outstanding PCS per instance of each pool (objects with `.role` and `.snapshot()` of
+    instances with `.address` and `.outstanding_pcs`)."""
+    def outstanding() -> dict[tuple[str, ...], float]:
+        return {(p.role, i.address): i.outstanding_pcs for p in pools for i in p.snapshot()}
+    metrics.gauge("outstanding_pcs", "Outstanding prompt complexity score per instance", outstanding,
+                  ["role", "instance"])

@@ -1,0 +1,78 @@
+"""pdserve.metrics: /metrics over HTTP on a free port, parsed with prometheus_client's parsers (text format and
+OpenMetrics with exemplars); callback gauges read at scrape time; each service owns its registry."""
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.metrics import ServiceMetrics
+
+TID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def get(port: int, accept: str | None = None) -> str:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if accept:
+        req.add_header("Accept", accept)
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read().decode()
+
+
+@pytest.fixture
+def metrics():
+    m = ServiceMetrics("decode")
+    yield m
+    m.stop()
+
+
+def test_scrape_and_parse(metrics):
+    pages = {"used": 3}
+    metrics.gauge("kv_pages", "pages", lambda: {("used",): pages["used"], ("free",): 10 - pages["used"]}, ["state"])
+    metrics.gauge("queue_depth", "queue", lambda: 2)
+    metrics.observe("OK", 0.5, ttft_s=0.05, tpot_s=0.01, trace_id=TID)
+    metrics.observe("CANCELLED", 0.2)
+    port = metrics.serve("127.0.0.1", 0)
+    assert port and port > 0
+    pages["used"] = 4  # read at scrape time
+    fams = {f.name: f for f in text_string_to_metric_families(get(port))}
+    val = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    assert val[("pdserve_requests_total", (("status", "OK"),))] == 1
+    assert val[("pdserve_requests_total", (("status", "CANCELLED"),))] == 1
+    assert val[("pdserve_request_e2e_seconds_count", ())] == 2 and val[("pdserve_request_e2e_seconds_sum", ())] == 0.7
+    assert val[("pdserve_request_ttft_seconds_count", ())] == 1
+    assert val[("pdserve_request_ttft_seconds_bucket", (("le", "0.05"),))] == 1
+    assert val[("pdserve_request_ttft_seconds_bucket", (("le", "0.025"),))] == 0
+    assert val[("pdserve_request_tpot_seconds_count", ())] == 1
+    assert val[("pdserve_kv_pages", (("state", "used"),))] == 4 and val[("pdserve_kv_pages", (("state", "free"),))] == 6
+    assert val[("pdserve_queue_depth", ())] == 2
+    assert fams["pdserve_kv_pages"].type == "gauge" and fams["pdserve_request_ttft_seconds"].type == "histogram"
+
+
+def test_openmetrics_exemplars(metrics):
+    metrics.observe("OK", 0.5, ttft_s=0.05, tpot_s=0.01, trace_id=TID)
+    port = metrics.serve("127.0.0.1", 0)
+    text = get(port, "application/openmetrics-text; version=1.0.0")
+    fams = {f.name: f for f in parse_openmetrics(text)}
+    for name in ("pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds", "pdserve_request_e2e_seconds",
+                 "pdserve_requests"):
+        ex = [s.exemplar for s in fams[name].samples if s.exemplar is not None]
+        assert [e.labels for e in ex] == [{"trace_id": TID}], name
+
+
+def test_broken_gauge_does_not_break_scrape(metrics):
+    metrics.gauge("broken", "raises", lambda: 1 / 0)
+    port = metrics.serve("127.0.0.1", 0)
+    names = {f.name for f in text_string_to_metric_families(get(port))}
+    assert "pdserve_requests_in_flight" in names
+
+
+def test_off_and_separate_registries():
+    m = ServiceMetrics("router")
+    assert m.serve("127.0.0.1", -1) is None
+    other = ServiceMetrics("router")  # a second instance in one process: no duplicate-registration error
+    m.observe("OK", 1.0)
+    assert other.registry.get_sample_value("pdserve_requests_total", {"status": "OK"}) is None
+    assert m.registry.get_sample_value("pdserve_requests_total", {"status": "OK"}) == 1
