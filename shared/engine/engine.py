@@ -132,14 +132,43 @@ class LLMEngine:
                         max_model_len=self.max_model_len, **kw)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    prefill_only: bool = False, forced_token_ids: list[int] | None = None) -> None:
+                    prefill_only: bool = False, forced_token_ids: list[int] | None = None,
+                    cached_pages: list[PagePayload] | None = None) -> None:
         """Queue a request. Raises ValueError (bad input, duplicate id) or OutOfPages (prompt larger than the
         whole pool). `forced_token_ids`: teacher forcing, the i-th sampled token is replaced by the i-th forced
-        one (the logits are still those the model produced)."""
+        one (the logits are still those the model produced).
+        `cached_pages`: KV of the prompt's first N full pages (page_index 0..N-1, all layers, dense or int8) from
+        a prompt cache; they are written into the pool when the request is first scheduled and only tokens
+        N*page_size.. are computed. At least the last prompt token must be left to compute (it samples the first
+        token). Cached pages never appear in `ready_pages` (the caller already has them)."""
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
                                  forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None)
+        if cached_pages:
+            self._check_cached_pages(seq.num_prompt_tokens, cached_pages)
+            seq.cached_pages = list(cached_pages)
+            seq.num_computed_tokens = len(cached_pages) * self.page_size
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_cached_pages(self, num_prompt_tokens: int, pages: list[PagePayload]) -> None:
+        if len(pages) * self.page_size >= num_prompt_tokens:
+            raise ValueError(f"{len(pages)} cached pages cover all {num_prompt_tokens} prompt tokens; at least the "
+                             "last token must be computed")
+        for i, p in enumerate(pages):
+            if p.page_index != i or p.num_tokens != self.page_size or p.layer_start != 0 \
+                    or p.layer_count != self.model_config.num_layers:
+                raise ValueError(f"cached page {i}: got page_index {p.page_index}, {p.num_tokens} tokens, layers "
+                                 f"[{p.layer_start}, {p.layer_start + p.layer_count}); want full pages 0..N-1 of "
+                                 f"all {self.model_config.num_layers} layers")
+            self.kv_cache.check_payload(p)
+
+    def _load_cached_pages(self, seq: Sequence) -> None:
+        """Write a request's cached prefix into its (just allocated) pages, on its first scheduled step."""
+        pages, seq.cached_pages = seq.cached_pages, None
+        if seq.num_computed_tokens < len(pages) * self.page_size:  # preempted before it ran: recomputed instead
+            return
+        for p in pages:
+            self.kv_cache.import_page(seq.page_table[p.page_index], p)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request in any state and free its pages. If it had not finished, the next `step()` returns a
@@ -282,6 +311,9 @@ class LLMEngine:
                           seq.num_completion_tokens, ready or [], logits, seq.stop_reason)
 
     def _run(self, batch: ScheduledBatch, return_logits: bool) -> list[StepOutput]:
+        for seq in batch.seqs:
+            if seq.cached_pages is not None:
+                self._load_cached_pages(seq)
         ids: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))

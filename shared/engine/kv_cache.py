@@ -95,6 +95,10 @@ class KVCache:
         if not 0 < num_tokens <= self.page_size:
             raise ValueError(f"num_tokens {num_tokens} not in 1..{self.page_size}")
 
+    def check_payload(self, p: PagePayload) -> None:
+        """Raise ValueError unless `p` (dense or int8, any group size) can be imported into this pool."""
+        self._check_payload(0, p)
+
     def _check_payload(self, page: int, p: PagePayload) -> None:
         self._check_page(page, p.num_tokens)
         d = p.data

@@ -56,10 +56,11 @@ class EngineLoop:
     # ---- requests (block until the engine thread has applied them; errors propagate) ----------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     callback: OutputCallback, prefill_only: bool = False,
-                    forced_token_ids: list[int] | None = None) -> None:
+                    forced_token_ids: list[int] | None = None,
+                    cached_pages: list[PagePayload] | None = None) -> None:
         def fn(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
-                               forced_token_ids=forced_token_ids)
+                               forced_token_ids=forced_token_ids, cached_pages=cached_pages)
             self._callbacks[request_id] = callback
         self.call(fn)
 

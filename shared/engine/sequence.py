@@ -61,6 +61,7 @@ class Sequence:
     num_emitted_chars: int = 0
     max_model_len: int = 0
     imported_layers: torch.Tensor | None = None  # IMPORTING: bool [num_pages, num_layers] filled so far
+    cached_pages: list | None = None   # PagePayloads of a cached prefix, written into the pool on first schedule
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,40 @@
+"""Prompt-cache options, mixed into the config dataclass of each service that uses the cache (prefill)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.service_config import opt
+
+MiB = 1 << 20
+
+
+@dataclass
+class CacheOptions:
+    prompt_cache: bool = opt(True, "prefix KV page cache: Redis when a Redis URL is set, else in-process")
+    redis_url: str = opt("", "prompt cache Redis: redis://[:password@]host:port/db, rediss:// (TLS), unix://; "
+                             "empty: $REDIS_URL, and without it an in-process cache")
+    redis_cluster: bool = opt(False, "the Redis URL names a Redis Cluster node (redis-py cluster client)")
+    cache_ttl_s: float = opt(1800.0, "lifetime of a cached page, refreshed on every hit")
+    cache_timeout_ms: float = opt(250.0, "Redis socket timeout; a slower answer counts as an error (a miss)")
+    cache_breaker_failures: int = opt(3, "consecutive Redis errors that open the circuit breaker")
+    cache_breaker_cooldown_s: float = opt(5.0, "how long an open breaker skips Redis before one probe")
+    cache_local_mb: float = opt(256.0, "in-memory LRU tier in front of Redis, MiB (0 = off)")
+    cache_memory_mb: float = opt(1024.0, "size of the in-process cache used without Redis, MiB")
+    cache_max_value_mb: float = opt(32.0, "pages whose value is larger than this are not cached, MiB")
+    cache_write_queue: int = opt(1024, "pages waiting for asynchronous write-back; beyond it they are dropped")
+    cache_lookup_batch: int = opt(32, "pages fetched per pipelined Redis round trip")
+    cache_key_prefix: str = opt("pdserve:kv:", "prefix of every Redis key the cache writes")
+
+    def validate_cache(self) -> None:
+        if self.cache_ttl_s <= 0:
+            raise SystemExit(f"--cache-ttl-s must be > 0, got {self.cache_ttl_s}")
+        if self.cache_timeout_ms <= 0:
+            raise SystemExit(f"--cache-timeout-ms must be > 0, got {self.cache_timeout_ms}")
+        if self.cache_breaker_failures < 1 or self.cache_breaker_cooldown_s < 0:
+            raise SystemExit("--cache-breaker-failures must be >= 1 and --cache-breaker-cooldown-s >= 0")
+        if min(self.cache_local_mb, self.cache_max_value_mb) < 0 or self.cache_memory_mb <= 0:
+            raise SystemExit("cache sizes must be >= 0 (--cache-memory-mb > 0)")
+        if self.cache_write_queue < 1 or self.cache_lookup_batch < 1:
+            raise SystemExit("--cache-write-queue and --cache-lookup-batch must be >= 1")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SystemExit(f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")

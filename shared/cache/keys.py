@@ -1,0 +1,57 @@
+"""Content-addressed page keys: a chained sha256 over full pages of token ids, inside a namespace.
+
+    root  = sha256("pdserve-prompt-cache" | cache format | KV format | fingerprint | layout fields)
+    h_0   = root
+    h_k   = sha256(h_{k-1} || token ids of page k as little-endian int32)      (k = 1 .. full pages)
+
+h_k identifies the KV of page k: causal attention makes it a function of tokens 0 .. k*page_size only, and the
+namespace pins everything else (model weights, KV dtype, group size, symmetry, page size, formats). Only full
+pages get keys: a partial page is never shared. Deterministic across processes and hosts (never Python's
+salted `hash()`).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from functools import cached_property
+
+from pdserve.kv.codec import FORMAT_VERSION as KV_FORMAT_VERSION
+from pdserve.kv.codec import KVLayoutSpec
+
+CACHE_FORMAT_VERSION = 1  # bump with any change to keys.py or page_format.py
+
+
+@dataclass(frozen=True)
+class CacheNamespace:
+    """What a cached page must match besides its tokens: the model and the KV layout it is stored in."""
+    fingerprint: str
+    layout: KVLayoutSpec
+
+    @cached_property
+    def root(self) -> bytes:
+        lay = self.layout
+        fields = (b"pdserve-prompt-cache", str(CACHE_FORMAT_VERSION).encode(), str(KV_FORMAT_VERSION).encode(),
+                  self.fingerprint.encode(), lay.dtype.encode(), str(lay.page_size).encode(),
+                  str(lay.num_layers).encode(), str(lay.num_kv_heads).encode(), str(lay.head_dim).encode(),
+                  str(lay.group_size).encode(), b"asym" if lay.asymmetric else b"sym")
+        h = hashlib.sha256()
+        for f in fields:  # length-prefixed: no two field lists serialize alike
+            h.update(struct.pack("<I", len(f)) + f)
+        return h.digest()
+
+    @property
+    def tag(self) -> str:
+        """Short hex id of the namespace (readable part of the Redis key, e.g. to SCAN one model's pages)."""
+        return self.root[:6].hex()
+
+    def page_keys(self, token_ids: list[int], max_pages: int | None = None) -> list[bytes]:
+        """Chain digests h_1 .. h_n (32 bytes each) of the full pages of `token_ids` (at most `max_pages`)."""
+        ps = self.layout.page_size
+        n = len(token_ids) // ps if max_pages is None else min(len(token_ids) // ps, max_pages)
+        out, h = [], self.root
+        for k in range(n):
+            page = token_ids[k * ps:(k + 1) * ps]
+            h = hashlib.sha256(h + struct.pack(f"<{ps}i", *page)).digest()
+            out.append(h)
+        return out

@@ -1,0 +1,235 @@
+"""PromptCache: KV pages of prompt prefixes, looked up by chained page keys, shared through a store.
+
+    lookup(ns, prompt, max_pages)   longest cached prefix of full pages: local tier first, then the store in
+                                    pipelined batches, stopping at the first miss (or corrupt value)
+    put(ns, key, payload)           a newly computed full page: into the local tier now, into the store by the
+                                    write-back thread (never blocks; dropped and counted when the queue is full)
+
+Failure policy: a store error or timeout makes the rest of that lookup a miss and feeds the circuit breaker;
+while the breaker is open the store is not called at all (lookups are local-tier only, writes are dropped), and
+after its cooldown one probe decides whether the store is back. A value that fails parsing or its checksum is a
+miss, counted in `corrupt`; the page is recomputed and written again, which replaces the bad value.
+
+Counters for metrics: `hits`, `misses`, `local_hits`, `corrupt`, `errors`, `write_drops` (pages), `hit_ratio()`,
+`local_hit_ratio()`, and `stats.snapshot()` for all of them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+from pdserve.cache.breaker import CircuitBreaker
+from pdserve.cache.config import MiB, CacheOptions
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.local_tier import LocalTier
+from pdserve.cache.page_format import CacheValueError, decode_value, encode_value
+from pdserve.cache.stats import CacheStats
+from pdserve.cache.store import MemoryStore, PageStore, StoreError
+from pdserve.cache.writer import WriteBack
+from pdserve.kv.payload import PagePayload
+
+log = logging.getLogger("pdserve.cache")
+
+
+@dataclass
+class CacheLookup:
+    keys: list[bytes]          # chain digests of every full page of the prompt (what put() needs)
+    pages: list[PagePayload]   # cached prefix: pages 0 .. len(pages) - 1, full, all layers
+    local_hits: int = 0        # of `pages`, served by the local tier
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+@dataclass
+class _Write:
+    ns: CacheNamespace
+    key: bytes
+    payload: PagePayload
+
+
+@dataclass
+class _Touch:
+    store_keys: list[bytes]
+
+
+class PromptCache:
+    def __init__(self, store: PageStore, *, ttl_s: float = 1800.0, local_bytes: int = 0,
+                 max_value_bytes: int = 32 * MiB, write_queue: int = 1024, lookup_batch: int = 32,
+                 breaker: CircuitBreaker | None = None, key_prefix: str = "pdserve:kv:"):
+        self.store = store
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.local = LocalTier(local_bytes) if local_bytes > 0 else None
+        self.max_value_bytes = max_value_bytes
+        self.lookup_batch = lookup_batch
+        self.breaker = breaker or CircuitBreaker()
+        self.key_prefix = key_prefix
+        self.stats = CacheStats()
+        self._writer: WriteBack[_Write | _Touch] = WriteBack(self._write_batch, write_queue)
+
+    # ---- counters (for metrics) ------------------------------------------------------------------------
+    hits = property(lambda self: self.stats.hits)
+    misses = property(lambda self: self.stats.misses)
+    local_hits = property(lambda self: self.stats.local_hits)
+    corrupt = property(lambda self: self.stats.corrupt)
+    errors = property(lambda self: self.stats.errors)
+    write_drops = property(lambda self: self.stats.write_drops)
+
+    def hit_ratio(self) -> float:
+        return self.stats.hit_ratio()
+
+    def local_hit_ratio(self) -> float:
+        return self.stats.local_hit_ratio()
+
+    # ---- keys --------------------------------------------------------------------------------------------
+    def store_key(self, ns: CacheNamespace, digest: bytes) -> bytes:
+        """The store's key of a page: prefix + namespace tag + chain digest (hex)."""
+        return f"{self.key_prefix}{ns.tag}:{digest.hex()}".encode()
+
+    # ---- lookup ------------------------------------------------------------------------------------------
+    def lookup(self, ns: CacheNamespace, token_ids: list[int], max_pages: int) -> CacheLookup:
+        """Longest cached prefix of at most `max_pages` full pages of `token_ids`. Never raises for store
+        trouble (that is a miss); returns within about one store timeout per batch."""
+        keys = ns.page_keys(token_ids)
+        want = keys[:max(0, max_pages)]
+        pages: list[PagePayload] = []
+        while self.local is not None and len(pages) < len(want):
+            p = self.local.get(want[len(pages)])
+            if p is None:
+                break
+            pages.append(p)
+        n_local = len(pages)
+        corrupt = errors = skipped = 0
+        while len(pages) < len(want):
+            if not self.breaker.allow():
+                skipped += 1
+                break
+            batch = want[len(pages):len(pages) + self.lookup_batch]
+            try:
+                values = self.store.get_many([self.store_key(ns, k) for k in batch], self.ttl_ms)
+            except StoreError as e:
+                self.breaker.failure()
+                errors += 1
+                log.warning("prompt cache lookup failed (treated as a miss): %s", e)
+                break
+            self.breaker.success()
+            stop = False
+            for k, v in zip(batch, values):
+                if v is None:
+                    stop = True
+                    break
+                try:
+                    p = decode_value(v, ns.layout, k, len(pages))
+                except CacheValueError as e:
+                    corrupt += 1
+                    log.warning("prompt cache: corrupt value for page %d (treated as a miss): %s", len(pages), e)
+                    stop = True
+                    break
+                pages.append(p)
+                if self.local is not None:
+                    self.local.put(k, p)
+            if stop:
+                break
+        if n_local and self.store.remote:  # keep the shared copy alive while this instance serves it locally
+            self._writer.submit(_Touch([self.store_key(ns, k) for k in want[:n_local]]))
+        self.stats.add(lookups=1, lookup_pages=len(want), hits=len(pages), local_hits=n_local, corrupt=corrupt,
+                       errors=errors, skipped=skipped)
+        return CacheLookup(keys, pages, n_local)
+
+    # ---- write-back --------------------------------------------------------------------------------------
+    def put(self, ns: CacheNamespace, key: bytes, payload: PagePayload) -> bool:
+        """Cache a newly computed full page (asynchronously). Never blocks; False if it was dropped."""
+        if payload.num_tokens != ns.layout.page_size:
+            return False
+        if self.local is not None:
+            self.local.put(key, payload)
+        if self._writer.submit(_Write(ns, key, payload)):
+            return True
+        self.stats.add(write_drops=1)
+        return False
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued writes reached the store (tests, benchmarks); False on timeout."""
+        return self._writer.flush(timeout)
+
+    def _write_batch(self, batch: list[_Write | _Touch]) -> None:
+        items: list[tuple[bytes, bytes]] = []
+        touch: list[bytes] = []
+        too_large = bad = 0
+        for it in batch:
+            if isinstance(it, _Touch):
+                touch += it.store_keys
+                continue
+            try:
+                value = encode_value(it.payload, it.ns.layout, it.key)
+            except CacheValueError as e:
+                bad += 1
+                log.error("prompt cache: page not cacheable: %s", e)
+                continue
+            if len(value) > self.max_value_bytes:
+                too_large += 1
+                continue
+            items.append((self.store_key(it.ns, it.key), value))
+        self.stats.add(too_large=too_large, errors=bad)
+        if not items and not touch:
+            return
+        if not self.breaker.allow():
+            self.stats.add(write_drops=len(items), skipped=1)
+            return
+        try:
+            self.store.set_many(items, self.ttl_ms)
+            self.store.touch_many(touch, self.ttl_ms)
+        except StoreError as e:
+            self.breaker.failure()
+            self.stats.add(errors=1, write_drops=len(items))
+            log.warning("prompt cache write-back failed (%d pages dropped): %s", len(items), e)
+            return
+        self.breaker.success()
+        self.stats.add(writes=len(items), write_bytes=sum(len(v) for _, v in items))
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._writer.close(timeout)
+        self.store.close()
+
+
+def redact(url: str) -> str:
+    """A Redis URL without its password, for logs."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+def build_prompt_cache(opts: CacheOptions, environ: dict[str, str] | None = None) -> PromptCache | None:
+    """The cache a service's options ask for: Redis (`--redis-url`, else $REDIS_URL) with a local LRU tier in
+    front, or the in-process store; None when `--prompt-cache false`."""
+    if not opts.prompt_cache:
+        log.info("prompt cache: off")
+        return None
+    environ = os.environ if environ is None else environ
+    url = opts.redis_url or environ.get("REDIS_URL", "")
+    breaker = CircuitBreaker(opts.cache_breaker_failures, opts.cache_breaker_cooldown_s)
+    common = dict(ttl_s=opts.cache_ttl_s, max_value_bytes=int(opts.cache_max_value_mb * MiB),
+                  write_queue=opts.cache_write_queue, lookup_batch=opts.cache_lookup_batch, breaker=breaker,
+                  key_prefix=opts.cache_key_prefix)
+    if not url:
+        log.info("prompt cache: in-process, %.0f MiB (set REDIS_URL to share it across instances)",
+                 opts.cache_memory_mb)
+        return PromptCache(MemoryStore(int(opts.cache_memory_mb * MiB)), **common)
+    from pdserve.cache.redis_store import RedisStore
+
+    try:
+        store = RedisStore(url, cluster=opts.redis_cluster, timeout_s=opts.cache_timeout_ms / 1e3,
+                           connect_timeout_s=opts.cache_timeout_ms / 1e3)
+    except ValueError as e:
+        raise SystemExit(f"prompt cache: {e}") from None
+    policy = store.eviction_policy()
+    if policy is None:
+        log.warning("prompt cache: Redis %s not reachable now; serving continues as misses until it is",
+                    redact(url))
+    elif not policy.startswith("allkeys-"):
+        log.warning("prompt cache: Redis maxmemory-policy is %s; use allkeys-lru so that pages are evicted "
+                    "instead of writes failing when memory is full", policy)
+    log.info("prompt cache: Redis%s %s, ttl %.0fs, local tier %.0f MiB", " Cluster" if opts.redis_cluster else "",
+             redact(url), opts.cache_ttl_s, opts.cache_local_mb)
+    return PromptCache(store, local_bytes=int(opts.cache_local_mb * MiB), **common)

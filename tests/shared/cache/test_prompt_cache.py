@@ -1,0 +1,251 @@
+"""PromptCache against real Redis: prefix hits, TTL, eviction, corruption, outages, local tier, write-back."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import INT8, PAGE, make_page, namespace
+from pdserve.cache.breaker import CircuitBreaker
+from pdserve.cache.config import CacheOptions
+from pdserve.cache.page_format import encode_value
+from pdserve.cache.prompt_cache import PromptCache, build_prompt_cache
+from pdserve.cache.redis_store import RedisStore
+from pdserve.cache.store import MemoryStore
+
+NS = namespace()
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_cache(url: str, **kw) -> PromptCache:
+    kw.setdefault("breaker", CircuitBreaker(failures=2, cooldown_s=0.3))
+    return PromptCache(RedisStore(url, timeout_s=kw.pop("timeout_s", 1.0)), **kw)
+
+
+def fill(cache: PromptCache, prompt: list[int], ns=NS, seed: int = 0) -> list:
+    """Write every full page of `prompt` (what a prefill does after computing them); returns the pages."""
+    keys = ns.page_keys(prompt)
+    pages = [make_page(ns.layout, i, seed) for i in range(len(keys))]
+    for k, p in zip(keys, pages):
+        assert cache.put(ns, k, p)
+    assert cache.flush(10)
+    return pages
+
+
+@pytest.fixture
+def cache(redis):
+    c = make_cache(redis.url)
+    yield c
+    c.close()
+
+
+def test_partial_prefix_hits_at_page_boundaries(cache):
+    base = tokens(4 * PAGE, seed=1)
+    pages = fill(cache, base)
+    assert cache.stats.writes == 4
+    for n, max_pages, want in [(4 * PAGE, 4, 4), (4 * PAGE, 3, 3), (4 * PAGE + 1, 4, 4), (4 * PAGE + 9, 9, 4),
+                               (3 * PAGE + 2, 9, 3), (PAGE - 1, 9, 0), (4 * PAGE, 0, 0)]:
+        prompt = (base + tokens(20, seed=2))[:n]
+        hit = cache.lookup(NS, prompt, max_pages)
+        assert hit.num_pages == want, (n, max_pages)
+        assert len(hit.keys) == n // PAGE
+        for got, ref in zip(hit.pages, pages):
+            assert torch.equal(got.data, ref.data) and torch.equal(got.scales, ref.scales)
+    diverged = base[:2 * PAGE + 1] + [(base[2 * PAGE + 1] + 1) % 500] + base[2 * PAGE + 2:]
+    assert cache.lookup(NS, diverged, 4).num_pages == 2  # a different token in page 2 ends the prefix there
+    other = namespace(dataclasses.replace(INT8, group_size=8))
+    assert cache.lookup(other, base, 4).num_pages == 0  # another KV format never sees these pages
+    s = cache.stats.snapshot()
+    assert s["corrupt"] == 0 and s["errors"] == 0 and s["hits"] + s["misses"] == s["lookup_pages"]
+
+
+def test_ttl_expiry_and_refresh_on_hit(redis):
+    cache = make_cache(redis.url, ttl_s=0.6)
+    hot, cold = tokens(2 * PAGE, seed=3), tokens(2 * PAGE, seed=4)
+    fill(cache, hot)
+    fill(cache, cold)
+    for _ in range(3):  # 0.9 s in all: each hit resets the TTL of the pages it returned
+        time.sleep(0.3)
+        assert cache.lookup(NS, hot, 2).num_pages == 2
+    assert cache.lookup(NS, cold, 2).num_pages == 0  # expired
+    time.sleep(0.7)
+    assert cache.lookup(NS, hot, 2).num_pages == 0
+    assert redis.client().dbsize() == 0
+    cache.close()
+
+
+def test_eviction_under_allkeys_lru(start_redis):
+    """Pages of 16 KiB into a 2 MiB Redis: old prompts get evicted, lookups stay consistent prefixes."""
+    srv = start_redis("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
+    layout = dataclasses.replace(INT8, page_size=16, num_layers=4, head_dim=64, group_size=64)
+    ns = namespace(layout)
+    cache = make_cache(srv.url, write_queue=4096)
+    prompts = [tokens(8 * 16, seed=100 + i) for i in range(40)]  # 320 pages, ~5.5 MiB of values
+    for i, p in enumerate(prompts):
+        fill(cache, p, ns, seed=i)
+    assert cache.stats.write_drops == 0 and cache.stats.errors == 0
+    assert srv.client().info("stats")["evicted_keys"] > 0
+    hits = []
+    for i, p in enumerate(prompts):
+        hit = cache.lookup(ns, p, 8)
+        hits.append(hit.num_pages)
+        for j, got in enumerate(hit.pages):  # whatever survives is exactly what was written
+            assert torch.equal(got.data, make_page(layout, j, seed=i).data)
+    assert sum(hits) < 8 * len(prompts)  # pages were lost ...
+    assert sum(hits[-10:]) > sum(hits[:10])  # ... mostly old ones (Redis' LRU is approximate)
+    assert cache.stats.corrupt == 0 and cache.stats.errors == 0
+    cache.close()
+
+
+def test_corrupt_values_are_counted_misses_and_get_replaced(redis):
+    cache = make_cache(redis.url)
+    prompt = tokens(4 * PAGE, seed=5)
+    pages = fill(cache, prompt)
+    keys = NS.page_keys(prompt)
+    r = redis.client()
+    victim = cache.store_key(NS, keys[2])
+    good = r.get(victim)
+    damaged = [good[:-1] + bytes([good[-1] ^ 1]), good[:len(good) // 2], b"", b"garbage",
+               bytes(good[:200]) + bytes(len(good) - 200),  # zeroed tail
+               encode_value(pages[3], INT8, keys[3])]       # a valid value of another page
+    for n, bad in enumerate(damaged, 1):
+        r.set(victim, bad)
+        assert cache.lookup(NS, prompt, 4).num_pages == 2
+        assert cache.corrupt == n
+    fill(cache, prompt)  # the page is recomputed and written again
+    assert cache.lookup(NS, prompt, 4).num_pages == 4
+
+
+def test_redis_killed_and_restarted_under_load(start_redis):
+    srv = start_redis()
+    cache = make_cache(srv.url, timeout_s=0.2, breaker=CircuitBreaker(failures=2, cooldown_s=0.3))
+    prompts = [tokens(6 * PAGE, seed=200 + i) for i in range(4)]
+    for p in prompts:
+        fill(cache, p)
+    stop = threading.Event()
+    slowest, failures, results = [0.0], [], []
+
+    def worker(i: int) -> None:
+        j = 0
+        while not stop.is_set():
+            p = prompts[(i + j) % len(prompts)]
+            t0 = time.monotonic()
+            try:
+                hit = cache.lookup(NS, p, 6)
+                for k, pg in zip(hit.keys[hit.num_pages:], range(hit.num_pages, 6)):  # "recompute" the rest
+                    cache.put(NS, k, make_page(INT8, pg))
+                results.append(hit.num_pages)
+            except Exception as e:  # noqa: BLE001 - the cache must never raise
+                failures.append(e)
+            slowest[0] = max(slowest[0], time.monotonic() - t0)
+            j += 1
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    srv.kill()
+    time.sleep(1.0)
+    assert cache.breaker.times_opened > 0
+    down_errors = cache.errors
+    srv.restart()
+    n_restart = len(results)
+    deadline = time.monotonic() + 10  # recovers by itself: pages are written again, then lookups hit
+    while time.monotonic() < deadline and 6 not in results[n_restart:]:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not failures
+    assert down_errors > 0 and cache.stats.skipped > 0  # errors, then the breaker kept Redis out of the way
+    assert 6 in results[n_restart:]  # full hits again, under load
+    assert slowest[0] < 1.5  # every lookup answered within a few store timeouts
+    assert cache.flush(10)
+    for p in prompts:
+        fill(cache, p)
+        assert cache.lookup(NS, p, 6).num_pages == 6
+    cache.close()
+
+
+def test_slow_redis_times_out_as_miss(redis):
+    cache = make_cache(redis.url, timeout_s=0.15)
+    prompt = tokens(3 * PAGE, seed=6)
+    fill(cache, prompt)
+    redis.client().execute_command("CLIENT", "PAUSE", 600, "ALL")
+    t0 = time.monotonic()
+    assert cache.lookup(NS, prompt, 3).num_pages == 0
+    assert time.monotonic() - t0 < 0.5 and cache.errors == 1
+    time.sleep(0.6)
+    assert cache.lookup(NS, prompt, 3).num_pages == 3
+    cache.close()
+
+
+def test_local_tier_in_front_of_redis(redis):
+    """Two instances share pages through Redis; each one's local tier then serves its repeats."""
+    a = make_cache(redis.url, local_bytes=1 << 20)
+    b = make_cache(redis.url, local_bytes=1 << 20, ttl_s=5.0)
+    prompt = tokens(5 * PAGE, seed=7)
+    fill(a, prompt)
+    hit = b.lookup(NS, prompt, 5)
+    assert (hit.num_pages, hit.local_hits) == (5, 0)
+    hit = b.lookup(NS, prompt, 5)
+    assert (hit.num_pages, hit.local_hits) == (5, 5)
+    assert b.local_hit_ratio() == pytest.approx(0.5) and b.hit_ratio() == 1.0
+    r = redis.client()
+    key = b.store_key(NS, hit.keys[0])
+    r.pexpire(key, 1000)
+    b.lookup(NS, prompt, 5)  # local hits refresh the shared copy's TTL (asynchronously)
+    assert b.flush(5) and r.pttl(key) > 2000
+    a_hit = a.lookup(NS, prompt + tokens(PAGE, 8), 6)  # the writer's own tier has them too
+    assert (a_hit.num_pages, a_hit.local_hits) == (5, 5)
+    r.flushall()
+    assert b.lookup(NS, prompt, 5).num_pages == 5  # the local tier outlives Redis' copy
+    a.close()
+    b.close()
+
+
+def test_full_write_queue_drops_and_counts(redis):
+    cache = make_cache(redis.url, write_queue=2, timeout_s=3.0)
+    prompt = tokens(20 * PAGE, seed=9)
+    keys = NS.page_keys(prompt)
+    redis.client().execute_command("CLIENT", "PAUSE", 500, "WRITE")  # the writer's SETs block for 0.5 s
+    t0 = time.monotonic()
+    accepted = [cache.put(NS, k, make_page(INT8, i)) for i, k in enumerate(keys)]
+    assert time.monotonic() - t0 < 0.2  # put() never waits for Redis
+    assert cache.flush(10)
+    assert cache.write_drops == accepted.count(False) >= 16
+    assert cache.stats.writes == accepted.count(True)
+
+
+def test_oversized_and_partial_pages_not_written(redis):
+    cache = make_cache(redis.url, max_value_bytes=100)
+    prompt = tokens(2 * PAGE, seed=10)
+    fill(cache, prompt)
+    assert cache.stats.too_large == 2 and redis.client().dbsize() == 0
+    partial = dataclasses.replace(make_page(INT8, 0), num_tokens=PAGE - 1)
+    assert not cache.put(NS, NS.page_keys(prompt)[0], partial)
+
+
+def test_build_prompt_cache_from_options(redis):
+    embedded = build_prompt_cache(CacheOptions(), environ={})
+    assert isinstance(embedded.store, MemoryStore) and embedded.local is None
+    prompt = tokens(3 * PAGE, seed=11)
+    fill(embedded, prompt)
+    assert embedded.lookup(NS, prompt, 3).num_pages == 3
+    embedded.close()
+    from_env = build_prompt_cache(CacheOptions(cache_local_mb=1), environ={"REDIS_URL": redis.url})
+    assert isinstance(from_env.store, RedisStore) and from_env.store.url == redis.url and from_env.local is not None
+    from_env.close()
+    flag = build_prompt_cache(CacheOptions(redis_url=redis.url), environ={"REDIS_URL": "redis://nowhere:1"})
+    assert flag.store.url == redis.url
+    flag.close()
+    assert build_prompt_cache(CacheOptions(prompt_cache=False)) is None
+    with pytest.raises(SystemExit):
+        CacheOptions(redis_url="http://x").validate_cache()
