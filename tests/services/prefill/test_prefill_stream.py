@@ -62,7 +62,7 @@ def wait_all_free(stub, timeout=10.0) -> bool:
 
 def test_pages_stream_while_prefill_runs_and_ack_frees(prefill):
     stub, fp = prefill
-    n = 1500  # 188 chunks of 8 tokens
+    n = 1000  # 125 chunks of 8 tokens (context is 1024)
     acks: queue.Queue = queue.Queue()
 
     def client():
@@ -94,7 +94,7 @@ def test_pages_stream_while_prefill_runs_and_ack_frees(prefill):
 
 def test_abandoned_stream_frees_pages(prefill):
     stub, fp = prefill
-    call = stub.Prefill(iter([request(fp, 1500, rid="gone")]), timeout=120)
+    call = stub.Prefill(iter([request(fp, 1000, rid="gone")]), timeout=120)
     next(call)  # first page arrived; never ack, then hang up mid-prefill
     call.cancel()
     assert wait_all_free(stub)
