@@ -8,7 +8,7 @@ import struct
 import subprocess
 import sys
 
-from conftest import INT8, PAGE, namespace
+from cache_testutil import INT8, PAGE, namespace
 
 
 def test_chain_definition():

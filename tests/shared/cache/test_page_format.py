@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import DENSE, INT8, make_page
+from cache_testutil import DENSE, INT8, make_page
 from pdserve.cache.page_format import HEADER_BYTES, CacheValueError, decode_value, encode_value, value_bytes
 
 CHAIN = bytes(range(32))

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import INT8, PAGE, make_page, namespace
+from cache_testutil import INT8, PAGE, make_page, namespace
 from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import CacheOptions
 from pdserve.cache.page_format import encode_value
