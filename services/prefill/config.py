@@ -3,12 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.cache.config import CacheOptions
 from pdserve.service_config import EngineOptions, opt
 
 
 @dataclass
-class PrefillConfig(EngineOptions):
+class PrefillConfig(CacheOptions, EngineOptions):
     ack_timeout_s: float = opt(30.0, "how long to wait for decode to acknowledge shipped pages")
+
+    def validate(self) -> None:
+        super().validate()
+        self.validate_cache()
 
 
 ENV_PREFIX = "PDSERVE_PREFILL_"

@@ -1,6 +1,7 @@
 """`pdserve serve prefill`: one prefill instance."""
 from __future__ import annotations
 
+from pdserve.cache.prompt_cache import build_prompt_cache
 from pdserve.metrics import watch_engine
 from pdserve.prefill.config import PrefillConfig
 from pdserve.service_runner import build_engine, run_service
@@ -13,10 +14,16 @@ def serve(cfg: PrefillConfig) -> None:
     from pdserve.prefill.servicer import PrefillServicer
 
     loop = build_engine(cfg, pool_kv_dtype="auto")  # prefill keeps full precision; quantizes when shipping
+    cache = build_prompt_cache(cfg)  # Redis (--redis-url / $REDIS_URL), in-process, or None (--prompt-cache false)
 
     def register(server, telemetry):
         watch_engine(telemetry.metrics, loop)
-        internal_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(cfg, loop, telemetry), server)
-        return loop.stop
+        internal_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(cfg, loop, telemetry, cache), server)
+
+        def cleanup() -> None:
+            loop.stop()
+            if cache is not None:
+                cache.close()
+        return cleanup
 
     run_service("prefill", cfg, [SERVICE], register)

@@ -8,6 +8,8 @@ import time
 
 import grpc
 
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.prompt_cache import CacheLookup, PromptCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.kv.codec import KVLayoutSpec, KVPageError, encode_page
 from pdserve.kv.transfer import SenderPages, TransferError
@@ -22,9 +24,11 @@ _DONE = object()
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
-    def __init__(self, cfg: PrefillConfig, loop: EngineLoop, telemetry: Telemetry | None = None):
+    def __init__(self, cfg: PrefillConfig, loop: EngineLoop, telemetry: Telemetry | None = None,
+                 cache: PromptCache | None = None):
         self.cfg = cfg
         self.loop = loop
+        self.cache = cache  # prompt cache (None: off); counters: cache.hits, .misses, .local_hits, .corrupt, ...
         self.telemetry = telemetry or Telemetry.off("prefill")
         self._tokens = [0, 0]  # prompt tokens, cached prompt tokens (for the cache hit ratio gauge)
         self.telemetry.metrics.gauge("cache_hit_ratio", "Cached / prompt tokens of finished prefills",
@@ -87,6 +91,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         kv_dtype = layout.dtype
         group_size = layout.group_size or None
         scope.set({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(prompt), "pdserve.kv.dtype": kv_dtype})
+        ns = CacheNamespace(self.fingerprint, layout)
+        hit = self._cache_lookup(ns, prompt)
+        for p in hit.pages:  # shipped first, as stored (already in the layout decode asked for)
+            outbox.put(p)
 
         def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
             if isinstance(out, BaseException):
@@ -105,6 +113,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                                                              asymmetric=layout.asymmetric)
                     for p in payloads:
                         outbox.put(p)
+                        if self.cache is not None and p.page_index < len(hit.keys):  # a full page: share it
+                            self.cache.put(ns, hit.keys[p.page_index], p)
                 if out.finished:
                     outbox.put((_DONE, out))
             except Exception as e:  # noqa: BLE001 - surfaced to the RPC thread
@@ -120,7 +130,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         with self._lock:
             self._active += 1
         try:
-            self.loop.add_request(rid, prompt, sampling, on_output, prefill_only=True)
+            self.loop.add_request(rid, prompt, sampling, on_output, prefill_only=True, cached_pages=hit.pages or None)
         except Exception as e:  # out of pages, duplicate id
             with self._lock:
                 self._active -= 1
@@ -147,11 +157,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 if isinstance(item, tuple) and item[0] is _DONE:
                     out = item[1]
                     done = internal_pb2.PrefillDone(first_token_id=out.new_token_ids[0], num_pages=pages.num_shipped,
-                                                    cached_tokens=0, prefill_ms=(time.perf_counter() - t0) * 1e3)
+                                                    cached_tokens=hit.num_pages * self.page_size,
+                                                    prefill_ms=(time.perf_counter() - t0) * 1e3)
                     self._record_done(scope, ship, pages, len(prompt), done)
                     yield internal_pb2.PrefillServerMessage(done=done)
-                    log.info("prefill rid=%s prompt_tokens=%d pages=%d bytes=%d kv=%s ms=%.1f", rid, len(prompt),
-                             pages.num_shipped, pages.bytes_shipped, kv_dtype, done.prefill_ms)
+                    log.info("prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s ms=%.1f", rid,
+                             len(prompt), done.cached_tokens, pages.num_shipped, pages.bytes_shipped, kv_dtype,
+                             done.prefill_ms)
                     return
                 if ship is None:
                     ship = scope.child("prefill.kv_ship", {"pdserve.kv.dtype": kv_dtype})
@@ -182,6 +194,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         scope.first_token()
         scope.finish(1, "prefill_done", {**kv, "pdserve.cached_tokens": done.cached_tokens,
                                          "pdserve.first_token_id": done.first_token_id})
+
+    def _cache_lookup(self, ns: CacheNamespace, prompt: list[int]) -> CacheLookup:
+        """Longest cached prefix of full pages, leaving at least the last prompt token to compute (it samples the
+        first token). Store trouble is a miss, never an error."""
+        if self.cache is None:
+            return CacheLookup([], [])
+        return self.cache.lookup(ns, prompt, max_pages=(len(prompt) - 1) // self.page_size)
 
     def _read_acks(self, request_iterator, pages: SenderPages, release) -> None:
         try:
