@@ -2,7 +2,8 @@
 
 A forward batch holds, per sequence, `q_len` new tokens at positions `start .. start+q_len-1`; the new K/V
 are first written to the pool, then query i (absolute position start+i) attends to keys 0..start+i.
-The backend is chosen once at start-up (`select_backend`).
+Each backend has `forward` (write K/V, then attend) and `attend` (the pool already holds this step's K/V: the
+GPU model writes them in its fused RoPE kernel). The backend is chosen once at start-up (`select_backend`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ import torch.nn.functional as F
 from pdserve.engine.kv_cache import KVCache
 
 log = logging.getLogger("pdserve.engine")
+INT8_DECODE_KERNELS = ("triton", "dequant")
+
+
+def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor; on CUDA through pinned memory, so the copy does not wait for the GPU."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -26,7 +36,7 @@ class AttentionMetadata:
     device: torch.device
     positions: torch.Tensor = field(init=False)      # [T] long
     slot_mapping: torch.Tensor = field(init=False)   # [T] long: page * page_size + offset of each new token
-    page_ids: list[torch.Tensor] = field(init=False)  # per sequence [n_pages] long
+    _page_ids: list[torch.Tensor] | None = field(init=False, default=None)
     _fa3: dict = field(init=False, default_factory=dict)  # lazily built int32 tensors for FA3
 
     def __post_init__(self) -> None:
@@ -36,10 +46,17 @@ class AttentionMetadata:
             p = list(range(start, start + n))
             pos.extend(p)
             slots.extend(table[i // ps] * ps + i % ps for i in p)
-        self.positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.page_ids = [torch.tensor(t[: -(-self.kv_len(i) // ps)], dtype=torch.long, device=self.device)
-                         for i, t in enumerate(self.page_tables)]
+        self.positions = _to_device(pos, torch.long, self.device)
+        self.slot_mapping = _to_device(slots, torch.long, self.device)
+
+    @property
+    def page_ids(self) -> list[torch.Tensor]:
+        """Per sequence [n_pages] long: the pages holding its keys (built on first use: the SDPA path)."""
+        if self._page_ids is None:
+            ps = self.page_size
+            self._page_ids = [torch.tensor(t[: -(-self.kv_len(i) // ps)], dtype=torch.long, device=self.device)
+                              for i, t in enumerate(self.page_tables)]
+        return self._page_ids
 
     @property
     def num_seqs(self) -> int:
@@ -53,21 +70,22 @@ class AttentionMetadata:
         return self.starts[i] + self.q_lens[i]
 
     def fa3_tensors(self) -> dict:
-        """cu_seqlens_q/k, cache_seqlens, page_table [B, max_pages], kv_slots (all keys per seq), maxima."""
+        """cu_seqlens_q/k, cache_seqlens [B] (keys per sequence), page_table [B, max_pages], maxima."""
         if not self._fa3:
             kv = [self.kv_len(i) for i in range(self.num_seqs)]
             i32 = dict(dtype=torch.int32, device=self.device)
-            max_pages = max(len(t) for t in self.page_ids)
-            table = torch.zeros(self.num_seqs, max_pages, **i32)
-            for i, t in enumerate(self.page_ids):
-                table[i, : len(t)] = t.to(torch.int32)
+            ps = self.page_size
+            n_pages = [-(-n // ps) for n in kv]
+            max_pages = max(n_pages)
+            table = torch.zeros(self.num_seqs, max_pages, dtype=torch.int32)
+            for i, (t, n) in enumerate(zip(self.page_tables, n_pages)):
+                table[i, :n] = torch.tensor(t[:n], dtype=torch.int32)
+            table = table.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+                else table.to(self.device)
             cu_q = torch.tensor([0] + self.q_lens, **i32).cumsum(0, dtype=torch.int32)
             cu_k = torch.tensor([0] + kv, **i32).cumsum(0, dtype=torch.int32)
-            ps = self.page_size
-            kv_slots = torch.cat([(t[:, None] * ps + torch.arange(ps, device=self.device)).flatten()[:n]
-                                  for t, n in zip(self.page_ids, kv)])
             self._fa3 = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cache_seqlens=torch.tensor(kv, **i32),
-                             page_table=table, kv_slots=kv_slots, max_q=max(self.q_lens), max_k=max(kv))
+                             page_table=table, max_q=max(self.q_lens), max_k=max(kv))
         return self._fa3
 
 
@@ -80,8 +98,13 @@ class SdpaBackend:
                 cache: KVCache, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (new tokens) -> out [T, H, D]."""
         cache.write(layer, meta.slot_mapping, k, v)
+        return self.attend(layer, q, meta, cache, scale)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
+               scale: float) -> torch.Tensor:
+        """q [T, H, D] against the pool (this step's K/V already written) -> out [T, H, D]."""
         out = torch.empty_like(q)
-        n_rep = q.shape[1] // k.shape[1]
+        n_rep = q.shape[1] // cache.num_kv_heads
         qs = 0
         for i in range(meta.num_seqs):
             start, n, kv_len = meta.starts[i], meta.q_lens[i], meta.kv_len(i)
@@ -101,14 +124,28 @@ class SdpaBackend:
 
 
 class FA3Backend:
-    """FlashAttention-3 (Hopper). Decode over a dense pool: `flash_attn_with_kvcache` with the page table.
-    Prefill chunks (and int8 pools): K/V gathered per sequence, then `flash_attn_varlen_func` with a causal
-    mask aligned bottom-right, which is exactly "query i attends to keys 0..start+i"."""
+    """FlashAttention-3 (Hopper) over the paged pool, through `flash_attn_with_kvcache` with the page table:
+    decode (one query per sequence) and prefill chunks (varlen queries, causal mask aligned bottom-right, which
+    is exactly "query i attends to keys 0..start+i").
+
+    int8 pool: prefill chunks dequantize the batch's pages into a dense scratch (one Triton pass) that FA3 then
+    reads. Decode has two kernels (`int8_decode`): "triton" reads the int8 pages directly, dequantizing in
+    registers (pdserve.engine.kernels.int8_decode_attention); "dequant" dequantizes to a scratch, then FA3.
+    bench/gpu_engine.py measures both; "triton" is the default (it moves a third of the bytes, and measured
+    faster at every batch size; see docs/benchmarks.md)."""
 
     name = "fa3"
 
-    def __init__(self, module):
+    def __init__(self, module, int8_decode: str = "triton"):
+        if int8_decode not in INT8_DECODE_KERNELS:
+            raise ValueError(f"int8_decode must be one of {INT8_DECODE_KERNELS}, got {int8_decode!r}")
         self.fa = module
+        self.int8_decode = int8_decode
+        self.dense_prefill = "paged"  # dense pool, prefill: "paged" (FA3 reads pages) | "gather" (varlen)
+        self.dense_decode = "fa3"     # dense pool, decode: "fa3" | "triton" (the int8 kernel's dense mode)
+        self.fa3_num_splits = 0       # FA3 decode split count (0: FA3's heuristic)
+        self.decode_config: dict = {}  # Triton decode kernel overrides (block_n, num_warps, num_stages, split_mult)
+        self._num_sms = 0
 
     @staticmethod
     def _first(out):
@@ -117,16 +154,75 @@ class FA3Backend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 cache: KVCache, scale: float) -> torch.Tensor:
         cache.write(layer, meta.slot_mapping, k, v)
+        return self.attend(layer, q, meta, cache, scale)
+
+    def attend(self, layer: int, q: torch.Tensor, meta, cache: KVCache, scale: float) -> torch.Tensor:
+        """q [T, H, D] -> out [T, H, D]. `meta` is an AttentionMetadata or a CUDA-graph StaticDecodeMeta (only
+        `is_decode` and `fa3_tensors()` are used, so the call is graph-safe for decode)."""
         t = meta.fa3_tensors()
-        if meta.is_decode and not cache.quantized:
-            k_cache, v_cache = cache.layer_tensors(layer)  # [P, ps, KVH, D]
-            out = self.fa.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=t["cache_seqlens"],
-                                                  page_table=t["page_table"], softmax_scale=scale, causal=True)
+        seqlens, table = t["cache_seqlens"], t["page_table"]
+        if meta.is_decode:
+            if self.int8_decode == "triton" if cache.quantized else self.dense_decode == "triton":
+                return self._triton_decode(layer, q, cache, table, seqlens, scale)
+            if cache.quantized:  # dequantize the batch's pages, then FA3 over the scratch as a paged cache
+                kv = self._dense_scratch(layer, cache, table, seqlens, q.dtype)  # [2, B, W * ps, KVH, D]
+                b, w = table.shape
+                k_cache, v_cache = (x.view(b * w, cache.page_size, *kv.shape[-2:]) for x in kv)
+                table = torch.arange(b * w, dtype=torch.int32, device=q.device).view(b, w)
+            else:
+                k_cache, v_cache = cache.layer_tensors(layer)  # [P, ps, KVH, D]
+            out = self.fa.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens,
+                                                  page_table=table, softmax_scale=scale, causal=True,
+                                                  num_splits=self.fa3_num_splits)
             return self._first(out).squeeze(1)
-        ks, vs = cache.gather(layer, t["kv_slots"])  # [sum kv_len, KVH, D]
-        out = self.fa.flash_attn_varlen_func(q, ks.to(q.dtype), vs.to(q.dtype), t["cu_seqlens_q"], t["cu_seqlens_k"],
-                                             t["max_q"], t["max_k"], softmax_scale=scale, causal=True)
+        if not cache.quantized and self.dense_prefill == "paged":
+            k_cache, v_cache = cache.layer_tensors(layer)
+            out = self.fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table,
+                                                  cu_seqlens_q=t["cu_seqlens_q"], max_seqlen_q=t["max_q"],
+                                                  softmax_scale=scale, causal=True)
+            return self._first(out)
+        # contiguous K/V per sequence ([B, W * ps] tokens, the first seqlens[b] valid) -> varlen FA3
+        kv = self._dense_scratch(layer, cache, table, seqlens, q.dtype)
+        b, n = kv.shape[1], kv.shape[2]
+        cu_k = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
+        k, v = (x.view(b * n, *kv.shape[-2:]) for x in kv)
+        out = self.fa.flash_attn_varlen_func(q, k, v, t["cu_seqlens_q"], cu_k, t["max_q"], n, seqused_k=seqlens,
+                                             softmax_scale=scale, causal=True)
         return self._first(out)
+
+    @staticmethod
+    def _dense_scratch(layer: int, cache, table: torch.Tensor, seqlens: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """The batch's pages as dense K/V [2, B, W * ps, KVH, D]: int8 pools dequantized by one Triton pass
+        (tokens past seqlens[b] unwritten), dense pools gathered (tokens past seqlens[b] are other pages)."""
+        if cache.quantized:
+            from pdserve.engine.kernels.kv_gather import dequant_pages  # noqa: PLC0415 - imports triton
+
+            data, scales, zeros = cache.layer_views(layer)
+            return dequant_pages(data, scales, zeros, table, seqlens, dtype)
+        k_cache, v_cache = cache.layer_tensors(layer)
+        b, w = table.shape
+        ps = cache.page_size
+        slots = (table.long()[:, :, None] * ps + torch.arange(ps, device=table.device)).view(-1)  # [B * W * ps]
+        kv = torch.stack([k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]])
+        return kv.view(2, b, w * ps, *kv.shape[-2:])
+
+    def _triton_decode(self, layer: int, q: torch.Tensor, cache, table: torch.Tensor, seqlens: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+        from pdserve.engine.kernels import int8_decode_attention as kd  # noqa: PLC0415 - imports triton
+
+        if not self._num_sms:
+            self._num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        cfg = {**kd.DEFAULT_CONFIG, **self.decode_config}
+        splits = kd.default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
+        kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if not cache.quantized:
+            k_cache, v_cache = cache.layer_tensors(layer)
+            return kd.int8_paged_decode(q, k_cache, v_cache, None, None, None, None, table, seqlens, scale, splits,
+                                        **kw)
+        data, scales, zeros = cache.layer_views(layer)
+        return kd.int8_paged_decode(q, data[0], data[1], scales[0], scales[1], None if zeros is None else zeros[0],
+                                    None if zeros is None else zeros[1], table, seqlens, scale, splits, **kw)
 
 
 def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None, str]:
@@ -144,13 +240,14 @@ def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None,
     return fa, "CUDA sm90, flash_attn_interface importable"
 
 
-def select_backend(requested: str, device: torch.device, dtype: torch.dtype):
-    """Return (backend, reason). `requested` is auto|fa3|sdpa; an explicit fa3 that cannot run raises."""
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype, int8_decode: str = "triton"):
+    """Return (backend, reason). `requested` is auto|fa3|sdpa; an explicit fa3 that cannot run raises.
+    `int8_decode`: FA3's decode kernel over an int8 pool (see FA3Backend)."""
     if requested == "sdpa":
         return SdpaBackend(), "requested"
     fa, reason = _probe_fa3(device, dtype)
     if fa is not None:
-        return FA3Backend(fa), reason
+        return FA3Backend(fa, int8_decode), reason
     if requested == "fa3":
         raise RuntimeError(f"attention_backend=fa3 requested but unavailable: {reason}")
     return SdpaBackend(), reason

@@ -27,6 +27,9 @@ class EngineConfig:
     kv_group_size: int = 64            # int8 group size along head_dim (clamped to head_dim)
     kv_asymmetric: bool = False        # int8 with zero points
     attention_backend: str = "auto"    # auto | fa3 | sdpa
+    int8_decode_kernel: str = "triton"  # FA3 + int8 pool, decode: triton (reads int8 pages) | dequant (+ FA3)
+    cuda_graphs: bool = True           # decode through CUDA graphs (CUDA + FA3 + fused model path)
+    cuda_graph_max_context: int = 8192  # page-table width of the graphs; longer sequences decode eagerly
     gpu_memory_utilization: float = 0.85  # GPU auto pages: fraction of free memory for the KV pool
     seed: int = 0                      # engine RNG: seeds generators of requests without a seed
 
@@ -43,6 +46,10 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
         if self.kv_group_size <= 0:
             raise ValueError(f"kv_group_size must be > 0, got {self.kv_group_size}")
+        if self.int8_decode_kernel not in ("triton", "dequant"):
+            raise ValueError(f"int8_decode_kernel must be triton|dequant, got {self.int8_decode_kernel!r}")
+        if self.cuda_graph_max_context <= 0:
+            raise ValueError(f"cuda_graph_max_context must be > 0, got {self.cuda_graph_max_context}")
         if self.attention_backend not in ("auto", "fa3", "sdpa"):
             raise ValueError(f"attention_backend must be auto|fa3|sdpa, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

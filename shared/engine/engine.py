@@ -17,6 +17,7 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig, CPU_MAX_AUTO_PAGES, dtype_name, parse_dtype, resolve_device, \
     resolve_dtype
+from pdserve.engine.cuda_graphs import make_decode_graph_runner
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
 from pdserve.engine.model import load_model
@@ -55,7 +56,7 @@ class LLMEngine:
         self.page_size = cfg.page_size
         self.tokenizer = load_tokenizer(cfg.model_dir)
         self.fingerprint = model_fingerprint(cfg.model_dir)
-        self.backend, reason = select_backend(cfg.attention_backend, self.device, self.dtype)
+        self.backend, reason = select_backend(cfg.attention_backend, self.device, self.dtype, cfg.int8_decode_kernel)
         log.info("attention backend: %s (%s)", self.backend.name, reason)
         self.model = load_model(cfg.model_dir, mc, self.device, self.dtype)
 
@@ -69,6 +70,10 @@ class LLMEngine:
             if cfg.kv_dtype == "int8" else KVCache(*shape)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs)
+        self.graph_runner = make_decode_graph_runner(self.model, self.kv_cache, self.backend, cfg.page_size,
+                                                     cfg.max_num_seqs, min(self.max_model_len,
+                                                                           cfg.cuda_graph_max_context),
+                                                     self.device, cfg.cuda_graphs)
 
         self._seqs: dict[str, Sequence] = {}  # live requests, incl. finished prefill-only ones holding pages
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
@@ -317,17 +322,25 @@ class LLMEngine:
         ids: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
-        meta = AttentionMetadata([s.num_computed_tokens for s in batch.seqs], list(batch.num_new_tokens),
-                                 [s.page_table for s in batch.seqs], self.page_size, self.device)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache,
-                            self.backend)  # [T, hidden]
+        graph_logits = None  # decode through a captured CUDA graph: logits [B, V] of every sequence
+        runner = self.graph_runner
+        if runner is not None and not batch.is_prefill and \
+                runner.can_run(len(batch.seqs), max(s.num_computed_tokens for s in batch.seqs) + 1):
+            graph_logits = runner.run(ids, [s.num_computed_tokens for s in batch.seqs],
+                                      [s.page_table for s in batch.seqs])
+        else:
+            meta = AttentionMetadata([s.num_computed_tokens for s in batch.seqs], list(batch.num_new_tokens),
+                                     [s.page_table for s in batch.seqs], self.page_size, self.device)
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache,
+                                self.backend)  # [T, hidden]
         last = list(itertools.accumulate(batch.num_new_tokens))
         sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                          if s.num_computed_tokens + n == s.num_tokens]
         tokens: dict[int, int] = {}
         logits = None
         if sampling_rows:
-            logits = self.model.compute_logits(hidden[[last[i] - 1 for i in sampling_rows]])  # [S, V] float32
+            logits = graph_logits if graph_logits is not None else \
+                self.model.compute_logits(hidden[[last[i] - 1 for i in sampling_rows]])  # [S, V] float32
             greedy = logits.argmax(dim=-1).tolist()
             for r, i in enumerate(sampling_rows):
                 sp = batch.seqs[i].sampling

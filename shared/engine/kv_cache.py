@@ -42,6 +42,10 @@ class KVCache:
         """Views of one layer: K, V each [num_pages, page_size, kv_heads, head_dim] (for paged kernels)."""
         return self.data[0, layer], self.data[1, layer]
 
+    def layer_pool(self, layer: int) -> tuple:
+        """What the fused GPU write kernel (kernels/rope_kv_write.py) stores into: (K, V) views of one layer."""
+        return self.layer_tensors(layer)
+
     def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slot_ids [T] long; k, v [T, kv_heads, head_dim] -> stored at those slots of `layer`."""
         flat = self.data[:, layer].view(2, -1, self.num_kv_heads, self.head_dim)  # [2, P*ps, kvh, d]
@@ -149,6 +153,15 @@ class Int8KVCache(KVCache):
 
     def layer_tensors(self, layer: int):
         raise NotImplementedError("int8 pool has no dense per-layer view; use gather()/read()")
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One layer: data [2, P, ps, kvh, d] int8, scales (and zeros or None) [2, P, ps, kvh, d // g] fp16."""
+        return self.data[:, layer], self.scales[:, layer], None if self.zeros is None else self.zeros[:, layer]
+
+    def layer_pool(self, layer: int) -> tuple:
+        """(K, V, K scales, V scales, K zeros | None, V zeros | None) of one layer, for kernels/rope_kv_write.py."""
+        d, s, z = self.layer_views(layer)
+        return d[0], d[1], s[0], s[1], None if z is None else z[0], None if z is None else z[1]
 
     def _dequant(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
         return dequantize(q, s, z, self.group_size, self.dtype)

@@ -2,6 +2,11 @@
 
 Parameter names mirror the HF checkpoints (`model.layers.N.self_attn.q_proj.weight`, ...), so weights load
 by name. Activations are token-major and unpadded: a batch is T tokens from several sequences, `[T, ...]`.
+
+On a CUDA device with triton, `load_model` switches the model to its fused path (`CausalLM.fuse`): q/k/v and
+gate/up weights concatenated into one GEMM each, RMSNorm fused with the residual add, RoPE fused with the KV
+write, SwiGLU in one kernel (pdserve.engine.kernels). Same math and the same bf16 roundings as the module path,
+which CPU keeps.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import kernels
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import ModelConfig, iter_weights
@@ -57,6 +63,13 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, device: torch.device):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)  # [D/2]
+        self.cos: torch.Tensor | None = None  # [max_positions, D/2] float32 (fused GPU path, see build_tables)
+        self.sin: torch.Tensor | None = None
+
+    def build_tables(self, max_positions: int) -> None:
+        """cos/sin of positions * inv_freq (float32, as computed per step below) for the fused RoPE kernel."""
+        freqs = torch.arange(max_positions, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        self.cos, self.sin = freqs.cos(), freqs.sin()
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +106,27 @@ class Attention(nn.Module):
         o = backend.forward(self.layer_idx, q, k, v, meta, cache, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one [(H + 2 KVH) * D, hidden] weight (frees the three originals)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight for p in projs])
+        self.qkv_bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward_fused(self, x: torch.Tensor, meta, rotary: RotaryEmbedding, cache: KVCache, backend) -> torch.Tensor:
+        from pdserve.engine.kernels.rope_kv_write import rope_kv_write  # noqa: PLC0415 - imports triton
+
+        t = x.shape[0]
+        qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, qd + 2 kvd]
+        q = qkv[:, :qd].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, qd:qd + kvd].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, qd + kvd:].view(t, self.num_kv_heads, self.head_dim)
+        rope_kv_write(meta.positions, q, k, v, rotary.cos, rotary.sin, meta.slot_mapping,
+                      cache.layer_pool(self.layer_idx))
+        o = backend.attend(self.layer_idx, q, meta, cache, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, qd))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -104,6 +138,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse(self) -> None:
+        """Replace gate/up_proj by one [2 * I, hidden] weight (frees the originals)."""
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.gate_proj.bias is not None \
+            else None
+        del self.gate_proj, self.up_proj
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        from pdserve.engine.kernels.silu_mul import silu_mul  # noqa: PLC0415 - imports triton
+
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
 
 class DecoderLayer(nn.Module):
@@ -134,10 +180,42 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by load_model on the real device
+        self.fused = False                          # set by fuse() (CUDA + triton)
+
+    def fuse(self) -> None:
+        """Switch to the fused GPU path (see the module docstring). Needs kernels.enabled and `fusable`."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.rotary.build_tables(self.config.max_position_embeddings)
+        self.fused = True
+
+    @staticmethod
+    def fusable(cfg: ModelConfig) -> bool:
+        """The fused kernels need power-of-two head_dim and KV head count (tl.arange)."""
+        return kernels.is_pow2(cfg.head_dim) and cfg.head_dim >= 16 and kernels.is_pow2(cfg.num_kv_heads)
+
+    def _forward_fused(self, input_ids: torch.Tensor, meta, cache: KVCache, backend) -> torch.Tensor:
+        """Residual stream kept in `residual` (updated in place by the fused add+RMSNorm kernel)."""
+        from pdserve.engine.kernels.rmsnorm import rmsnorm  # noqa: PLC0415 - imports triton
+
+        layers = self.model.layers
+        residual = self.model.embed_tokens(input_ids)                       # [T, hidden]
+        h = rmsnorm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, layer in enumerate(layers):
+            a = layer.self_attn.forward_fused(h, meta, self.rotary, cache, backend)
+            norm = layer.post_attention_layernorm
+            h = rmsnorm(a, norm.weight, norm.eps, residual)                 # residual += a; h = norm(residual)
+            m = layer.mlp.forward_fused(h)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h = rmsnorm(m, norm.weight, norm.eps, residual)
+        return h
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, backend) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden] (after the last norm)."""
+        if self.fused:
+            return self._forward_fused(input_ids, meta, cache, backend)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, meta.positions, self.rotary, meta, cache, backend)
@@ -164,4 +242,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         raise ValueError(f"checkpoint does not match {cfg.arch}: missing {missing[:8]}, unexpected {unexpected[:8]}")
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if device.type == "cuda" and kernels.enabled(torch.empty(0, device=device)) and CausalLM.fusable(cfg):
+        model.fuse()
+    return model

@@ -1,0 +1,690 @@
+"""GPU engine on one Hopper GPU: checks and times everything issue 6 asks for, in one process.
+
+    python bench/gpu_engine.py [--model-dir DIR] [--layers 32] [--json docs/bench/gpu_engine.json]
+
+1. Ceilings measured here: device copy bandwidth (bytes read + written) and an 8192^3 bf16 matmul.
+2. A Llama-3-8B-shaped checkpoint (hidden 4096, 32 layers, 32 heads / 8 KV heads, ffn 14336, vocab 128256) with
+   random bf16 weights, written as a real HF checkpoint (sharded safetensors + index + tokenizer) into --model-dir
+   and loaded by both HF transformers and the engine's normal loader.
+3. HF transformers baseline (bf16, its default SDPA attention): monolithic prefill of 8192 tokens and `generate`
+   inter-token latency at batch 1 (prompt 512); HF fp32 as the reference: greedy 64 prompts x 64 tokens and
+   teacher-forced logits; HF bf16 against it as the yardstick.
+4. Kernels on fresh random inputs, against references: int8 quantize/dequantize (bit-equal to the CPU torch
+   path, bandwidth vs copy), decode attention (FA3 bf16 paged, Triton int8 direct, dequantize + FA3), FA3 prefill
+   paged vs contiguous, decode GEMVs.
+5. The engine (FA3, fused kernels, decode CUDA graphs), dense bf16 KV then int8 KV: teacher-forced logits and
+   greedy match vs HF fp32; 8k-token chunked prefill (chunk 2048); ITL at batch 1 / context 512; decode steps at
+   batch 128 and 64 / context 2k against the weight + KV bytes roofline; int8 decode kernel "triton" vs "dequant";
+   KV capacity at context 4k.
+
+FLOPs of a prefill (the issue's count): 2 * params * tokens + attention 2 * T^2 * head_dim * heads * layers
+(causal: half of QK^T and PV). Decode roofline: (all weight bytes + KV bytes read) / measured copy bandwidth.
+Prints a table and writes the JSON (keys of issue 6 + details).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.sampling import SamplingParams
+
+SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=128)
+DEV = torch.device("cuda")
+RESULTS: dict = {}
+ROWS: list[tuple[str, str, str]] = []  # (figure, value, note) for the final table
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def row(name: str, value: str, note: str = "") -> None:
+    ROWS.append((name, value, note))
+    log(f"{name}: {value} {note}")
+
+
+def cuda_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- 1. ceilings ----------------------------------------------------------------------------------------
+def ceilings() -> tuple[float, float]:
+    x = torch.randn(1 << 30, device=DEV, dtype=torch.bfloat16)  # 2 GiB
+    y = torch.empty_like(x)
+    ms = cuda_ms(lambda: y.copy_(x), reps=20)
+    copy_bw = 2 * x.numel() * 2 / (ms * 1e-3)
+    del x, y
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: a @ b, reps=20)
+    mm = 2 * 8192 ** 3 / (ms * 1e-3)
+    del a, b
+    free_memory()
+    row("copy bandwidth (read+write)", f"{copy_bw / 1e12:.2f} TB/s", "device-to-device copy of 2 GiB")
+    row("bf16 matmul 8192^3", f"{mm / 1e12:.0f} TFLOP/s", "random data")
+    return copy_bw, mm
+
+
+# ---- 2. checkpoint --------------------------------------------------------------------------------------
+def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
+    """Random bf16 Llama-3-8B-shaped checkpoint (HF layout). Returns the parameter count."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from pdserve.checkpoints import build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=16384, rope_theta=500000.0,
+                      rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **SHAPE)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(str(out))
+    build_tokenizer(out)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    h, ffn, hd = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
+    qd, kvd = SHAPE["num_attention_heads"] * hd, SHAPE["num_key_value_heads"] * hd
+
+    def mat(rows: int, cols: int, std: float) -> torch.Tensor:
+        return (torch.randn(rows, cols, device=DEV, generator=g) * std).to(torch.bfloat16).cpu()
+
+    def norm() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(h, device=DEV, generator=g)).to(torch.bfloat16).cpu()
+
+    weight_map, n_params, shard, shard_id = {}, 0, {}, 0
+    total_shards = math.ceil(layers / 8) + 1
+
+    def flush() -> None:
+        nonlocal shard, shard_id
+        shard_id += 1
+        name = f"model-{shard_id:05d}-of-{total_shards:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        for k in shard:
+            weight_map[k] = name
+        shard = {}
+
+    shard["model.embed_tokens.weight"] = mat(SHAPE["vocab_size"], h, 0.25)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shard[p + "self_attn.q_proj.weight"] = mat(qd, h, h ** -0.5)
+        shard[p + "self_attn.k_proj.weight"] = mat(kvd, h, h ** -0.5)
+        shard[p + "self_attn.v_proj.weight"] = mat(kvd, h, h ** -0.5)
+        shard[p + "self_attn.o_proj.weight"] = mat(h, qd, qd ** -0.5)
+        shard[p + "mlp.gate_proj.weight"] = mat(ffn, h, h ** -0.5)
+        shard[p + "mlp.up_proj.weight"] = mat(ffn, h, h ** -0.5)
+        shard[p + "mlp.down_proj.weight"] = mat(h, ffn, ffn ** -0.5)
+        shard[p + "input_layernorm.weight"] = norm()
+        shard[p + "post_attention_layernorm.weight"] = norm()
+        n_params += sum(t.numel() for k, t in shard.items() if k.startswith(p))
+        if (i + 1) % 8 == 0:
+            n_params += sum(t.numel() for k, t in shard.items() if not k.startswith("model.layers."))
+            flush()
+    shard["model.norm.weight"] = norm()
+    shard["lm_head.weight"] = mat(SHAPE["vocab_size"], h, h ** -0.5)
+    n_params += sum(t.numel() for k, t in shard.items() if not k.startswith("model.layers."))
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 2 * n_params}, "weight_map": weight_map}, indent=1))
+    return n_params
+
+
+def prefill_flops(n_params: int, tokens: int, layers: int) -> float:
+    attn = 2 * tokens ** 2 * SHAPE["head_dim"] * SHAPE["num_attention_heads"] * layers
+    return 2 * n_params * tokens + attn
+
+
+# ---- 3. HF transformers ---------------------------------------------------------------------------------
+def hf_section(model_dir: Path, n_params: int, layers: int, prompts: torch.Tensor, gen_len: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, device_map="cuda").eval()
+    log(f"HF load {time.perf_counter() - t0:.1f}s, attn_implementation={m.config._attn_implementation}")
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    g = torch.Generator(device=DEV).manual_seed(7)
+    out: dict = {}
+    with torch.inference_mode():
+        ids = torch.randint(5, SHAPE["vocab_size"], (1, 8192), device=DEV, generator=g)
+        ms = cuda_ms(lambda: m(ids, logits_to_keep=1), reps=3, warmup=1)
+        out["prefill_ms"] = ms
+        out["prefill_tflops"] = prefill_flops(n_params, 8192, layers) / (ms * 1e-3) / 1e12
+        row("HF prefill 8k (bf16, monolithic)", f"{out['prefill_tflops']:.0f} TFLOP/s", f"{ms:.1f} ms")
+        p512 = torch.randint(5, SHAPE["vocab_size"], (1, 512), device=DEV, generator=g)
+        gen = lambda n: m.generate(p512, attention_mask=torch.ones_like(p512), max_new_tokens=n,  # noqa: E731
+                                   min_new_tokens=n, do_sample=False)
+        gen(4)
+        times = {}
+        for n in (1, 33):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            gen(n)
+            torch.cuda.synchronize()
+            times[n] = time.perf_counter() - t0
+        out["itl_ms"] = (times[33] - times[1]) / 32 * 1e3
+        row("HF generate ITL b1 ctx512", f"{out['itl_ms']:.2f} ms", "(t(33 tokens) - t(1)) / 32")
+        free_memory()
+        mask = torch.ones_like(prompts)
+        out["greedy_bf16"] = m.generate(prompts, attention_mask=mask, max_new_tokens=gen_len, min_new_tokens=gen_len,
+                                        do_sample=False)[:, prompts.shape[1]:].cpu()
+        m.float()
+        free_memory()
+        out["greedy_fp32"] = m.generate(prompts, attention_mask=mask, max_new_tokens=gen_len,
+                                        min_new_tokens=gen_len, do_sample=False)[:, prompts.shape[1]:].cpu()
+        full = torch.cat([prompts, out["greedy_fp32"].to(DEV)], 1)[:, :-1]
+        ref = torch.cat([m(full[i:i + 8], logits_to_keep=gen_len).logits.float() for i in range(0, len(full), 8)])
+        m.to(torch.bfloat16)
+        free_memory()
+        bf = torch.cat([m(full[i:i + 8], logits_to_keep=gen_len).logits.float() for i in range(0, len(full), 8)])
+        out["logits_fp32"] = ref  # [N, gen_len, V] on the GPU
+        out["bf16_logit_err"] = rel_err(bf, ref)
+        out["bf16_logit_maxabs"] = (bf - ref).abs().max().item()
+        del bf
+    del m
+    free_memory()
+    row("HF bf16 vs HF fp32 logits", f"{out['bf16_logit_err']:.2e}", f"rel L2; max abs {out['bf16_logit_maxabs']:.3f}")
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def greedy_stats(ours: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Exact-match rate of whole continuations, first divergence per prompt (len = none)."""
+    n, L = ref.shape
+    first = []
+    for i in range(n):
+        diff = (ours[i] != ref[i]).nonzero()
+        first.append(int(diff[0]) if len(diff) else L)
+    return {"exact_match_rate": sum(f == L for f in first) / n, "first_divergence": first,
+            "mean_tokens_before_divergence": sum(first) / n}
+
+
+# ---- 4. kernels -----------------------------------------------------------------------------------------
+def graph_ms(fn, reps: int = 30) -> float:
+    """Median ms per call of fn replayed from a CUDA graph (no launch overhead: what a decode graph pays)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay, reps=reps)
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def kernel_section(copy_bw: float) -> dict:
+    from pdserve.engine.kernels import int8_decode_attention as kd
+    from pdserve.engine.kernels import kv_quant
+    from pdserve.engine.kernels.kv_gather import dequant_pages
+    from pdserve.kv import quant as Q
+    import flash_attn_interface as fa
+
+    out: dict = {}
+    g = torch.Generator(device=DEV).manual_seed(11)
+    # quantize / dequantize: bitwise vs the CPU torch path, error vs fp32, bandwidth (sweep of the launch config)
+    for asym in (False, True):
+        x = torch.randn(4096, 8, 128, device=DEV, generator=g).bfloat16() * 3
+        q, s, z = Q.quantize(x, 64, asym)
+        qc, sc, zc = Q._quantize_torch(x.cpu(), 64, asym)
+        same = torch.equal(q.cpu(), qc) and torch.equal(s.cpu(), sc) and (z is None or torch.equal(z.cpu(), zc))
+        d = Q.dequantize(q, s, z, 64, torch.bfloat16)
+        same_d = torch.equal(d.cpu(), Q._dequantize_torch(qc, sc, zc, 64, torch.bfloat16))
+        err = rel_err(Q.dequantize(q, s, z, 64, torch.float32), x.float())
+        out[f"quant_bitwise_{'asym' if asym else 'sym'}"] = same and same_d
+        row(f"int8 {'asym' if asym else 'sym'} g64 == CPU path", str(same and same_d), f"rel err vs exact {err:.2e}")
+    x = torch.randn(1 << 21, 128, device=DEV, generator=g).bfloat16()  # 512 MiB bf16
+    n = x.numel()
+    q, s, z = Q.quantize(x, 64, False)
+    sweep = {}
+    for br in (16, 32, 64, 128):
+        for nw in (4, 8):
+            tq = cuda_ms(lambda: kv_quant.quantize(x, 64, False, br, nw))
+            td = cuda_ms(lambda: kv_quant.dequantize(q, s, None, 64, torch.bfloat16, br, nw))
+            sweep[f"{br}x{nw}"] = (tq, td)
+    best_q = min(sweep, key=lambda k: sweep[k][0])
+    best_d = min(sweep, key=lambda k: sweep[k][1])
+    tq, td = sweep[best_q][0], sweep[best_d][1]
+    bq = (2 * n + n + 2 * n // 64) / (tq * 1e-3)
+    bd = (n + 2 * n // 64 + 2 * n) / (td * 1e-3)
+    out.update(quant_bw=bq, dequant_bw=bd, quant_bw_fraction=min(bq, bd) / copy_bw, quant_sweep_ms=sweep,
+               quant_best=best_q, dequant_best=best_d)
+    row("quantize bf16->int8 g64", f"{bq / 1e12:.2f} TB/s", f"{bq / copy_bw:.0%} of copy (rows x warps {best_q}; "
+        f"default {kv_quant.BLOCK_R}x{kv_quant.NUM_WARPS}: {sweep[f'{kv_quant.BLOCK_R}x{kv_quant.NUM_WARPS}'][0]:.3f} ms "
+        f"vs {tq:.3f})")
+    row("dequantize int8->bf16 g64", f"{bd / 1e12:.2f} TB/s", f"{bd / copy_bw:.0%} of copy (rows x warps {best_d})")
+    del x, q, s
+    free_memory()
+
+    # decode attention, one layer of Llama-3-8B (graph-timed): FA3 bf16 paged, Triton (int8 / dense), dequant+FA3
+    ps, KVH, D, HQ = 16, 8, 128, 32
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    shapes = ((1, 512), (64, 2048), (128, 2048))
+    kcfgs = [dict(block_n=bn, num_warps=4, num_stages=st) for bn in (32, 64, 128) for st in (2, 3)]
+    times: dict = {"triton_int8": {}, "triton_dense": {}, "fa3": {}, "dequant_fa3": {}}
+    for B, ctx in shapes:
+        W = ctx // ps
+        P = B * W
+        key = f"b{B}_ctx{ctx}"
+        kv = torch.randn(2, P, ps, KVH, D, device=DEV, generator=g).bfloat16()
+        q8, s8, _ = Q.quantize(kv, 64, False)
+        table = torch.randperm(P, device=DEV, generator=g).int().view(B, W)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+        qq = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
+        # fp32 references (dequantized pages for int8; the bf16 pages for dense) on the first sequences
+        nb = min(B, 4)
+        ref8 = Q.dequantize(q8, s8, None, 64, torch.float32).view(2, P * ps, KVH, D)
+        refs = {}
+        for name, pool in (("int8", ref8), ("dense", kv.view(2, P * ps, KVH, D))):
+            r = torch.empty(nb, HQ, D, device=DEV, dtype=torch.float64)
+            for i in range(nb):
+                slots = (table[i].long()[:, None] * ps + torch.arange(ps, device=DEV)).flatten()
+                kk = pool[0, slots].double().repeat_interleave(HQ // KVH, 1)
+                vv = pool[1, slots].double().repeat_interleave(HQ // KVH, 1)
+                a = torch.einsum("hd,nhd->hn", qq[i].double(), kk) * D ** -0.5
+                r[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), vv)
+            refs[name] = r
+        del ref8
+        for sm in (1, 2, 4):
+            splits = kd.default_num_splits(B, KVH, sms, sm)
+            for c in kcfgs:
+                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}"
+                for mode, args in (("triton_int8", (q8[0], q8[1], s8[0], s8[1])), ("triton_dense", (kv[0], kv[1], None, None))):
+                    fn = lambda: kd.int8_paged_decode(qq, *args, None, None, table, lens, D ** -0.5, splits, **c)  # noqa: E731
+                    try:
+                        e = rel_err(fn()[:nb], refs["int8" if mode == "triton_int8" else "dense"])
+                        res = (graph_ms(fn), e) if e < 2e-2 else (float("inf"), e)  # a wrong config never wins
+                    except Exception as ex:  # noqa: BLE001 - e.g. out of shared memory for this tile shape
+                        log(f"{mode} {ck} {key}: {type(ex).__name__}")
+                        res = (float("inf"), float("nan"))
+                    times[mode].setdefault(ck, {})[key] = res
+        for ns in (0, 1, 4, 16):
+            fn = lambda: first(fa.flash_attn_with_kvcache(qq.unsqueeze(1), kv[0], kv[1], cache_seqlens=lens,  # noqa: E731
+                                                          page_table=table, causal=True, num_splits=ns))
+            times["fa3"].setdefault(f"splits{ns}", {})[key] = (graph_ms(fn), rel_err(fn().squeeze(1)[:nb], refs["dense"]))
+
+        def deq():
+            sc = dequant_pages(q8, s8, None, table, lens, torch.bfloat16)
+            t2 = torch.arange(B * W, dtype=torch.int32, device=DEV).view(B, W)
+            return first(fa.flash_attn_with_kvcache(qq.unsqueeze(1), sc[0].view(P, ps, KVH, D),
+                                                    sc[1].view(P, ps, KVH, D), cache_seqlens=lens, page_table=t2,
+                                                    causal=True))
+        times["dequant_fa3"].setdefault("default", {})[key] = (graph_ms(deq), rel_err(deq().squeeze(1)[:nb], refs["int8"]))
+        del kv, q8, s8
+        free_memory()
+
+    def best(mode: str) -> tuple[str, dict]:
+        """The config with the smallest sum over shapes of time / best time at that shape."""
+        per = times[mode]
+        mins = {k: min(v[k][0] for v in per.values()) for k in next(iter(per.values()))}
+        name = min(per, key=lambda c: sum(per[c][k][0] / mins[k] for k in mins))
+        return name, per[name]
+    out["decode_attn_sweep"] = times
+    chosen = {m: best(m) for m in times}
+    out["decode_attn_best"] = {m: c for m, (c, _) in chosen.items()}
+    for B, ctx in shapes:
+        key = f"b{B}_ctx{ctx}"
+        tt = {m: chosen[m][1][key] for m in chosen}
+        b_dense, b_int8 = 2 * B * ctx * KVH * D * 2, 2 * B * ctx * KVH * (D + 2 * 2)
+        row(f"decode attn/layer {key} (graph-timed, us)",
+            " / ".join(f"{m} {tt[m][0] * 1e3:.1f}" for m in tt),
+            f"BW vs copy: fa3 {b_dense / (tt['fa3'][0] * 1e-3) / copy_bw:.0%}, triton-int8 "
+            f"{b_int8 / (tt['triton_int8'][0] * 1e-3) / copy_bw:.0%}, triton-dense "
+            f"{b_dense / (tt['triton_dense'][0] * 1e-3) / copy_bw:.0%}; rel err " +
+            ", ".join(f"{m} {tt[m][1]:.1e}" for m in tt))
+    row("decode attn configs chosen", ", ".join(f"{m}: {c}" for m, (c, _) in chosen.items()), "min of sum t/t_best")
+
+    # prefill attention: last 2048-query chunk of an 8k prompt, paged (ps 16) vs contiguous varlen
+    T, K = 2048, 8192
+    kv = torch.randn(2, K // ps, ps, KVH, D, device=DEV, generator=g).bfloat16()
+    qq = torch.randn(T, HQ, D, device=DEV, generator=g).bfloat16()
+    table = torch.arange(K // ps, dtype=torch.int32, device=DEV).view(1, -1)
+    lens = torch.tensor([K], dtype=torch.int32, device=DEV)
+    cu_q = torch.tensor([0, T], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, K], dtype=torch.int32, device=DEV)
+    paged = lambda: first(fa.flash_attn_with_kvcache(qq, kv[0], kv[1], cache_seqlens=lens, page_table=table,  # noqa: E731
+                                                     cu_seqlens_q=cu_q, max_seqlen_q=T, causal=True))
+    flat = lambda: first(fa.flash_attn_varlen_func(qq, kv[0].view(K, KVH, D), kv[1].view(K, KVH, D), cu_q, cu_k,  # noqa: E731
+                                                   T, K, causal=True))
+    flops = 4 * T * (K - T / 2) * D * HQ
+    tp, tf = cuda_ms(paged), cuda_ms(flat)
+    out["prefill_attn"] = dict(paged_ms=tp, varlen_ms=tf, paged_tflops=flops / tp / 1e9, varlen_tflops=flops / tf / 1e9,
+                               paged_vs_varlen_err=rel_err(paged(), flat()))
+    row("FA3 prefill attn q2048 k8192", f"paged {flops / tp / 1e9:.0f} TFLOP/s, varlen {flops / tf / 1e9:.0f} TFLOP/s",
+        f"outputs agree {out['prefill_attn']['paged_vs_varlen_err']:.1e}")
+    del kv
+    free_memory()
+
+    # decode GEMVs (cuBLAS, M = 1), graph-timed: bandwidth fraction
+    h, ffn = SHAPE["hidden_size"], SHAPE["intermediate_size"]
+    for name, (n_out, n_in) in {"qkv": (6144, h), "o": (h, h), "gate_up": (2 * ffn, h), "down": (h, ffn),
+                                "lm_head": (SHAPE["vocab_size"], h)}.items():
+        w = torch.randn(n_out, n_in, device=DEV, generator=g).bfloat16()
+        xx = torch.randn(1, n_in, device=DEV, generator=g).bfloat16()
+        t = graph_ms(lambda: torch.nn.functional.linear(xx, w))
+        out[f"gemv_{name}_frac"] = w.numel() * 2 / (t * 1e-3) / copy_bw
+        row(f"GEMV M=1 {name} [{n_out}x{n_in}]", f"{t * 1e3:.1f} us", f"{out[f'gemv_{name}_frac']:.0%} of copy BW")
+        del w
+    free_memory()
+    return out
+
+
+def decode_choice(kern: dict) -> dict:
+    """Backend settings from the kernel sweeps: the Triton config, FA3 splits, and whether the Triton kernel
+    beats FA3 on the dense pool (sum over the three decode shapes)."""
+    chosen = kern["decode_attn_best"]
+    parse = lambda c: dict(block_n=int(c.split("_")[0][2:]), num_warps=4, num_stages=int(c.split("_")[1][2:]),  # noqa: E731
+                           split_mult=int(c.split("_")[2][2:]))
+    sw = kern["decode_attn_sweep"]
+    total = lambda mode, c: sum(t for t, _ in sw[mode][c].values())  # noqa: E731
+    return dict(int8_config=parse(chosen["triton_int8"]), dense_config=parse(chosen["triton_dense"]),
+                fa3_num_splits=int(chosen["fa3"][6:]),
+                dense_decode="triton" if total("triton_dense", chosen["triton_dense"]) < total("fa3", chosen["fa3"])
+                else "fa3")
+
+
+# ---- 5. engine ------------------------------------------------------------------------------------------
+def make_engine(model_dir: Path, kv: str, num_pages: int, **kw) -> LLMEngine:
+    t0 = time.perf_counter()
+    e = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda", page_size=16,
+                               chunk_size=2048, num_pages=num_pages, max_num_seqs=128, kv_dtype=kv,
+                               attention_backend="fa3", **kw))
+    assert e.model.fused and e.backend.name == "fa3" and e.graph_runner is not None
+    log(f"engine kv={kv}: load + graph capture {time.perf_counter() - t0:.1f}s")
+    return e
+
+
+def forced_logits(e: LLMEngine, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
+    rows: dict[str, list[torch.Tensor]] = {}
+    for i, (p, f) in enumerate(zip(prompts, forced)):
+        e.add_request(f"tf{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True),
+                      forced_token_ids=f)
+    while e.has_unfinished_requests():
+        for o in e.step(return_logits=True):
+            rows.setdefault(o.request_id, []).append(o.logits)
+    return torch.stack([torch.stack(rows[f"tf{i}"]) for i in range(len(prompts))])
+
+
+def time_prefill(e: LLMEngine, ids: list[int], reps: int = 3) -> float:
+    """Median wall ms from add_request to the first token (4 chunked steps of 2048 for 8192 tokens)."""
+    times = []
+    for r in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        e.add_request(f"pf{r}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+        while e.has_unfinished_requests():
+            e.step()
+        torch.cuda.synchronize()
+        if r:  # the first run warms up
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_decode_steps(e: LLMEngine, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        e.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv_token_bytes: int, g) -> dict:
+    """ITL at batch 1 / ctx 512, then batch 128 and 64 at ctx 2k; graph replay time beside each engine step."""
+    out: dict = {}
+    V = SHAPE["vocab_size"]
+    sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    e.add_request("itl", torch.randint(5, V, (512,), generator=g).tolist(), sp)
+    e.step()  # prefill
+    steps = time_decode_steps(e, 60)[10:]
+    e.abort("itl")
+    e.step()
+    out["itl_ms"] = statistics.median(steps)
+    roof = (weight_bytes + 540 * kv_token_bytes) / copy_bw * 1e3
+    out["itl_roofline_ms"] = roof
+    row(f"[{tag}] ITL b1 ctx512", f"{out['itl_ms']:.2f} ms", f"roofline {roof:.2f} ms, ratio {out['itl_ms'] / roof:.2f}")
+    runner = e.graph_runner
+    out["graph_b1_ms"] = cuda_ms(lambda: runner.graphs[1].replay(), reps=20)
+    row(f"[{tag}] graph replay b1", f"{out['graph_b1_ms']:.2f} ms", "GPU time of the captured step (no Python)")
+    for i in range(128):
+        e.add_request(f"d{i}", torch.randint(5, V, (2048,), generator=g).tolist(), sp)
+    t0 = time.perf_counter()
+    while len(e.scheduler.running) < 128 or e.scheduler.waiting:
+        e.step()
+    log(f"[{tag}] 128 x 2048 prefilled in {time.perf_counter() - t0:.1f}s")
+    for B in (128, 64):
+        if B == 64:
+            for i in range(64, 128):
+                e.abort(f"d{i}")
+            e.step()
+        steps = time_decode_steps(e, 25)[5:]
+        t = statistics.median(steps)
+        ctx = 2048 + 20
+        roof = (weight_bytes + B * ctx * kv_token_bytes) / copy_bw * 1e3
+        gpu = cuda_ms(lambda: runner.graphs[B].replay(), reps=10)
+        out[f"b{B}"] = dict(step_ms=t, graph_ms=gpu, roofline_ms=roof, ratio=t / roof, graph_ratio=gpu / roof,
+                            tokens_per_s=B / t * 1e3)
+        row(f"[{tag}] decode b{B} ctx2k step", f"{t:.2f} ms ({B / t * 1e3:.0f} tok/s)",
+            f"roofline {roof:.2f} ms: ratio {t / roof:.2f} (graph replay alone {gpu:.2f} ms, {gpu / roof:.2f})")
+        if B == 128:  # where the host time of a step goes
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            time_decode_steps(e, 5)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+            out["host_profile_b128"] = buf.getvalue()
+            log(f"[{tag}] host profile of 5 decode steps at b128 (tottime):\n" + buf.getvalue()[-2500:])
+    for i in range(64):
+        e.abort(f"d{i}")
+    e.step()
+    return out
+
+
+def profile_decode(e: LLMEngine, tag: str) -> list:
+    """Top CUDA kernels of 3 graph replays at batch 1 (where the ITL goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = e.graph_runner
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            runner.graphs[1].replay()
+        torch.cuda.synchronize()
+    top = []
+    for ev in sorted(prof.key_averages(), key=lambda x: -x.device_time_total)[:14]:
+        top.append((ev.key[:70], round(ev.device_time_total / 3, 1), ev.count // 3))
+    log(f"[{tag}] top kernels per b1 step (us, count): " + "; ".join(f"{k} {t} x{c}" for k, t, c in top))
+    return top
+
+
+def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
+    g = torch.Generator().manual_seed(5 if kv == "auto" else 6)
+    out: dict = {}
+    e = make_engine(model_dir, kv, num_pages=18400)
+    choice = ctx.get("decode_choice")
+    if choice:  # the kernel sweeps' winners (bench/gpu_engine.py kernel_section), then re-capture the graphs
+        e.backend.decode_config = choice["int8_config" if kv == "int8" else "dense_config"]
+        e.backend.dense_decode = choice["dense_decode"]
+        e.backend.fa3_num_splits = choice["fa3_num_splits"]
+        e.graph_runner.capture()
+        out["decode_settings"] = dict(decode_config=e.backend.decode_config, dense_decode=e.backend.dense_decode,
+                                      fa3_num_splits=e.backend.fa3_num_splits)
+    mc = e.model_config
+    kv_token_bytes = e._page_bytes() // e.page_size
+    # correctness (teacher-forced logits and greedy) against HF fp32
+    if ctx.get("hf"):
+        hf = ctx["hf"]
+        prompts = ctx["prompts"].tolist()
+        ref_tokens = hf["greedy_fp32"]
+        ours = forced_logits(e, prompts, ref_tokens.tolist())
+        out["logit_err_vs_hf_fp32"] = rel_err(ours, hf["logits_fp32"])
+        out["logit_maxabs_vs_hf_fp32"] = (ours - hf["logits_fp32"]).abs().max().item()
+        del ours
+        row(f"[{kv}] engine vs HF fp32 logits", f"{out['logit_err_vs_hf_fp32']:.2e}",
+            f"rel L2 (HF bf16: {hf['bf16_logit_err']:.2e}); max abs {out['logit_maxabs_vs_hf_fp32']:.3f}")
+        greedy = torch.tensor(e.generate(prompts, SamplingParams(max_tokens=ref_tokens.shape[1], temperature=0.0,
+                                                                 ignore_eos=True)))
+        out["greedy_vs_hf_fp32"] = greedy_stats(greedy, ref_tokens)
+        out["greedy_vs_hf_bf16"] = greedy_stats(greedy, hf["greedy_bf16"])
+        out["hf_bf16_greedy_vs_hf_fp32"] = greedy_stats(hf["greedy_bf16"], ref_tokens)
+        gs = out["greedy_vs_hf_fp32"]
+        row(f"[{kv}] greedy exact match vs HF fp32", f"{gs['exact_match_rate']:.2%}",
+            f"mean first divergence {gs['mean_tokens_before_divergence']:.1f}/64; HF bf16 vs fp32: "
+            f"{out['hf_bf16_greedy_vs_hf_fp32']['exact_match_rate']:.2%}, "
+            f"{out['hf_bf16_greedy_vs_hf_fp32']['mean_tokens_before_divergence']:.1f}/64")
+    # prefill 8k (chunk 2048)
+    ids = torch.randint(5, SHAPE["vocab_size"], (8192,), generator=g).tolist()
+    flops = prefill_flops(ctx["n_params"], 8192, mc.num_layers)
+    ms = time_prefill(e, ids)
+    out["prefill_ms"], out["prefill_tflops"] = ms, flops / (ms * 1e-3) / 1e12
+    row(f"[{kv}] engine prefill 8k chunk 2048", f"{out['prefill_tflops']:.0f} TFLOP/s",
+        f"{ms:.1f} ms wall; {out['prefill_tflops'] * 1e12 / ctx['matmul']:.0%} of matmul ceiling")
+    if not e.kv_cache.quantized:
+        e.backend.dense_prefill = "gather"
+        ms2 = time_prefill(e, ids)
+        e.backend.dense_prefill = "paged"
+        out["prefill_gather_tflops"] = flops / (ms2 * 1e-3) / 1e12
+        row(f"[{kv}] engine prefill 8k, gather+varlen attention", f"{out['prefill_gather_tflops']:.0f} TFLOP/s",
+            f"{ms2:.1f} ms")
+    weight_bytes = ctx["n_params"] * 2
+    out["decode"] = decode_section(e, f"{kv}", ctx["copy_bw"], weight_bytes, kv_token_bytes, g)
+    out["profile_b1"] = profile_decode(e, kv)
+    if e.kv_cache.quantized:  # the other int8 decode kernel, re-captured
+        e.backend.int8_decode = "dequant"
+        e.graph_runner.capture()
+        out["decode_dequant"] = decode_section(e, f"{kv}-dequant", ctx["copy_bw"], weight_bytes, kv_token_bytes, g)
+        e.backend.int8_decode = "triton"
+    assert e.allocator.num_used == 0
+    del e
+    free_memory()
+    return out
+
+
+def capacity_gain() -> dict:
+    """Sequences of 4096 tokens that fit a pool of the same bytes, dense bf16 vs int8 (sym, g64), by the engine's
+    own page sizing; the budget is what the engine's auto sizing would take on this GPU now."""
+    free, total = torch.cuda.mem_get_info(DEV)
+    budget = free - 0.15 * total
+    L, KVH, D, ps = 32, SHAPE["num_key_value_heads"], SHAPE["head_dim"], 16
+    dense = int(budget // KVCache.bytes_per_page(L, ps, KVH, D, torch.bfloat16)) // (4096 // ps)
+    int8 = int(budget // Int8KVCache.bytes_per_page(L, ps, KVH, D, 64, False)) // (4096 // ps)
+    row("KV capacity at ctx 4k", f"bf16 {dense} seqs, int8 {int8} seqs", f"gain {int8 / dense:.3f}x "
+        f"(budget {budget / 2**30:.1f} GiB, 8B weights not loaded)")
+    return dict(budget_gib=budget / 2**30, dense_seqs=dense, int8_seqs=int8, gain=int8 / dense)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - no git on the device machine: the caller passes it
+        return os.environ.get("PDSERVE_COMMIT", "unknown")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", default=None, help="default: /dev/shm/llama3-8b-random if it has room, else /tmp")
+    ap.add_argument("--layers", type=int, default=32, help="fewer for a quick smoke run (figures then meaningless)")
+    ap.add_argument("--json", default="docs/bench/gpu_engine.json")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    import shutil
+
+    shm_ok = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 24e9
+    model_dir = Path(args.model_dir or ("/dev/shm" if shm_ok else "/tmp") + "/llama3-8b-random")
+    props = torch.cuda.get_device_properties(DEV)
+    device = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, torch " \
+             f"{torch.__version__}, CUDA {torch.version.cuda}"
+    log(f"device: {device}")
+    copy_bw, matmul = ceilings()
+    t0 = time.perf_counter()
+    n_params = write_checkpoint(model_dir, args.layers)
+    log(f"checkpoint: {n_params / 1e9:.3f}B params written to {model_dir} in {time.perf_counter() - t0:.1f}s")
+    ctx = dict(n_params=n_params, copy_bw=copy_bw, matmul=matmul)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    ctx["prompts"] = torch.randint(5, SHAPE["vocab_size"], (64, 64), device=DEV, generator=g)
+    def section(name: str, fn):
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001 - report and go on: the other figures still come back
+            import traceback
+
+            traceback.print_exc()
+            log(f"SECTION {name} FAILED")
+            RESULTS.setdefault("failed", []).append(name)
+            return {}
+    if not args.skip_hf:
+        ctx["hf"] = section("hf", lambda: hf_section(model_dir, n_params, args.layers, ctx["prompts"], 64))
+    RESULTS["capacity"] = section("capacity", capacity_gain)
+    RESULTS["kernels"] = section("kernels", lambda: kernel_section(copy_bw))
+    if "decode_attn_best" in RESULTS["kernels"]:
+        ctx["decode_choice"] = RESULTS["decode_choice"] = decode_choice(RESULTS["kernels"])
+        log(f"decode kernel settings for the engines: {ctx['decode_choice']}")
+    RESULTS["engine_bf16"] = section("engine_bf16", lambda: engine_section(model_dir, "auto", ctx))
+    RESULTS["engine_int8"] = section("engine_int8", lambda: engine_section(model_dir, "int8", ctx))
+
+    hf, eb, ei = ctx.get("hf", {}), RESULTS["engine_bf16"], RESULTS["engine_int8"]
+    summary = {
+        "prefill_8k_tflops": ei.get("prefill_tflops"),
+        "hf_prefill_8k_tflops": hf.get("prefill_tflops"),
+        "itl_ms_b1": eb.get("decode", {}).get("itl_ms"),
+        "hf_itl_ms_b1": hf.get("itl_ms"),
+        "decode_b128_roofline_ratio": eb.get("decode", {}).get("b128", {}).get("ratio"),
+        "int8_kv_capacity_gain": RESULTS["capacity"].get("gain"),
+        "quant_bw_fraction": RESULTS["kernels"].get("quant_bw_fraction"),
+        "greedy_match_rate": eb.get("greedy_vs_hf_fp32", {}).get("exact_match_rate"),
+        "logit_err_vs_hf_fp32": eb.get("logit_err_vs_hf_fp32"),
+        "hf_bf16_logit_err_vs_fp32": hf.get("bf16_logit_err"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "device": device,
+    }
+    details = {"layers": args.layers, "n_params": n_params, "copy_bw": copy_bw, "matmul_flops": matmul,
+               "hf": {k: v for k, v in hf.items() if not isinstance(v, torch.Tensor)}, **RESULTS}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({**summary, "details": details}, indent=1, default=str))
+    print("\n| figure | value | note |\n|---|---|---|")
+    for name, value, note in ROWS:
+        print(f"| {name} | {value} | {note} |")
+    print("\n" + json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

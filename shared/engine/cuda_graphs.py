@@ -1,0 +1,152 @@
+"""CUDA graphs for decode steps: one graph per batch size in a fixed set, each capturing the whole model
+forward plus the LM head, replayed over static input buffers.
+
+Static buffers (device): input ids, positions, KV slots [max_bs] int64; cache_seqlens [max_bs] int32; page
+table [max_bs, W] int32 with W = ceil(max_context / page_size). A decode batch of B sequences runs the graph of
+the smallest captured size >= B; padded rows read page 0 (seqlen 1) and write nowhere (slot -1: the fused KV
+write skips it). Inputs are staged in pinned host memory and copied with one transfer per buffer; a page-table
+row is rewritten on the host only where the sequence's table grew or changed (tables are append-only lists,
+replaced on preemption; a row remembers the list object it mirrors).
+
+Needs: CUDA, the fused model path (its KV write is graph-safe) and a backend whose decode `attend` reads only
+`fa3_tensors()` (FA3Backend). Anything else (a longer context, a larger batch) runs eagerly.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger("pdserve.engine")
+
+
+@dataclass
+class StaticDecodeMeta:
+    """The slice of the static buffers a captured batch size reads (duck-types AttentionMetadata for decode)."""
+    positions: torch.Tensor       # [bs] int64
+    slot_mapping: torch.Tensor    # [bs] int64 (-1: padded row)
+    cache_seqlens: torch.Tensor   # [bs] int32: keys per sequence, this step's token included
+    page_table: torch.Tensor      # [bs, W] int32
+    is_decode: bool = True
+
+    def fa3_tensors(self) -> dict:
+        return {"cache_seqlens": self.cache_seqlens, "page_table": self.page_table}
+
+
+def default_batch_sizes(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512]
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class DecodeGraphRunner:
+    def __init__(self, model, cache, backend, page_size: int, max_batch: int, max_context: int,
+                 device: torch.device, batch_sizes: list[int] | None = None):
+        self.model, self.cache, self.backend = model, cache, backend
+        self.page_size = page_size
+        self.width = -(-max_context // page_size)
+        self.max_context = self.width * page_size
+        self.sizes = sorted(batch_sizes or default_batch_sizes(max_batch))
+        bs = self.max_batch = self.sizes[-1]
+        self.device = device
+        # device buffers: one int64 block (ids, positions, slots) and one int32 block (seqlens, table)
+        self._d64 = torch.zeros(3, bs, dtype=torch.long, device=device)
+        self._d32 = torch.zeros(bs * (1 + self.width), dtype=torch.int32, device=device)
+        self._h64 = torch.zeros(3, bs, dtype=torch.long).pin_memory()
+        self._h32 = torch.zeros(bs * (1 + self.width), dtype=torch.int32).pin_memory()
+        self._n64, self._n32 = self._h64.numpy(), self._h32.numpy()
+        self._ntable = self._n32[bs:].reshape(bs, self.width)
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * bs  # per row: (mirrored list, entries)
+        self._copied = torch.cuda.Event()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def _meta(self, bs: int) -> StaticDecodeMeta:
+        d32 = self._d32
+        table = d32[self.max_batch:].view(self.max_batch, self.width)
+        return StaticDecodeMeta(self._d64[1, :bs], self._d64[2, :bs], d32[:bs], table[:bs])
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        hidden = self.model(self._d64[0, :bs], self._meta(bs), self.cache, self.backend)
+        return self.model.compute_logits(hidden)  # [bs, V] float32
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every batch size (largest first, one shared memory pool). Buffers hold padding meanwhile.
+        Calling it again (after changing the backend's kernels) replaces the graphs."""
+        self.graphs.clear()
+        self.logits.clear()
+        torch.cuda.empty_cache()
+        self._n64[:] = 0
+        self._n64[2] = -1
+        self._n32[: self.max_batch] = 1
+        self._ntable[:] = 0
+        self._rows = [(None, 0)] * self.max_batch
+        self._d64.copy_(self._h64)
+        self._d32.copy_(self._h32)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):
+                self._forward(bs)  # warm-up: triton compiles, FA3 picks its kernels
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.logits[bs] = self._forward(bs)
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s (max context %d)", self.sizes, self.max_context)
+
+    def can_run(self, batch_size: int, max_kv_len: int) -> bool:
+        return bool(self.graphs) and batch_size <= self.max_batch and max_kv_len <= self.max_context
+
+    def run(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step: token ids, their positions, and each sequence's page table -> logits [B, V] float32
+        (a view of the graph's output buffer, valid until the next run)."""
+        self._copied.synchronize()
+        b = len(input_ids)
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        ps = self.page_size
+        n64, n32, table = self._n64, self._n32, self._ntable
+        n64[0, :b] = input_ids
+        n64[1, :b] = positions
+        slots = [t[p // ps] * ps + p % ps for t, p in zip(page_tables, positions)]
+        n64[2, :b] = slots
+        n64[0:2, b:bs] = 0
+        n64[2, b:bs] = -1
+        n32[:b] = positions
+        n32[:b] += 1
+        n32[b:bs] = 1
+        rows = self._rows
+        for i, t in enumerate(page_tables):
+            mirrored, n = rows[i]
+            if mirrored is not t:
+                n = 0
+            if n != len(t):
+                table[i, n:len(t)] = t[n:]
+                rows[i] = (t, len(t))
+        # padded rows keep whatever table they had: every entry ever written is a valid page id
+        self._d64[:, :bs].copy_(self._h64[:, :bs], non_blocking=True)
+        self._d32[:bs].copy_(self._h32[:bs], non_blocking=True)
+        w = self.width
+        mb = self.max_batch
+        self._d32[mb:mb + bs * w].copy_(self._h32[mb:mb + bs * w], non_blocking=True)
+        self._copied.record()  # the next run refills the pinned buffers only after these copies are done
+        self.graphs[bs].replay()
+        return self.logits[bs][:b]
+
+
+def make_decode_graph_runner(model, cache, backend, page_size: int, max_batch: int, max_context: int,
+                             device: torch.device, enabled: bool) -> DecodeGraphRunner | None:
+    """A captured runner when the engine can use one (CUDA, fused model, FA3 backend), else None (eager)."""
+    if not enabled or device.type != "cuda" or not getattr(model, "fused", False) or backend.name != "fa3":
+        why = "disabled" if not enabled else "needs CUDA, the fused model path and the FA3 backend"
+        log.info("decode CUDA graphs off (%s)", why)
+        return None
+    runner = DecodeGraphRunner(model, cache, backend, page_size, max_batch, max_context, device)
+    runner.capture()
+    return runner

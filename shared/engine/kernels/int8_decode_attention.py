@@ -1,0 +1,153 @@
+"""Decode attention that reads the int8 paged KV pool directly and dequantizes in registers (split-K "flash
+decoding"): one program per (sequence, KV head, split) walks its share of the sequence's pages, keeps an online
+softmax for the KV head's group of query heads (padded to 16 rows for tensor-core dots), and a second kernel
+merges the splits. Nothing is dequantized to memory: it moves 1 byte per K/V element (+ the fp16 scales)
+where dequantize-then-FA3 moves 1 + 2 + 2. The same kernel reads a dense (bf16/fp16) pool when given no scales
+(`paged_decode`), which bench/gpu_engine.py compares with FA3's paged decode.
+
+Graph-safe: the grid depends only on the batch size and `num_splits`; each split's token range is computed
+on the device from `seqlens` (a split past the end of a short sequence does nothing).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.engine.kernels.kv_quant import dequantize_tile
+
+DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2, split_mult=2)  # set from bench/gpu_engine.py sweeps
+
+
+@triton.jit
+def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+                   table_ptr, table_stride, seqlens_ptr, po_ptr, pml_ptr, out_ptr, out_sb, out_sh,
+                   qk_scale, num_splits,
+                   KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                   G: tl.constexpr, ASYM: tl.constexpr, DIRECT: tl.constexpr, BLOCK: tl.constexpr,
+                   DENSE: tl.constexpr):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(seqlens_ptr + b)
+    per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK) * BLOCK
+    start = sp * per
+    end = tl.minimum(start + per, n)
+
+    qi = tl.arange(0, QP)
+    qmask = qi < QPK
+    d = tl.arange(0, D)
+    gi = tl.arange(0, G)
+    heads = kh * QPK + qi
+    q = tl.load(q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + d[None, :], mask=qmask[:, None],
+                other=0.0)                                                           # [QP, D]
+    m = tl.full([QP], float("-inf"), tl.float32)
+    l = tl.zeros([QP], tl.float32)
+    acc = tl.zeros([QP, D], tl.float32)
+    tab = table_ptr + b.to(tl.int64) * table_stride
+    for n0 in range(start, end, BLOCK):
+        t = n0 + tl.arange(0, BLOCK)
+        ok = t < end
+        page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
+        row = (page * PS + t % PS) * KVH + kh                                           # [BLOCK] pool rows
+        kq = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+        if DENSE:
+            k = kq.to(q.dtype)                                                          # [BLOCK, D]
+        else:
+            ks = tl.load(ks_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
+            kz = ks
+            if ASYM:
+                kz = tl.load(kz_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
+            k = dequantize_tile(kq, ks, kz, G, D // G, ASYM).to(q.dtype)
+
+        qk = tl.dot(q, tl.trans(k)) * qk_scale                                          # [QP, BLOCK] (log2 units)
+        qk = tl.where(ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        vq = tl.load(v_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+        if DENSE:
+            v = vq.to(q.dtype)
+        else:
+            vs = tl.load(vs_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
+            vz = vs
+            if ASYM:
+                vz = tl.load(vz_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
+            v = dequantize_tile(vq, vs, vz, G, D // G, ASYM).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m = m_new
+    if DIRECT:
+        o = acc / l[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+    else:
+        hq = KVH * QPK
+        part = (b.to(tl.int64) * hq + heads) * num_splits + sp                          # [QP]
+        tl.store(po_ptr + part[:, None] * D + d[None, :], acc, mask=qmask[:, None])
+        tl.store(pml_ptr + part * 2, m, mask=qmask)
+        tl.store(pml_ptr + part * 2 + 1, l, mask=qmask)
+
+
+@triton.jit
+def _combine_kernel(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, num_splits, HQ: tl.constexpr, D: tl.constexpr,
+                    SP: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    ok = s < num_splits
+    part = (b.to(tl.int64) * HQ + h) * num_splits + s
+    ms = tl.load(pml_ptr + part * 2, mask=ok, other=float("-inf"))
+    ls = tl.load(pml_ptr + part * 2 + 1, mask=ok, other=0.0)
+    mx = tl.max(ms, 0)
+    w = tl.where(ms > float("-inf"), tl.exp2(ms - mx), 0.0)                              # empty splits weigh 0
+    d = tl.arange(0, D)
+    po = tl.load(po_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(po * w[:, None], 0) / tl.sum(ls * w, 0)
+    tl.store(out_ptr + b.to(tl.int64) * out_sb + h * out_sh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def default_num_splits(batch: int, kv_heads: int, num_sms: int, split_mult: int = 2) -> int:
+    """About `split_mult` waves of (sequence, head, split) programs; a function of the batch size only, so that
+    one CUDA graph per batch size stays valid for every context length."""
+    return max(1, min(32, math.ceil(split_mult * num_sms / max(1, batch * kv_heads))))
+
+
+def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
+                      v_scales: torch.Tensor | None, k_zeros: torch.Tensor | None, v_zeros: torch.Tensor | None,
+                      page_table: torch.Tensor, seqlens: torch.Tensor, scale: float, num_splits: int,
+                      out: torch.Tensor | None = None, block_n: int = DEFAULT_CONFIG["block_n"],
+                      num_warps: int = DEFAULT_CONFIG["num_warps"],
+                      num_stages: int = DEFAULT_CONFIG["num_stages"]) -> torch.Tensor:
+    """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
+    [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
+    k_scales None: k/v are a dense pool in q's dtype (no dequantization)."""
+    b, hq, d = q.shape
+    _, ps, kvh, _ = k.shape
+    dense = k_scales is None
+    if dense:
+        k_scales = v_scales = k  # unused pointers
+    g = 1 if dense else k_scales.shape[-1]
+    qpk = hq // kvh
+    qp = max(16, triton.next_power_of_2(qpk))
+    assert q.stride(-1) == 1 and k.is_contiguous() and v.is_contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    direct = num_splits == 1
+    if direct:
+        po = pml = out  # unused
+    else:
+        po = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        pml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    asym = k_zeros is not None
+    _decode_kernel[(b, kvh, num_splits)](
+        q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, k_zeros if asym else k_scales,
+        v_zeros if asym else v_scales, page_table, page_table.stride(0), seqlens, po, pml, out, out.stride(0),
+        out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk, QP=qp, PS=ps, D=d, G=g,
+        ASYM=asym, DIRECT=direct, BLOCK=block_n, DENSE=dense, num_warps=num_warps, num_stages=num_stages)
+    if not direct:
+        _combine_kernel[(b, hq)](po, pml, out, out.stride(0), out.stride(1), num_splits, HQ=hq, D=d,
+                                 SP=triton.next_power_of_2(num_splits))
+    return out

@@ -1,0 +1,169 @@
+"""Group-wise int8 quantize / dequantize of KV rows in Triton, bit-identical to `pdserve.kv.quant` (the torch
+path): scales and zero points rounded to fp16 outward (scale up, zero down), IEEE division (`div_rn`),
+round-half-to-even, and dequantization as (q [+ 128]) * s [+ z] in float32, whose products are exact.
+
+Rows are the last dim (head_dim D, a power of two); a program handles BLOCK_R rows. Optional row indirection
+(`slots`) lets the same code scatter into / gather from a paged pool: row r of the input is token r // H, head
+r % H, stored at pool row slots[token] * H + head (slots < 0 are skipped: padded batch rows).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_R = 32     # rows per program (quantize/dequantize); bench/gpu_engine.py sweeps it
+NUM_WARPS = 4
+
+
+@triton.jit
+def round_half_even(x):
+    """Round to nearest, ties to even, for |x| < 2**22: adding 1.5 * 2**23 leaves no fraction bits."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def fp16_round_up(v):
+    """Smallest fp16 >= v (v float32 in [0, 65504])."""
+    h = v.to(tl.float16)
+    up = (h.to(tl.int16, bitcast=True) + 1).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where(h.to(tl.float32) < v, up, h)
+
+
+@triton.jit
+def fp16_round_down(v):
+    """Largest fp16 <= v (v float32 in [-65504, 65504])."""
+    h = v.to(tl.float16)
+    bits = h.to(tl.int16, bitcast=True)
+    down = tl.where(bits < 0, bits + 1, bits - 1).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where(h.to(tl.float32) > v, down, h)
+
+
+@triton.jit
+def quantize_tile(x, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr):
+    """x float32 [R, G * GS] -> (q int8 [R, G*GS], scale fp16 [R, G], zero fp16 [R, G] (zeros if symmetric))."""
+    R: tl.constexpr = x.shape[0]
+    g = tl.reshape(x, (R, G, GS))
+    lo = tl.min(g, axis=2)
+    hi = tl.max(g, axis=2)
+    if ASYM:
+        zero = fp16_round_down(tl.minimum(tl.maximum(lo, -65504.0), 65504.0))
+        zf = zero.to(tl.float32)
+        scale = fp16_round_up(tl.minimum(tl.math.div_rn(hi - zf, 255.0), 65504.0))
+        scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
+        y = tl.math.div_rn(g - zf[:, :, None], scale.to(tl.float32)[:, :, None])
+        q = tl.minimum(tl.maximum(round_half_even(y), 0.0), 255.0) - 128.0
+    else:
+        absmax = tl.maximum(hi, -lo)
+        scale = fp16_round_up(tl.minimum(tl.math.div_rn(absmax, 127.0), 65504.0))
+        scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
+        zero = tl.zeros_like(scale)
+        y = tl.math.div_rn(g, scale.to(tl.float32)[:, :, None])
+        q = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
+    return tl.reshape(q, (R, G * GS)).to(tl.int8), scale, zero
+
+
+@triton.jit
+def dequantize_tile(q, s, z, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr):
+    """q int8 [R, G*GS], s/z fp16 [R, G] -> float32 [R, G*GS]: q*s, or (z + 128 s) + q*s (products exact)."""
+    R: tl.constexpr = q.shape[0]
+    qf = tl.reshape(q.to(tl.float32), (R, G, GS))
+    sf = s.to(tl.float32)[:, :, None]
+    if ASYM:
+        x = (z.to(tl.float32)[:, :, None] + 128.0 * sf) + qf * sf
+    else:
+        x = qf * sf
+    return tl.reshape(x, (R, G * GS))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, x_stride, q_ptr, s_ptr, z_ptr, slot_ptr, n_rows, H,
+                     D: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """x rows [n_rows, D] (row r at x_ptr + (r // H) * x_stride + (r % H) * D) -> pool rows (see module doc)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    gi = tl.arange(0, G)
+    ok = rows < n_rows
+    tok = rows // H
+    head = rows % H
+    src = tok.to(tl.int64) * x_stride + head * D
+    x = tl.load(x_ptr + src[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    if HAS_SLOTS:
+        slot = tl.load(slot_ptr + tok, mask=ok, other=-1)
+        ok = ok & (slot >= 0)
+        dst = slot.to(tl.int64) * H + head
+    else:
+        dst = rows.to(tl.int64)
+    q, s, z = quantize_tile(x, G, D // G, ASYM)
+    tl.store(q_ptr + dst[:, None] * D + d[None, :], q, mask=ok[:, None])
+    tl.store(s_ptr + dst[:, None] * G + gi[None, :], s, mask=ok[:, None])
+    if ASYM:
+        tl.store(z_ptr + dst[:, None] * G + gi[None, :], z, mask=ok[:, None])
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, n_rows,
+                       D: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    gi = tl.arange(0, G)
+    ok = rows < n_rows
+    r = rows.to(tl.int64)
+    q = tl.load(q_ptr + r[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+    s = tl.load(s_ptr + r[:, None] * G + gi[None, :], mask=ok[:, None], other=1.0)
+    z = s
+    if ASYM:
+        z = tl.load(z_ptr + r[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
+    x = dequantize_tile(q, s, z, G, D // G, ASYM)
+    tl.store(out_ptr + r[:, None] * D + d[None, :], x.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def supported(head_dim: int, group_size: int) -> bool:
+    """The kernels need power-of-two head_dim and group size (tl.arange); other shapes use the torch path."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return pow2(head_dim) and pow2(group_size) and group_size <= head_dim and head_dim >= 16
+
+
+def quantize(x: torch.Tensor, group_size: int, asymmetric: bool, block_rows: int = BLOCK_R,
+             num_warps: int = NUM_WARPS):
+    """x [..., D] float -> q int8 [..., D], scales fp16 [..., D/g], zeros fp16 [..., D/g] | None."""
+    d = x.shape[-1]
+    xc = x.contiguous()
+    n = xc.numel() // d
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    s = torch.empty(*x.shape[:-1], d // group_size, dtype=torch.float16, device=x.device)
+    z = torch.empty_like(s) if asymmetric else None
+    if n:
+        _quantize_kernel[(triton.cdiv(n, block_rows),)](xc, d, q, s, z if asymmetric else s, s, n, 1, D=d,
+                                                        G=d // group_size, ASYM=asymmetric, HAS_SLOTS=False,
+                                                        BLOCK=block_rows, num_warps=num_warps)
+    return q, s, z
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+               dtype: torch.dtype, block_rows: int = BLOCK_R, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    d = q.shape[-1]
+    qc, sc = q.contiguous(), scales.contiguous()
+    zc = zeros.contiguous() if zeros is not None else sc
+    n = qc.numel() // d
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if n:
+        _dequantize_kernel[(triton.cdiv(n, block_rows),)](qc, sc, zc, out, n, D=d, G=d // group_size,
+                                                          ASYM=zeros is not None, BLOCK=block_rows,
+                                                          num_warps=num_warps)
+    return out
+
+
+def quantize_into_pool(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                       zeros: torch.Tensor | None) -> None:
+    """x [T, H, D] (row stride free, inner dims contiguous) -> pool layer views data [P, ps, H, D] int8,
+    scales/zeros [P, ps, H, G] fp16 at token slots `slots` [T] (int32/int64; < 0 skipped)."""
+    t, h, d = x.shape
+    g = scales.shape[-1]
+    assert x.stride(2) == 1 and x.stride(1) == d, "x must have contiguous heads"
+    n = t * h
+    if n:
+        _quantize_kernel[(triton.cdiv(n, BLOCK_R),)](x, x.stride(0), data, scales,
+                                                     zeros if zeros is not None else scales, slots, n, h, D=d,
+                                                     G=g, ASYM=zeros is not None, HAS_SLOTS=True, BLOCK=BLOCK_R)

@@ -1,0 +1,150 @@
+"""Triton kernels of the GPU engine against references, on fresh random inputs (CUDA + triton only; skipped
+elsewhere: CPU CI has neither). Quantization must equal the CPU torch path bit for bit; float kernels are held to
+an fp32 reference with bf16-level tolerances (relative L2 error)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine import kernels
+from pdserve.kv import quant as Q
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not kernels.HAVE_TRITON,
+                                reason="needs a CUDA GPU and triton")
+DEV = torch.device("cuda")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_matches_cpu_path_bitwise(asym, group, dtype):
+    g = torch.Generator(device=DEV).manual_seed(group + asym)
+    x = (torch.randn(37, 8, 128, device=DEV, generator=g) * torch.rand(37, 8, 1, device=DEV, generator=g) * 20)
+    x = x.to(dtype)
+    x[0, 0] = 0
+    x[1, 1, :group] = 2.5  # constant group
+    q, s, z = Q.quantize(x, group, asym)  # dispatches to triton on CUDA
+    qc, sc, zc = Q._quantize_torch(x.cpu(), group, asym)
+    assert torch.equal(q.cpu(), qc) and torch.equal(s.cpu(), sc)
+    assert (z is None) == (zc is None) and (z is None or torch.equal(z.cpu(), zc))
+    for out_dtype in (torch.float32, torch.bfloat16):
+        d = Q.dequantize(q, s, z, group, out_dtype)
+        assert torch.equal(d.cpu(), Q._dequantize_torch(qc, sc, zc, group, out_dtype))
+    # against the exact value: error at most half a (stored) scale step per element
+    err = (Q.dequantize(q, s, z, group, torch.float32) - x.float()).abs().view(37, 8, -1, group)
+    assert (err <= s.float()[..., None] * 0.5 + 1e-6 * x.float().abs().max()).all()
+
+
+def test_dequant_pages_matches_pool_read():
+    from pdserve.engine.kernels.kv_gather import dequant_pages
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    P, ps, H, D = 64, 16, 8, 128
+    for asym in (False, True):
+        q, s, z = Q.quantize(torch.randn(2, P, ps, H, D, device=DEV, generator=g), 64, asym)
+        table = torch.randperm(P, device=DEV, generator=g)[:40].view(4, 10).int()
+        lens = torch.tensor([1, 17, 160, 77], device=DEV, dtype=torch.int32)
+        out = dequant_pages(q, s, z, table, lens, torch.bfloat16)
+        full = Q._dequantize_torch(q, s, z, 64, torch.bfloat16).view(2, P * ps, H, D)
+        for b in range(4):
+            n = int(lens[b])
+            slots = (table[b].long()[:, None] * ps + torch.arange(ps, device=DEV)).flatten()[:n]
+            assert torch.equal(out[:, b, :n], full[:, slots])
+
+
+def _ref_decode(q, kv, table, lens, ps, scale):
+    """fp32 attention of q [B, HQ, D] over dense kv [2, P*ps, KVH, D] through the page table."""
+    b, hq, d = q.shape
+    kvh = kv.shape[2]
+    out = torch.empty(b, hq, d, dtype=torch.float64, device=q.device)
+    for i in range(b):
+        n = int(lens[i])
+        slots = (table[i].long()[:, None] * ps + torch.arange(ps, device=q.device)).flatten()[:n]
+        k = kv[0, slots].double().repeat_interleave(hq // kvh, 1)
+        v = kv[1, slots].double().repeat_interleave(hq // kvh, 1)
+        a = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_int8_decode_attention_vs_fp32(asym, splits):
+    from pdserve.engine.kernels.int8_decode_attention import int8_paged_decode
+
+    g = torch.Generator(device=DEV).manual_seed(splits + 10 * asym)
+    P, ps, KVH, D, HQ, B, W = 256, 16, 8, 128, 32, 5, 40
+    q8, s, z = Q.quantize(torch.randn(2, P, ps, KVH, D, device=DEV, generator=g), 64, asym)
+    kv = Q.dequantize(q8, s, z, 64, torch.float32).view(2, P * ps, KVH, D)  # what the kernel must attend to
+    table = torch.randperm(P, device=DEV, generator=g)[:B * W].view(B, W).int()
+    lens = torch.tensor([1, 15, 16, 333, 640], device=DEV, dtype=torch.int32)
+    q = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
+    out = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None if z is None else z[0], None if z is None else z[1],
+                            table, lens, D ** -0.5, splits)
+    assert out.isfinite().all()
+    assert rel(out, _ref_decode(q, kv, table, lens, ps, D ** -0.5)) < 1e-2
+
+
+def test_rmsnorm_silu_vs_fp32():
+    from pdserve.engine.kernels.rmsnorm import rmsnorm
+    from pdserve.engine.kernels.silu_mul import silu_mul
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    x = torch.randn(300, 4096, device=DEV, generator=g).bfloat16()
+    r = torch.randn(300, 4096, device=DEV, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(4096, device=DEV, generator=g)).bfloat16()
+    ref = lambda t: w.double() * t.double() * torch.rsqrt(t.double().pow(2).mean(-1, keepdim=True) + 1e-5)  # noqa: E731
+    assert rel(rmsnorm(x, w, 1e-5), ref(x)) < 1e-2
+    res = r.clone()
+    h = rmsnorm(x, w, 1e-5, res)
+    assert torch.equal(res, x + r) and rel(h, ref(x.double() + r.double())) < 1e-2
+    gu = torch.randn(300, 2 * 1000, device=DEV, generator=g).bfloat16()
+    ref = F.silu(gu[:, :1000].double()) * gu[:, 1000:].double()
+    assert rel(silu_mul(gu), ref) < 1e-2
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_rope_kv_write_vs_fp32(int8):
+    from pdserve.engine.kernels.rope_kv_write import rope_kv_write
+    from pdserve.engine.model import RotaryEmbedding
+
+    g = torch.Generator(device=DEV).manual_seed(3 + int8)
+    T, H, KVH, D, P, ps = 50, 32, 8, 128, 16, 16
+    rot = RotaryEmbedding(D, 500000.0, None, DEV)
+    rot.build_tables(4096)
+    pos = torch.randint(0, 4096, (T,), device=DEV, generator=g)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEV, generator=g).bfloat16()
+    q, k, v = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D), qkv[:, (H + KVH) * D:].view(T, KVH, D)
+    q0, k0, v0 = q.double(), k.double(), v.double()
+    rq, rk = RotaryEmbedding(D, 500000.0, None, DEV)(pos, q0, k0)  # float64 reference rotation
+    slots = torch.randperm(P * ps, device=DEV, generator=g)[:T]
+    slots[3] = -1  # a padded row: rotated, not written
+    zeros = lambda dt: torch.zeros(P, ps, KVH, D, dtype=dt, device=DEV)  # noqa: E731
+    if int8:  # (K, V, K scales, V scales, no zero points): symmetric, group 64
+        ones = lambda: torch.ones(P, ps, KVH, 2, dtype=torch.float16, device=DEV)  # noqa: E731
+        pool = (zeros(torch.int8), zeros(torch.int8), ones(), ones(), None, None)
+    else:
+        pool = (zeros(torch.bfloat16), zeros(torch.bfloat16))
+    rope_kv_write(pos, q, k, v, rot.cos, rot.sin, slots, pool)
+    assert rel(q, rq) < 1e-2 and rel(k, rk) < 1e-2
+    ok = slots >= 0
+    if int8:
+        kq, vq, ks, vs = pool[:4]
+        kc = Q.dequantize(kq, ks, None, 64, torch.float32)
+        vc = Q.dequantize(vq, vs, None, 64, torch.float32)
+        # stored exactly what the torch path stores for the same (rotated, bf16) k and v
+        eq, es, _ = Q._quantize_torch(k[ok].cpu(), 64, False)
+        assert torch.equal(kq.view(-1, KVH, D)[slots[ok]].cpu(), eq) and torch.equal(ks.view(-1, KVH, 2)[slots[ok]].cpu(), es)
+    else:
+        kc, vc = pool
+    kc, vc = kc.view(-1, KVH, D), vc.view(-1, KVH, D)
+    assert rel(kc[slots[ok]], rk[ok]) < 1.5e-2 and rel(vc[slots[ok]], v0[ok]) < 1e-2
+    untouched = torch.ones(P * ps, dtype=torch.bool, device=DEV)
+    untouched[slots[ok]] = False
+    assert (kc[untouched] == 0).all()
