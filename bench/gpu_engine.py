@@ -490,13 +490,13 @@ def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv
             for i in range(64, 128):
                 e.abort(f"d{i}")
             e.step()
+        ctx = sum(s.num_tokens for s in e.scheduler.running) / B + 15  # mean context over the timed steps
         steps = time_decode_steps(e, 25)[5:]
         t = statistics.median(steps)
-        ctx = 2048 + 20
         roof = (weight_bytes + B * ctx * kv_token_bytes) / copy_bw * 1e3
         gpu = cuda_ms(lambda: runner.graphs[B].replay(), reps=10)
         out[f"b{B}"] = dict(step_ms=t, graph_ms=gpu, roofline_ms=roof, ratio=t / roof, graph_ratio=gpu / roof,
-                            tokens_per_s=B / t * 1e3)
+                            tokens_per_s=B / t * 1e3, mean_context=ctx)
         row(f"[{tag}] decode b{B} ctx2k step", f"{t:.2f} ms ({B / t * 1e3:.0f} tok/s)",
             f"roofline {roof:.2f} ms: ratio {t / roof:.2f} (graph replay alone {gpu:.2f} ms, {gpu / roof:.2f})")
         if B == 128:  # where the host time of a step goes
