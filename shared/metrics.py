@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("pdserve.metrics")
@@ -24,17 +24,17 @@ TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32
 GaugeFn = Callable[[], float | Mapping[tuple[str, ...], float]]
 
 
-class _CallbackGauge(Collector):
-    """A gauge whose value(s) `fn` returns at scrape time: a number, or {label values: number}."""
+class _Callback(Collector):
+    """A gauge (or counter) whose value(s) `fn` returns at scrape time: a number, or {label values: number}."""
 
-    def __init__(self, name: str, doc: str, labelnames: Sequence[str], fn: GaugeFn):
-        self.name, self.doc, self.labelnames, self.fn = name, doc, list(labelnames), fn
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str], fn: GaugeFn, family=GaugeMetricFamily):
+        self.name, self.doc, self.labelnames, self.fn, self.family = name, doc, list(labelnames), fn, family
 
     def describe(self):
-        return [GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)]
+        return [self.family(self.name, self.doc, labels=self.labelnames)]
 
     def collect(self):
-        fam = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
+        fam = self.family(self.name, self.doc, labels=self.labelnames)
         try:
             values = self.fn()
         except Exception:  # noqa: BLE001 - a broken gauge must not break the scrape
@@ -70,7 +70,11 @@ class ServiceMetrics:
 
     def gauge(self, name: str, doc: str, fn: GaugeFn, labelnames: Sequence[str] = ()) -> None:
         """Register a gauge read from `fn()` at scrape time (name without the `pdserve_` prefix)."""
-        self.registry.register(_CallbackGauge(f"pdserve_{name}", doc, labelnames, fn))
+        self.registry.register(_Callback(f"pdserve_{name}", doc, labelnames, fn))
+
+    def counter(self, name: str, doc: str, fn: GaugeFn, labelnames: Sequence[str] = ()) -> None:
+        """Register a counter kept elsewhere, read from `fn()` at scrape time (exposed as `pdserve_<name>_total`)."""
+        self.registry.register(_Callback(f"pdserve_{name}", doc, labelnames, fn, CounterMetricFamily))
 
     def observe(self, status: str, e2e_s: float, ttft_s: float | None = None, tpot_s: float | None = None,
                 trace_id: str | None = None) -> None:
@@ -119,3 +123,18 @@ def watch_pools(metrics: ServiceMetrics, *pools) -> None:
         return {(p.role, i.address): i.outstanding_pcs for p in pools for i in p.snapshot()}
     metrics.gauge("outstanding_pcs", "Outstanding prompt complexity score per instance", outstanding,
                   ["role", "instance"])
+
+
+PROMPT_CACHE_EVENTS = ("lookups", "lookup_pages", "hits", "misses", "local_hits", "corrupt", "errors", "skipped",
+                       "writes", "write_bytes", "write_drops", "too_large")
+
+
+def watch_prompt_cache(metrics: ServiceMetrics, cache) -> None:
+    """Prefill's prompt cache (`pdserve.cache.prompt_cache.PromptCache`): `pdserve_cache_hit_ratio` (pages found /
+    full pages asked for) and its counters as `pdserve_prompt_cache_total{event}` (pages unless named otherwise)."""
+    metrics.gauge("cache_hit_ratio", "Prompt cache: pages found / full prompt pages looked up", cache.hit_ratio)
+
+    def events() -> dict[tuple[str, ...], float]:
+        snap = cache.stats.snapshot()
+        return {(k,): snap[k] for k in PROMPT_CACHE_EVENTS if k in snap}
+    metrics.counter("prompt_cache", "Prompt cache events (pages; write_bytes in bytes)", events, ["event"])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pdserve.cache.prompt_cache import build_prompt_cache
-from pdserve.metrics import watch_engine
+from pdserve.metrics import watch_engine, watch_prompt_cache
 from pdserve.prefill.config import PrefillConfig
 from pdserve.service_runner import build_engine, run_service
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -18,6 +18,8 @@ def serve(cfg: PrefillConfig) -> None:
 
     def register(server, telemetry):
         watch_engine(telemetry.metrics, loop)
+        if cache is not None:
+            watch_prompt_cache(telemetry.metrics, cache)
         internal_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(cfg, loop, telemetry, cache), server)
 
         def cleanup() -> None:

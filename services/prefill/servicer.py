@@ -31,8 +31,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.cache = cache  # prompt cache (None: off); counters: cache.hits, .misses, .local_hits, .corrupt, ...
         self.telemetry = telemetry or Telemetry.off("prefill")
         self._tokens = [0, 0]  # prompt tokens, cached prompt tokens (for the cache hit ratio gauge)
-        self.telemetry.metrics.gauge("cache_hit_ratio", "Cached / prompt tokens of finished prefills",
-                                     lambda: self._tokens[1] / max(1, self._tokens[0]))
+        if cache is None:  # with a cache, its own page hit ratio (pdserve.metrics.watch_prompt_cache)
+            self.telemetry.metrics.gauge("cache_hit_ratio", "Cached / prompt tokens of finished prefills",
+                                         lambda: self._tokens[1] / max(1, self._tokens[0]))
         engine = loop.engine
         self.fingerprint: str = engine.fingerprint
         self.model_config = engine.model_config
@@ -92,7 +93,12 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         group_size = layout.group_size or None
         scope.set({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(prompt), "pdserve.kv.dtype": kv_dtype})
         ns = CacheNamespace(self.fingerprint, layout)
+        lookup_ns = time.time_ns()
         hit = self._cache_lookup(ns, prompt)
+        scope.record("prefill.cache_lookup", lookup_ns, {
+            "pdserve.cache.enabled": self.cache is not None, "pdserve.cache.pages_hit": hit.num_pages,
+            "pdserve.cache.pages_miss": (len(prompt) - 1) // self.page_size - hit.num_pages,
+            "pdserve.cache.local_hits": hit.local_hits})
         for p in hit.pages:  # shipped first, as stored (already in the layout decode asked for)
             outbox.put(p)
 

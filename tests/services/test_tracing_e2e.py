@@ -2,6 +2,7 @@
 run here, requests carry a client `traceparent`, and every service's /metrics is scraped and parsed."""
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -53,6 +54,7 @@ def traced(tmp_path_factory):
         mp.delenv("OTEL_SDK_DISABLED", raising=False)
         mp.delenv("OTEL_TRACES_EXPORTER", raising=False)
         mp.delenv("OTEL_TRACES_SAMPLER", raising=False)
+        mp.delenv("REDIS_URL", raising=False)  # the prefill's prompt cache is in-process
         stack = start_stack(model, workdir, kv_dtype="int8", page_size=PAGE, chunk_size=CHUNK,
                             extra=["--num-pages", "256", "--torch-threads", "1"])
         try:
@@ -65,9 +67,11 @@ def traced(tmp_path_factory):
                     c.generate(token_ids=prompt, temperature=-1.0, metadata=[("traceparent", bad[2])])
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 c.generate(token_ids=prompt, max_tokens=2, metadata=[("traceparent", unsampled[2])])
+            streamed = traceparent()
+            asyncio.run(stream_async(stack.router, prompt, streamed[2]))
             metrics_at = {json.loads(p.read_text())["service"]: json.loads(p.read_text())["metrics"]
                           for p in workdir.glob("*.json")}
-            expect = {"router": 3, "prefill": 2, "decode": 2}  # requests counted once their RPC has ended
+            expect = {"router": 4, "prefill": 3, "decode": 3}  # requests counted once their RPC has ended
             deadline = time.monotonic() + 10
             while True:
                 texts = {svc: scrape(addr) for svc, addr in metrics_at.items()}
@@ -81,7 +85,14 @@ def traced(tmp_path_factory):
             stack.stop()
         spans = sink.spans()
     return dict(spans=spans, ok=ok, bad=bad, unsampled=unsampled, stack=stack, out=out, texts=texts,
-                router_om=router_om, counts=counts)
+                router_om=router_om, counts=counts, streamed=streamed)
+
+
+async def stream_async(router: str, prompt: list[int], tp: str) -> None:
+    async with pdserve.AsyncClient(router, timeout=60) as c:
+        chunks = [ch async for ch in c.stream(token_ids=prompt, max_tokens=3, temperature=0, ignore_eos=True,
+                                              metadata=[("traceparent", tp)])]
+    assert chunks[-1].finish_reason == "length"
 
 
 def by_name(spans, trace_id: str) -> dict[str, list]:
@@ -101,21 +112,23 @@ def test_one_trace_across_services_with_parent_child_structure(traced):
     (recv,) = trace["decode.kv_receive"]
     (prefill,) = trace["prefill.request"]
     (ship,) = trace["prefill.kv_ship"]
+    (lookup,) = trace["prefill.cache_lookup"]
     chunks = sorted(trace["prefill.chunk"], key=lambda s: s.attributes["pdserve.chunk.start"])
     assert router.parent_id == client_span and router.kind == decode.kind == prefill.kind == SERVER
     assert decode.parent_id == router.span_id
     assert recv.parent_id == decode.span_id
     assert prefill.parent_id == recv.span_id  # the Prefill bidi stream carries the trace context
-    assert ship.parent_id == prefill.span_id
+    assert ship.parent_id == lookup.parent_id == prefill.span_id
     assert all(c.parent_id == prefill.span_id for c in chunks)
     # one span per chunk, no per-token spans
     ranges = [(c.attributes["pdserve.chunk.start"], c.attributes["pdserve.chunk.end"]) for c in chunks]
     assert ranges == [(0, 8), (8, 16), (16, 24), (24, 29)]
-    assert sum(map(len, trace.values())) == 5 + len(chunks)
+    assert sum(map(len, trace.values())) == 6 + len(chunks)
     # time structure: chunks in order, inside prefill, inside kv receive, inside decode, inside router
     for a, b in zip(chunks, chunks[1:]):
         assert a.start_ns <= a.end_ns <= b.start_ns
-    assert prefill.start_ns <= chunks[0].start_ns and chunks[-1].end_ns <= prefill.end_ns
+    assert prefill.start_ns <= lookup.start_ns <= lookup.end_ns <= chunks[0].start_ns
+    assert chunks[-1].end_ns <= prefill.end_ns
     assert router.start_ns <= decode.start_ns <= recv.start_ns <= prefill.start_ns
     assert recv.end_ns <= decode.end_ns <= router.end_ns
     assert all(s.status_code != ERROR for ss in trace.values() for s in ss)
@@ -146,10 +159,30 @@ def test_span_attributes(traced):
     p = trace["prefill.request"][0].attributes
     assert p["pdserve.request_id"] == out.request_id and p["pdserve.prompt_tokens"] == PROMPT_LEN
     assert p["pdserve.finish_reason"] == "prefill_done" and p["pdserve.cached_tokens"] == 0
+    lookup = trace["prefill.cache_lookup"][0].attributes  # the first time this prompt is seen
+    assert lookup["pdserve.cache.enabled"] is True
+    assert (lookup["pdserve.cache.pages_hit"], lookup["pdserve.cache.pages_miss"]) == (0, (PROMPT_LEN - 1) // PAGE)
     ship = trace["prefill.kv_ship"][0].attributes
     assert ship["pdserve.kv.pages"] == 8 and ship["pdserve.kv.bytes"] == recv["pdserve.kv.bytes"] > 0
     ready = [c.attributes["pdserve.chunk.ready_pages"] for c in trace["prefill.chunk"]]
     assert sum(ready) == 8
+
+
+def test_async_stream_continues_client_trace(traced):
+    tid, client_span, _ = traced["streamed"]
+    trace = by_name(traced["spans"], tid)
+    assert trace["router.generate"][0].parent_id == client_span
+    assert trace["router.generate"][0].attributes["pdserve.completion_tokens"] == 3
+    # same prompt again: whatever the prompt cache had by then (its writes are asynchronous), spans agree
+    hit = trace["prefill.cache_lookup"][0].attributes["pdserve.cache.pages_hit"]
+    assert hit + trace["prefill.cache_lookup"][0].attributes["pdserve.cache.pages_miss"] == (PROMPT_LEN - 1) // PAGE
+    assert trace["prefill.request"][0].attributes["pdserve.cached_tokens"] == hit * PAGE
+    assert trace["decode.kv_receive"][0].attributes["pdserve.cached_tokens"] == hit * PAGE
+    ranges = sorted((c.attributes["pdserve.chunk.start"], c.attributes["pdserve.chunk.end"])
+                    for c in trace["prefill.chunk"])
+    assert ranges[0][0] == hit * PAGE and ranges[-1][1] == PROMPT_LEN
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert trace["prefill.kv_ship"][0].attributes["pdserve.kv.pages"] == -(-PROMPT_LEN // PAGE)  # cached ones too
 
 
 def test_error_recorded_with_status(traced):
@@ -167,16 +200,16 @@ def test_unsampled_client_trace_is_not_recorded(traced):
 
 
 def test_metrics_scraped_and_parsed(traced):
-    assert traced["counts"] == {"router": 3, "prefill": 2, "decode": 2}
+    assert traced["counts"] == {"router": 4, "prefill": 3, "decode": 3}
     router, prefill, decode = (samples(traced["texts"][s]) for s in ("router", "prefill", "decode"))
-    assert router[("pdserve_requests_total", (("status", "OK"),))] == 2
+    assert router[("pdserve_requests_total", (("status", "OK"),))] == 3
     assert router[("pdserve_requests_total", (("status", "INVALID_ARGUMENT"),))] == 1
     for svc in (router, decode):
-        assert svc[("pdserve_request_ttft_seconds_count", ())] == 2
-        assert svc[("pdserve_request_tpot_seconds_count", ())] == 2
-        assert svc[("pdserve_request_e2e_seconds_count", ())] >= 2
+        assert svc[("pdserve_request_ttft_seconds_count", ())] == 3
+        assert svc[("pdserve_request_tpot_seconds_count", ())] == 3
+        assert svc[("pdserve_request_e2e_seconds_count", ())] >= 3
         assert svc[("pdserve_requests_in_flight", ())] == 0
-    assert prefill[("pdserve_request_ttft_seconds_count", ())] == 2
+    assert prefill[("pdserve_request_ttft_seconds_count", ())] == 3
     stack = traced["stack"]
     assert router[("pdserve_outstanding_pcs", (("instance", stack.prefill[0]), ("role", "prefill")))] == 0
     assert router[("pdserve_outstanding_pcs", (("instance", stack.decode[0]), ("role", "decode")))] == 0
@@ -185,7 +218,9 @@ def test_metrics_scraped_and_parsed(traced):
         free, used = svc[("pdserve_kv_pages", (("state", "free"),))], svc[("pdserve_kv_pages", (("state", "used"),))]
         assert free + used == 256
         assert svc[("pdserve_queue_depth", ())] == 0
-    assert prefill[("pdserve_cache_hit_ratio", ())] == 0.0
+    cache = {labels[0][1]: v for (n, labels), v in prefill.items() if n == "pdserve_prompt_cache_total"}
+    assert cache["lookups"] == 3 and cache["lookup_pages"] == 3 * ((PROMPT_LEN - 1) // PAGE)
+    assert prefill[("pdserve_cache_hit_ratio", ())] == pytest.approx(cache["hits"] / cache["lookup_pages"])
     # every byte prefill shipped, decode received (both requests, sampled or not)
     shipped = prefill[("pdserve_kv_transfer_bytes_total", ())]
     assert shipped == decode[("pdserve_kv_transfer_bytes_total", ())] > 0

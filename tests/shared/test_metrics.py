@@ -76,3 +76,27 @@ def test_off_and_separate_registries():
     m.observe("OK", 1.0)
     assert other.registry.get_sample_value("pdserve_requests_total", {"status": "OK"}) is None
     assert m.registry.get_sample_value("pdserve_requests_total", {"status": "OK"}) == 1
+
+
+def test_watch_prompt_cache(metrics):
+    """The prompt cache's own counters and page hit ratio (a real in-process PromptCache, empty: all misses)."""
+    from pdserve.cache.keys import CacheNamespace
+    from pdserve.cache.prompt_cache import PromptCache
+    from pdserve.cache.store import MemoryStore
+    from pdserve.kv.codec import KVLayoutSpec
+    from pdserve.metrics import watch_prompt_cache
+
+    cache = PromptCache(MemoryStore(1 << 20))
+    try:
+        watch_prompt_cache(metrics, cache)
+        ns = CacheNamespace("fp", KVLayoutSpec(dtype="int8", page_size=4, num_layers=2, num_kv_heads=2, head_dim=16,
+                                               group_size=16))
+        assert cache.lookup(ns, list(range(5, 22)), max_pages=4).num_pages == 0
+        val = metrics.registry.get_sample_value
+        assert val("pdserve_prompt_cache_total", {"event": "lookups"}) == 1
+        assert val("pdserve_prompt_cache_total", {"event": "lookup_pages"}) == 4
+        assert val("pdserve_prompt_cache_total", {"event": "misses"}) == 4
+        assert val("pdserve_prompt_cache_total", {"event": "hits"}) == 0
+        assert val("pdserve_cache_hit_ratio", {}) == 0.0
+    finally:
+        cache.close()
