@@ -37,7 +37,7 @@ class RedisStore:
             raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {url!r}")
         self.url, self.cluster = url, cluster
         self._kw = dict(socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
-                        retry=Retry(NoBackoff(), 0))
+                        retry=Retry(NoBackoff(), 0), socket_read_size=1 << 20)  # values are ~MB: read big chunks
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
 
