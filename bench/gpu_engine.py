@@ -266,15 +266,25 @@ def kernel_section(copy_bw: float) -> dict:
         err = rel_err(Q.dequantize(q, s, z, 64, torch.float32), x.float())
         out[f"quant_bitwise_{'asym' if asym else 'sym'}"] = same and same_d
         row(f"int8 {'asym' if asym else 'sym'} g64 == CPU path", str(same and same_d), f"rel err vs exact {err:.2e}")
-    x = torch.randn(1 << 21, 128, device=DEV, generator=g).bfloat16()  # 512 MiB bf16
+    x = torch.randn(1 << 21, 128, device=DEV, generator=g).bfloat16() * 4  # 512 MiB bf16
     n = x.numel()
-    q, s, z = Q.quantize(x, 64, False)
+    q, s, z = kv_quant.quantize(x, 64, False, fast_div=False)  # div_rn: bit-equal to the CPU path (above)
+    xa = torch.randn(1 << 18, 128, device=DEV, generator=g) * 3 + 1  # asymmetric, float32
+    qa, sa, za = kv_quant.quantize(xa, 64, True, fast_div=False)
+    qf, sf, _ = kv_quant.quantize(x, 64, False, fast_div=True)
+    qfa, sfa, zfa = kv_quant.quantize(xa, 64, True, fast_div=True)
+    fast_exact = bool(torch.equal(qf, q) and torch.equal(sf, s) and torch.equal(qfa, qa) and torch.equal(sfa, sa)
+                      and torch.equal(zfa, za))
+    out["fast_div_bit_equal"] = fast_exact
+    row("quantize fast division == div_rn", str(fast_exact), f"{n + xa.numel():,} elements, sym bf16 + asym fp32")
+    del qf, sf, qfa, sfa, zfa, xa, qa, sa, za
     sweep = {}
-    for br in (16, 32, 64, 128):
-        for nw in (4, 8):
-            tq = cuda_ms(lambda: kv_quant.quantize(x, 64, False, br, nw))
-            td = cuda_ms(lambda: kv_quant.dequantize(q, s, None, 64, torch.bfloat16, br, nw))
-            sweep[f"{br}x{nw}"] = (tq, td)
+    for fast in ((False, True) if fast_exact else (False,)):
+        for br in (16, 32, 64):
+            for nw in (4, 8):
+                tq = cuda_ms(lambda: kv_quant.quantize(x, 64, False, br, nw, fast))
+                td = cuda_ms(lambda: kv_quant.dequantize(q, s, None, 64, torch.bfloat16, br, nw))
+                sweep[f"{br}x{nw}{'-fast' if fast else ''}"] = (tq, td)
     best_q = min(sweep, key=lambda k: sweep[k][0])
     best_d = min(sweep, key=lambda k: sweep[k][1])
     tq, td = sweep[best_q][0], sweep[best_d][1]
@@ -282,9 +292,9 @@ def kernel_section(copy_bw: float) -> dict:
     bd = (n + 2 * n // 64 + 2 * n) / (td * 1e-3)
     out.update(quant_bw=bq, dequant_bw=bd, quant_bw_fraction=min(bq, bd) / copy_bw, quant_sweep_ms=sweep,
                quant_best=best_q, dequant_best=best_d)
+    dflt = f"{kv_quant.BLOCK_R}x{kv_quant.NUM_WARPS}{'-fast' if kv_quant.FAST_DIV else ''}"
     row("quantize bf16->int8 g64", f"{bq / 1e12:.2f} TB/s", f"{bq / copy_bw:.0%} of copy (rows x warps {best_q}; "
-        f"default {kv_quant.BLOCK_R}x{kv_quant.NUM_WARPS}: {sweep[f'{kv_quant.BLOCK_R}x{kv_quant.NUM_WARPS}'][0]:.3f} ms "
-        f"vs {tq:.3f})")
+        f"code default {dflt}: {sweep[dflt][0]:.3f} ms vs {tq:.3f})")
     row("dequantize int8->bf16 g64", f"{bd / 1e12:.2f} TB/s", f"{bd / copy_bw:.0%} of copy (rows x warps {best_d})")
     del x, q, s
     free_memory()
@@ -293,8 +303,9 @@ def kernel_section(copy_bw: float) -> dict:
     ps, KVH, D, HQ = 16, 8, 128, 32
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     shapes = ((1, 512), (64, 2048), (128, 2048))
-    kcfgs = [dict(block_n=bn, num_warps=4, num_stages=st) for bn in (32, 64, 128) for st in (2, 3)]
+    kcfgs = [dict(block_n=bn, num_warps=4, num_stages=st) for bn in (64, 128) for st in (2, 3)]
     times: dict = {"triton_int8": {}, "triton_dense": {}, "fa3": {}, "dequant_fa3": {}}
+    cfg_of: dict = {}  # config name -> kernel kwargs (+ split_mult)
     for B, ctx in shapes:
         W = ctx // ps
         P = B * W
@@ -318,20 +329,23 @@ def kernel_section(copy_bw: float) -> dict:
                 r[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), vv)
             refs[name] = r
         del ref8
-        for sm in (1, 2, 4):
+        for sm in (1, 2):
             splits = kd.default_num_splits(B, KVH, sms, sm)
-            for c in kcfgs:
-                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}"
-                for mode, args in (("triton_int8", (q8[0], q8[1], s8[0], s8[1])), ("triton_dense", (kv[0], kv[1], None, None))):
-                    fn = lambda: kd.int8_paged_decode(qq, *args, None, None, table, lens, D ** -0.5, splits, **c)  # noqa: E731
-                    try:
-                        e = rel_err(fn()[:nb], refs["int8" if mode == "triton_int8" else "dense"])
-                        res = (graph_ms(fn), e) if e < 2e-2 else (float("inf"), e)  # a wrong config never wins
-                    except Exception as ex:  # noqa: BLE001 - e.g. out of shared memory for this tile shape
-                        log(f"{mode} {ck} {key}: {type(ex).__name__}")
-                        res = (float("inf"), float("nan"))
-                    times[mode].setdefault(ck, {})[key] = res
-        for ns in (0, 1, 4, 16):
+            for c0, ex, mode, args in [(c0, ex, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs
+                                       for ex in (False, True)] + \
+                    [(c0, False, "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
+                c = dict(c0, scale_expand=ex)
+                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}_ex{int(ex)}"
+                cfg_of[ck] = dict(c, split_mult=sm)
+                fn = lambda: kd.int8_paged_decode(qq, *args, None, None, table, lens, D ** -0.5, splits, **c)  # noqa: E731
+                try:
+                    e = rel_err(fn()[:nb], refs["int8" if mode == "triton_int8" else "dense"])
+                    res = (graph_ms(fn), e) if e < 2e-2 else (float("inf"), e)  # a wrong config never wins
+                except Exception as err:  # noqa: BLE001 - e.g. out of shared memory for this tile shape
+                    log(f"{mode} {ck} {key}: {type(err).__name__}")
+                    res = (float("inf"), float("nan"))
+                times[mode].setdefault(ck, {})[key] = res
+        for ns in (0, 4):
             fn = lambda: first(fa.flash_attn_with_kvcache(qq.unsqueeze(1), kv[0], kv[1], cache_seqlens=lens,  # noqa: E731
                                                           page_table=table, causal=True, num_splits=ns))
             times["fa3"].setdefault(f"splits{ns}", {})[key] = (graph_ms(fn), rel_err(fn().squeeze(1)[:nb], refs["dense"]))
@@ -355,6 +369,7 @@ def kernel_section(copy_bw: float) -> dict:
     out["decode_attn_sweep"] = times
     chosen = {m: best(m) for m in times}
     out["decode_attn_best"] = {m: c for m, (c, _) in chosen.items()}
+    out["decode_attn_configs"] = cfg_of
     for B, ctx in shapes:
         key = f"b{B}_ctx{ctx}"
         tt = {m: chosen[m][1][key] for m in chosen}
@@ -388,16 +403,36 @@ def kernel_section(copy_bw: float) -> dict:
     del kv
     free_memory()
 
-    # decode GEMVs (cuBLAS, M = 1), graph-timed: bandwidth fraction
+    # decode GEMVs at M = 1 (graph-timed): cuBLAS vs the Triton GEMV (kernels/gemv.py), per layer shape
+    from pdserve.engine.kernels.gemv import gemv
+
     h, ffn = SHAPE["hidden_size"], SHAPE["intermediate_size"]
-    for name, (n_out, n_in) in {"qkv": (6144, h), "o": (h, h), "gate_up": (2 * ffn, h), "down": (h, ffn),
-                                "lm_head": (SHAPE["vocab_size"], h)}.items():
+    gcfgs = {f"bn{bn}_bk{bk}_st{st}": dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
+             for bn, bk, st in ((8, 512, 3), (16, 512, 3), (32, 512, 3), (16, 256, 4), (16, 1024, 2))}
+    gt: dict = {"cublas": {}, **{k: {} for k in gcfgs}}
+    for name, (n_out, n_in) in {"qkv": (6144, h), "o": (h, h), "gate_up": (2 * ffn, h), "down": (h, ffn)}.items():
         w = torch.randn(n_out, n_in, device=DEV, generator=g).bfloat16()
-        xx = torch.randn(1, n_in, device=DEV, generator=g).bfloat16()
-        t = graph_ms(lambda: torch.nn.functional.linear(xx, w))
-        out[f"gemv_{name}_frac"] = w.numel() * 2 / (t * 1e-3) / copy_bw
-        row(f"GEMV M=1 {name} [{n_out}x{n_in}]", f"{t * 1e3:.1f} us", f"{out[f'gemv_{name}_frac']:.0%} of copy BW")
+        xx = torch.randn(4, n_in, device=DEV, generator=g).bfloat16()
+        ref = xx.double() @ w.double().T
+        gt["cublas"][name] = graph_ms(lambda: torch.nn.functional.linear(xx[:1], w))
+        for k, c in gcfgs.items():
+            try:
+                ok = all(rel_err(gemv(xx[:m], w, None, **c), ref[:m]) < 1e-2 for m in (1, 3, 4))
+                gt[k][name] = graph_ms(lambda: gemv(xx[:1], w, None, **c)) if ok else float("inf")
+            except Exception as ex:  # noqa: BLE001
+                log(f"gemv {k} {name}: {type(ex).__name__}")
+                gt[k][name] = float("inf")
+        row(f"GEMV M=1 {name} [{n_out}x{n_in}]", f"cuBLAS {gt['cublas'][name] * 1e3:.1f} us, best Triton "
+            f"{min(gt[k][name] for k in gcfgs) * 1e3:.1f} us",
+            f"cuBLAS {w.numel() * 2 / (gt['cublas'][name] * 1e-3) / copy_bw:.0%} of copy BW, Triton "
+            f"{w.numel() * 2 / (min(gt[k][name] for k in gcfgs) * 1e-3) / copy_bw:.0%}")
         del w
+    tot = {k: sum(v.values()) for k, v in gt.items()}
+    best_g = min(gcfgs, key=lambda k: tot[k])
+    out["gemv_sweep_ms"] = gt
+    out["gemv_choice"] = gcfgs[best_g] if tot[best_g] < tot["cublas"] else None
+    row("decode GEMVs per layer (M=1)", f"cuBLAS {tot['cublas'] * 1e3:.1f} us, Triton {best_g} {tot[best_g] * 1e3:.1f} us",
+        f"engine uses {'Triton' if out['gemv_choice'] else 'cuBLAS'} for <= 4 rows")
     free_memory()
     return out
 
@@ -406,14 +441,13 @@ def decode_choice(kern: dict) -> dict:
     """Backend settings from the kernel sweeps: the Triton config, FA3 splits, and whether the Triton kernel
     beats FA3 on the dense pool (sum over the three decode shapes)."""
     chosen = kern["decode_attn_best"]
-    parse = lambda c: dict(block_n=int(c.split("_")[0][2:]), num_warps=4, num_stages=int(c.split("_")[1][2:]),  # noqa: E731
-                           split_mult=int(c.split("_")[2][2:]))
+    parse = kern["decode_attn_configs"].get
     sw = kern["decode_attn_sweep"]
     total = lambda mode, c: sum(t for t, _ in sw[mode][c].values())  # noqa: E731
     return dict(int8_config=parse(chosen["triton_int8"]), dense_config=parse(chosen["triton_dense"]),
                 fa3_num_splits=int(chosen["fa3"][6:]),
                 dense_decode="triton" if total("triton_dense", chosen["triton_dense"]) < total("fa3", chosen["fa3"])
-                else "fa3")
+                else "fa3", small_m_gemv=kern.get("gemv_choice"))
 
 
 # ---- 5. engine ------------------------------------------------------------------------------------------
@@ -543,9 +577,10 @@ def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
         e.backend.decode_config = choice["int8_config" if kv == "int8" else "dense_config"]
         e.backend.dense_decode = choice["dense_decode"]
         e.backend.fa3_num_splits = choice["fa3_num_splits"]
+        e.model.small_m_gemv = choice["small_m_gemv"]
         e.graph_runner.capture()
         out["decode_settings"] = dict(decode_config=e.backend.decode_config, dense_decode=e.backend.dense_decode,
-                                      fa3_num_splits=e.backend.fa3_num_splits)
+                                      fa3_num_splits=e.backend.fa3_num_splits, small_m_gemv=e.model.small_m_gemv)
     mc = e.model_config
     kv_token_bytes = e._page_bytes() // e.page_size
     # correctness (teacher-forced logits and greedy) against HF fp32

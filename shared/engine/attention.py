@@ -215,7 +215,8 @@ class FA3Backend:
             self._num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         cfg = {**kd.DEFAULT_CONFIG, **self.decode_config}
         splits = kd.default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
-        kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                  scale_expand=cfg["scale_expand"])
         if not cache.quantized:
             k_cache, v_cache = cache.layer_tensors(layer)
             return kd.int8_paged_decode(q, k_cache, v_cache, None, None, None, None, table, seqlens, scale, splits,

@@ -1,12 +1,12 @@
 """CUDA graphs for decode steps: one graph per batch size in a fixed set, each capturing the whole model
 forward plus the LM head, replayed over static input buffers.
 
-Static buffers (device): input ids, positions, KV slots [max_bs] int64; cache_seqlens [max_bs] int32; page
-table [max_bs, W] int32 with W = ceil(max_context / page_size). A decode batch of B sequences runs the graph of
+Static inputs live in one int32 device buffer: input ids, positions, KV slots, cache_seqlens [max_bs] each, then
+the page table [max_bs, W] with W = ceil(max_context / page_size). A decode batch of B sequences runs the graph of
 the smallest captured size >= B; padded rows read page 0 (seqlen 1) and write nowhere (slot -1: the fused KV
-write skips it). Inputs are staged in pinned host memory and copied with one transfer per buffer; a page-table
-row is rewritten on the host only where the sequence's table grew or changed (tables are append-only lists,
-replaced on preemption; a row remembers the list object it mirrors).
+write skips it). Inputs are staged in pinned host memory and sent with one copy per step; a page-table row is
+rewritten on the host only where the sequence's table grew or changed (tables are append-only lists, replaced
+on preemption; a row remembers the list object it mirrors).
 
 Needs: CUDA, the fused model path (its KV write is graph-safe) and a backend whose decode `attend` reads only
 `fa3_tensors()` (FA3Backend). Anything else (a longer context, a larger batch) runs eagerly.
@@ -26,8 +26,8 @@ log = logging.getLogger("pdserve.engine")
 @dataclass
 class StaticDecodeMeta:
     """The slice of the static buffers a captured batch size reads (duck-types AttentionMetadata for decode)."""
-    positions: torch.Tensor       # [bs] int64
-    slot_mapping: torch.Tensor    # [bs] int64 (-1: padded row)
+    positions: torch.Tensor       # [bs] int32
+    slot_mapping: torch.Tensor    # [bs] int32 (-1: padded row)
     cache_seqlens: torch.Tensor   # [bs] int32: keys per sequence, this step's token included
     page_table: torch.Tensor      # [bs, W] int32
     is_decode: bool = True
@@ -51,25 +51,26 @@ class DecodeGraphRunner:
         self.sizes = sorted(batch_sizes or default_batch_sizes(max_batch))
         bs = self.max_batch = self.sizes[-1]
         self.device = device
-        # device buffers: one int64 block (ids, positions, slots) and one int32 block (seqlens, table)
-        self._d64 = torch.zeros(3, bs, dtype=torch.long, device=device)
-        self._d32 = torch.zeros(bs * (1 + self.width), dtype=torch.int32, device=device)
-        self._h64 = torch.zeros(3, bs, dtype=torch.long).pin_memory()
-        self._h32 = torch.zeros(bs * (1 + self.width), dtype=torch.int32).pin_memory()
-        self._n64, self._n32 = self._h64.numpy(), self._h32.numpy()
-        self._ntable = self._n32[bs:].reshape(bs, self.width)
+        # one int32 block: [ids | positions | slots | seqlens] (bs each), then the page table [bs, W]
+        n = bs * (4 + self.width)
+        self._dev = torch.zeros(n, dtype=torch.int32, device=device)
+        self._host = torch.zeros(n, dtype=torch.int32).pin_memory()
+        self._np = self._host.numpy()
+        self._nvec = self._np[: 4 * bs].reshape(4, bs)
+        self._ntable = self._np[4 * bs:].reshape(bs, self.width)
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * bs  # per row: (mirrored list, entries)
         self._copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
     def _meta(self, bs: int) -> StaticDecodeMeta:
-        d32 = self._d32
-        table = d32[self.max_batch:].view(self.max_batch, self.width)
-        return StaticDecodeMeta(self._d64[1, :bs], self._d64[2, :bs], d32[:bs], table[:bs])
+        mb = self.max_batch
+        vec = self._dev[: 4 * mb].view(4, mb)
+        table = self._dev[4 * mb:].view(mb, self.width)
+        return StaticDecodeMeta(vec[1, :bs], vec[2, :bs], vec[3, :bs], table[:bs])
 
     def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self._d64[0, :bs], self._meta(bs), self.cache, self.backend)
+        hidden = self.model(self._dev[:bs], self._meta(bs), self.cache, self.backend)
         return self.model.compute_logits(hidden)  # [bs, V] float32
 
     @torch.inference_mode()
@@ -79,13 +80,12 @@ class DecodeGraphRunner:
         self.graphs.clear()
         self.logits.clear()
         torch.cuda.empty_cache()
-        self._n64[:] = 0
-        self._n64[2] = -1
-        self._n32[: self.max_batch] = 1
+        self._nvec[:] = 0
+        self._nvec[2] = -1  # slots: write nowhere
+        self._nvec[3] = 1   # seqlens
         self._ntable[:] = 0
         self._rows = [(None, 0)] * self.max_batch
-        self._d64.copy_(self._h64)
-        self._d32.copy_(self._h32)
+        self._dev.copy_(self._host)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -111,16 +111,14 @@ class DecodeGraphRunner:
         b = len(input_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         ps = self.page_size
-        n64, n32, table = self._n64, self._n32, self._ntable
-        n64[0, :b] = input_ids
-        n64[1, :b] = positions
-        slots = [t[p // ps] * ps + p % ps for t, p in zip(page_tables, positions)]
-        n64[2, :b] = slots
-        n64[0:2, b:bs] = 0
-        n64[2, b:bs] = -1
-        n32[:b] = positions
-        n32[:b] += 1
-        n32[b:bs] = 1
+        vec, table = self._nvec, self._ntable
+        vec[0, :b] = input_ids
+        vec[1, :b] = positions
+        vec[2, :b] = [t[p // ps] * ps + p % ps for t, p in zip(page_tables, positions)]
+        vec[3, :b] = vec[1, :b] + 1
+        vec[0:2, b:bs] = 0
+        vec[2, b:bs] = -1
+        vec[3, b:bs] = 1
         rows = self._rows
         for i, t in enumerate(page_tables):
             mirrored, n = rows[i]
@@ -130,11 +128,8 @@ class DecodeGraphRunner:
                 table[i, n:len(t)] = t[n:]
                 rows[i] = (t, len(t))
         # padded rows keep whatever table they had: every entry ever written is a valid page id
-        self._d64[:, :bs].copy_(self._h64[:, :bs], non_blocking=True)
-        self._d32[:bs].copy_(self._h32[:bs], non_blocking=True)
-        w = self.width
-        mb = self.max_batch
-        self._d32[mb:mb + bs * w].copy_(self._h32[mb:mb + bs * w], non_blocking=True)
+        n = 4 * self.max_batch + bs * self.width
+        self._dev[:n].copy_(self._host[:n], non_blocking=True)
         self._copied.record()  # the next run refills the pinned buffers only after these copies are done
         self.graphs[bs].replay()
         return self.logits[bs][:b]

@@ -23,6 +23,15 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import ModelConfig, iter_weights
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gemv_cfg: dict | None) -> torch.Tensor:
+    """F.linear, or the Triton small-M GEMV (kernels/gemv.py) when `gemv_cfg` is set and x has few rows."""
+    if gemv_cfg is not None and x.shape[0] <= 4:
+        from pdserve.engine.kernels.gemv import gemv  # noqa: PLC0415 - imports triton
+
+        return gemv(x, w, b, **gemv_cfg)
+    return F.linear(x, w, b)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -113,19 +122,20 @@ class Attention(nn.Module):
         self.qkv_bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward_fused(self, x: torch.Tensor, meta, rotary: RotaryEmbedding, cache: KVCache, backend) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, meta, rotary: RotaryEmbedding, cache: KVCache, backend,
+                      gemv_cfg: dict | None = None) -> torch.Tensor:
         from pdserve.engine.kernels.rope_kv_write import rope_kv_write  # noqa: PLC0415 - imports triton
 
         t = x.shape[0]
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, qd + 2 kvd]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, gemv_cfg)  # [T, qd + 2 kvd]
         q = qkv[:, :qd].view(t, self.num_heads, self.head_dim)
         k = qkv[:, qd:qd + kvd].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, qd + kvd:].view(t, self.num_kv_heads, self.head_dim)
         rope_kv_write(meta.positions, q, k, v, rotary.cos, rotary.sin, meta.slot_mapping,
                       cache.layer_pool(self.layer_idx))
         o = backend.attend(self.layer_idx, q, meta, cache, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, qd))
+        return linear(o.reshape(t, qd), self.o_proj.weight, self.o_proj.bias, gemv_cfg)
 
 
 class MLP(nn.Module):
@@ -146,10 +156,11 @@ class MLP(nn.Module):
             else None
         del self.gate_proj, self.up_proj
 
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, gemv_cfg: dict | None = None) -> torch.Tensor:
         from pdserve.engine.kernels.silu_mul import silu_mul  # noqa: PLC0415 - imports triton
 
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+        a = silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias, gemv_cfg))
+        return linear(a, self.down_proj.weight, self.down_proj.bias, gemv_cfg)
 
 
 class DecoderLayer(nn.Module):
@@ -181,6 +192,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by load_model on the real device
         self.fused = False                          # set by fuse() (CUDA + triton)
+        self.small_m_gemv: dict | None = None       # fused path: Triton GEMV config for <= 4 rows (None: cuBLAS)
 
     def fuse(self) -> None:
         """Switch to the fused GPU path (see the module docstring). Needs kernels.enabled and `fusable`."""
@@ -203,10 +215,10 @@ class CausalLM(nn.Module):
         residual = self.model.embed_tokens(input_ids)                       # [T, hidden]
         h = rmsnorm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for i, layer in enumerate(layers):
-            a = layer.self_attn.forward_fused(h, meta, self.rotary, cache, backend)
+            a = layer.self_attn.forward_fused(h, meta, self.rotary, cache, backend, self.small_m_gemv)
             norm = layer.post_attention_layernorm
             h = rmsnorm(a, norm.weight, norm.eps, residual)                 # residual += a; h = norm(residual)
-            m = layer.mlp.forward_fused(h)
+            m = layer.mlp.forward_fused(h, self.small_m_gemv)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h = rmsnorm(m, norm.weight, norm.eps, residual)
         return h

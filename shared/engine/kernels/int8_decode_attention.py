@@ -18,7 +18,31 @@ import triton.language as tl
 
 from pdserve.engine.kernels.kv_quant import dequantize_tile
 
-DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2, split_mult=2)  # set from bench/gpu_engine.py sweeps
+# Launch config; bench/gpu_engine.py sweeps it. scale_expand: load each element's scale (and zero) straight into a
+# [BLOCK, D] tile (repeated addresses, served by L1) instead of reshaping the int8 tile into groups.
+DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2, split_mult=2, scale_expand=False)
+
+
+@triton.jit
+def _load_dequant(q_ptr, s_ptr, z_ptr, row, d, gi, ok, dtype, G: tl.constexpr, D: tl.constexpr,
+                  ASYM: tl.constexpr, DENSE: tl.constexpr, EXPAND: tl.constexpr):
+    """Rows `row` [BLOCK] of one head: [BLOCK, D] in `dtype` (int8 pages dequantized in registers)."""
+    x = tl.load(q_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+    if DENSE:
+        return x.to(dtype)
+    if EXPAND:
+        grp = d[None, :] // (D // G)
+        s = tl.load(s_ptr + row[:, None] * G + grp, mask=ok[:, None], other=0.0).to(tl.float32)
+        xf = x.to(tl.float32) * s
+        if ASYM:
+            z = tl.load(z_ptr + row[:, None] * G + grp, mask=ok[:, None], other=0.0).to(tl.float32)
+            xf = (z + 128.0 * s) + xf
+        return xf.to(dtype)
+    s = tl.load(s_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
+    z = s
+    if ASYM:
+        z = tl.load(z_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
+    return dequantize_tile(x, s, z, G, D // G, ASYM).to(dtype)
 
 
 @triton.jit
@@ -27,7 +51,7 @@ def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_p
                    qk_scale, num_splits,
                    KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, ASYM: tl.constexpr, DIRECT: tl.constexpr, BLOCK: tl.constexpr,
-                   DENSE: tl.constexpr):
+                   DENSE: tl.constexpr, EXPAND: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -52,15 +76,7 @@ def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_p
         ok = t < end
         page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
         row = (page * PS + t % PS) * KVH + kh                                           # [BLOCK] pool rows
-        kq = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0)
-        if DENSE:
-            k = kq.to(q.dtype)                                                          # [BLOCK, D]
-        else:
-            ks = tl.load(ks_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
-            kz = ks
-            if ASYM:
-                kz = tl.load(kz_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
-            k = dequantize_tile(kq, ks, kz, G, D // G, ASYM).to(q.dtype)
+        k = _load_dequant(k_ptr, ks_ptr, kz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE, EXPAND)  # [BLOCK, D]
 
         qk = tl.dot(q, tl.trans(k)) * qk_scale                                          # [QP, BLOCK] (log2 units)
         qk = tl.where(ok[None, :], qk, float("-inf"))
@@ -68,15 +84,7 @@ def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_p
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        vq = tl.load(v_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0)
-        if DENSE:
-            v = vq.to(q.dtype)
-        else:
-            vs = tl.load(vs_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
-            vz = vs
-            if ASYM:
-                vz = tl.load(vz_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
-            v = dequantize_tile(vq, vs, vz, G, D // G, ASYM).to(q.dtype)
+        v = _load_dequant(v_ptr, vs_ptr, vz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE, EXPAND)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m = m_new
     if DIRECT:
@@ -120,7 +128,8 @@ def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale
                       page_table: torch.Tensor, seqlens: torch.Tensor, scale: float, num_splits: int,
                       out: torch.Tensor | None = None, block_n: int = DEFAULT_CONFIG["block_n"],
                       num_warps: int = DEFAULT_CONFIG["num_warps"],
-                      num_stages: int = DEFAULT_CONFIG["num_stages"]) -> torch.Tensor:
+                      num_stages: int = DEFAULT_CONFIG["num_stages"],
+                      scale_expand: bool = DEFAULT_CONFIG["scale_expand"]) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
     [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
     k_scales None: k/v are a dense pool in q's dtype (no dequantization)."""
@@ -146,7 +155,8 @@ def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale
         q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, k_zeros if asym else k_scales,
         v_zeros if asym else v_scales, page_table, page_table.stride(0), seqlens, po, pml, out, out.stride(0),
         out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk, QP=qp, PS=ps, D=d, G=g,
-        ASYM=asym, DIRECT=direct, BLOCK=block_n, DENSE=dense, num_warps=num_warps, num_stages=num_stages)
+        ASYM=asym, DIRECT=direct, BLOCK=block_n, DENSE=dense, EXPAND=scale_expand, num_warps=num_warps,
+        num_stages=num_stages)
     if not direct:
         _combine_kernel[(b, hq)](po, pml, out, out.stride(0), out.stride(1), num_splits, HQ=hq, D=d,
                                  SP=triton.next_power_of_2(num_splits))

@@ -14,6 +14,7 @@ import triton.language as tl
 
 BLOCK_R = 32     # rows per program (quantize/dequantize); bench/gpu_engine.py sweeps it
 NUM_WARPS = 4
+FAST_DIV = False  # quantize: Markstein division (see _div) instead of div_rn; the bench checks it is bit-equal
 
 
 @triton.jit
@@ -40,7 +41,19 @@ def fp16_round_down(v):
 
 
 @triton.jit
-def quantize_tile(x, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr):
+def _div(a, b, FAST: tl.constexpr):
+    """a / b rounded to nearest (IEEE). FAST: one correctly rounded reciprocal per group (b broadcasts), then
+    q = a * r and one FMA correction q + (a - b q) r, which is the correctly rounded quotient when r = RN(1/b)
+    and q is faithful (Markstein); three FMA-unit ops per element instead of a full division."""
+    if FAST:
+        r = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), b)
+        q = a * r
+        return tl.fma(tl.fma(-q, b, a), r, q)
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def quantize_tile(x, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr, FAST: tl.constexpr = False):
     """x float32 [R, G * GS] -> (q int8 [R, G*GS], scale fp16 [R, G], zero fp16 [R, G] (zeros if symmetric))."""
     R: tl.constexpr = x.shape[0]
     g = tl.reshape(x, (R, G, GS))
@@ -51,14 +64,14 @@ def quantize_tile(x, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr):
         zf = zero.to(tl.float32)
         scale = fp16_round_up(tl.minimum(tl.math.div_rn(hi - zf, 255.0), 65504.0))
         scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
-        y = tl.math.div_rn(g - zf[:, :, None], scale.to(tl.float32)[:, :, None])
+        y = _div(g - zf[:, :, None], scale.to(tl.float32)[:, :, None], FAST)
         q = tl.minimum(tl.maximum(round_half_even(y), 0.0), 255.0) - 128.0
     else:
         absmax = tl.maximum(hi, -lo)
         scale = fp16_round_up(tl.minimum(tl.math.div_rn(absmax, 127.0), 65504.0))
         scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
         zero = tl.zeros_like(scale)
-        y = tl.math.div_rn(g, scale.to(tl.float32)[:, :, None])
+        y = _div(g, scale.to(tl.float32)[:, :, None], FAST)
         q = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
     return tl.reshape(q, (R, G * GS)).to(tl.int8), scale, zero
 
@@ -79,7 +92,7 @@ def dequantize_tile(q, s, z, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constex
 @triton.jit
 def _quantize_kernel(x_ptr, x_stride, q_ptr, s_ptr, z_ptr, slot_ptr, n_rows, H,
                      D: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, FAST: tl.constexpr):
     """x rows [n_rows, D] (row r at x_ptr + (r // H) * x_stride + (r % H) * D) -> pool rows (see module doc)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, D)
@@ -95,7 +108,7 @@ def _quantize_kernel(x_ptr, x_stride, q_ptr, s_ptr, z_ptr, slot_ptr, n_rows, H,
         dst = slot.to(tl.int64) * H + head
     else:
         dst = rows.to(tl.int64)
-    q, s, z = quantize_tile(x, G, D // G, ASYM)
+    q, s, z = quantize_tile(x, G, D // G, ASYM, FAST)
     tl.store(q_ptr + dst[:, None] * D + d[None, :], q, mask=ok[:, None])
     tl.store(s_ptr + dst[:, None] * G + gi[None, :], s, mask=ok[:, None])
     if ASYM:
@@ -126,7 +139,7 @@ def supported(head_dim: int, group_size: int) -> bool:
 
 
 def quantize(x: torch.Tensor, group_size: int, asymmetric: bool, block_rows: int = BLOCK_R,
-             num_warps: int = NUM_WARPS):
+             num_warps: int = NUM_WARPS, fast_div: bool = FAST_DIV):
     """x [..., D] float -> q int8 [..., D], scales fp16 [..., D/g], zeros fp16 [..., D/g] | None."""
     d = x.shape[-1]
     xc = x.contiguous()
@@ -137,7 +150,7 @@ def quantize(x: torch.Tensor, group_size: int, asymmetric: bool, block_rows: int
     if n:
         _quantize_kernel[(triton.cdiv(n, block_rows),)](xc, d, q, s, z if asymmetric else s, s, n, 1, D=d,
                                                         G=d // group_size, ASYM=asymmetric, HAS_SLOTS=False,
-                                                        BLOCK=block_rows, num_warps=num_warps)
+                                                        BLOCK=block_rows, FAST=fast_div, num_warps=num_warps)
     return q, s, z
 
 
@@ -166,4 +179,5 @@ def quantize_into_pool(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor,
     if n:
         _quantize_kernel[(triton.cdiv(n, BLOCK_R),)](x, x.stride(0), data, scales,
                                                      zeros if zeros is not None else scales, slots, n, h, D=d,
-                                                     G=g, ASYM=zeros is not None, HAS_SLOTS=True, BLOCK=BLOCK_R)
+                                                     G=g, ASYM=zeros is not None, HAS_SLOTS=True, BLOCK=BLOCK_R,
+                                                     FAST=FAST_DIV)

@@ -66,6 +66,20 @@ def test_graph_decode_matches_eager_and_fp32(make_engine, reference, kv):
     assert err <= 2 * err_ref + 0.05
 
 
+def test_small_m_gemv_and_triton_dense_decode_match_defaults(make_engine, reference):
+    """The alternative decode kernels the bench may pick (Triton GEMV for <= 4 rows, Triton dense attention)."""
+    from pdserve.engine.kernels.gemv import DEFAULT_CONFIG
+
+    forced, base = reference
+    plain = make_engine("llama_hd64", **KW)
+    alt = make_engine("llama_hd64", **KW)
+    alt.model.small_m_gemv = dict(DEFAULT_CONFIG)
+    alt.backend.dense_decode = "triton"
+    alt.graph_runner.capture()
+    lp, la = run_forced(plain, PROMPTS, forced), run_forced(alt, PROMPTS, forced)
+    assert la.isfinite().all() and ((la - lp).norm() / lp.norm()).item() < 2e-2
+
+
 def test_graph_decode_under_preemption_matches_plenty_of_pages(make_engine):
     """A tight pool preempts and re-prefills sequences mid-decode (page tables replaced): the graph runner's
     cached page-table rows must follow, so greedy outputs equal those of a roomy eager engine."""

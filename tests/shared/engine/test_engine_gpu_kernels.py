@@ -41,6 +41,28 @@ def test_quantize_matches_cpu_path_bitwise(asym, group, dtype):
     assert (err <= s.float()[..., None] * 0.5 + 1e-6 * x.float().abs().max()).all()
 
 
+@pytest.mark.parametrize("asym", [False, True])
+def test_quantize_fast_division_is_bit_equal(asym):
+    from pdserve.engine.kernels import kv_quant
+
+    g = torch.Generator(device=DEV).manual_seed(5 + asym)
+    x = torch.randn(1 << 16, 128, device=DEV, generator=g) * torch.rand(1 << 16, 1, device=DEV, generator=g) * 50
+    a = kv_quant.quantize(x, 64, asym, fast_div=False)
+    b = kv_quant.quantize(x, 64, asym, fast_div=True)
+    assert all(torch.equal(u, v) for u, v in zip(a, b) if u is not None)
+
+
+def test_gemv_vs_fp64():
+    from pdserve.engine.kernels.gemv import gemv
+
+    g = torch.Generator(device=DEV).manual_seed(6)
+    w = torch.randn(1000, 4100, device=DEV, generator=g).bfloat16()  # ragged N and K
+    b = torch.randn(1000, device=DEV, generator=g).bfloat16()
+    for m in (1, 2, 4):
+        x = torch.randn(m, 4100, device=DEV, generator=g).bfloat16()
+        assert rel(gemv(x, w, b), x.double() @ w.double().T + b.double()) < 1e-2
+
+
 def test_dequant_pages_matches_pool_read():
     from pdserve.engine.kernels.kv_gather import dequant_pages
 
@@ -73,9 +95,10 @@ def _ref_decode(q, kv, table, lens, ps, scale):
     return out
 
 
+@pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_int8_decode_attention_vs_fp32(asym, splits):
+def test_int8_decode_attention_vs_fp32(asym, splits, expand):
     from pdserve.engine.kernels.int8_decode_attention import int8_paged_decode
 
     g = torch.Generator(device=DEV).manual_seed(splits + 10 * asym)
@@ -86,7 +109,7 @@ def test_int8_decode_attention_vs_fp32(asym, splits):
     lens = torch.tensor([1, 15, 16, 333, 640], device=DEV, dtype=torch.int32)
     q = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
     out = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None if z is None else z[0], None if z is None else z[1],
-                            table, lens, D ** -0.5, splits)
+                            table, lens, D ** -0.5, splits, scale_expand=expand)
     assert out.isfinite().all()
     assert rel(out, _ref_decode(q, kv, table, lens, ps, D ** -0.5)) < 1e-2
 
