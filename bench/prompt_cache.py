@@ -226,8 +226,9 @@ def local_tier_workload(url: str, lay: KVLayoutSpec, local_mb: float, requests: 
 
 # ---- quality of prefill over an int8 cached prefix ---------------------------------------------------------------
 def quality(work: Path) -> None:
-    """Teacher-forced continuation on a trained tiny model: int8 P->D without cache vs with an int8 cached prefix,
-    both against unquantized pages."""
+    """Teacher-forced continuation on a trained tiny model: int8 P->D without cache vs with an int8 cached prefix
+    (prefill computes the rest attending over the dequantized prefix), all against unquantized pages; plus the
+    prefill's first-token logits (what samples the first token) with a cached prefix vs without."""
     from transformers import AutoTokenizer
 
     from pdserve.engine.config import EngineConfig
@@ -237,7 +238,7 @@ def quality(work: Path) -> None:
 
     model = train_tiny_checkpoint(work / "trained", seconds=45, seed=0)
     ids = AutoTokenizer.from_pretrained(str(model))(split_corpus()[1])["input_ids"]
-    n_prompt, n_cached, n_forced, n_cases = 112, 96, 64, 8
+    n_prompt, n_forced, n_cases = 112, 64, 8
     stride = (len(ids) - 200) // n_cases
     cases = [(ids[i * stride:i * stride + n_prompt], ids[i * stride + n_prompt:i * stride + n_prompt + n_forced])
              for i in range(n_cases)]
@@ -248,15 +249,17 @@ def quality(work: Path) -> None:
     pre = eng("auto")
     greedy = SamplingParams(max_tokens=n_forced, temperature=0.0, ignore_eos=True)
 
-    def prefill(prompt, kv, cached=None):
+    def prefill(prompt, kv, cached=None) -> tuple[list[PagePayload], torch.Tensor]:
+        """(pages as shipped: the cached ones as stored + the computed ones, first-token logits)."""
         pre.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True,
                         cached_pages=cached)
-        while not any(o.finished for o in pre.step()):
-            pass
+        row = None
+        while row is None:
+            row = next((o.logits for o in pre.step(return_logits=True) if o.finished), None)
         n = len(cached or [])
         pages = list(cached or []) + pre.export_pages("p", list(range(n, -(-len(prompt) // PAGE))), kv)
         pre.release("p")
-        return pages
+        return pages, row
 
     def decode(de: LLMEngine, prompt, forced, pages) -> torch.Tensor:
         de.begin_import("d", prompt, greedy)
@@ -270,23 +273,30 @@ def quality(work: Path) -> None:
         return torch.stack(rows)  # [n_forced - 1, V]
 
     dense_de, int8_de = eng("auto"), eng("int8")
-    logits = {"fp32 pages": [], "int8, no cache": [], "int8, cached prefix": []}
+    variants = {"fp32 pages": None, "int8, no cache": 0, "int8, 43% cached": 48, "int8, 86% cached": 96}
+    logits: dict[str, list[torch.Tensor]] = {k: [] for k in variants}
+    first: dict[str, list[torch.Tensor]] = {k: [] for k in variants}
     for prompt, forced in cases:
-        logits["fp32 pages"].append(decode(dense_de, prompt, forced, prefill(prompt, "auto")))
-        logits["int8, no cache"].append(decode(int8_de, prompt, forced, prefill(prompt, "int8")))
-        cached = prefill(prompt, "int8")[:n_cached // PAGE]  # an earlier request cached the prefix as int8
-        logits["int8, cached prefix"].append(decode(int8_de, prompt, forced, prefill(prompt, "int8", cached)))
+        int8_pages, _ = prefill(prompt, "int8")  # what an earlier request would have cached
+        for name, n_cached in variants.items():
+            kv = "auto" if n_cached is None else "int8"
+            pages, row = prefill(prompt, kv, int8_pages[:n_cached // PAGE] if n_cached else None)
+            logits[name].append(decode(dense_de if n_cached is None else int8_de, prompt, forced, pages))
+            first[name].append(row)
     target = torch.tensor([t for _, f in cases for t in f[1:]])
-    base = torch.cat(logits["fp32 pages"])
-    print(f"\nquality: trained tiny llama, {n_cases} held-out prompts of {n_prompt} tokens ({n_cached} cached = "
-          f"{n_cached / n_prompt:.0%}), {n_forced} forced tokens, {target.numel()} scored positions")
-    print(f"  {'pages':22s} {'ppl':>8s} {'ppl ratio':>10s} {'top-1 vs fp32':>14s} {'max |dlogit|':>13s}")
+    base, base_first = torch.cat(logits["fp32 pages"]), torch.stack(first["fp32 pages"])
+    print(f"\nquality: trained tiny llama, {n_cases} held-out prompts of {n_prompt} tokens, {n_forced} forced "
+          f"tokens ({target.numel()} scored decode positions) + the prefill's first-token logits")
+    print(f"  {'pages':18s} {'ppl':>8s} {'ppl ratio':>10s} {'top-1 vs fp32':>14s} {'max |dlogit|':>13s} "
+          f"{'first-token max |dlogit|':>25s}")
     ppl_base = math.exp(torch.nn.functional.cross_entropy(base, target).item())
-    for name, rows in logits.items():
-        lg = torch.cat(rows)
+    for name in variants:
+        lg = torch.cat(logits[name])
         ppl = math.exp(torch.nn.functional.cross_entropy(lg, target).item())
         agree = (lg.argmax(-1) == base.argmax(-1)).float().mean().item()
-        print(f"  {name:22s} {ppl:8.3f} {ppl / ppl_base:10.5f} {agree:14.4f} {(lg - base).abs().max().item():13.4f}")
+        d_first = (torch.stack(first[name]) - base_first).abs().max().item()
+        print(f"  {name:18s} {ppl:8.3f} {ppl / ppl_base:10.5f} {agree:14.4f} {(lg - base).abs().max().item():13.4f} "
+              f"{d_first:25.4f}")
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
