@@ -37,7 +37,7 @@ def parsed_configs(compose) -> dict:
 
 def test_compose_services_commands_parse():
     compose = load()
-    assert set(compose["services"]) == {*PDSERVE, *OBSERVABILITY}
+    assert set(compose["services"]) == {*PDSERVE, *OBSERVABILITY, "redis"}
     ports = {}
     for name, cfg in parsed_configs(compose).items():  # router last: prefill/decode ports known
         svc = compose["services"][name]
@@ -104,3 +104,18 @@ def test_dashboard_queries():
     for job in {j for e in exprs for j in re.findall(r'job=~"([a-z]+)"', e)}:
         assert job in PDSERVE
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def test_prompt_cache_wiring():
+    """Prefill reaches the compose Redis through REDIS_URL (what build_prompt_cache reads), and that Redis evicts
+    instead of failing writes when full and persists nothing."""
+    from pdserve.cache.prompt_cache import build_prompt_cache
+
+    services = load()["services"]
+    env = {k: str(v) for k, v in services["prefill"]["environment"].items()}
+    cache = build_prompt_cache(parsed_configs(load())["prefill"], environ=env)
+    assert cache.store.remote and cache.store.url == "redis://redis:6379/0"
+    cache.close()
+    cmd = services["redis"]["command"]
+    assert cmd[0] == "redis-server" and cmd[cmd.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert cmd[cmd.index("--save") + 1] == "" and cmd[cmd.index("--appendonly") + 1] == "no"
