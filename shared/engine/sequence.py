@@ -31,6 +31,7 @@ class IncrementalDetokenizer:
         # batch 128 on the GPU engine).
         backend = getattr(tokenizer, "_tokenizer", None)
         self._rust_decode = backend.decode if type(backend).__module__.startswith("tokenizers") else None
+        self._prefix: tuple[int, int, str] | None = None  # (prefix_offset, read_offset, its text): moves rarely
 
     def _decode(self, ids: list[int]) -> str:
         if self._rust_decode is not None:
@@ -39,7 +40,10 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.tokens.append(token_id)
-        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        key = (self.prefix_offset, self.read_offset)
+        if self._prefix is None or self._prefix[:2] != key:
+            self._prefix = (*key, self._decode(self.tokens[self.prefix_offset:self.read_offset]))
+        prefix = self._prefix[2]
         full = self._decode(self.tokens[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]

@@ -18,8 +18,8 @@ import triton.language as tl
 
 from pdserve.engine.kernels.kv_quant import dequantize_tile
 
-# Launch config; bench/gpu_engine.py sweeps it. scale_expand: load each element's scale (and zero) straight into a
-# [BLOCK, D] tile (repeated addresses, served by L1) instead of reshaping the int8 tile into groups.
+# Launch config; bench/gpu_engine.py sweeps it. scale_expand: broadcast each group's scale (and zero) over its
+# columns with G selects instead of reshaping the int8 tile into [BLOCK, G, D/G] groups.
 DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2, split_mult=2, scale_expand=False)
 
 
@@ -31,11 +31,17 @@ def _load_dequant(q_ptr, s_ptr, z_ptr, row, d, gi, ok, dtype, G: tl.constexpr, D
     if DENSE:
         return x.to(dtype)
     if EXPAND:
-        grp = d[None, :] // (D // G)
-        s = tl.load(s_ptr + row[:, None] * G + grp, mask=ok[:, None], other=0.0).to(tl.float32)
+        grp = (d // (D // G))[None, :]
+        s = tl.zeros(x.shape, tl.float32)
+        z = tl.zeros(x.shape, tl.float32)
+        for gg in tl.static_range(G):
+            sg = tl.load(s_ptr + row * G + gg, mask=ok, other=0.0).to(tl.float32)
+            s = tl.where(grp == gg, sg[:, None], s)
+            if ASYM:
+                zg = tl.load(z_ptr + row * G + gg, mask=ok, other=0.0).to(tl.float32)
+                z = tl.where(grp == gg, zg[:, None], z)
         xf = x.to(tl.float32) * s
         if ASYM:
-            z = tl.load(z_ptr + row[:, None] * G + grp, mask=ok[:, None], other=0.0).to(tl.float32)
             xf = (z + 128.0 * s) + xf
         return xf.to(dtype)
     s = tl.load(s_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 BLOCK_R = 32     # rows per program (quantize/dequantize); bench/gpu_engine.py sweeps it
 NUM_WARPS = 4
-FAST_DIV = False  # quantize: Markstein division (see _div) instead of div_rn; the bench checks it is bit-equal
+FAST_DIV = True  # quantize: Markstein division (see _div), bit-equal to div_rn (checked on the H200 by the bench + tests)
 
 
 @triton.jit
