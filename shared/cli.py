@@ -50,7 +50,7 @@ def _interrupt(*_) -> None:
 
 # ---- up -------------------------------------------------------------------------------------------------------
 def cmd_up(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve up", description="Run router + 1 prefill + 1 decode on loopback.")
+    p = argparse.ArgumentParser(prog="pdserve up", description="Run router + N prefill + M decode on loopback.")
     p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", ""),
                    help="HF model directory (default: build a random-weight demo model once)")
     p.add_argument("--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")),
@@ -60,11 +60,17 @@ def cmd_up(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=2048)
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    p.add_argument("--router-config", default="", help="router TOML config file (see docs/router.md)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="CPU threads per engine process (default: half the cores, two engines share the host)")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="CPU threads per engine process (default: the cores shared among the engine processes)")
     args = p.parse_args(argv)
+    if args.prefill < 1 or args.decode < 1:
+        p.error("--prefill and --decode must be >= 1")
+    args.torch_threads = args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
 
     from pdserve.launch import start_stack
 
@@ -86,9 +92,11 @@ def cmd_up(argv: list[str]) -> int:
                             extra=["--dtype", args.dtype, "--log-level", args.log_level,
                                    "--torch-threads", str(args.torch_threads)],
                             router_port=args.port, router_host=args.host, to_terminal=True,
-                            timeout=args.ready_timeout)
-        print(f"pdserve is up: router at {stack.router}  (prefill {stack.prefill[0]}, decode {stack.decode[0]}, "
-              f"kv {args.kv_dtype})", flush=True)
+                            timeout=args.ready_timeout, num_prefill=args.prefill, num_decode=args.decode,
+                            router_extra=["--config", args.router_config] if args.router_config else [],
+                            persist_estimator=True)
+        print(f"pdserve is up: router at {stack.router}  (prefill {', '.join(stack.prefill)}, "
+              f"decode {', '.join(stack.decode)}, kv {args.kv_dtype})", flush=True)
         print(f"try:  pdserve generate --target {stack.router} \"hello\"", flush=True)
         while all(proc.poll() is None for proc in stack.procs):
             time.sleep(0.5)
@@ -140,7 +148,7 @@ def cmd_generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = ("usage: pdserve up [--model DIR] [--port N] [--kv-dtype int8|auto] [--dtype ...]\n"
+    usage = ("usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|auto] ...\n"
              "       pdserve serve router|prefill|decode [flags]   (--help for flags)\n"
              "       pdserve generate [--target HOST:PORT] PROMPT")
     if not argv or argv[0] in ("-h", "--help"):

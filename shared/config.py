@@ -3,6 +3,10 @@
 Precedence: CLI flag > environment variable (`PDSERVE_<SERVICE>_<FIELD>`, e.g. PDSERVE_ROUTER_PORT) >
 field default. Field names map to flags with dashes (`kv_dtype` → `--kv-dtype`). List fields take
 comma-separated values in the environment and repeated or comma-separated flags on the CLI.
+
+A dataclass with a `config` field also reads a TOML file (`--config FILE` or its env variable) as the layer
+between the environment and the defaults: top-level keys are field names; a table may group them
+(`[pcs] w_in = 0.3` sets `pcs_w_in` when that field exists, else `w_in`). Unknown keys are an error.
 """
 from __future__ import annotations
 
@@ -56,6 +60,8 @@ def config_from(cls: type[T], args: argparse.Namespace | None, env_prefix: str,
     """Build `cls` from parsed CLI args (None entries = not given), then env, then defaults."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    path = (getattr(args, "config", None) if args is not None else None) or environ.get(f"{env_prefix}CONFIG")
+    from_file = file_values(cls, path) if path and any(f.name == "config" for f in dataclasses.fields(cls)) else {}
     for f in dataclasses.fields(cls):
         tp = _field_type(cls, f)
         cli = getattr(args, f.name, None) if args is not None else None
@@ -66,6 +72,8 @@ def config_from(cls: type[T], args: argparse.Namespace | None, env_prefix: str,
                                   else _parse_value(tp, cli))
             elif env is not None:
                 values[f.name] = _parse_value(tp, env)
+            elif f.name in from_file:
+                values[f.name] = _parse_value(tp, from_file[f.name])
         except (TypeError, ValueError) as e:
             raise SystemExit(f"invalid value for {f.name}: {e}") from None
     cfg = cls(**values)
@@ -73,3 +81,26 @@ def config_from(cls: type[T], args: argparse.Namespace | None, env_prefix: str,
     if validate is not None:
         validate()
     return cfg
+
+
+def file_values(cls: type, path: str) -> dict[str, str]:
+    """Field values (as strings, parsed like env values) from a TOML file; see the module docstring."""
+    import tomllib
+    from pathlib import Path
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SystemExit(f"cannot read config file {path}: {e}") from None
+    names = {f.name for f in dataclasses.fields(cls)} - {"config"}
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        items = ([(f"{key}_{k}" if f"{key}_{k}" in names else k, v, f"[{key}] {k}") for k, v in value.items()]
+                 if isinstance(value, dict) else [(key, value, key)])
+        for name, v, where in items:
+            if name not in names:
+                raise SystemExit(f"config file {path}: unknown setting {where!r}")
+            if isinstance(v, dict):
+                raise SystemExit(f"config file {path}: {where!r} must be a value, not a table")
+            out[name] = ",".join(str(x) for x in v) if isinstance(v, list) else str(v)
+    return out

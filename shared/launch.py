@@ -40,6 +40,8 @@ def start_service(name: str, args: list[str], workdir: Path, env: dict | None = 
     ready = workdir / f"{name}{idx}.json"
     log = workdir / f"{name}{idx}.log"
     out = None if to_terminal else log.open("w")
+    if to_terminal:
+        log.touch()  # reserves the index: a second instance started before this one is ready gets the next one
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", name, "--ready-file", str(ready), *args],
                             stdout=out, stderr=None if to_terminal else subprocess.STDOUT,
                             env={**os.environ, **(env or {})})
@@ -62,8 +64,10 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 
 def start_stack(model: Path | str, workdir: Path, kv_dtype: str = "int8", page_size: int = 16,
                 chunk_size: int = 2048, num_prefill: int = 1, num_decode: int = 1, extra: list[str] = (),
                 router_port: int = 0, router_host: str = "127.0.0.1", to_terminal: bool = False,
-                timeout: float = 300.0) -> Stack:
-    """Start prefill and decode instances on free ports, then a router wired to them."""
+                timeout: float = 300.0, router_extra: list[str] = (), persist_estimator: bool = False) -> Stack:
+    """Start prefill and decode instances on free ports, then a router wired to them (its static list;
+    `router_extra` adds router flags, e.g. `--config FILE`). The router's output-length estimator is kept in
+    `workdir` (each stack starts cold) unless `persist_estimator` (`pdserve up`: its config or the cache dir)."""
     workdir.mkdir(parents=True, exist_ok=True)
     common = ["--model", str(model), "--page-size", str(page_size), "--chunk-size", str(chunk_size),
               "--kv-dtype", kv_dtype, *extra]
@@ -74,7 +78,8 @@ def start_stack(model: Path | str, workdir: Path, kv_dtype: str = "int8", page_s
     try:
         addrs = [wait_ready(*s, timeout=timeout) for s in started]
         pre, dec = addrs[:num_prefill], addrs[num_prefill:]
-        rargs = ["--model", str(model), "--host", router_host, "--port", str(router_port)]
+        store = [] if persist_estimator else ["--estimator-store", str(workdir / "router-estimator.json")]
+        rargs = ["--model", str(model), "--host", router_host, "--port", str(router_port), *store, *router_extra]
         for a in pre:
             rargs += ["--prefill", a]
         for a in dec:

@@ -34,6 +34,7 @@ class EngineOptions(ServerOptions):
     attention_backend: str = opt("auto", "auto|fa3|sdpa")
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
+    router: str = opt("", "router host:port to register with and heartbeat to (empty: the router's static list)")
 
     def validate(self) -> None:
         if not self.model:

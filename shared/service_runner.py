@@ -50,12 +50,18 @@ def run_service(name: str, cfg: ServerOptions, service_names: list[str],
     set_serving(hs, service_names, True)
     announce_ready(name, f"{cfg.host}:{port}", cfg.ready_file or None,
                    metrics=f"{cfg.host}:{metrics_port}" if metrics_port is not None else None)
+    announcer = None
+    if getattr(cfg, "router", ""):  # register with the router and heartbeat (pdserve.announce)
+        from pdserve.announce import Announcer, advertised
+        announcer = Announcer(cfg.router, name, advertised(cfg.host, port)).start()
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("%s draining", name)
+    if announcer is not None:
+        announcer.stop()  # the router stops sending new work before we stop serving
     set_serving(hs, service_names, False)
     server.stop(grace=5).wait()
     cleanup()

@@ -1,26 +1,93 @@
-"""Router configuration (CLI flags or PDSERVE_ROUTER_* environment variables)."""
+"""Router configuration: one TOML file (`--config FILE`), PDSERVE_ROUTER_* environment variables, CLI flags.
+
+Precedence: flag > environment > file > default. See docs/router.md for what each group of settings does.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from pdserve.service_config import ServerOptions, opt
 
+POLICIES = ("pcs", "round_robin", "least_requests")
+FALLBACK_MODES = ("length_only", "max_tokens")
+DECODE_CHOICES = ("least", "p2c")
+
 
 @dataclass
 class RouterConfig(ServerOptions):
+    config: str = opt("", "TOML file with any of these settings (flags and PDSERVE_ROUTER_* override it)")
     model: str = opt("", "HF model directory (the router loads its tokenizer and config only)")
-    prefill: list[str] = field(default_factory=list, metadata={"help": "prefill instances host:port (repeat)"})
-    decode: list[str] = field(default_factory=list, metadata={"help": "decode instances host:port (repeat)"})
+    prefill: list[str] = field(default_factory=list, metadata={"help": "static prefill instances host:port (repeat)"})
+    decode: list[str] = field(default_factory=list, metadata={"help": "static decode instances host:port (repeat)"})
+    default_timeout_s: float = opt(600.0, "deadline applied when the client sets none")
+    policy: str = opt("pcs", "assignment policy: pcs | round_robin | least_requests (baselines)")
+    # PCS = w_in·input_len + w_out·estimated_output_len + w_special·num_special_tokens
     pcs_w_in: float = opt(0.3, "PCS weight of input length")
     pcs_w_out: float = opt(0.5, "PCS weight of estimated output length")
     pcs_w_special: float = opt(1.2, "PCS weight of special tokens")
-    default_timeout_s: float = opt(600.0, "deadline applied when the client sets none")
+    pcs_fallback_mode: str = opt("length_only", "output estimate while the estimator is cold or its error is high: "
+                                                "length_only | max_tokens")
+    # online output-length estimator
+    estimator_store: str = opt("", "where the estimator persists: '' (a file in the cache dir), PATH, "
+                                   "redis://HOST:PORT/DB, or memory")
+    estimator_min_samples: int = opt(50, "completed requests before the learned estimate is used")
+    estimator_max_error: float = opt(0.5, "running relative error above which the fallback is used")
+    estimator_save_interval_s: float = opt(10.0, "how often a changed estimator is persisted")
+    # priority: ordering value = PCS / multiplier − aging·seconds waited (lowest first)
+    priority_high: float = opt(1.5, "urgency multiplier of high-priority requests (their PCS counts 1/1.5)")
+    priority_normal: float = opt(1.0, "urgency multiplier of normal requests")
+    priority_low: float = opt(0.5, "urgency multiplier of low-priority requests")
+    priority_aging_pcs_per_s: float = opt(100.0, "ordering value (PCS) a queued request gains per second waited")
+    # admission
+    prefill_capacity_pcs: float = opt(8192.0, "capacity of a prefill instance in PCS units")
+    decode_capacity_pcs: float = opt(0.0, "capacity of a decode instance in PCS units (0 = from its KV pool)")
+    batch_utilization_threshold: float = opt(0.8, "reject when every instance's queued+running PCS would pass "
+                                                  "capacity × this")
+    max_queue: int = opt(1024, "most requests waiting in the router queue")
+    max_queue_wait_s: float = opt(30.0, "longest a request waits in the queue before RESOURCE_EXHAUSTED")
+    # assignment
+    page_size: int = opt(16, "tokens per KV page of the instances (prefix affinity hashes the first page)")
+    affinity: bool = opt(True, "send prompts with the same leading page to the same prefill instance")
+    affinity_slack_pcs: float = opt(512.0, "affinity holds while its instance is at most this far above the "
+                                           "least-loaded one")
+    prefill_max_inflight_tokens: int = opt(4096, "a prefill instance gets no new request while this many prompt "
+                                                 "tokens sent to it await their first token (0 = no limit)")
+    decode_choice: str = opt("least", "decode pick among all candidates (least) or two random ones (p2c)")
+    decode_active_norm: float = opt(64.0, "active sequences that weigh as much as a full KV pool")
+    max_attempts: int = opt(3, "tries of a request that fails UNAVAILABLE before its first token")
+    seed: int = opt(0, "seed of the router's random choices (p2c)")
+    # membership
+    health_interval_s: float = opt(1.0, "grpc.health.v1 check period per instance")
+    health_timeout_s: float = opt(1.0, "deadline of one health check")
+    unhealthy_after: int = opt(2, "consecutive failed checks that mark an instance down")
+    stats_interval_s: float = opt(0.5, "decode Stats (free KV pages, active sequences) poll period")
+    heartbeat_interval_s: float = opt(1.0, "heartbeat period asked of registered instances")
+    lease_s: float = opt(5.0, "a registered instance silent for this long is marked down")
+    remove_after_s: float = opt(30.0, "a registered instance down for this long is forgotten")
 
     def validate(self) -> None:
+        problems = []
         if not self.model:
-            raise SystemExit("--model is required (the router needs the tokenizer)")
-        if not self.prefill or not self.decode:
-            raise SystemExit("at least one --prefill and one --decode instance are required")
+            problems.append("--model is required (the router needs the tokenizer)")
+        for name, value, allowed in (("policy", self.policy, POLICIES),
+                                     ("pcs_fallback_mode", self.pcs_fallback_mode, FALLBACK_MODES),
+                                     ("decode_choice", self.decode_choice, DECODE_CHOICES)):
+            if value not in allowed:
+                problems.append(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+        if not 0 < self.batch_utilization_threshold <= 1:
+            problems.append(f"batch_utilization_threshold must be in (0, 1], got {self.batch_utilization_threshold}")
+        for name in ("prefill_capacity_pcs", "decode_capacity_pcs", "priority_aging_pcs_per_s", "affinity_slack_pcs"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0")
+        if self.prefill_capacity_pcs == 0:
+            problems.append("prefill_capacity_pcs must be > 0")
+        for name in ("priority_high", "priority_normal", "priority_low", "page_size", "max_attempts", "max_queue",
+                     "health_interval_s", "health_timeout_s", "unhealthy_after", "stats_interval_s",
+                     "heartbeat_interval_s", "lease_s", "max_queue_wait_s", "decode_active_norm"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0")
+        if problems:
+            raise SystemExit("router config: " + "; ".join(problems))
 
 
 ENV_PREFIX = "PDSERVE_ROUTER_"

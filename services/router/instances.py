@@ -1,38 +1,70 @@
-"""Instance pools: outstanding PCS per instance, least-loaded choice."""
+"""What the router knows about one prefill or decode instance: health state, load it accounts, last Stats.
+
+All fields are guarded by the scheduler's lock (pdserve.router.scheduler.Scheduler.lock).
+"""
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+class State(str, Enum):
+    UP = "up"              # eligible for new requests
+    DRAINING = "draining"  # reports NOT_SERVING or deregistered: finishes what it has, gets nothing new
+    DOWN = "down"          # failed health checks / lease expired / UNAVAILABLE: nothing new until it recovers
 
 
 @dataclass
+class DecodeStats:
+    """A decode instance's last Stats plus what the router had in flight there when it was taken, so that
+    load dispatched since can be added on top: estimate = stats + (router's now − router's then)."""
+    pages_free: int
+    pages_total: int
+    active: int
+    router_in_flight: int
+    router_pages: int
+
+
+@dataclass(eq=False)
 class Instance:
+    role: str
     address: str
-    outstanding_pcs: float = 0.0
-    active: int = 0
+    capacity_pcs: float          # admission capacity in PCS units
+    registered: bool = False     # announced itself (lease applies) vs static config
+    state: State = State.UP
+    leaving: bool = False        # deregistered: forgotten once its in-flight requests are done
+    # load the router accounts to this instance
+    running_pcs: float = 0.0     # prefill: dispatched, no first token yet; decode: dispatched, not finished
+    reserved_pcs: float = 0.0    # queued requests tentatively bound here (admission)
+    in_flight: int = 0           # requests in `running_pcs`
+    inflight_tokens: int = 0     # prefill: prompt tokens in flight
+    pages: int = 0               # decode: KV pages the router's in-flight requests need (estimate)
+    stats: DecodeStats | None = None
+    # counters
+    assigned: int = 0
+    affinity_hits: int = 0
+    failures: int = 0
+    # health
+    consecutive_failures: int = 0
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    down_since: float | None = None
 
+    @property
+    def load_pcs(self) -> float:
+        """Queued (reserved) + running PCS: what admission compares with capacity × threshold."""
+        return self.running_pcs + self.reserved_pcs
 
-class InstancePool:
-    """Picks the instance with the least outstanding PCS (ties: fewest active, then list order)."""
+    @property
+    def outstanding_pcs(self) -> float:  # name kept for the metrics gauge (pdserve.metrics.watch_pools)
+        return self.load_pcs
 
-    def __init__(self, role: str, addresses: list[str]):
-        self.role = role
-        self._lock = threading.Lock()
-        self._instances = [Instance(a) for a in addresses]
+    def pages_free_estimate(self) -> int | None:
+        s = self.stats
+        return None if s is None else s.pages_free - max(0, self.pages - s.router_pages)
 
-    def acquire(self, pcs: float, exclude: frozenset[str] = frozenset()) -> Instance:
-        with self._lock:
-            candidates = [i for i in self._instances if i.address not in exclude] or self._instances
-            best = min(candidates, key=lambda i: (i.outstanding_pcs, i.active))
-            best.outstanding_pcs += pcs
-            best.active += 1
-            return best
-
-    def release(self, inst: Instance, pcs: float) -> None:
-        with self._lock:
-            inst.outstanding_pcs = max(0.0, inst.outstanding_pcs - pcs)
-            inst.active -= 1
-
-    def snapshot(self) -> list[Instance]:
-        with self._lock:
-            return [Instance(i.address, i.outstanding_pcs, i.active) for i in self._instances]
+    def active_estimate(self) -> int:
+        s = self.stats
+        return self.in_flight if s is None else max(self.in_flight, s.active + self.in_flight - s.router_in_flight)

@@ -1,20 +1,33 @@
-"""`pdserve serve router`: the public Generation endpoint."""
+"""`pdserve serve router`: the public Generation endpoint plus the Registry instances announce themselves to."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from pdserve.metrics import watch_pools
 from pdserve.router.config import RouterConfig
 from pdserve.service_runner import run_service
-from pdserve.v1 import generate_pb2, generate_pb2_grpc
+from pdserve.v1 import generate_pb2, generate_pb2_grpc, router_admin_pb2, router_admin_pb2_grpc
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+REGISTRY = router_admin_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+
+
+def model_id(model_dir: str | Path) -> str:
+    """Identity of the tokenizer + config (what the estimator's signatures depend on), stable across restarts."""
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        p = Path(model_dir) / name
+        if p.exists():
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def serve(cfg: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
+    from pdserve.router.registry import RegistryServicer
     from pdserve.router.servicer import RouterServicer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
@@ -22,9 +35,15 @@ def serve(cfg: RouterConfig) -> None:
 
     def register(server, telemetry):
         servicer = RouterServicer(cfg, tokenizer, max_model_len=int(model_cfg["max_position_embeddings"]),
-                                  vocab_size=int(model_cfg["vocab_size"]), telemetry=telemetry)
+                                  vocab_size=int(model_cfg["vocab_size"]), telemetry=telemetry,
+                                  model_id=model_id(cfg.model))
         watch_pools(telemetry.metrics, servicer.prefill, servicer.decode)
+        telemetry.metrics.gauge("queue_depth", "Requests in the router's priority queue",
+                                lambda: len(servicer.scheduler.queue))
         generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        router_admin_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(servicer.membership, servicer.estimator, cfg.pcs_fallback_mode), server)
+        servicer.start()
         return servicer.close
 
-    run_service("router", cfg, [SERVICE], register)
+    run_service("router", cfg, [SERVICE, REGISTRY], register)

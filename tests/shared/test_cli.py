@@ -18,8 +18,10 @@ from pdserve.checkpoints import build_checkpoint
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     model = build_checkpoint(tmp_path_factory.mktemp("cli") / "ckpt", arch="qwen2", seed=2)
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", "0",
+                             "--prefill", "2", "--decode", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))})
     lines = []
     deadline = time.monotonic() + 180
     target = None
@@ -57,6 +59,16 @@ def test_async_client(up):
             return out, chunks
     out, chunks = asyncio.run(run())
     assert [t for ch in chunks for t in ch.token_ids] == out.token_ids and len(out.token_ids) == 5
+
+
+def test_up_runs_the_requested_instances(up):
+    from pdserve.grpc_util import channel
+    from pdserve.v1 import router_admin_pb2 as pb
+    from pdserve.v1 import router_admin_pb2_grpc
+    with channel(up) as ch:
+        r = router_admin_pb2_grpc.RegistryStub(ch).ListInstances(pb.ListInstancesRequest(), timeout=10)
+    roles = sorted(pb.InstanceRole.Name(i.role) for i in r.instances if i.state == "up")
+    assert roles == ["INSTANCE_ROLE_DECODE", "INSTANCE_ROLE_PREFILL", "INSTANCE_ROLE_PREFILL"]
 
 
 def test_generate_command(up):

@@ -1,0 +1,111 @@
+"""Assignment policies: which prefill and which decode instance get the request at the head of the queue.
+
+`pcs` (default):
+  - prefill: least outstanding PCS relative to capacity, with prefix affinity: a prompt whose leading KV page
+    was last sent to instance X goes to X again (its prompt cache holds that prefix) while X is within its
+    admission budget and at most `affinity_slack_pcs` above the least-loaded candidate.
+  - decode: least `(1 − free_pages_after/total) + active/decode_active_norm`, from the instance's last Stats
+    corrected by what the router dispatched since; `decode_choice = p2c` compares two random candidates
+    instead of all (for several routers sharing instances, where the full scan would herd).
+Baselines for the benchmark: `round_robin` (rotate), `least_requests` (fewest requests in flight).
+
+Candidates passed in are already eligible (up, not excluded by a retry) and have room (the dispatch gate).
+See docs/router.md for why these choices.
+"""
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from typing import Protocol
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.instances import Instance
+
+AFFINITY_TABLE_SIZE = 65536
+
+
+class Job(Protocol):
+    pcs: float
+    need_pages: int
+    page_hash: bytes | None
+
+
+class Policy(Protocol):
+    def pick_prefill(self, job: Job, candidates: list[Instance]) -> Instance: ...
+
+    def pick_decode(self, job: Job, candidates: list[Instance]) -> Instance: ...
+
+
+def decode_cost(inst: Instance, need_pages: int, active_norm: float) -> float:
+    free = inst.pages_free_estimate()
+    if free is None or inst.stats.pages_total == 0:
+        used = inst.load_pcs / inst.capacity_pcs  # no Stats yet: fall back to accounted PCS
+    else:
+        used = 1.0 - (free - need_pages) / inst.stats.pages_total
+    return used + inst.active_estimate() / active_norm
+
+
+class PCSPolicy:
+    def __init__(self, cfg: RouterConfig):
+        self.affinity = cfg.affinity
+        self.slack = cfg.affinity_slack_pcs
+        self.threshold = cfg.batch_utilization_threshold
+        self.active_norm = cfg.decode_active_norm
+        self.p2c = cfg.decode_choice == "p2c"
+        self._rng = random.Random(cfg.seed)
+        self._table: OrderedDict[bytes, str] = OrderedDict()  # leading page hash -> prefill address
+
+    def pick_prefill(self, job: Job, candidates: list[Instance]) -> Instance:
+        best = min(candidates, key=lambda i: (i.load_pcs / i.capacity_pcs, i.in_flight, i.assigned))
+        h = job.page_hash if self.affinity else None
+        if h is None:
+            return best
+        prev = self._table.get(h)
+        choice = best
+        if prev is not None:
+            aff = next((i for i in candidates if i.address == prev), None)
+            if (aff is not None and aff.load_pcs + job.pcs <= aff.capacity_pcs * self.threshold
+                    and aff.load_pcs - best.load_pcs <= self.slack):
+                aff.affinity_hits += 1
+                choice = aff
+            self._table.move_to_end(h)
+        self._table[h] = choice.address
+        if len(self._table) > AFFINITY_TABLE_SIZE:
+            self._table.popitem(last=False)
+        return choice
+
+    def pick_decode(self, job: Job, candidates: list[Instance]) -> Instance:
+        if self.p2c and len(candidates) > 2:
+            candidates = self._rng.sample(candidates, 2)
+        return min(candidates, key=lambda i: (decode_cost(i, job.need_pages, self.active_norm), i.assigned))
+
+
+class RoundRobinPolicy:
+    def __init__(self, cfg: RouterConfig):
+        self._next = {"prefill": 0, "decode": 0}
+
+    def _pick(self, role: str, candidates: list[Instance]) -> Instance:
+        i = self._next[role]
+        self._next[role] = i + 1
+        return candidates[i % len(candidates)]
+
+    def pick_prefill(self, job: Job, candidates: list[Instance]) -> Instance:
+        return self._pick("prefill", candidates)
+
+    def pick_decode(self, job: Job, candidates: list[Instance]) -> Instance:
+        return self._pick("decode", candidates)
+
+
+class LeastRequestsPolicy:
+    def __init__(self, cfg: RouterConfig):
+        pass
+
+    def pick_prefill(self, job: Job, candidates: list[Instance]) -> Instance:
+        return min(candidates, key=lambda i: (i.in_flight, i.assigned))
+
+    def pick_decode(self, job: Job, candidates: list[Instance]) -> Instance:
+        return min(candidates, key=lambda i: (i.in_flight, i.assigned))
+
+
+def make_policy(cfg: RouterConfig) -> Policy:
+    return {"pcs": PCSPolicy, "round_robin": RoundRobinPolicy, "least_requests": LeastRequestsPolicy}[cfg.policy](cfg)

@@ -1,0 +1,262 @@
+"""The router's scheduler: admission, the priority queue, the dispatch gate and the assignment policy, over
+the instance table that membership keeps up to date. One lock guards all of it; every call is O(instances).
+
+Request life cycle (calls made by the servicer's RPC thread):
+    submit(job)       admission (Rejected → RESOURCE_EXHAUSTED), queue, dispatch if something has room
+    wait(job, t)      until dispatched: (prefill, decode); QueueTimeout / Unavailable when it cannot be
+    first_token(job)  prefill work done: its PCS and tokens leave the prefill instance
+    retry(job)        UNAVAILABLE before the first token: back into the queue at its old place, those
+                      instances excluded for this job
+    finish(job)       always (finally): releases whatever the job still holds; idempotent
+
+Dispatch gate (what "has room" means): a prefill instance takes another request while fewer than
+`prefill_max_inflight_tokens` prompt tokens sent to it await their first token (so a 4k-token prompt fills it
+and the next request waits for whichever instance frees first, instead of queueing behind that prefill); a
+decode instance while its estimated free KV pages cover the request (an idle one always takes one). The gate is
+what makes the queue — and with it the priority order — matter: instances are given work as they free up.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pdserve.router.admission import DrainRate, Rejected, admit
+from pdserve.router.config import RouterConfig
+from pdserve.router.instances import DECODE, PREFILL, DecodeStats, Instance, State
+from pdserve.router.policy import Policy, make_policy
+from pdserve.router.priority import PriorityQueue
+
+DEFAULT_DECODE_CAPACITY_PCS = 16384.0  # until the first Stats tell the KV pool size (decode_capacity_pcs = 0)
+
+
+class Unavailable(Exception):
+    """No healthy instance of a role (UNAVAILABLE)."""
+
+
+class QueueTimeout(Rejected):
+    """Waited `max_queue_wait_s` (or the client's deadline) without room on any instance."""
+
+
+@dataclass(eq=False)
+class Job:
+    rid: str
+    pcs: float
+    weighted_pcs: float          # PCS / priority multiplier: the queue's ordering value at arrival (lowest first)
+    prompt_len: int
+    need_pages: int              # KV pages for prompt + estimated output on the decode instance
+    page_hash: bytes | None      # leading page (prefix affinity)
+    arrival: float = field(default_factory=time.monotonic)
+    key: float = 0.0             # heap key (set by the queue)
+    queued: bool = False
+    excluded: set[str] = field(default_factory=set)
+    reserved: list[Instance] = field(default_factory=list)
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    prefill_open: bool = False   # prefill accounting held (no first token yet)
+    decode_open: bool = False
+    event: threading.Event = field(default_factory=threading.Event)
+
+
+class RoleView:
+    """`.role` and `.snapshot()` of one role's instances (metrics gauges, listings)."""
+
+    def __init__(self, scheduler: "Scheduler", role: str):
+        self.scheduler, self.role = scheduler, role
+
+    def snapshot(self) -> list[Instance]:
+        with self.scheduler.lock:
+            return [Instance(**vars(i)) for i in self.scheduler.instances[self.role].values()]
+
+
+class Scheduler:
+    def __init__(self, cfg: RouterConfig, policy: Policy | None = None):
+        self.cfg = cfg
+        self.lock = threading.Lock()
+        self.instances: dict[str, dict[str, Instance]] = {PREFILL: {}, DECODE: {}}
+        self.queue = PriorityQueue(cfg.priority_aging_pcs_per_s)
+        self.policy = policy or make_policy(cfg)
+        self.drain = {PREFILL: DrainRate(), DECODE: DrainRate()}
+        self.rejected = 0
+        self.retries = 0
+
+    # ---- membership side -----------------------------------------------------------------------------------
+    def add(self, role: str, address: str, registered: bool = False, capacity_pcs: float = 0.0) -> Instance:
+        """Add an instance (or bring a known one back up)."""
+        with self.lock:
+            inst = self.instances[role].get(address)
+            if inst is None:
+                inst = self.instances[role][address] = Instance(role, address, self._capacity(role, capacity_pcs),
+                                                                registered=registered)
+            else:
+                inst.registered = inst.registered or registered
+                if capacity_pcs:
+                    inst.capacity_pcs = capacity_pcs
+                inst.state, inst.consecutive_failures, inst.down_since = State.UP, 0, None
+            inst.last_heartbeat = time.monotonic()
+            self._dispatch()
+            return inst
+
+    def remove(self, role: str, address: str) -> None:
+        with self.lock:
+            self.instances[role].pop(address, None)
+
+    def set_state(self, inst: Instance, state: State) -> None:
+        with self.lock:
+            if inst.state != state:
+                inst.state = state
+                inst.down_since = time.monotonic() if state == State.DOWN else None
+                if state == State.UP:
+                    self._dispatch()
+
+    def update_stats(self, inst: Instance, pages_free: int, pages_total: int, active: int) -> None:
+        with self.lock:
+            inst.stats = DecodeStats(pages_free, pages_total, active, inst.in_flight, inst.pages)
+            if inst.role == DECODE and not self.cfg.decode_capacity_pcs and pages_total:
+                w = max(self.cfg.pcs_w_in, self.cfg.pcs_w_out)
+                inst.capacity_pcs = w * self.cfg.page_size * pages_total  # PCS of prompts+outputs filling the pool
+            self._dispatch()
+
+    def kick(self) -> None:
+        """Dispatch what now has room (after membership changed states directly)."""
+        with self.lock:
+            self._dispatch()
+
+    def view(self, role: str) -> RoleView:
+        return RoleView(self, role)
+
+    def _capacity(self, role: str, given: float) -> float:
+        if given > 0:
+            return given
+        if role == PREFILL:
+            return self.cfg.prefill_capacity_pcs
+        return self.cfg.decode_capacity_pcs or DEFAULT_DECODE_CAPACITY_PCS
+
+    def _eligible(self, role: str, exclude: set[str] = frozenset()) -> list[Instance]:
+        up = [i for i in self.instances[role].values() if i.state == State.UP]
+        return [i for i in up if i.address not in exclude] or up
+
+    # ---- request side ---------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Admit and queue (dispatching at once when there is room). Raises Rejected or Unavailable."""
+        with self.lock:
+            targets = []
+            for role in (PREFILL, DECODE):
+                cands = self._eligible(role)
+                if not cands:
+                    raise Unavailable(f"no healthy {role} instance")
+                try:
+                    targets.append(admit(role, cands, job.pcs, self.cfg.batch_utilization_threshold,
+                                         self.drain[role]))
+                except Rejected:
+                    self.rejected += 1
+                    raise
+            if len(self.queue) >= self.cfg.max_queue:
+                self.rejected += 1
+                raise Rejected(f"router queue is full ({self.cfg.max_queue} requests)", 1.0)
+            self._reserve(job, targets)
+            self.queue.push(job, job.weighted_pcs, job.arrival)
+            self._dispatch()
+
+    def wait(self, job: Job, timeout: float) -> tuple[Instance, Instance]:
+        """Block until `job` is dispatched; raise QueueTimeout (or Unavailable) after `timeout` seconds."""
+        if not job.event.wait(max(0.0, timeout)):
+            with self.lock:
+                if self.queue.remove(job):
+                    self._unreserve(job)
+                    for role in (PREFILL, DECODE):
+                        if not any(i.state == State.UP for i in self.instances[role].values()):
+                            raise Unavailable(f"no healthy {role} instance")
+                    waited = time.monotonic() - job.arrival
+                    raise QueueTimeout(f"no instance had room for this request within {waited:.1f}s", 1.0)
+        return job.prefill, job.decode
+
+    def first_token(self, job: Job) -> None:
+        with self.lock:
+            self._release_prefill(job, done=True)
+            self._dispatch()
+
+    def retry(self, job: Job, blamed: list[Instance]) -> None:
+        """Back into the queue (same place), excluding `blamed` (or, when none could be blamed, both instances
+        it just ran on) for this job."""
+        with self.lock:
+            for inst in blamed or (job.prefill, job.decode):
+                job.excluded.add(inst.address)
+            self._release_prefill(job, done=False)
+            self._release_decode(job, done=False)
+            self.retries += 1
+            job.event.clear()
+            cands = [self._eligible(r, job.excluded) for r in (PREFILL, DECODE)]
+            self._reserve(job, [min(c, key=lambda i: i.load_pcs / i.capacity_pcs) for c in cands if c])
+            self.queue.requeue(job)
+            self._dispatch()
+
+    def finish(self, job: Job, completed: bool = False) -> None:
+        """Release everything `job` holds (idempotent); `completed` counts its PCS as drained by decode."""
+        with self.lock:
+            if self.queue.remove(job):
+                self._unreserve(job)
+            self._release_prefill(job, done=False)
+            self._release_decode(job, done=completed)
+            self._dispatch()
+
+    # ---- internals (lock held) ----------------------------------------------------------------------------
+    def _reserve(self, job: Job, targets: list[Instance]) -> None:
+        for inst in targets:
+            inst.reserved_pcs += job.pcs
+        job.reserved = targets
+
+    def _unreserve(self, job: Job) -> None:
+        for inst in job.reserved:
+            inst.reserved_pcs = max(0.0, inst.reserved_pcs - job.pcs)
+        job.reserved = []
+
+    def _release_prefill(self, job: Job, done: bool) -> None:
+        if job.prefill_open:
+            p = job.prefill
+            p.running_pcs = max(0.0, p.running_pcs - job.pcs)
+            p.in_flight -= 1
+            p.inflight_tokens -= job.prompt_len
+            job.prefill_open = False
+            if done:
+                self.drain[PREFILL].add(job.pcs)
+
+    def _release_decode(self, job: Job, done: bool) -> None:
+        if job.decode_open:
+            d = job.decode
+            d.running_pcs = max(0.0, d.running_pcs - job.pcs)
+            d.in_flight -= 1
+            d.pages -= job.need_pages
+            job.decode_open = False
+            if done:
+                self.drain[DECODE].add(job.pcs)
+
+    def _prefill_room(self, inst: Instance) -> bool:
+        limit = self.cfg.prefill_max_inflight_tokens
+        return limit <= 0 or inst.inflight_tokens < limit
+
+    @staticmethod
+    def _decode_room(inst: Instance, job: Job) -> bool:
+        free = inst.pages_free_estimate()
+        return free is None or inst.in_flight == 0 or free >= job.need_pages
+
+    def _dispatch(self) -> None:
+        """Start queued jobs in priority order while the head one finds room (strict order: no overtaking)."""
+        while (job := self.queue.peek()) is not None:
+            ps = [i for i in self._eligible(PREFILL, job.excluded) if self._prefill_room(i)]
+            ds = [i for i in self._eligible(DECODE, job.excluded) if self._decode_room(i, job)]
+            if not ps or not ds:
+                return
+            self.queue.pop()
+            self._unreserve(job)  # before picking: its own reservation must not count against an instance
+            p, d = self.policy.pick_prefill(job, ps), self.policy.pick_decode(job, ds)
+            p.running_pcs += job.pcs
+            p.in_flight += 1
+            p.inflight_tokens += job.prompt_len
+            p.assigned += 1
+            d.running_pcs += job.pcs
+            d.in_flight += 1
+            d.pages += job.need_pages
+            d.assigned += 1
+            job.prefill, job.decode, job.prefill_open, job.decode_open = p, d, True, True
+            job.event.set()

@@ -1,0 +1,175 @@
+"""The router scheduling real prefill and decode processes (cluster in conftest.py): balanced assignment,
+prefix affinity, admission rejections at the threshold, priority order under contention, retry before the
+first token, instance death and recovery."""
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+import pdserve
+from router_testutil import instances, listing, wait_states
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 512) for _ in range(n)]  # no special tokens: PCS = 0.3·n + 0.5·est
+
+
+def assigned(router: str) -> dict[str, int]:
+    return {a: i.assigned for a, i in instances(router).items()}
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {a: after[a] - before.get(a, 0) for a in after}
+
+
+def test_balanced_assignment(cluster):
+    r = cluster.routers["A"]
+    before = assigned(r)
+    with pdserve.Client(r, timeout=120) as c, ThreadPoolExecutor(12) as ex:
+        outs = list(ex.map(lambda k: c.generate(token_ids=prompt(64, k), max_tokens=24, ignore_eos=True),
+                           range(12)))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
+    d = delta(before, assigned(r))
+    pre = [d[a] for a in cluster.p]
+    dec = [d[a] for a in cluster.d]
+    print(f"prefill {pre} decode {dec}")
+    assert sum(pre) == 12 and max(pre) - min(pre) <= 2
+    assert sum(dec) == 12 and max(dec) - min(dec) <= 2
+
+
+def test_prefix_affinity(cluster):
+    r = cluster.routers["A"]
+    shared = prompt(32, 100)  # two full pages in common
+    before, hits0 = assigned(r), {a: i.affinity_hits for a, i in instances(r).items()}
+    with pdserve.Client(r, timeout=120) as c:
+        for k in range(6):
+            c.generate(token_ids=shared + prompt(20, 200 + k), max_tokens=4, ignore_eos=True)
+        same = delta(before, assigned(r))
+        hits = {a: i.affinity_hits - hits0[a] for a, i in instances(r).items()}
+        before = assigned(r)
+        for k in range(6):
+            c.generate(token_ids=prompt(52, 300 + k), max_tokens=4, ignore_eos=True)
+        spread = delta(before, assigned(r))
+    print(f"shared prefix {[same[a] for a in cluster.p]}, distinct {[spread[a] for a in cluster.p]}")
+    assert sorted(same[a] for a in cluster.p) == [0, 0, 6]      # one instance got every shared-prefix prompt
+    assert sum(hits.values()) == 5                               # the first one found no entry
+    assert sum(1 for a in cluster.p if spread[a] > 0) >= 2       # distinct prefixes are balanced instead
+
+
+def test_admission_rejections_at_threshold(cluster):
+    """Decode capacity 100 PCS, threshold 0.8: each decode instance takes requests while load + PCS <= 80.
+    A 30-token prompt with max_tokens 200 scores 0.3·30 + 0.5·30 (cold estimate: the prompt length) = 24,
+    so 3 fit per instance (72), the 4th would make 96: 6 of 10 concurrent requests are admitted."""
+    r = cluster.routers["B"]
+    rejected0 = listing(r).rejected
+    barrier = threading.Barrier(10)
+
+    def one(k):
+        with pdserve.Client(r, timeout=120) as c:
+            barrier.wait(timeout=30)
+            try:
+                return c.generate(token_ids=prompt(30, 400 + k), max_tokens=200, ignore_eos=True)
+            except grpc.RpcError as e:
+                return e
+    with ThreadPoolExecutor(10) as ex:
+        results = list(ex.map(one, range(10)))
+    ok = [x for x in results if not isinstance(x, grpc.RpcError)]
+    errs = [x for x in results if isinstance(x, grpc.RpcError)]
+    assert len(ok) == 6 and all(len(o.token_ids) == 200 for o in ok), [getattr(e, "details", lambda: e)() for e in errs]
+    assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in errs)
+    assert all("80% of its PCS capacity" in e.details() for e in errs)
+    retry_ms = [int(dict(e.trailing_metadata())["retry-after-ms"]) for e in errs]
+    assert all(50 <= ms <= 30_000 for ms in retry_ms), retry_ms
+    assert listing(r).rejected - rejected0 == 4
+    with pdserve.Client(r, timeout=60) as c:  # capacity is back once they finished
+        assert len(c.generate(token_ids=prompt(30, 499), max_tokens=8, ignore_eos=True).token_ids) == 8
+
+
+def test_priority_order_under_contention(cluster):
+    """Router C lets one request at a time into its single prefill instance P1. With P1 paused (SIGSTOP) a
+    blocker holds it while 9 equal requests queue, arriving low first and high last; once P1 resumes they
+    reach their first token high, normal, low (x-priority metadata and the request field both count)."""
+    r = cluster.routers["C"]
+    p1 = cluster.procs[cluster.p[0]]
+    first_token: dict[str, float] = {}
+
+    def run(name: str, ids: list[int], **kw):
+        with pdserve.Client(r, timeout=120) as c:
+            for _ in c.stream(token_ids=ids, max_tokens=2, ignore_eos=True, **kw):
+                first_token.setdefault(name, time.monotonic())
+
+    queued0 = listing(r).queued
+    p1.send_signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(10) as ex:
+            futs = [ex.submit(run, "blocker", prompt(40, 500))]
+            time.sleep(0.2)
+            for k, (name, kw) in enumerate([("low", dict(priority="low"))] * 3 + [("normal", {})] * 3 +
+                                           [("high", dict(metadata=[("x-priority", "high")]))] * 3):
+                futs.append(ex.submit(run, f"{name}{k % 3}", prompt(200, 600 + k), **kw))
+                time.sleep(0.02)
+            deadline = time.monotonic() + 30
+            while listing(r).queued < queued0 + 9:  # all nine wait behind the blocker
+                assert time.monotonic() < deadline, listing(r)
+                time.sleep(0.05)
+            p1.send_signal(signal.SIGCONT)
+            for f in futs:
+                f.result()
+    finally:
+        p1.send_signal(signal.SIGCONT)
+    order = [n for n, _ in sorted(first_token.items(), key=lambda kv: kv[1]) if n != "blocker"]
+    print("first tokens in order:", order)
+    assert [n[:-1] for n in order] == ["high"] * 3 + ["normal"] * 3 + ["low"] * 3, order
+
+
+def test_retry_before_first_token(cluster):
+    """Router D lists a dead prefill and a dead decode address (it checks health only every 60 s): requests
+    sent there fail UNAVAILABLE before their first token, are retried elsewhere and succeed; the dead
+    instances are marked down by the failure itself."""
+    r = cluster.routers["D"]
+    with pdserve.Client(r, timeout=60) as c:
+        outs = [c.generate(token_ids=prompt(40, 700 + k), max_tokens=6, ignore_eos=True) for k in range(4)]
+    assert all(len(o.token_ids) == 6 for o in outs)
+    info = listing(r)
+    inst = {i.address: i for i in info.instances}
+    assert info.retries >= 1
+    assert all(inst[a].state == "down" and inst[a].failures >= 1 for a in cluster.dead)
+    assert inst[cluster.p[0]].state == "up" and inst[cluster.d[0]].state == "up"
+
+
+def test_instance_death_and_recovery(cluster):
+    """Kill P3 (registered with --router): the router marks it down and keeps serving; restarted on the same
+    port it registers again, comes back up and gets work; stopped gracefully it deregisters and is forgotten."""
+    from pdserve.launch import wait_ready
+    r = cluster.routers["A"]
+    P3 = cluster.p[2]
+    proc = cluster.p3_proc[0]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    with pdserve.Client(r, timeout=60) as c, ThreadPoolExecutor(6) as ex:  # some may still be sent to P3: retried
+        outs = list(ex.map(lambda k: c.generate(token_ids=prompt(40, 800 + k), max_tokens=4, ignore_eos=True),
+                           range(6)))
+    assert all(len(o.token_ids) == 4 for o in outs)
+    wait_states(r, {P3: "down"}, timeout=15)
+    cluster.start_p3()  # same port, --router A
+    wait_ready(*cluster.p3_proc, timeout=120)
+    wait_states(r, {P3: "up"}, timeout=15)
+    before = assigned(r)
+    with pdserve.Client(r, timeout=60) as c:
+        outs = [c.generate(token_ids=prompt(40, 900 + k), max_tokens=4, ignore_eos=True) for k in range(4)]
+    assert all(len(o.token_ids) == 4 for o in outs)
+    assert delta(before, assigned(r))[P3] >= 1
+    cluster.p3_proc[0].send_signal(signal.SIGTERM)  # graceful: deregisters first
+    cluster.p3_proc[0].wait(timeout=30)
+    wait_states(r, {P3: None}, timeout=15)
+    with pdserve.Client(r, timeout=60) as c:
+        assert len(c.generate(token_ids=prompt(40, 999), max_tokens=4, ignore_eos=True).token_ids) == 4

@@ -1,0 +1,238 @@
+"""Scheduler in-process (the policy code, no network): admission at the threshold, the dispatch gate and
+priority order under contention, retries, release of every unit of load, the assignment policies."""
+import threading
+
+import pytest
+
+from pdserve.router.admission import Rejected
+from pdserve.router.config import RouterConfig
+from pdserve.router.instances import DECODE, PREFILL, State
+from pdserve.router.scheduler import Job, QueueTimeout, Scheduler, Unavailable
+
+
+def make(n_prefill=2, n_decode=2, **kw) -> Scheduler:
+    s = Scheduler(RouterConfig(model="m", **kw))
+    for i in range(n_prefill):
+        s.add(PREFILL, f"p{i}:1")
+    for i in range(n_decode):
+        s.add(DECODE, f"d{i}:1")
+    return s
+
+
+def job(pcs=10.0, mult=1.0, prompt_len=32, pages=4, page_hash=None, name="j") -> Job:
+    return Job(name, pcs, pcs / mult, prompt_len, pages, page_hash)
+
+
+def loads(s: Scheduler):
+    return {a: (round(i.load_pcs, 6), i.in_flight) for r in (PREFILL, DECODE) for a, i in s.instances[r].items()}
+
+
+def idle(s):
+    return all(v == (0, 0) for v in loads(s).values()) and len(s.queue) == 0
+
+
+def test_admission_rejects_at_threshold_with_retry_after():
+    s = make(prefill_capacity_pcs=1000, decode_capacity_pcs=100, batch_utilization_threshold=0.8)
+    admitted = []
+    for k in range(7):
+        j = job(pcs=24)
+        try:
+            s.submit(j)
+            admitted.append(j)
+        except Rejected as e:
+            assert e.retry_after_s > 0 and "decode" in e.reason and "80%" in e.reason
+            break
+    # Budget 0.8·100 = 80 per decode instance: 3 × 24 = 72 fit, a 4th (96) does not; two instances.
+    assert len(admitted) == 6 and s.rejected == 1
+    s.finish(admitted[0], completed=True)
+    s.submit(job(pcs=24))  # room again
+    with pytest.raises(Rejected):
+        s.submit(job(pcs=24))
+
+
+def test_idle_instance_admits_a_request_larger_than_its_budget():
+    s = make(1, 1, prefill_capacity_pcs=100, decode_capacity_pcs=100)
+    big = job(pcs=500)
+    s.submit(big)
+    assert s.wait(big, 1.0)[0].address == "p0:1"
+    with pytest.raises(Rejected):
+        s.submit(job(pcs=1))
+    s.finish(big)
+    assert idle(s)
+
+
+def test_no_healthy_instance_is_unavailable():
+    s = make(1, 1)
+    s.set_state(s.instances[PREFILL]["p0:1"], State.DOWN)
+    with pytest.raises(Unavailable, match="prefill"):
+        s.submit(job())
+
+
+def test_gate_and_priority_order_under_contention():
+    # One prefill instance, at most 1 prompt token in flight: requests go one at a time, in priority order.
+    s = make(1, 1, prefill_max_inflight_tokens=1, priority_aging_pcs_per_s=0.0)
+    blocker = job(pcs=50, name="blocker")
+    s.submit(blocker)
+    s.wait(blocker, 1.0)
+    jobs = [job(pcs=20, mult=m, name=n) for n, m in
+            [("low1", 0.5), ("normal1", 1.0), ("high1", 1.5), ("low2", 0.5), ("high2", 1.5), ("normal2", 1.0)]]
+    for j in jobs:
+        s.submit(j)
+    assert len(s.queue) == 6 and all(not j.event.is_set() for j in jobs)
+    order = []
+    current = blocker
+    for _ in jobs:
+        s.first_token(current)
+        s.finish(current, completed=True)
+        current = next(j for j in jobs if j.event.is_set() and j.rid not in order)
+        order.append(current.rid)
+        assert sum(j.event.is_set() for j in jobs) == len(order)  # strictly one at a time
+    assert order == ["high1", "high2", "normal1", "normal2", "low1", "low2"]
+
+
+def test_queue_timeout_and_full_queue():
+    s = make(1, 1, prefill_max_inflight_tokens=1, max_queue=2)
+    first = job()
+    s.submit(first)
+    waiting = [job(), job()]
+    for j in waiting:
+        s.submit(j)
+    with pytest.raises(Rejected, match="queue is full"):
+        s.submit(job())
+    with pytest.raises(QueueTimeout):
+        s.wait(waiting[0], 0.05)
+    s.finish(waiting[0])
+    for j in (first, waiting[1]):
+        s.finish(j)
+    assert idle(s)
+
+
+def test_decode_gate_waits_for_free_pages():
+    s = make(1, 1)
+    d = s.instances[DECODE]["d0:1"]
+    s.update_stats(d, pages_free=10, pages_total=10, active=0)
+    a, b = job(pages=8), job(pages=8)
+    s.submit(a)
+    s.wait(a, 1.0)
+    s.submit(b)
+    assert not b.event.is_set()  # 10 - 8 pages left < 8 needed
+    s.finish(a, completed=True)
+    assert b.event.is_set()
+    s.finish(b)
+
+
+def test_retry_excludes_the_blamed_instance_and_every_release_returns_load():
+    s = make(2, 2)
+    j = job()
+    s.submit(j)
+    p, d = s.wait(j, 1.0)
+    s.retry(j, [p])
+    p2, d2 = s.wait(j, 1.0)
+    assert p2 is not p and s.retries == 1
+    s.retry(j, [])  # nothing blamed: both of the last pair are avoided for this job
+    p3, d3 = s.wait(j, 1.0)
+    assert d3 is not d2 and j.excluded == {p.address, p2.address, d2.address}
+    assert p3 in (p, p2)  # every prefill excluded: any up instance rather than none
+    s.first_token(j)
+    s.finish(j, completed=True)
+    s.finish(j)  # idempotent
+    assert idle(s)
+
+
+def test_decode_capacity_from_kv_pool():
+    s = make(1, 1, page_size=16)
+    d = s.instances[DECODE]["d0:1"]
+    s.update_stats(d, pages_free=100, pages_total=100, active=0)
+    assert d.capacity_pcs == 0.5 * 16 * 100  # max(w_in, w_out) · tokens the pool holds
+
+
+def test_concurrent_submit_finish_leaves_no_load():
+    s = make(3, 2, prefill_max_inflight_tokens=64)
+
+    def worker(k):
+        for i in range(200):
+            j = job(pcs=1 + (i % 7), prompt_len=16 + i % 40, name=f"{k}-{i}")
+            try:
+                s.submit(j)
+                s.wait(j, 5.0)
+                if i % 3:
+                    s.first_token(j)
+            except Rejected:
+                continue
+            finally:
+                s.finish(j, completed=True)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert idle(s) and all(i.inflight_tokens == 0 and i.pages == 0
+                           for r in (PREFILL, DECODE) for i in s.instances[r].values())
+
+
+# ---- assignment policies ------------------------------------------------------------------------------------
+def run_one(s: Scheduler, j: Job):
+    s.submit(j)
+    p, d = s.wait(j, 1.0)
+    return p.address, d.address
+
+
+def test_pcs_prefill_least_outstanding_and_balanced():
+    s = make(3, 2)
+    held = [job(pcs=100 * (k + 1)) for k in range(3)]
+    for j in held:
+        run_one(s, j)
+    # the third instance holds 300, the first 100: a new request goes to the least-loaded one
+    assert run_one(s, job(pcs=5))[0] == held[0].prefill.address
+    s2 = make(3, 2)
+    counts = {}
+    for k in range(30):
+        p, _ = run_one(s2, j := job(pcs=10))
+        counts[p] = counts.get(p, 0) + 1
+        s2.finish(j, completed=True)
+    assert sorted(counts.values()) == [10, 10, 10]
+
+
+def test_prefix_affinity_holds_while_load_allows():
+    s = make(3, 2, affinity_slack_pcs=100)
+    h = b"prefix-1"
+    first = job(pcs=10, page_hash=h)
+    p0, _ = run_one(s, first)
+    hits = []
+    for _ in range(5):  # same leading page: same instance, although it is now the most loaded
+        hits.append(run_one(s, job(pcs=10, page_hash=h))[0])
+    assert hits == [p0] * 5 and s.instances[PREFILL][p0].affinity_hits == 5
+    others = {run_one(s, job(pcs=10, page_hash=bytes([k])))[0] for k in range(4)}
+    assert p0 not in others  # new prefixes go to the less loaded instances
+    # p0 holds 60 PCS, the others 20: within the slack of 100, so this one still goes to p0 (now 260) ...
+    assert run_one(s, job(pcs=200, page_hash=h))[0] == p0
+    # ... and now p0 is 240 above the least-loaded instance: affinity yields to balance.
+    assert run_one(s, job(pcs=10, page_hash=h))[0] != p0
+    s_off = make(3, 2, affinity=False)
+    assert len({run_one(s_off, job(pcs=10, page_hash=h))[0] for _ in range(3)}) == 3
+
+
+def test_decode_prefers_free_pages_and_few_active():
+    s = make(1, 3)
+    ds = s.instances[DECODE]
+    s.update_stats(ds["d0:1"], pages_free=100, pages_total=1000, active=2)   # nearly full
+    s.update_stats(ds["d1:1"], pages_free=900, pages_total=1000, active=40)  # many sequences
+    s.update_stats(ds["d2:1"], pages_free=800, pages_total=1000, active=2)
+    assert run_one(s, job(pages=10))[1] == "d2:1"
+    s_p2c = make(1, 3, decode_choice="p2c", seed=1)
+    for a, (free, act) in zip(("d0:1", "d1:1", "d2:1"), ((100, 2), (900, 40), (800, 2))):
+        s_p2c.update_stats(s_p2c.instances[DECODE][a], free, 1000, act)
+    picks = set()
+    for _ in range(20):
+        picks.add(run_one(s_p2c, j := job(pages=1))[1])
+        s_p2c.finish(j)
+    assert picks == {"d1:1", "d2:1"}  # two random candidates: the worst never wins, the middle one sometimes
+
+
+def test_baselines_round_robin_and_least_requests():
+    s = make(3, 2, policy="round_robin")
+    assert [run_one(s, job())[0] for _ in range(6)] == ["p0:1", "p1:1", "p2:1"] * 2
+    s = make(2, 2, policy="least_requests", prefill_max_inflight_tokens=0)
+    a = job(pcs=1000)
+    run_one(s, a)
+    assert run_one(s, job(pcs=1))[0] != a.prefill.address
