@@ -131,8 +131,10 @@ class FA3Backend:
     int8 pool: prefill chunks dequantize the batch's pages into a dense scratch (one Triton pass) that FA3 then
     reads. Decode has two kernels (`int8_decode`): "triton" reads the int8 pages directly, dequantizing in
     registers (pdserve.engine.kernels.int8_decode_attention); "dequant" dequantizes to a scratch, then FA3.
-    bench/gpu_engine.py measures both; "triton" is the default (it moves a third of the bytes, and measured
-    faster at every batch size; see docs/benchmarks.md)."""
+    Dense pool decode (`dense_decode`): FA3's paged kernel or the same Triton kernel reading bf16 pages.
+    bench/gpu_engine.py measures all of them on an H200; the defaults are the faster ones there: "triton" for
+    both (int8: ~2x faster than dequantize + FA3; dense: faster than FA3 summed over batch 1/64/128 in each of
+    three runs, though FA3 won batch 64 in one; see docs/benchmarks.md)."""
 
     name = "fa3"
 
@@ -142,8 +144,8 @@ class FA3Backend:
         self.fa = module
         self.int8_decode = int8_decode
         self.dense_prefill = "paged"  # dense pool, prefill: "paged" (FA3 reads pages) | "gather" (varlen)
-        self.dense_decode = "fa3"     # dense pool, decode: "fa3" | "triton" (the int8 kernel's dense mode)
-        self.fa3_num_splits = 0       # FA3 decode split count (0: FA3's heuristic)
+        self.dense_decode = "triton"  # dense pool, decode: "triton" (the int8 kernel's dense mode) | "fa3"
+        self.fa3_num_splits = 4       # FA3 decode split count (0: FA3's heuristic; 4 measured as good)
         self.decode_config: dict = {}  # Triton decode kernel overrides (block_n, num_warps, num_stages, split_mult)
         self._num_sms = 0
 
@@ -213,7 +215,7 @@ class FA3Backend:
 
         if not self._num_sms:
             self._num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        cfg = {**kd.DEFAULT_CONFIG, **self.decode_config}
+        cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **self.decode_config}
         splits = kd.default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
         kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   scale_expand=cfg["scale_expand"])

@@ -200,6 +200,9 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self.rotary.build_tables(self.config.max_position_embeddings)
+        from pdserve.engine.kernels.gemv import DEFAULT_CONFIG  # noqa: PLC0415 - imports triton
+
+        self.small_m_gemv = dict(DEFAULT_CONFIG)  # matched cuBLAS on an H200 (docs/benchmarks.md); None: cuBLAS
         self.fused = True
 
     @staticmethod

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 MAX_M = 4
-DEFAULT_CONFIG = dict(block_n=16, block_k=512, num_warps=4, num_stages=3)
+DEFAULT_CONFIG = dict(block_n=16, block_k=1024, num_warps=4, num_stages=2)  # bench/gpu_engine.py sweep winner
 
 
 @triton.jit

@@ -18,9 +18,11 @@ import triton.language as tl
 
 from pdserve.engine.kernels.kv_quant import dequantize_tile
 
-# Launch config; bench/gpu_engine.py sweeps it. scale_expand: broadcast each group's scale (and zero) over its
-# columns with G selects instead of reshaping the int8 tile into [BLOCK, G, D/G] groups.
-DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2, split_mult=2, scale_expand=False)
+# Launch configs: the winners of bench/gpu_engine.py's sweep on an H200 (docs/benchmarks.md), int8 and dense pools.
+# scale_expand: broadcast each group's scale (and zero) over its columns with G selects instead of reshaping the
+# int8 tile into [BLOCK, G, D/G] groups (it did not win).
+DEFAULT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2, split_mult=2, scale_expand=False)
+DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False)
 
 
 @triton.jit
