@@ -145,7 +145,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         job, pcs = plan.job, plan.pcs
         req.set({"pdserve.prompt_tokens": len(ids), "pdserve.pcs.score": pcs.score, "pdserve.pcs.input_len":
                  pcs.input_len, "pdserve.pcs.est_output_len": pcs.est_output_len,
-                 "pdserve.pcs.num_special": pcs.num_special})
+                 "pdserve.pcs.num_special": pcs.num_special, "pdserve.pcs.estimate": plan.mode,
+                 "pdserve.priority.effective": priority.value})  # field or x-priority metadata, resolved
         timeout = context.time_remaining()
         timeout = self.cfg.default_timeout_s if timeout is None or timeout > 1e8 else timeout
         deadline = time.monotonic() + timeout

@@ -142,6 +142,8 @@ def test_span_attributes(traced):
     assert r["pdserve.request_id"] == out.request_id and r["pdserve.priority"] == "PRIORITY_UNSPECIFIED"
     assert r["pdserve.pcs.input_len"] == PROMPT_LEN and 1 <= r["pdserve.pcs.est_output_len"] <= MAX_TOKENS
     assert r["pdserve.pcs.num_special"] == 0 and r["pdserve.pcs.score"] > 0
+    assert r["pdserve.priority.effective"] == "normal" and r["pdserve.pcs.estimate"] in ("learned", "length_only",
+                                                                                           "max_tokens")
     assert r["pdserve.prefill"] == stack.prefill[0] and r["pdserve.decode"] == stack.decode[0]
     assert r["pdserve.admission"] == "admitted" and r["pdserve.attempt"] == 1
     assert r["pdserve.completion_tokens"] == MAX_TOKENS and r["pdserve.finish_reason"] == "length"
@@ -213,7 +215,7 @@ def test_metrics_scraped_and_parsed(traced):
     stack = traced["stack"]
     assert router[("pdserve_outstanding_pcs", (("instance", stack.prefill[0]), ("role", "prefill")))] == 0
     assert router[("pdserve_outstanding_pcs", (("instance", stack.decode[0]), ("role", "decode")))] == 0
-    assert router[("pdserve_requests_awaiting_first_token", ())] == 0
+    assert router[("pdserve_requests_awaiting_first_token", ())] == 0 and router[("pdserve_queue_depth", ())] == 0
     for svc in (prefill, decode):
         free, used = svc[("pdserve_kv_pages", (("state", "free"),))], svc[("pdserve_kv_pages", (("state", "used"),))]
         assert free + used == 256
