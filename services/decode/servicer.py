@@ -14,6 +14,7 @@ from pdserve.grpc_util import channel, remaining
 from pdserve.kv.codec import KVLayoutSpec, KVPageError, decode_page
 from pdserve.kv.transfer import ReceiverPages, TransferError
 from pdserve.sampling_proto import sampling_from_proto
+from pdserve.status import engine_error_code
 from pdserve.telemetry import RequestScope, Telemetry
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
@@ -88,9 +89,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         outputs: queue.Queue = queue.Queue()
         try:
             self.loop.begin_import(rid, prompt, sampling, outputs.put)
-        except Exception as e:  # noqa: BLE001
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if "page" in str(e).lower() else grpc.StatusCode.INTERNAL
-            context.abort(code, f"decode could not reserve KV pages: {e}")
+        except Exception as e:  # noqa: BLE001 - mapped to a status with its reason
+            context.abort(engine_error_code(e), f"decode could not admit request: {e}")
         with self._lock:
             self._active += 1
         finished = False

@@ -15,6 +15,7 @@ from pdserve.kv.codec import KVLayoutSpec, KVPageError, encode_page
 from pdserve.kv.transfer import SenderPages, TransferError
 from pdserve.prefill.config import PrefillConfig
 from pdserve.sampling_proto import sampling_from_proto
+from pdserve.status import engine_error_code
 from pdserve.telemetry import RequestScope, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
@@ -140,8 +141,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         except Exception as e:  # out of pages, duplicate id
             with self._lock:
                 self._active -= 1
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if "page" in str(e).lower() else grpc.StatusCode.INTERNAL
-            context.abort(code, f"prefill could not admit request: {e}")
+            context.abort(engine_error_code(e), f"prefill could not admit request: {e}")
 
         acks = threading.Thread(target=self._read_acks, args=(request_iterator, pages, release), daemon=True,
                                 name=f"acks-{rid[:8]}")
