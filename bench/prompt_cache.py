@@ -350,6 +350,9 @@ def main() -> None:
             ship = stream_ms(lay, n90 // PAGE, max(3, args.repeats // 2))
             print(f"  {name + f' ({value_bytes(lay)} B/page)':34s} {fetch:19.1f} {ship:22.1f} "
                   f"{f'{sfx:.1f}' if name == 'bench model' else 'n/a (GPU)':>18s}")
+            if name == "bench model":
+                print(f"  {'':34s} TTFT 90% - (prefill's lookup + suffix prefill) = "
+                      f"{t['90pct'][0] - fetch - sfx:.1f} ms of transfer/RPC overhead left to remove")
         rds.flushall()
 
         print("\nlocal tier: 2 prefill instances sharing Redis, 8 system prompts x 1024 tokens (Zipf 1.1) + 256 "
