@@ -89,23 +89,29 @@ def wait_keys(rds, n: int, timeout: float = 60.0) -> None:
 
 
 def ttft_table(router: str, rds, prompt_len: int, repeats: int) -> dict[str, tuple[float, int]]:
-    out = {}
+    """Median TTFT and cached tokens per scenario. Each scenario's prefix is cached by one request first; the
+    measured requests add fresh random suffixes and run round-robin over the scenarios, so that load from other
+    work on the host affects all three alike."""
+    scenarios = {"cold": 0.0, "50pct": 0.5, "90pct": 0.9}
+    prefixes = {name: rand_tokens(int(prompt_len * frac) // PAGE * PAGE, 1000 + i)
+                for i, (name, frac) in enumerate(scenarios.items())}
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in scenarios}
     with pdserve.Client(router, timeout=600) as c:
         ttft(c, rand_tokens(64, 0))  # warm-up
-        seed = 1000
-        for name, frac in (("cold", 0.0), ("50pct", 0.5), ("90pct", 0.9)):
-            prefix = rand_tokens(int(prompt_len * frac) // PAGE * PAGE, seed)
+        for name, prefix in prefixes.items():
             if prefix:  # one request caches the prefix (its pages are written back asynchronously)
                 before = rds.dbsize()
-                ttft(c, prefix + rand_tokens(prompt_len - len(prefix), seed + 1))
+                ttft(c, prefix + rand_tokens(prompt_len - len(prefix), 2000))
                 wait_keys(rds, before + len(prefix) // PAGE)
-            runs = []
-            for r in range(repeats):
-                seed += 7
-                runs.append(ttft(c, prefix + rand_tokens(prompt_len - len(prefix), seed)))
-            out[name] = (statistics.median(t for t, _ in runs), min(cached for _, cached in runs))
-            print(f"  {name:6s} TTFT median {out[name][0]:8.1f} ms  (cached tokens {out[name][1]}, "
-                  f"runs {', '.join(f'{t:.0f}' for t, _ in runs)}; load avg {os.getloadavg()[0]:.1f})", flush=True)
+        for r in range(repeats):
+            for k, (name, prefix) in enumerate(prefixes.items()):
+                runs[name].append(ttft(c, prefix + rand_tokens(prompt_len - len(prefix), 3000 + 10 * r + k)))
+    out = {}
+    for name, rs in runs.items():
+        out[name] = (statistics.median(t for t, _ in rs), min(cached for _, cached in rs))
+        print(f"  {name:6s} TTFT median {out[name][0]:8.1f} ms  (cached tokens {out[name][1]}, "
+              f"runs {', '.join(f'{t:.0f}' for t, _ in rs)})", flush=True)
+    print(f"  (host load average during the runs: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     return out
 
 
