@@ -7,8 +7,8 @@ each request's urgency 1/PCS: high multiplies it by 1.5, normal by 1.0, low by 0
 Every queued request loses value at the same rate, so the order between two of them never changes while they
 wait and the heap key can be fixed at push time: key = PCS/multiplier + aging·arrival. A big or low-priority
 request is overtaken only by requests arriving less than (value gap)/aging seconds after it: no starvation.
-(Ordering by multiplier·PCS, largest first, was measured too: it starved short prompts behind long prefills,
-TTFT p50 3.4 s vs 24 ms for least-requests on bench/router.py's workload; see docs/router.md.)
+(Ordering by multiplier·PCS, largest first, was tried too: short prompts wait behind long prefills and P99
+TTFT is worse from moderate load on; see docs/router.md.)
 """
 from __future__ import annotations
 

@@ -211,22 +211,26 @@ class Scheduler:
             inst.reserved_pcs = max(0.0, inst.reserved_pcs - job.pcs)
         job.reserved = []
 
+    @staticmethod
+    def _charge(inst: Instance, job: Job, sign: int) -> None:
+        """Add (+1, at dispatch) or remove (-1, at release) `job`'s load on `inst`."""
+        inst.running_pcs = max(0.0, inst.running_pcs + sign * job.pcs)
+        inst.in_flight += sign
+        if inst.role == PREFILL:
+            inst.inflight_tokens += sign * job.prompt_len
+        else:
+            inst.pages += sign * job.need_pages
+
     def _release_prefill(self, job: Job, done: bool) -> None:
         if job.prefill_open:
-            p = job.prefill
-            p.running_pcs = max(0.0, p.running_pcs - job.pcs)
-            p.in_flight -= 1
-            p.inflight_tokens -= job.prompt_len
+            self._charge(job.prefill, job, -1)
             job.prefill_open = False
             if done:
                 self.drain[PREFILL].add(job.pcs)
 
     def _release_decode(self, job: Job, done: bool) -> None:
         if job.decode_open:
-            d = job.decode
-            d.running_pcs = max(0.0, d.running_pcs - job.pcs)
-            d.in_flight -= 1
-            d.pages -= job.need_pages
+            self._charge(job.decode, job, -1)
             job.decode_open = False
             if done:
                 self.drain[DECODE].add(job.pcs)
@@ -250,13 +254,8 @@ class Scheduler:
             self.queue.pop()
             self._unreserve(job)  # before picking: its own reservation must not count against an instance
             p, d = self.policy.pick_prefill(job, ps), self.policy.pick_decode(job, ds)
-            p.running_pcs += job.pcs
-            p.in_flight += 1
-            p.inflight_tokens += job.prompt_len
-            p.assigned += 1
-            d.running_pcs += job.pcs
-            d.in_flight += 1
-            d.pages += job.need_pages
-            d.assigned += 1
+            for inst in (p, d):
+                self._charge(inst, job, +1)
+                inst.assigned += 1
             job.prefill, job.decode, job.prefill_open, job.decode_open = p, d, True, True
             job.event.set()

@@ -1,6 +1,7 @@
-"""A cluster of real processes shared by the router tests: 3 prefill + 2 decode engines (tiny model) and four
-routers with different settings, all started at once (engine ports are picked up front so the routers' static
-lists are known before the engines are up; the routers see them come up through their health checks).
+"""A cluster of real processes for test_router_cluster.py (module scope): 3 prefill + 2 decode engines (tiny
+model) and four routers with different settings, all started at once (engine ports are picked up front so the
+routers' static lists are known before the engines are up; the routers see them come up through their health
+checks).
 
     A  "main":      --config a.toml (static P1 P2 D1 D2); P3 registers itself with --router A
     B  admission:   decode capacity 100 PCS (budget 80), static P1 P2 D1 D2
@@ -46,7 +47,7 @@ class Cluster:
         self.p3_proc = (proc, ready, log)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Cluster:
     work = tmp_path_factory.mktemp("router-cluster")
     model = build_checkpoint(work / "model", arch="llama", seed=3)
