@@ -38,6 +38,10 @@ class QueueTimeout(Rejected):
     """Waited `max_queue_wait_s` (or the client's deadline) without room on any instance."""
 
 
+class Cancelled(Exception):
+    """The caller went away while the request was queued."""
+
+
 @dataclass(eq=False)
 class Job:
     rid: str
@@ -55,6 +59,7 @@ class Job:
     decode: Instance | None = None
     prefill_open: bool = False   # prefill accounting held (no first token yet)
     decode_open: bool = False
+    cancelled: bool = False
     event: threading.Event = field(default_factory=threading.Event)
 
 
@@ -159,8 +164,12 @@ class Scheduler:
             self._dispatch()
 
     def wait(self, job: Job, timeout: float) -> tuple[Instance, Instance]:
-        """Block until `job` is dispatched; raise QueueTimeout (or Unavailable) after `timeout` seconds."""
-        if not job.event.wait(max(0.0, timeout)):
+        """Block until `job` is dispatched; raise QueueTimeout (or Unavailable) after `timeout` seconds,
+        Cancelled when `cancel` was called first."""
+        woke = job.event.wait(max(0.0, timeout))
+        if job.cancelled:
+            raise Cancelled(job.rid)
+        if not woke:
             with self.lock:
                 if self.queue.remove(job):
                     self._unreserve(job)
@@ -171,6 +180,14 @@ class Scheduler:
                     raise QueueTimeout(f"no instance had room for this request within {waited:.1f}s", 1.0)
         return job.prefill, job.decode
 
+    def cancel(self, job: Job) -> None:
+        """The caller is gone: drop `job` from the queue and wake its waiter (what it holds: `finish`)."""
+        with self.lock:
+            job.cancelled = True
+            if self.queue.remove(job):
+                self._unreserve(job)
+            job.event.set()
+
     def first_token(self, job: Job) -> None:
         with self.lock:
             self._release_prefill(job, done=True)
@@ -180,10 +197,12 @@ class Scheduler:
         """Back into the queue (same place), excluding `blamed` (or, when none could be blamed, both instances
         it just ran on) for this job."""
         with self.lock:
-            for inst in blamed or (job.prefill, job.decode):
-                job.excluded.add(inst.address)
             self._release_prefill(job, done=False)
             self._release_decode(job, done=False)
+            if job.cancelled:
+                return
+            for inst in blamed or (job.prefill, job.decode):
+                job.excluded.add(inst.address)
             self.retries += 1
             job.event.clear()
             cands = [self._eligible(r, job.excluded) for r in (PREFILL, DECODE)]

@@ -18,7 +18,7 @@ from pdserve.router.membership import Membership
 from pdserve.router.pcs import PCS, PCSWeights, count_special, fallback_output_len, leading_page_hash, score, \
     special_token_ids
 from pdserve.router.priority import Priority, resolve
-from pdserve.router.scheduler import Job, Scheduler, Unavailable
+from pdserve.router.scheduler import Cancelled, Job, Scheduler, Unavailable
 from pdserve.sampling_proto import DEFAULT_MAX_TOKENS
 from pdserve.telemetry import Telemetry
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2
@@ -167,10 +167,13 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         n_tokens = 0
         finish = "abort"
         p = d = None
+        context.add_callback(lambda: self.scheduler.cancel(job))  # the caller went away while queued
         try:
             for attempt in range(self.cfg.max_attempts):
                 try:
                     p, d = self.scheduler.wait(job, min(deadline - time.monotonic(), self.cfg.max_queue_wait_s))
+                except Cancelled:
+                    return
                 except Rejected as e:
                     if time.monotonic() >= deadline:
                         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued")
@@ -182,7 +185,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                          "pdserve.admission": "admitted"})
                 call = self.membership.decode_stub(d.address).Generate(
                     decode_req, timeout=max(0.001, deadline - time.monotonic()), metadata=metadata)
-                context.add_callback(call.cancel)
+                if not context.add_callback(call.cancel):  # the RPC already ended
+                    call.cancel()
                 try:
                     for msg in call:
                         out = generate_pb2.GenerateStreamResponse(request_id=rid, token_ids=msg.token_ids,

@@ -7,7 +7,7 @@ import pytest
 from pdserve.router.admission import Rejected
 from pdserve.router.config import RouterConfig
 from pdserve.router.instances import DECODE, PREFILL, State
-from pdserve.router.scheduler import Job, QueueTimeout, Scheduler, Unavailable
+from pdserve.router.scheduler import Cancelled, Job, QueueTimeout, Scheduler, Unavailable
 
 
 def make(n_prefill=2, n_decode=2, **kw) -> Scheduler:
@@ -104,6 +104,24 @@ def test_queue_timeout_and_full_queue():
     s.finish(waiting[0])
     for j in (first, waiting[1]):
         s.finish(j)
+    assert idle(s)
+
+
+def test_cancel_while_queued_wakes_the_waiter_and_frees_its_place():
+    s = make(1, 1, prefill_max_inflight_tokens=1)
+    first, queued = job(), job()
+    s.submit(first)
+    s.submit(queued)
+    woke = []
+    t = threading.Thread(target=lambda: woke.append(pytest.raises(Cancelled, s.wait, queued, 30.0)))
+    t.start()
+    s.cancel(queued)
+    t.join(timeout=5)
+    assert woke and len(s.queue) == 0
+    s.retry(queued, [])  # a cancelled job is not put back
+    assert len(s.queue) == 0
+    s.finish(queued)
+    s.finish(first)
     assert idle(s)
 
 
