@@ -1,7 +1,9 @@
-"""Router benchmark: PCS routing vs round-robin vs least-requests on a skewed workload, the router's decision
-overhead, and the output-length estimator's error on a synthetic workload with known structure.
+"""Router benchmark: PCS routing vs round-robin vs least-requests on a skewed workload (end to end, and simulated:
+the real scheduler against FIFO prefill instances, free of CPU noise), the router's decision overhead, and the
+output-length estimator's error on a synthetic workload with known structure.
 
-    python bench/router.py [--requests 40] [--rate 2.0] [--long-frac 0.25] [--rounds 3] [--json docs/bench/router.json]
+    python bench/router.py [--requests 24] [--rate 2.0] [--long-frac 0.25] [--rounds 5] [--warmup-rounds 1]
+                           [--json docs/bench/router.json]
 
 Scaled for a 2-core CPU: the tiny random-weight llama (2 layers, hidden 64) with max_position_embeddings 8192,
 2 prefill + 2 decode processes (--torch-threads 1 each) and one router per policy, all on loopback. The
@@ -237,9 +239,9 @@ def run_workload(router: str, work: list[tuple[float, list[int], int]]) -> dict:
 
 
 def warm_up(router: str, rounds: int = 4) -> None:
-    """The first 4096-token prefills of fresh engines run several times slower (first-touch of KV pools and
-    allocator growth): run some on every instance (then one unmeasured pass of a workload) before measuring,
-    so that the first policy measured is not penalised."""
+    """Fresh engines run their first 4096-token prefills several times slower: run some on every instance
+    (then `--warmup-rounds` unmeasured rounds of every policy) before measuring, so that the policy measured
+    first is not penalised."""
     rng = random.Random(99)
     with pdserve.Client(router, timeout=600) as c, ThreadPoolExecutor(4) as ex:
         for _ in range(rounds):
@@ -262,8 +264,9 @@ def end_to_end(model: Path, work_dir: Path, args) -> dict[str, dict]:
             stack.logs.append(r[2])
             routers[policy] = wait_ready(*r)
         warm_up(routers["pcs"])
+        for policy in POLICIES[::-1] * args.warmup_rounds:  # unmeasured: engines and routers reach steady speed
+            run_workload(routers[policy], make_workload(args.requests, args.rate, args.long_frac, args.seed + 1))
         work = make_workload(args.requests, args.rate, args.long_frac, args.seed)
-        run_workload(routers["least_requests"], make_workload(args.requests, args.rate, args.long_frac, args.seed + 1))
         n_long = sum(1 for _, ids, _ in work if len(ids) > 32)
         print(f"\nEnd to end: {args.requests} requests per round ({n_long} of 4096 tokens, the rest 32), Poisson "
               f"{args.rate}/s, 2 prefill + 2 decode, {args.rounds} round(s); load average {load()}")
@@ -313,10 +316,11 @@ def machine() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=40, help="requests per round")
+    ap.add_argument("--requests", type=int, default=24, help="requests per round")
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
     ap.add_argument("--long-frac", type=float, default=0.25, help="fraction of 4096-token prompts")
-    ap.add_argument("--rounds", type=int, default=3, help="repeat the workload per policy (rotating the order)")
+    ap.add_argument("--rounds", type=int, default=5, help="repeat the workload per policy (rotating the order)")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds of every policy first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-e2e", action="store_true", help="only the in-process figures")
     ap.add_argument("--json", default="", help="write the figures (docs/bench/router.json keys) here")
@@ -331,6 +335,8 @@ def main() -> None:
     e2e = end_to_end(model, work_dir, args)
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "services/router", "bench/router.py"]).returncode:
+            commit += "-dirty"
         figures = {f"p99_ttft_ms_{p}": round(e2e[p]["p99"], 1) for p in POLICIES}
         figures.update(decision_us_p99=round(dec["pcs"]["p99"], 1),
                        date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), commit=commit, machine=machine())
