@@ -2,18 +2,20 @@
 the real scheduler against FIFO prefill instances, free of CPU noise), the router's decision overhead, and the
 output-length estimator's error on a synthetic workload with known structure.
 
-    python bench/router.py [--requests 24] [--rate 2.0] [--long-frac 0.25] [--rounds 5] [--warmup-rounds 1]
+    python bench/router.py [--requests 24] [--rate 2.0] [--long-frac 0.25] [--rounds 4] [--warmup-rounds 1]
                            [--json docs/bench/router.json]
 
 Scaled for a 2-core CPU: the tiny random-weight llama (2 layers, hidden 64) with max_position_embeddings 8192,
-2 prefill + 2 decode processes (--torch-threads 1 each) and one router per policy, all on loopback. The
-workload is open-loop Poisson arrivals of 32-token and 4096-token prompts (random tokens, no shared
-prefix) with max_tokens drawn from {16, 64, 256} (short) / {16, 64} (long), ignore_eos (so the output
-length is max_tokens). Every policy gets the same request sequence and arrival times.
+2 prefill + 2 decode processes (--torch-threads 1 each) and one router per variant (the three policies, plus
+PCS without its dispatch gate), all on loopback. The workload is open-loop Poisson arrivals of 32-token and
+4096-token prompts (random tokens, no shared prefix, new tokens every run so the prompt cache never hits) with
+max_tokens drawn from {16, 64, 256} (short) / {16, 64} (long), ignore_eos (so the output length is max_tokens).
+Every variant gets the same arrival times, lengths and max_tokens.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -123,7 +125,7 @@ def decision_overhead(model: Path, n: int = 5000, n_inst: int = 8) -> dict[str, 
 
 # ---- simulated instances --------------------------------------------------------------------------------------
 def simulate(policy: str, rate: float, long_frac: float, n: int = 2000, seed: int = 0, n_prefill: int = 2,
-             long_s: float = 0.25, short_s: float = 0.012, largest_first: bool = False) -> list[tuple[float, bool]]:
+             long_s: float = 1.4, short_s: float = 0.012, largest_first: bool = False) -> list[tuple[float, bool]]:
     """The real Scheduler and policy against simulated prefill instances (each a FIFO server: a 4096-token
     prompt takes `long_s`, a 32-token one `short_s`), Poisson arrivals. Returns (TTFT s, is_long) per request.
     Baselines dispatch at once (no gate), like the end-to-end runs. `largest_first`: the queue ordered by
@@ -177,13 +179,13 @@ def simulate(policy: str, rate: float, long_frac: float, n: int = 2000, seed: in
     return out
 
 
-def simulated(loads=((2.0, 0.25), (6.0, 0.25), (10.0, 0.3), (14.0, 0.25))) -> None:
-    print("\nSimulated prefill instances (2 FIFO servers: 4096 tokens 250 ms, 32 tokens 12 ms; the real scheduler and "
-          "policies; 3 seeds x 2000 requests; TTFT = queueing + prefill, ms):")
+def simulated(loads=((0.5, 0.25), (1.0, 0.25), (2.0, 0.25), (2.5, 0.25), (6.0, 0.05))) -> None:
+    print("\nSimulated prefill instances (2 FIFO servers: 4096 tokens 1.4 s, 32 tokens 12 ms, as measured on this CPU; "
+          "the real scheduler and policies; 3 seeds x 2000 requests; TTFT = queueing + prefill, ms):")
     print(f"{'rate/s':>6s} {'long':>5s} {'util':>5s} {'policy':>15s} {'p50':>6s} {'p99':>6s} {'short p99':>9s} "
           f"{'long p99':>8s}")
     for rate, lf in loads:
-        util = rate * (lf * 0.25 + (1 - lf) * 0.012) / 2
+        util = rate * (lf * 1.4 + (1 - lf) * 0.012) / 2
         for policy, largest in [(p, False) for p in POLICIES] + [("pcs", True)]:
             res = [simulate(policy, rate, lf, seed=s, largest_first=largest) for s in range(3)]
             f = [[pct([t for t, _ in r], q) for r in res] for q in (50, 99)]
@@ -196,13 +198,17 @@ def simulated(loads=((2.0, 0.25), (6.0, 0.25), (10.0, 0.3), (14.0, 0.25))) -> No
 
 
 # ---- end to end -----------------------------------------------------------------------------------------------
-def make_workload(n: int, rate: float, long_frac: float, seed: int) -> list[tuple[float, list[int], int]]:
-    rng = random.Random(seed)
+def make_workload(n: int, rate: float, long_frac: float, seed: int,
+                  content_seed: int) -> list[tuple[float, list[int], int]]:
+    """Arrival times, prompt lengths and max_tokens from `seed` (the same for every variant); the prompt tokens
+    from `content_seed`: every run gets prompts never seen before, so the prefill instances' prompt cache
+    (issue 4, on by default) cannot serve a later run from an earlier one."""
+    rng, tokens = random.Random(seed), random.Random(content_seed)
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)
         long = rng.random() < long_frac
-        ids = [rng.randrange(5, 512) for _ in range(4096 if long else 32)]
+        ids = [tokens.randrange(5, 512) for _ in range(4096 if long else 32)]
         out.append((t, ids, rng.choice([16, 64] if long else [16, 64, 256])))
     return out
 
@@ -239,9 +245,7 @@ def run_workload(router: str, work: list[tuple[float, list[int], int]]) -> dict:
 
 
 def warm_up(router: str, rounds: int = 4) -> None:
-    """Fresh engines run their first 4096-token prefills several times slower: run some on every instance
-    (then `--warmup-rounds` unmeasured rounds of every policy) before measuring, so that the policy measured
-    first is not penalised."""
+    """Load every instance once before measuring (first calls, first allocations)."""
     rng = random.Random(99)
     with pdserve.Client(router, timeout=600) as c, ThreadPoolExecutor(4) as ex:
         for _ in range(rounds):
@@ -249,50 +253,61 @@ def warm_up(router: str, rounds: int = 4) -> None:
                                              ignore_eos=True), [4096, 4096, 32, 32]))
 
 
+# router flags per variant; the baselines dispatch at once like a plain proxy (no dispatch gate)
+VARIANTS = {"pcs": ["--policy", "pcs"],
+            "round_robin": ["--policy", "round_robin", "--prefill-max-inflight-tokens", "0"],
+            "least_requests": ["--policy", "least_requests", "--prefill-max-inflight-tokens", "0"],
+            "pcs_no_gate": ["--policy", "pcs", "--prefill-max-inflight-tokens", "0"]}
+
+
 def end_to_end(model: Path, work_dir: Path, args) -> dict[str, dict]:
     base = ["--estimator-store", "memory"]
+    names = list(VARIANTS)
     stack = start_stack(model, work_dir / "stack", num_prefill=2, num_decode=2, extra=["--torch-threads", "1"],
-                        router_extra=[*base, "--policy", "pcs"])
-    routers = {"pcs": stack.router}
+                        router_extra=[*base, *VARIANTS[names[0]]])
+    routers = {names[0]: stack.router}
     try:
         static = [f for a in stack.prefill for f in ("--prefill", a)] + [f for a in stack.decode for f in ("--decode", a)]
-        for policy in POLICIES[1:]:
-            # the baselines dispatch at once, like a plain proxy (no dispatch gate)
-            r = start_service("router", ["--model", str(model), *static, *base, "--policy", policy,
-                                         "--prefill-max-inflight-tokens", "0"], work_dir / "stack")
+        for name in names[1:]:
+            r = start_service("router", ["--model", str(model), *static, *base, *VARIANTS[name]], work_dir / "stack")
             stack.procs.append(r[0])
             stack.logs.append(r[2])
-            routers[policy] = wait_ready(*r)
+            routers[name] = wait_ready(*r)
         warm_up(routers["pcs"])
-        for policy in POLICIES[::-1] * args.warmup_rounds:  # unmeasured: engines and routers reach steady speed
-            run_workload(routers[policy], make_workload(args.requests, args.rate, args.long_frac, args.seed + 1))
-        work = make_workload(args.requests, args.rate, args.long_frac, args.seed)
-        n_long = sum(1 for _, ids, _ in work if len(ids) > 32)
+        content = itertools.count(1000)
+        for _ in range(args.warmup_rounds):  # unmeasured rotations
+            for name in names[::-1]:
+                run_workload(routers[name], make_workload(args.requests, args.rate, args.long_frac, args.seed + 1,
+                                                          next(content)))
+        n_long = sum(1 for _, ids, _ in make_workload(args.requests, args.rate, args.long_frac, args.seed, 0)
+                     if len(ids) > 32)
         print(f"\nEnd to end: {args.requests} requests per round ({n_long} of 4096 tokens, the rest 32), Poisson "
               f"{args.rate}/s, 2 prefill + 2 decode, {args.rounds} round(s); load average {load()}")
-        runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
-        for rnd in range(args.rounds):  # rotate the order: background load drifts, every policy sees each slot
-            for policy in POLICIES[rnd % 3:] + POLICIES[:rnd % 3]:
-                runs[policy].append(run_workload(routers[policy], work))
-                r = runs[policy][-1]
-                print(f"  round {rnd} {policy:15s} ttft p50 {r['p50']:7.0f} ms  p99 {r['p99']:7.0f} ms  "
-                      f"{r['tok_s']:6.1f} tok/s  errors {r['errors']}", flush=True)
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for rnd in range(args.rounds):  # rotate the order: background load drifts, every variant sees each slot
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                work = make_workload(args.requests, args.rate, args.long_frac, args.seed, next(content))
+                runs[name].append(run_workload(routers[name], work))
+                r = runs[name][-1]
+                print(f"  round {rnd} {name:15s} ttft p50 {r['p50']:7.0f} ms  p99 {r['p99']:7.0f} ms  "
+                      f"{r['tok_s']:6.1f} tok/s  errors {r['errors']}  (load {load()})", flush=True)
     finally:
         stack.stop()
-    print(f"load average after: {load()}")
     out = {}
-    print(f"\n{'policy':>15s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'short p99':>9s} {'long p99':>9s} "
-          f"{'tok/s':>7s} {'req/s':>6s} {'errors':>6s}   (ms; all rounds pooled)")
-    for policy, rs in runs.items():
+    print(f"\n{'variant':>15s} {'p99 median':>10s} {'p99 pooled':>10s} {'p50 pooled':>10s} {'short p99':>9s} "
+          f"{'long p99':>9s} {'tok/s':>7s} {'req/s':>6s} {'errors':>6s}   (TTFT ms)")
+    for name, rs in runs.items():
         ttft = [t for r in rs for t in r["ttfts"]]
-        out[policy] = {"p50": pct(ttft, 50), "p99": pct(ttft, 99),
-                       "short_p99": statistics.mean(r["short_p99"] for r in rs),
-                       "long_p99": statistics.mean(r["long_p99"] for r in rs),
-                       "tok_s": statistics.mean(r["tok_s"] for r in rs), "req_s": statistics.mean(r["req_s"] for r in rs),
-                       "errors": sum(r["errors"] for r in rs)}
-        o = out[policy]
-        print(f"{policy:>15s} {o['p50']:9.0f} {o['p99']:9.0f} {o['short_p99']:9.0f} {o['long_p99']:9.0f} "
-              f"{o['tok_s']:7.1f} {o['req_s']:6.2f} {o['errors']:6d}")
+        out[name] = {"p99_median": statistics.median(r["p99"] for r in rs), "p99": pct(ttft, 99),
+                     "p50": pct(ttft, 50), "short_p99": statistics.median(r["short_p99"] for r in rs),
+                     "long_p99": statistics.median(r["long_p99"] for r in rs),
+                     "tok_s": statistics.median(r["tok_s"] for r in rs), "req_s": statistics.median(r["req_s"] for r in rs),
+                     "errors": sum(r["errors"] for r in rs)}
+        o = out[name]
+        print(f"{name:>15s} {o['p99_median']:10.0f} {o['p99']:10.0f} {o['p50']:10.0f} {o['short_p99']:9.0f} "
+              f"{o['long_p99']:9.0f} {o['tok_s']:7.1f} {o['req_s']:6.2f} {o['errors']:6d}")
+    print("p99 median: the median over rounds of each round's P99 (robust to a round disturbed by other work on "
+          "the host); short/long p99, tok/s, req/s: medians over rounds")
     return out
 
 
@@ -319,8 +334,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24, help="requests per round")
     ap.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
     ap.add_argument("--long-frac", type=float, default=0.25, help="fraction of 4096-token prompts")
-    ap.add_argument("--rounds", type=int, default=5, help="repeat the workload per policy (rotating the order)")
-    ap.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds of every policy first")
+    ap.add_argument("--rounds", type=int, default=4, help="repeat the workload per variant (rotating the order)")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds of every variant first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-e2e", action="store_true", help="only the in-process figures")
     ap.add_argument("--json", default="", help="write the figures (docs/bench/router.json keys) here")
@@ -337,7 +352,7 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "services/router", "bench/router.py"]).returncode:
             commit += "-dirty"
-        figures = {f"p99_ttft_ms_{p}": round(e2e[p]["p99"], 1) for p in POLICIES}
+        figures = {f"p99_ttft_ms_{p}": round(e2e[p]["p99_median"], 1) for p in POLICIES}
         figures.update(decision_us_p99=round(dec["pcs"]["p99"], 1),
                        date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), commit=commit, machine=machine())
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
