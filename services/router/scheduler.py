@@ -254,6 +254,12 @@ class Scheduler:
             if done:
                 self.drain[DECODE].add(job.pcs)
 
+    def _in_budget(self, inst: Instance, job: Job) -> bool:
+        """Dispatching `job` keeps `inst` within its admission budget (its own reservation not counted twice):
+        the policy may prefer another instance than the one admission reserved on, never an overloaded one."""
+        load = inst.load_pcs - (job.pcs if inst in job.reserved else 0.0)
+        return load <= 0 or load + job.pcs <= inst.capacity_pcs * self.cfg.batch_utilization_threshold
+
     def _prefill_room(self, inst: Instance) -> bool:
         limit = self.cfg.prefill_max_inflight_tokens
         return limit <= 0 or inst.inflight_tokens < limit
@@ -266,8 +272,8 @@ class Scheduler:
     def _dispatch(self) -> None:
         """Start queued jobs in priority order while the head one finds room (strict order: no overtaking)."""
         while (job := self.queue.peek()) is not None:
-            ps = [i for i in self._eligible(PREFILL, job.excluded) if self._prefill_room(i)]
-            ds = [i for i in self._eligible(DECODE, job.excluded) if self._decode_room(i, job)]
+            ps = [i for i in self._eligible(PREFILL, job.excluded) if self._prefill_room(i) and self._in_budget(i, job)]
+            ds = [i for i in self._eligible(DECODE, job.excluded) if self._decode_room(i, job) and self._in_budget(i, job)]
             if not ps or not ds:
                 return
             self.queue.pop()

@@ -50,6 +50,22 @@ def test_admission_rejects_at_threshold_with_retry_after():
         s.submit(job(pcs=24))
 
 
+def test_dispatch_never_takes_an_instance_past_its_budget():
+    """The decode policy prefers d0 (free pages, idle) for everything; admission reserved on both: the budget
+    wins, each instance ends with 3 requests (72 of 80)."""
+    s = make(1, 2, prefill_capacity_pcs=1000, decode_capacity_pcs=100)
+    ds = s.instances[DECODE]
+    s.update_stats(ds["d0:1"], pages_free=1000, pages_total=1000, active=0)
+    s.update_stats(ds["d1:1"], pages_free=100, pages_total=1000, active=50)
+    jobs = [job(pcs=24) for _ in range(6)]
+    for j in jobs:
+        s.submit(j)
+        s.wait(j, 1.0)
+    assert [round(ds[a].running_pcs) for a in ("d0:1", "d1:1")] == [72, 72]
+    with pytest.raises(Rejected):
+        s.submit(job(pcs=24))
+
+
 def test_idle_instance_admits_a_request_larger_than_its_budget():
     s = make(1, 1, prefill_capacity_pcs=100, decode_capacity_pcs=100)
     big = job(pcs=500)
