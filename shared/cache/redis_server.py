@@ -3,18 +3,12 @@ maxmemory / eviction policy, killable and restartable on the same port."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from pdserve.grpc_util import free_port
 from redis.exceptions import AuthenticationError, ResponseError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

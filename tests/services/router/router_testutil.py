@@ -1,18 +1,11 @@
 """Helpers of the router tests: free ports, the router's instance listing, waiting for instance states."""
 from __future__ import annotations
 
-import socket
 import time
 
-from pdserve.grpc_util import channel
+from pdserve.grpc_util import channel, free_port  # noqa: F401 - used by the router tests
 from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listing(router: str) -> pb.ListInstancesResponse:
