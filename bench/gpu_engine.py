@@ -331,11 +331,12 @@ def kernel_section(copy_bw: float) -> dict:
         del ref8
         for sm in (1, 2):
             splits = kd.default_num_splits(B, KVH, sms, sm)
-            for c0, ex, mode, args in [(c0, ex, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs
-                                       for ex in (False, True)] + \
-                    [(c0, False, "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
-                c = dict(c0, scale_expand=ex)
-                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}_ex{int(ex)}"
+            int8_variants = ((False, False), (True, False), (False, True))  # (scale_expand, fold)
+            for c0, (ex, fd), mode, args in [(c0, v, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs
+                                             for v in int8_variants] + \
+                    [(c0, (False, False), "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
+                c = dict(c0, scale_expand=ex, fold=fd)
+                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}_ex{int(ex)}" + ("_fold" if fd else "")
                 cfg_of[ck] = dict(c, split_mult=sm)
                 fn = lambda: kd.int8_paged_decode(qq, *args, None, None, table, lens, D ** -0.5, splits, **c)  # noqa: E731
                 try:
@@ -403,36 +404,46 @@ def kernel_section(copy_bw: float) -> dict:
     del kv
     free_memory()
 
-    # decode GEMVs at M = 1 (graph-timed): cuBLAS vs the Triton GEMV (kernels/gemv.py), per layer shape
+    # decode GEMVs at M = 1 (graph-timed): cuBLAS vs the Triton GEMV (kernels/gemv.py), per projection; `down`
+    # is timed with SwiGLU: the Triton GEMV applies it while loading, cuBLAS needs the silu_mul kernel first
     from pdserve.engine.kernels.gemv import gemv
+    from pdserve.engine.kernels.silu_mul import silu_mul
 
     h, ffn = SHAPE["hidden_size"], SHAPE["intermediate_size"]
     gcfgs = {f"bn{bn}_bk{bk}_st{st}": dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
-             for bn, bk, st in ((8, 512, 3), (16, 512, 3), (32, 512, 3), (16, 256, 4), (16, 1024, 2))}
+             for bn, bk, st in ((8, 512, 3), (16, 512, 3), (16, 256, 4), (16, 1024, 2), (8, 1024, 2), (32, 1024, 2),
+                                (16, 2048, 2), (8, 2048, 2))}
     gt: dict = {"cublas": {}, **{k: {} for k in gcfgs}}
     for name, (n_out, n_in) in {"qkv": (6144, h), "o": (h, h), "gate_up": (2 * ffn, h), "down": (h, ffn)}.items():
         w = torch.randn(n_out, n_in, device=DEV, generator=g).bfloat16()
-        xx = torch.randn(4, n_in, device=DEV, generator=g).bfloat16()
-        ref = xx.double() @ w.double().T
-        gt["cublas"][name] = graph_ms(lambda: torch.nn.functional.linear(xx[:1], w))
+        act = "silu_mul" if name == "down" else None
+        xx = torch.randn(4, 2 * n_in if act else n_in, device=DEV, generator=g).bfloat16()
+        xin = silu_mul(xx) if act else xx  # what the projection multiplies
+        ref = xin.double() @ w.double().T
+        gt["cublas"][name] = graph_ms(lambda: torch.nn.functional.linear(silu_mul(xx[:1]) if act else xx[:1], w))
         for k, c in gcfgs.items():
             try:
-                ok = all(rel_err(gemv(xx[:m], w, None, **c), ref[:m]) < 1e-2 for m in (1, 3, 4))
-                gt[k][name] = graph_ms(lambda: gemv(xx[:1], w, None, **c)) if ok else float("inf")
+                ok = all(rel_err(gemv(xx[:m], w, None, act=act, **c), ref[:m]) < 1e-2 for m in (1, 3, 4))
+                ok = ok and (not act or torch.equal(gemv(xx[:2], w, None, act=act, **c), gemv(xin[:2], w, None, **c)))
+                gt[k][name] = graph_ms(lambda: gemv(xx[:1], w, None, act=act, **c)) if ok else float("inf")
             except Exception as ex:  # noqa: BLE001
                 log(f"gemv {k} {name}: {type(ex).__name__}")
                 gt[k][name] = float("inf")
-        row(f"GEMV M=1 {name} [{n_out}x{n_in}]", f"cuBLAS {gt['cublas'][name] * 1e3:.1f} us, best Triton "
-            f"{min(gt[k][name] for k in gcfgs) * 1e3:.1f} us",
+        bk = min(gcfgs, key=lambda k: gt[k][name])
+        row(f"GEMV M=1 {name} [{n_out}x{n_in}]" + (" + SwiGLU" if act else ""),
+            f"cuBLAS {gt['cublas'][name] * 1e3:.1f} us, Triton {bk} {gt[bk][name] * 1e3:.1f} us",
             f"cuBLAS {w.numel() * 2 / (gt['cublas'][name] * 1e-3) / copy_bw:.0%} of copy BW, Triton "
-            f"{w.numel() * 2 / (min(gt[k][name] for k in gcfgs) * 1e-3) / copy_bw:.0%}")
+            f"{w.numel() * 2 / (gt[bk][name] * 1e-3) / copy_bw:.0%}")
         del w
-    tot = {k: sum(v.values()) for k, v in gt.items()}
-    best_g = min(gcfgs, key=lambda k: tot[k])
+    choice = {}
+    for name in gt["cublas"]:
+        bk = min(gcfgs, key=lambda k: gt[k][name])
+        choice[name] = gcfgs[bk] if gt[bk][name] < gt["cublas"][name] else None
+    per_layer = sum(gt[min(gcfgs, key=lambda k: gt[k][n])][n] if choice[n] else gt["cublas"][n] for n in choice)
     out["gemv_sweep_ms"] = gt
-    out["gemv_choice"] = gcfgs[best_g] if tot[best_g] < tot["cublas"] else None
-    row("decode GEMVs per layer (M=1)", f"cuBLAS {tot['cublas'] * 1e3:.1f} us, Triton {best_g} {tot[best_g] * 1e3:.1f} us",
-        f"engine uses {'Triton' if out['gemv_choice'] else 'cuBLAS'} for <= 4 rows")
+    out["gemv_choice"] = choice
+    row("decode GEMVs per layer (M=1)", f"cuBLAS {sum(gt['cublas'].values()) * 1e3:.1f} us, chosen "
+        f"{per_layer * 1e3:.1f} us", "Triton for " + (", ".join(n for n in choice if choice[n]) or "none"))
     free_memory()
     return out
 
@@ -496,23 +507,51 @@ def time_decode_steps(e: LLMEngine, n: int) -> list[float]:
     return times
 
 
+def host_profile(e: LLMEngine, steps: int) -> str:
+    """cProfile of `steps` decode steps (tottime), logged and returned."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    time_decode_steps(e, steps)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    log(f"host profile of {steps} decode steps at b{len(e.scheduler.running)} (tottime):\n" + buf.getvalue()[-2500:])
+    return buf.getvalue()
+
+
 def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv_token_bytes: int, g) -> dict:
     """ITL at batch 1 / ctx 512, then batch 128 and 64 at ctx 2k; graph replay time beside each engine step."""
     out: dict = {}
     V = SHAPE["vocab_size"]
     sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    runner = e.graph_runner
     e.add_request("itl", torch.randint(5, V, (512,), generator=g).tolist(), sp)
     e.step()  # prefill
     steps = time_decode_steps(e, 60)[10:]
-    e.abort("itl")
-    e.step()
     out["itl_ms"] = statistics.median(steps)
     roof = (weight_bytes + 540 * kv_token_bytes) / copy_bw * 1e3
     out["itl_roofline_ms"] = roof
     row(f"[{tag}] ITL b1 ctx512", f"{out['itl_ms']:.2f} ms", f"roofline {roof:.2f} ms, ratio {out['itl_ms'] / roof:.2f}")
-    runner = e.graph_runner
     out["graph_b1_ms"] = cuda_ms(lambda: runner.graphs[1].replay(), reps=20)
     row(f"[{tag}] graph replay b1", f"{out['graph_b1_ms']:.2f} ms", "GPU time of the captured step (no Python)")
+    out["host_profile_b1"] = host_profile(e, 20)
+    if e.model.pdl:  # the same steps without programmatic dependent launch (re-captured), then back
+        e.model.pdl = e.backend.pdl = False
+        runner.capture()
+        out["itl_ms_no_pdl"] = statistics.median(time_decode_steps(e, 40)[5:])
+        out["graph_b1_ms_no_pdl"] = cuda_ms(lambda: runner.graphs[1].replay(), reps=20)
+        e.model.pdl = e.backend.pdl = True
+        runner.capture()
+        out["itl_ms_pdl_again"] = statistics.median(time_decode_steps(e, 40)[5:])
+        row(f"[{tag}] ITL b1 without PDL", f"{out['itl_ms_no_pdl']:.2f} ms",
+            f"graph {out['graph_b1_ms_no_pdl']:.2f} ms vs {out['graph_b1_ms']:.2f} with PDL; "
+            f"with PDL again {out['itl_ms_pdl_again']:.2f} ms")
+    e.abort("itl")
+    e.step()
     for i in range(128):
         e.add_request(f"d{i}", torch.randint(5, V, (2048,), generator=g).tolist(), sp)
     t0 = time.perf_counter()
@@ -534,18 +573,7 @@ def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv
         row(f"[{tag}] decode b{B} ctx2k step", f"{t:.2f} ms ({B / t * 1e3:.0f} tok/s)",
             f"roofline {roof:.2f} ms: ratio {t / roof:.2f} (graph replay alone {gpu:.2f} ms, {gpu / roof:.2f})")
         if B == 128:  # where the host time of a step goes
-            import cProfile
-            import io
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            time_decode_steps(e, 5)
-            prof.disable()
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
-            out["host_profile_b128"] = buf.getvalue()
-            log(f"[{tag}] host profile of 5 decode steps at b128 (tottime):\n" + buf.getvalue()[-2500:])
+            out["host_profile_b128"] = host_profile(e, 5)
     for i in range(64):
         e.abort(f"d{i}")
     e.step()
@@ -577,10 +605,11 @@ def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
         e.backend.decode_config = choice["int8_config" if kv == "int8" else "dense_config"]
         e.backend.dense_decode = choice["dense_decode"]
         e.backend.fa3_num_splits = choice["fa3_num_splits"]
-        e.model.small_m_gemv = choice["small_m_gemv"]
+        e.model.small_m_gemv = choice["small_m_gemv"] or {}
         e.graph_runner.capture()
         out["decode_settings"] = dict(decode_config=e.backend.decode_config, dense_decode=e.backend.dense_decode,
-                                      fa3_num_splits=e.backend.fa3_num_splits, small_m_gemv=e.model.small_m_gemv)
+                                      fa3_num_splits=e.backend.fa3_num_splits, small_m_gemv=e.model.small_m_gemv,
+                                      pdl=e.model.pdl)
     mc = e.model_config
     kv_token_bytes = e._page_bytes() // e.page_size
     # correctness (teacher-forced logits and greedy) against HF fp32

@@ -59,6 +59,8 @@ class LLMEngine:
         self.backend, reason = select_backend(cfg.attention_backend, self.device, self.dtype, cfg.int8_decode_kernel)
         log.info("attention backend: %s (%s)", self.backend.name, reason)
         self.model = load_model(cfg.model_dir, mc, self.device, self.dtype)
+        if self.backend.name == "fa3":  # the Triton decode attention joins the fused path's dependent launches
+            self.backend.pdl = self.model.pdl
 
         self.kv_group_size = min(cfg.kv_group_size, mc.head_dim)
         if mc.head_dim % self.kv_group_size:

@@ -23,12 +23,16 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import ModelConfig, iter_weights
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gemv_cfg: dict | None) -> torch.Tensor:
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the fused path's decode GEMVs, keys of CausalLM.small_m_gemv
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gemv_cfg: dict | None,
+           pdl: bool = False) -> torch.Tensor:
     """F.linear, or the Triton small-M GEMV (kernels/gemv.py) when `gemv_cfg` is set and x has few rows."""
     if gemv_cfg is not None and x.shape[0] <= 4:
         from pdserve.engine.kernels.gemv import gemv  # noqa: PLC0415 - imports triton
 
-        return gemv(x, w, b, **gemv_cfg)
+        return gemv(x, w, b, pdl=pdl, **gemv_cfg)
     return F.linear(x, w, b)
 
 
@@ -123,19 +127,20 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward_fused(self, x: torch.Tensor, meta, rotary: RotaryEmbedding, cache: KVCache, backend,
-                      gemv_cfg: dict | None = None) -> torch.Tensor:
+                      gemv: dict | None = None, pdl: bool = False) -> torch.Tensor:
         from pdserve.engine.kernels.rope_kv_write import rope_kv_write  # noqa: PLC0415 - imports triton
 
+        gemv = gemv or {}
         t = x.shape[0]
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, gemv_cfg)  # [T, qd + 2 kvd]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, gemv.get("qkv"), pdl)  # [T, qd + 2 kvd]
         q = qkv[:, :qd].view(t, self.num_heads, self.head_dim)
         k = qkv[:, qd:qd + kvd].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, qd + kvd:].view(t, self.num_kv_heads, self.head_dim)
         rope_kv_write(meta.positions, q, k, v, rotary.cos, rotary.sin, meta.slot_mapping,
-                      cache.layer_pool(self.layer_idx))
+                      cache.layer_pool(self.layer_idx), pdl=pdl)
         o = backend.attend(self.layer_idx, q, meta, cache, self.scale)  # [T, H, D]
-        return linear(o.reshape(t, qd), self.o_proj.weight, self.o_proj.bias, gemv_cfg)
+        return linear(o.reshape(t, qd), self.o_proj.weight, self.o_proj.bias, gemv.get("o"), pdl)
 
 
 class MLP(nn.Module):
@@ -156,11 +161,18 @@ class MLP(nn.Module):
             else None
         del self.gate_proj, self.up_proj
 
-    def forward_fused(self, x: torch.Tensor, gemv_cfg: dict | None = None) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, gemv: dict | None = None, pdl: bool = False) -> torch.Tensor:
+        """With a Triton GEMV for `down` and few rows, SwiGLU runs inside the down GEMV (one kernel less)."""
+        gemv = gemv or {}
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, gemv.get("gate_up"), pdl)  # [T, 2I]
+        down = gemv.get("down")
+        if down is not None and x.shape[0] <= 4:
+            from pdserve.engine.kernels.gemv import gemv as gemv_kernel  # noqa: PLC0415 - imports triton
+
+            return gemv_kernel(gate_up, self.down_proj.weight, self.down_proj.bias, act="silu_mul", pdl=pdl, **down)
         from pdserve.engine.kernels.silu_mul import silu_mul  # noqa: PLC0415 - imports triton
 
-        a = silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias, gemv_cfg))
-        return linear(a, self.down_proj.weight, self.down_proj.bias, gemv_cfg)
+        return linear(silu_mul(gate_up, pdl=pdl), self.down_proj.weight, self.down_proj.bias, down, pdl)
 
 
 class DecoderLayer(nn.Module):
@@ -192,7 +204,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by load_model on the real device
         self.fused = False                          # set by fuse() (CUDA + triton)
-        self.small_m_gemv: dict | None = None       # fused path: Triton GEMV config for <= 4 rows (None: cuBLAS)
+        # fused path, <= 4 rows: a Triton GEMV config per projection (PROJECTIONS; None or absent: cuBLAS)
+        self.small_m_gemv: dict[str, dict | None] = {}
+        self.pdl = False  # fused path: launch the Triton kernels with programmatic dependent launch (Hopper)
 
     def fuse(self) -> None:
         """Switch to the fused GPU path (see the module docstring). Needs kernels.enabled and `fusable`."""
@@ -202,7 +216,9 @@ class CausalLM(nn.Module):
         self.rotary.build_tables(self.config.max_position_embeddings)
         from pdserve.engine.kernels.gemv import DEFAULT_CONFIG  # noqa: PLC0415 - imports triton
 
-        self.small_m_gemv = dict(DEFAULT_CONFIG)  # matched cuBLAS on an H200 (docs/benchmarks.md); None: cuBLAS
+        # matched or beat cuBLAS on an H200 per projection (docs/benchmarks.md)
+        self.small_m_gemv = {name: dict(DEFAULT_CONFIG) for name in PROJECTIONS}
+        self.pdl = kernels.pdl_supported(self.lm_head.weight.device)
         self.fused = True
 
     @staticmethod
@@ -215,15 +231,16 @@ class CausalLM(nn.Module):
         from pdserve.engine.kernels.rmsnorm import rmsnorm  # noqa: PLC0415 - imports triton
 
         layers = self.model.layers
+        gemv, pdl = self.small_m_gemv, self.pdl
         residual = self.model.embed_tokens(input_ids)                       # [T, hidden]
-        h = rmsnorm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        h = rmsnorm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps, pdl=pdl)
         for i, layer in enumerate(layers):
-            a = layer.self_attn.forward_fused(h, meta, self.rotary, cache, backend, self.small_m_gemv)
+            a = layer.self_attn.forward_fused(h, meta, self.rotary, cache, backend, gemv, pdl)
             norm = layer.post_attention_layernorm
-            h = rmsnorm(a, norm.weight, norm.eps, residual)                 # residual += a; h = norm(residual)
-            m = layer.mlp.forward_fused(h, self.small_m_gemv)
+            h = rmsnorm(a, norm.weight, norm.eps, residual, pdl=pdl)       # residual += a; h = norm(residual)
+            m = layer.mlp.forward_fused(h, gemv, pdl)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h = rmsnorm(m, norm.weight, norm.eps, residual)
+            h = rmsnorm(m, norm.weight, norm.eps, residual, pdl=pdl)
         return h
 
     @torch.inference_mode()

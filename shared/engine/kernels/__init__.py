@@ -19,3 +19,13 @@ def enabled(t: torch.Tensor) -> bool:
 
 def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, a triton with grid dependency control, not the interpreter
+    (PDSERVE_PDL=0 turns it off)."""
+    if not HAVE_TRITON or device.type != "cuda" or os.environ.get("PDSERVE_PDL", "1") == "0":
+        return False
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    return importlib.util.find_spec("triton.language.extra.cuda.gdc") is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pdserve.engine.kernels.kv_quant import quantize_tile
 
@@ -33,7 +34,10 @@ def _rotate(ptr, rows, j, HALF: tl.constexpr, cos, sin, mask):
 def _rope_kv_write_kernel(pos_ptr, q_ptr, q_st, k_ptr, k_st, v_ptr, v_st, cos_ptr, sin_ptr, slot_ptr,
                           kc_ptr, vc_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
                           H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                          INT8: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr):
+                          INT8: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: wait for the previous kernel's writes, let the next launch
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     pos = tl.load(pos_ptr + t)
@@ -67,7 +71,7 @@ def _rope_kv_write_kernel(pos_ptr, q_ptr, q_st, k_ptr, k_st, v_ptr, v_st, cos_pt
 
 
 def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, slots: torch.Tensor, pool: tuple) -> None:
+                  sin: torch.Tensor, slots: torch.Tensor, pool: tuple, pdl: bool = False) -> None:
     """positions [T] (int), q [T, H, D], k/v [T, KVH, D] (heads contiguous, any token stride): q, k rotated in
     place; k, v written at `slots` [T] of `pool`: (k [P, ps, KVH, D], v) dense, or
     (k int8, v int8, k_scales, v_scales, k_zeros | None, v_zeros | None) for an int8 pool."""
@@ -88,4 +92,5 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if t:
         _rope_kv_write_kernel[(t,)](positions, q, q.stride(0), k, k.stride(0), v, v.stride(0), cos, sin, slots,
                                     kc, vc, ks, vs, kz, vz, H=h, KVH=kvh, HP=triton.next_power_of_2(h), D=d,
-                                    INT8=int8, G=g, ASYM=asym, num_warps=4)
+                                    INT8=int8, G=g, ASYM=asym, USE_PDL=pdl, num_warps=4,
+                                    **(dict(launch_pdl=True) if pdl else {}))

@@ -67,16 +67,39 @@ def test_graph_decode_matches_eager_and_fp32(make_engine, reference, kv):
 
 
 def test_alternative_decode_kernels_match_defaults(make_engine, reference):
-    """The decode kernels the bench may pick instead of the defaults (cuBLAS for small GEMMs, FA3 dense decode)."""
+    """The decode kernels the bench may pick instead of the defaults (cuBLAS for small GEMMs with a separate
+    SwiGLU kernel, FA3 dense decode, no programmatic dependent launch)."""
     forced, base = reference
     default = make_engine("llama_hd64", **KW)
-    assert default.model.small_m_gemv is not None and default.backend.dense_decode == "triton"
+    assert set(default.model.small_m_gemv) == {"qkv", "o", "gate_up", "down"}
+    assert default.backend.dense_decode == "triton"
+    assert default.model.pdl and default.backend.pdl  # Hopper: the fused decode chain uses PDL
     alt = make_engine("llama_hd64", **KW)
-    alt.model.small_m_gemv = None
+    alt.model.small_m_gemv = {"gate_up": alt.model.small_m_gemv["gate_up"]}  # the others on cuBLAS
+    alt.model.pdl = alt.backend.pdl = False
     alt.backend.dense_decode = "fa3"
     alt.graph_runner.capture()
     ld, la = run_forced(default, PROMPTS, forced), run_forced(alt, PROMPTS, forced)
     assert la.isfinite().all() and ((la - ld).norm() / ld.norm()).item() < 2e-2
+    # PDL alone changes no result: same kernels, same order of operations
+    nopdl = make_engine("llama_hd64", **KW)
+    nopdl.model.pdl = nopdl.backend.pdl = False
+    nopdl.graph_runner.capture()
+    assert torch.equal(run_forced(nopdl, PROMPTS, forced), ld)
+
+
+def test_int8_folded_decode_kernel_matches_default(make_engine, reference):
+    """The int8 decode kernel with scales folded out of the tiles (bench may pick it) against the tile kernel."""
+    forced, base = reference
+    tile = make_engine("llama_hd64", **KW, kv_dtype="int8")
+    fold = make_engine("llama_hd64", **KW, kv_dtype="int8")
+    tile.backend.decode_config = {"fold": False}
+    fold.backend.decode_config = {"fold": True}
+    tile.graph_runner.capture()
+    fold.graph_runner.capture()
+    lt, lf = run_forced(tile, PROMPTS, forced), run_forced(fold, PROMPTS, forced)
+    assert lf.isfinite().all() and ((lf - lt).norm() / lt.norm()).item() < 2e-2
+    assert (lf - base).abs().max().item() <= 2 * (lt - base).abs().max().item() + 0.05
 
 
 def test_graph_decode_under_preemption_matches_plenty_of_pages(make_engine):

@@ -52,15 +52,65 @@ def test_quantize_fast_division_is_bit_equal(asym):
     assert all(torch.equal(u, v) for u, v in zip(a, b) if u is not None)
 
 
-def test_gemv_vs_fp64():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_vs_fp64(pdl):
     from pdserve.engine.kernels.gemv import gemv
+    from pdserve.engine.kernels.silu_mul import silu_mul
 
+    if pdl and not kernels.pdl_supported(DEV):
+        pytest.skip("programmatic dependent launch needs sm90+")
     g = torch.Generator(device=DEV).manual_seed(6)
     w = torch.randn(1000, 4100, device=DEV, generator=g).bfloat16()  # ragged N and K
     b = torch.randn(1000, device=DEV, generator=g).bfloat16()
     for m in (1, 2, 4):
         x = torch.randn(m, 4100, device=DEV, generator=g).bfloat16()
-        assert rel(gemv(x, w, b), x.double() @ w.double().T + b.double()) < 1e-2
+        assert rel(gemv(x, w, b, pdl=pdl), x.double() @ w.double().T + b.double()) < 1e-2
+        # SwiGLU fused into the load: bit-equal to the separate activation kernel, then the GEMV
+        gu = torch.randn(m, 2 * 4100, device=DEV, generator=g).bfloat16()
+        assert torch.equal(gemv(gu, w, b, act="silu_mul", pdl=pdl), gemv(silu_mul(gu), w, b))
+        for cfg in (dict(block_n=8, block_k=2048), dict(block_n=32, block_k=512, num_stages=3)):
+            assert rel(gemv(x, w, None, pdl=pdl, **cfg), x.double() @ w.double().T) < 1e-2
+
+
+def test_pdl_chain_in_a_cuda_graph_matches_plain_launches():
+    """A dependent chain of PDL kernels (GEMV -> RMSNorm with residual -> GEMV + SwiGLU -> RMSNorm), captured in a
+    CUDA graph and replayed many times, equals the same chain without PDL bit for bit: every kernel waits for
+    its predecessor before touching activations."""
+    from pdserve.engine.kernels.gemv import gemv
+    from pdserve.engine.kernels.rmsnorm import rmsnorm
+
+    if not kernels.pdl_supported(DEV):
+        pytest.skip("programmatic dependent launch needs sm90+")
+    g = torch.Generator(device=DEV).manual_seed(7)
+    h, f = 1024, 2816
+    w1 = torch.randn(2 * f, h, device=DEV, generator=g).bfloat16() * 0.05
+    w2 = torch.randn(h, f, device=DEV, generator=g).bfloat16() * 0.05
+    nw = (1 + 0.1 * torch.randn(h, device=DEV, generator=g)).bfloat16()
+    x0 = torch.randn(2, h, device=DEV, generator=g).bfloat16()
+
+    def chain(x, res, pdl):
+        for _ in range(4):
+            a = gemv(x, w1, pdl=pdl)
+            y = gemv(a, w2, act="silu_mul", pdl=pdl)
+            x = rmsnorm(y, nw, 1e-5, res, pdl=pdl)
+        return x
+
+    outs = {}
+    for pdl in (False, True):
+        res = x0.clone()
+        chain(x0, res, pdl)  # compile outside the capture
+        res.copy_(x0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x0, res, pdl)
+        results = []
+        for _ in range(20):
+            res.copy_(x0)
+            graph.replay()
+            results.append((out.clone(), res.clone()))
+        outs[pdl] = results
+    for (a, ra), (b, rb) in zip(outs[False], outs[True]):
+        assert torch.equal(a, b) and torch.equal(ra, rb)
 
 
 def test_dequant_pages_matches_pool_read():
@@ -95,10 +145,10 @@ def _ref_decode(q, kv, table, lens, ps, scale):
     return out
 
 
-@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("variant", ["tile", "expand", "fold", "fold-pdl"])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_int8_decode_attention_vs_fp32(asym, splits, expand):
+def test_int8_decode_attention_vs_fp32(asym, splits, variant):
     from pdserve.engine.kernels.int8_decode_attention import int8_paged_decode
 
     g = torch.Generator(device=DEV).manual_seed(splits + 10 * asym)
@@ -109,7 +159,8 @@ def test_int8_decode_attention_vs_fp32(asym, splits, expand):
     lens = torch.tensor([1, 15, 16, 333, 640], device=DEV, dtype=torch.int32)
     q = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
     out = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None if z is None else z[0], None if z is None else z[1],
-                            table, lens, D ** -0.5, splits, scale_expand=expand)
+                            table, lens, D ** -0.5, splits, scale_expand=variant == "expand",
+                            fold=variant.startswith("fold"), pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV))
     assert out.isfinite().all()
     assert rel(out, _ref_decode(q, kv, table, lens, ps, D ** -0.5)) < 1e-2
 
