@@ -280,7 +280,7 @@ def kernel_section(copy_bw: float) -> dict:
     del qf, sf, qfa, sfa, zfa, xa, qa, sa, za
     sweep = {}
     for fast in ((False, True) if fast_exact else (False,)):
-        for br in (16, 32, 64):
+        for br in (16, 32, 64, 128):
             for nw in (4, 8):
                 tq = cuda_ms(lambda: kv_quant.quantize(x, 64, False, br, nw, fast))
                 td = cuda_ms(lambda: kv_quant.dequantize(q, s, None, 64, torch.bfloat16, br, nw))
@@ -331,12 +331,11 @@ def kernel_section(copy_bw: float) -> dict:
         del ref8
         for sm in (1, 2):
             splits = kd.default_num_splits(B, KVH, sms, sm)
-            int8_variants = ((False, False), (True, False), (False, True))  # (scale_expand, fold)
-            for c0, (ex, fd), mode, args in [(c0, v, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs
-                                             for v in int8_variants] + \
-                    [(c0, (False, False), "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
-                c = dict(c0, scale_expand=ex, fold=fd)
-                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}_ex{int(ex)}" + ("_fold" if fd else "")
+            for c0, ex, mode, args in [(c0, ex, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs
+                                       for ex in (False, True)] + \
+                    [(c0, False, "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
+                c = dict(c0, scale_expand=ex)
+                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}_ex{int(ex)}"
                 cfg_of[ck] = dict(c, split_mult=sm)
                 fn = lambda: kd.int8_paged_decode(qq, *args, None, None, table, lens, D ** -0.5, splits, **c)  # noqa: E731
                 try:
@@ -435,10 +434,12 @@ def kernel_section(copy_bw: float) -> dict:
             f"cuBLAS {w.numel() * 2 / (gt['cublas'][name] * 1e-3) / copy_bw:.0%} of copy BW, Triton "
             f"{w.numel() * 2 / (gt[bk][name] * 1e-3) / copy_bw:.0%}")
         del w
-    choice = {}
+    choice, triton_best = {}, {}
     for name in gt["cublas"]:
         bk = min(gcfgs, key=lambda k: gt[k][name])
+        triton_best[name] = gcfgs[bk]
         choice[name] = gcfgs[bk] if gt[bk][name] < gt["cublas"][name] else None
+    out["gemv_triton_best"] = triton_best  # the engine also times this plan in the whole step (PDL chains)
     per_layer = sum(gt[min(gcfgs, key=lambda k: gt[k][n])][n] if choice[n] else gt["cublas"][n] for n in choice)
     out["gemv_sweep_ms"] = gt
     out["gemv_choice"] = choice
@@ -458,7 +459,7 @@ def decode_choice(kern: dict) -> dict:
     return dict(int8_config=parse(chosen["triton_int8"]), dense_config=parse(chosen["triton_dense"]),
                 fa3_num_splits=int(chosen["fa3"][6:]),
                 dense_decode="triton" if total("triton_dense", chosen["triton_dense"]) < total("fa3", chosen["fa3"])
-                else "fa3", small_m_gemv=kern.get("gemv_choice"))
+                else "fa3", small_m_gemv=kern.get("gemv_choice"), small_m_gemv_triton=kern.get("gemv_triton_best"))
 
 
 # ---- 5. engine ------------------------------------------------------------------------------------------
@@ -596,6 +597,24 @@ def profile_decode(e: LLMEngine, tag: str) -> list:
     return top
 
 
+def choose_gemv_plan(e: LLMEngine, choice: dict) -> dict:
+    """Per-projection GEMV choices timed kernel by kernel can mislead inside a PDL chain (cuBLAS kernels do not
+    overlap their launch with the previous kernel): time the whole b1 graph with the isolated winners and with
+    Triton everywhere (alternating, best of 3 each), keep the faster; returns the timings."""
+    plans = {"isolated": choice["small_m_gemv"] or {}, "triton": choice["small_m_gemv_triton"]}
+    times: dict[str, list[float]] = {k: [] for k in plans}
+    for _ in range(3):
+        for name, plan in plans.items():
+            e.model.small_m_gemv = plan
+            e.graph_runner.capture()
+            times[name].append(cuda_ms(lambda: e.graph_runner.graphs[1].replay(), reps=30))
+    best = min(plans, key=lambda k: min(times[k]))
+    e.model.small_m_gemv = plans[best]
+    e.graph_runner.capture()
+    row("GEMV plan by b1 graph time", best, ", ".join(f"{k} {min(v):.3f} ms" for k, v in times.items()))
+    return {"times": times, "chosen": best, "plan": plans[best]}
+
+
 def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
     g = torch.Generator().manual_seed(5 if kv == "auto" else 6)
     out: dict = {}
@@ -605,8 +624,11 @@ def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
         e.backend.decode_config = choice["int8_config" if kv == "int8" else "dense_config"]
         e.backend.dense_decode = choice["dense_decode"]
         e.backend.fa3_num_splits = choice["fa3_num_splits"]
-        e.model.small_m_gemv = choice["small_m_gemv"] or {}
+        e.model.small_m_gemv = ctx.get("gemv_plan") or choice["small_m_gemv"] or {}
         e.graph_runner.capture()
+        if "gemv_plan" not in ctx and choice.get("small_m_gemv_triton"):
+            out["gemv_plans_b1_graph_ms"] = choose_gemv_plan(e, choice)
+            ctx["gemv_plan"] = e.model.small_m_gemv  # the int8 engine uses the same
         out["decode_settings"] = dict(decode_config=e.backend.decode_config, dense_decode=e.backend.dense_decode,
                                       fa3_num_splits=e.backend.fa3_num_splits, small_m_gemv=e.model.small_m_gemv,
                                       pdl=e.model.pdl)
@@ -675,10 +697,12 @@ def capacity_gain() -> dict:
 
 
 def git_commit() -> str:
+    if os.environ.get("PDSERVE_COMMIT"):  # set by the caller: a copied tree's .git may not be the one measured
+        return os.environ["PDSERVE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - no git on the device machine: the caller passes it
-        return os.environ.get("PDSERVE_COMMIT", "unknown")
+    except Exception:  # noqa: BLE001 - no git on the device machine
+        return "unknown"
 
 
 def main() -> None:

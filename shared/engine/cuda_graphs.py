@@ -1,5 +1,7 @@
 """CUDA graphs for decode steps: one graph per batch size in a fixed set, each capturing the whole model
-forward plus the LM head, replayed over static input buffers.
+forward plus the LM head, replayed over static input buffers. The graph also takes the argmax of the logits and
+copies it into pinned host memory, so a greedy step costs the host one event wait (no argmax launch, no
+separate device-to-host copy).
 
 Static inputs live in one int32 device buffer: input ids, positions, KV slots, cache_seqlens [max_bs] each, then
 the page table [max_bs, W] with W = ceil(max_context / page_size). A decode batch of B sequences runs the graph of
@@ -60,6 +62,9 @@ class DecodeGraphRunner:
         self._ntable = self._np[4 * bs:].reshape(bs, self.width)
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * bs  # per row: (mirrored list, entries)
         self._copied = torch.cuda.Event()
+        self._greedy_host = torch.zeros(bs, dtype=torch.int64).pin_memory()  # [max_bs] argmax of the last step
+        self._greedy_np = self._greedy_host.numpy()
+        self._replayed = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -96,6 +101,7 @@ class DecodeGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.logits[bs] = self._forward(bs)
+                    self._greedy_host[:bs].copy_(self.logits[bs].argmax(dim=-1), non_blocking=True)
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -132,7 +138,13 @@ class DecodeGraphRunner:
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
         self._copied.record()  # the next run refills the pinned buffers only after these copies are done
         self.graphs[bs].replay()
+        self._replayed.record()
         return self.logits[bs][:b]
+
+    def greedy_tokens(self, b: int) -> list[int]:
+        """Argmax token of each of the last run's first `b` rows (waits for that step to finish)."""
+        self._replayed.synchronize()
+        return self._greedy_np[:b].tolist()
 
 
 def make_decode_graph_runner(model, cache, backend, page_size: int, max_batch: int, max_context: int,

@@ -341,9 +341,13 @@ class LLMEngine:
         tokens: dict[int, int] = {}
         logits = None
         if sampling_rows:
-            logits = graph_logits if graph_logits is not None else \
-                self.model.compute_logits(hidden[[last[i] - 1 for i in sampling_rows]])  # [S, V] float32
-            greedy = logits.argmax(dim=-1).tolist()
+            if graph_logits is not None:  # the graph took the argmax and copied it to the host already
+                logits = graph_logits
+                greedy = runner.greedy_tokens(len(batch.seqs))
+                greedy = [greedy[i] for i in sampling_rows]
+            else:
+                logits = self.model.compute_logits(hidden[[last[i] - 1 for i in sampling_rows]])  # [S, V] float32
+                greedy = logits.argmax(dim=-1).tolist()
             for r, i in enumerate(sampling_rows):
                 sp = batch.seqs[i].sampling
                 tokens[i] = greedy[r] if sp.greedy else sample(logits[r], sp, batch.seqs[i].generator)

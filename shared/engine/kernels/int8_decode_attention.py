@@ -22,9 +22,8 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # Launch configs: the winners of bench/gpu_engine.py's sweep on an H200 (docs/benchmarks.md), int8 and dense pools.
 # scale_expand: broadcast each group's scale (and zero) over its columns with G selects instead of reshaping the
 # int8 tile into [BLOCK, G, D/G] groups (it did not win).
-# fold: symmetric int8 pools only, `_decode_kernel_folded` (scales applied to scores and probabilities).
-DEFAULT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2, split_mult=2, scale_expand=False, fold=False)
-DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False, fold=False)
+DEFAULT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2, split_mult=2, scale_expand=False)
+DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False)
 
 
 @triton.jit
@@ -113,72 +112,6 @@ def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_p
 
 
 @triton.jit
-def _decode_kernel_folded(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, table_stride, seqlens_ptr,
-                          po_ptr, pml_ptr, out_ptr, out_sb, out_sh, qk_scale, num_splits,
-                          KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr,
-                          D: tl.constexpr, G: tl.constexpr, DIRECT: tl.constexpr, BLOCK: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    """`_decode_kernel` for a symmetric int8 pool with the scales folded out of the tiles: K and V are read as
-    [G, BLOCK, D/G] tiles (one slice per scale group) and converted int8 -> q's dtype exactly; QK^T is one
-    batched dot per group, scaled by each key's group scale on the [QP, BLOCK] scores, and P is scaled by each
-    value's group scale before the batched PV dot. No per-element multiply or reshape of the K/V tiles."""
-    DG: tl.constexpr = D // G
-    b = tl.program_id(0)
-    kh = tl.program_id(1)
-    sp = tl.program_id(2)
-    n = tl.load(seqlens_ptr + b)  # graph inputs: written before the step, never by the previous kernel
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK) * BLOCK
-    start = sp * per
-    end = tl.minimum(start + per, n)
-
-    qi = tl.arange(0, QP)
-    qmask = qi < QPK
-    heads = kh * QPK + qi
-    gg = tl.arange(0, G)
-    dg = tl.arange(0, DG)
-    col = gg[:, None, None] * DG + dg[None, None, :]                                   # [G, 1, DG]
-    q = tl.load(q_ptr + b.to(tl.int64) * q_sb + heads[None, :, None] * q_sh + col, mask=qmask[None, :, None],
-                other=0.0)                                                               # [G, QP, DG]
-    m = tl.full([QP], float("-inf"), tl.float32)
-    l = tl.zeros([QP], tl.float32)
-    acc = tl.zeros([G, QP, DG], tl.float32)
-    tab = table_ptr + b.to(tl.int64) * table_stride
-    for n0 in range(start, end, BLOCK):
-        t = n0 + tl.arange(0, BLOCK)
-        ok = t < end
-        page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
-        row = (page * PS + t % PS) * KVH + kh                                           # [BLOCK] pool rows
-        off = row[None, :, None] * D + col                                              # [G, BLOCK, DG]
-        srow = row[None, :] * G + gg[:, None]                                           # [G, BLOCK]
-        k = tl.load(k_ptr + off, mask=ok[None, :, None], other=0).to(q.dtype)
-        ks = tl.load(ks_ptr + srow, mask=ok[None, :], other=0.0).to(tl.float32)
-        qk = tl.sum(tl.dot(q, tl.permute(k, (0, 2, 1))) * ks[:, None, :], 0) * qk_scale  # [QP, BLOCK] (log2)
-        qk = tl.where(ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + off, mask=ok[None, :, None], other=0).to(q.dtype)
-        vs = tl.load(vs_ptr + srow, mask=ok[None, :], other=0.0).to(tl.float32)
-        pv = (p[None, :, :] * vs[:, None, :]).to(q.dtype)                               # [G, QP, BLOCK]
-        acc = acc * alpha[None, :, None] + tl.dot(pv, v)                                # [G, QP, DG]
-        m = m_new
-    if DIRECT:
-        o = acc / l[None, :, None]
-        tl.store(out_ptr + b.to(tl.int64) * out_sb + heads[None, :, None] * out_sh + col,
-                 o.to(out_ptr.dtype.element_ty), mask=qmask[None, :, None])
-    else:
-        hq = KVH * QPK
-        part = (b.to(tl.int64) * hq + heads) * num_splits + sp                          # [QP]
-        tl.store(po_ptr + part[None, :, None] * D + col, acc, mask=qmask[None, :, None])
-        tl.store(pml_ptr + part * 2, m, mask=qmask)
-        tl.store(pml_ptr + part * 2 + 1, l, mask=qmask)
-
-
-@triton.jit
 def _combine_kernel(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, num_splits, HQ: tl.constexpr, D: tl.constexpr,
                     SP: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
@@ -211,8 +144,7 @@ def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale
                       out: torch.Tensor | None = None, block_n: int = DEFAULT_CONFIG["block_n"],
                       num_warps: int = DEFAULT_CONFIG["num_warps"],
                       num_stages: int = DEFAULT_CONFIG["num_stages"],
-                      scale_expand: bool = DEFAULT_CONFIG["scale_expand"], fold: bool = DEFAULT_CONFIG["fold"],
-                      pdl: bool = False) -> torch.Tensor:
+                      scale_expand: bool = DEFAULT_CONFIG["scale_expand"], pdl: bool = False) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
     [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
     k_scales None: k/v are a dense pool in q's dtype (no dequantization). `pdl`: programmatic dependent launch
@@ -236,19 +168,12 @@ def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale
         pml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     asym = k_zeros is not None
     launch = dict(launch_pdl=True) if pdl else {}
-    if fold and not dense and not asym:
-        _decode_kernel_folded[(b, kvh, num_splits)](
-            q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, page_table, page_table.stride(0), seqlens, po, pml,
-            out, out.stride(0), out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk, QP=qp,
-            PS=ps, D=d, G=g, DIRECT=direct, BLOCK=block_n, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-            **launch)
-    else:
-        _decode_kernel[(b, kvh, num_splits)](
-            q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, k_zeros if asym else k_scales,
-            v_zeros if asym else v_scales, page_table, page_table.stride(0), seqlens, po, pml, out, out.stride(0),
-            out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk, QP=qp, PS=ps, D=d, G=g,
-            ASYM=asym, DIRECT=direct, BLOCK=block_n, DENSE=dense, EXPAND=scale_expand, USE_PDL=pdl,
-            num_warps=num_warps, num_stages=num_stages, **launch)
+    _decode_kernel[(b, kvh, num_splits)](
+        q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, k_zeros if asym else k_scales,
+        v_zeros if asym else v_scales, page_table, page_table.stride(0), seqlens, po, pml, out, out.stride(0),
+        out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk, QP=qp, PS=ps, D=d, G=g,
+        ASYM=asym, DIRECT=direct, BLOCK=block_n, DENSE=dense, EXPAND=scale_expand, USE_PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch)
     if not direct:
         _combine_kernel[(b, hq)](po, pml, out, out.stride(0), out.stride(1), num_splits, HQ=hq, D=d,
                                  SP=triton.next_power_of_2(num_splits), USE_PDL=pdl, **launch)

@@ -88,20 +88,6 @@ def test_alternative_decode_kernels_match_defaults(make_engine, reference):
     assert torch.equal(run_forced(nopdl, PROMPTS, forced), ld)
 
 
-def test_int8_folded_decode_kernel_matches_default(make_engine, reference):
-    """The int8 decode kernel with scales folded out of the tiles (bench may pick it) against the tile kernel."""
-    forced, base = reference
-    tile = make_engine("llama_hd64", **KW, kv_dtype="int8")
-    fold = make_engine("llama_hd64", **KW, kv_dtype="int8")
-    tile.backend.decode_config = {"fold": False}
-    fold.backend.decode_config = {"fold": True}
-    tile.graph_runner.capture()
-    fold.graph_runner.capture()
-    lt, lf = run_forced(tile, PROMPTS, forced), run_forced(fold, PROMPTS, forced)
-    assert lf.isfinite().all() and ((lf - lt).norm() / lt.norm()).item() < 2e-2
-    assert (lf - base).abs().max().item() <= 2 * (lt - base).abs().max().item() + 0.05
-
-
 def test_graph_decode_under_preemption_matches_plenty_of_pages(make_engine):
     """A tight pool preempts and re-prefills sequences mid-decode (page tables replaced): the graph runner's
     cached page-table rows must follow, so greedy outputs equal those of a roomy eager engine."""
