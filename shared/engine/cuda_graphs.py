@@ -82,6 +82,8 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         """Capture every batch size (largest first, one shared memory pool). Buffers hold padding meanwhile.
         Calling it again (after changing the backend's kernels) replaces the graphs."""
+        from pdserve.engine.kernels.argmax import argmax_rows  # noqa: PLC0415 - imports triton (CUDA only)
+
         self.graphs.clear()
         self.logits.clear()
         torch.cuda.empty_cache()
@@ -96,12 +98,12 @@ class DecodeGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):
-                self._forward(bs)  # warm-up: triton compiles, FA3 picks its kernels
+                argmax_rows(self._forward(bs))  # warm-up: triton compiles, FA3 picks its kernels
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.logits[bs] = self._forward(bs)
-                    self._greedy_host[:bs].copy_(self.logits[bs].argmax(dim=-1), non_blocking=True)
+                    self._greedy_host[:bs].copy_(argmax_rows(self.logits[bs]), non_blocking=True)
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)

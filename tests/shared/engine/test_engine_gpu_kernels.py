@@ -113,6 +113,22 @@ def test_pdl_chain_in_a_cuda_graph_matches_plain_launches():
         assert torch.equal(a, b) and torch.equal(ra, rb)
 
 
+def test_argmax_rows_equals_torch_ties_included():
+    from pdserve.engine.kernels.argmax import argmax_rows
+
+    g = torch.Generator(device=DEV).manual_seed(8)
+    for v in (128256, 5000, 151936, 65536 + 3):
+        x = torch.randn(37, v, device=DEV, generator=g)
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
+        ties = torch.randint(0, 4, (37, v), device=DEV, generator=g).float()  # every row: thousands of maxima
+        assert torch.equal(argmax_rows(ties), ties.argmax(-1))
+        ties[5, -1] = 9.0
+        ties[6, 0] = 9.0
+        assert torch.equal(argmax_rows(ties), ties.argmax(-1))
+        logits = torch.randn(3, v, device=DEV, generator=g).bfloat16().float()  # bf16-rounded: near-ties
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+
+
 def test_dequant_pages_matches_pool_read():
     from pdserve.engine.kernels.kv_gather import dequant_pages
 
