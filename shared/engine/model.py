@@ -214,10 +214,9 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self.rotary.build_tables(self.config.max_position_embeddings)
-        from pdserve.engine.kernels.gemv import DEFAULT_CONFIG  # noqa: PLC0415 - imports triton
+        from pdserve.engine.kernels.gemv import DEFAULT_PLAN  # noqa: PLC0415 - imports triton
 
-        # matched or beat cuBLAS on an H200 per projection (docs/benchmarks.md)
-        self.small_m_gemv = {name: dict(DEFAULT_CONFIG) for name in PROJECTIONS}
+        self.small_m_gemv = {name: DEFAULT_PLAN[name] and dict(DEFAULT_PLAN[name]) for name in PROJECTIONS}
         self.pdl = kernels.pdl_supported(self.lm_head.weight.device)
         self.fused = True
 

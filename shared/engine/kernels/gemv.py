@@ -19,7 +19,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_M = 4
-DEFAULT_CONFIG = dict(block_n=16, block_k=1024, num_warps=4, num_stages=2)  # bench/gpu_engine.py sweep winner
+DEFAULT_CONFIG = dict(block_n=16, block_k=1024, num_warps=4, num_stages=2)
+# The decode plan of the recorded H200 run (docs/benchmarks.md): per projection a Triton config, or None for
+# cuBLAS. `down` stays on cuBLAS (+ the SwiGLU kernel): its split-K GEMV beat the fused Triton one in every run,
+# and Triton everywhere was 0.3 ms slower per b1 step than this mix inside the PDL chain.
+DEFAULT_PLAN = {"qkv": dict(DEFAULT_CONFIG), "o": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2),
+                "gate_up": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2), "down": None}
 ACTIVATIONS = (None, "silu_mul")
 
 

@@ -66,16 +66,20 @@ def test_graph_decode_matches_eager_and_fp32(make_engine, reference, kv):
     assert err <= 2 * err_ref + 0.05
 
 
-def test_alternative_decode_kernels_match_defaults(make_engine, reference):
-    """The decode kernels the bench may pick instead of the defaults (cuBLAS for small GEMMs with a separate
-    SwiGLU kernel, FA3 dense decode, no programmatic dependent launch)."""
+@pytest.mark.parametrize("gemv", ["triton-everywhere", "cublas-everywhere"])
+def test_alternative_decode_kernels_match_defaults(make_engine, reference, gemv):
+    """The decode kernels the bench may pick instead of the defaults: Triton GEMVs for every projection (SwiGLU
+    fused into the down GEMV) or cuBLAS for all, FA3 dense decode, no programmatic dependent launch."""
+    from pdserve.engine.kernels.gemv import DEFAULT_CONFIG
+
     forced, base = reference
     default = make_engine("llama_hd64", **KW)
     assert set(default.model.small_m_gemv) == {"qkv", "o", "gate_up", "down"}
     assert default.backend.dense_decode == "triton"
     assert default.model.pdl and default.backend.pdl  # Hopper: the fused decode chain uses PDL
     alt = make_engine("llama_hd64", **KW)
-    alt.model.small_m_gemv = {"gate_up": alt.model.small_m_gemv["gate_up"]}  # the others on cuBLAS
+    alt.model.small_m_gemv = {n: dict(DEFAULT_CONFIG) for n in ("qkv", "o", "gate_up", "down")} \
+        if gemv == "triton-everywhere" else {}
     alt.model.pdl = alt.backend.pdl = False
     alt.backend.dense_decode = "fa3"
     alt.graph_runner.capture()
