@@ -331,11 +331,12 @@ def kernel_section(copy_bw: float) -> dict:
         del ref8
         for sm in (1, 2):
             splits = kd.default_num_splits(B, KVH, sms, sm)
-            for c0, ex, mode, args in [(c0, ex, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs
-                                       for ex in (False, True)] + \
-                    [(c0, False, "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
-                c = dict(c0, scale_expand=ex)
-                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}_ex{int(ex)}"
+            int8_variants = ((False, False), (True, False), (False, True))  # (scale_expand, fold_scales)
+            for c0, (ex, fd), mode, args in [(c0, v, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs
+                                             for v in int8_variants] + \
+                    [(c0, (False, False), "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
+                c = dict(c0, scale_expand=ex, fold_scales=fd)
+                ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}_ex{int(ex)}" + ("_fold" if fd else "")
                 cfg_of[ck] = dict(c, split_mult=sm)
                 fn = lambda: kd.int8_paged_decode(qq, *args, None, None, table, lens, D ** -0.5, splits, **c)  # noqa: E731
                 try:

@@ -146,7 +146,7 @@ class FA3Backend:
         self.dense_prefill = "paged"  # dense pool, prefill: "paged" (FA3 reads pages) | "gather" (varlen)
         self.dense_decode = "triton"  # dense pool, decode: "triton" (the int8 kernel's dense mode) | "fa3"
         self.fa3_num_splits = 4       # FA3 decode split count (0: FA3's heuristic; 4 measured as good)
-        self.decode_config: dict = {}  # Triton decode kernel overrides (block_n, num_warps, num_stages, split_mult)
+        self.decode_config: dict = {}  # Triton decode kernel overrides (kernels/int8_decode_attention.py configs)
         self.pdl = False  # Triton decode kernels: programmatic dependent launch (set with the model's fused path)
         self._num_sms = 0
 
@@ -219,7 +219,7 @@ class FA3Backend:
         cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **self.decode_config}
         splits = kd.default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
         kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  scale_expand=cfg["scale_expand"], pdl=self.pdl)
+                  scale_expand=cfg["scale_expand"], fold_scales=cfg.get("fold_scales", False), pdl=self.pdl)
         if not cache.quantized:
             k_cache, v_cache = cache.layer_tensors(layer)
             return kd.int8_paged_decode(q, k_cache, v_cache, None, None, None, None, table, seqlens, scale, splits,

@@ -22,8 +22,9 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # Launch configs: the winners of bench/gpu_engine.py's sweep on an H200 (docs/benchmarks.md), int8 and dense pools.
 # scale_expand: broadcast each group's scale (and zero) over its columns with G selects instead of reshaping the
 # int8 tile into [BLOCK, G, D/G] groups (it did not win).
-DEFAULT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2, split_mult=2, scale_expand=False)
-DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False)
+# fold_scales: symmetric int8 pools with two scale groups per head only (`_decode_kernel_fold2`), else ignored.
+DEFAULT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2, split_mult=2, scale_expand=False, fold_scales=False)
+DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False, fold_scales=False)
 
 
 @triton.jit
@@ -112,6 +113,76 @@ def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_p
 
 
 @triton.jit
+def _decode_kernel_fold2(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, table_stride, seqlens_ptr,
+                         po_ptr, pml_ptr, out_ptr, out_sb, out_sh, qk_scale, num_splits,
+                         KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr,
+                         D: tl.constexpr, DIRECT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """`_decode_kernel` for a symmetric int8 pool with two scale groups per head (group = head_dim / 2, the
+    default 64 at head_dim 128), scales folded out of the tiles: each half of K and V is read as its own
+    [BLOCK, D/2] tile and converted int8 -> q's dtype exactly (no multiply, no reshape); QK^T is the sum of two
+    dots, each scaled per key on the [QP, BLOCK] scores; P is scaled per value before each half's PV dot."""
+    H: tl.constexpr = D // 2
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(seqlens_ptr + b)  # graph inputs: written before the step, never by the previous kernel
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK) * BLOCK
+    start = sp * per
+    end = tl.minimum(start + per, n)
+
+    qi = tl.arange(0, QP)
+    qmask = qi < QPK
+    c = tl.arange(0, H)
+    heads = kh * QPK + qi
+    qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + c[None, :]
+    q0 = tl.load(qrow, mask=qmask[:, None], other=0.0)                                  # [QP, H]
+    q1 = tl.load(qrow + H, mask=qmask[:, None], other=0.0)
+    dt = q0.dtype
+    m = tl.full([QP], float("-inf"), tl.float32)
+    l = tl.zeros([QP], tl.float32)
+    acc0 = tl.zeros([QP, H], tl.float32)
+    acc1 = tl.zeros([QP, H], tl.float32)
+    tab = table_ptr + b.to(tl.int64) * table_stride
+    for n0 in range(start, end, BLOCK):
+        t = n0 + tl.arange(0, BLOCK)
+        ok = t < end
+        page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
+        row = (page * PS + t % PS) * KVH + kh                                           # [BLOCK] pool rows
+        kv_off = row[:, None] * D + c[None, :]                                          # [BLOCK, H]
+        k0 = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0).to(dt)
+        k1 = tl.load(k_ptr + kv_off + H, mask=ok[:, None], other=0).to(dt)
+        ks0 = tl.load(ks_ptr + row * 2, mask=ok, other=0.0).to(tl.float32)
+        ks1 = tl.load(ks_ptr + row * 2 + 1, mask=ok, other=0.0).to(tl.float32)
+        qk = tl.dot(q0, tl.trans(k0)) * ks0[None, :] + tl.dot(q1, tl.trans(k1)) * ks1[None, :]
+        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))                        # [QP, BLOCK] (log2)
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v0 = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0).to(dt)
+        v1 = tl.load(v_ptr + kv_off + H, mask=ok[:, None], other=0).to(dt)
+        vs0 = tl.load(vs_ptr + row * 2, mask=ok, other=0.0).to(tl.float32)
+        vs1 = tl.load(vs_ptr + row * 2 + 1, mask=ok, other=0.0).to(tl.float32)
+        acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0[None, :]).to(dt), v0)
+        acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1[None, :]).to(dt), v1)
+        m = m_new
+    if DIRECT:
+        orow = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + c[None, :]
+        tl.store(orow, (acc0 / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+        tl.store(orow + H, (acc1 / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+    else:
+        hq = KVH * QPK
+        part = (b.to(tl.int64) * hq + heads) * num_splits + sp                          # [QP]
+        tl.store(po_ptr + part[:, None] * D + c[None, :], acc0, mask=qmask[:, None])
+        tl.store(po_ptr + part[:, None] * D + H + c[None, :], acc1, mask=qmask[:, None])
+        tl.store(pml_ptr + part * 2, m, mask=qmask)
+        tl.store(pml_ptr + part * 2 + 1, l, mask=qmask)
+
+
+@triton.jit
 def _combine_kernel(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, num_splits, HQ: tl.constexpr, D: tl.constexpr,
                     SP: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
@@ -144,7 +215,8 @@ def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale
                       out: torch.Tensor | None = None, block_n: int = DEFAULT_CONFIG["block_n"],
                       num_warps: int = DEFAULT_CONFIG["num_warps"],
                       num_stages: int = DEFAULT_CONFIG["num_stages"],
-                      scale_expand: bool = DEFAULT_CONFIG["scale_expand"], pdl: bool = False) -> torch.Tensor:
+                      scale_expand: bool = DEFAULT_CONFIG["scale_expand"],
+                      fold_scales: bool = DEFAULT_CONFIG["fold_scales"], pdl: bool = False) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
     [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
     k_scales None: k/v are a dense pool in q's dtype (no dequantization). `pdl`: programmatic dependent launch
@@ -168,12 +240,19 @@ def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale
         pml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     asym = k_zeros is not None
     launch = dict(launch_pdl=True) if pdl else {}
-    _decode_kernel[(b, kvh, num_splits)](
-        q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, k_zeros if asym else k_scales,
-        v_zeros if asym else v_scales, page_table, page_table.stride(0), seqlens, po, pml, out, out.stride(0),
-        out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk, QP=qp, PS=ps, D=d, G=g,
-        ASYM=asym, DIRECT=direct, BLOCK=block_n, DENSE=dense, EXPAND=scale_expand, USE_PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **launch)
+    if fold_scales and not dense and not asym and g == 2:
+        _decode_kernel_fold2[(b, kvh, num_splits)](
+            q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, page_table, page_table.stride(0), seqlens, po,
+            pml, out, out.stride(0), out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk,
+            QP=qp, PS=ps, D=d, DIRECT=direct, BLOCK=block_n, USE_PDL=pdl, num_warps=num_warps,
+            num_stages=num_stages, **launch)
+    else:
+        _decode_kernel[(b, kvh, num_splits)](
+            q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, k_zeros if asym else k_scales,
+            v_zeros if asym else v_scales, page_table, page_table.stride(0), seqlens, po, pml, out, out.stride(0),
+            out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk, QP=qp, PS=ps, D=d, G=g,
+            ASYM=asym, DIRECT=direct, BLOCK=block_n, DENSE=dense, EXPAND=scale_expand, USE_PDL=pdl,
+            num_warps=num_warps, num_stages=num_stages, **launch)
     if not direct:
         _combine_kernel[(b, hq)](po, pml, out, out.stride(0), out.stride(1), num_splits, HQ=hq, D=d,
                                  SP=triton.next_power_of_2(num_splits), USE_PDL=pdl, **launch)

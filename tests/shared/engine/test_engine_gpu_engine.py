@@ -48,12 +48,18 @@ def reference(make_engine):
     return forced, run_forced(ref, PROMPTS, forced)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8-triton", "int8-dequant"])
+@pytest.mark.parametrize("kv", ["auto", "int8-triton", "int8-dequant", "int8-fold"])
 def test_graph_decode_matches_eager_and_fp32(make_engine, reference, kv):
     forced, base = reference
     extra = {} if kv == "auto" else dict(kv_dtype="int8", int8_decode_kernel=kv.split("-")[1])
+    if kv == "int8-fold":  # the folded-scale kernel needs two scale groups per head: group 32 at head_dim 64
+        extra = dict(kv_dtype="int8", int8_decode_kernel="triton", kv_group_size=32)
     eager = make_engine("llama_hd64", **KW, **extra, cuda_graphs=False)
     graph = make_engine("llama_hd64", **KW, **extra)
+    if kv == "int8-fold":
+        for e in (eager, graph):
+            e.backend.decode_config = {"fold_scales": True}
+        graph.graph_runner.capture()
     assert eager.model.fused and eager.graph_runner is None and graph.graph_runner is not None
     le, lg = run_forced(eager, PROMPTS, forced), run_forced(graph, PROMPTS, forced)
     assert lg.isfinite().all()

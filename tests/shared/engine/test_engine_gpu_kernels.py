@@ -161,7 +161,7 @@ def _ref_decode(q, kv, table, lens, ps, scale):
     return out
 
 
-@pytest.mark.parametrize("variant", ["tile", "expand", "pdl"])
+@pytest.mark.parametrize("variant", ["tile", "expand", "fold", "fold-pdl"])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 def test_int8_decode_attention_vs_fp32(asym, splits, variant):
@@ -176,7 +176,8 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
     q = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
     out = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None if z is None else z[0], None if z is None else z[1],
                             table, lens, D ** -0.5, splits, scale_expand=variant == "expand",
-                            pdl=variant == "pdl" and kernels.pdl_supported(DEV))
+                            fold_scales=variant.startswith("fold"),  # sym only: asym falls back to the tile kernel
+                            pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV))
     assert out.isfinite().all()
     assert rel(out, _ref_decode(q, kv, table, lens, ps, D ** -0.5)) < 1e-2
 
