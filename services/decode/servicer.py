@@ -81,14 +81,20 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside vocabulary [0, {self.vocab_size})")
         if not request.prefill_target:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_target is required")
+        resumed = request.resumed_tokens  # a failover resume: the prompt ends with this many generated tokens
+        if not 0 <= resumed < len(prompt) or request.resumed_text_chars < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"resumed_tokens {resumed} / resumed_text_chars "
+                          f"{request.resumed_text_chars} invalid for a {len(prompt)}-token prompt")
+        if resumed:
+            req.set({"pdserve.resumed_tokens": resumed})
         try:
-            sampling = sampling_from_proto(request.sampling, self.max_model_len - len(prompt))
+            sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         outputs: queue.Queue = queue.Queue()
         try:
-            self.loop.begin_import(rid, prompt, sampling, outputs.put)
+            self.loop.begin_import(rid, prompt, sampling, outputs.put, resumed, request.resumed_text_chars)
         except Exception as e:  # noqa: BLE001 - mapped to a status with its reason
             context.abort(engine_error_code(e), f"decode could not admit request: {e}")
         with self._lock:
@@ -119,7 +125,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     req.finish(out.num_completion_tokens, out.finish_reason, {"pdserve.cached_tokens": cached})
                     msg.finish_reason = FINISH.get(out.finish_reason, generate_pb2.FINISH_REASON_ABORT)
                     msg.stop_reason = out.stop_reason or ""
-                    msg.usage.CopyFrom(generate_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=cached,
+                    msg.usage.CopyFrom(generate_pb2.Usage(prompt_tokens=out.num_prompt_tokens, cached_tokens=cached,
                                                           completion_tokens=out.num_completion_tokens))
                 yield msg
                 if finished:
@@ -140,7 +146,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         acks: queue.Queue = queue.Queue()
         first = internal_pb2.PrefillClientMessage(request=internal_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
-            kv_layout=self.layout.to_proto(), model_fingerprint=self.fingerprint))
+            kv_layout=self.layout.to_proto(), model_fingerprint=self.fingerprint,
+            sampled_before=request.resumed_tokens))
 
         def client_messages():
             yield first

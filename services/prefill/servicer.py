@@ -137,7 +137,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         with self._lock:
             self._active += 1
         try:
-            self.loop.add_request(rid, prompt, sampling, on_output, prefill_only=True, cached_pages=hit.pages or None)
+            self.loop.add_request(rid, prompt, sampling, on_output, prefill_only=True, cached_pages=hit.pages or None,
+                                  sampled_before=req.sampled_before)
         except Exception as e:  # out of pages, duplicate id
             with self._lock:
                 self._active -= 1

@@ -22,7 +22,7 @@ from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
 from pdserve.engine.model import load_model
 from pdserve.engine.page_table import OutOfPages, PageAllocator
-from pdserve.engine.sampling import SamplingParams, make_generator, sample
+from pdserve.engine.sampling import SamplingParams, make_generator, sample, skip_draws
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
 from pdserve.kv.payload import PagePayload
@@ -140,16 +140,22 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     prefill_only: bool = False, forced_token_ids: list[int] | None = None,
-                    cached_pages: list[PagePayload] | None = None) -> None:
+                    cached_pages: list[PagePayload] | None = None, sampled_before: int = 0) -> None:
         """Queue a request. Raises ValueError (bad input, duplicate id) or OutOfPages (prompt larger than the
         whole pool). `forced_token_ids`: teacher forcing, the i-th sampled token is replaced by the i-th forced
         one (the logits are still those the model produced).
         `cached_pages`: KV of the prompt's first N full pages (page_index 0..N-1, all layers, dense or int8) from
         a prompt cache; they are written into the pool when the request is first scheduled and only tokens
         N*page_size.. are computed. At least the last prompt token must be left to compute (it samples the first
-        token). Cached pages never appear in `ready_pages` (the caller already has them)."""
+        token). Cached pages never appear in `ready_pages` (the caller already has them).
+        `sampled_before`: tokens this request already sampled elsewhere (a failover resume: the prompt ends with
+        them); a seeded request skips their draws, so it samples as if it had never moved."""
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
                                  forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None)
+        if sampled_before < 0 or sampled_before >= seq.num_prompt_tokens:
+            raise ValueError(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
+        if not sampling.greedy:
+            skip_draws(seq.generator, self.model_config.vocab_size, sampled_before)
         if cached_pages:
             self._check_cached_pages(seq.num_prompt_tokens, cached_pages)
             seq.cached_pages = list(cached_pages)
@@ -230,15 +236,37 @@ class LLMEngine:
         return out
 
     # ---- decode side: page import --------------------------------------------------------------------------
-    def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                     resumed_tokens: int = 0, resumed_text_chars: int = 0) -> None:
         """Reserve pages for a prompt whose KV comes from a prefill instance. Raises OutOfPages (nothing
-        allocated) or ValueError."""
+        allocated) or ValueError.
+
+        Failover resume: `resumed_tokens` k > 0 says the last k tokens of `prompt_token_ids` were generated for
+        this request by an instance that died. They count as completion tokens (max_tokens, usage, stop strings
+        spanning the boundary), and the first `resumed_text_chars` characters of their text were delivered
+        already: text held back there (a possible stop-string prefix, an incomplete character) comes out here."""
         seq = self._new_sequence(request_id, prompt_token_ids, sampling)
-        n_pages = -(-seq.num_prompt_tokens // self.page_size)
+        if resumed_tokens:
+            self._resume(seq, resumed_tokens, resumed_text_chars)
+        n_pages = -(-seq.num_tokens // self.page_size)
         seq.page_table = self.allocator.allocate(n_pages)
         seq.status = SequenceStatus.IMPORTING
         seq.imported_layers = torch.zeros(n_pages, self.model_config.num_layers, dtype=torch.bool)
         self._seqs[request_id] = seq
+
+    def _resume(self, seq: Sequence, k: int, emitted_chars: int) -> None:
+        ids = seq.prompt_token_ids
+        if not 0 < k < len(ids) or k >= seq.sampling.max_tokens:
+            raise ValueError(f"resumed_tokens {k} must be in [1, min(prompt length, max_tokens))")
+        seq.prompt_token_ids, seq.completion_token_ids = ids[:-k], ids[-k:]
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        seq.text = "".join(seq.detokenizer.add(t) for t in seq.completion_token_ids)
+        if not 0 <= emitted_chars <= len(seq.text):
+            raise ValueError(f"resumed_text_chars {emitted_chars} outside [0, {len(seq.text)}] (the resumed "
+                             f"tokens' text)")
+        seq.num_emitted_chars = emitted_chars
+        if not seq.sampling.greedy:
+            skip_draws(seq.generator, self.model_config.vocab_size, k)
 
     def _importing(self, request_id: str) -> Sequence:
         seq = self._seqs.get(request_id)
@@ -252,7 +280,7 @@ class LLMEngine:
         idx = payload.page_index
         if not 0 <= idx < len(seq.page_table):
             raise ValueError(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
-        want = min(self.page_size, seq.num_prompt_tokens - idx * self.page_size)
+        want = min(self.page_size, seq.num_tokens - idx * self.page_size)
         if payload.num_tokens != want:
             raise ValueError(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
         self.kv_cache.import_page(seq.page_table[idx], payload)
@@ -268,11 +296,11 @@ class LLMEngine:
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token_id} outside the vocabulary")
         seq.imported_layers = None
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens  # the prompt (+ resumed tokens)
         if not seq.sampling.greedy:
             # The prefill side drew once from the same seed for the first token; skip that draw so a seeded
             # request samples exactly as it would on a single engine.
-            torch.empty(self.model_config.vocab_size, device=self.device).exponential_(generator=seq.generator)
+            skip_draws(seq.generator, self.model_config.vocab_size, 1)
         seq.status = SequenceStatus.WAITING
         text = seq.append_token(int(first_token_id), self.model_config.eos_token_ids)
         self._pending.append(self._output(seq, [int(first_token_id)], text))

@@ -57,17 +57,18 @@ class EngineLoop:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     callback: OutputCallback, prefill_only: bool = False,
                     forced_token_ids: list[int] | None = None,
-                    cached_pages: list[PagePayload] | None = None) -> None:
+                    cached_pages: list[PagePayload] | None = None, sampled_before: int = 0) -> None:
         def fn(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
-                               forced_token_ids=forced_token_ids, cached_pages=cached_pages)
+                               forced_token_ids=forced_token_ids, cached_pages=cached_pages,
+                               sampled_before=sampled_before)
             self._callbacks[request_id] = callback
         self.call(fn)
 
     def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     callback: OutputCallback) -> None:
+                     callback: OutputCallback, resumed_tokens: int = 0, resumed_text_chars: int = 0) -> None:
         def fn(engine: LLMEngine) -> None:
-            engine.begin_import(request_id, prompt_token_ids, sampling)
+            engine.begin_import(request_id, prompt_token_ids, sampling, resumed_tokens, resumed_text_chars)
             self._callbacks[request_id] = callback
         self.call(fn)
 

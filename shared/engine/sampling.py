@@ -47,6 +47,13 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return g
 
 
+def skip_draws(generator: torch.Generator, vocab_size: int, n: int) -> None:
+    """Advance a request's generator past `n` sampled tokens (each `sample` draws one [V] exponential vector), so
+    that a request continued elsewhere (prefill -> decode, or a failover resume) samples as if uninterrupted."""
+    for _ in range(n):
+        torch.empty(vocab_size, device=generator.device).exponential_(1.0, generator=generator)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from a float32 logits row [V]. Greedy when temperature == 0, else temperature -> top-k ->
     top-p -> exponential-race sampling with the request's own generator (so results depend only on the

@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_layout", "model_fingerprint")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_layout", "model_fingerprint", "sampled_before")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_BEFORE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     kv_layout: _kv_pb2.KVLayout
     model_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    sampled_before: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampled_before: _Optional[int] = ...) -> None: ...
 
 class KVAck(_message.Message):
     __slots__ = ("seq_no",)
@@ -57,16 +59,20 @@ class PrefillServerMessage(_message.Message):
     def __init__(self, page: _Optional[_Union[_kv_pb2.KVPage, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_target")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_target", "resumed_tokens", "resumed_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TARGET_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     prefill_target: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_target: _Optional[str] = ...) -> None: ...
+    resumed_tokens: int
+    resumed_text_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_target: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage")
