@@ -54,7 +54,8 @@ class RouterConfig(ServerOptions):
                                                  "tokens sent to it await their first token (0 = no limit)")
     decode_choice: str = opt("least", "decode pick among all candidates (least) or two random ones (p2c)")
     decode_active_norm: float = opt(64.0, "active sequences that weigh as much as a full KV pool")
-    max_attempts: int = opt(3, "tries of a request that fails UNAVAILABLE before its first token")
+    max_attempts: int = opt(3, "tries of a request whose prefill/decode pair fails UNAVAILABLE (before its first "
+                                "token: retried; after: resumed where the stream is)")
     seed: int = opt(0, "seed of the router's random choices (p2c)")
     # membership
     health_interval_s: float = opt(1.0, "grpc.health.v1 check period per instance")

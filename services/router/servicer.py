@@ -1,5 +1,7 @@
 """Router: the public Generation service. Tokenize, validate, score PCS, admit, queue by priority, pick P and D,
-stream tokens back; retry on another pair when the first attempt fails UNAVAILABLE before its first token."""
+stream tokens back. An attempt that fails UNAVAILABLE is retried on another pair: before the first token from
+scratch, after it as a resume (prompt + the tokens already streamed, which the new pair counts as completion), so
+the caller sees one uninterrupted stream (transparent failover)."""
 from __future__ import annotations
 
 import logging
@@ -165,6 +167,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         ttft_ms = None
         n_tokens = 0
+        generated: list[int] = []  # token ids streamed to the caller (a resume re-sends them as prompt)
+        emitted_chars = 0          # characters of text streamed to the caller
         finish = "abort"
         p = d = None
         context.add_callback(lambda: self.scheduler.cancel(job))  # the caller went away while queued
@@ -187,17 +191,22 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                     decode_req, timeout=max(0.001, deadline - time.monotonic()), metadata=metadata)
                 if not context.add_callback(call.cancel):  # the RPC already ended
                     call.cancel()
+                first_of_attempt = True
                 try:
                     for msg in call:
                         out = generate_pb2.GenerateStreamResponse(request_id=rid, token_ids=msg.token_ids,
                                                                   text=msg.text)
                         now_ms = (time.perf_counter() - t0) * 1e3
+                        if first_of_attempt:  # this attempt's prefill is done (a resume has one too)
+                            first_of_attempt = False
+                            self.scheduler.first_token(job)
                         if ttft_ms is None:
                             ttft_ms = now_ms
-                            self.scheduler.first_token(job)
                             req.first_token()
                             out.timing.ttft_ms = ttft_ms
                         n_tokens += len(msg.token_ids)
+                        generated.extend(msg.token_ids)
+                        emitted_chars += len(msg.text)
                         if msg.finish_reason:
                             finish = generate_pb2.FinishReason.Name(msg.finish_reason)
                             out.finish_reason = msg.finish_reason
@@ -211,16 +220,23 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                         yield out
                     break
                 except grpc.RpcError as e:
-                    retry = (e.code() == grpc.StatusCode.UNAVAILABLE and ttft_ms is None
-                             and attempt + 1 < self.cfg.max_attempts and context.is_active())
+                    retry = (e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < self.cfg.max_attempts
+                             and context.is_active() and time.monotonic() < deadline)
                     if not retry:
                         if context.is_active():
                             context.abort(e.code(), e.details() or "decode failed")
                         return
-                    log.warning("rid=%s retrying after UNAVAILABLE from %s/%s: %s", rid, p.address, d.address,
+                    if generated:  # mid-stream: continue where the caller is (transparent failover)
+                        del decode_req.prompt_token_ids[:]
+                        decode_req.prompt_token_ids.extend(ids + generated)
+                        decode_req.resumed_tokens = len(generated)
+                        decode_req.resumed_text_chars = emitted_chars
+                    what = f"resuming after {len(generated)} tokens" if generated else "retrying"
+                    log.warning("rid=%s %s after UNAVAILABLE from %s/%s: %s", rid, what, p.address, d.address,
                                 e.details())
-                    req.event("retry", {"pdserve.prefill": p.address, "pdserve.decode": d.address,
-                                        "pdserve.error": e.details()})
+                    req.event("resume" if generated else "retry", {
+                        "pdserve.prefill": p.address, "pdserve.decode": d.address, "pdserve.error": e.details(),
+                        "pdserve.resumed_tokens": len(generated)})
                     self.scheduler.retry(job, self.membership.blame(p, d))
         finally:
             self.scheduler.finish(job)

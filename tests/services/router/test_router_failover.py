@@ -1,0 +1,116 @@
+"""Transparent failover: a decode instance killed (SIGKILL) in the middle of a stream. The router resumes the
+request on the other decode instance (prefill of prompt + the tokens already streamed) and the caller's stream
+goes on: the same tokens, text, finish reason and usage as a run without the failure, greedy and seeded.
+
+The engines keep full-precision KV here (`--kv-dtype auto`): exactness is then down to the engine's prefill and
+decode computing the same values. With int8 KV the resumed tokens' K/V are quantized from prefill's computation
+instead of decode's, so a near-tie far down the stream may flip (seen once in 600 seeded tokens); the resume
+itself (positions, sampling state, text) is the same."""
+from __future__ import annotations
+
+import random
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import pdserve
+from pdserve.checkpoints import build_checkpoint
+from pdserve.launch import Stack, start_service, wait_ready
+
+sys.path.insert(0, str(Path(__file__).parent))
+from router_testutil import free_port, instances, listing, wait_states  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+ENGINE_FLAGS = ["--torch-threads", "1", "--page-size", "16", "--max-num-seqs", "8", "--num-pages", "512",
+                "--kv-dtype", "auto"]
+MAX_TOKENS = 600
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One prefill, two decode instances, one router (health checks every 0.5 s). `restart(addr)` starts a
+    killed engine again on its port."""
+    work = tmp_path_factory.mktemp("failover")
+    model = build_checkpoint(work / "model", arch="llama", seed=4)
+    P, D1, D2 = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    common = ["--model", str(model), "--log-level", "INFO"]
+    stack = Stack("", [], [])
+    procs: dict = {}
+
+    def start(role: str, args: list[str], name: str):
+        started = start_service(role, [*common, *args], work)
+        stack.procs.append(started[0])
+        stack.logs.append(started[2])
+        procs[name] = started[0]
+        return started
+
+    def engine_args(addr: str) -> list[str]:
+        return ["--port", addr.rsplit(":", 1)[1], *ENGINE_FLAGS]
+
+    def restart(addr: str) -> None:
+        wait_ready(*start("decode", engine_args(addr), addr), timeout=180)
+
+    try:
+        started = [start("router", ["--prefill", P, "--decode", D1, "--decode", D2, "--estimator-store", "memory",
+                                    "--health-interval-s", "0.5"], "router")]
+        started += [start(role, engine_args(addr), addr) for role, addr in
+                    (("prefill", P), ("decode", D1), ("decode", D2))]
+        router = wait_ready(*started[0], timeout=180)
+        for s in started[1:]:
+            wait_ready(*s, timeout=180)
+        wait_states(router, {P: "up", D1: "up", D2: "up"})
+    except BaseException:
+        stack.stop()
+        print(stack.log_text())
+        raise
+    yield dict(router=router, procs=procs, decode=[D1, D2], restart=restart, stack=stack)
+    stack.stop()
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 512) for _ in range(40)]
+
+
+def collect(chunks) -> dict:
+    out = {"tokens": [], "text": "", "finish": None, "usage": None}
+    for c in chunks:
+        out["tokens"] += c.token_ids
+        out["text"] += c.text
+        if c.finish_reason:
+            out["finish"], out["usage"] = c.finish_reason, c.usage
+    return out
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=5)],
+                         ids=["greedy", "seeded"])
+def test_decode_killed_mid_stream_is_invisible_to_the_caller(cluster, sampling):
+    r = cluster["router"]
+    kw = dict(token_ids=prompt(len(sampling)), max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
+    wait_states(r, {a: "up" for a in cluster["decode"]})
+    with pdserve.Client(r, timeout=120) as c:
+        ref = collect(c.stream(**kw))
+        assert len(ref["tokens"]) == MAX_TOKENS
+        retries = listing(r).retries
+        stream = c.stream(**kw)
+        head = []
+        for chunk in stream:  # a few tokens, then kill the decode instance serving this request
+            head.append(chunk)
+            if sum(len(x.token_ids) for x in head) >= 10:
+                break
+        serving = [a for a, i in instances(r).items() if a in cluster["decode"] and i.in_flight]
+        assert len(serving) == 1, instances(r)
+        proc = cluster["procs"][serving[0]]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        got = collect(head + list(stream))
+    assert sum(len(x.token_ids) for x in head) < MAX_TOKENS  # the kill happened mid-stream
+    assert got["tokens"] == ref["tokens"], len(got["tokens"])
+    assert got["text"] == ref["text"]
+    assert got["finish"] == ref["finish"] == "length"
+    assert (got["usage"].prompt_tokens, got["usage"].completion_tokens) == (40, MAX_TOKENS)
+    assert listing(r).retries == retries + 1
+    assert instances(r)[serving[0]].state == "down"
+    cluster["restart"](serving[0])  # same port: the router's health checks bring it back
