@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,8 +105,16 @@ def test_decode_killed_mid_stream_is_invisible_to_the_caller(cluster, sampling):
         assert len(serving) == 1, instances(r)
         proc = cluster["procs"][serving[0]]
         proc.send_signal(signal.SIGKILL)
+        killed_at = time.perf_counter()
         proc.wait(timeout=10)
-        got = collect(head + list(stream))
+        rest, arrivals = [], [killed_at]
+        for chunk in stream:
+            rest.append(chunk)
+            arrivals.append(time.perf_counter())
+        got = collect(head + rest)
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        print(f"{sampling}: longest gap between chunks after the kill {max(gaps) * 1e3:.0f} ms (the resume; "
+              f"median gap {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms)")
     assert sum(len(x.token_ids) for x in head) < MAX_TOKENS  # the kill happened mid-stream
     assert got["tokens"] == ref["tokens"], len(got["tokens"])
     assert got["text"] == ref["text"]
