@@ -107,6 +107,8 @@ def test_abandoned_stream_frees_pages(prefill):
     (lambda m: m.request.ClearField("prompt_token_ids"), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
     (lambda m: m.request.prompt_token_ids.append(10**6), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
     (lambda m: m.request.sampling.__setattr__("top_p", 2.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (lambda m: setattr(m.request, "sampled_before", 10), grpc.StatusCode.INVALID_ARGUMENT, "sampled_before"),
+    (lambda m: setattr(m.request, "sampled_before", -1), grpc.StatusCode.INVALID_ARGUMENT, "sampled_before"),
 ])
 def test_bad_requests_get_status(prefill, mutate, code, reason):
     stub, fp = prefill
