@@ -220,12 +220,22 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                         yield out
                     break
                 except grpc.RpcError as e:
-                    retry = (e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < self.cfg.max_attempts
+                    # a pool that could not admit the request (before any token): try another pair, healthy as
+                    # they are; an instance that went away: retry or resume (below) without the blamed ones
+                    full = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not generated
+                    retry = ((e.code() == grpc.StatusCode.UNAVAILABLE or full) and attempt + 1 < self.cfg.max_attempts
                              and context.is_active() and time.monotonic() < deadline)
                     if not retry:
                         if context.is_active():
                             context.abort(e.code(), e.details() or "decode failed")
                         return
+                    if full:
+                        log.info("rid=%s retrying on another pair: %s/%s out of KV pages: %s", rid, p.address,
+                                 d.address, e.details())
+                        req.event("retry", {"pdserve.prefill": p.address, "pdserve.decode": d.address,
+                                            "pdserve.error": e.details()})
+                        self.scheduler.retry(job, [p, d])
+                        continue
                     if generated:  # mid-stream: continue where the caller is (transparent failover)
                         del decode_req.prompt_token_ids[:]
                         decode_req.prompt_token_ids.extend(ids + generated)

@@ -1,6 +1,7 @@
 """Transparent failover: a decode instance killed (SIGKILL) in the middle of a stream. The router resumes the
 request on the other decode instance (prefill of prompt + the tokens already streamed) and the caller's stream
-goes on: the same tokens, text, finish reason and usage as a run without the failure, greedy and seeded.
+goes on: the same tokens, text, finish reason and usage as a run without the failure, greedy and seeded. And a
+decode instance whose KV pool cannot take a request (RESOURCE_EXHAUSTED) makes the router try another pair.
 
 The engines keep full-precision KV here (`--kv-dtype auto`): exactness is then down to the engine's prefill and
 decode computing the same values. With int8 KV the resumed tokens' K/V are quantized from prefill's computation
@@ -70,9 +71,54 @@ def cluster(tmp_path_factory):
     stack.stop()
 
 
-def prompt(seed: int) -> list[int]:
+@pytest.fixture(scope="module")
+def small_pool_cluster(tmp_path_factory):
+    """Round-robin router over a decode instance with a 4-page pool (64 tokens) and a normal one."""
+    work = tmp_path_factory.mktemp("small-pool")
+    model = build_checkpoint(work / "model", arch="llama", seed=4)
+    P, small, big = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    common = ["--model", str(model), "--log-level", "INFO"]
+    flags = {P: ENGINE_FLAGS, small: [*ENGINE_FLAGS, "--num-pages", "4"], big: ENGINE_FLAGS}
+    stack = Stack("", [], [])
+    try:
+        started = [start_service("router", [*common, "--prefill", P, "--decode", small, "--decode", big,
+                                            "--policy", "round_robin", "--estimator-store", "memory",
+                                            "--health-interval-s", "0.2"], work)]
+        started += [start_service(role, [*common, "--port", a.rsplit(":", 1)[1], *flags[a]], work)
+                    for role, a in (("prefill", P), ("decode", small), ("decode", big))]
+        stack.procs.extend(s[0] for s in started)
+        stack.logs.extend(s[2] for s in started)
+        router = wait_ready(*started[0], timeout=180)
+        for s in started[1:]:
+            wait_ready(*s, timeout=180)
+        wait_states(router, {P: "up", small: "up", big: "up"})
+        # The router's channels tried these addresses before the engines listened and may still be in their
+        # reconnect backoff (<= 1 s): a request then fails UNAVAILABLE and is retried, which would use up attempts
+        # this test counts. Let the health checks reconnect them first.
+        time.sleep(1.2)
+        wait_states(router, {P: "up", small: "up", big: "up"})
+    except BaseException:
+        stack.stop()
+        print(stack.log_text())
+        raise
+    yield dict(router=router, small=small, big=big)
+    stack.stop()
+
+
+def test_decode_out_of_pages_is_tried_on_another_pair(small_pool_cluster):
+    r = small_pool_cluster["router"]
+    with pdserve.Client(r, timeout=60) as c:
+        outs = [c.generate(token_ids=prompt(10 + k, n=100), max_tokens=8, ignore_eos=True) for k in range(4)]
+    assert all(len(o.token_ids) == 8 for o in outs)
+    info = instances(r)
+    assert listing(r).retries >= 1  # round robin sent some to the small pool first
+    assert info[small_pool_cluster["small"]].state == "up"  # full is not broken: it stays in rotation
+    assert info[small_pool_cluster["big"]].assigned >= 4
+
+
+def prompt(seed: int, n: int = 40) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(5, 512) for _ in range(40)]
+    return [rng.randrange(5, 512) for _ in range(n)]
 
 
 def collect(chunks) -> dict:
