@@ -246,6 +246,20 @@ def first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def paged_attention_ref(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, ps: int) -> torch.Tensor:
+    """fp64 decode attention of q [n, HQ, D] (sequence i: every slot of its page-table row table[i]) over a dense
+    pool [2, slots, KVH, D] -> [n, HQ, D]."""
+    n, hq, d = q.shape
+    out = torch.empty(n, hq, d, device=q.device, dtype=torch.float64)
+    for i in range(n):
+        slots = (table[i].long()[:, None] * ps + torch.arange(ps, device=q.device)).flatten()
+        kk = pool[0, slots].double().repeat_interleave(hq // pool.shape[2], 1)
+        vv = pool[1, slots].double().repeat_interleave(hq // pool.shape[2], 1)
+        a = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d ** -0.5
+        out[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), vv)
+    return out
+
+
 def kernel_section(copy_bw: float) -> dict:
     from pdserve.engine.kernels import int8_decode_attention as kd
     from pdserve.engine.kernels import kv_quant
@@ -318,16 +332,8 @@ def kernel_section(copy_bw: float) -> dict:
         # fp32 references (dequantized pages for int8; the bf16 pages for dense) on the first sequences
         nb = min(B, 4)
         ref8 = Q.dequantize(q8, s8, None, 64, torch.float32).view(2, P * ps, KVH, D)
-        refs = {}
-        for name, pool in (("int8", ref8), ("dense", kv.view(2, P * ps, KVH, D))):
-            r = torch.empty(nb, HQ, D, device=DEV, dtype=torch.float64)
-            for i in range(nb):
-                slots = (table[i].long()[:, None] * ps + torch.arange(ps, device=DEV)).flatten()
-                kk = pool[0, slots].double().repeat_interleave(HQ // KVH, 1)
-                vv = pool[1, slots].double().repeat_interleave(HQ // KVH, 1)
-                a = torch.einsum("hd,nhd->hn", qq[i].double(), kk) * D ** -0.5
-                r[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), vv)
-            refs[name] = r
+        refs = {name: paged_attention_ref(qq[:nb], pool, table, ps)
+                for name, pool in (("int8", ref8), ("dense", kv.view(2, P * ps, KVH, D)))}
         del ref8
         for sm in (1, 2):
             splits = kd.default_num_splits(B, KVH, sms, sm)

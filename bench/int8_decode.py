@@ -51,13 +51,7 @@ def kernel_sweep(copy_bw: float) -> dict:
         qq = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
         pool = Q.dequantize(q8, s8, None, 64, torch.float32).view(2, P * ps, KVH, D)
         nb = min(B, 4)
-        ref = torch.empty(nb, HQ, D, device=DEV, dtype=torch.float64)
-        for i in range(nb):
-            slots = (table[i].long()[:, None] * ps + torch.arange(ps, device=DEV)).flatten()
-            kk = pool[0, slots].double().repeat_interleave(HQ // KVH, 1)
-            vv = pool[1, slots].double().repeat_interleave(HQ // KVH, 1)
-            a = torch.einsum("hd,nhd->hn", qq[i].double(), kk) * D ** -0.5
-            ref[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), vv)
+        ref = ge.paged_attention_ref(qq[:nb], pool, table, ps)
         del pool
         splits = kd.default_num_splits(B, KVH, sms, 2)
         res = {}

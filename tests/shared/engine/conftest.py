@@ -72,3 +72,15 @@ def make_engine(checkpoint):
 def llama_engine(make_engine):
     """One shared engine for tests that leave it idle and empty (they must not change its config)."""
     return make_engine("llama")
+
+
+@pytest.fixture(scope="module")
+def prefill_engine(make_engine):
+    """A module's prefill side of a disaggregated pair (test_engine_disagg.py, test_engine_resume.py)."""
+    return make_engine("llama")
+
+
+@pytest.fixture(scope="module")
+def decode_engine(make_engine):
+    """A module's decode side of a disaggregated pair."""
+    return make_engine("llama")

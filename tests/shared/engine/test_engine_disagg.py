@@ -12,16 +12,6 @@ PAGE = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def prefill_engine(make_engine):
-    return make_engine("llama")
-
-
-@pytest.fixture(scope="module")
-def decode_engine(make_engine):
-    return make_engine("llama")
-
-
 def prefill(engine, rid: str, prompt: list[int], sp: SamplingParams, kv_dtype: str = "auto", **kw):
     """Run a prefill-only request, exporting pages as each step reports them. Returns (payloads, first)."""
     engine.add_request(rid, prompt, sp, prefill_only=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_testutil import random_prompt
+from engine_testutil import forced_logits, random_prompt
 from pdserve.engine.attention import AttentionMetadata, FA3Backend, SdpaBackend, select_backend
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.sampling import SamplingParams
@@ -41,18 +41,6 @@ def test_fa3_matches_sdpa_on_paged_pool(fa3, head_dim, int8):
         out = fa3.forward(0, q, k, v, AttentionMetadata(starts, q_lens, tables, ps, dev), pool, head_dim ** -0.5)
         assert out.shape == ref.shape
         assert (out.float() - ref.float()).abs().max().item() < 2e-2, (starts, q_lens)
-
-
-def forced_logits(engine, prompts, forced) -> torch.Tensor:
-    """Teacher-forced per-step logits [sum of steps, V] (float32) for each prompt's forced continuation."""
-    rows: dict[str, list[torch.Tensor]] = {}
-    for i, (p, f) in enumerate(zip(prompts, forced)):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True),
-                           forced_token_ids=f)
-    while engine.has_unfinished_requests():
-        for o in engine.step(return_logits=True):
-            rows.setdefault(o.request_id, []).append(o.logits)
-    return torch.cat([torch.stack(rows[f"r{i}"]) for i in range(len(prompts))])
 
 
 def test_fa3_engine_matches_sdpa_engine(make_engine):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_testutil import random_prompt
+from engine_testutil import forced_logits, random_prompt
 from pdserve.engine import kernels
 from pdserve.engine.attention import select_backend
 from pdserve.engine.sampling import SamplingParams
@@ -24,16 +24,10 @@ def need_fa3():
 
 
 def run_forced(engine, prompts, forced) -> torch.Tensor:
-    """Teacher-forced logits [sum of steps, V] for each prompt's continuation (one request per prompt)."""
-    rows: dict[str, list[torch.Tensor]] = {}
-    for i, (p, f) in enumerate(zip(prompts, forced)):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True),
-                           forced_token_ids=f)
-    while engine.has_unfinished_requests():
-        for o in engine.step(return_logits=True):
-            rows.setdefault(o.request_id, []).append(o.logits)
+    """`forced_logits`, then every page must be free again."""
+    logits = forced_logits(engine, prompts, forced)
     assert engine.allocator.num_used == 0
-    return torch.cat([torch.stack(rows[f"r{i}"]) for i in range(len(prompts))])
+    return logits
 
 
 PROMPTS = [random_prompt(n, seed=n) for n in (1, 15, 16, 17, 70, 33)]

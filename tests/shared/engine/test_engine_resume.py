@@ -12,16 +12,6 @@ from pdserve.engine.sampling import SamplingParams
 N = 24
 
 
-@pytest.fixture(scope="module")
-def prefill_engine(make_engine):
-    return make_engine("llama")
-
-
-@pytest.fixture(scope="module")
-def decode_engine(make_engine):
-    return make_engine("llama")
-
-
 def uninterrupted(engine, prompt, sp) -> dict:
     engine.add_request("ref", prompt, sp)
     return run_to_completion(engine)["ref"]
