@@ -102,7 +102,7 @@ def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from pdserve.checkpoints import build_tokenizer
+    from pdserve.models.checkpoints import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=16384, rope_theta=500000.0,

@@ -2,7 +2,7 @@
 
     python bench/kv_quant.py [--model DIR] [--tokens 512] [--mb 64] [--iters 5]
 
-Without --model it trains the tiny llama (pdserve.train_tiny, ~45 s on 2 CPU cores) into a temp dir.
+Without --model it trains the tiny llama (pdserve.models.train_tiny, ~45 s on 2 CPU cores) into a temp dir.
 K/V are captured from the HF forward's cache on held-out corpus text (K after RoPE, as the engine stores it).
 Throughput: quantize / dequantize of a --mb MiB float32 K/V tensor (the real K/V tiled), in GB/s of dense
 input (quantize) or dense output (dequantize), beside torch.clone of the same bytes in the same run.
@@ -16,7 +16,7 @@ import time
 import torch
 
 from pdserve.kv.quant import dequantize, quantize
-from pdserve.train_tiny import capture_kv, split_corpus, train_tiny_checkpoint
+from pdserve.models.train_tiny import capture_kv, split_corpus, train_tiny_checkpoint
 
 
 def error_row(x: torch.Tensor, group_size: int, asymmetric: bool) -> tuple[float, float, float]:

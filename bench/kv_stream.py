@@ -15,7 +15,7 @@ import time
 import grpc
 import torch
 
-from pdserve.grpc_util import bind, channel, make_server
+from pdserve.server.grpc_util import bind, channel, make_server
 from pdserve.kv.codec import KVLayoutSpec, decode_page, encode_page
 from pdserve.kv.payload import PagePayload, quantize_payload
 from pdserve.v1 import internal_pb2, internal_pb2_grpc

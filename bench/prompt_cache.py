@@ -29,12 +29,12 @@ import pdserve
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.page_format import value_bytes
 from pdserve.cache.prompt_cache import PromptCache
-from pdserve.cache.redis_server import RedisServer
+from pdserve.testing.redis_server import RedisServer
 from pdserve.cache.redis_store import RedisStore
-from pdserve.checkpoints import build_checkpoint
+from pdserve.models.checkpoints import build_checkpoint
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import PagePayload, quantize_payload
-from pdserve.launch import start_stack
+from pdserve.cli.launch import start_stack
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kv_stream import StreamingPrefill  # noqa: E402 - a sibling bench script: the gRPC page stream server
@@ -140,7 +140,7 @@ def lookup_ms(url: str, lay: KVLayoutSpec, n_tokens: int, repeats: int, local: b
 
 def stream_ms(lay: KVLayoutSpec, n_pages: int, repeats: int) -> float:
     """The same pages over a real loopback gRPC Prefill stream, verified and decoded (today's decode path)."""
-    from pdserve.grpc_util import bind, channel, make_server
+    from pdserve.server.grpc_util import bind, channel, make_server
     from pdserve.kv.codec import decode_page, encode_page
     from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
@@ -240,7 +240,7 @@ def quality(work: Path) -> None:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.sampling import SamplingParams
-    from pdserve.train_tiny import split_corpus, train_tiny_checkpoint
+    from pdserve.models.train_tiny import split_corpus, train_tiny_checkpoint
 
     model = train_tiny_checkpoint(work / "trained", seconds=45, seed=0)
     ids = AutoTokenizer.from_pretrained(str(model))(split_corpus()[1])["input_ids"]

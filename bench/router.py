@@ -31,8 +31,8 @@ from pathlib import Path
 import grpc
 
 import pdserve
-from pdserve.checkpoints import build_checkpoint
-from pdserve.launch import start_service, start_stack, wait_ready
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.cli.launch import start_service, start_stack, wait_ready
 
 POLICIES = ("pcs", "round_robin", "least_requests")
 
@@ -47,7 +47,7 @@ def pct(xs: list[float], q: float) -> float:
 def estimator_error(n: int = 4000, warmup: int = 1000) -> dict[str, float]:
     from pdserve.router.estimator import OutputLengthEstimator, features
     from pdserve.router.pcs import count_special, fallback_output_len
-    from pdserve.router.synthetic import rel_error, workload
+    from pdserve.testing.synthetic import rel_error, workload
 
     special = frozenset(range(5))
     est = OutputLengthEstimator()

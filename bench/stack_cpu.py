@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 import pdserve
-from pdserve.checkpoints import build_checkpoint
-from pdserve.launch import start_stack
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.cli.launch import start_stack
 
 
 def one(client: pdserve.Client, ids: list[int], max_tokens: int) -> tuple[float, float, int]:

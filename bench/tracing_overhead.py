@@ -1,5 +1,5 @@
 """Tracing overhead on CPU TTFT: three identical stacks in the same run, one exporting every span over OTLP/gRPC to a
-receiver in this process (pdserve.otlp_sink), two with tracing off (their difference is the noise floor: an A/A
+receiver in this process (pdserve.testing.otlp_sink), two with tracing off (their difference is the noise floor: an A/A
 control); each prompt goes to all three in a rotating order.
 
     python bench/tracing_overhead.py [--model DIR] [--requests 40] [--prompt-lens 128,768] [--chunk-size 256]
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 import pdserve
-from pdserve.checkpoints import build_checkpoint
-from pdserve.launch import start_stack
-from pdserve.otlp_sink import OTLPSink
-from pdserve.tracing import Tracing, end_span
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.cli.launch import start_stack
+from pdserve.testing.otlp_sink import OTLPSink
+from pdserve.telemetry.tracing import Tracing, end_span
 
 OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED",
              "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_BSP_SCHEDULE_DELAY")

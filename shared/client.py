@@ -17,7 +17,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from pdserve.grpc_util import CHANNEL_OPTIONS
+from pdserve.server.grpc_util import CHANNEL_OPTIONS
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 _FINISH = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.service_config import EngineOptions, opt
+from pdserve.server.service_config import EngineOptions, opt
 
 
 @dataclass

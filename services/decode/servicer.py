@@ -10,12 +10,12 @@ import grpc
 
 from pdserve.decode.config import DecodeConfig
 from pdserve.engine.loop import EngineLoop
-from pdserve.grpc_util import channel, remaining
+from pdserve.server.grpc_util import channel, remaining
 from pdserve.kv.codec import KVLayoutSpec, KVPageError, decode_page
 from pdserve.kv.transfer import ReceiverPages, TransferError
-from pdserve.sampling_proto import sampling_from_proto
-from pdserve.status import engine_error_code
-from pdserve.telemetry import RequestScope, Telemetry
+from pdserve.server.proto_convert import sampling_from_proto
+from pdserve.server.status import engine_error_code
+from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")

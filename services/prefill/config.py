@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.cache.config import CacheOptions
-from pdserve.service_config import EngineOptions, opt
+from pdserve.server.service_config import EngineOptions, opt
 
 
 @dataclass

@@ -14,9 +14,9 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.kv.codec import KVLayoutSpec, KVPageError, encode_page
 from pdserve.kv.transfer import SenderPages, TransferError
 from pdserve.prefill.config import PrefillConfig
-from pdserve.sampling_proto import sampling_from_proto
-from pdserve.status import engine_error_code
-from pdserve.telemetry import RequestScope, Telemetry
+from pdserve.server.proto_convert import sampling_from_proto
+from pdserve.server.status import engine_error_code
+from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
@@ -32,7 +32,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.cache = cache  # prompt cache (None: off); counters: cache.hits, .misses, .local_hits, .corrupt, ...
         self.telemetry = telemetry or Telemetry.off("prefill")
         self._tokens = [0, 0]  # prompt tokens, cached prompt tokens (for the cache hit ratio gauge)
-        if cache is None:  # with a cache, its own page hit ratio (pdserve.metrics.watch_prompt_cache)
+        if cache is None:  # with a cache, its own page hit ratio (pdserve.telemetry.metrics.watch_prompt_cache)
             self.telemetry.metrics.gauge("cache_hit_ratio", "Cached / prompt tokens of finished prefills",
                                          lambda: self._tokens[1] / max(1, self._tokens[0]))
         engine = loop.engine

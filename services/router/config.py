@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.service_config import ServerOptions, opt
+from pdserve.server.service_config import ServerOptions, opt
 
 POLICIES = ("pcs", "round_robin", "least_requests")
 FALLBACK_MODES = ("length_only", "max_tokens")

@@ -58,7 +58,7 @@ class Instance:
         return self.running_pcs + self.reserved_pcs
 
     @property
-    def outstanding_pcs(self) -> float:  # name kept for the metrics gauge (pdserve.metrics.watch_pools)
+    def outstanding_pcs(self) -> float:  # name kept for the metrics gauge (pdserve.telemetry.metrics.watch_pools)
         return self.load_pcs
 
     def pages_free_estimate(self) -> int | None:

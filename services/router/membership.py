@@ -20,7 +20,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.grpc_util import CHANNEL_OPTIONS
+from pdserve.server.grpc_util import CHANNEL_OPTIONS
 from pdserve.router.config import RouterConfig
 from pdserve.router.instances import DECODE, PREFILL, Instance, State
 from pdserve.router.scheduler import Scheduler

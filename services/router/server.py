@@ -5,9 +5,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from pdserve.metrics import watch_pools
+from pdserve.telemetry.metrics import watch_pools
 from pdserve.router.config import RouterConfig
-from pdserve.service_runner import run_service
+from pdserve.server.runner import run_service
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, router_admin_pb2, router_admin_pb2_grpc
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

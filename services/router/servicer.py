@@ -21,8 +21,8 @@ from pdserve.router.pcs import PCS, PCSWeights, count_special, fallback_output_l
     special_token_ids
 from pdserve.router.priority import Priority, resolve
 from pdserve.router.scheduler import Cancelled, Job, Scheduler, Unavailable
-from pdserve.sampling_proto import DEFAULT_MAX_TOKENS
-from pdserve.telemetry import Telemetry
+from pdserve.server.proto_convert import DEFAULT_MAX_TOKENS
+from pdserve.telemetry.service import Telemetry
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2
 
 log = logging.getLogger("pdserve.router")

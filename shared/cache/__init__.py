@@ -3,7 +3,7 @@
 keys.py (chained page keys + namespace), page_format.py (one value per page), store.py / redis_store.py (byte
 stores), local_tier.py (in-memory LRU in front of Redis), writer.py (async write-back), breaker.py (circuit
 breaker), stats.py (counters), prompt_cache.py (PromptCache, build_prompt_cache), config.py (CacheOptions),
-redis_server.py (a private redis-server process for tests and benchmarks).
+(the private redis-server launcher for tests lives in pdserve.testing).
 """
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache, build_prompt_cache

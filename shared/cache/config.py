@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.service_config import opt
+from pdserve.server.service_config import opt
 
 MiB = 1 << 20
 

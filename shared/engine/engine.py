@@ -21,7 +21,8 @@ from pdserve.engine.cuda_graphs import make_decode_graph_runner
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
 from pdserve.engine.model import load_model
-from pdserve.engine.page_table import OutOfPages, PageAllocator
+from pdserve.engine.page_table import PageAllocator
+from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
 from pdserve.engine.sampling import SamplingParams, make_generator, sample, skip_draws
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
@@ -120,15 +121,15 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                       **kw) -> Sequence:
         if request_id in self._seqs:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise DuplicateRequest(f"duplicate request id {request_id!r}")
         sampling.validate(self.max_model_len)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
-            raise ValueError("prompt_token_ids is empty")
+            raise InvalidRequest("prompt_token_ids is empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model context is {self.max_model_len}")
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the model context is {self.max_model_len}")
         if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
-            raise ValueError(f"token id outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise InvalidRequest(f"token id outside the vocabulary [0, {self.model_config.vocab_size})")
         need = -(-(len(ids) + 1) // self.page_size)
         if need > self.allocator.num_pages:
             raise OutOfPages(f"prompt needs {need} KV pages but the pool only has {self.allocator.num_pages}")
@@ -153,7 +154,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
                                  forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None)
         if sampled_before < 0 or sampled_before >= seq.num_prompt_tokens:
-            raise ValueError(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
+            raise InvalidRequest(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
         if not sampling.greedy:
             skip_draws(seq.generator, self.model_config.vocab_size, sampled_before)
         if cached_pages:
@@ -165,12 +166,12 @@ class LLMEngine:
 
     def _check_cached_pages(self, num_prompt_tokens: int, pages: list[PagePayload]) -> None:
         if len(pages) * self.page_size >= num_prompt_tokens:
-            raise ValueError(f"{len(pages)} cached pages cover all {num_prompt_tokens} prompt tokens; at least the "
+            raise InvalidRequest(f"{len(pages)} cached pages cover all {num_prompt_tokens} prompt tokens; at least the "
                              "last token must be computed")
         for i, p in enumerate(pages):
             if p.page_index != i or p.num_tokens != self.page_size or p.layer_start != 0 \
                     or p.layer_count != self.model_config.num_layers:
-                raise ValueError(f"cached page {i}: got page_index {p.page_index}, {p.num_tokens} tokens, layers "
+                raise InvalidRequest(f"cached page {i}: got page_index {p.page_index}, {p.num_tokens} tokens, layers "
                                  f"[{p.layer_start}, {p.layer_start + p.layer_count}); want full pages 0..N-1 of "
                                  f"all {self.model_config.num_layers} layers")
             self.kv_cache.check_payload(p)
@@ -221,7 +222,7 @@ class LLMEngine:
         model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
         seq = self._seqs.get(request_id)
         if seq is None:
-            raise ValueError(f"unknown request {request_id!r}")
+            raise InvalidRequest(f"unknown request {request_id!r}")
         as_int8 = kv_dtype == "int8"
         dense_dtype = None if as_int8 or kv_dtype == "auto" else parse_dtype(kv_dtype)
         g = self.kv_group_size if group_size is None else group_size
@@ -230,7 +231,7 @@ class LLMEngine:
         for idx in page_indexes:
             n = min(self.page_size, seq.num_computed_tokens - idx * self.page_size)
             if idx < 0 or idx >= len(seq.page_table) or n <= 0:
-                raise ValueError(f"page {idx} of {request_id!r} has no computed KV "
+                raise InvalidRequest(f"page {idx} of {request_id!r} has no computed KV "
                                  f"({seq.num_computed_tokens} tokens computed)")
             out.append(self.kv_cache.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype))
         return out
@@ -257,12 +258,12 @@ class LLMEngine:
     def _resume(self, seq: Sequence, k: int, emitted_chars: int) -> None:
         ids = seq.prompt_token_ids
         if not 0 < k < len(ids) or k >= seq.sampling.max_tokens:
-            raise ValueError(f"resumed_tokens {k} must be in [1, min(prompt length, max_tokens))")
+            raise InvalidRequest(f"resumed_tokens {k} must be in [1, min(prompt length, max_tokens))")
         seq.prompt_token_ids, seq.completion_token_ids = ids[:-k], ids[-k:]
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         seq.text = "".join(seq.detokenizer.add(t) for t in seq.completion_token_ids)
         if not 0 <= emitted_chars <= len(seq.text):
-            raise ValueError(f"resumed_text_chars {emitted_chars} outside [0, {len(seq.text)}] (the resumed "
+            raise InvalidRequest(f"resumed_text_chars {emitted_chars} outside [0, {len(seq.text)}] (the resumed "
                              f"tokens' text)")
         seq.num_emitted_chars = emitted_chars
         if not seq.sampling.greedy:
@@ -271,7 +272,7 @@ class LLMEngine:
     def _importing(self, request_id: str) -> Sequence:
         seq = self._seqs.get(request_id)
         if seq is None or seq.status != SequenceStatus.IMPORTING:
-            raise ValueError(f"request {request_id!r} is not importing")
+            raise InvalidRequest(f"request {request_id!r} is not importing")
         return seq
 
     def import_page(self, request_id: str, payload: PagePayload) -> None:
@@ -279,10 +280,10 @@ class LLMEngine:
         seq = self._importing(request_id)
         idx = payload.page_index
         if not 0 <= idx < len(seq.page_table):
-            raise ValueError(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
+            raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
         want = min(self.page_size, seq.num_tokens - idx * self.page_size)
         if payload.num_tokens != want:
-            raise ValueError(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
+            raise InvalidRequest(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
         self.kv_cache.import_page(seq.page_table[idx], payload)
         seq.imported_layers[idx, payload.layer_start:payload.layer_start + payload.data.shape[1]] = True
 
@@ -292,9 +293,9 @@ class LLMEngine:
         seq = self._importing(request_id)
         if not bool(seq.imported_layers.all()):
             missing = sorted({int(i) for i in (~seq.imported_layers).nonzero()[:, 0]})
-            raise ValueError(f"request {request_id!r}: pages {missing} not imported")
+            raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
         if not 0 <= first_token_id < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token_id} outside the vocabulary")
+            raise InvalidRequest(f"first token {first_token_id} outside the vocabulary")
         seq.imported_layers = None
         seq.num_computed_tokens = seq.num_tokens  # the prompt (+ resumed tokens)
         if not seq.sampling.greedy:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.errors import InvalidRequest
 from pdserve.kv.payload import PagePayload
 from pdserve.kv.quant import dequantize, quantize
 
@@ -95,9 +96,9 @@ class KVCache:
     # ---- validation ------------------------------------------------------------------------------------
     def _check_page(self, page: int, num_tokens: int) -> None:
         if not 0 <= page < self.num_pages:
-            raise ValueError(f"physical page {page} outside pool of {self.num_pages}")
+            raise InvalidRequest(f"physical page {page} outside pool of {self.num_pages}")
         if not 0 < num_tokens <= self.page_size:
-            raise ValueError(f"num_tokens {num_tokens} not in 1..{self.page_size}")
+            raise InvalidRequest(f"num_tokens {num_tokens} not in 1..{self.page_size}")
 
     def check_payload(self, p: PagePayload) -> None:
         """Raise ValueError unless `p` (dense or int8, any group size) can be imported into this pool."""
@@ -107,24 +108,24 @@ class KVCache:
         self._check_page(page, p.num_tokens)
         d = p.data
         if d.dim() != 5 or d.shape[0] != 2 or tuple(d.shape[2:]) != (p.num_tokens, self.num_kv_heads, self.head_dim):
-            raise ValueError(f"payload data shape {tuple(d.shape)} != [2, layers, {p.num_tokens}, "
+            raise InvalidRequest(f"payload data shape {tuple(d.shape)} != [2, layers, {p.num_tokens}, "
                              f"{self.num_kv_heads}, {self.head_dim}]")
         if p.layer_start < 0 or p.layer_start + d.shape[1] > self.num_layers or d.shape[1] == 0:
-            raise ValueError(f"payload layers [{p.layer_start}, {p.layer_start + d.shape[1]}) outside "
+            raise InvalidRequest(f"payload layers [{p.layer_start}, {p.layer_start + d.shape[1]}) outside "
                              f"[0, {self.num_layers})")
         if p.group_size > 0:
             if d.dtype != torch.int8:
-                raise ValueError(f"quantized payload data must be int8, got {d.dtype}")
+                raise InvalidRequest(f"quantized payload data must be int8, got {d.dtype}")
             if self.head_dim % p.group_size:
-                raise ValueError(f"payload group_size {p.group_size} does not divide head_dim {self.head_dim}")
+                raise InvalidRequest(f"payload group_size {p.group_size} does not divide head_dim {self.head_dim}")
             want = (*d.shape[:-1], self.head_dim // p.group_size)
             if p.scales is None or tuple(p.scales.shape) != want:
-                raise ValueError(f"payload scales shape {None if p.scales is None else tuple(p.scales.shape)} "
+                raise InvalidRequest(f"payload scales shape {None if p.scales is None else tuple(p.scales.shape)} "
                                  f"!= {want}")
             if p.zeros is not None and tuple(p.zeros.shape) != want:
-                raise ValueError(f"payload zeros shape {tuple(p.zeros.shape)} != {want}")
+                raise InvalidRequest(f"payload zeros shape {tuple(p.zeros.shape)} != {want}")
         elif not d.is_floating_point():
-            raise ValueError(f"unquantized payload must be floating point, got {d.dtype}")
+            raise InvalidRequest(f"unquantized payload must be floating point, got {d.dtype}")
 
 
 class Int8KVCache(KVCache):

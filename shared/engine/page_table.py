@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pdserve.errors import OutOfPages
 
-class OutOfPages(RuntimeError):
-    """Raised when the KV page pool cannot satisfy an allocation; nothing was allocated."""
+__all__ = ["OutOfPages", "PageAllocator"]
 
 
 class PageAllocator:

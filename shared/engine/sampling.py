@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.errors import InvalidRequest
+
 
 @dataclass
 class SamplingParams:
@@ -20,21 +22,21 @@ class SamplingParams:
     def validate(self, max_model_len: int | None = None) -> None:
         """Raise ValueError(reason) for values the engine cannot honour."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if max_model_len is not None and self.max_tokens > max_model_len:
-            raise ValueError(f"max_tokens {self.max_tokens} exceeds the model context of {max_model_len} tokens")
+            raise InvalidRequest(f"max_tokens {self.max_tokens} exceeds the model context of {max_model_len} tokens")
         if not self.temperature >= 0.0 or self.temperature == float("inf"):  # also rejects NaN
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+            raise InvalidRequest(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise InvalidRequest("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.cli import _service
+from pdserve.cli.main import _service
 from pdserve.config import add_dataclass_args, config_from
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -62,7 +62,7 @@ def test_dockerfile_copies_package_sources():
 def test_observability_wiring():
     """Every service exports traces to the compose Jaeger and serves /metrics where Prometheus scrapes it; Grafana
     mounts files that exist and points at the compose Prometheus and Jaeger."""
-    from pdserve.tracing import tracing_enabled
+    from pdserve.telemetry.tracing import tracing_enabled
 
     compose = load()
     services = compose["services"]

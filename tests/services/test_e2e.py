@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import pdserve
-from pdserve.checkpoints import build_checkpoint
-from pdserve.grpc_util import channel
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.server.grpc_util import channel
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
-from pdserve.launch import start_stack
+from pdserve.cli.launch import start_stack
 
 PAGE, CHUNK = 4, 8
 # Prompt lengths at page and chunk edges, length 1 and a prompt spanning several chunks.

@@ -14,9 +14,9 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 import pdserve
-from pdserve.checkpoints import build_checkpoint
-from pdserve.launch import start_stack
-from pdserve.otlp_sink import OTLPSink
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.cli.launch import start_stack
+from pdserve.testing.otlp_sink import OTLPSink
 
 PAGE, CHUNK = 4, 8
 PROMPT_LEN, MAX_TOKENS = 29, 6  # chunks [0,8) [8,16) [16,24) [24,29); 8 pages

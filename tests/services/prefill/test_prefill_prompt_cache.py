@@ -12,12 +12,12 @@ import torch
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import PromptCache
-from pdserve.cache.redis_server import RedisServer
+from pdserve.testing.redis_server import RedisServer
 from pdserve.cache.redis_store import RedisStore
-from pdserve.checkpoints import build_checkpoint
-from pdserve.grpc_util import channel
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.server.grpc_util import channel
 from pdserve.kv.codec import KVLayoutSpec
-from pdserve.launch import start_service, wait_ready
+from pdserve.cli.launch import start_service, wait_ready
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 16

@@ -9,11 +9,11 @@ import time
 import grpc
 import pytest
 
-from pdserve.checkpoints import build_checkpoint
+from pdserve.models.checkpoints import build_checkpoint
 from pdserve.engine.loader import model_fingerprint
-from pdserve.grpc_util import channel
+from pdserve.server.grpc_util import channel
 from pdserve.kv.codec import KVLayoutSpec, decode_page
-from pdserve.launch import start_service, wait_ready
+from pdserve.cli.launch import start_service, wait_ready
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 8

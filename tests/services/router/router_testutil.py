@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.grpc_util import channel, free_port  # noqa: F401 - used by the router tests
+from pdserve.server.grpc_util import channel, free_port  # noqa: F401 - used by the router tests
 from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
 

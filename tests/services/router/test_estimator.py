@@ -7,7 +7,7 @@ import pytest
 from pdserve.router.estimator import OutputLengthEstimator, features
 from pdserve.router.estimator_store import FileStore, Persistence, RedisStore, open_store
 from pdserve.router.pcs import count_special, fallback_output_len
-from pdserve.router.synthetic import rel_error, workload
+from pdserve.testing.synthetic import rel_error, workload
 
 SPECIAL = frozenset({0, 1, 2, 3, 4})
 
@@ -93,7 +93,7 @@ def test_background_save_and_close(tmp_path):
 
 @pytest.fixture
 def redis_server(tmp_path):
-    from pdserve.cache.redis_server import RedisServer
+    from pdserve.testing.redis_server import RedisServer
     srv = RedisServer(tmp_path / "redis").start()
     yield srv
     srv.stop()

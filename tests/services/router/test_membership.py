@@ -1,4 +1,4 @@
-"""Membership over real gRPC in one process: instances announce themselves (pdserve.announce) to the
+"""Membership over real gRPC in one process: instances announce themselves (pdserve.server.announce) to the
 router's Registry, the router health-checks them over grpc.health.v1, drains, marks down, forgets and
 re-adds them. The "instances" here are gRPC servers serving only the health protocol (what membership uses)."""
 import sys
@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.announce import Announcer
-from pdserve.grpc_util import channel
+from pdserve.server.announce import Announcer
+from pdserve.server.grpc_util import channel
 from pdserve.router.config import RouterConfig
 from pdserve.router.estimator import OutputLengthEstimator
 from pdserve.router.instances import PREFILL

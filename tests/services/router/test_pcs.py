@@ -28,7 +28,7 @@ def test_fallback_modes():
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from pdserve.checkpoints import build_tokenizer
+    from pdserve.models.checkpoints import build_tokenizer
     d = tmp_path_factory.mktemp("tok")
     build_tokenizer(d)
     return AutoTokenizer.from_pretrained(str(d))

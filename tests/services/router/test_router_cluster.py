@@ -149,7 +149,7 @@ def test_retry_before_first_token(cluster):
 def test_instance_death_and_recovery(cluster):
     """Kill P3 (registered with --router): the router marks it down and keeps serving; restarted on the same
     port it registers again, comes back up and gets work; stopped gracefully it deregisters and is forgotten."""
-    from pdserve.launch import wait_ready
+    from pdserve.cli.launch import wait_ready
     r = cluster.routers["A"]
     P3 = cluster.p[2]
     proc = cluster.p3_proc[0]

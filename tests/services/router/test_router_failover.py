@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import pdserve
-from pdserve.checkpoints import build_checkpoint
-from pdserve.launch import Stack, start_service, wait_ready
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.cli.launch import Stack, start_service, wait_ready
 
 sys.path.insert(0, str(Path(__file__).parent))
 from router_testutil import free_port, instances, listing, wait_states  # noqa: E402

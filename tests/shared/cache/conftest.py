@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cache.redis_server import RedisServer
+from pdserve.testing.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))  # cache_testutil (pytest runs with --import-mode=importlib)
 

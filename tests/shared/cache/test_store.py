@@ -74,7 +74,7 @@ def test_password_and_tls(start_redis, tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
-    from pdserve.cache.redis_server import free_port
+    from pdserve.testing.redis_server import free_port
     tls_port = free_port()
     start_redis("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
                 "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
@@ -86,7 +86,7 @@ def test_password_and_tls(start_redis, tmp_path):
 
 def test_redis_cluster_client(start_redis, tmp_path):
     """A one-node Redis Cluster (all 16384 slots) through redis-py's cluster client."""
-    from pdserve.cache.redis_server import free_port
+    from pdserve.testing.redis_server import free_port
     srv = start_redis("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
                       "--cluster-port", str(free_port()))
     c = srv.client()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.checkpoints import build_checkpoint
+from pdserve.models.checkpoints import build_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 

@@ -9,12 +9,12 @@ import torch
 
 @pytest.fixture(scope="session")
 def trained_model_dir(tmp_path_factory) -> Path:
-    from pdserve.train_tiny import train_tiny_checkpoint
+    from pdserve.models.train_tiny import train_tiny_checkpoint
     return train_tiny_checkpoint(tmp_path_factory.mktemp("tiny-trained"), seconds=45, seed=0)
 
 
 @pytest.fixture(scope="session")
 def real_kv(trained_model_dir) -> torch.Tensor:
     """[2, layers, T=512, kv_heads, head_dim] float32 K/V of the trained model on held-out text."""
-    from pdserve.train_tiny import capture_kv, split_corpus
+    from pdserve.models.train_tiny import capture_kv, split_corpus
     return capture_kv(trained_model_dir, split_corpus()[1], max_tokens=512)

@@ -62,7 +62,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def cases(trained_model_dir) -> list[Case]:
     from transformers import AutoTokenizer
-    from pdserve.train_tiny import split_corpus
+    from pdserve.models.train_tiny import split_corpus
     tok = AutoTokenizer.from_pretrained(str(trained_model_dir))
     ids = tok(split_corpus()[1])["input_ids"]
     stride = (len(ids) - 200) // NUM_PROMPTS

@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 from opentelemetry.trace import Span
 
-from pdserve.metrics import ServiceMetrics
-from pdserve.tracing import Tracing, end_span, trace_id_hex
+from pdserve.telemetry.metrics import ServiceMetrics
+from pdserve.telemetry.tracing import Tracing, end_span, trace_id_hex
 
 
 class Telemetry:

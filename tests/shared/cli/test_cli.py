@@ -12,7 +12,7 @@ import time
 import pytest
 
 import pdserve
-from pdserve.checkpoints import build_checkpoint
+from pdserve.models.checkpoints import build_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_async_client(up):
 
 
 def test_up_runs_the_requested_instances(up):
-    from pdserve.grpc_util import channel
+    from pdserve.server.grpc_util import channel
     from pdserve.v1 import router_admin_pb2 as pb
     from pdserve.v1 import router_admin_pb2_grpc
     with channel(up) as ch:

@@ -8,9 +8,9 @@ from typing import Callable
 
 import grpc
 
-from pdserve.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
-from pdserve.service_config import EngineOptions, ServerOptions
-from pdserve.telemetry import Telemetry
+from pdserve.server.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
+from pdserve.server.service_config import EngineOptions, ServerOptions
+from pdserve.telemetry.service import Telemetry
 
 log = logging.getLogger("pdserve")
 
@@ -51,8 +51,8 @@ def run_service(name: str, cfg: ServerOptions, service_names: list[str],
     announce_ready(name, f"{cfg.host}:{port}", cfg.ready_file or None,
                    metrics=f"{cfg.host}:{metrics_port}" if metrics_port is not None else None)
     announcer = None
-    if getattr(cfg, "router", ""):  # register with the router and heartbeat (pdserve.announce)
-        from pdserve.announce import Announcer, advertised
+    if getattr(cfg, "router", ""):  # register with the router and heartbeat (pdserve.server.announce)
+        from pdserve.server.announce import Announcer, advertised
         announcer = Announcer(cfg.router, name, advertised(cfg.host, port)).start()
 
     stop = threading.Event()

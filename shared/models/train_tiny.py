@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.checkpoints import build_checkpoint, corpus_text
+from pdserve.models.checkpoints import build_checkpoint, corpus_text
 
 log = logging.getLogger(__name__)
 

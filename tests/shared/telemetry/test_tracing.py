@@ -1,12 +1,12 @@
-"""pdserve.tracing: on/off from the OTEL_* environment, W3C context in and out of gRPC metadata, export over real
+"""pdserve.telemetry.tracing: on/off from the OTEL_* environment, W3C context in and out of gRPC metadata, export over real
 OTLP/gRPC to an in-process TraceService receiver, flush on shutdown."""
 from __future__ import annotations
 
 import pytest
 from opentelemetry.trace import INVALID_SPAN
 
-from pdserve.otlp_sink import OTLPSink
-from pdserve.tracing import Tracing, end_span, trace_id_hex, tracing_enabled
+from pdserve.testing.otlp_sink import OTLPSink
+from pdserve.telemetry.tracing import Tracing, end_span, trace_id_hex, tracing_enabled
 
 TID, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TID}-{PARENT}-01"

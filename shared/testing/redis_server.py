@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from pdserve.grpc_util import free_port
+from pdserve.server.grpc_util import free_port
 from redis.exceptions import AuthenticationError, ResponseError
 
 

@@ -1,4 +1,4 @@
-"""pdserve.telemetry.RequestScope on a real gRPC server: the final status (OK, aborted, deadline, cancelled) reaches
+"""pdserve.telemetry.service.RequestScope on a real gRPC server: the final status (OK, aborted, deadline, cancelled) reaches
 the span and the request counter, timings reach the histograms, and gauges return to zero."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdserve.otlp_sink import OTLPSink
-from pdserve.telemetry import Telemetry
+from pdserve.testing.otlp_sink import OTLPSink
+from pdserve.telemetry.service import Telemetry
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

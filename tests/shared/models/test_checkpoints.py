@@ -1,5 +1,5 @@
 """The demo/test checkpoint builder writes real HF checkpoints that load through transformers."""
-from pdserve.checkpoints import ensure_demo_model, read_config
+from pdserve.models.checkpoints import ensure_demo_model, read_config
 
 
 def test_demo_model_built_once(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ def cmd_serve(name: str, argv: list[str]) -> int:
                                      description=f"Run one {name} instance (flags override {prefix}* env vars).")
     add_dataclass_args(parser, cls)
     cfg = config_from(cls, parser.parse_args(argv), prefix)
-    from pdserve.service_runner import setup_logging
+    from pdserve.server.runner import setup_logging
     setup_logging(cfg.log_level)
     if name == "router":
         from pdserve.router.server import serve
@@ -72,11 +72,11 @@ def cmd_up(argv: list[str]) -> int:
         p.error("--prefill and --decode must be >= 1")
     args.torch_threads = args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
 
-    from pdserve.launch import start_stack
+    from pdserve.cli.launch import start_stack
 
     model = args.model
     if not model:
-        from pdserve.checkpoints import default_demo_dir, ensure_demo_model
+        from pdserve.models.checkpoints import default_demo_dir, ensure_demo_model
         print(f"no --model given: using a demo model with RANDOM weights at {default_demo_dir()} "
               "(built once); its output is noise.", flush=True)
         model = str(ensure_demo_model())

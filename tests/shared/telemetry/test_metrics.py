@@ -1,4 +1,4 @@
-"""pdserve.metrics: /metrics over HTTP on a free port, parsed with prometheus_client's parsers (text format and
+"""pdserve.telemetry.metrics: /metrics over HTTP on a free port, parsed with prometheus_client's parsers (text format and
 OpenMetrics with exemplars); callback gauges read at scrape time; each service owns its registry."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.metrics import ServiceMetrics
+from pdserve.telemetry.metrics import ServiceMetrics
 
 TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -84,7 +84,7 @@ def test_watch_prompt_cache(metrics):
     from pdserve.cache.prompt_cache import PromptCache
     from pdserve.cache.store import MemoryStore
     from pdserve.kv.codec import KVLayoutSpec
-    from pdserve.metrics import watch_prompt_cache
+    from pdserve.telemetry.metrics import watch_prompt_cache
 
     cache = PromptCache(MemoryStore(1 << 20))
     try:

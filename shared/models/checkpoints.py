@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
+CORPUS_PATH = Path(__file__).parent.parent / "data" / "corpus.txt"  # the pdserve.data package
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 # Small shapes: fast on CPU, yet every structural feature (GQA, bias, tied embeddings) is present.

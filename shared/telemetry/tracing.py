@@ -19,7 +19,7 @@ from typing import Any
 from opentelemetry import propagate, trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 
-log = logging.getLogger("pdserve.tracing")
+log = logging.getLogger("pdserve.telemetry.tracing")
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 Attributes = Mapping[str, Any]

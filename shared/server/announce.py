@@ -9,11 +9,11 @@ import threading
 
 import grpc
 
-from pdserve.grpc_util import channel
+from pdserve.server.grpc_util import channel
 from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
 
-log = logging.getLogger("pdserve.announce")
+log = logging.getLogger("pdserve.server.announce")
 
 ROLES = {"prefill": pb.INSTANCE_ROLE_PREFILL, "decode": pb.INSTANCE_ROLE_DECODE}
 RPC_TIMEOUT_S = 2.0
