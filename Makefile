@@ -1,5 +1,5 @@
 # make up   : set up (once) and run router + prefill + decode on loopback (demo model unless MODEL=dir)
-# make test : set up (once) and run the test suite
+# make test : set up (once), lint (ruff, mypy, stubs) and run the test suite
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL ?=
 ARGS ?=
 
-.PHONY: up test setup protos protos-check clean
+.PHONY: up test lint setup protos protos-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,9 +21,15 @@ setup: $(STAMP)
 up: $(STAMP)
 	$(BIN)/pdserve up $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
-test: $(STAMP)
-	$(BIN)/python scripts/gen_protos.py --check
+test: lint
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# lint: generated stubs up to date, ruff (lint + format), mypy over the pdserve package
+lint: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/typecheck.py
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -27,6 +27,7 @@ import argparse
 import datetime
 import gc
 import json
+import dataclasses
 import math
 import os
 import statistics
@@ -272,12 +273,12 @@ def kernel_section(copy_bw: float) -> dict:
     # quantize / dequantize: bitwise vs the CPU torch path, error vs fp32, bandwidth (sweep of the launch config)
     for asym in (False, True):
         x = torch.randn(4096, 8, 128, device=DEV, generator=g).bfloat16() * 3
-        q, s, z = Q.quantize(x, 64, asym)
-        qc, sc, zc = Q._quantize_torch(x.cpu(), 64, asym)
+        q, s, z = kv_quant.quantize(x, 64, asym, fast_div=False)
+        qc, sc, zc = Q.quantize(x.cpu(), 64, asym)
         same = torch.equal(q.cpu(), qc) and torch.equal(s.cpu(), sc) and (z is None or torch.equal(z.cpu(), zc))
-        d = Q.dequantize(q, s, z, 64, torch.bfloat16)
-        same_d = torch.equal(d.cpu(), Q._dequantize_torch(qc, sc, zc, 64, torch.bfloat16))
-        err = rel_err(Q.dequantize(q, s, z, 64, torch.float32), x.float())
+        d = kv_quant.dequantize(q, s, z, 64, torch.bfloat16)
+        same_d = torch.equal(d.cpu(), Q.dequantize(qc, sc, zc, 64, torch.bfloat16))
+        err = rel_err(kv_quant.dequantize(q, s, z, 64, torch.float32), x.float())
         out[f"quant_bitwise_{'asym' if asym else 'sym'}"] = same and same_d
         row(f"int8 {'asym' if asym else 'sym'} g64 == CPU path", str(same and same_d), f"rel err vs exact {err:.2e}")
     x = torch.randn(1 << 21, 128, device=DEV, generator=g).bfloat16() * 4  # 512 MiB bf16
@@ -475,7 +476,8 @@ def make_engine(model_dir: Path, kv: str, num_pages: int, **kw) -> LLMEngine:
     e = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda", page_size=16,
                                chunk_size=2048, num_pages=num_pages, max_num_seqs=128, kv_dtype=kv,
                                attention_backend="fa3", **kw))
-    assert e.model.fused and e.backend.name == "fa3" and e.graph_runner is not None
+    r = e.runner
+    assert r.kernels.fused and r.backend.name == "fa3" and r.graph_runner is not None
     log(f"engine kv={kv}: load + graph capture {time.perf_counter() - t0:.1f}s")
     return e
 
@@ -536,7 +538,7 @@ def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv
     out: dict = {}
     V = SHAPE["vocab_size"]
     sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-    runner = e.graph_runner
+    runner = e.runner.graph_runner
     e.add_request("itl", torch.randint(5, V, (512,), generator=g).tolist(), sp)
     e.step()  # prefill
     steps = time_decode_steps(e, 160)[10:]
@@ -549,13 +551,12 @@ def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv
     out["graph_b1_ms"] = cuda_ms(lambda: runner.graphs[1].replay(), reps=20)
     row(f"[{tag}] graph replay b1", f"{out['graph_b1_ms']:.2f} ms", "GPU time of the captured step (no Python)")
     out["host_profile_b1"] = host_profile(e, 20)
-    if e.model.pdl:  # the same steps without programmatic dependent launch (re-captured), then back
-        e.model.pdl = e.backend.pdl = False
-        runner.capture()
+    if e.runner.kernels.pdl:  # the same steps without programmatic dependent launch (re-captured), then back
+        with_pdl = e.runner.cfg
+        e.runner.set_kernels(dataclasses.replace(with_pdl, pdl=False))
         out["itl_ms_no_pdl"] = statistics.median(time_decode_steps(e, 160)[10:])
         out["graph_b1_ms_no_pdl"] = cuda_ms(lambda: runner.graphs[1].replay(), reps=20)
-        e.model.pdl = e.backend.pdl = True
-        runner.capture()
+        e.runner.set_kernels(with_pdl)
         out["itl_ms_pdl_again"] = statistics.median(time_decode_steps(e, 160)[10:])
         row(f"[{tag}] ITL b1 without PDL", f"{out['itl_ms_no_pdl']:.2f} ms",
             f"graph {out['graph_b1_ms_no_pdl']:.2f} ms vs {out['graph_b1_ms']:.2f} with PDL; "
@@ -594,7 +595,7 @@ def profile_decode(e: LLMEngine, tag: str) -> list:
     """Top CUDA kernels of 3 graph replays at batch 1 (where the ITL goes)."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = e.graph_runner
+    runner = e.runner.graph_runner
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             runner.graphs[1].replay()
@@ -614,12 +615,10 @@ def choose_gemv_plan(e: LLMEngine, choice: dict) -> dict:
     times: dict[str, list[float]] = {k: [] for k in plans}
     for _ in range(3):
         for name, plan in plans.items():
-            e.model.small_m_gemv = plan
-            e.graph_runner.capture()
-            times[name].append(cuda_ms(lambda: e.graph_runner.graphs[1].replay(), reps=30))
+            e.runner.set_kernels(dataclasses.replace(e.runner.cfg, gemv_plan=json.dumps(plan)))
+            times[name].append(cuda_ms(lambda: e.runner.graph_runner.graphs[1].replay(), reps=30))
     best = min(plans, key=lambda k: min(times[k]))
-    e.model.small_m_gemv = plans[best]
-    e.graph_runner.capture()
+    e.runner.set_kernels(dataclasses.replace(e.runner.cfg, gemv_plan=json.dumps(plans[best])))
     row("GEMV plan by b1 graph time", best, ", ".join(f"{k} {min(v):.3f} ms" for k, v in times.items()))
     return {"times": times, "chosen": best, "plan": plans[best]}
 
@@ -630,19 +629,18 @@ def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
     e = make_engine(model_dir, kv, num_pages=18400)
     choice = ctx.get("decode_choice")
     if choice:  # the kernel sweeps' winners (bench/gpu_engine.py kernel_section), then re-capture the graphs
-        e.backend.decode_config = choice["int8_config" if kv == "int8" else "dense_config"]
-        e.backend.dense_decode = choice["dense_decode"]
-        e.backend.fa3_num_splits = choice["fa3_num_splits"]
-        e.model.small_m_gemv = ctx.get("gemv_plan") or choice["small_m_gemv"] or {}
-        e.graph_runner.capture()
+        e.runner.set_kernels(dataclasses.replace(
+            e.runner.cfg, decode_kernel_config=json.dumps(choice["int8_config" if kv == "int8" else "dense_config"]),
+            dense_decode_kernel=choice["dense_decode"], fa3_num_splits=choice["fa3_num_splits"],
+            gemv_plan=json.dumps(ctx.get("gemv_plan") or choice["small_m_gemv"] or {})))
         if "gemv_plan" not in ctx and choice.get("small_m_gemv_triton"):
             out["gemv_plans_b1_graph_ms"] = choose_gemv_plan(e, choice)
-            ctx["gemv_plan"] = e.model.small_m_gemv  # the int8 engine uses the same
-        out["decode_settings"] = dict(decode_config=e.backend.decode_config, dense_decode=e.backend.dense_decode,
-                                      fa3_num_splits=e.backend.fa3_num_splits, small_m_gemv=e.model.small_m_gemv,
-                                      pdl=e.model.pdl)
+            ctx["gemv_plan"] = e.runner.kernels.gemv  # the int8 engine uses the same
+        kc = e.runner.kernels
+        out["decode_settings"] = dict(decode_config=kc.decode_config, dense_decode=kc.dense_decode,
+                                      fa3_num_splits=kc.fa3_num_splits, small_m_gemv=kc.gemv, pdl=kc.pdl)
     mc = e.model_config
-    kv_token_bytes = e._page_bytes() // e.page_size
+    kv_token_bytes = e.runner.page_bytes() // e.page_size
     # correctness (teacher-forced logits and greedy) against HF fp32
     if ctx.get("hf"):
         hf = ctx["hf"]
@@ -671,21 +669,20 @@ def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
     out["prefill_ms"], out["prefill_tflops"] = ms, flops / (ms * 1e-3) / 1e12
     row(f"[{kv}] engine prefill 8k chunk 2048", f"{out['prefill_tflops']:.0f} TFLOP/s",
         f"{ms:.1f} ms wall; {out['prefill_tflops'] * 1e12 / ctx['matmul']:.0%} of matmul ceiling")
-    if not e.kv_cache.quantized:
-        e.backend.dense_prefill = "gather"
+    if not e.runner.kv_cache.quantized:
+        paged = e.runner.cfg
+        e.runner.set_kernels(dataclasses.replace(paged, dense_prefill_kernel="gather"))
         ms2 = time_prefill(e, ids)
-        e.backend.dense_prefill = "paged"
+        e.runner.set_kernels(paged)
         out["prefill_gather_tflops"] = flops / (ms2 * 1e-3) / 1e12
         row(f"[{kv}] engine prefill 8k, gather+varlen attention", f"{out['prefill_gather_tflops']:.0f} TFLOP/s",
             f"{ms2:.1f} ms")
     weight_bytes = ctx["n_params"] * 2
     out["decode"] = decode_section(e, f"{kv}", ctx["copy_bw"], weight_bytes, kv_token_bytes, g)
     out["profile_b1"] = profile_decode(e, kv)
-    if e.kv_cache.quantized:  # the other int8 decode kernel, re-captured
-        e.backend.int8_decode = "dequant"
-        e.graph_runner.capture()
+    if e.runner.kv_cache.quantized:  # the other int8 decode kernel, re-captured
+        e.runner.set_kernels(dataclasses.replace(e.runner.cfg, int8_decode_kernel="dequant"))
         out["decode_dequant"] = decode_section(e, f"{kv}-dequant", ctx["copy_bw"], weight_bytes, kv_token_bytes, g)
-        e.backend.int8_decode = "triton"
     assert e.allocator.num_used == 0
     del e
     free_memory()

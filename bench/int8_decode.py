@@ -15,6 +15,7 @@ Reuses bench/gpu_engine.py's checkpoint writer and timers; prints a table and wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -80,7 +81,7 @@ def engine_ab(model_dir: Path, fold_cfg: dict, copy_bw: float, weight_bytes: int
     from pdserve.engine.sampling import SamplingParams
 
     e = ge.make_engine(model_dir, "int8", num_pages=18400)
-    tile_cfg = {**e.backend.decode_config, "fold_scales": False}
+    tile_cfg = {**e.runner.kernels.decode_config, "fold_scales": False}
     g = torch.Generator().manual_seed(9)
     V = ge.SHAPE["vocab_size"]
     sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
@@ -88,15 +89,14 @@ def engine_ab(model_dir: Path, fold_cfg: dict, copy_bw: float, weight_bytes: int
         e.add_request(f"d{i}", torch.randint(5, V, (2048,), generator=g).tolist(), sp)
     while len(e.scheduler.running) < 128 or e.scheduler.waiting:
         e.step()
-    kv_token_bytes = e._page_bytes() // e.page_size
+    kv_token_bytes = e.runner.page_bytes() // e.page_size
     times: dict[str, list[float]] = {"tile": [], "fold": []}
     graph: dict[str, list[float]] = {"tile": [], "fold": []}
     for _ in range(2):
         for name, cfg in (("tile", tile_cfg), ("fold", fold_cfg)):
-            e.backend.decode_config = cfg
-            e.graph_runner.capture()
+            e.runner.set_kernels(dataclasses.replace(e.runner.cfg, decode_kernel_config=json.dumps(cfg)))
             times[name] += ge.time_decode_steps(e, 12)[2:]
-            graph[name].append(ge.cuda_ms(lambda: e.graph_runner.graphs[128].replay(), reps=10))
+            graph[name].append(ge.cuda_ms(lambda: e.runner.graph_runner.graphs[128].replay(), reps=10))
     ctx = sum(s.num_tokens for s in e.scheduler.running) / 128
     roof = (weight_bytes + 128 * ctx * kv_token_bytes) / copy_bw * 1e3
     out = {"roofline_ms": roof, "mean_context": ctx, "tile_cfg": tile_cfg, "fold_cfg": fold_cfg}

@@ -27,7 +27,7 @@ import torch
 
 import pdserve
 from pdserve.cache.keys import CacheNamespace
-from pdserve.cache.page_format import value_bytes
+from pdserve.cache.value import value_bytes
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.testing.redis_server import RedisServer
 from pdserve.cache.redis_store import RedisStore
@@ -59,6 +59,11 @@ def synthetic_pages(lay: KVLayoutSpec, n: int) -> list[PagePayload]:
     dense = torch.randn(2, lay.num_layers, PAGE, lay.num_kv_heads, lay.head_dim)
     q = quantize_payload(PagePayload(0, PAGE, 0, dense, None, None), lay.group_size, False)
     return [PagePayload(i, PAGE, 0, q.data, q.scales, None, lay.group_size) for i in range(n)]
+
+
+def page_value_bytes(lay: KVLayoutSpec) -> int:
+    """Bytes of one cached page's value (page 1 of the "bench" namespace; other indices differ by a byte or two)."""
+    return value_bytes(CacheNamespace("bench", lay), 1)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -193,10 +198,11 @@ def bytes_per_token(url: str, lay: KVLayoutSpec) -> tuple[float, float]:
     cache, ns = filled_cache(url, lay, tokens)
     r = redis.Redis.from_url(url)
     keys = [cache.store_key(ns, k) for k in ns.page_keys(tokens)]
-    strlen = statistics.mean(r.strlen(k) for k in keys)
+    lens = [r.strlen(k) for k in keys]
+    assert lens == [value_bytes(ns, i) for i in range(len(keys))]
+    strlen = statistics.mean(lens)
     usage = statistics.mean(r.memory_usage(k) for k in keys)
     cache.close()
-    assert strlen == value_bytes(lay)
     return strlen / PAGE, usage / PAGE
 
 
@@ -342,10 +348,10 @@ def main() -> None:
         look = lookup_ms(redis_srv.url, bench_layout, 4096, args.repeats * 4)
         look_local = lookup_ms(redis_srv.url, bench_layout, 4096, args.repeats * 4, local=True)
         bpt, bpt_redis = bytes_per_token(redis_srv.url, bench_layout)
-        print(f"\nlookup of a 4096-token prompt (256 pages of {value_bytes(bench_layout)} B): Redis {look:.2f} ms, "
+        print(f"\nlookup of a 4096-token prompt (256 pages of {page_value_bytes(bench_layout)} B): Redis {look:.2f} ms, "
               f"local tier {look_local:.2f} ms")
         print(f"bytes per cached token (int8 g64): value {bpt:.1f}, Redis MEMORY USAGE {bpt_redis:.1f} "
-              f"(fp32 pages would be {value_bytes(KVLayoutSpec('float32', PAGE, bench_layout.num_layers, bench_layout.num_kv_heads, bench_layout.head_dim)) / PAGE:.0f})")
+              f"(fp32 pages would be {page_value_bytes(KVLayoutSpec('float32', PAGE, bench_layout.num_layers, bench_layout.num_kv_heads, bench_layout.head_dim)) / PAGE:.0f})")
 
         print(f"\ndecode fetch from Redis vs receive from prefill: the {n90}-token cached prefix of the 90% case")
         sfx = suffix_ms(model, redis_srv.url, args.prompt_len, n90, args.repeats)
@@ -354,7 +360,7 @@ def main() -> None:
             rds.flushall()
             fetch = lookup_ms(redis_srv.url, lay, n90, max(3, args.repeats // 2))
             ship = stream_ms(lay, n90 // PAGE, max(3, args.repeats // 2))
-            print(f"  {name + f' ({value_bytes(lay)} B/page)':34s} {fetch:19.1f} {ship:22.1f} "
+            print(f"  {name + f' ({page_value_bytes(lay)} B/page)':34s} {fetch:19.1f} {ship:22.1f} "
                   f"{f'{sfx:.1f}' if name == 'bench model' else 'n/a (GPU)':>18s}")
             if name == "bench model":
                 print(f"  {'':34s} TTFT 90% - (prefill's lookup + suffix prefill) = "

@@ -103,7 +103,7 @@ def decision_overhead(model: Path, n: int = 5000, n_inst: int = 8) -> dict[str, 
         for i in range(n):
             ids = prompts[i % len(prompts)]
             t0 = time.perf_counter_ns()
-            plan = sv.plan(str(i), ids, 64, Priority.NORMAL)
+            plan = sv.plan(str(i), ids, 64, Priority.NORMAL, page_size=16)
             t1 = time.perf_counter_ns()
             sv.scheduler.submit(plan.job)
             t2 = time.perf_counter_ns()

@@ -57,13 +57,14 @@ class Completion:
     total_ms: float | None = None
 
 
-def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = None, *, max_tokens: int | None = None,
+def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = None, *,
+                  messages: Sequence[dict[str, str]] | None = None, max_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop: Sequence[str] | str | None = None,
                   stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                   request_id: str | None = None, priority: str | None = None) -> generate_pb2.GenerateRequest:
-    if (prompt is None) == (token_ids is None):
-        raise ValueError("pass exactly one of prompt= or token_ids=")
+    if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
+        raise ValueError("pass exactly one of prompt=, token_ids= or messages=")
     s = generate_pb2.SamplingParams(stop=[stop] if isinstance(stop, str) else list(stop or []),
                                     stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
@@ -73,6 +74,8 @@ def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = N
     req = generate_pb2.GenerateRequest(request_id=request_id or "", sampling=s, priority=_PRIORITY[priority])
     if prompt is not None:
         req.prompt = prompt
+    elif messages is not None:  # [{"role": ..., "content": ...}], rendered by the router's chat template
+        req.messages.extend(generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     else:
         req.token_ids.ids.extend(token_ids)
     return req

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from pdserve.decode.config import DecodeConfig
-from pdserve.telemetry.metrics import watch_engine
 from pdserve.server.runner import build_engine, run_service
+from pdserve.telemetry.metrics import watch_engine
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 SERVICE = internal_pb2.DESCRIPTOR.services_by_name["Decode"].full_name

@@ -9,10 +9,12 @@ import time
 import grpc
 
 from pdserve.decode.config import DecodeConfig
+from pdserve.decode.watchdog import Watchdog
 from pdserve.engine.loop import EngineLoop
-from pdserve.server.grpc_util import channel, remaining
-from pdserve.kv.codec import KVLayoutSpec, KVPageError, decode_page
+from pdserve.errors import InvalidRequest
+from pdserve.kv.codec import KVLayoutSpec, decode_page
 from pdserve.kv.transfer import ReceiverPages, TransferError
+from pdserve.server.grpc_util import channel, remaining
 from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.service import RequestScope, Telemetry
@@ -55,7 +57,6 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         mc = engine.model_config
         self.fingerprint: str = engine.fingerprint
         self.max_model_len: int = mc.max_position_embeddings
-        self.vocab_size: int = mc.vocab_size
         self.layout = KVLayoutSpec(
             dtype="int8" if cfg.kv_dtype == "int8" else engine.kv_storage_dtype_name,
             page_size=engine.page_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
@@ -72,30 +73,21 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             "pdserve.request_id": rid, "pdserve.prompt_tokens": len(request.prompt_token_ids),
             "pdserve.prefill": request.prefill_target})
         prompt = list(request.prompt_token_ids)
-        if not prompt:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
-        if len(prompt) >= self.max_model_len:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"prompt has {len(prompt)} tokens; model context is {self.max_model_len}")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside vocabulary [0, {self.vocab_size})")
+        # Wire-level checks only; the prompt, sampling and resume fields are the engine's to check (begin_import).
         if not request.prefill_target:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_target is required")
         resumed = request.resumed_tokens  # a failover resume: the prompt ends with this many generated tokens
-        if not 0 <= resumed < len(prompt) or request.resumed_text_chars < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"resumed_tokens {resumed} / resumed_text_chars "
-                          f"{request.resumed_text_chars} invalid for a {len(prompt)}-token prompt")
+        if not resumed and request.resumed_text_chars:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"resumed_text_chars {request.resumed_text_chars} given without resumed_tokens")
         if resumed:
             req.set({"pdserve.resumed_tokens": resumed})
-        try:
-            sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
 
         outputs: queue.Queue = queue.Queue()
         try:
             self.loop.begin_import(rid, prompt, sampling, outputs.put, resumed, request.resumed_text_chars)
-        except Exception as e:  # noqa: BLE001 - mapped to a status with its reason
+        except Exception as e:  # noqa: BLE001 - typed (bad fields, duplicate id, pool too small) or INTERNAL
             context.abort(engine_error_code(e), f"decode could not admit request: {e}")
         with self._lock:
             self._active += 1
@@ -163,8 +155,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         call = self.prefill.stub(request.prefill_target).Prefill(client_messages(), timeout=timeout,
                                                                  metadata=req.outgoing_metadata(span))
         context.add_callback(call.cancel)  # our caller went away: stop prefill too
+        watchdog = Watchdog(self.cfg.page_timeout_s, call.cancel, name=f"pages-{rid[:8]}")
         try:
             for msg in call:
+                watchdog.feed()
                 if msg.HasField("page"):
                     page = msg.page
                     try:
@@ -172,7 +166,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                         payload = decode_page(page, expected_layout=self.layout,
                                               expected_fingerprint=self.fingerprint, expected_request_id=rid)
                         self.loop.import_page(rid, payload)
-                    except (KVPageError, TransferError, ValueError) as e:
+                    except (TransferError, InvalidRequest) as e:  # damaged, out of order or not ours
                         call.cancel()
                         context.abort(grpc.StatusCode.DATA_LOSS, f"bad KV page from prefill: {e}")
                     pages.filled(page.page_index, payload.nbytes)
@@ -193,16 +187,21 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         except grpc.RpcError as e:
             if not context.is_active():
                 raise
+            if watchdog.expired:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no KV page from prefill {request.prefill_target} "
+                              f"within page_timeout_s={self.cfg.page_timeout_s}s ({pages.next_seq_no} pages received)")
             code = e.code() if e.code() != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE
             context.abort(code, f"prefill {request.prefill_target}: {e.details()}")
         finally:
+            watchdog.stop()
             acks.put(_END)
             req.end_child(span)  # no-op after success; else the status the RPC ends with
         context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill {request.prefill_target} ended without finishing")
 
     def Stats(self, request, context):
-        used, total = self.loop.page_usage()
+        used, total = self.loop.allocator.num_used, self.loop.allocator.num_pages
         with self._lock:
             active = self._active
         return internal_pb2.InstanceStats(kv_pages_total=total, kv_pages_free=total - used, active_requests=active,
-                                          model_fingerprint=self.fingerprint, kv_dtype=self.layout.dtype)
+                                          model_fingerprint=self.fingerprint, kv_dtype=self.layout.dtype,
+                                          page_size=self.layout.page_size)

@@ -9,10 +9,13 @@ from pdserve.server.service_config import EngineOptions, opt
 
 @dataclass
 class PrefillConfig(CacheOptions, EngineOptions):
-    ack_timeout_s: float = opt(30.0, "how long to wait for decode to acknowledge shipped pages")
+    ack_timeout_s: float = opt(30.0, "longest a shipped KV page may stay unacknowledged by decode; then the "
+                                     "request fails DEADLINE_EXCEEDED and its pages are freed")
 
     def validate(self) -> None:
         super().validate()
+        if not self.ack_timeout_s > 0:
+            raise SystemExit(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         self.validate_cache()
 
 

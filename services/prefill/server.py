@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from pdserve.cache.prompt_cache import build_prompt_cache
-from pdserve.telemetry.metrics import watch_engine, watch_prompt_cache
 from pdserve.prefill.config import PrefillConfig
 from pdserve.server.runner import build_engine, run_service
+from pdserve.telemetry.metrics import watch_engine, watch_prompt_cache
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 SERVICE = internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name

@@ -11,8 +11,10 @@ import grpc
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
 from pdserve.engine.loop import EngineLoop
-from pdserve.kv.codec import KVLayoutSpec, KVPageError, encode_page
+from pdserve.errors import InvalidRequest
+from pdserve.kv.codec import KVLayoutSpec, encode_page
 from pdserve.kv.transfer import SenderPages, TransferError
+from pdserve.prefill.ack_clock import AckClock
 from pdserve.prefill.config import PrefillConfig
 from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.server.status import engine_error_code
@@ -44,7 +46,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self._lock = threading.Lock()
 
     # ---- validation -------------------------------------------------------------------------------------
-    def _check_request(self, req: internal_pb2.PrefillRequest, context: grpc.ServicerContext) -> KVLayoutSpec:
+    def _check_peer(self, req: internal_pb2.PrefillRequest, context: grpc.ServicerContext) -> KVLayoutSpec:
         mc = self.model_config
         if req.model_fingerprint != self.fingerprint:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -53,7 +55,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         try:
             layout = KVLayoutSpec.from_proto(req.kv_layout)
             layout.validate()
-        except KVPageError as e:
+        except InvalidRequest as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unsupported KV layout: {e}")
         expect = (self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim)
         got = (layout.page_size, layout.num_layers, layout.num_kv_heads, layout.head_dim)
@@ -61,14 +63,6 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"KV layout mismatch: decode wants (page, layers, kv_heads, head_dim)={got}, "
                           f"prefill has {expect}")
-        ids = list(req.prompt_token_ids)
-        if not ids:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
-        if len(ids) >= self.max_model_len:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"prompt has {len(ids)} tokens; model context is {self.max_model_len}")
-        if min(ids) < 0 or max(ids) >= mc.vocab_size:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside vocabulary [0, {mc.vocab_size})")
         return layout
 
     # ---- RPC ------------------------------------------------------------------------------------------
@@ -79,11 +73,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         if first is None or not first.HasField("request"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be a PrefillRequest")
         req = first.request
-        layout = self._check_request(req, context)
-        try:
-            sampling = sampling_from_proto(req.sampling, self.max_model_len - len(req.prompt_token_ids))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        layout = self._check_peer(req, context)  # the prompt, sampling and sampled_before: the engine checks them
+        sampling = sampling_from_proto(req.sampling, self.max_model_len - len(req.prompt_token_ids))
         rid = req.request_id
         prompt = list(req.prompt_token_ids)
         num_pages = -(-len(prompt) // self.page_size)
@@ -98,7 +89,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         hit = self._cache_lookup(ns, prompt)
         scope.record("prefill.cache_lookup", lookup_ns, {
             "pdserve.cache.enabled": self.cache is not None, "pdserve.cache.pages_hit": hit.num_pages,
-            "pdserve.cache.pages_miss": (len(prompt) - 1) // self.page_size - hit.num_pages,
+            "pdserve.cache.pages_miss": max(0, (len(prompt) - 1) // self.page_size - hit.num_pages),
             "pdserve.cache.local_hits": hit.local_hits})
         for p in hit.pages:  # shipped first, as stored (already in the layout decode asked for)
             outbox.put(p)
@@ -139,21 +130,29 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         try:
             self.loop.add_request(rid, prompt, sampling, on_output, prefill_only=True, cached_pages=hit.pages or None,
                                   sampled_before=req.sampled_before)
-        except Exception as e:  # out of pages, duplicate id
+        except Exception as e:  # noqa: BLE001 - typed (bad fields, duplicate id, pool too small) or INTERNAL
             with self._lock:
                 self._active -= 1
             context.abort(engine_error_code(e), f"prefill could not admit request: {e}")
 
-        acks = threading.Thread(target=self._read_acks, args=(request_iterator, pages, release), daemon=True,
+        clock = AckClock()
+        acks = threading.Thread(target=self._read_acks, args=(request_iterator, pages, clock, release), daemon=True,
                                 name=f"acks-{rid[:8]}")
         acks.start()
         deadline = time.monotonic() + self.cfg.request_timeout_s
+        ack_timeout = self.cfg.ack_timeout_s
         ship = None  # prefill.kv_ship span: first page shipped → PrefillDone
         try:
             while True:
                 try:
-                    item = outbox.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                    item = outbox.get(timeout=max(0.01, min(1.0, ack_timeout, deadline - time.monotonic())))
                 except queue.Empty:
+                    item = None
+                if clock.oldest_unacked_age() > ack_timeout:  # decode stopped storing pages: give them back
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"decode acknowledged {clock.num_acked} of {clock.num_shipped} KV pages; page "
+                                  f"{clock.num_acked} unacknowledged after ack_timeout_s={ack_timeout}s")
+                if item is None:
                     if not context.is_active():
                         return
                     if time.monotonic() > deadline:
@@ -178,7 +177,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     msg = encode_page(item, request_id=rid, seq_no=pages.num_shipped, layout=layout,
                                       fingerprint=self.fingerprint)
                     pages.ship(item.page_index, item.nbytes)
-                except (KVPageError, TransferError) as e:
+                    clock.shipped()
+                except (InvalidRequest, TransferError) as e:
                     context.abort(grpc.StatusCode.INTERNAL, f"KV export failed: {e}")
                 yield internal_pb2.PrefillServerMessage(page=msg)
         finally:
@@ -209,21 +209,23 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             return CacheLookup([], [])
         return self.cache.lookup(ns, prompt, max_pages=(len(prompt) - 1) // self.page_size)
 
-    def _read_acks(self, request_iterator, pages: SenderPages, release) -> None:
+    def _read_acks(self, request_iterator, pages: SenderPages, clock: AckClock, release) -> None:
         try:
             for msg in request_iterator:
                 if msg.HasField("ack"):
                     pages.ack(msg.ack.seq_no)
+                    clock.acked(msg.ack.seq_no)
                     if pages.all_acked():
                         release()
-        except (grpc.RpcError, TransferError, ValueError) as e:
+        except (grpc.RpcError, TransferError) as e:
             log.debug("ack stream ended: %s", e)
         except Exception:  # noqa: BLE001 - request iterator raises on cancel in some grpc versions
             pass
 
     def Stats(self, request, context):
-        used, total = self.loop.page_usage()
+        used, total = self.loop.allocator.num_used, self.loop.allocator.num_pages
         with self._lock:
             active = self._active
         return internal_pb2.InstanceStats(kv_pages_total=total, kv_pages_free=total - used, active_requests=active,
-                                          model_fingerprint=self.fingerprint, kv_dtype="auto")
+                                          model_fingerprint=self.fingerprint, kv_dtype="auto",
+                                          page_size=self.page_size)

@@ -46,7 +46,6 @@ class RouterConfig(ServerOptions):
     max_queue: int = opt(1024, "most requests waiting in the router queue")
     max_queue_wait_s: float = opt(30.0, "longest a request waits in the queue before RESOURCE_EXHAUSTED")
     # assignment
-    page_size: int = opt(16, "tokens per KV page of the instances (prefix affinity hashes the first page)")
     affinity: bool = opt(True, "send prompts with the same leading page to the same prefill instance")
     affinity_slack_pcs: float = opt(512.0, "affinity holds while its instance is at most this far above the "
                                            "least-loaded one")
@@ -82,7 +81,7 @@ class RouterConfig(ServerOptions):
                 problems.append(f"{name} must be >= 0")
         if self.prefill_capacity_pcs == 0:
             problems.append("prefill_capacity_pcs must be > 0")
-        for name in ("priority_high", "priority_normal", "priority_low", "page_size", "max_attempts", "max_queue",
+        for name in ("priority_high", "priority_normal", "priority_low", "max_attempts", "max_queue",
                      "health_interval_s", "health_timeout_s", "unhealthy_after", "stats_interval_s",
                      "heartbeat_interval_s", "lease_s", "max_queue_wait_s", "decode_active_norm"):
             if not getattr(self, name) > 0:

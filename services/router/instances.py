@@ -36,6 +36,7 @@ class Instance:
     registered: bool = False     # announced itself (lease applies) vs static config
     state: State = State.UP
     leaving: bool = False        # deregistered: forgotten once its in-flight requests are done
+    refused: str = ""            # why an up instance gets no requests (its KV page size differs from the cluster's)
     # load the router accounts to this instance
     running_pcs: float = 0.0     # prefill: dispatched, no first token yet; decode: dispatched, not finished
     reserved_pcs: float = 0.0    # queued requests tentatively bound here (admission)

@@ -6,7 +6,9 @@ One background thread, every `health_interval_s`:
     error → a failure; `unhealthy_after` consecutive failures → down.
   - registered instances: no heartbeat for `lease_s` → down; down for `remove_after_s` → forgotten
     (they register again when they come back); deregistered ones are forgotten once idle.
-  - every `stats_interval_s`: decode Stats (free KV pages, active sequences) for the decode policy.
+  - every `stats_interval_s`: Stats of every instance: its KV page size (the first one reported is the cluster's;
+    an instance reporting another is refused: up, but given no request), and for decode the free KV pages and
+    active sequences the decode policy uses. Also once at start and when an instance registers.
 Static instances are never forgotten: a static instance that recovers (restarted on its address) comes back up.
 A request that fails UNAVAILABLE makes the router check both of its instances at once (`blame`): the one that
 fails is marked down immediately and the retry avoids it.
@@ -20,10 +22,10 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.server.grpc_util import CHANNEL_OPTIONS
 from pdserve.router.config import RouterConfig
 from pdserve.router.instances import DECODE, PREFILL, Instance, State
 from pdserve.router.scheduler import Scheduler
+from pdserve.server.grpc_util import CHANNEL_OPTIONS
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.router.membership")
@@ -72,8 +74,10 @@ class Membership:
     def register(self, role: str, address: str, capacity_pcs: float = 0.0) -> None:
         self.scheduler.add(role, address, registered=(role, address) not in self.static, capacity_pcs=capacity_pcs)
         with self.scheduler.lock:
-            self.scheduler.instances[role][address].leaving = False
+            inst = self.scheduler.instances[role][address]
+            inst.leaving = False
         log.info("%s %s registered", role, address)
+        self.poll_stats([inst])  # its page size (and pool) before it gets a request
 
     def heartbeat(self, role: str, address: str) -> bool:
         """False when the instance is unknown (it should register again)."""
@@ -121,6 +125,7 @@ class Membership:
 
     # ---- background loop ------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.poll_stats()  # the static instances' page size before the first request, when they are up already
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
         self._thread.start()
 
@@ -191,13 +196,22 @@ class Membership:
             if forget:
                 self._forget(inst)
 
-    def poll_stats(self) -> None:
-        futures = [(i, internal_pb2_grpc.DecodeStub(self.channel(i.address)).Stats.future(
-            internal_pb2.StatsRequest(), timeout=self.cfg.health_timeout_s))
-            for i in self._all() if i.role == DECODE and i.state != State.DOWN]
+    def poll_stats(self, insts: list[Instance] | None = None) -> None:
+        """Stats of every instance not down (or of `insts`): the KV page size of each, and for decode its free
+        pages and active sequences."""
+        futures = []
+        for i in self._all() if insts is None else insts:
+            if i.state == State.DOWN:
+                continue
+            stub = (internal_pb2_grpc.DecodeStub if i.role == DECODE else internal_pb2_grpc.PrefillStub)(
+                self.channel(i.address))
+            futures.append((i, stub.Stats.future(internal_pb2.StatsRequest(), timeout=self.cfg.health_timeout_s)))
         for inst, fut in futures:
             try:
                 s = fut.result()
             except grpc.RpcError:
                 continue  # health checks decide about failures
-            self.scheduler.update_stats(inst, s.kv_pages_free, s.kv_pages_total, s.active_requests)
+            if inst.role == DECODE:
+                self.scheduler.update_stats(inst, s.kv_pages_free, s.kv_pages_total, s.active_requests, s.page_size)
+            else:
+                self.scheduler.observe_page_size(inst, s.page_size)

@@ -17,6 +17,7 @@ what makes the queue — and with it the priority order — matter: instances ar
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.instances import DECODE, PREFILL, DecodeStats, Instance, State
 from pdserve.router.policy import Policy, make_policy
 from pdserve.router.priority import PriorityQueue
+
+log = logging.getLogger("pdserve.router.scheduler")
 
 DEFAULT_DECODE_CAPACITY_PCS = 16384.0  # until the first Stats tell the KV pool size (decode_capacity_pcs = 0)
 
@@ -66,7 +69,7 @@ class Job:
 class RoleView:
     """`.role` and `.snapshot()` of one role's instances (metrics gauges, listings)."""
 
-    def __init__(self, scheduler: "Scheduler", role: str):
+    def __init__(self, scheduler: Scheduler, role: str):
         self.scheduler, self.role = scheduler, role
 
     def snapshot(self) -> list[Instance]:
@@ -84,6 +87,7 @@ class Scheduler:
         self.drain = {PREFILL: DrainRate(), DECODE: DrainRate()}
         self.rejected = 0
         self.retries = 0
+        self.page_size: int | None = None  # tokens per KV page, learned from instances' Stats
 
     # ---- membership side -----------------------------------------------------------------------------------
     def add(self, role: str, address: str, registered: bool = False, capacity_pcs: float = 0.0) -> Instance:
@@ -114,18 +118,37 @@ class Scheduler:
                 if state == State.UP:
                     self._dispatch()
 
-    def update_stats(self, inst: Instance, pages_free: int, pages_total: int, active: int) -> None:
+    def update_stats(self, inst: Instance, pages_free: int, pages_total: int, active: int, page_size: int = 0) -> None:
+        """A decode instance's Stats (page_size 0: not reported)."""
         with self.lock:
+            self._observe_page_size(inst, page_size)
             inst.stats = DecodeStats(pages_free, pages_total, active, inst.in_flight, inst.pages)
-            if inst.role == DECODE and not self.cfg.decode_capacity_pcs and pages_total:
+            if inst.role == DECODE and not self.cfg.decode_capacity_pcs and pages_total and self.page_size:
                 w = max(self.cfg.pcs_w_in, self.cfg.pcs_w_out)
-                inst.capacity_pcs = w * self.cfg.page_size * pages_total  # PCS of prompts+outputs filling the pool
+                inst.capacity_pcs = w * self.page_size * pages_total  # PCS of prompts+outputs filling the pool
             self._dispatch()
 
-    def kick(self) -> None:
-        """Dispatch what now has room (after membership changed states directly)."""
+    def observe_page_size(self, inst: Instance, page_size: int) -> None:
+        """An instance's Stats told its KV page size (0: not reported)."""
         with self.lock:
+            self._observe_page_size(inst, page_size)
             self._dispatch()
+
+    def _observe_page_size(self, inst: Instance, page_size: int) -> None:
+        """The first instance to report sets the cluster's page size; one that reports another is refused (up
+        but never given a request: its pages could not be exchanged with the others') until it agrees."""
+        if not page_size:
+            return
+        if self.page_size is None:
+            self.page_size = page_size
+            log.info("KV page size %d (from %s %s)", page_size, inst.role, inst.address)
+        refused = "" if page_size == self.page_size else \
+            f"KV page size {page_size} differs from the cluster's {self.page_size}"
+        if refused and not inst.refused:
+            log.error("%s %s refused: %s", inst.role, inst.address, refused)
+        elif inst.refused and not refused:
+            log.info("%s %s accepted: KV page size now %d", inst.role, inst.address, page_size)
+        inst.refused = refused
 
     def view(self, role: str) -> RoleView:
         return RoleView(self, role)
@@ -138,7 +161,7 @@ class Scheduler:
         return self.cfg.decode_capacity_pcs or DEFAULT_DECODE_CAPACITY_PCS
 
     def _eligible(self, role: str, exclude: set[str] = frozenset()) -> list[Instance]:
-        up = [i for i in self.instances[role].values() if i.state == State.UP]
+        up = [i for i in self.instances[role].values() if i.state == State.UP and not i.refused]
         return [i for i in up if i.address not in exclude] or up
 
     # ---- request side ---------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Router: the public Generation service. Tokenize, validate, score PCS, admit, queue by priority, pick P and D,
 stream tokens back. An attempt that fails UNAVAILABLE is retried on another pair: before the first token from
 scratch, after it as a resume (prompt + the tokens already streamed, which the new pair counts as completion), so
-the caller sees one uninterrupted stream (transparent failover)."""
+the caller sees one uninterrupted stream (transparent failover). `attempt.relay` runs one attempt,
+`retry_policy.after_failure` decides what follows a failed one."""
 from __future__ import annotations
 
 import logging
@@ -11,17 +12,27 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.errors import InvalidRequest
 from pdserve.router.admission import Rejected
+from pdserve.router.attempt import AttemptHooks, Progress, relay
 from pdserve.router.config import RouterConfig
 from pdserve.router.estimator import Features, OutputLengthEstimator, features
 from pdserve.router.estimator_store import Persistence, open_store
-from pdserve.router.instances import DECODE, PREFILL
+from pdserve.router.instances import DECODE, PREFILL, Instance
 from pdserve.router.membership import Membership
-from pdserve.router.pcs import PCS, PCSWeights, count_special, fallback_output_len, leading_page_hash, score, \
-    special_token_ids
+from pdserve.router.pcs import (
+    PCS,
+    PCSWeights,
+    count_special,
+    fallback_output_len,
+    leading_page_hash,
+    score,
+    special_token_ids,
+)
 from pdserve.router.priority import Priority, resolve
+from pdserve.router.retry_policy import Action, Decision, after_failure
 from pdserve.router.scheduler import Cancelled, Job, Scheduler, Unavailable
-from pdserve.server.proto_convert import DEFAULT_MAX_TOKENS
+from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.telemetry.service import Telemetry
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2
 
@@ -74,7 +85,15 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
     # ---- validation ---------------------------------------------------------------------------------------
     def _prompt_ids(self, request: generate_pb2.GenerateRequest, context) -> list[int]:
         which = request.WhichOneof("input")
-        if which == "prompt":
+        if request.messages:  # a conversation, rendered with the model's chat template
+            from pdserve.router.chat import chat_prompt_ids
+            if which is not None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set one of prompt, token_ids or messages")
+            try:
+                ids = chat_prompt_ids(self.tokenizer, request.messages)
+            except InvalidRequest as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        elif which == "prompt":
             if not request.prompt:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
             ids = list(self.tokenizer(request.prompt).input_ids)
@@ -84,7 +103,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"token_ids contain an id outside the vocabulary [0, {self.vocab_size})")
         else:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt or token_ids is required")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, token_ids or messages is required")
         if not ids:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty (no tokens)")
         if len(ids) >= self.max_model_len:
@@ -93,27 +112,20 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                           f"(at least one must remain for the completion)")
         return ids
 
-    @staticmethod
-    def _check_sampling(s: generate_pb2.SamplingParams, context) -> int:
-        max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        problems = []
-        if max_tokens <= 0:
-            problems.append(f"max_tokens must be > 0, got {max_tokens}")
-        if s.HasField("temperature") and not s.temperature >= 0:
-            problems.append(f"temperature must be >= 0, got {s.temperature}")
-        if s.HasField("top_p") and not 0 < s.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {s.top_p}")
-        if s.HasField("top_k") and s.top_k < 0:
-            problems.append(f"top_k must be >= 0, got {s.top_k}")
-        if any(not stop for stop in s.stop):
-            problems.append("stop strings must be non-empty")
-        if problems:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
-        return max_tokens
+    def _max_tokens(self, s: generate_pb2.SamplingParams, num_prompt_tokens: int, context) -> int:
+        """The request's max_tokens (SamplingParams' default when unset), clamped to the context left; every
+        sampling field is checked here (SamplingParams.validate), where the request enters."""
+        params = sampling_from_proto(s, self.max_model_len - num_prompt_tokens)
+        try:
+            params.validate(self.max_model_len)
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return params.max_tokens
 
     # ---- the decision --------------------------------------------------------------------------------------
-    def plan(self, rid: str, ids: list[int], max_tokens: int, priority: Priority) -> Plan:
-        """Score the request (PCS with the learned or the fallback output estimate) and build its queue job."""
+    def plan(self, rid: str, ids: list[int], max_tokens: int, priority: Priority, page_size: int) -> Plan:
+        """Score the request (PCS with the learned or the fallback output estimate) and build its queue job;
+        `page_size`: the instances' KV page size (Scheduler.page_size)."""
         n_special = count_special(ids, self.special_ids)
         f = features(ids, self.special_ids, n_special)
         predicted = self.estimator.predict(f, max_tokens)
@@ -122,8 +134,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             fallback_output_len(max_tokens, len(ids), self.cfg.pcs_fallback_mode)
         pcs = score(len(ids), n_special, est, self.weights)
         job = Job(rid, pcs.score, pcs.score / self.multiplier[priority], len(ids),
-                  need_pages=-(-(len(ids) + est) // self.cfg.page_size),
-                  page_hash=leading_page_hash(ids, self.cfg.page_size))
+                  need_pages=-(-(len(ids) + est) // page_size), page_hash=leading_page_hash(ids, page_size))
         return Plan(job, pcs, priority, f, predicted, mode)
 
     @staticmethod
@@ -138,12 +149,15 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         req = self.telemetry.request("router.generate", context, {
             "pdserve.request_id": rid, "pdserve.priority": generate_pb2.Priority.Name(request.priority)})
         ids = self._prompt_ids(request, context)
-        max_tokens = min(self._check_sampling(request.sampling, context), self.max_model_len - len(ids))
+        max_tokens = self._max_tokens(request.sampling, len(ids), context)
         try:
             priority = resolve(request.priority, context.invocation_metadata())
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        plan = self.plan(rid, ids, max_tokens, priority)
+        page_size = self.scheduler.page_size
+        if page_size is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no instance has reported its KV page size yet (Stats)")
+        plan = self.plan(rid, ids, max_tokens, priority, page_size)
         job, pcs = plan.job, plan.pcs
         req.set({"pdserve.prompt_tokens": len(ids), "pdserve.pcs.score": pcs.score, "pdserve.pcs.input_len":
                  pcs.input_len, "pdserve.pcs.est_output_len": pcs.est_output_len,
@@ -165,25 +179,15 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             self._reject(context, e)
         except Unavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        ttft_ms = None
-        n_tokens = 0
-        generated: list[int] = []  # token ids streamed to the caller (a resume re-sends them as prompt)
-        emitted_chars = 0          # characters of text streamed to the caller
-        finish = "abort"
+        progress = Progress(t0)
         p = d = None
         context.add_callback(lambda: self.scheduler.cancel(job))  # the caller went away while queued
         try:
             for attempt in range(self.cfg.max_attempts):
-                try:
-                    p, d = self.scheduler.wait(job, min(deadline - time.monotonic(), self.cfg.max_queue_wait_s))
-                except Cancelled:
+                pair = self._dispatched(job, deadline, context)
+                if pair is None:  # cancelled while queued
                     return
-                except Rejected as e:
-                    if time.monotonic() >= deadline:
-                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued")
-                    self._reject(context, e)
-                except Unavailable as e:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                p, d = pair
                 decode_req.prefill_target = p.address
                 req.set({"pdserve.prefill": p.address, "pdserve.decode": d.address, "pdserve.attempt": attempt + 1,
                          "pdserve.admission": "admitted"})
@@ -191,70 +195,74 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                     decode_req, timeout=max(0.001, deadline - time.monotonic()), metadata=metadata)
                 if not context.add_callback(call.cancel):  # the RPC already ended
                     call.cancel()
-                first_of_attempt = True
                 try:
-                    for msg in call:
-                        out = generate_pb2.GenerateStreamResponse(request_id=rid, token_ids=msg.token_ids,
-                                                                  text=msg.text)
-                        now_ms = (time.perf_counter() - t0) * 1e3
-                        if first_of_attempt:  # this attempt's prefill is done (a resume has one too)
-                            first_of_attempt = False
-                            self.scheduler.first_token(job)
-                        if ttft_ms is None:
-                            ttft_ms = now_ms
-                            req.first_token()
-                            out.timing.ttft_ms = ttft_ms
-                        n_tokens += len(msg.token_ids)
-                        generated.extend(msg.token_ids)
-                        emitted_chars += len(msg.text)
-                        if msg.finish_reason:
-                            finish = generate_pb2.FinishReason.Name(msg.finish_reason)
-                            out.finish_reason = msg.finish_reason
-                            out.stop_reason = msg.stop_reason
-                            out.usage.CopyFrom(msg.usage)
-                            out.timing.ttft_ms = ttft_ms
-                            out.timing.total_ms = now_ms
-                            req.finish(msg.usage.completion_tokens, finish.removeprefix("FINISH_REASON_").lower())
-                            self.estimator.observe(plan.features, msg.usage.completion_tokens, plan.predicted)
-                            self.scheduler.finish(job, completed=True)
-                        yield out
-                    break
+                    yield from relay(call, rid, progress, self._hooks(job, plan, req))
+                    return
                 except grpc.RpcError as e:
-                    # a pool that could not admit the request (before any token): try another pair, healthy as
-                    # they are; an instance that went away: retry or resume (below) without the blamed ones
-                    full = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not generated
-                    retry = ((e.code() == grpc.StatusCode.UNAVAILABLE or full) and attempt + 1 < self.cfg.max_attempts
-                             and context.is_active() and time.monotonic() < deadline)
-                    if not retry:
-                        if context.is_active():
-                            context.abort(e.code(), e.details() or "decode failed")
+                    decision = after_failure(e.code(), e.details(), attempt=attempt,
+                                             max_attempts=self.cfg.max_attempts, streamed_tokens=len(progress.tokens),
+                                             caller_active=context.is_active(), time_left_s=deadline - time.monotonic())
+                    if decision.action is Action.DROP:
                         return
-                    if full:
-                        log.info("rid=%s retrying on another pair: %s/%s out of KV pages: %s", rid, p.address,
-                                 d.address, e.details())
-                        req.event("retry", {"pdserve.prefill": p.address, "pdserve.decode": d.address,
-                                            "pdserve.error": e.details()})
-                        self.scheduler.retry(job, [p, d])
-                        continue
-                    if generated:  # mid-stream: continue where the caller is (transparent failover)
-                        del decode_req.prompt_token_ids[:]
-                        decode_req.prompt_token_ids.extend(ids + generated)
-                        decode_req.resumed_tokens = len(generated)
-                        decode_req.resumed_text_chars = emitted_chars
-                    what = f"resuming after {len(generated)} tokens" if generated else "retrying"
-                    log.warning("rid=%s %s after UNAVAILABLE from %s/%s: %s", rid, what, p.address, d.address,
-                                e.details())
-                    req.event("resume" if generated else "retry", {
-                        "pdserve.prefill": p.address, "pdserve.decode": d.address, "pdserve.error": e.details(),
-                        "pdserve.resumed_tokens": len(generated)})
-                    self.scheduler.retry(job, self.membership.blame(p, d))
+                    if decision.action is Action.FAIL:
+                        context.abort(decision.code, decision.details)
+                    self._next_attempt(decision, job, p, d, decode_req, ids, progress, req, e)
         finally:
             self.scheduler.finish(job)
+            ttft_ms = progress.ttft_ms
             log.info("router rid=%s prompt_tokens=%d completion_tokens=%d pcs=%.1f est_out=%d (%s) priority=%s "
-                     "prefill=%s decode=%s finish=%s ttft_ms=%s total_ms=%.1f", rid, len(ids), n_tokens, pcs.score,
-                     pcs.est_output_len, plan.mode, priority.value, p.address if p else "-",
-                     d.address if d else "-", finish, f"{ttft_ms:.1f}" if ttft_ms is not None else "-",
-                     (time.perf_counter() - t0) * 1e3)
+                     "prefill=%s decode=%s finish=%s ttft_ms=%s total_ms=%.1f", rid, len(ids), len(progress.tokens),
+                     pcs.score, pcs.est_output_len, plan.mode, priority.value, p.address if p else "-",
+                     d.address if d else "-", progress.finish, f"{ttft_ms:.1f}" if ttft_ms is not None else "-",
+                     progress.elapsed_ms())
+
+    def _dispatched(self, job: Job, deadline: float, context: grpc.ServicerContext):
+        """Wait in the queue for a (prefill, decode) pair; None when the caller went away. Aborts the RPC when
+        no pair comes in time (RESOURCE_EXHAUSTED with retry-after, or DEADLINE_EXCEEDED) or none is healthy."""
+        try:
+            return self.scheduler.wait(job, min(deadline - time.monotonic(), self.cfg.max_queue_wait_s))
+        except Cancelled:
+            return None
+        except Rejected as e:
+            if time.monotonic() >= deadline:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+            self._reject(context, e)
+        except Unavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    def _hooks(self, job: Job, plan: Plan, req) -> AttemptHooks:
+        def finished(msg: internal_pb2.DecodeResponse) -> None:
+            reason = generate_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+            req.finish(msg.usage.completion_tokens, reason)
+            self.estimator.observe(plan.features, msg.usage.completion_tokens, plan.predicted)
+            self.scheduler.finish(job, completed=True)
+        return AttemptHooks(attempt_first_token=lambda: self.scheduler.first_token(job), first_token=req.first_token,
+                            finished=finished)
+
+    def _next_attempt(self, decision: Decision, job: Job, p: Instance, d: Instance,
+                      decode_req: internal_pb2.DecodeRequest, ids: list[int], progress: Progress, req,
+                      err: grpc.RpcError) -> None:
+        """Requeue `job` for a retry or resume on another pair (rewriting `decode_req` for a resume)."""
+        rid = decode_req.request_id
+        if not decision.blame:  # the pair could not admit it (pool full): healthy, just not these two
+            log.info("rid=%s retrying on another pair: %s/%s out of KV pages: %s", rid, p.address, d.address,
+                     err.details())
+            req.event("retry", {"pdserve.prefill": p.address, "pdserve.decode": d.address,
+                                "pdserve.error": err.details()})
+            self.scheduler.retry(job, [p, d])
+            return
+        generated = progress.tokens
+        if decision.action is Action.RESUME:  # mid-stream: continue where the caller is (transparent failover)
+            del decode_req.prompt_token_ids[:]
+            decode_req.prompt_token_ids.extend(ids + generated)
+            decode_req.resumed_tokens = len(generated)
+            decode_req.resumed_text_chars = progress.chars
+        what = f"resuming after {len(generated)} tokens" if generated else "retrying"
+        log.warning("rid=%s %s after UNAVAILABLE from %s/%s: %s", rid, what, p.address, d.address, err.details())
+        req.event(decision.action.value, {
+            "pdserve.prefill": p.address, "pdserve.decode": d.address, "pdserve.error": err.details(),
+            "pdserve.resumed_tokens": len(generated)})
+        self.scheduler.retry(job, self.membership.blame(p, d))
 
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         resp = generate_pb2.GenerateResponse()

@@ -1,9 +1,9 @@
 """Prompt cache: KV pages of prompt prefixes, shared by every instance through Redis (or in-process).
 
-keys.py (chained page keys + namespace), page_format.py (one value per page), store.py / redis_store.py (byte
-stores), local_tier.py (in-memory LRU in front of Redis), writer.py (async write-back), breaker.py (circuit
-breaker), stats.py (counters), prompt_cache.py (PromptCache, build_prompt_cache), config.py (CacheOptions),
-(the private redis-server launcher for tests lives in pdserve.testing).
+keys.py (chained page keys + namespace), value.py (one value per page: a KVPage message), store.py /
+redis_store.py (byte stores), local_tier.py (in-memory LRU in front of Redis), writer.py (async write-back),
+breaker.py (circuit breaker), stats.py (counters), prompt_cache.py (PromptCache, build_prompt_cache), config.py
+(CacheOptions), (the private redis-server launcher for tests lives in pdserve.testing).
 """
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache, build_prompt_cache

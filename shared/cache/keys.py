@@ -19,7 +19,7 @@ from functools import cached_property
 from pdserve.kv.codec import FORMAT_VERSION as KV_FORMAT_VERSION
 from pdserve.kv.codec import KVLayoutSpec
 
-CACHE_FORMAT_VERSION = 1  # bump with any change to keys.py or page_format.py
+CACHE_FORMAT_VERSION = 2  # bump with any change to keys.py or value.py (2: values are KVPage messages)
 
 
 @dataclass(frozen=True)

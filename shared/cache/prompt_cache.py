@@ -24,10 +24,11 @@ from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import MiB, CacheOptions
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.local_tier import LocalTier
-from pdserve.cache.page_format import CacheValueError, decode_value, encode_value
 from pdserve.cache.stats import CacheStats
 from pdserve.cache.store import MemoryStore, PageStore, StoreError
+from pdserve.cache.value import decode_value, encode_value
 from pdserve.cache.writer import WriteBack
+from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.payload import PagePayload
 
 log = logging.getLogger("pdserve.cache")
@@ -122,8 +123,8 @@ class PromptCache:
                     stop = True
                     break
                 try:
-                    p = decode_value(v, ns.layout, k, len(pages))
-                except CacheValueError as e:
+                    p = decode_value(v, ns, k, len(pages))
+                except CorruptPage as e:
                     corrupt += 1
                     log.warning("prompt cache: corrupt value for page %d (treated as a miss): %s", len(pages), e)
                     stop = True
@@ -164,8 +165,8 @@ class PromptCache:
                 touch += it.store_keys
                 continue
             try:
-                value = encode_value(it.payload, it.ns.layout, it.key)
-            except CacheValueError as e:
+                value = encode_value(it.payload, it.ns, it.key)
+            except InvalidRequest as e:
                 bad += 1
                 log.error("prompt cache: page not cacheable: %s", e)
                 continue

@@ -18,6 +18,7 @@ class Stack:
     decode: list[str]
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    gateway: str = ""  # the OpenAI-compatible HTTP gateway's host:port, when started
 
     def stop(self) -> None:
         for p in self.procs:
@@ -64,10 +65,12 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 
 def start_stack(model: Path | str, workdir: Path, kv_dtype: str = "int8", page_size: int = 16,
                 chunk_size: int = 2048, num_prefill: int = 1, num_decode: int = 1, extra: list[str] = (),
                 router_port: int = 0, router_host: str = "127.0.0.1", to_terminal: bool = False,
-                timeout: float = 300.0, router_extra: list[str] = (), persist_estimator: bool = False) -> Stack:
+                timeout: float = 300.0, router_extra: list[str] = (), persist_estimator: bool = False,
+                gateway_port: int | None = None, model_name: str = "pdserve") -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
     `router_extra` adds router flags, e.g. `--config FILE`). The router's output-length estimator is kept in
-    `workdir` (each stack starts cold) unless `persist_estimator` (`pdserve up`: its config or the cache dir)."""
+    `workdir` (each stack starts cold) unless `persist_estimator` (`pdserve up`: its config or the cache dir).
+    With `gateway_port` (0 = any free port) an OpenAI-compatible gateway serving `model_name` starts last."""
     workdir.mkdir(parents=True, exist_ok=True)
     common = ["--model", str(model), "--page-size", str(page_size), "--chunk-size", str(chunk_size),
               "--kv-dtype", kv_dtype, *extra]
@@ -88,7 +91,14 @@ def start_stack(model: Path | str, workdir: Path, kv_dtype: str = "int8", page_s
         procs.append(r[0])
         logs.append(r[2])
         router = wait_ready(*r, timeout=timeout)
+        gateway = ""
+        if gateway_port is not None:
+            g = start_service("gateway", ["--router", router, "--host", router_host, "--port", str(gateway_port),
+                                          "--model-name", model_name], workdir, to_terminal=to_terminal)
+            procs.append(g[0])
+            logs.append(g[2])
+            gateway = wait_ready(*g, timeout=timeout)
     except BaseException:  # also KeyboardInterrupt: never leave half a stack running
         Stack("", [], [], procs, logs).stop()
         raise
-    return Stack(router, pre, dec, procs, logs)
+    return Stack(router, pre, dec, procs, logs, gateway)

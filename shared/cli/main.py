@@ -1,4 +1,5 @@
-"""The `pdserve` command: `up` (whole stack on loopback), `serve <service>`, `generate`."""
+"""The `pdserve` command: `up` (whole stack on loopback), `serve <service>` (router, prefill, decode, gateway),
+`generate`."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,9 @@ def _service(name: str):
     if name == "prefill":
         from pdserve.prefill import config as mod
         return mod.PrefillConfig, mod.ENV_PREFIX
+    if name == "gateway":
+        from pdserve.router.gateway import config as mod
+        return mod.GatewayConfig, mod.ENV_PREFIX
     from pdserve.decode import config as mod
     return mod.DecodeConfig, mod.ENV_PREFIX
 
@@ -38,6 +42,8 @@ def cmd_serve(name: str, argv: list[str]) -> int:
         from pdserve.router.server import serve
     elif name == "prefill":
         from pdserve.prefill.server import serve
+    elif name == "gateway":
+        from pdserve.router.gateway.server import serve
     else:
         from pdserve.decode.server import serve
     serve(cfg)
@@ -52,10 +58,12 @@ def _interrupt(*_) -> None:
 def cmd_up(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve up", description="Run router + N prefill + M decode on loopback.")
     p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", ""),
-                   help="HF model directory (default: build a random-weight demo model once)")
+                   help="HF model directory (default: the demo model SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")),
                    help="router port (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="router interface")
+    p.add_argument("--gateway-port", type=int, default=int(os.environ.get("PDSERVE_GATEWAY_PORT", "8000")),
+                   help="OpenAI-compatible HTTP gateway port (0 = any free port, -1 = no gateway)")
     p.add_argument("--kv-dtype", choices=["int8", "auto"], default="int8")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--page-size", type=int, default=16)
@@ -76,10 +84,8 @@ def cmd_up(argv: list[str]) -> int:
 
     model = args.model
     if not model:
-        from pdserve.models.checkpoints import default_demo_dir, ensure_demo_model
-        print(f"no --model given: using a demo model with RANDOM weights at {default_demo_dir()} "
-              "(built once); its output is noise.", flush=True)
-        model = str(ensure_demo_model())
+        from pdserve.models.demo import ensure_demo_model
+        model = str(ensure_demo_model(say=lambda line: print(line, flush=True)))
     elif not (Path(model) / "config.json").exists():
         print(f"error: {model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
@@ -94,9 +100,14 @@ def cmd_up(argv: list[str]) -> int:
                             router_port=args.port, router_host=args.host, to_terminal=True,
                             timeout=args.ready_timeout, num_prefill=args.prefill, num_decode=args.decode,
                             router_extra=["--config", args.router_config] if args.router_config else [],
-                            persist_estimator=True)
+                            persist_estimator=True,
+                            gateway_port=None if args.gateway_port < 0 else args.gateway_port,
+                            model_name=Path(model).name)
         print(f"pdserve is up: router at {stack.router}  (prefill {', '.join(stack.prefill)}, "
               f"decode {', '.join(stack.decode)}, kv {args.kv_dtype})", flush=True)
+        if stack.gateway:
+            print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {Path(model).name!r})",
+                  flush=True)
         print(f"try:  pdserve generate --target {stack.router} \"hello\"", flush=True)
         while all(proc.poll() is None for proc in stack.procs):
             time.sleep(0.5)
@@ -149,7 +160,7 @@ def cmd_generate(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = ("usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|auto] ...\n"
-             "       pdserve serve router|prefill|decode [flags]   (--help for flags)\n"
+             "       pdserve serve router|prefill|decode|gateway [flags]   (--help for flags)\n"
              "       pdserve generate [--target HOST:PORT] PROMPT")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -157,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
         return cmd_up(rest)
-    if cmd == "serve" and rest and rest[0] in ("router", "prefill", "decode"):
+    if cmd == "serve" and rest and rest[0] in ("router", "prefill", "decode", "gateway"):
         return cmd_serve(rest[0], rest[1:])
     if cmd == "generate":
         return cmd_generate(rest)

@@ -2,8 +2,8 @@
 
 A forward batch holds, per sequence, `q_len` new tokens at positions `start .. start+q_len-1`; the new K/V
 are first written to the pool, then query i (absolute position start+i) attends to keys 0..start+i.
-Each backend has `forward` (write K/V, then attend) and `attend` (the pool already holds this step's K/V: the
-GPU model writes them in its fused RoPE kernel). The backend is chosen once at start-up (`select_backend`).
+A backend only attends (`attend`): the model stores this step's K/V in the pool first (`KernelChoice.rope_and_store`).
+The backend is chosen once at start-up (`select_backend`).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache
 
 log = logging.getLogger("pdserve.engine")
-INT8_DECODE_KERNELS = ("triton", "dequant")
 
 
 def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -94,12 +94,6 @@ class SdpaBackend:
 
     name = "sdpa"
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                cache: KVCache, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] (new tokens) -> out [T, H, D]."""
-        cache.write(layer, meta.slot_mapping, k, v)
-        return self.attend(layer, q, meta, cache, scale)
-
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
                scale: float) -> torch.Tensor:
         """q [T, H, D] against the pool (this step's K/V already written) -> out [T, H, D]."""
@@ -129,43 +123,31 @@ class FA3Backend:
     is exactly "query i attends to keys 0..start+i").
 
     int8 pool: prefill chunks dequantize the batch's pages into a dense scratch (one Triton pass) that FA3 then
-    reads. Decode has two kernels (`int8_decode`): "triton" reads the int8 pages directly, dequantizing in
-    registers (pdserve.engine.kernels.int8_decode_attention); "dequant" dequantizes to a scratch, then FA3.
-    Dense pool decode (`dense_decode`): FA3's paged kernel or the same Triton kernel reading bf16 pages.
-    bench/gpu_engine.py measures all of them on an H200; the defaults are the faster ones there: "triton" for
-    both (int8: ~2x faster than dequantize + FA3; dense: faster than FA3 summed over batch 1/64/128 in each of
-    three runs, though FA3 won batch 64 in one; see docs/benchmarks.md)."""
+    reads. Decode has two kernels (`KernelChoice.int8_decode`): "triton" reads the int8 pages directly,
+    dequantizing in registers (pdserve.engine.kernels.int8_decode_attention); "dequant" dequantizes to a scratch,
+    then FA3. Dense pool decode (`dense_decode`): FA3's paged kernel or the same Triton kernel reading bf16 pages.
+    bench/gpu_engine.py measures all of them on an H200; the defaults ("triton" for both) are the faster ones
+    there (docs/benchmarks.md)."""
 
     name = "fa3"
 
-    def __init__(self, module, int8_decode: str = "triton"):
-        if int8_decode not in INT8_DECODE_KERNELS:
-            raise ValueError(f"int8_decode must be one of {INT8_DECODE_KERNELS}, got {int8_decode!r}")
+    def __init__(self, module, kernels: KernelChoice):
         self.fa = module
-        self.int8_decode = int8_decode
-        self.dense_prefill = "paged"  # dense pool, prefill: "paged" (FA3 reads pages) | "gather" (varlen)
-        self.dense_decode = "triton"  # dense pool, decode: "triton" (the int8 kernel's dense mode) | "fa3"
-        self.fa3_num_splits = 4       # FA3 decode split count (0: FA3's heuristic; 4 measured as good)
-        self.decode_config: dict = {}  # Triton decode kernel overrides (kernels/int8_decode_attention.py configs)
-        self.pdl = False  # Triton decode kernels: programmatic dependent launch (set with the model's fused path)
+        self.kernels = kernels  # decode/prefill kernel choices, FA3 splits, Triton decode config, PDL
         self._num_sms = 0
 
     @staticmethod
     def _first(out):
         return out[0] if isinstance(out, tuple) else out
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                cache: KVCache, scale: float) -> torch.Tensor:
-        cache.write(layer, meta.slot_mapping, k, v)
-        return self.attend(layer, q, meta, cache, scale)
-
     def attend(self, layer: int, q: torch.Tensor, meta, cache: KVCache, scale: float) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]. `meta` is an AttentionMetadata or a CUDA-graph StaticDecodeMeta (only
         `is_decode` and `fa3_tensors()` are used, so the call is graph-safe for decode)."""
+        kc = self.kernels
         t = meta.fa3_tensors()
         seqlens, table = t["cache_seqlens"], t["page_table"]
         if meta.is_decode:
-            if self.int8_decode == "triton" if cache.quantized else self.dense_decode == "triton":
+            if kc.int8_decode == "triton" if cache.quantized else kc.dense_decode == "triton":
                 return self._triton_decode(layer, q, cache, table, seqlens, scale)
             if cache.quantized:  # dequantize the batch's pages, then FA3 over the scratch as a paged cache
                 kv = self._dense_scratch(layer, cache, table, seqlens, q.dtype)  # [2, B, W * ps, KVH, D]
@@ -176,9 +158,9 @@ class FA3Backend:
                 k_cache, v_cache = cache.layer_tensors(layer)  # [P, ps, KVH, D]
             out = self.fa.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens,
                                                   page_table=table, softmax_scale=scale, causal=True,
-                                                  num_splits=self.fa3_num_splits)
+                                                  num_splits=kc.fa3_num_splits)
             return self._first(out).squeeze(1)
-        if not cache.quantized and self.dense_prefill == "paged":
+        if not cache.quantized and kc.dense_prefill == "paged":
             k_cache, v_cache = cache.layer_tensors(layer)
             out = self.fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table,
                                                   cu_seqlens_q=t["cu_seqlens_q"], max_seqlen_q=t["max_q"],
@@ -216,10 +198,11 @@ class FA3Backend:
 
         if not self._num_sms:
             self._num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **self.decode_config}
+        kc = self.kernels
+        cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **kc.decode_config}
         splits = kd.default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
         kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  scale_expand=cfg["scale_expand"], fold_scales=cfg.get("fold_scales", False), pdl=self.pdl)
+                  scale_expand=cfg["scale_expand"], fold_scales=cfg.get("fold_scales", False), pdl=kc.pdl)
         if not cache.quantized:
             k_cache, v_cache = cache.layer_tensors(layer)
             return kd.int8_paged_decode(q, k_cache, v_cache, None, None, None, None, table, seqlens, scale, splits,
@@ -244,14 +227,14 @@ def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None,
     return fa, "CUDA sm90, flash_attn_interface importable"
 
 
-def select_backend(requested: str, device: torch.device, dtype: torch.dtype, int8_decode: str = "triton"):
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype, kernels: KernelChoice):
     """Return (backend, reason). `requested` is auto|fa3|sdpa; an explicit fa3 that cannot run raises.
-    `int8_decode`: FA3's decode kernel over an int8 pool (see FA3Backend)."""
+    `kernels`: FA3's kernel choices (see FA3Backend)."""
     if requested == "sdpa":
         return SdpaBackend(), "requested"
     fa, reason = _probe_fa3(device, dtype)
     if fa is not None:
-        return FA3Backend(fa, int8_decode), reason
+        return FA3Backend(fa, kernels), reason
     if requested == "fa3":
         raise RuntimeError(f"attention_backend=fa3 requested but unavailable: {reason}")
     return SdpaBackend(), reason

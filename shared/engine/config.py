@@ -1,15 +1,12 @@
 """Engine configuration and its resolution (device, dtype) against the machine and the checkpoint."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
+from pdserve.kv.dtypes import MODEL_DTYPES as _DTYPES  # lower-case name or alias -> torch dtype
 
 CPU_MAX_AUTO_PAGES = 8192
 
@@ -27,7 +24,15 @@ class EngineConfig:
     kv_group_size: int = 64            # int8 group size along head_dim (clamped to head_dim)
     kv_asymmetric: bool = False        # int8 with zero points
     attention_backend: str = "auto"    # auto | fa3 | sdpa
+    # ---- GPU kernels (CPU always runs plain torch ops; see kernel_choice.py) ----
+    triton: bool = True                # CUDA: Triton kernels (fused model path, int8 KV); off: torch ops as on CPU
+    pdl: bool = True                   # Triton kernels as programmatic dependent launches where supported (sm90+)
+    gemv_plan: str = "default"         # decode GEMVs (<= 4 rows): default | cublas | triton | JSON per projection
     int8_decode_kernel: str = "triton"  # FA3 + int8 pool, decode: triton (reads int8 pages) | dequant (+ FA3)
+    dense_decode_kernel: str = "triton"  # FA3 + dense pool, decode: triton (reads dense pages) | fa3
+    dense_prefill_kernel: str = "paged"  # FA3 + dense pool, prefill: paged (FA3 reads pages) | gather (varlen)
+    fa3_num_splits: int = 4            # FA3 decode split count (0: FA3's heuristic)
+    decode_kernel_config: str = ""     # JSON overrides of the Triton decode-attention config (block_n, ...)
     cuda_graphs: bool = True           # decode through CUDA graphs (CUDA + FA3 + fused model path)
     cuda_graph_max_context: int = 8192  # page-table width of the graphs; longer sequences decode eagerly
     gpu_memory_utilization: float = 0.85  # GPU auto pages: fraction of free memory for the KV pool
@@ -48,12 +53,50 @@ class EngineConfig:
             raise ValueError(f"kv_group_size must be > 0, got {self.kv_group_size}")
         if self.int8_decode_kernel not in ("triton", "dequant"):
             raise ValueError(f"int8_decode_kernel must be triton|dequant, got {self.int8_decode_kernel!r}")
+        if self.dense_decode_kernel not in ("triton", "fa3"):
+            raise ValueError(f"dense_decode_kernel must be triton|fa3, got {self.dense_decode_kernel!r}")
+        if self.dense_prefill_kernel not in ("paged", "gather"):
+            raise ValueError(f"dense_prefill_kernel must be paged|gather, got {self.dense_prefill_kernel!r}")
+        if self.fa3_num_splits < 0:
+            raise ValueError(f"fa3_num_splits must be >= 0, got {self.fa3_num_splits}")
+        self.gemv_projections()
+        self.decode_kernel_overrides()
         if self.cuda_graph_max_context <= 0:
             raise ValueError(f"cuda_graph_max_context must be > 0, got {self.cuda_graph_max_context}")
         if self.attention_backend not in ("auto", "fa3", "sdpa"):
             raise ValueError(f"attention_backend must be auto|fa3|sdpa, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+    def gemv_projections(self) -> dict[str, dict | None] | str:
+        """`gemv_plan` parsed: "default" | "cublas" | "triton", or a dict projection -> Triton GEMV config | None
+        (None: cuBLAS) over the projections qkv, o, gate_up, down."""
+        if self.gemv_plan in ("default", "cublas", "triton"):
+            return self.gemv_plan
+        plan = _json_object("gemv_plan", self.gemv_plan)
+        unknown = set(plan) - set(GEMV_PROJECTIONS)
+        if unknown or any(v is not None and not isinstance(v, dict) for v in plan.values()):
+            raise ValueError(f"gemv_plan: want default|cublas|triton or a JSON object over {GEMV_PROJECTIONS} "
+                             f"with a config object or null each, got {self.gemv_plan!r}")
+        return plan
+
+    def decode_kernel_overrides(self) -> dict:
+        """`decode_kernel_config` parsed ({} when empty)."""
+        return _json_object("decode_kernel_config", self.decode_kernel_config) if self.decode_kernel_config else {}
+
+
+GEMV_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the model's decode GEMVs
+
+
+def _json_object(name: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    return value
 
 
 def resolve_device(name: str) -> torch.device:

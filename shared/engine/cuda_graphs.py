@@ -19,7 +19,6 @@ import bisect
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 log = logging.getLogger("pdserve.engine")
@@ -81,7 +80,7 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size (largest first, one shared memory pool). Buffers hold padding meanwhile.
-        Calling it again (after changing the backend's kernels) replaces the graphs."""
+        Calling it again (after `ModelRunner.set_kernels`) replaces the graphs."""
         from pdserve.engine.kernels.argmax import argmax_rows  # noqa: PLC0415 - imports triton (CUDA only)
 
         self.graphs.clear()
@@ -152,7 +151,7 @@ class DecodeGraphRunner:
 def make_decode_graph_runner(model, cache, backend, page_size: int, max_batch: int, max_context: int,
                              device: torch.device, enabled: bool) -> DecodeGraphRunner | None:
     """A captured runner when the engine can use one (CUDA, fused model, FA3 backend), else None (eager)."""
-    if not enabled or device.type != "cuda" or not getattr(model, "fused", False) or backend.name != "fa3":
+    if not enabled or device.type != "cuda" or not model.kernels.fused or backend.name != "fa3":
         why = "disabled" if not enabled else "needs CUDA, the fused model path and the FA3 backend"
         log.info("decode CUDA graphs off (%s)", why)
         return None

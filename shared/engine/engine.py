@@ -14,18 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, select_backend
-from pdserve.engine.config import EngineConfig, CPU_MAX_AUTO_PAGES, dtype_name, parse_dtype, resolve_device, \
-    resolve_dtype
-from pdserve.engine.cuda_graphs import make_decode_graph_runner
-from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.config import EngineConfig, dtype_name, parse_dtype
 from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
-from pdserve.engine.model import load_model
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.page_table import PageAllocator
-from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
-from pdserve.engine.sampling import SamplingParams, make_generator, sample, skip_draws
+from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
+from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
 from pdserve.kv.payload import PagePayload
 
 log = logging.getLogger("pdserve.engine")
@@ -47,75 +43,43 @@ class StepOutput:
 
 
 class LLMEngine:
+    """Sequences, the scheduler and page bookkeeping in integers; every tensor lives in `self.runner`."""
+
     def __init__(self, cfg: EngineConfig):
         cfg.validate()
         self.cfg = cfg
         self.model_config = mc = parse_model_config(cfg.model_dir)
-        self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device, mc.torch_dtype)
         self.max_model_len = mc.max_position_embeddings
         self.page_size = cfg.page_size
         self.tokenizer = load_tokenizer(cfg.model_dir)
         self.fingerprint = model_fingerprint(cfg.model_dir)
-        self.backend, reason = select_backend(cfg.attention_backend, self.device, self.dtype, cfg.int8_decode_kernel)
-        log.info("attention backend: %s (%s)", self.backend.name, reason)
-        self.model = load_model(cfg.model_dir, mc, self.device, self.dtype)
-        if self.backend.name == "fa3":  # the Triton decode attention joins the fused path's dependent launches
-            self.backend.pdl = self.model.pdl
-
-        self.kv_group_size = min(cfg.kv_group_size, mc.head_dim)
-        if mc.head_dim % self.kv_group_size:
-            raise ValueError(f"kv_group_size {cfg.kv_group_size} does not divide head_dim {mc.head_dim}")
-        self.kv_asymmetric = cfg.kv_asymmetric
-        num_pages = cfg.num_pages or self._auto_num_pages()
-        shape = (mc.num_layers, num_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.kv_cache: KVCache = Int8KVCache(*shape, self.kv_group_size, cfg.kv_asymmetric) \
-            if cfg.kv_dtype == "int8" else KVCache(*shape)
-        self.allocator = PageAllocator(num_pages)
+        self.runner = ModelRunner(cfg, mc)
+        self.allocator = PageAllocator(self.runner.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs)
-        self.graph_runner = make_decode_graph_runner(self.model, self.kv_cache, self.backend, cfg.page_size,
-                                                     cfg.max_num_seqs, min(self.max_model_len,
-                                                                           cfg.cuda_graph_max_context),
-                                                     self.device, cfg.cuda_graphs)
 
         self._seqs: dict[str, Sequence] = {}  # live requests, incl. finished prefill-only ones holding pages
+        self._cached_pages: dict[str, list[PagePayload]] = {}  # prompt-cache prefixes, written on first schedule
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
-        self._rng = torch.Generator().manual_seed(cfg.seed)
         self._arrival = itertools.count()
         self.last_step_scheduled = False  # whether the last step() ran a forward pass
-        kv = f"int8(g={self.kv_group_size},{'asym' if cfg.kv_asymmetric else 'sym'})" if cfg.kv_dtype == "int8" \
-            else dtype_name(self.dtype)
         log.info("engine ready: arch=%s dtype=%s device=%s pages=%d page_size=%d chunk_size=%d max_num_seqs=%d "
-                 "kv=%s backend=%s", mc.arch, dtype_name(self.dtype), self.device, num_pages, cfg.page_size,
-                 cfg.chunk_size, cfg.max_num_seqs, kv, self.backend.name)
-
-    # ---- sizing ------------------------------------------------------------------------------------------
-    def _page_bytes(self) -> int:
-        mc, cfg = self.model_config, self.cfg
-        if cfg.kv_dtype == "int8":
-            return Int8KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim,
-                                              self.kv_group_size, cfg.kv_asymmetric)
-        return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
-
-    def _auto_num_pages(self) -> int:
-        """CPU: enough for max_num_seqs full-length sequences, capped. GPU: a fraction of free memory."""
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            usable = free - (1.0 - self.cfg.gpu_memory_utilization) * total
-            pages = int(usable // self._page_bytes())
-            if pages <= 0:
-                raise RuntimeError(f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free)")
-            return pages
-        per_seq = -(-self.max_model_len // self.cfg.page_size)
-        return max(1, min(self.cfg.max_num_seqs * per_seq, CPU_MAX_AUTO_PAGES))
+                 "kv=%s backend=%s", mc.arch, dtype_name(self.runner.dtype), self.runner.device,
+                 self.allocator.num_pages, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs,
+                 self.runner.kv_description(), self.runner.backend.name)
 
     @property
     def kv_storage_dtype_name(self) -> str:
         """Name of the dense KV dtype (the model dtype): 'float32' | 'bfloat16' | 'float16'."""
-        return dtype_name(self.dtype)
+        return dtype_name(self.runner.dtype)
 
-    def page_usage(self) -> tuple[int, int]:
-        return self.allocator.num_used, self.allocator.num_pages
+    @property
+    def kv_group_size(self) -> int:
+        """int8 group size of this engine's pool and of its int8 exports by default."""
+        return self.runner.kv_group_size
+
+    @property
+    def kv_asymmetric(self) -> bool:
+        return self.runner.kv_asymmetric
 
     # ---- requests ----------------------------------------------------------------------------------------
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -133,11 +97,9 @@ class LLMEngine:
         need = -(-(len(ids) + 1) // self.page_size)
         if need > self.allocator.num_pages:
             raise OutOfPages(f"prompt needs {need} KV pages but the pool only has {self.allocator.num_pages}")
-        seed = sampling.seed if sampling.seed is not None else \
-            int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        return Sequence(request_id, ids, sampling, generator=make_generator(seed, self.device),
-                        detokenizer=IncrementalDetokenizer(self.tokenizer, ids), arrival=next(self._arrival),
-                        max_model_len=self.max_model_len, **kw)
+        self.runner.add_request(request_id, sampling)
+        return Sequence(request_id, ids, sampling, detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
+                        arrival=next(self._arrival), max_model_len=self.max_model_len, **kw)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     prefill_only: bool = False, forced_token_ids: list[int] | None = None,
@@ -153,13 +115,17 @@ class LLMEngine:
         them); a seeded request skips their draws, so it samples as if it had never moved."""
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
                                  forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None)
-        if sampled_before < 0 or sampled_before >= seq.num_prompt_tokens:
-            raise InvalidRequest(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
-        if not sampling.greedy:
-            skip_draws(seq.generator, self.model_config.vocab_size, sampled_before)
+        try:
+            if sampled_before < 0 or sampled_before >= seq.num_prompt_tokens:
+                raise InvalidRequest(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
+            self.runner.skip_draws(request_id, sampled_before)
+            if cached_pages:
+                self._check_cached_pages(seq.num_prompt_tokens, cached_pages)
+        except Exception:
+            self.runner.drop_request(request_id)
+            raise
         if cached_pages:
-            self._check_cached_pages(seq.num_prompt_tokens, cached_pages)
-            seq.cached_pages = list(cached_pages)
+            self._cached_pages[request_id] = list(cached_pages)
             seq.num_computed_tokens = len(cached_pages) * self.page_size
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -174,15 +140,15 @@ class LLMEngine:
                 raise InvalidRequest(f"cached page {i}: got page_index {p.page_index}, {p.num_tokens} tokens, layers "
                                  f"[{p.layer_start}, {p.layer_start + p.layer_count}); want full pages 0..N-1 of "
                                  f"all {self.model_config.num_layers} layers")
-            self.kv_cache.check_payload(p)
+            self.runner.check_payload(p)
 
     def _load_cached_pages(self, seq: Sequence) -> None:
         """Write a request's cached prefix into its (just allocated) pages, on its first scheduled step."""
-        pages, seq.cached_pages = seq.cached_pages, None
+        pages = self._cached_pages.pop(seq.request_id)
         if seq.num_computed_tokens < len(pages) * self.page_size:  # preempted before it ran: recomputed instead
             return
         for p in pages:
-            self.kv_cache.import_page(seq.page_table[p.page_index], p)
+            self.runner.import_page(seq.page_table[p.page_index], p)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request in any state and free its pages. If it had not finished, the next `step()` returns a
@@ -205,6 +171,8 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.remove(seq)
             self.scheduler.free_pages(seq)
+            self._cached_pages.pop(request_id, None)
+            self.runner.drop_request(request_id)
         return seq
 
     def has_unfinished_requests(self) -> bool:
@@ -233,7 +201,7 @@ class LLMEngine:
             if idx < 0 or idx >= len(seq.page_table) or n <= 0:
                 raise InvalidRequest(f"page {idx} of {request_id!r} has no computed KV "
                                  f"({seq.num_computed_tokens} tokens computed)")
-            out.append(self.kv_cache.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype))
+            out.append(self.runner.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype))
         return out
 
     # ---- decode side: page import --------------------------------------------------------------------------
@@ -247,12 +215,16 @@ class LLMEngine:
         spanning the boundary), and the first `resumed_text_chars` characters of their text were delivered
         already: text held back there (a possible stop-string prefix, an incomplete character) comes out here."""
         seq = self._new_sequence(request_id, prompt_token_ids, sampling)
-        if resumed_tokens:
-            self._resume(seq, resumed_tokens, resumed_text_chars)
-        n_pages = -(-seq.num_tokens // self.page_size)
-        seq.page_table = self.allocator.allocate(n_pages)
+        try:
+            if resumed_tokens:
+                self._resume(seq, resumed_tokens, resumed_text_chars)
+            n_pages = -(-seq.num_tokens // self.page_size)
+            seq.page_table = self.allocator.allocate(n_pages)
+        except Exception:
+            self.runner.drop_request(request_id)
+            raise
         seq.status = SequenceStatus.IMPORTING
-        seq.imported_layers = torch.zeros(n_pages, self.model_config.num_layers, dtype=torch.bool)
+        seq.imported_layers = [0] * n_pages
         self._seqs[request_id] = seq
 
     def _resume(self, seq: Sequence, k: int, emitted_chars: int) -> None:
@@ -266,8 +238,7 @@ class LLMEngine:
             raise InvalidRequest(f"resumed_text_chars {emitted_chars} outside [0, {len(seq.text)}] (the resumed "
                              f"tokens' text)")
         seq.num_emitted_chars = emitted_chars
-        if not seq.sampling.greedy:
-            skip_draws(seq.generator, self.model_config.vocab_size, k)
+        self.runner.skip_draws(seq.request_id, k)
 
     def _importing(self, request_id: str) -> Sequence:
         seq = self._seqs.get(request_id)
@@ -284,24 +255,24 @@ class LLMEngine:
         want = min(self.page_size, seq.num_tokens - idx * self.page_size)
         if payload.num_tokens != want:
             raise InvalidRequest(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
-        self.kv_cache.import_page(seq.page_table[idx], payload)
-        seq.imported_layers[idx, payload.layer_start:payload.layer_start + payload.data.shape[1]] = True
+        self.runner.import_page(seq.page_table[idx], payload)
+        seq.imported_layers[idx] |= ((1 << payload.layer_count) - 1) << payload.layer_start
 
     def finish_import(self, request_id: str, first_token_id: int) -> None:
         """All pages are in: append the first token (stop checks apply) and join the running batch. The
         StepOutput carrying the first token comes from the next `step()`."""
         seq = self._importing(request_id)
-        if not bool(seq.imported_layers.all()):
-            missing = sorted({int(i) for i in (~seq.imported_layers).nonzero()[:, 0]})
+        all_layers = (1 << self.model_config.num_layers) - 1
+        missing = [i for i, mask in enumerate(seq.imported_layers) if mask != all_layers]
+        if missing:
             raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise InvalidRequest(f"first token {first_token_id} outside the vocabulary")
         seq.imported_layers = None
         seq.num_computed_tokens = seq.num_tokens  # the prompt (+ resumed tokens)
-        if not seq.sampling.greedy:
-            # The prefill side drew once from the same seed for the first token; skip that draw so a seeded
-            # request samples exactly as it would on a single engine.
-            skip_draws(seq.generator, self.model_config.vocab_size, 1)
+        # The prefill side drew once from the same seed for the first token; skip that draw so a seeded request
+        # samples exactly as it would on a single engine.
+        self.runner.skip_draws(request_id, 1)
         seq.status = SequenceStatus.WAITING
         text = seq.append_token(int(first_token_id), self.model_config.eos_token_ids)
         self._pending.append(self._output(seq, [int(first_token_id)], text))
@@ -348,44 +319,17 @@ class LLMEngine:
 
     def _run(self, batch: ScheduledBatch, return_logits: bool) -> list[StepOutput]:
         for seq in batch.seqs:
-            if seq.cached_pages is not None:
+            if seq.request_id in self._cached_pages:
                 self._load_cached_pages(seq)
-        ids: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
-        graph_logits = None  # decode through a captured CUDA graph: logits [B, V] of every sequence
-        runner = self.graph_runner
-        if runner is not None and not batch.is_prefill and \
-                runner.can_run(len(batch.seqs), max(s.num_computed_tokens for s in batch.seqs) + 1):
-            graph_logits = runner.run(ids, [s.num_computed_tokens for s in batch.seqs],
-                                      [s.page_table for s in batch.seqs])
-        else:
-            meta = AttentionMetadata([s.num_computed_tokens for s in batch.seqs], list(batch.num_new_tokens),
-                                     [s.page_table for s in batch.seqs], self.page_size, self.device)
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache,
-                                self.backend)  # [T, hidden]
-        last = list(itertools.accumulate(batch.num_new_tokens))
-        sampling_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                         if s.num_computed_tokens + n == s.num_tokens]
-        tokens: dict[int, int] = {}
-        logits = None
-        if sampling_rows:
-            if graph_logits is not None:  # the graph took the argmax and copied it to the host already
-                logits = graph_logits
-                greedy = runner.greedy_tokens(len(batch.seqs))
-                greedy = [greedy[i] for i in sampling_rows]
-            else:
-                logits = self.model.compute_logits(hidden[[last[i] - 1 for i in sampling_rows]])  # [S, V] float32
-                greedy = logits.argmax(dim=-1).tolist()
-            for r, i in enumerate(sampling_rows):
-                sp = batch.seqs[i].sampling
-                tokens[i] = greedy[r] if sp.greedy else sample(logits[r], sp, batch.seqs[i].generator)
-        row_of = {i: r for r, i in enumerate(sampling_rows)}
+        sample_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                       if s.num_computed_tokens + n == s.num_tokens]
+        tokens, logits = self.runner.run(batch.seqs, batch.num_new_tokens, sample_rows, batch.is_prefill,
+                                         return_logits)
         outputs = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
-            row = logits[row_of[i]].clone() if return_logits and i in row_of else None
+            row = logits.get(i)
             if seq.prefill_only:
                 outputs.extend(self._postprocess_prefill_only(seq, start, tokens.get(i), row))
             elif i in tokens:

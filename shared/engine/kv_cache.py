@@ -5,14 +5,16 @@ Both store K and V together, index 0 = K, 1 = V:
     scales [2, num_layers, num_pages, page_size, kv_heads, head_dim // group]  float16 (int8 pool only)
     zeros  same as scales                                                       float16 (asymmetric only)
 A token's "slot" is `page * page_size + offset`; attention reads a sequence's pages through its page table.
+int8 (de)quantization goes through `quant` (`pdserve.kv.quant`, or the engine's KernelChoice, which runs the
+bit-identical Triton kernels on CUDA).
 """
 from __future__ import annotations
 
 import torch
 
 from pdserve.errors import InvalidRequest
+from pdserve.kv import quant as torch_quant
 from pdserve.kv.payload import PagePayload
-from pdserve.kv.quant import dequantize, quantize
 
 
 def _ids(ids, device: torch.device) -> torch.Tensor:
@@ -27,10 +29,11 @@ class KVCache:
     quantized = False
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, quant=torch_quant):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
+        self.quant = quant  # .quantize / .dequantize with pdserve.kv.quant's signatures
         self.data = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
                                 device=device)
 
@@ -75,7 +78,7 @@ class KVCache:
         self._check_page(physical_page, num_tokens)
         dense = self._page_dense(physical_page, num_tokens)
         if as_int8:
-            q, s, z = quantize(dense, group_size, asymmetric)
+            q, s, z = self.quant.quantize(dense, group_size, asymmetric)
             return PagePayload(logical_index, num_tokens, 0, q.cpu(), s.cpu(), None if z is None else z.cpu(),
                                group_size)
         return PagePayload(logical_index, num_tokens, 0, dense.to("cpu", dense_dtype or self.dtype, copy=True),
@@ -85,7 +88,7 @@ class KVCache:
         """Write a payload (dense or int8) into `physical_page`; int8 payloads are dequantized."""
         self._check_payload(physical_page, payload)
         if payload.group_size > 0:
-            dense = dequantize(payload.data.to(self.device), payload.scales.to(self.device),
+            dense = self.quant.dequantize(payload.data.to(self.device), payload.scales.to(self.device),
                                None if payload.zeros is None else payload.zeros.to(self.device),
                                payload.group_size, self.dtype)
         else:
@@ -134,12 +137,13 @@ class Int8KVCache(KVCache):
     quantized = True
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, group_size: int, asymmetric: bool):
+                 dtype: torch.dtype, device: torch.device, group_size: int, asymmetric: bool, quant=torch_quant):
         if head_dim % group_size:
             raise ValueError(f"kv group_size {group_size} does not divide head_dim {head_dim}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, device  # dtype: what reads dequantize to (the model dtype)
+        self.quant = quant
         self.group_size, self.asymmetric = group_size, asymmetric
         shape = (2, num_layers, num_pages, page_size, num_kv_heads)
         self.data = torch.zeros(*shape, head_dim, dtype=torch.int8, device=device)
@@ -165,10 +169,10 @@ class Int8KVCache(KVCache):
         return d[0], d[1], s[0], s[1], None if z is None else z[0], None if z is None else z[1]
 
     def _dequant(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
-        return dequantize(q, s, z, self.group_size, self.dtype)
+        return self.quant.dequantize(q, s, z, self.group_size, self.dtype)
 
     def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        q, s, z = quantize(torch.stack([k, v]), self.group_size, self.asymmetric)  # [2, T, kvh, d|G]
+        q, s, z = self.quant.quantize(torch.stack([k, v]), self.group_size, self.asymmetric)  # [2, T, kvh, d|G]
         for dst, src in ((self.data, q), (self.scales, s), (self.zeros, z)):
             if dst is not None:
                 dst[:, layer].view(2, -1, *dst.shape[-2:]).index_copy_(1, slot_ids, src)
@@ -220,11 +224,11 @@ class Int8KVCache(KVCache):
         else:
             if payload.group_size > 0:
                 zeros = None if payload.zeros is None else payload.zeros.to(self.device)
-                dense = dequantize(payload.data.to(self.device), payload.scales.to(self.device), zeros,
+                dense = self.quant.dequantize(payload.data.to(self.device), payload.scales.to(self.device), zeros,
                                    payload.group_size, torch.float32)
             else:
                 dense = payload.data.to(self.device)
-            q, s, z = quantize(dense, self.group_size, self.asymmetric)
+            q, s, z = self.quant.quantize(dense, self.group_size, self.asymmetric)
         self.data[sl] = q.to(self.device)
         self.scales[sl] = s.to(self.device)
         if self.zeros is not None:

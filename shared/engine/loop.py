@@ -2,7 +2,7 @@
 
 - Commands (`submit(fn)`, and the wrappers below) run on the engine thread between steps, in order.
 - Per-request callbacks receive each StepOutput of their request on the engine thread (keep them short; they
-  may call engine methods directly, e.g. `export_pages`, since they run on the engine thread). A callback is
+  may call engine methods directly, e.g. `engine.export_pages`, since they run on the engine thread). A callback is
   dropped after its request's final output. If a step raises, every live request is aborted and its callback
   receives the exception instead of a StepOutput.
 - Idle means blocked on a condition variable: no busy-spinning, also when work exists but cannot be scheduled
@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import LLMEngine, StepOutput
+from pdserve.engine.page_table import PageAllocator
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.payload import PagePayload
 
@@ -78,9 +79,6 @@ class EngineLoop:
     def finish_import(self, request_id: str, first_token_id: int) -> None:
         self.call(lambda e: e.finish_import(request_id, first_token_id))
 
-    def export_pages(self, request_id: str, page_indexes: list[int], kv_dtype: str = "auto", **kw) -> list[PagePayload]:
-        return self.call(lambda e: e.export_pages(request_id, page_indexes, kv_dtype, **kw))
-
     def abort(self, request_id: str) -> Future:
         """Abort (asynchronously); the callback gets a final "abort" output if the request had not finished."""
         return self.submit(lambda e: e.abort(request_id))
@@ -92,9 +90,11 @@ class EngineLoop:
             return engine.release(request_id)
         return self.submit(fn)
 
-    def page_usage(self) -> tuple[int, int]:
-        """(pages used, pages total); read without a round trip, so possibly one step stale."""
-        return self.engine.allocator.num_used, self.engine.allocator.num_pages
+    @property
+    def allocator(self) -> PageAllocator:
+        """The engine's page allocator, for reading `num_used` / `num_pages` from any thread without a round trip
+        (so possibly one step stale). Never allocate or free through it."""
+        return self.engine.allocator
 
     def stop(self, timeout: float | None = 30.0) -> None:
         with self._cv:

@@ -30,9 +30,6 @@ class PageAllocator:
     def num_used(self) -> int:
         return len(self._used)
 
-    def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         """Take `n` pages; all or nothing (raises OutOfPages, allocating none)."""
         if n < 0:

@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -27,8 +25,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         # A HF fast tokenizer decodes through its Rust `tokenizers.Tokenizer` (`_tokenizer`): calling that directly
-        # gives the same text without transformers' per-call Python work (~2/3 of a decode step's host time at
-        # batch 128 on the GPU engine).
+        # gives the same text without transformers' per-call Python work (most of a large decode batch's host time
+        # on the GPU engine, docs/benchmarks.md).
         backend = getattr(tokenizer, "_tokenizer", None)
         self._rust_decode = backend.decode if type(backend).__module__.startswith("tokenizers") else None
         self._prefix: tuple[int, int, str] | None = None  # (prefix_offset, read_offset, its text): moves rarely
@@ -57,7 +55,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    generator: torch.Generator | None = None
     prefill_only: bool = False
     forced_token_ids: list[int] | None = None
     detokenizer: IncrementalDetokenizer | None = None
@@ -71,8 +68,7 @@ class Sequence:
     text: str = ""                     # decoded completion text (may extend past what was emitted)
     num_emitted_chars: int = 0
     max_model_len: int = 0
-    imported_layers: torch.Tensor | None = None  # IMPORTING: bool [num_pages, num_layers] filled so far
-    cached_pages: list | None = None   # PagePayloads of a cached prefix, written into the pool on first schedule
+    imported_layers: list[int] | None = None  # IMPORTING: per logical page, a bit mask of the layers received
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property

@@ -13,9 +13,9 @@ representable in fp16: the zero point, or 0 in symmetric mode).
 Inputs are expected inside the fp16 range (|x| <= 65504, true of any model's K/V): scales are clamped to
 it, and an asymmetric zero point below -65504 is clamped too (values under it then saturate).
 
-The torch implementation is vectorized, so it runs on any device without host syncs. On a CUDA device with
-triton, `quantize`/`dequantize` run the bit-identical Triton kernels of `pdserve.engine.kernels.kv_quant`
-instead (one pass over memory; power-of-two head_dim and group size).
+The implementation is plain torch and vectorized, so it runs on any device without host syncs. It is the
+reference: the GPU engine's Triton kernels (`pdserve.engine.kernels.kv_quant`, chosen by
+`pdserve.engine.kernel_choice`) are bit-identical to it. This package never imports the engine.
 """
 from __future__ import annotations
 
@@ -47,16 +47,6 @@ def _fp16_round_down(v: torch.Tensor) -> torch.Tensor:
     return torch.where(h.float() > v, down, h)
 
 
-def _triton_ok(t: torch.Tensor, group_size: int) -> bool:
-    from pdserve.engine import kernels  # noqa: PLC0415 - keeps pdserve.kv importable without the engine
-
-    if not kernels.enabled(t):
-        return False
-    from pdserve.engine.kernels import kv_quant  # noqa: PLC0415 - imports triton
-
-    return kv_quant.supported(t.shape[-1], group_size)
-
-
 def quantize(x: torch.Tensor, group_size: int,
              asymmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [..., D] (any float dtype) -> q int8 [..., D], scales fp16 [..., D // g], zeros fp16 [..., D // g] | None.
@@ -64,15 +54,6 @@ def quantize(x: torch.Tensor, group_size: int,
     Raises ValueError if D is not divisible by group_size.
     """
     _check_group(x.shape[-1], group_size)
-    if _triton_ok(x, group_size):
-        from pdserve.engine.kernels import kv_quant  # noqa: PLC0415
-
-        return kv_quant.quantize(x, group_size, asymmetric)
-    return _quantize_torch(x, group_size, asymmetric)
-
-
-def _quantize_torch(x: torch.Tensor, group_size: int,
-                    asymmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     d = x.shape[-1]
     g = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # [..., G, g]
     lo, hi = torch.aminmax(g, dim=-1)                                    # [..., G] each
@@ -99,16 +80,6 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
         raise ValueError(f"q must be int8, got {q.dtype}")
     if scales.shape != (*q.shape[:-1], d // group_size):
         raise ValueError(f"scales shape {tuple(scales.shape)} does not match q {tuple(q.shape)} / {group_size}")
-    if _triton_ok(q, group_size) and scales.dtype == torch.float16 and (zeros is None or zeros.dtype == torch.float16):
-        from pdserve.engine.kernels import kv_quant  # noqa: PLC0415
-
-        return kv_quant.dequantize(q, scales, zeros, group_size, dtype)
-    return _dequantize_torch(q, scales, zeros, group_size, dtype)
-
-
-def _dequantize_torch(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    d = q.shape[-1]
     g = q.float().reshape(*q.shape[:-1], d // group_size, group_size)  # [..., G, g]
     s = scales.float()[..., None]                                        # [..., G, 1]
     if zeros is None:

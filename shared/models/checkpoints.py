@@ -1,7 +1,7 @@
 """Build real Hugging Face checkpoints locally (no model hub): random-init weights + a BPE tokenizer.
 
-Used by `pdserve up` (demo model, output is noise) and by the tests, which then load them through the
-same path a user's local model directory takes.
+Used by the tests (and `train_tiny`), which then load them through the same path a user's local model directory
+takes. The demo model `pdserve up` serves is in `pdserve.models.demo`.
 """
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import torch
 
 CORPUS_PATH = Path(__file__).parent.parent / "data" / "corpus.txt"  # the pdserve.data package
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+# ChatML, as Qwen2/SmolLM2 write it
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 # Small shapes: fast on CPU, yet every structural feature (GQA, bias, tied embeddings) is present.
 TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -24,8 +27,9 @@ def corpus_text() -> str:
     return "".join(line for line in lines if not line.startswith("# "))
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
-    """Train a byte-level BPE tokenizer on the shipped corpus and save it as HF tokenizer files."""
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: str | None = CHATML_TEMPLATE) -> None:
+    """Train a byte-level BPE tokenizer on the shipped corpus and save it as HF tokenizer files
+    (with `chat_template`, a Jinja template; None: a tokenizer without one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -35,17 +39,17 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([corpus_text()], trainer=trainer)
-    chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>",
                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    fast.chat_template = chat_template
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
 
 
 def build_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
-                     vocab_size: int = 512, **overrides) -> Path:
-    """Write config.json + model.safetensors + tokenizer files for `arch` in {llama, qwen2, mistral}.
+                     vocab_size: int = 512, chat_template: str | None = CHATML_TEMPLATE, **overrides) -> Path:
+    """Write config.json + model.safetensors + tokenizer files for `arch` in {llama, qwen2, mistral}
+    (`chat_template`: the tokenizer's, ChatML by default; None for a model without one).
 
     Weights are random (seeded): the model's output is noise, but it is a real checkpoint.
     """
@@ -54,7 +58,7 @@ def build_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0, dt
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out, vocab_size=vocab_size)
+    build_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template)
     shapes = {**TINY_SHAPES, **overrides}
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=None, **shapes)
     if arch == "llama":
@@ -78,25 +82,6 @@ def build_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0, dt
                 p.normal_(0.0, 0.1)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
-
-
-def default_demo_dir() -> Path:
-    import os
-    base = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
-    return Path(base) / "demo-llama"
-
-
-def ensure_demo_model(path: Path | None = None) -> Path:
-    """Build the demo checkpoint once (random weights) and return its directory."""
-    path = path or default_demo_dir()
-    if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
-        tmp = path.with_name(path.name + ".tmp")
-        build_checkpoint(tmp, arch="llama", seed=0)
-        if path.exists():
-            import shutil
-            shutil.rmtree(path)
-        tmp.rename(path)
-    return path
 
 
 def read_config(model_dir: str | Path) -> dict:

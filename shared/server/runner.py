@@ -21,18 +21,13 @@ def setup_logging(level: str) -> None:
 
 def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
     """The engine of a prefill or decode instance; `pool_kv_dtype` is what its KV pool stores."""
-    from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.loop import EngineLoop
 
     if cfg.torch_threads > 0:
         import torch
         torch.set_num_threads(cfg.torch_threads)
-    engine = LLMEngine(EngineConfig(model_dir=cfg.model, dtype=cfg.dtype, device=cfg.device, page_size=cfg.page_size,
-                                    chunk_size=cfg.chunk_size, num_pages=cfg.num_pages,
-                                    max_num_seqs=cfg.max_num_seqs, kv_dtype=pool_kv_dtype,
-                                    kv_group_size=cfg.kv_group_size, attention_backend=cfg.attention_backend,
-                                    kv_asymmetric=getattr(cfg, "kv_asymmetric", False)))
+    engine = LLMEngine(cfg.engine_config(pool_kv_dtype))
     return EngineLoop(engine)
 
 

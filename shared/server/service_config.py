@@ -32,9 +32,37 @@ class EngineOptions(ServerOptions):
     kv_dtype: str = opt("int8", "int8|auto: KV page format shipped prefill→decode and stored by decode")
     kv_group_size: int = opt(64, "int8 KV quantization group size along head_dim")
     attention_backend: str = opt("auto", "auto|fa3|sdpa")
+    # GPU engine knobs (EngineConfig fields of the same names; CPU ignores them)
+    triton: bool = opt(True, "CUDA: Triton kernels (fused model path, int8 KV); false: plain torch ops as on CPU")
+    pdl: bool = opt(True, "launch Triton kernels as programmatic dependent launches where supported (sm90+)")
+    gemv_plan: str = opt("default", "decode GEMVs: default|cublas|triton or JSON {projection: config|null}")
+    int8_decode_kernel: str = opt("triton", "FA3 + int8 pool, decode: triton|dequant")
+    dense_decode_kernel: str = opt("triton", "FA3 + dense pool, decode: triton|fa3")
+    dense_prefill_kernel: str = opt("paged", "FA3 + dense pool, prefill: paged|gather")
+    fa3_num_splits: int = opt(4, "FA3 decode split count (0: FA3's heuristic)")
+    decode_kernel_config: str = opt("", "JSON overrides of the Triton decode-attention kernel config")
+    cuda_graphs: bool = opt(True, "decode through CUDA graphs (CUDA + FA3 + fused path)")
+    cuda_graph_max_context: int = opt(8192, "context covered by the decode CUDA graphs (longer: eager)")
+    gpu_memory_utilization: float = opt(0.85, "auto pages on GPU: fraction of memory the KV pool may fill")
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
     router: str = opt("", "router host:port to register with and heartbeat to (empty: the router's static list)")
+
+    def engine_config(self, pool_kv_dtype: str):
+        """The EngineConfig of this instance; `pool_kv_dtype` is what its KV pool stores."""
+        from pdserve.engine.config import EngineConfig  # noqa: PLC0415 - imports torch; the router never does
+
+        return EngineConfig(model_dir=self.model, dtype=self.dtype, device=self.device, page_size=self.page_size,
+                            chunk_size=self.chunk_size, num_pages=self.num_pages, max_num_seqs=self.max_num_seqs,
+                            kv_dtype=pool_kv_dtype, kv_group_size=self.kv_group_size,
+                            kv_asymmetric=getattr(self, "kv_asymmetric", False),
+                            attention_backend=self.attention_backend, triton=self.triton, pdl=self.pdl,
+                            gemv_plan=self.gemv_plan, int8_decode_kernel=self.int8_decode_kernel,
+                            dense_decode_kernel=self.dense_decode_kernel,
+                            dense_prefill_kernel=self.dense_prefill_kernel, fa3_num_splits=self.fa3_num_splits,
+                            decode_kernel_config=self.decode_kernel_config, cuda_graphs=self.cuda_graphs,
+                            cuda_graph_max_context=self.cuda_graph_max_context,
+                            gpu_memory_utilization=self.gpu_memory_utilization)
 
     def validate(self) -> None:
         if not self.model:

@@ -108,7 +108,7 @@ def watch_engine(metrics: ServiceMetrics, loop) -> None:
     """Gauges of a prefill/decode engine (`pdserve.engine.loop.EngineLoop`): KV pool pages used/free, queue depth
     (requests waiting to be scheduled), running requests. Read without locks: possibly one step stale."""
     def pages() -> dict[tuple[str, ...], float]:
-        used, total = loop.page_usage()
+        used, total = loop.allocator.num_used, loop.allocator.num_pages
         return {("used",): used, ("free",): total - used}
     metrics.gauge("kv_pages", "KV pool pages by state", pages, ["state"])
     metrics.gauge("queue_depth", "Requests waiting in the engine queue", lambda: len(loop.engine.scheduler.waiting))

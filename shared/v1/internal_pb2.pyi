@@ -89,18 +89,20 @@ class DecodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class InstanceStats(_message.Message):
-    __slots__ = ("kv_pages_total", "kv_pages_free", "active_requests", "model_fingerprint", "kv_dtype")
+    __slots__ = ("kv_pages_total", "kv_pages_free", "active_requests", "model_fingerprint", "kv_dtype", "page_size")
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     kv_pages_total: int
     kv_pages_free: int
     active_requests: int
     model_fingerprint: str
     kv_dtype: str
-    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    page_size: int
+    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -37,7 +37,7 @@ def parsed_configs(compose) -> dict:
 
 def test_compose_services_commands_parse():
     compose = load()
-    assert set(compose["services"]) == {*PDSERVE, *OBSERVABILITY, "redis"}
+    assert set(compose["services"]) == {*PDSERVE, *OBSERVABILITY, "redis", "gateway"}
     ports = {}
     for name, cfg in parsed_configs(compose).items():  # router last: prefill/decode ports known
         svc = compose["services"][name]
@@ -50,6 +50,18 @@ def test_compose_services_commands_parse():
                 assert host in compose["services"] and int(port) == ports.get(host, int(port))
             assert "50051:50051" in svc["ports"]
     assert ports["prefill"] != ports["decode"]
+
+
+def test_gateway_points_at_the_router():
+    compose = load()
+    svc = compose["services"]["gateway"]
+    cls, prefix = _service("gateway")
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, cls)
+    assert svc["command"][:2] == ["serve", "gateway"]
+    cfg = config_from(cls, parser.parse_args(svc["command"][2:]), prefix, environ={})
+    router = parsed_configs(compose)["router"]
+    assert cfg.router == f"router:{router.port}" and f"{cfg.port}:{cfg.port}" in svc["ports"]
 
 
 def test_dockerfile_copies_package_sources():

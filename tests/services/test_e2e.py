@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import pdserve
+from pdserve.cli.launch import start_stack
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
-from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
-
-from pdserve.cli.launch import start_stack
+from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 8
 # Prompt lengths at page and chunk edges, length 1 and a prompt spanning several chunks.
@@ -154,25 +153,6 @@ def test_bad_input_invalid_argument(auto_stack, kwargs, reason):
             c.generate(**kwargs)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason in err.value.details()
-
-
-@pytest.mark.parametrize("resumed_tokens, resumed_text_chars, reason", [
-    (8, 0, "resumed_tokens"),        # the whole prompt
-    (-1, 0, "resumed_tokens"),
-    (2, -5, "resumed_text_chars"),
-    (2, 10_000, "resumed_text_chars"),  # more text delivered than the resumed tokens make
-    (6, 0, "resumed_tokens"),        # >= max_tokens: the request had finished
-])
-def test_decode_rejects_bad_resume_fields(auto_stack, resumed_tokens, resumed_text_chars, reason):
-    req = internal_pb2.DecodeRequest(request_id=f"bad-resume-{resumed_tokens}-{resumed_text_chars}",
-                                     prompt_token_ids=[5 + i for i in range(8)], prefill_target=auto_stack.prefill[0],
-                                     sampling=generate_pb2.SamplingParams(max_tokens=6, temperature=0.0),
-                                     resumed_tokens=resumed_tokens, resumed_text_chars=resumed_text_chars)
-    with channel(auto_stack.decode[0]) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            list(internal_pb2_grpc.DecodeStub(ch).Generate(req, timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
-    assert all(free == total for free, total in wait_pools_empty(auto_stack))
 
 
 def test_cancel_mid_stream_frees_every_page(auto_stack):

@@ -1,7 +1,7 @@
 """Row-wise argmax of decode logits [B, V] (float32, V ~ 128k) in two small kernels: each of NCHUNK programs per
 row finds the maximum of its slice (first index among equal values), then one program per row picks the first
-chunk holding the row maximum. torch's single-row reduction spends ~28 us on a 128k-vocab row on an H200 (one
-block walks the whole row); this spreads the read over the GPU. Same result as `torch.argmax` for finite
+chunk holding the row maximum. torch's single-row reduction lets one block walk the whole row (slow on a
+128k-vocab row, docs/benchmarks.md); this spreads the read over the GPU. Same result as `torch.argmax` for finite
 logits, ties included (the smallest index wins)."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 Each program owns BLOCK_N output columns and streams their weight rows once, in [BLOCK_N, BLOCK_K] tiles, with
 fp32 accumulation; no split-K, so no second reduction kernel (cuBLAS splits K for some decode shapes and adds
 one). bench/gpu_engine.py times it against cuBLAS per projection shape and picks; the model uses it only where
-`CausalLM.small_m_gemv` names a config.
+the GEMV plan (`EngineConfig.gemv_plan`, held by `KernelChoice.gemv`) names a config.
 
 Two fusions for the decode step:
 - `act="silu_mul"`: x is the gate_up projection's output [M, 2K] (gate | up) and the kernel applies SwiGLU while
@@ -22,7 +22,7 @@ MAX_M = 4
 DEFAULT_CONFIG = dict(block_n=16, block_k=1024, num_warps=4, num_stages=2)
 # The decode plan of the recorded H200 run (docs/benchmarks.md): per projection a Triton config, or None for
 # cuBLAS. `down` stays on cuBLAS (+ the SwiGLU kernel): its split-K GEMV beat the fused Triton one in every run,
-# and Triton everywhere was 0.3 ms slower per b1 step than this mix inside the PDL chain.
+# and Triton everywhere was slower per b1 step than this mix inside the PDL chain.
 DEFAULT_PLAN = {"qkv": dict(DEFAULT_CONFIG), "o": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2),
                 "gate_up": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2), "down": None}
 ACTIVATIONS = (None, "silu_mul")

@@ -23,8 +23,8 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # scale_expand: broadcast each group's scale (and zero) over its columns with G selects instead of reshaping the
 # int8 tile into [BLOCK, G, D/G] groups (it did not win).
 # fold_scales: symmetric int8 pools with two scale groups per head only (`_decode_kernel_fold2`), else ignored;
-# on by default: 3% faster per layer than the tile kernel at batch 64/128 and more accurate (rel. error 2.4e-3 vs
-# 3.3e-3 against fp32 attention), H200, docs/bench/int8_decode.json.
+# on by default: faster per layer than the tile kernel at batch 64/128 and more accurate against fp32 attention
+# (figures: docs/benchmarks.md, docs/bench/int8_decode.json).
 DEFAULT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2, split_mult=2, scale_expand=False, fold_scales=True)
 DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False, fold_scales=False)
 

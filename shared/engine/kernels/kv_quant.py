@@ -167,17 +167,3 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
                                                           num_warps=num_warps)
     return out
 
-
-def quantize_into_pool(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
-                       zeros: torch.Tensor | None) -> None:
-    """x [T, H, D] (row stride free, inner dims contiguous) -> pool layer views data [P, ps, H, D] int8,
-    scales/zeros [P, ps, H, G] fp16 at token slots `slots` [T] (int32/int64; < 0 skipped)."""
-    t, h, d = x.shape
-    g = scales.shape[-1]
-    assert x.stride(2) == 1 and x.stride(1) == d, "x must have contiguous heads"
-    n = t * h
-    if n:
-        _quantize_kernel[(triton.cdiv(n, BLOCK_R),)](x, x.stride(0), data, scales,
-                                                     zeros if zeros is not None else scales, slots, n, h, D=d,
-                                                     G=g, ASYM=zeros is not None, HAS_SLOTS=True, BLOCK=BLOCK_R,
-                                                     FAST=FAST_DIV)

@@ -174,10 +174,38 @@ def test_retry_excludes_the_blamed_instance_and_every_release_returns_load():
 
 
 def test_decode_capacity_from_kv_pool():
-    s = make(1, 1, page_size=16)
+    s = make(1, 1)
     d = s.instances[DECODE]["d0:1"]
-    s.update_stats(d, pages_free=100, pages_total=100, active=0)
+    s.update_stats(d, pages_free=100, pages_total=100, active=0, page_size=16)
+    assert s.page_size == 16
     assert d.capacity_pcs == 0.5 * 16 * 100  # max(w_in, w_out) · tokens the pool holds
+
+
+def test_page_size_learned_from_stats_and_odd_instance_refused():
+    s = make(2, 2)
+    p0, p1 = s.instances[PREFILL]["p0:1"], s.instances[PREFILL]["p1:1"]
+    d0, d1 = s.instances[DECODE]["d0:1"], s.instances[DECODE]["d1:1"]
+    assert s.page_size is None
+    s.observe_page_size(p0, 0)  # not reported: nothing learned
+    assert s.page_size is None
+    s.observe_page_size(p0, 16)
+    s.update_stats(d0, pages_free=100, pages_total=100, active=0, page_size=16)
+    s.observe_page_size(p1, 32)  # disagrees with the first report: refused, never dispatched to
+    s.update_stats(d1, pages_free=100, pages_total=100, active=0, page_size=32)
+    assert s.page_size == 16 and p1.refused and d1.refused and not p0.refused and not d0.refused
+    for i in range(6):
+        j = job(name=f"j{i}")
+        s.submit(j)
+        assert s.wait(j, 1.0) == (p0, d0)
+        s.finish(j, completed=True)
+    s.observe_page_size(p1, 16)  # restarted with the cluster's page size: accepted again
+    assert not p1.refused
+    s.remove(PREFILL, "p0:1")
+    j = job()
+    s.submit(j)
+    assert s.wait(j, 1.0) == (p1, d0)
+    s.finish(j)
+    assert idle(s)
 
 
 def test_concurrent_submit_finish_leaves_no_load():

@@ -11,10 +11,11 @@ import torch
 from cache_testutil import INT8, PAGE, make_page, namespace
 from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import CacheOptions
-from pdserve.cache.page_format import encode_value
+from pdserve.cache.value import encode_value
 from pdserve.cache.prompt_cache import PromptCache, build_prompt_cache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.store import MemoryStore
+from pdserve.testing.wait import wait_until
 
 NS = namespace()
 
@@ -66,18 +67,31 @@ def test_partial_prefix_hits_at_page_boundaries(cache):
 
 
 def test_ttl_expiry_and_refresh_on_hit(redis):
-    cache = make_cache(redis.url, ttl_s=0.6)
+    """Refresh is read from Redis' PTTL (no timing margins); expiry is waited for without touching the keys."""
+    r = redis.client()
+    cache = make_cache(redis.url, ttl_s=600)
     hot, cold = tokens(2 * PAGE, seed=3), tokens(2 * PAGE, seed=4)
     fill(cache, hot)
     fill(cache, cold)
-    for _ in range(3):  # 0.9 s in all: each hit resets the TTL of the pages it returned
-        time.sleep(0.3)
-        assert cache.lookup(NS, hot, 2).num_pages == 2
-    assert cache.lookup(NS, cold, 2).num_pages == 0  # expired
-    time.sleep(0.7)
-    assert cache.lookup(NS, hot, 2).num_pages == 0
-    assert redis.client().dbsize() == 0
+    hot_keys = [cache.store_key(NS, k) for k in NS.page_keys(hot)]
+    cold_keys = [cache.store_key(NS, k) for k in NS.page_keys(cold)]
+    assert all(590_000 < r.pttl(k) <= 600_000 for k in hot_keys + cold_keys)
+    for k in hot_keys + cold_keys:
+        r.pexpire(k, 5_000)
+    assert cache.lookup(NS, hot, 2).num_pages == 2  # each hit resets the TTL of the pages it returned ...
+    assert all(r.pttl(k) > 590_000 for k in hot_keys)
+    assert all(0 < r.pttl(k) <= 5_000 for k in cold_keys)  # ... and only theirs
+    for k in cold_keys:
+        r.pexpire(k, 50)
+    wait_until(lambda: r.exists(*cold_keys) == 0, timeout=10, what="cold pages expired")
+    assert cache.lookup(NS, cold, 2).num_pages == 0
+    assert cache.lookup(NS, hot, 2).num_pages == 2
     cache.close()
+    short = make_cache(redis.url, ttl_s=0.05)  # the cache's own TTL expires pages too
+    fill(short, cold, seed=1)
+    wait_until(lambda: r.exists(*cold_keys) == 0, timeout=10, what="pages written with a 50 ms TTL expired")
+    assert short.lookup(NS, cold, 2).num_pages == 0
+    short.close()
 
 
 def test_eviction_under_allkeys_lru(start_redis):
@@ -113,7 +127,7 @@ def test_corrupt_values_are_counted_misses_and_get_replaced(redis):
     good = r.get(victim)
     damaged = [good[:-1] + bytes([good[-1] ^ 1]), good[:len(good) // 2], b"", b"garbage",
                bytes(good[:200]) + bytes(len(good) - 200),  # zeroed tail
-               encode_value(pages[3], INT8, keys[3])]       # a valid value of another page
+               encode_value(pages[3], NS, keys[3])]         # a valid value of another page
     for n, bad in enumerate(damaged, 1):
         r.set(victim, bad)
         assert cache.lookup(NS, prompt, 4).num_pages == 2
@@ -150,23 +164,22 @@ def test_redis_killed_and_restarted_under_load(start_redis):
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    wait_until(lambda: len(results) >= 20, timeout=60, what="lookups under load")
     srv.kill()
-    time.sleep(1.0)
-    assert cache.breaker.times_opened > 0
+    wait_until(lambda: cache.breaker.times_opened > 0 and cache.stats.skipped > 0, timeout=60,
+               what="the breaker opened and kept Redis out of the way")
     down_errors = cache.errors
     srv.restart()
     n_restart = len(results)
-    deadline = time.monotonic() + 10  # recovers by itself: pages are written again, then lookups hit
-    while time.monotonic() < deadline and 6 not in results[n_restart:]:
-        time.sleep(0.05)
+    # recovers by itself: pages are written again, then lookups hit
+    wait_until(lambda: 6 in results[n_restart:], timeout=60, what="full hits after the restart")
     stop.set()
     for t in threads:
         t.join(10)
     assert not failures
     assert down_errors > 0 and cache.stats.skipped > 0  # errors, then the breaker kept Redis out of the way
     assert 6 in results[n_restart:]  # full hits again, under load
-    assert slowest[0] < 1.5  # every lookup answered within a few store timeouts
+    assert slowest[0] < 10  # no lookup hung (a bound for a hang, not a latency figure: timeouts are 0.2 s)
     assert cache.flush(10)
     for p in prompts:
         fill(cache, p)
@@ -178,11 +191,12 @@ def test_slow_redis_times_out_as_miss(redis):
     cache = make_cache(redis.url, timeout_s=0.15)
     prompt = tokens(3 * PAGE, seed=6)
     fill(cache, prompt)
-    redis.client().execute_command("CLIENT", "PAUSE", 600, "ALL")
+    r = redis.client()
+    r.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")  # GETEX writes (the TTL); UNPAUSE still runs
     t0 = time.monotonic()
     assert cache.lookup(NS, prompt, 3).num_pages == 0
-    assert time.monotonic() - t0 < 0.5 and cache.errors == 1
-    time.sleep(0.6)
+    assert time.monotonic() - t0 < 15 and cache.errors == 1  # a miss long before the pause would have ended
+    r.execute_command("CLIENT", "UNPAUSE")
     assert cache.lookup(NS, prompt, 3).num_pages == 3
     cache.close()
 

@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.store import MemoryStore, StoreError
+from pdserve.testing.wait import wait_until
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -25,15 +26,37 @@ def test_get_set_and_order(store):
     assert store.get_many([], ttl_ms=1) == []
 
 
-def test_ttl_expires_and_hits_refresh_it(store):
+def test_memory_store_ttl_expires_and_hits_refresh_it():
+    now = [0.0]
+    store = MemoryStore(1 << 20, clock=lambda: now[0])
     store.set_many([(b"keep", b"x"), (b"drop", b"y")], ttl_ms=400)
     for _ in range(3):  # 0.75 s in all: "keep" lives on because every hit resets its TTL
-        time.sleep(0.25)
+        now[0] += 0.25
         assert store.get_many([b"keep"], ttl_ms=400) == [b"x"]
     assert store.get_many([b"drop"], ttl_ms=400) == [None]
     store.touch_many([b"keep", b"never-set"], ttl_ms=400)
-    time.sleep(0.25)
+    now[0] += 0.25
     assert store.get_many([b"keep", b"never-set"], ttl_ms=400) == [b"x", None]
+    now[0] += 0.5
+    assert store.get_many([b"keep"], ttl_ms=400) == [None]
+
+
+def test_redis_store_ttl_expires_and_hits_refresh_it(redis):
+    """Refresh is read from Redis' own PTTL (no timing margins); expiry is waited for without touching."""
+    store, r = RedisStore(redis.url, timeout_s=2.0), redis.client()
+    store.set_many([(b"keep", b"x"), (b"drop", b"y")], ttl_ms=600_000)
+    assert 590_000 < r.pttl(b"keep") <= 600_000
+    for k in (b"keep", b"drop"):
+        r.pexpire(k, 5_000)
+    assert store.get_many([b"keep"], ttl_ms=600_000) == [b"x"]
+    assert r.pttl(b"keep") > 590_000 and r.pttl(b"drop") <= 5_000  # the hit reset only its own TTL
+    r.pexpire(b"keep", 5_000)
+    store.touch_many([b"keep", b"never-set"], ttl_ms=600_000)
+    assert r.pttl(b"keep") > 590_000 and not r.exists(b"never-set")
+    store.set_many([(b"short", b"z")], ttl_ms=50)
+    wait_until(lambda: not r.exists(b"short"), timeout=10, what="a 50 ms key expired")
+    assert store.get_many([b"short", b"keep"], ttl_ms=600_000) == [None, b"x"]
+    store.close()
 
 
 def test_memory_store_is_lru_by_bytes():

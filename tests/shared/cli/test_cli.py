@@ -16,30 +16,50 @@ from pdserve.models.checkpoints import build_checkpoint
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
+def up_and_gateway(tmp_path_factory):
     model = build_checkpoint(tmp_path_factory.mktemp("cli") / "ckpt", arch="qwen2", seed=2)
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", "0",
-                             "--prefill", "2", "--decode", "1"],
+                             "--gateway-port", "0", "--prefill", "2", "--decode", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))})
     lines = []
     deadline = time.monotonic() + 180
-    target = None
-    while target is None:
+    target = gateway = None
+    while gateway is None:  # the gateway's line comes after the router's
         line = proc.stdout.readline()
         assert line or proc.poll() is None, "".join(lines)
         lines.append(line)
         m = re.search(r"router at (\S+)", line)
         if m:
             target = m.group(1)
+        m = re.search(r"gateway at (http://\S+/v1)\s+\(model '([^']+)'\)", line)
+        if m:
+            gateway = m.group(1), m.group(2)
         assert time.monotonic() < deadline, "".join(lines)
-    yield target
+    yield target, gateway
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
+
+
+@pytest.fixture(scope="module")
+def up(up_and_gateway):
+    return up_and_gateway[0]
+
+
+def test_gateway_started_by_up(up_and_gateway):
+    import openai
+    target, (base_url, model) = up_and_gateway
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == [model] == ["ckpt"]
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                         max_tokens=4, temperature=0)
+    with pdserve.Client(target, timeout=60) as c:
+        ref = c.generate(messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0)
+    assert out.choices[0].message.content == ref.text
 
 
 def test_sdk_against_pdserve_up(up):

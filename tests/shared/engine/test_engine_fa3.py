@@ -6,6 +6,7 @@ import torch
 
 from engine_testutil import forced_logits, random_prompt
 from pdserve.engine.attention import AttentionMetadata, FA3Backend, SdpaBackend, select_backend
+from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.sampling import SamplingParams
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 
 @pytest.fixture(scope="module")
 def fa3() -> FA3Backend:
-    backend, reason = select_backend("auto", torch.device("cuda"), torch.bfloat16)
+    backend, reason = select_backend("auto", torch.device("cuda"), torch.bfloat16, KernelChoice())
     if backend.name != "fa3":
         pytest.skip(f"FA3 unavailable: {reason}")
     return backend
@@ -37,8 +38,9 @@ def test_fa3_matches_sdpa_on_paged_pool(fa3, head_dim, int8):
         q = torch.randn(T, H, head_dim, device=dev, dtype=dt, generator=g)
         k = torch.randn(T, KVH, head_dim, device=dev, dtype=dt, generator=g)
         v = torch.randn(T, KVH, head_dim, device=dev, dtype=dt, generator=g)
-        ref = SdpaBackend().forward(0, q, k, v, meta, pool, head_dim ** -0.5)  # writes the pool too
-        out = fa3.forward(0, q, k, v, AttentionMetadata(starts, q_lens, tables, ps, dev), pool, head_dim ** -0.5)
+        pool.write(0, meta.slot_mapping, k, v)
+        ref = SdpaBackend().attend(0, q, meta, pool, head_dim ** -0.5)
+        out = fa3.attend(0, q, AttentionMetadata(starts, q_lens, tables, ps, dev), pool, head_dim ** -0.5)
         assert out.shape == ref.shape
         assert (out.float() - ref.float()).abs().max().item() < 2e-2, (starts, q_lens)
 
@@ -49,7 +51,7 @@ def test_fa3_engine_matches_sdpa_engine(make_engine):
     ref = make_engine("llama_hd64", attention_backend="sdpa", dtype="float32", **kw)
     sd = make_engine("llama_hd64", attention_backend="sdpa", dtype="bfloat16", **kw)
     fa = make_engine("llama_hd64", attention_backend="fa3", dtype="bfloat16", **kw)
-    assert fa.backend.name == "fa3" and sd.backend.name == "sdpa"
+    assert fa.runner.backend.name == "fa3" and sd.runner.backend.name == "sdpa"
     prompts = [random_prompt(n, seed=n) for n in (1, 15, 16, 17, 70)]
     forced = ref.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     base = forced_logits(ref, prompts, forced)

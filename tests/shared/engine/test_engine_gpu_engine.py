@@ -2,12 +2,15 @@
 an fp32 SDPA reference (Hopper GPU with flash_attn_interface and triton only; skipped elsewhere)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine_testutil import forced_logits, random_prompt
 from pdserve.engine import kernels
 from pdserve.engine.attention import select_backend
+from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9
@@ -18,7 +21,7 @@ KW = dict(device="cuda", dtype="bfloat16", attention_backend="fa3", page_size=16
 
 @pytest.fixture(scope="module", autouse=True)
 def need_fa3():
-    backend, reason = select_backend("auto", torch.device("cuda"), torch.bfloat16)
+    backend, reason = select_backend("auto", torch.device("cuda"), torch.bfloat16, KernelChoice())
     if backend.name != "fa3":
         pytest.skip(f"FA3 unavailable: {reason}")
 
@@ -48,13 +51,12 @@ def test_graph_decode_matches_eager_and_fp32(make_engine, reference, kv):
     extra = {} if kv == "auto" else dict(kv_dtype="int8", int8_decode_kernel=kv.split("-")[1])
     if kv == "int8-fold":  # the folded-scale kernel needs two scale groups per head: group 32 at head_dim 64
         extra = dict(kv_dtype="int8", int8_decode_kernel="triton", kv_group_size=32)
+    if kv == "int8-fold":  # set through the config (a JSON knob), like the CLI's --decode-kernel-config
+        extra["decode_kernel_config"] = '{"fold_scales": true}'
     eager = make_engine("llama_hd64", **KW, **extra, cuda_graphs=False)
     graph = make_engine("llama_hd64", **KW, **extra)
-    if kv == "int8-fold":
-        for e in (eager, graph):
-            e.backend.decode_config = {"fold_scales": True}
-        graph.graph_runner.capture()
-    assert eager.model.fused and eager.graph_runner is None and graph.graph_runner is not None
+    assert eager.runner.kernels.fused and eager.runner.graph_runner is None and graph.runner.graph_runner is not None
+    assert graph.runner.backend.kernels.decode_config == ({"fold_scales": True} if kv == "int8-fold" else {})
     le, lg = run_forced(eager, PROMPTS, forced), run_forced(graph, PROMPTS, forced)
     assert lg.isfinite().all()
     # same kernels; only GEMM shapes differ (padded graph batches), so bf16-rounding-level differences
@@ -74,21 +76,20 @@ def test_alternative_decode_kernels_match_defaults(make_engine, reference, gemv)
 
     forced, base = reference
     default = make_engine("llama_hd64", **KW)
-    assert set(default.model.small_m_gemv) == {"qkv", "o", "gate_up", "down"}
-    assert default.backend.dense_decode == "triton"
-    assert default.model.pdl and default.backend.pdl  # Hopper: the fused decode chain uses PDL
-    alt = make_engine("llama_hd64", **KW)
-    alt.model.small_m_gemv = {n: dict(DEFAULT_CONFIG) for n in ("qkv", "o", "gate_up", "down")} \
-        if gemv == "triton-everywhere" else {}
-    alt.model.pdl = alt.backend.pdl = False
-    alt.backend.dense_decode = "fa3"
-    alt.graph_runner.capture()
+    kc = default.runner.kernels
+    assert set(kc.gemv) == {"qkv", "o", "gate_up", "down"} and kc.dense_decode == "triton"
+    assert kc.pdl and default.runner.backend.kernels is kc  # Hopper: the fused decode chain uses PDL
+    alt = make_engine("llama_hd64", **KW, gemv_plan="triton" if gemv == "triton-everywhere" else "cublas", pdl=False,
+                      dense_decode_kernel="fa3")
+    want = dict(DEFAULT_CONFIG) if gemv == "triton-everywhere" else None
+    assert alt.runner.kernels.gemv == {n: want for n in ("qkv", "o", "gate_up", "down")} and not alt.runner.kernels.pdl
     ld, la = run_forced(default, PROMPTS, forced), run_forced(alt, PROMPTS, forced)
     assert la.isfinite().all() and ((la - ld).norm() / ld.norm()).item() < 2e-2
-    # PDL alone changes no result: same kernels, same order of operations
+    # PDL alone changes no result: same kernels, same order of operations (switched on the loaded engine, as the
+    # bench does, and the graphs re-captured)
     nopdl = make_engine("llama_hd64", **KW)
-    nopdl.model.pdl = nopdl.backend.pdl = False
-    nopdl.graph_runner.capture()
+    nopdl.runner.set_kernels(dataclasses.replace(nopdl.cfg, pdl=False))
+    assert not nopdl.runner.kernels.pdl
     assert torch.equal(run_forced(nopdl, PROMPTS, forced), ld)
 
 
@@ -99,7 +100,7 @@ def test_graph_decode_under_preemption_matches_plenty_of_pages(make_engine):
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     roomy = make_engine("llama_hd64", **KW, cuda_graphs=False).generate(prompts, sp)
     tight = make_engine("llama_hd64", **{**KW, "num_pages": 20})
-    assert tight.graph_runner is not None
+    assert tight.runner.graph_runner is not None
     out = tight.generate(prompts, sp)
     same = sum(a == b for a, b in zip(out, roomy))
     assert same >= len(prompts) - 1, (out, roomy)  # bf16: at most one near-tie flip

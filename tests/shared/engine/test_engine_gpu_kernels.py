@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels
+from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.kv import quant as Q
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not kernels.HAVE_TRITON,
@@ -29,13 +30,14 @@ def test_quantize_matches_cpu_path_bitwise(asym, group, dtype):
     x = x.to(dtype)
     x[0, 0] = 0
     x[1, 1, :group] = 2.5  # constant group
-    q, s, z = Q.quantize(x, group, asym)  # dispatches to triton on CUDA
-    qc, sc, zc = Q._quantize_torch(x.cpu(), group, asym)
+    kc = KernelChoice(triton_kv_quant=True)  # what the GPU engine's pool quantizes with
+    q, s, z = kc.quantize(x, group, asym)  # dispatches to triton on CUDA
+    qc, sc, zc = Q.quantize(x.cpu(), group, asym)
     assert torch.equal(q.cpu(), qc) and torch.equal(s.cpu(), sc)
     assert (z is None) == (zc is None) and (z is None or torch.equal(z.cpu(), zc))
     for out_dtype in (torch.float32, torch.bfloat16):
-        d = Q.dequantize(q, s, z, group, out_dtype)
-        assert torch.equal(d.cpu(), Q._dequantize_torch(qc, sc, zc, group, out_dtype))
+        d = kc.dequantize(q, s, z, group, out_dtype)
+        assert torch.equal(d.cpu(), Q.dequantize(qc, sc, zc, group, out_dtype))
     # against the exact value: error at most half a (stored) scale step per element
     err = (Q.dequantize(q, s, z, group, torch.float32) - x.float()).abs().view(37, 8, -1, group)
     assert (err <= s.float()[..., None] * 0.5 + 1e-6 * x.float().abs().max()).all()
@@ -139,7 +141,7 @@ def test_dequant_pages_matches_pool_read():
         table = torch.randperm(P, device=DEV, generator=g)[:40].view(4, 10).int()
         lens = torch.tensor([1, 17, 160, 77], device=DEV, dtype=torch.int32)
         out = dequant_pages(q, s, z, table, lens, torch.bfloat16)
-        full = Q._dequantize_torch(q, s, z, 64, torch.bfloat16).view(2, P * ps, H, D)
+        full = Q.dequantize(q, s, z, 64, torch.bfloat16).view(2, P * ps, H, D)
         for b in range(4):
             n = int(lens[b])
             slots = (table[b].long()[:, None] * ps + torch.arange(ps, device=DEV)).flatten()[:n]
@@ -230,7 +232,7 @@ def test_rope_kv_write_vs_fp32(int8):
         kc = Q.dequantize(kq, ks, None, 64, torch.float32)
         vc = Q.dequantize(vq, vs, None, 64, torch.float32)
         # stored exactly what the torch path stores for the same (rotated, bf16) k and v
-        eq, es, _ = Q._quantize_torch(k[ok].cpu(), 64, False)
+        eq, es, _ = Q.quantize(k[ok].cpu(), 64, False)
         assert torch.equal(kq.view(-1, KVH, D)[slots[ok]].cpu(), eq) and torch.equal(ks.view(-1, KVH, 2)[slots[ok]].cpu(), es)
     else:
         kc, vc = pool

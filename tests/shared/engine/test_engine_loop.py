@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import queue
+import sys
 import threading
-import time
 
 import pytest
 
@@ -11,6 +11,7 @@ from engine_testutil import random_prompt
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.page_table import OutOfPages
 from pdserve.engine.sampling import SamplingParams
+from pdserve.testing.wait import wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -47,7 +48,7 @@ def test_generate_through_loop_matches_direct(loop, llama_engine):
         outs = drain(q)
         assert [t for o in outs for t in o.new_token_ids] == ref
         assert outs[-1].finish_reason == "length"
-    assert loop.page_usage() == (0, 32)
+    assert (loop.allocator.num_used, loop.allocator.num_pages) == (0, 32)
 
 
 def test_errors_propagate_to_caller(loop):
@@ -68,14 +69,22 @@ def test_abort_release_and_idle(loop):
     q2: queue.Queue = queue.Queue()
     loop.add_request("p", random_prompt(9, 3), GREEDY, q2.put, prefill_only=True)
     assert drain(q2)[-1].finish_reason == "prefill_done"
-    assert loop.page_usage()[0] == 3
+    assert loop.allocator.num_used == 3
     assert loop.release("p").result(10) is True
-    assert loop.page_usage()[0] == 0
-    # idle loop blocks instead of spinning
-    cpu0 = time.process_time()  # all threads of this process
-    time.sleep(0.3)
+    assert loop.allocator.num_used == 0
+    # idle loop blocks instead of spinning: its thread parks in a wait without a timeout (nothing to poll)
     assert loop.call(lambda e: e.has_unfinished_requests()) is False
-    assert time.process_time() - cpu0 < 0.1
+    wait_until(lambda: parked_in_wait(loop._thread), timeout=10, what="the idle engine thread blocks")
+
+
+def parked_in_wait(thread: threading.Thread) -> bool:
+    """`thread` is inside threading.Condition.wait(timeout=None): blocked until notified, not polling."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is threading.Condition.wait.__code__:
+            return frame.f_locals.get("timeout") is None
+        frame = frame.f_back
+    return False
 
 
 def test_import_through_loop(loop, llama_engine):

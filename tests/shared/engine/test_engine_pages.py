@@ -7,6 +7,7 @@ from engine_testutil import random_prompt, run_to_completion
 from pdserve.engine.page_table import OutOfPages, PageAllocator
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import SequenceStatus
+from pdserve.errors import DuplicateRequest
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -125,7 +126,7 @@ def test_rejects_bad_requests(llama_engine):
     with pytest.raises(ValueError, match="max_tokens"):
         e.add_request("x", [5], SamplingParams(max_tokens=0))
     e.add_request("x", [5, 6], GREEDY)
-    with pytest.raises(ValueError, match="duplicate"):
+    with pytest.raises(DuplicateRequest, match="duplicate"):
         e.add_request("x", [5, 6], GREEDY)
     e.release("x")
     assert e.allocator.num_used == 0 and not e.has_unfinished_requests()

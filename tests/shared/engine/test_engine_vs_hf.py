@@ -57,9 +57,10 @@ def test_prefill_logits_match_hf(name, make_engine, hf_model):
     rows = []
     for start in range(0, len(prompt), CHUNK):
         ids = prompt[start:start + CHUNK]
-        meta = AttentionMetadata([start], [len(ids)], [pages], PAGE, engine.device)
-        hidden = engine.model(torch.tensor(ids), meta, engine.kv_cache, engine.backend)
-        rows.append(engine.model.compute_logits(hidden))
+        runner = engine.runner
+        meta = AttentionMetadata([start], [len(ids)], [pages], PAGE, runner.device)
+        hidden = runner.model(torch.tensor(ids), meta, runner.kv_cache, runner.backend)
+        rows.append(runner.model.compute_logits(hidden))
     engine.allocator.free(pages)
     ours = torch.cat(rows)
     assert ours.shape == ref.shape

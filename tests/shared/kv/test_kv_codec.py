@@ -1,12 +1,15 @@
-"""KVPage codec: exact round trips, and every kind of corruption or mismatch raises KVPageError."""
+"""KVPage codec: exact round trips; every kind of corruption or mismatch on decode raises CorruptPage, a payload
+or layout that does not fit raises InvalidRequest (never CorruptPage: the bytes were never damaged)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 
-from pdserve.kv.codec import KVLayoutSpec, KVPageError, checksum, decode_page, encode_page
+from pdserve.errors import CorruptPage, InvalidRequest
+from pdserve.kv.codec import KVLayoutSpec, checksum, decode_page, encode_page, page_from_bytes, page_to_bytes
 from pdserve.kv.payload import PagePayload, quantize_payload
 from pdserve.v1 import kv_pb2
 
@@ -39,6 +42,14 @@ def decode(msg: kv_pb2.KVPage, lay: KVLayoutSpec, **kw) -> PagePayload:
     return decode_page(msg, **args)
 
 
+@contextlib.contextmanager
+def raises_invalid(match: str | None = None):
+    """InvalidRequest, and not its subclass CorruptPage (a caller's mistake, not damaged bytes)."""
+    with pytest.raises(InvalidRequest, match=match) as info:
+        yield
+    assert not isinstance(info.value, CorruptPage), info.value
+
+
 def wire(msg: kv_pb2.KVPage) -> kv_pb2.KVPage:
     """Through real protobuf bytes, as gRPC would."""
     return kv_pb2.KVPage.FromString(msg.SerializeToString())
@@ -64,7 +75,7 @@ def test_roundtrip_exact(dtype, asym):
 def test_layout_proto_roundtrip():
     for lay in (layout(), layout("int8", True, 64), layout("bfloat16")):
         assert KVLayoutSpec.from_proto(lay.to_proto()) == lay
-    with pytest.raises(KVPageError):
+    with pytest.raises(InvalidRequest):
         KVLayoutSpec.from_proto(kv_pb2.KVLayout(format_version=1, dtype=kv_pb2.KV_DTYPE_UNSPECIFIED))
 
 
@@ -106,7 +117,7 @@ def test_corruption_raises(name):
     msg = wire(encode(payload(lay), lay))
     decode(msg, lay)  # sane before
     corrupt(name, msg)
-    with pytest.raises(KVPageError):
+    with pytest.raises(CorruptPage):
         decode(wire(msg), lay)
 
 
@@ -115,21 +126,21 @@ def test_flipped_byte_dense_raises(dtype):
     lay = layout(dtype)
     msg = encode(payload(lay), lay)
     b = bytearray(msg.data); b[-1] ^= 0x10; msg.data = bytes(b)
-    with pytest.raises(KVPageError, match="checksum"):
+    with pytest.raises(CorruptPage, match="checksum"):
         decode(msg, lay)
 
 
 def test_wrong_fingerprint_request_and_layout_raise():
     lay = layout()
     msg = encode(payload(lay), lay)
-    with pytest.raises(KVPageError, match="fingerprint"):
+    with pytest.raises(CorruptPage, match="fingerprint"):
         decode(msg, lay, expected_fingerprint="sha256:model-b")
-    with pytest.raises(KVPageError, match="request id"):
+    with pytest.raises(CorruptPage, match="request id"):
         decode(msg, lay, expected_request_id="req-2")
     for other in (dataclasses.replace(lay, group_size=64), dataclasses.replace(lay, asymmetric=True),
                   dataclasses.replace(lay, page_size=32), dataclasses.replace(lay, num_layers=8),
                   dataclasses.replace(lay, num_kv_heads=4), layout("float32")):
-        with pytest.raises(KVPageError, match="layout"):
+        with pytest.raises(CorruptPage, match="layout"):
             decode(msg, other)
 
 
@@ -145,9 +156,9 @@ def test_num_tokens_over_page_size_raises_even_with_valid_checksum():
     msg = encode(payload(big, num_tokens=20), big)  # bytes sized for 20 tokens
     msg.layout.CopyFrom(lay.to_proto())
     resign(msg)
-    with pytest.raises(KVPageError, match="num_tokens"):
+    with pytest.raises(CorruptPage, match="num_tokens"):
         decode(msg, lay)
-    with pytest.raises(KVPageError, match="num_tokens"):
+    with raises_invalid(match="num_tokens"):
         encode(payload(big, num_tokens=20), lay)
 
 
@@ -155,13 +166,13 @@ def test_zero_tokens_and_layer_range_outside_model_raise():
     lay = layout()
     msg = encode(payload(lay, layer_start=1, layers=3), lay)
     msg.layer_start = 2  # layers [2, 5) of a 4-layer model
-    with pytest.raises(KVPageError, match="layer range"):
+    with pytest.raises(CorruptPage, match="layer range"):
         decode(resign(msg), lay)
     msg = encode(payload(lay), lay)
     msg.num_tokens, msg.data, msg.scales = 0, b"", b""
-    with pytest.raises(KVPageError, match="num_tokens"):
+    with pytest.raises(CorruptPage, match="num_tokens"):
         decode(resign(msg), lay)
-    with pytest.raises(KVPageError, match="layer range"):
+    with raises_invalid(match="layer range"):
         encode(payload(lay, layer_start=2, layers=3), lay)
 
 
@@ -169,20 +180,50 @@ def test_resigned_size_mismatch_raises():
     lay = layout("int8", asymmetric=False)
     msg = encode(payload(lay), lay)
     msg.zero_points = b"\x00" * len(msg.scales)  # zero points on a symmetric page
-    with pytest.raises(KVPageError, match="zero_points"):
+    with pytest.raises(CorruptPage, match="zero_points"):
         decode(resign(msg), lay)
 
 
 def test_encode_rejects_payload_not_matching_layout():
     lay = layout("int8", asymmetric=False)
     p = payload(lay)
-    with pytest.raises(KVPageError):
+    with raises_invalid():
         encode(p, dataclasses.replace(lay, group_size=16))
-    with pytest.raises(KVPageError):
+    with raises_invalid():
         encode(p, dataclasses.replace(lay, asymmetric=True))
-    with pytest.raises(KVPageError):
+    with raises_invalid():
         encode(p, layout("bfloat16"))
-    with pytest.raises(KVPageError):
+    with raises_invalid():
         encode(payload(layout("float32")), layout("bfloat16"))
-    with pytest.raises(KVPageError):
+    with raises_invalid():
         encode(p, dataclasses.replace(lay, group_size=48))  # does not divide head_dim
+
+
+def test_bytes_form_roundtrip_and_every_damage_detected():
+    """page_to_bytes / page_from_bytes (the prompt cache's values): one flipped byte anywhere, a truncation or
+    a trailing byte is CorruptPage, and so is a value of another owner, model or layout."""
+    lay = layout("int8", asymmetric=True, group_size=16)
+    p = payload(lay, num_tokens=3, layers=2)
+    buf = page_to_bytes(p, owner="key-a", layout=lay, fingerprint=FP)
+    assert buf == encode(p, lay, request_id="key-a", seq_no=0).SerializeToString()
+    read = dict(expected_layout=lay, expected_fingerprint=FP, expected_owner="key-a")
+    out = page_from_bytes(buf, **read)
+    assert torch.equal(out.data, p.data) and torch.equal(out.scales, p.scales) and torch.equal(out.zeros, p.zeros)
+    for i in range(len(buf)):
+        bad = bytearray(buf)
+        bad[i] ^= 0x5A
+        with pytest.raises(CorruptPage):
+            page_from_bytes(bytes(bad), **read)
+    for n in (0, 1, 10, len(buf) // 2, len(buf) - 1):
+        with pytest.raises(CorruptPage):
+            page_from_bytes(buf[:n], **read)
+    with pytest.raises(CorruptPage):
+        page_from_bytes(buf + b"\0", **read)
+    with pytest.raises(CorruptPage, match="request id"):
+        page_from_bytes(buf, **read | dict(expected_owner="key-b"))
+    with pytest.raises(CorruptPage, match="fingerprint"):
+        page_from_bytes(buf, **read | dict(expected_fingerprint="sha256:model-b"))
+    with pytest.raises(CorruptPage, match="layout"):
+        page_from_bytes(buf, **read | dict(expected_layout=dataclasses.replace(lay, asymmetric=False)))
+    with pytest.raises(CorruptPage, match="seq_no"):
+        page_from_bytes(encode(p, lay, request_id="key-a", seq_no=1).SerializeToString(), **read)

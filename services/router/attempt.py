@@ -1,0 +1,58 @@
+"""One attempt of a router request: relay the chosen decode instance's stream to the caller, keeping what the
+caller has received across attempts (the tokens and characters a resume continues after, the TTFT)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from pdserve.v1 import generate_pb2, internal_pb2
+
+
+@dataclass
+class Progress:
+    """What the caller has been sent, over every attempt of one request."""
+    t0: float                                          # perf_counter at the request's arrival
+    tokens: list[int] = field(default_factory=list)    # token ids streamed (a resume re-sends them as prompt)
+    chars: int = 0                                     # characters of text streamed
+    ttft_ms: float | None = None
+    finish: str = "abort"                              # FinishReason name once the final chunk went out
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+@dataclass
+class AttemptHooks:
+    """Called by `relay` before the chunk that triggers them is yielded."""
+    attempt_first_token: Callable[[], None]                         # this pair's prefill is done
+    first_token: Callable[[], None]                                  # the caller's first token (once per request)
+    finished: Callable[[internal_pb2.DecodeResponse], None]          # the final chunk (usage, finish reason)
+
+
+def relay(call: Iterable[internal_pb2.DecodeResponse], rid: str, progress: Progress,
+          hooks: AttemptHooks) -> Iterator[generate_pb2.GenerateStreamResponse]:
+    """Yield the caller's chunks for one attempt's DecodeResponses, updating `progress`. The call's
+    grpc.RpcError propagates (with `progress` telling how far the caller got)."""
+    first_of_attempt = True
+    for msg in call:
+        out = generate_pb2.GenerateStreamResponse(request_id=rid, token_ids=msg.token_ids, text=msg.text)
+        now_ms = progress.elapsed_ms()
+        if first_of_attempt:
+            first_of_attempt = False
+            hooks.attempt_first_token()
+        if progress.ttft_ms is None:
+            progress.ttft_ms = now_ms
+            hooks.first_token()
+            out.timing.ttft_ms = now_ms
+        progress.tokens.extend(msg.token_ids)
+        progress.chars += len(msg.text)
+        if msg.finish_reason:
+            progress.finish = generate_pb2.FinishReason.Name(msg.finish_reason)
+            out.finish_reason = msg.finish_reason
+            out.stop_reason = msg.stop_reason
+            out.usage.CopyFrom(msg.usage)
+            out.timing.ttft_ms = progress.ttft_ms
+            out.timing.total_ms = now_ms
+            hooks.finished(msg)
+        yield out

@@ -1,0 +1,147 @@
+"""The FastAPI application: OpenAI routes over `pdserve.AsyncClient`, errors mapped from the router's status."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.client import AsyncClient, CompletionChunk
+from pdserve.router.gateway import protocol
+from pdserve.router.gateway.config import GatewayConfig
+from pdserve.router.gateway.errors import APIError, api_error_response, error_body, rpc_error_response, \
+    rpc_error_status
+
+GENERATION_SERVICE = "pdserve.v1.Generation"
+FORWARDED_HEADERS = ("traceparent", "tracestate", "x-priority")  # passed on to the router as gRPC metadata
+
+
+def _metadata(request: Request) -> list[tuple[str, str]]:
+    return [(h, request.headers[h]) for h in FORWARDED_HEADERS if h in request.headers]
+
+
+async def _body(request: Request, model_name: str) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    model = body.get("model")
+    if model != model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    return body
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+def create_app(cfg: GatewayConfig) -> FastAPI:
+    """The gateway app; its router client lives as long as the app (lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with AsyncClient(cfg.router, timeout=cfg.request_timeout_s) as client:
+            app.state.client = client
+            app.state.health_channel = grpc.aio.insecure_channel(cfg.router)
+            try:
+                yield
+            finally:
+                await app.state.health_channel.close()
+
+    app = FastAPI(title="pdserve OpenAI-compatible gateway", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return api_error_response(e)
+
+    @app.exception_handler(grpc.RpcError)
+    async def _rpc_error(_: Request, e: grpc.RpcError) -> JSONResponse:
+        return rpc_error_response(e)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """200 once the router's Generation service answers its health check as SERVING."""
+        stub = health_pb2_grpc.HealthStub(app.state.health_channel)
+        try:
+            r = await stub.Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=2)
+            serving = r.status == health_pb2.HealthCheckResponse.SERVING
+            reason = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+        except grpc.RpcError as e:
+            serving, reason = False, f"router {cfg.router}: {e.code().name}"
+        if serving:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse(error_body(f"not ready: {reason}", "service_unavailable_error"), status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve"}]}
+
+    async def complete(request: Request, chat: bool):
+        body = await _body(request, cfg.model_name)
+        inputs = {"messages": protocol.chat_messages(body)} if chat else protocol.completion_input(body)
+        kw = {**inputs, **protocol.sampling_args(body)}
+        stream, include_usage = protocol.stream_flags(body)
+        rid = uuid.uuid4().hex
+        oid = ("chatcmpl-" if chat else "cmpl-") + rid
+        client: AsyncClient = app.state.client
+        metadata = _metadata(request)
+        if not stream:
+            out = await client.generate(request_id=rid, metadata=metadata, **kw)
+            return JSONResponse(protocol.completion_json(oid, cfg.model_name, out, chat))
+        chunks = client.stream(request_id=rid, metadata=metadata, **kw)
+        try:  # the first chunk decides the HTTP status: errors before it are plain HTTP errors
+            first = await anext(chunks)
+        except grpc.RpcError:
+            await chunks.aclose()
+            raise
+        return StreamingResponse(_events(chunks, first, oid, chat, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(chunks: AsyncIterator[CompletionChunk], first: CompletionChunk, oid: str, chat: bool,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        model = cfg.model_name
+        try:
+            if chat:  # the role comes first, alone, as OpenAI sends it
+                yield _sse(protocol.chunk_json(oid, model, created, chat, "", role=True))
+            chunk: CompletionChunk | None = first
+            usage = None
+            while chunk is not None:
+                if chunk.text:
+                    yield _sse(protocol.chunk_json(oid, model, created, chat, chunk.text))
+                if chunk.finish_reason is not None:
+                    usage = chunk.usage
+                    yield _sse(protocol.chunk_json(oid, model, created, chat, None if chat else "",
+                                                   finish_reason=chunk.finish_reason))
+                chunk = await anext(chunks, None)
+            if include_usage and usage is not None:
+                yield _sse(protocol.usage_chunk_json(oid, model, created, chat, usage))
+            yield _sse("[DONE]")
+        except grpc.RpcError as e:  # after the stream started the status is sent: report it in-band
+            yield _sse(rpc_error_status(e)[1])
+        finally:
+            await chunks.aclose()  # cancels the router call when the HTTP client went away
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    return app

@@ -1,0 +1,150 @@
+"""OpenAI request bodies → SDK call arguments, and SDK results → OpenAI response objects.
+
+Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or up to 4),
+`stream`, `stream_options.include_usage`, `n=1`. Unset parameters keep the pdserve defaults (the SDK's and the
+CLI's: max_tokens 16, temperature 1.0, top_p 1.0). `logprobs`/`top_logprobs` and other parameters that would
+change the output in ways pdserve cannot honour yet are rejected with 400, never silently ignored.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdserve.client import Completion, Usage
+from pdserve.router.gateway.errors import APIError
+
+MAX_STOP = 4
+CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
+# parameters accepted only at their no-op value: name -> that value
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0}
+UNSUPPORTED = ("logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format", "suffix")
+
+
+def _number(body: dict, name: str, kind: type, lo: float | None = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise APIError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
+    if lo is not None and v < lo:
+        raise APIError(400, f"'{name}' must be >= {lo}, got {v}", param=name)
+    return kind(v)
+
+
+def sampling_args(body: dict) -> dict:
+    """The SDK keyword arguments (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`) of an OpenAI body.
+    Range checks beyond the types are the router's (its INVALID_ARGUMENT reasons come back as 400)."""
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0):
+            raise APIError(400, f"'{name}' is not supported yet", param=name)
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) is not None and body[name] != neutral:
+            raise APIError(400, f"'{name}' is not supported (only {neutral!r})", param=name)
+    for name in UNSUPPORTED:
+        if body.get(name):
+            raise APIError(400, f"'{name}' is not supported", param=name)
+    max_tokens = _number(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", int)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
+    if stop is not None and len(stop) > MAX_STOP:
+        raise APIError(400, f"'stop' takes at most {MAX_STOP} strings", param="stop")
+    seed = _number(body, "seed", int, lo=0)
+    return dict(max_tokens=max_tokens, temperature=_number(body, "temperature", float),
+                top_p=_number(body, "top_p", float), seed=seed, stop=stop or None)
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise APIError(400, "'stream' must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    return stream, bool(options.get("include_usage")) and stream
+
+
+def completion_input(body: dict) -> dict:
+    """`prompt=` or `token_ids=` from a /v1/completions `prompt` (a string, token ids, or a batch of one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"token_ids": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+    raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """`messages=` for the SDK: role + text content; the router validates roles against its template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+    return out
+
+
+def usage_json(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def completion_json(rid: str, model: str, out: Completion, chat: bool) -> dict:
+    """A whole `chat.completion` or `text_completion` object."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": out.text}
+    else:
+        choice["text"] = out.text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage_json(out.usage)}
+
+
+def chunk_json(rid: str, model: str, created: int, chat: bool, text: str | None,
+               finish_reason: str | None = None, role: bool = False) -> dict:
+    """One streamed `chat.completion.chunk` / `text_completion` event with a single choice."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def usage_chunk_json(rid: str, model: str, created: int, chat: bool, usage: Usage) -> dict:
+    """The last event of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage_json(usage)}

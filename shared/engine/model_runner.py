@@ -1,0 +1,172 @@
+"""ModelRunner: every tensor of the engine. It resolves the device and dtype, chooses the kernels, loads the
+model, sizes and owns the paged KV pool, picks the attention backend, captures the decode CUDA graphs, and per
+step builds the model inputs, runs the graph or the eager model, and samples on the device with per-request
+generators. It also moves pages in and out of the pool.
+
+The engine (`pdserve.engine.engine`) hands it sequences and integers (page ids, token counts) and never touches
+a tensor, except the logits rows it returns on request (`return_logits`).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, select_backend
+from pdserve.engine.config import CPU_MAX_AUTO_PAGES, EngineConfig, dtype_name, resolve_device, resolve_dtype
+from pdserve.engine.cuda_graphs import make_decode_graph_runner
+from pdserve.engine.kernel_choice import KernelChoice
+from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.loader import ModelConfig
+from pdserve.engine.model import load_model
+from pdserve.engine.sampling import SamplingParams, make_generator, sample, skip_draws
+from pdserve.engine.sequence import Sequence
+from pdserve.kv.payload import PagePayload
+
+log = logging.getLogger("pdserve.engine")
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig):
+        self.cfg = cfg
+        self.model_config = mc = model_config
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, mc.torch_dtype)
+        self.page_size = cfg.page_size
+        self.kernels = KernelChoice.select(cfg, self.device, mc)
+        self.backend, reason = select_backend(cfg.attention_backend, self.device, self.dtype, self.kernels)
+        log.info("attention backend: %s (%s); fused kernels %s, PDL %s", self.backend.name, reason,
+                 self.kernels.fused, self.kernels.pdl)
+        self.model = load_model(cfg.model_dir, mc, self.device, self.dtype, self.kernels)
+
+        self.kv_group_size = min(cfg.kv_group_size, mc.head_dim)
+        if mc.head_dim % self.kv_group_size:
+            raise ValueError(f"kv_group_size {cfg.kv_group_size} does not divide head_dim {mc.head_dim}")
+        self.kv_asymmetric = cfg.kv_asymmetric
+        self.num_pages = cfg.num_pages or self._auto_num_pages()
+        shape = (mc.num_layers, self.num_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.kv_cache: KVCache = Int8KVCache(*shape, self.kv_group_size, cfg.kv_asymmetric, quant=self.kernels) \
+            if cfg.kv_dtype == "int8" else KVCache(*shape, quant=self.kernels)
+        self.graph_runner = make_decode_graph_runner(self.model, self.kv_cache, self.backend, cfg.page_size,
+                                                     cfg.max_num_seqs, min(mc.max_position_embeddings,
+                                                                           cfg.cuda_graph_max_context),
+                                                     self.device, cfg.cuda_graphs)
+        self._seed_rng = torch.Generator().manual_seed(cfg.seed)  # seeds of requests without one
+        self._generators: dict[str, torch.Generator] = {}        # sampled (non-greedy) live requests
+
+    # ---- sizing ------------------------------------------------------------------------------------------
+    def page_bytes(self) -> int:
+        """Bytes of one KV page (all layers, K and V, scales included)."""
+        mc, cfg = self.model_config, self.cfg
+        if cfg.kv_dtype == "int8":
+            return Int8KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim,
+                                              self.kv_group_size, cfg.kv_asymmetric)
+        return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+
+    def _auto_num_pages(self) -> int:
+        """CPU: enough for max_num_seqs full-length sequences, capped. GPU: a fraction of free memory."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            usable = free - (1.0 - self.cfg.gpu_memory_utilization) * total
+            pages = int(usable // self.page_bytes())
+            if pages <= 0:
+                raise RuntimeError(f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free)")
+            return pages
+        per_seq = -(-self.model_config.max_position_embeddings // self.cfg.page_size)
+        return max(1, min(self.cfg.max_num_seqs * per_seq, CPU_MAX_AUTO_PAGES))
+
+    def kv_description(self) -> str:
+        if self.cfg.kv_dtype == "int8":
+            return f"int8(g={self.kv_group_size},{'asym' if self.kv_asymmetric else 'sym'})"
+        return dtype_name(self.dtype)
+
+    # ---- kernels -----------------------------------------------------------------------------------------
+    def set_kernels(self, cfg: EngineConfig) -> None:
+        """Re-choose the kernels from `cfg`'s GPU knobs on the loaded model (the bench compares kernels this way)
+        and re-capture the decode graphs. Model, pool and sizes stay as loaded."""
+        cfg.validate()
+        kernels = KernelChoice.select(cfg, self.device, self.model_config)
+        if self.graph_runner is not None and not kernels.fused:
+            raise ValueError("decode CUDA graphs were captured on the fused path; it cannot be turned off now")
+        self.cfg, self.kernels = cfg, kernels
+        self.model.use_kernels(kernels)
+        self.kv_cache.quant = kernels
+        if self.backend.name == "fa3":
+            self.backend.kernels = kernels
+        if self.graph_runner is not None:
+            self.graph_runner.capture()
+
+    # ---- per-request generators --------------------------------------------------------------------------
+    def add_request(self, request_id: str, sampling: SamplingParams, draws_to_skip: int = 0) -> None:
+        """Seed the request's generator (its own seed, else one drawn from the engine seed) and advance it past
+        `draws_to_skip` tokens sampled elsewhere. Greedy requests draw a seed too (so the seeds of later requests
+        do not depend on which requests were greedy) but keep no generator."""
+        seed = sampling.seed if sampling.seed is not None else \
+            int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        if sampling.greedy:
+            return
+        g = make_generator(seed, self.device)
+        skip_draws(g, self.model_config.vocab_size, draws_to_skip)
+        self._generators[request_id] = g
+
+    def skip_draws(self, request_id: str, n: int) -> None:
+        """Advance a sampled request's generator past `n` tokens (no-op for greedy requests)."""
+        g = self._generators.get(request_id)
+        if g is not None:
+            skip_draws(g, self.model_config.vocab_size, n)
+
+    def drop_request(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    # ---- pages -------------------------------------------------------------------------------------------
+    def check_payload(self, payload: PagePayload) -> None:
+        """Raise InvalidRequest unless `payload` can be imported into this pool."""
+        self.kv_cache.check_payload(payload)
+
+    def import_page(self, physical_page: int, payload: PagePayload) -> None:
+        self.kv_cache.import_page(physical_page, payload)
+
+    def export_page(self, physical_page: int, logical_index: int, num_tokens: int, as_int8: bool,
+                    group_size: int, asymmetric: bool, dense_dtype: torch.dtype | None) -> PagePayload:
+        return self.kv_cache.export_page(physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric,
+                                         dense_dtype)
+
+    # ---- one forward -------------------------------------------------------------------------------------
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int], is_prefill: bool,
+            return_logits: bool) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
+        """Compute `num_new_tokens[i]` tokens of each sequence from its `num_computed_tokens` on (its pages are
+        allocated); sample one token for each row in `sample_rows`. Returns (row -> token, row -> float32
+        logits [V] when `return_logits`)."""
+        ids: list[int] = []
+        for seq, n in zip(seqs, num_new_tokens):
+            ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
+        graph_logits = None  # decode through a captured CUDA graph: logits [B, V] of every sequence
+        graphs = self.graph_runner
+        if graphs is not None and not is_prefill and \
+                graphs.can_run(len(seqs), max(s.num_computed_tokens for s in seqs) + 1):
+            graph_logits = graphs.run(ids, [s.num_computed_tokens for s in seqs], [s.page_table for s in seqs])
+        else:
+            meta = AttentionMetadata([s.num_computed_tokens for s in seqs], list(num_new_tokens),
+                                     [s.page_table for s in seqs], self.page_size, self.device)
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache,
+                                self.backend)  # [T, hidden]
+        if not sample_rows:
+            return {}, {}
+        if graph_logits is not None:  # the graph took the argmax and copied it to the host already
+            logits = graph_logits
+            greedy = graphs.greedy_tokens(len(seqs))
+            greedy = [greedy[i] for i in sample_rows]
+        else:
+            last = list(itertools.accumulate(num_new_tokens))
+            logits = self.model.compute_logits(hidden[[last[i] - 1 for i in sample_rows]])  # [S, V] float32
+            greedy = logits.argmax(dim=-1).tolist()
+        tokens: dict[int, int] = {}
+        rows: dict[int, torch.Tensor] = {}
+        for r, i in enumerate(sample_rows):
+            seq = seqs[i]
+            sp = seq.sampling
+            tokens[i] = greedy[r] if sp.greedy else sample(logits[r], sp, self._generators[seq.request_id])
+            if return_logits:
+                rows[i] = logits[r].clone()
+        return tokens, rows

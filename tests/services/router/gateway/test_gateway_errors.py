@@ -1,0 +1,132 @@
+"""Gateway error mapping and metadata, driven by the official `openai` client against a gateway process whose
+router is a scripted gRPC Generation server (each prompt names the status it answers with)."""
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import openai
+import pytest
+
+from pdserve.cli.launch import start_service, wait_ready
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+class ScriptedRouter(generate_pb2_grpc.GenerationServicer):
+    """Answers `prompt` = a status code name with that status (RESOURCE_EXHAUSTED with a retry-after-ms trailer),
+    `prompt` = "ok" with a two-chunk completion; records the metadata of every call."""
+
+    def __init__(self):
+        self.metadata: list[dict[str, str]] = []
+        self.lock = threading.Lock()
+
+    def GenerateStream(self, request, context):
+        with self.lock:
+            self.metadata.append(dict(context.invocation_metadata()))
+        if request.prompt != "ok":
+            if request.prompt == "RESOURCE_EXHAUSTED":
+                context.set_trailing_metadata((("retry-after-ms", "2500"),))
+            context.abort(grpc.StatusCode[request.prompt], f"scripted {request.prompt}")
+        yield generate_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=[5], text="he")
+        yield generate_pb2.GenerateStreamResponse(
+            request_id=request.request_id, token_ids=[6], text="llo", finish_reason=generate_pb2.FINISH_REASON_LENGTH,
+            usage=generate_pb2.Usage(prompt_tokens=1, completion_tokens=2))
+
+    def Generate(self, request, context):
+        chunks = list(self.GenerateStream(request, context))
+        return generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=[5, 6], text="hello",
+                                             finish_reason=chunks[-1].finish_reason, usage=chunks[-1].usage)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    servicer = ScriptedRouter()
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    proc, ready, log = start_service("gateway", ["--router", f"127.0.0.1:{port}", "--model-name", "m"],
+                                     tmp_path_factory.mktemp("gw-scripted"))
+    try:
+        address = wait_ready(proc, ready, log, timeout=60)
+        yield servicer, openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0, timeout=30)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        server.stop(0)
+
+
+@pytest.mark.parametrize("code,status", [("INVALID_ARGUMENT", 400), ("RESOURCE_EXHAUSTED", 429),
+                                         ("DEADLINE_EXCEEDED", 504), ("UNAVAILABLE", 503), ("INTERNAL", 500),
+                                         ("NOT_FOUND", 500)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_status_mapping(scripted, code, status, stream):
+    _, client = scripted
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model="m", prompt=code, stream=stream)
+    e = info.value
+    assert e.status_code == status
+    assert e.body["message"] == f"scripted {code}" and e.body["code"] == code.lower()
+    if code == "RESOURCE_EXHAUSTED":
+        assert e.response.headers["retry-after"] == "3"  # 2500 ms, rounded up to whole seconds
+    else:
+        assert "retry-after" not in e.response.headers
+
+
+def test_traceparent_passed_on(scripted):
+    servicer, client = scripted
+    out = client.completions.create(model="m", prompt="ok",
+                                    extra_headers={"traceparent": TRACEPARENT, "x-priority": "high"})
+    assert out.choices[0].text == "hello" and out.usage.total_tokens == 3
+    assert servicer.metadata[-1]["traceparent"] == TRACEPARENT and servicer.metadata[-1]["x-priority"] == "high"
+    client.completions.create(model="m", prompt="ok")
+    assert "traceparent" not in servicer.metadata[-1]
+
+
+def test_gateway_rejects_before_calling_the_router(scripted):
+    servicer, client = scripted
+    before = len(servicer.metadata)
+    cases = [dict(n=2), dict(logprobs=1), dict(stop=["a", "b", "c", "d", "e"]), dict(max_tokens="many")]
+    for extra in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="m", prompt="ok", **extra)
+        assert info.value.body["type"] == "invalid_request_error", extra
+    with pytest.raises(openai.BadRequestError, match="not supported yet"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="other", prompt="ok")
+    assert info.value.body["code"] == "model_not_found"
+    assert len(servicer.metadata) == before
+
+
+def test_ready_follows_the_router(scripted, tmp_path):
+    """/health answers while the process runs; /ready only while the router's Generation service is SERVING
+    (the scripted router has no health service: not ready)."""
+    import json
+    import urllib.error
+    import urllib.request
+    _, client = scripted
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{base}/ready", timeout=10)
+    assert info.value.code == 503 and "not ready" in json.loads(info.value.read())["error"]["message"]
+
+
+def test_router_down_is_503(tmp_path):
+    from pdserve.server.grpc_util import free_port
+    proc, ready, log = start_service("gateway", ["--router", f"127.0.0.1:{free_port()}", "--model-name", "m"],
+                                     tmp_path)
+    try:
+        address = wait_ready(proc, ready, log, timeout=60)
+        client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model="m", prompt="ok")
+        assert info.value.status_code == 503
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

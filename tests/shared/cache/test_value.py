@@ -1,0 +1,77 @@
+"""Cached page values (KVPage messages bound to their key): round trip, and every kind of damage is detected."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cache_testutil import DENSE, INT8, make_page, namespace
+from pdserve.cache.value import decode_value, encode_value, value_bytes
+from pdserve.errors import CorruptPage, InvalidRequest
+
+CHAIN = bytes(range(32))
+LAYOUTS = {"int8": INT8, "int8-asym": dataclasses.replace(INT8, asymmetric=True), "float32": DENSE,
+           "bfloat16": dataclasses.replace(DENSE, dtype="bfloat16")}
+NS = namespace(INT8)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_round_trip(name):
+    ns = namespace(LAYOUTS[name])
+    for index in (0, 3, 300):
+        page = make_page(ns.layout, index)
+        buf = encode_value(page, ns, CHAIN)
+        assert len(buf) == value_bytes(ns, index)
+        got = decode_value(buf, ns, CHAIN, index)
+        assert got.page_index == index and got.num_tokens == ns.layout.page_size
+        assert got.group_size == ns.layout.group_size
+        for a, b in ((got.data, page.data), (got.scales, page.scales), (got.zeros, page.zeros)):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+
+
+def test_int8_value_overhead_is_small():
+    page = make_page(INT8, 1)
+    assert page.nbytes < value_bytes(NS, 1) < page.nbytes + 200
+
+
+def test_every_flipped_byte_and_truncation_detected():
+    buf = encode_value(make_page(INT8, 1), NS, CHAIN)
+    for i in range(len(buf)):
+        bad = bytearray(buf)
+        bad[i] ^= 0x5A
+        with pytest.raises(CorruptPage):
+            decode_value(bytes(bad), NS, CHAIN, 1)
+    for n in (0, 3, 100, len(buf) // 2, len(buf) - 1):
+        with pytest.raises(CorruptPage):
+            decode_value(buf[:n], NS, CHAIN, 1)
+    with pytest.raises(CorruptPage):
+        decode_value(buf + b"\0", NS, CHAIN, 1)
+
+
+def test_mismatches_rejected():
+    buf = encode_value(make_page(INT8, 2), NS, CHAIN)
+    with pytest.raises(CorruptPage, match="request id"):  # the value of another key
+        decode_value(buf, NS, bytes(32), 2)
+    with pytest.raises(CorruptPage, match="page"):
+        decode_value(buf, NS, CHAIN, 1)
+    with pytest.raises(CorruptPage, match="layout"):
+        decode_value(buf, namespace(dataclasses.replace(INT8, group_size=8)), CHAIN, 2)
+    with pytest.raises(CorruptPage, match="fingerprint"):
+        decode_value(buf, namespace(INT8, fingerprint="fp-other"), CHAIN, 2)
+    with pytest.raises(CorruptPage, match="not a KV page"):
+        decode_value(b"PICKLE" + buf[6:], NS, CHAIN, 2)
+
+
+def test_encode_refuses_pages_that_do_not_fit():
+    page = make_page(INT8, 0)
+    for bad in (dataclasses.replace(page, num_tokens=INT8.page_size - 1), dataclasses.replace(page, layer_start=1),
+                dataclasses.replace(page, data=page.data[:, :1], scales=page.scales[:, :1])):
+        with pytest.raises(InvalidRequest, match="full pages"):
+            encode_value(bad, NS, CHAIN)
+    with pytest.raises(InvalidRequest):
+        encode_value(make_page(DENSE, 0), NS, CHAIN)
+    with pytest.raises(InvalidRequest):
+        encode_value(page, namespace(DENSE), CHAIN)
+    with pytest.raises(InvalidRequest, match="chain"):
+        encode_value(page, NS, CHAIN[:31])
