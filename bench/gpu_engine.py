@@ -21,13 +21,14 @@ FLOPs of a prefill (the issue's count): 2 * params * tokens + attention 2 * T^2 
 (causal: half of QK^T and PV). Decode roofline: (all weight bytes + KV bytes read) / measured copy bandwidth.
 Prints a table and writes the JSON (keys of issue 6 + details).
 """
+
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
-import dataclasses
 import math
 import os
 import statistics
@@ -43,8 +44,14 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.sampling import SamplingParams
 
-SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-             num_key_value_heads=8, head_dim=128)
+SHAPE = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+)
 DEV = torch.device("cuda")
 RESULTS: dict = {}
 ROWS: list[tuple[str, str, str]] = []  # (figure, value, note) for the final table
@@ -89,7 +96,7 @@ def ceilings() -> tuple[float, float]:
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     ms = cuda_ms(lambda: a @ b, reps=20)
-    mm = 2 * 8192 ** 3 / (ms * 1e-3)
+    mm = 2 * 8192**3 / (ms * 1e-3)
     del a, b
     free_memory()
     row("copy bandwidth (read+write)", f"{copy_bw / 1e12:.2f} TB/s", "device-to-device copy of 2 GiB")
@@ -106,8 +113,16 @@ def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
     from pdserve.models.checkpoints import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=16384, rope_theta=500000.0,
-                      rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **SHAPE)
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        max_position_embeddings=16384,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        **SHAPE,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "bfloat16"
     cfg.save_pretrained(str(out))
@@ -137,13 +152,13 @@ def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
     shard["model.embed_tokens.weight"] = mat(SHAPE["vocab_size"], h, 0.25)
     for i in range(layers):
         p = f"model.layers.{i}."
-        shard[p + "self_attn.q_proj.weight"] = mat(qd, h, h ** -0.5)
-        shard[p + "self_attn.k_proj.weight"] = mat(kvd, h, h ** -0.5)
-        shard[p + "self_attn.v_proj.weight"] = mat(kvd, h, h ** -0.5)
-        shard[p + "self_attn.o_proj.weight"] = mat(h, qd, qd ** -0.5)
-        shard[p + "mlp.gate_proj.weight"] = mat(ffn, h, h ** -0.5)
-        shard[p + "mlp.up_proj.weight"] = mat(ffn, h, h ** -0.5)
-        shard[p + "mlp.down_proj.weight"] = mat(h, ffn, ffn ** -0.5)
+        shard[p + "self_attn.q_proj.weight"] = mat(qd, h, h**-0.5)
+        shard[p + "self_attn.k_proj.weight"] = mat(kvd, h, h**-0.5)
+        shard[p + "self_attn.v_proj.weight"] = mat(kvd, h, h**-0.5)
+        shard[p + "self_attn.o_proj.weight"] = mat(h, qd, qd**-0.5)
+        shard[p + "mlp.gate_proj.weight"] = mat(ffn, h, h**-0.5)
+        shard[p + "mlp.up_proj.weight"] = mat(ffn, h, h**-0.5)
+        shard[p + "mlp.down_proj.weight"] = mat(h, ffn, ffn**-0.5)
         shard[p + "input_layernorm.weight"] = norm()
         shard[p + "post_attention_layernorm.weight"] = norm()
         n_params += sum(t.numel() for k, t in shard.items() if k.startswith(p))
@@ -151,16 +166,17 @@ def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
             n_params += sum(t.numel() for k, t in shard.items() if not k.startswith("model.layers."))
             flush()
     shard["model.norm.weight"] = norm()
-    shard["lm_head.weight"] = mat(SHAPE["vocab_size"], h, h ** -0.5)
+    shard["lm_head.weight"] = mat(SHAPE["vocab_size"], h, h**-0.5)
     n_params += sum(t.numel() for k, t in shard.items() if not k.startswith("model.layers."))
     flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 2 * n_params}, "weight_map": weight_map}, indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 2 * n_params}, "weight_map": weight_map}, indent=1)
+    )
     return n_params
 
 
 def prefill_flops(n_params: int, tokens: int, layers: int) -> float:
-    attn = 2 * tokens ** 2 * SHAPE["head_dim"] * SHAPE["num_attention_heads"] * layers
+    attn = 2 * tokens**2 * SHAPE["head_dim"] * SHAPE["num_attention_heads"] * layers
     return 2 * n_params * tokens + attn
 
 
@@ -182,8 +198,13 @@ def hf_section(model_dir: Path, n_params: int, layers: int, prompts: torch.Tenso
         out["prefill_tflops"] = prefill_flops(n_params, 8192, layers) / (ms * 1e-3) / 1e12
         row("HF prefill 8k (bf16, monolithic)", f"{out['prefill_tflops']:.0f} TFLOP/s", f"{ms:.1f} ms")
         p512 = torch.randint(5, SHAPE["vocab_size"], (1, 512), device=DEV, generator=g)
-        gen = lambda n: m.generate(p512, attention_mask=torch.ones_like(p512), max_new_tokens=n,  # noqa: E731
-                                   min_new_tokens=n, do_sample=False)
+        gen = lambda n: m.generate(
+            p512,
+            attention_mask=torch.ones_like(p512),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
         gen(4)
         times = {}
         for n in (1, 33):
@@ -196,17 +217,19 @@ def hf_section(model_dir: Path, n_params: int, layers: int, prompts: torch.Tenso
         row("HF generate ITL b1 ctx512", f"{out['itl_ms']:.2f} ms", "(t(33 tokens) - t(1)) / 32")
         free_memory()
         mask = torch.ones_like(prompts)
-        out["greedy_bf16"] = m.generate(prompts, attention_mask=mask, max_new_tokens=gen_len, min_new_tokens=gen_len,
-                                        do_sample=False)[:, prompts.shape[1]:].cpu()
+        out["greedy_bf16"] = m.generate(
+            prompts, attention_mask=mask, max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False
+        )[:, prompts.shape[1] :].cpu()
         m.float()
         free_memory()
-        out["greedy_fp32"] = m.generate(prompts, attention_mask=mask, max_new_tokens=gen_len,
-                                        min_new_tokens=gen_len, do_sample=False)[:, prompts.shape[1]:].cpu()
+        out["greedy_fp32"] = m.generate(
+            prompts, attention_mask=mask, max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False
+        )[:, prompts.shape[1] :].cpu()
         full = torch.cat([prompts, out["greedy_fp32"].to(DEV)], 1)[:, :-1]
-        ref = torch.cat([m(full[i:i + 8], logits_to_keep=gen_len).logits.float() for i in range(0, len(full), 8)])
+        ref = torch.cat([m(full[i : i + 8], logits_to_keep=gen_len).logits.float() for i in range(0, len(full), 8)])
         m.to(torch.bfloat16)
         free_memory()
-        bf = torch.cat([m(full[i:i + 8], logits_to_keep=gen_len).logits.float() for i in range(0, len(full), 8)])
+        bf = torch.cat([m(full[i : i + 8], logits_to_keep=gen_len).logits.float() for i in range(0, len(full), 8)])
         out["logits_fp32"] = ref  # [N, gen_len, V] on the GPU
         out["bf16_logit_err"] = rel_err(bf, ref)
         out["bf16_logit_maxabs"] = (bf - ref).abs().max().item()
@@ -228,8 +251,11 @@ def greedy_stats(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     for i in range(n):
         diff = (ours[i] != ref[i]).nonzero()
         first.append(int(diff[0]) if len(diff) else L)
-    return {"exact_match_rate": sum(f == L for f in first) / n, "first_divergence": first,
-            "mean_tokens_before_divergence": sum(first) / n}
+    return {
+        "exact_match_rate": sum(f == L for f in first) / n,
+        "first_divergence": first,
+        "mean_tokens_before_divergence": sum(first) / n,
+    }
 
 
 # ---- 4. kernels -----------------------------------------------------------------------------------------
@@ -256,17 +282,18 @@ def paged_attention_ref(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor
         slots = (table[i].long()[:, None] * ps + torch.arange(ps, device=q.device)).flatten()
         kk = pool[0, slots].double().repeat_interleave(hq // pool.shape[2], 1)
         vv = pool[1, slots].double().repeat_interleave(hq // pool.shape[2], 1)
-        a = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d ** -0.5
+        a = torch.einsum("hd,nhd->hn", q[i].double(), kk) * d**-0.5
         out[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), vv)
     return out
 
 
 def kernel_section(copy_bw: float) -> dict:
+    import flash_attn_interface as fa
+
     from pdserve.engine.kernels import int8_decode_attention as kd
     from pdserve.engine.kernels import kv_quant
     from pdserve.engine.kernels.kv_gather import dequant_pages
     from pdserve.kv import quant as Q
-    import flash_attn_interface as fa
 
     out: dict = {}
     g = torch.Generator(device=DEV).manual_seed(11)
@@ -288,13 +315,18 @@ def kernel_section(copy_bw: float) -> dict:
     qa, sa, za = kv_quant.quantize(xa, 64, True, fast_div=False)
     qf, sf, _ = kv_quant.quantize(x, 64, False, fast_div=True)
     qfa, sfa, zfa = kv_quant.quantize(xa, 64, True, fast_div=True)
-    fast_exact = bool(torch.equal(qf, q) and torch.equal(sf, s) and torch.equal(qfa, qa) and torch.equal(sfa, sa)
-                      and torch.equal(zfa, za))
+    fast_exact = bool(
+        torch.equal(qf, q)
+        and torch.equal(sf, s)
+        and torch.equal(qfa, qa)
+        and torch.equal(sfa, sa)
+        and torch.equal(zfa, za)
+    )
     out["fast_div_bit_equal"] = fast_exact
     row("quantize fast division == div_rn", str(fast_exact), f"{n + xa.numel():,} elements, sym bf16 + asym fp32")
     del qf, sf, qfa, sfa, zfa, xa, qa, sa, za
     sweep = {}
-    for fast in ((False, True) if fast_exact else (False,)):
+    for fast in (False, True) if fast_exact else (False,):
         for br in (16, 32, 64, 128):
             for nw in (4, 8):
                 tq = cuda_ms(lambda: kv_quant.quantize(x, 64, False, br, nw, fast))
@@ -305,11 +337,20 @@ def kernel_section(copy_bw: float) -> dict:
     tq, td = sweep[best_q][0], sweep[best_d][1]
     bq = (2 * n + n + 2 * n // 64) / (tq * 1e-3)
     bd = (n + 2 * n // 64 + 2 * n) / (td * 1e-3)
-    out.update(quant_bw=bq, dequant_bw=bd, quant_bw_fraction=min(bq, bd) / copy_bw, quant_sweep_ms=sweep,
-               quant_best=best_q, dequant_best=best_d)
+    out.update(
+        quant_bw=bq,
+        dequant_bw=bd,
+        quant_bw_fraction=min(bq, bd) / copy_bw,
+        quant_sweep_ms=sweep,
+        quant_best=best_q,
+        dequant_best=best_d,
+    )
     dflt = f"{kv_quant.BLOCK_R}x{kv_quant.NUM_WARPS}{'-fast' if kv_quant.FAST_DIV else ''}"
-    row("quantize bf16->int8 g64", f"{bq / 1e12:.2f} TB/s", f"{bq / copy_bw:.0%} of copy (rows x warps {best_q}; "
-        f"code default {dflt}: {sweep[dflt][0]:.3f} ms vs {tq:.3f})")
+    row(
+        "quantize bf16->int8 g64",
+        f"{bq / 1e12:.2f} TB/s",
+        f"{bq / copy_bw:.0%} of copy (rows x warps {best_q}; code default {dflt}: {sweep[dflt][0]:.3f} ms vs {tq:.3f})",
+    )
     row("dequantize int8->bf16 g64", f"{bd / 1e12:.2f} TB/s", f"{bd / copy_bw:.0%} of copy (rows x warps {best_d})")
     del x, q, s
     free_memory()
@@ -333,38 +374,63 @@ def kernel_section(copy_bw: float) -> dict:
         # fp32 references (dequantized pages for int8; the bf16 pages for dense) on the first sequences
         nb = min(B, 4)
         ref8 = Q.dequantize(q8, s8, None, 64, torch.float32).view(2, P * ps, KVH, D)
-        refs = {name: paged_attention_ref(qq[:nb], pool, table, ps)
-                for name, pool in (("int8", ref8), ("dense", kv.view(2, P * ps, KVH, D)))}
+        refs = {
+            name: paged_attention_ref(qq[:nb], pool, table, ps)
+            for name, pool in (("int8", ref8), ("dense", kv.view(2, P * ps, KVH, D)))
+        }
         del ref8
         for sm in (1, 2):
             splits = kd.default_num_splits(B, KVH, sms, sm)
             int8_variants = ((False, False), (True, False), (False, True))  # (scale_expand, fold_scales)
-            for c0, (ex, fd), mode, args in [(c0, v, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs
-                                             for v in int8_variants] + \
-                    [(c0, (False, False), "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
+            for c0, (ex, fd), mode, args in [
+                (c0, v, "triton_int8", (q8[0], q8[1], s8[0], s8[1])) for c0 in kcfgs for v in int8_variants
+            ] + [(c0, (False, False), "triton_dense", (kv[0], kv[1], None, None)) for c0 in kcfgs]:
                 c = dict(c0, scale_expand=ex, fold_scales=fd)
                 ck = f"bn{c['block_n']}_st{c['num_stages']}_sm{sm}_ex{int(ex)}" + ("_fold" if fd else "")
                 cfg_of[ck] = dict(c, split_mult=sm)
-                fn = lambda: kd.int8_paged_decode(qq, *args, None, None, table, lens, D ** -0.5, splits, **c)  # noqa: E731
+                fn = lambda: kd.int8_paged_decode(qq, *args, None, None, table, lens, D**-0.5, splits, **c)
                 try:
                     e = rel_err(fn()[:nb], refs["int8" if mode == "triton_int8" else "dense"])
                     res = (graph_ms(fn), e) if e < 2e-2 else (float("inf"), e)  # a wrong config never wins
-                except Exception as err:  # noqa: BLE001 - e.g. out of shared memory for this tile shape
+                except Exception as err:
                     log(f"{mode} {ck} {key}: {type(err).__name__}")
                     res = (float("inf"), float("nan"))
                 times[mode].setdefault(ck, {})[key] = res
         for ns in (0, 4):
-            fn = lambda: first(fa.flash_attn_with_kvcache(qq.unsqueeze(1), kv[0], kv[1], cache_seqlens=lens,  # noqa: E731
-                                                          page_table=table, causal=True, num_splits=ns))
-            times["fa3"].setdefault(f"splits{ns}", {})[key] = (graph_ms(fn), rel_err(fn().squeeze(1)[:nb], refs["dense"]))
+            fn = lambda: first(
+                fa.flash_attn_with_kvcache(
+                    qq.unsqueeze(1),
+                    kv[0],
+                    kv[1],
+                    cache_seqlens=lens,
+                    page_table=table,
+                    causal=True,
+                    num_splits=ns,
+                )
+            )
+            times["fa3"].setdefault(f"splits{ns}", {})[key] = (
+                graph_ms(fn),
+                rel_err(fn().squeeze(1)[:nb], refs["dense"]),
+            )
 
         def deq():
             sc = dequant_pages(q8, s8, None, table, lens, torch.bfloat16)
             t2 = torch.arange(B * W, dtype=torch.int32, device=DEV).view(B, W)
-            return first(fa.flash_attn_with_kvcache(qq.unsqueeze(1), sc[0].view(P, ps, KVH, D),
-                                                    sc[1].view(P, ps, KVH, D), cache_seqlens=lens, page_table=t2,
-                                                    causal=True))
-        times["dequant_fa3"].setdefault("default", {})[key] = (graph_ms(deq), rel_err(deq().squeeze(1)[:nb], refs["int8"]))
+            return first(
+                fa.flash_attn_with_kvcache(
+                    qq.unsqueeze(1),
+                    sc[0].view(P, ps, KVH, D),
+                    sc[1].view(P, ps, KVH, D),
+                    cache_seqlens=lens,
+                    page_table=t2,
+                    causal=True,
+                )
+            )
+
+        times["dequant_fa3"].setdefault("default", {})[key] = (
+            graph_ms(deq),
+            rel_err(deq().squeeze(1)[:nb], refs["int8"]),
+        )
         del kv, q8, s8
         free_memory()
 
@@ -374,6 +440,7 @@ def kernel_section(copy_bw: float) -> dict:
         mins = {k: min(v[k][0] for v in per.values()) for k in next(iter(per.values()))}
         name = min(per, key=lambda c: sum(per[c][k][0] / mins[k] for k in mins))
         return name, per[name]
+
     out["decode_attn_sweep"] = times
     chosen = {m: best(m) for m in times}
     out["decode_attn_best"] = {m: c for m, (c, _) in chosen.items()}
@@ -382,12 +449,14 @@ def kernel_section(copy_bw: float) -> dict:
         key = f"b{B}_ctx{ctx}"
         tt = {m: chosen[m][1][key] for m in chosen}
         b_dense, b_int8 = 2 * B * ctx * KVH * D * 2, 2 * B * ctx * KVH * (D + 2 * 2)
-        row(f"decode attn/layer {key} (graph-timed, us)",
+        row(
+            f"decode attn/layer {key} (graph-timed, us)",
             " / ".join(f"{m} {tt[m][0] * 1e3:.1f}" for m in tt),
             f"BW vs copy: fa3 {b_dense / (tt['fa3'][0] * 1e-3) / copy_bw:.0%}, triton-int8 "
             f"{b_int8 / (tt['triton_int8'][0] * 1e-3) / copy_bw:.0%}, triton-dense "
-            f"{b_dense / (tt['triton_dense'][0] * 1e-3) / copy_bw:.0%}; rel err " +
-            ", ".join(f"{m} {tt[m][1]:.1e}" for m in tt))
+            f"{b_dense / (tt['triton_dense'][0] * 1e-3) / copy_bw:.0%}; rel err "
+            + ", ".join(f"{m} {tt[m][1]:.1e}" for m in tt),
+        )
     row("decode attn configs chosen", ", ".join(f"{m}: {c}" for m, (c, _) in chosen.items()), "min of sum t/t_best")
 
     # prefill attention: last 2048-query chunk of an 8k prompt, paged (ps 16) vs contiguous varlen
@@ -398,16 +467,44 @@ def kernel_section(copy_bw: float) -> dict:
     lens = torch.tensor([K], dtype=torch.int32, device=DEV)
     cu_q = torch.tensor([0, T], dtype=torch.int32, device=DEV)
     cu_k = torch.tensor([0, K], dtype=torch.int32, device=DEV)
-    paged = lambda: first(fa.flash_attn_with_kvcache(qq, kv[0], kv[1], cache_seqlens=lens, page_table=table,  # noqa: E731
-                                                     cu_seqlens_q=cu_q, max_seqlen_q=T, causal=True))
-    flat = lambda: first(fa.flash_attn_varlen_func(qq, kv[0].view(K, KVH, D), kv[1].view(K, KVH, D), cu_q, cu_k,  # noqa: E731
-                                                   T, K, causal=True))
+    paged = lambda: first(
+        fa.flash_attn_with_kvcache(
+            qq,
+            kv[0],
+            kv[1],
+            cache_seqlens=lens,
+            page_table=table,
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=T,
+            causal=True,
+        )
+    )
+    flat = lambda: first(
+        fa.flash_attn_varlen_func(
+            qq,
+            kv[0].view(K, KVH, D),
+            kv[1].view(K, KVH, D),
+            cu_q,
+            cu_k,
+            T,
+            K,
+            causal=True,
+        )
+    )
     flops = 4 * T * (K - T / 2) * D * HQ
     tp, tf = cuda_ms(paged), cuda_ms(flat)
-    out["prefill_attn"] = dict(paged_ms=tp, varlen_ms=tf, paged_tflops=flops / tp / 1e9, varlen_tflops=flops / tf / 1e9,
-                               paged_vs_varlen_err=rel_err(paged(), flat()))
-    row("FA3 prefill attn q2048 k8192", f"paged {flops / tp / 1e9:.0f} TFLOP/s, varlen {flops / tf / 1e9:.0f} TFLOP/s",
-        f"outputs agree {out['prefill_attn']['paged_vs_varlen_err']:.1e}")
+    out["prefill_attn"] = dict(
+        paged_ms=tp,
+        varlen_ms=tf,
+        paged_tflops=flops / tp / 1e9,
+        varlen_tflops=flops / tf / 1e9,
+        paged_vs_varlen_err=rel_err(paged(), flat()),
+    )
+    row(
+        "FA3 prefill attn q2048 k8192",
+        f"paged {flops / tp / 1e9:.0f} TFLOP/s, varlen {flops / tf / 1e9:.0f} TFLOP/s",
+        f"outputs agree {out['prefill_attn']['paged_vs_varlen_err']:.1e}",
+    )
     del kv
     free_memory()
 
@@ -417,9 +514,19 @@ def kernel_section(copy_bw: float) -> dict:
     from pdserve.engine.kernels.silu_mul import silu_mul
 
     h, ffn = SHAPE["hidden_size"], SHAPE["intermediate_size"]
-    gcfgs = {f"bn{bn}_bk{bk}_st{st}": dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
-             for bn, bk, st in ((8, 512, 3), (16, 512, 3), (16, 256, 4), (16, 1024, 2), (8, 1024, 2), (32, 1024, 2),
-                                (16, 2048, 2), (8, 2048, 2))}
+    gcfgs = {
+        f"bn{bn}_bk{bk}_st{st}": dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
+        for bn, bk, st in (
+            (8, 512, 3),
+            (16, 512, 3),
+            (16, 256, 4),
+            (16, 1024, 2),
+            (8, 1024, 2),
+            (32, 1024, 2),
+            (16, 2048, 2),
+            (8, 2048, 2),
+        )
+    }
     gt: dict = {"cublas": {}, **{k: {} for k in gcfgs}}
     for name, (n_out, n_in) in {"qkv": (6144, h), "o": (h, h), "gate_up": (2 * ffn, h), "down": (h, ffn)}.items():
         w = torch.randn(n_out, n_in, device=DEV, generator=g).bfloat16()
@@ -433,14 +540,16 @@ def kernel_section(copy_bw: float) -> dict:
                 ok = all(rel_err(gemv(xx[:m], w, None, act=act, **c), ref[:m]) < 1e-2 for m in (1, 3, 4))
                 ok = ok and (not act or torch.equal(gemv(xx[:2], w, None, act=act, **c), gemv(xin[:2], w, None, **c)))
                 gt[k][name] = graph_ms(lambda: gemv(xx[:1], w, None, act=act, **c)) if ok else float("inf")
-            except Exception as ex:  # noqa: BLE001
+            except Exception as ex:
                 log(f"gemv {k} {name}: {type(ex).__name__}")
                 gt[k][name] = float("inf")
         bk = min(gcfgs, key=lambda k: gt[k][name])
-        row(f"GEMV M=1 {name} [{n_out}x{n_in}]" + (" + SwiGLU" if act else ""),
+        row(
+            f"GEMV M=1 {name} [{n_out}x{n_in}]" + (" + SwiGLU" if act else ""),
             f"cuBLAS {gt['cublas'][name] * 1e3:.1f} us, Triton {bk} {gt[bk][name] * 1e3:.1f} us",
             f"cuBLAS {w.numel() * 2 / (gt['cublas'][name] * 1e-3) / copy_bw:.0%} of copy BW, Triton "
-            f"{w.numel() * 2 / (gt[bk][name] * 1e-3) / copy_bw:.0%}")
+            f"{w.numel() * 2 / (gt[bk][name] * 1e-3) / copy_bw:.0%}",
+        )
         del w
     choice, triton_best = {}, {}
     for name in gt["cublas"]:
@@ -451,8 +560,11 @@ def kernel_section(copy_bw: float) -> dict:
     per_layer = sum(gt[min(gcfgs, key=lambda k: gt[k][n])][n] if choice[n] else gt["cublas"][n] for n in choice)
     out["gemv_sweep_ms"] = gt
     out["gemv_choice"] = choice
-    row("decode GEMVs per layer (M=1)", f"cuBLAS {sum(gt['cublas'].values()) * 1e3:.1f} us, chosen "
-        f"{per_layer * 1e3:.1f} us", "Triton for " + (", ".join(n for n in choice if choice[n]) or "none"))
+    row(
+        "decode GEMVs per layer (M=1)",
+        f"cuBLAS {sum(gt['cublas'].values()) * 1e3:.1f} us, chosen {per_layer * 1e3:.1f} us",
+        "Triton for " + (", ".join(n for n in choice if choice[n]) or "none"),
+    )
     free_memory()
     return out
 
@@ -463,19 +575,34 @@ def decode_choice(kern: dict) -> dict:
     chosen = kern["decode_attn_best"]
     parse = kern["decode_attn_configs"].get
     sw = kern["decode_attn_sweep"]
-    total = lambda mode, c: sum(t for t, _ in sw[mode][c].values())  # noqa: E731
-    return dict(int8_config=parse(chosen["triton_int8"]), dense_config=parse(chosen["triton_dense"]),
-                fa3_num_splits=int(chosen["fa3"][6:]),
-                dense_decode="triton" if total("triton_dense", chosen["triton_dense"]) < total("fa3", chosen["fa3"])
-                else "fa3", small_m_gemv=kern.get("gemv_choice"), small_m_gemv_triton=kern.get("gemv_triton_best"))
+    total = lambda mode, c: sum(t for t, _ in sw[mode][c].values())
+    return dict(
+        int8_config=parse(chosen["triton_int8"]),
+        dense_config=parse(chosen["triton_dense"]),
+        fa3_num_splits=int(chosen["fa3"][6:]),
+        dense_decode="triton" if total("triton_dense", chosen["triton_dense"]) < total("fa3", chosen["fa3"]) else "fa3",
+        small_m_gemv=kern.get("gemv_choice"),
+        small_m_gemv_triton=kern.get("gemv_triton_best"),
+    )
 
 
 # ---- 5. engine ------------------------------------------------------------------------------------------
 def make_engine(model_dir: Path, kv: str, num_pages: int, **kw) -> LLMEngine:
     t0 = time.perf_counter()
-    e = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda", page_size=16,
-                               chunk_size=2048, num_pages=num_pages, max_num_seqs=128, kv_dtype=kv,
-                               attention_backend="fa3", **kw))
+    e = LLMEngine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            dtype="bfloat16",
+            device="cuda",
+            page_size=16,
+            chunk_size=2048,
+            num_pages=num_pages,
+            max_num_seqs=128,
+            kv_dtype=kv,
+            attention_backend="fa3",
+            **kw,
+        )
+    )
     r = e.runner
     assert r.kernels.fused and r.backend.name == "fa3" and r.graph_runner is not None
     log(f"engine kv={kv}: load + graph capture {time.perf_counter() - t0:.1f}s")
@@ -485,8 +612,9 @@ def make_engine(model_dir: Path, kv: str, num_pages: int, **kw) -> LLMEngine:
 def forced_logits(e: LLMEngine, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
     rows: dict[str, list[torch.Tensor]] = {}
     for i, (p, f) in enumerate(zip(prompts, forced)):
-        e.add_request(f"tf{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True),
-                      forced_token_ids=f)
+        e.add_request(
+            f"tf{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True), forced_token_ids=f
+        )
     while e.has_unfinished_requests():
         for o in e.step(return_logits=True):
             rows.setdefault(o.request_id, []).append(o.logits)
@@ -546,8 +674,12 @@ def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv
     out["itl_ms_p10_p90"] = (statistics.quantiles(steps, n=10)[0], statistics.quantiles(steps, n=10)[-1])
     roof = (weight_bytes + 597 * kv_token_bytes) / copy_bw * 1e3  # mean context of the 150 timed steps
     out["itl_roofline_ms"] = roof
-    row(f"[{tag}] ITL b1 ctx512", f"{out['itl_ms']:.2f} ms", f"median of 150 steps (p10 {out['itl_ms_p10_p90'][0]:.2f}, "
-        f"p90 {out['itl_ms_p10_p90'][1]:.2f}); roofline {roof:.2f} ms, ratio {out['itl_ms'] / roof:.2f}")
+    row(
+        f"[{tag}] ITL b1 ctx512",
+        f"{out['itl_ms']:.2f} ms",
+        f"median of 150 steps (p10 {out['itl_ms_p10_p90'][0]:.2f}, "
+        f"p90 {out['itl_ms_p10_p90'][1]:.2f}); roofline {roof:.2f} ms, ratio {out['itl_ms'] / roof:.2f}",
+    )
     out["graph_b1_ms"] = cuda_ms(lambda: runner.graphs[1].replay(), reps=20)
     row(f"[{tag}] graph replay b1", f"{out['graph_b1_ms']:.2f} ms", "GPU time of the captured step (no Python)")
     out["host_profile_b1"] = host_profile(e, 20)
@@ -558,9 +690,12 @@ def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv
         out["graph_b1_ms_no_pdl"] = cuda_ms(lambda: runner.graphs[1].replay(), reps=20)
         e.runner.set_kernels(with_pdl)
         out["itl_ms_pdl_again"] = statistics.median(time_decode_steps(e, 160)[10:])
-        row(f"[{tag}] ITL b1 without PDL", f"{out['itl_ms_no_pdl']:.2f} ms",
+        row(
+            f"[{tag}] ITL b1 without PDL",
+            f"{out['itl_ms_no_pdl']:.2f} ms",
             f"graph {out['graph_b1_ms_no_pdl']:.2f} ms vs {out['graph_b1_ms']:.2f} with PDL; "
-            f"with PDL again {out['itl_ms_pdl_again']:.2f} ms")
+            f"with PDL again {out['itl_ms_pdl_again']:.2f} ms",
+        )
     e.abort("itl")
     e.step()
     for i in range(128):
@@ -579,10 +714,20 @@ def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv
         t = statistics.median(steps)
         roof = (weight_bytes + B * ctx * kv_token_bytes) / copy_bw * 1e3
         gpu = cuda_ms(lambda: runner.graphs[B].replay(), reps=10)
-        out[f"b{B}"] = dict(step_ms=t, graph_ms=gpu, roofline_ms=roof, ratio=t / roof, graph_ratio=gpu / roof,
-                            tokens_per_s=B / t * 1e3, mean_context=ctx)
-        row(f"[{tag}] decode b{B} ctx2k step", f"{t:.2f} ms ({B / t * 1e3:.0f} tok/s)",
-            f"roofline {roof:.2f} ms: ratio {t / roof:.2f} (graph replay alone {gpu:.2f} ms, {gpu / roof:.2f})")
+        out[f"b{B}"] = dict(
+            step_ms=t,
+            graph_ms=gpu,
+            roofline_ms=roof,
+            ratio=t / roof,
+            graph_ratio=gpu / roof,
+            tokens_per_s=B / t * 1e3,
+            mean_context=ctx,
+        )
+        row(
+            f"[{tag}] decode b{B} ctx2k step",
+            f"{t:.2f} ms ({B / t * 1e3:.0f} tok/s)",
+            f"roofline {roof:.2f} ms: ratio {t / roof:.2f} (graph replay alone {gpu:.2f} ms, {gpu / roof:.2f})",
+        )
         if B == 128:  # where the host time of a step goes
             out["host_profile_b128"] = host_profile(e, 5)
     for i in range(64):
@@ -629,16 +774,26 @@ def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
     e = make_engine(model_dir, kv, num_pages=18400)
     choice = ctx.get("decode_choice")
     if choice:  # the kernel sweeps' winners (bench/gpu_engine.py kernel_section), then re-capture the graphs
-        e.runner.set_kernels(dataclasses.replace(
-            e.runner.cfg, decode_kernel_config=json.dumps(choice["int8_config" if kv == "int8" else "dense_config"]),
-            dense_decode_kernel=choice["dense_decode"], fa3_num_splits=choice["fa3_num_splits"],
-            gemv_plan=json.dumps(ctx.get("gemv_plan") or choice["small_m_gemv"] or {})))
+        e.runner.set_kernels(
+            dataclasses.replace(
+                e.runner.cfg,
+                decode_kernel_config=json.dumps(choice["int8_config" if kv == "int8" else "dense_config"]),
+                dense_decode_kernel=choice["dense_decode"],
+                fa3_num_splits=choice["fa3_num_splits"],
+                gemv_plan=json.dumps(ctx.get("gemv_plan") or choice["small_m_gemv"] or {}),
+            )
+        )
         if "gemv_plan" not in ctx and choice.get("small_m_gemv_triton"):
             out["gemv_plans_b1_graph_ms"] = choose_gemv_plan(e, choice)
             ctx["gemv_plan"] = e.runner.kernels.gemv  # the int8 engine uses the same
         kc = e.runner.kernels
-        out["decode_settings"] = dict(decode_config=kc.decode_config, dense_decode=kc.dense_decode,
-                                      fa3_num_splits=kc.fa3_num_splits, small_m_gemv=kc.gemv, pdl=kc.pdl)
+        out["decode_settings"] = dict(
+            decode_config=kc.decode_config,
+            dense_decode=kc.dense_decode,
+            fa3_num_splits=kc.fa3_num_splits,
+            small_m_gemv=kc.gemv,
+            pdl=kc.pdl,
+        )
     mc = e.model_config
     kv_token_bytes = e.runner.page_bytes() // e.page_size
     # correctness (teacher-forced logits and greedy) against HF fp32
@@ -650,33 +805,46 @@ def engine_section(model_dir: Path, kv: str, ctx: dict) -> dict:
         out["logit_err_vs_hf_fp32"] = rel_err(ours, hf["logits_fp32"])
         out["logit_maxabs_vs_hf_fp32"] = (ours - hf["logits_fp32"]).abs().max().item()
         del ours
-        row(f"[{kv}] engine vs HF fp32 logits", f"{out['logit_err_vs_hf_fp32']:.2e}",
-            f"rel L2 (HF bf16: {hf['bf16_logit_err']:.2e}); max abs {out['logit_maxabs_vs_hf_fp32']:.3f}")
-        greedy = torch.tensor(e.generate(prompts, SamplingParams(max_tokens=ref_tokens.shape[1], temperature=0.0,
-                                                                 ignore_eos=True)))
+        row(
+            f"[{kv}] engine vs HF fp32 logits",
+            f"{out['logit_err_vs_hf_fp32']:.2e}",
+            f"rel L2 (HF bf16: {hf['bf16_logit_err']:.2e}); max abs {out['logit_maxabs_vs_hf_fp32']:.3f}",
+        )
+        greedy = torch.tensor(
+            e.generate(prompts, SamplingParams(max_tokens=ref_tokens.shape[1], temperature=0.0, ignore_eos=True))
+        )
         out["greedy_vs_hf_fp32"] = greedy_stats(greedy, ref_tokens)
         out["greedy_vs_hf_bf16"] = greedy_stats(greedy, hf["greedy_bf16"])
         out["hf_bf16_greedy_vs_hf_fp32"] = greedy_stats(hf["greedy_bf16"], ref_tokens)
         gs = out["greedy_vs_hf_fp32"]
-        row(f"[{kv}] greedy exact match vs HF fp32", f"{gs['exact_match_rate']:.2%}",
+        row(
+            f"[{kv}] greedy exact match vs HF fp32",
+            f"{gs['exact_match_rate']:.2%}",
             f"mean first divergence {gs['mean_tokens_before_divergence']:.1f}/64; HF bf16 vs fp32: "
             f"{out['hf_bf16_greedy_vs_hf_fp32']['exact_match_rate']:.2%}, "
-            f"{out['hf_bf16_greedy_vs_hf_fp32']['mean_tokens_before_divergence']:.1f}/64")
+            f"{out['hf_bf16_greedy_vs_hf_fp32']['mean_tokens_before_divergence']:.1f}/64",
+        )
     # prefill 8k (chunk 2048)
     ids = torch.randint(5, SHAPE["vocab_size"], (8192,), generator=g).tolist()
     flops = prefill_flops(ctx["n_params"], 8192, mc.num_layers)
     ms = time_prefill(e, ids)
     out["prefill_ms"], out["prefill_tflops"] = ms, flops / (ms * 1e-3) / 1e12
-    row(f"[{kv}] engine prefill 8k chunk 2048", f"{out['prefill_tflops']:.0f} TFLOP/s",
-        f"{ms:.1f} ms wall; {out['prefill_tflops'] * 1e12 / ctx['matmul']:.0%} of matmul ceiling")
+    row(
+        f"[{kv}] engine prefill 8k chunk 2048",
+        f"{out['prefill_tflops']:.0f} TFLOP/s",
+        f"{ms:.1f} ms wall; {out['prefill_tflops'] * 1e12 / ctx['matmul']:.0%} of matmul ceiling",
+    )
     if not e.runner.kv_cache.quantized:
         paged = e.runner.cfg
         e.runner.set_kernels(dataclasses.replace(paged, dense_prefill_kernel="gather"))
         ms2 = time_prefill(e, ids)
         e.runner.set_kernels(paged)
         out["prefill_gather_tflops"] = flops / (ms2 * 1e-3) / 1e12
-        row(f"[{kv}] engine prefill 8k, gather+varlen attention", f"{out['prefill_gather_tflops']:.0f} TFLOP/s",
-            f"{ms2:.1f} ms")
+        row(
+            f"[{kv}] engine prefill 8k, gather+varlen attention",
+            f"{out['prefill_gather_tflops']:.0f} TFLOP/s",
+            f"{ms2:.1f} ms",
+        )
     weight_bytes = ctx["n_params"] * 2
     out["decode"] = decode_section(e, f"{kv}", ctx["copy_bw"], weight_bytes, kv_token_bytes, g)
     out["profile_b1"] = profile_decode(e, kv)
@@ -697,8 +865,11 @@ def capacity_gain() -> dict:
     L, KVH, D, ps = 32, SHAPE["num_key_value_heads"], SHAPE["head_dim"], 16
     dense = int(budget // KVCache.bytes_per_page(L, ps, KVH, D, torch.bfloat16)) // (4096 // ps)
     int8 = int(budget // Int8KVCache.bytes_per_page(L, ps, KVH, D, 64, False)) // (4096 // ps)
-    row("KV capacity at ctx 4k", f"bf16 {dense} seqs, int8 {int8} seqs", f"gain {int8 / dense:.3f}x "
-        f"(budget {budget / 2**30:.1f} GiB, 8B weights not loaded)")
+    row(
+        "KV capacity at ctx 4k",
+        f"bf16 {dense} seqs, int8 {int8} seqs",
+        f"gain {int8 / dense:.3f}x (budget {budget / 2**30:.1f} GiB, 8B weights not loaded)",
+    )
     return dict(budget_gib=budget / 2**30, dense_seqs=dense, int8_seqs=int8, gain=int8 / dense)
 
 
@@ -707,7 +878,7 @@ def git_commit() -> str:
         return os.environ["PDSERVE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - no git on the device machine
+    except Exception:
         return "unknown"
 
 
@@ -724,8 +895,10 @@ def main() -> None:
     shm_ok = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 24e9
     model_dir = Path(args.model_dir or ("/dev/shm" if shm_ok else "/tmp") + "/llama3-8b-random")
     props = torch.cuda.get_device_properties(DEV)
-    device = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, torch " \
-             f"{torch.__version__}, CUDA {torch.version.cuda}"
+    device = (
+        f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, torch "
+        f"{torch.__version__}, CUDA {torch.version.cuda}"
+    )
     log(f"device: {device}")
     copy_bw, matmul = ceilings()
     t0 = time.perf_counter()
@@ -734,16 +907,18 @@ def main() -> None:
     ctx = dict(n_params=n_params, copy_bw=copy_bw, matmul=matmul)
     g = torch.Generator(device=DEV).manual_seed(3)
     ctx["prompts"] = torch.randint(5, SHAPE["vocab_size"], (64, 64), device=DEV, generator=g)
+
     def section(name: str, fn):
         try:
             return fn()
-        except Exception:  # noqa: BLE001 - report and go on: the other figures still come back
+        except Exception:
             import traceback
 
             traceback.print_exc()
             log(f"SECTION {name} FAILED")
             RESULTS.setdefault("failed", []).append(name)
             return {}
+
     if not args.skip_hf:
         ctx["hf"] = section("hf", lambda: hf_section(model_dir, n_params, args.layers, ctx["prompts"], 64))
     RESULTS["capacity"] = section("capacity", capacity_gain)
@@ -766,12 +941,18 @@ def main() -> None:
         "greedy_match_rate": eb.get("greedy_vs_hf_fp32", {}).get("exact_match_rate"),
         "logit_err_vs_hf_fp32": eb.get("logit_err_vs_hf_fp32"),
         "hf_bf16_logit_err_vs_fp32": hf.get("bf16_logit_err"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "device": device,
     }
-    details = {"layers": args.layers, "n_params": n_params, "copy_bw": copy_bw, "matmul_flops": matmul,
-               "hf": {k: v for k, v in hf.items() if not isinstance(v, torch.Tensor)}, **RESULTS}
+    details = {
+        "layers": args.layers,
+        "n_params": n_params,
+        "copy_bw": copy_bw,
+        "matmul_flops": matmul,
+        "hf": {k: v for k, v in hf.items() if not isinstance(v, torch.Tensor)},
+        **RESULTS,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({**summary, "details": details}, indent=1, default=str))
     print("\n| figure | value | note |\n|---|---|---|")

@@ -12,6 +12,7 @@ in the 8B-shaped engine at batch 128 / context 2k.
    weight + int8 KV bytes over the measured copy bandwidth.
 Reuses bench/gpu_engine.py's checkpoint writer and timers; prints a table and writes the JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_engine as ge  # noqa: E402 - bench/ is not a package
+import gpu_engine as ge
 
 DEV = ge.DEV
 
@@ -38,9 +39,14 @@ def kernel_sweep(copy_bw: float) -> dict:
     ps, KVH, D, HQ = 16, 8, 128, 32
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     g = torch.Generator(device=DEV).manual_seed(21)
-    variants = {f"{v}_bn{bn}_st{st}": dict(block_n=bn, num_stages=st, num_warps=4, scale_expand=v == "expand",
-                                          fold_scales=v == "fold")
-                for v in ("tile", "expand", "fold") for bn in (64, 128) for st in (2, 3)}
+    variants = {
+        f"{v}_bn{bn}_st{st}": dict(
+            block_n=bn, num_stages=st, num_warps=4, scale_expand=v == "expand", fold_scales=v == "fold"
+        )
+        for v in ("tile", "expand", "fold")
+        for bn in (64, 128)
+        for st in (2, 3)
+    }
     out: dict = {}
     for B, ctx in ((1, 512), (64, 2048), (128, 2048)):
         W, key = ctx // ps, f"b{B}_ctx{ctx}"
@@ -57,21 +63,52 @@ def kernel_sweep(copy_bw: float) -> dict:
         splits = kd.default_num_splits(B, KVH, sms, 2)
         res = {}
         for name, c in variants.items():
-            fn = lambda: kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens,  # noqa: E731
-                                              D ** -0.5, splits, **c)
+            fn = lambda: kd.int8_paged_decode(
+                qq,
+                q8[0],
+                q8[1],
+                s8[0],
+                s8[1],
+                None,
+                None,
+                table,
+                lens,
+                D**-0.5,
+                splits,
+                **c,
+            )
             err = ge.rel_err(fn()[:nb], ref)
             res[name] = (ge.graph_ms(fn) if err < 2e-2 else float("inf"), err)
-        dense = lambda: kd.int8_paged_decode(qq, kv[0], kv[1], None, None, None, None, table, lens,  # noqa: E731
-                                             D ** -0.5, kd.default_num_splits(B, KVH, sms, 2),
-                                             **{k: v for k, v in kd.DENSE_CONFIG.items() if k != "split_mult"})
+        dense = lambda: kd.int8_paged_decode(
+            qq,
+            kv[0],
+            kv[1],
+            None,
+            None,
+            None,
+            None,
+            table,
+            lens,
+            D**-0.5,
+            kd.default_num_splits(B, KVH, sms, 2),
+            **{k: v for k, v in kd.DENSE_CONFIG.items() if k != "split_mult"},
+        )
         res["dense_bf16"] = (ge.graph_ms(dense), 0.0)
         out[key] = res
         b_int8 = 2 * B * ctx * KVH * (D + 2 * 2)
-        best = {v: min((k for k in variants if k.startswith(v)), key=lambda k: res[k][0]) for v in ("tile", "expand", "fold")}
-        ge.row(f"int8 decode attn/layer {key} (us)", " / ".join(f"{b} {res[b][0] * 1e3:.1f}" for b in best.values()) +
-               f" / dense-bf16 {res['dense_bf16'][0] * 1e3:.1f}",
-               "BW vs copy: " + ", ".join(f"{v} {b_int8 / (res[b][0] * 1e-3) / copy_bw:.0%}" for v, b in best.items()) +
-               "; rel err " + ", ".join(f"{v} {res[b][1]:.1e}" for v, b in best.items()))
+        best = {
+            v: min((k for k in variants if k.startswith(v)), key=lambda k: res[k][0])
+            for v in ("tile", "expand", "fold")
+        }
+        ge.row(
+            f"int8 decode attn/layer {key} (us)",
+            " / ".join(f"{b} {res[b][0] * 1e3:.1f}" for b in best.values())
+            + f" / dense-bf16 {res['dense_bf16'][0] * 1e3:.1f}",
+            "BW vs copy: "
+            + ", ".join(f"{v} {b_int8 / (res[b][0] * 1e-3) / copy_bw:.0%}" for v, b in best.items())
+            + "; rel err "
+            + ", ".join(f"{v} {res[b][1]:.1e}" for v, b in best.items()),
+        )
         del kv, q8, s8
         ge.free_memory()
     return out
@@ -103,8 +140,11 @@ def engine_ab(model_dir: Path, fold_cfg: dict, copy_bw: float, weight_bytes: int
     for name in times:
         t = statistics.median(times[name])
         out[name] = dict(step_ms=t, graph_ms=min(graph[name]), ratio=t / roof, tokens_per_s=128 / t * 1e3)
-        ge.row(f"engine int8 decode b128 ctx2k, {name}", f"{t:.2f} ms/step ({128 / t * 1e3:.0f} tok/s)",
-               f"graph {min(graph[name]):.2f} ms; roofline {roof:.2f} ms: ratio {t / roof:.2f}")
+        ge.row(
+            f"engine int8 decode b128 ctx2k, {name}",
+            f"{t:.2f} ms/step ({128 / t * 1e3:.0f} tok/s)",
+            f"graph {min(graph[name]):.2f} ms; roofline {roof:.2f} ms: ratio {t / roof:.2f}",
+        )
     return out
 
 
@@ -123,9 +163,14 @@ def main() -> None:
     n_params = ge.write_checkpoint(Path(args.model_dir), 32)
     ge.log(f"checkpoint written in {time.perf_counter() - t0:.1f}s")
     engine = engine_ab(Path(args.model_dir), fold_cfg, copy_bw, n_params * 2)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": ge.git_commit(), "device": torch.cuda.get_device_name(DEV), "copy_bw": copy_bw,
-              "kernel_ms_err": sweep, "engine_b128": engine}
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": ge.git_commit(),
+        "device": torch.cuda.get_device_name(DEV),
+        "copy_bw": copy_bw,
+        "kernel_ms_err": sweep,
+        "engine_b128": engine,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print("\n| figure | value | note |\n|---|---|---|")

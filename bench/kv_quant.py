@@ -7,6 +7,7 @@ K/V are captured from the HF forward's cache on held-out corpus text (K after Ro
 Throughput: quantize / dequantize of a --mb MiB float32 K/V tensor (the real K/V tiled), in GB/s of dense
 input (quantize) or dense output (dequantize), beside torch.clone of the same bytes in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,16 +53,22 @@ def main() -> None:
     head_dim = kv.shape[-1]
     groups = [g for g in (16, 32, 64, 128) if head_dim % g == 0]
     print(f"model {model}: K/V {tuple(kv.shape)} float32, torch threads {torch.get_num_threads()}")
-    print(f"\nround-trip error (mean abs / max abs / relative = mean|err| / mean|x|), bytes per token-head "
-          f"vs {head_dim * 2} bf16")
-    print(f"{'g':>4} {'mode':>5} {'bytes':>6} {'ratio':>6} | {'K mean':>8} {'K max':>8} {'K rel':>7} | "
-          f"{'V mean':>8} {'V max':>8} {'V rel':>7}")
+    print(
+        f"\nround-trip error (mean abs / max abs / relative = mean|err| / mean|x|), bytes per token-head "
+        f"vs {head_dim * 2} bf16"
+    )
+    print(
+        f"{'g':>4} {'mode':>5} {'bytes':>6} {'ratio':>6} | {'K mean':>8} {'K max':>8} {'K rel':>7} | "
+        f"{'V mean':>8} {'V max':>8} {'V rel':>7}"
+    )
     for g in groups:
         for asym in (False, True):
             nb = bytes_per_token_head(head_dim, g, asym)
             k, v = error_row(kv[0], g, asym), error_row(kv[1], g, asym)
-            print(f"{g:>4} {'asym' if asym else 'sym':>5} {nb:>6} {nb / (2 * head_dim):>6.3f} | "
-                  f"{k[0]:>8.5f} {k[1]:>8.5f} {k[2]:>7.4%} | {v[0]:>8.5f} {v[1]:>8.5f} {v[2]:>7.4%}")
+            print(
+                f"{g:>4} {'asym' if asym else 'sym':>5} {nb:>6} {nb / (2 * head_dim):>6.3f} | "
+                f"{k[0]:>8.5f} {k[1]:>8.5f} {k[2]:>7.4%} | {v[0]:>8.5f} {v[1]:>8.5f} {v[2]:>7.4%}"
+            )
 
     reps = max(1, (args.mb << 20) // (kv.numel() * 4))
     big = kv.repeat(1, 1, reps, 1, 1).contiguous()  # tiled real K/V

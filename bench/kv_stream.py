@@ -6,18 +6,18 @@ A real gRPC server streams encoded KVPage messages (the Prefill RPC's wire forma
 client that verifies and decodes every page (pdserve.kv.codec.decode_page), as decode does. Default shape:
 one Llama-3-8B int8 page (all 32 layers) ≈ 1.06 MB per message.
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
 
-import grpc
 import torch
 
-from pdserve.server.grpc_util import bind, channel, make_server
 from pdserve.kv.codec import KVLayoutSpec, decode_page, encode_page
 from pdserve.kv.payload import PagePayload, quantize_payload
+from pdserve.server.grpc_util import bind, channel, make_server
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 
@@ -45,9 +45,14 @@ def main() -> None:
     shape = (2, args.layers, args.page_size, args.kv_heads, args.head_dim)
     rows = []
     for dtype in ("int8", "bfloat16"):
-        layout = KVLayoutSpec(dtype=dtype, page_size=args.page_size, num_layers=args.layers,
-                              num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                              group_size=64 if dtype == "int8" else 0)
+        layout = KVLayoutSpec(
+            dtype=dtype,
+            page_size=args.page_size,
+            num_layers=args.layers,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            group_size=64 if dtype == "int8" else 0,
+        )
         dense = PagePayload(0, args.page_size, 0, torch.randn(shape).to(torch.bfloat16), None, None)
         msgs = []
         for i in range(args.pages):
@@ -64,11 +69,13 @@ def main() -> None:
             stub = internal_pb2_grpc.PrefillStub(ch)
             for _ in range(args.repeats + 1):
                 t0 = time.perf_counter()
-                for msg in stub.Prefill(iter([internal_pb2.PrefillClientMessage(
-                        request=internal_pb2.PrefillRequest(request_id="bench"))])):
+                for msg in stub.Prefill(
+                    iter([internal_pb2.PrefillClientMessage(request=internal_pb2.PrefillRequest(request_id="bench"))])
+                ):
                     if msg.HasField("page"):
-                        decode_page(msg.page, expected_layout=layout, expected_fingerprint="f",
-                                    expected_request_id="bench")
+                        decode_page(
+                            msg.page, expected_layout=layout, expected_fingerprint="f", expected_request_id="bench"
+                        )
                 times.append(time.perf_counter() - t0)
         server.stop(0)
         med = statistics.median(times[1:])
@@ -80,7 +87,9 @@ def main() -> None:
         t0 = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
-    rows.append(("memcpy (torch copy_, same bytes as int8 run)", rows[0][1], src.numel() / statistics.median(times[1:]) / 1e9))
+    rows.append(
+        ("memcpy (torch copy_, same bytes as int8 run)", rows[0][1], src.numel() / statistics.median(times[1:]) / 1e9)
+    )
     print(f"{'path':52s} {'bytes/page':>11s} {'GB/s':>8s}")
     for name, b, gbs in rows:
         print(f"{name:52s} {b:11d} {gbs:8.2f}")

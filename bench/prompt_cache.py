@@ -9,6 +9,7 @@ Model: a random-weight Llama large enough for prefill to dominate TTFT on CPU (h
 16), the prefill on a private redis-server (allkeys-lru) with its local tier off, so every hit is read from Redis
 (the cross-instance case).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,21 +28,27 @@ import torch
 
 import pdserve
 from pdserve.cache.keys import CacheNamespace
-from pdserve.cache.value import value_bytes
 from pdserve.cache.prompt_cache import PromptCache
-from pdserve.testing.redis_server import RedisServer
 from pdserve.cache.redis_store import RedisStore
-from pdserve.models.checkpoints import build_checkpoint
+from pdserve.cache.value import value_bytes
+from pdserve.cli.launch import start_stack
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import PagePayload, quantize_payload
-from pdserve.cli.launch import start_stack
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.testing.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kv_stream import StreamingPrefill  # noqa: E402 - a sibling bench script: the gRPC page stream server
+from kv_stream import StreamingPrefill
 
 PAGE = 16
-SHAPES = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=4, max_position_embeddings=8192)
+SHAPES = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=8192,
+)
 LLAMA8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)
 
 
@@ -50,8 +57,9 @@ def rand_tokens(n: int, seed: int) -> list[int]:
 
 
 def layout(num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayoutSpec:
-    return KVLayoutSpec(dtype="int8", page_size=PAGE, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, group_size=64)
+    return KVLayoutSpec(
+        dtype="int8", page_size=PAGE, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, group_size=64
+    )
 
 
 def synthetic_pages(lay: KVLayoutSpec, n: int) -> list[PagePayload]:
@@ -98,12 +106,14 @@ def ttft_table(router: str, rds, prompt_len: int, repeats: int) -> dict[str, tup
     measured requests add fresh random suffixes and run round-robin over the scenarios, so that load from other
     work on the host affects all three alike."""
     scenarios = {"cold": 0.0, "50pct": 0.5, "90pct": 0.9}
-    prefixes = {name: rand_tokens(int(prompt_len * frac) // PAGE * PAGE, 1000 + i)
-                for i, (name, frac) in enumerate(scenarios.items())}
+    prefixes = {
+        name: rand_tokens(int(prompt_len * frac) // PAGE * PAGE, 1000 + i)
+        for i, (name, frac) in enumerate(scenarios.items())
+    }
     runs: dict[str, list[tuple[float, int]]] = {name: [] for name in scenarios}
     with pdserve.Client(router, timeout=600) as c:
         ttft(c, rand_tokens(64, 0))  # warm-up
-        for name, prefix in prefixes.items():
+        for prefix in prefixes.values():
             if prefix:  # one request caches the prefix (its pages are written back asynchronously)
                 before = rds.dbsize()
                 ttft(c, prefix + rand_tokens(prompt_len - len(prefix), 2000))
@@ -114,15 +124,19 @@ def ttft_table(router: str, rds, prompt_len: int, repeats: int) -> dict[str, tup
     out = {}
     for name, rs in runs.items():
         out[name] = (statistics.median(t for t, _ in rs), min(cached for _, cached in rs))
-        print(f"  {name:6s} TTFT median {out[name][0]:8.1f} ms  (cached tokens {out[name][1]}, "
-              f"runs {', '.join(f'{t:.0f}' for t, _ in rs)})", flush=True)
+        print(
+            f"  {name:6s} TTFT median {out[name][0]:8.1f} ms  (cached tokens {out[name][1]}, "
+            f"runs {', '.join(f'{t:.0f}' for t, _ in rs)})",
+            flush=True,
+        )
     print(f"  (host load average during the runs: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     return out
 
 
 # ---- lookup, bytes, decode-fetch decision (in-process against the same Redis) -----------------------------------
-def filled_cache(url: str, lay: KVLayoutSpec, tokens: list[int], local_bytes: int = 0) -> tuple[PromptCache,
-                                                                                                 CacheNamespace]:
+def filled_cache(
+    url: str, lay: KVLayoutSpec, tokens: list[int], local_bytes: int = 0
+) -> tuple[PromptCache, CacheNamespace]:
     cache = PromptCache(RedisStore(url, timeout_s=10.0), local_bytes=local_bytes, write_queue=1 << 16)
     ns = CacheNamespace("bench", lay)
     for k, p in zip(ns.page_keys(tokens), synthetic_pages(lay, len(tokens) // PAGE)):
@@ -138,6 +152,7 @@ def lookup_ms(url: str, lay: KVLayoutSpec, n_tokens: int, repeats: int, local: b
 
     def once():
         assert cache.lookup(ns, tokens, want).num_pages == want
+
     ms = median_ms(once, repeats)
     cache.close()
     return ms
@@ -145,12 +160,14 @@ def lookup_ms(url: str, lay: KVLayoutSpec, n_tokens: int, repeats: int, local: b
 
 def stream_ms(lay: KVLayoutSpec, n_pages: int, repeats: int) -> float:
     """The same pages over a real loopback gRPC Prefill stream, verified and decoded (today's decode path)."""
-    from pdserve.server.grpc_util import bind, channel, make_server
     from pdserve.kv.codec import decode_page, encode_page
+    from pdserve.server.grpc_util import bind, channel, make_server
     from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
-    msgs = [encode_page(p, request_id="b", seq_no=i, layout=lay, fingerprint="f")
-            for i, p in enumerate(synthetic_pages(lay, n_pages))]
+    msgs = [
+        encode_page(p, request_id="b", seq_no=i, layout=lay, fingerprint="f")
+        for i, p in enumerate(synthetic_pages(lay, n_pages))
+    ]
     server = make_server(4, 16)
     internal_pb2_grpc.add_PrefillServicer_to_server(StreamingPrefill(msgs), server)
     port = bind(server, "127.0.0.1", 0)
@@ -163,6 +180,7 @@ def stream_ms(lay: KVLayoutSpec, n_pages: int, repeats: int) -> float:
             for m in stub.Prefill(iter([req])):
                 if m.HasField("page"):
                     decode_page(m.page, expected_layout=lay, expected_fingerprint="f", expected_request_id="b")
+
         ms = median_ms(once, repeats)
     server.stop(0)
     return ms
@@ -174,8 +192,16 @@ def suffix_ms(model: Path, url: str, prompt_len: int, cached_tokens: int, repeat
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.sampling import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model_dir=str(model), device="cpu", dtype="float32", page_size=PAGE,
-                                 num_pages=prompt_len // PAGE + 2, max_num_seqs=1))
+    eng = LLMEngine(
+        EngineConfig(
+            model_dir=str(model),
+            device="cpu",
+            dtype="float32",
+            page_size=PAGE,
+            num_pages=prompt_len // PAGE + 2,
+            max_num_seqs=1,
+        )
+    )
     mc = eng.model_config
     cache, ns = filled_cache(url, layout(mc.num_layers, mc.num_kv_heads, mc.head_dim), rand_tokens(prompt_len, 5))
     prompt = rand_tokens(prompt_len, 5)
@@ -183,17 +209,18 @@ def suffix_ms(model: Path, url: str, prompt_len: int, cached_tokens: int, repeat
     cache.close()
 
     def once():
-        eng.add_request("s", prompt, SamplingParams(max_tokens=1, temperature=0), prefill_only=True,
-                        cached_pages=pages)
+        eng.add_request("s", prompt, SamplingParams(max_tokens=1, temperature=0), prefill_only=True, cached_pages=pages)
         while not any(o.finished for o in eng.step()):
             pass
         eng.release("s")
+
     return median_ms(once, repeats)
 
 
 def bytes_per_token(url: str, lay: KVLayoutSpec) -> tuple[float, float]:
     """(value bytes, Redis MEMORY USAGE bytes) per cached token, measured on stored pages."""
     import redis
+
     tokens = rand_tokens(8 * PAGE, 3)
     cache, ns = filled_cache(url, lay, tokens)
     r = redis.Redis.from_url(url)
@@ -210,9 +237,12 @@ def local_tier_workload(url: str, lay: KVLayoutSpec, local_mb: float, requests: 
     """Two prefill instances (PromptCaches) share Redis; 8 system prompts of 1024 tokens with Zipf(1.1)
     popularity + a unique 256-token suffix per request, requests alternate between the instances."""
     import redis
+
     redis.Redis.from_url(url).flushall()
-    caches = [PromptCache(RedisStore(url, timeout_s=10.0), local_bytes=int(local_mb * 2**20), write_queue=1 << 16)
-              for _ in range(2)]
+    caches = [
+        PromptCache(RedisStore(url, timeout_s=10.0), local_bytes=int(local_mb * 2**20), write_queue=1 << 16)
+        for _ in range(2)
+    ]
     ns = CacheNamespace("bench-local", lay)
     systems = [rand_tokens(1024, 500 + i) for i in range(8)]
     weights = torch.tensor([1 / (i + 1) ** 1.1 for i in range(8)])
@@ -232,8 +262,11 @@ def local_tier_workload(url: str, lay: KVLayoutSpec, local_mb: float, requests: 
     for c in caches:
         c.close()
     asked = sum(s["lookup_pages"] for s in snaps)
-    return dict(hit_ratio=sum(s["hits"] for s in snaps) / asked, local_ratio=sum(s["local_hits"] for s in snaps) / asked,
-                lookup_ms=statistics.mean(times))
+    return dict(
+        hit_ratio=sum(s["hits"] for s in snaps) / asked,
+        local_ratio=sum(s["local_hits"] for s in snaps) / asked,
+        lookup_ms=statistics.mean(times),
+    )
 
 
 # ---- quality of prefill over an int8 cached prefix ---------------------------------------------------------------
@@ -252,19 +285,32 @@ def quality(work: Path) -> None:
     ids = AutoTokenizer.from_pretrained(str(model))(split_corpus()[1])["input_ids"]
     n_prompt, n_forced, n_cases = 112, 64, 8
     stride = (len(ids) - 200) // n_cases
-    cases = [(ids[i * stride:i * stride + n_prompt], ids[i * stride + n_prompt:i * stride + n_prompt + n_forced])
-             for i in range(n_cases)]
+    cases = [
+        (ids[i * stride : i * stride + n_prompt], ids[i * stride + n_prompt : i * stride + n_prompt + n_forced])
+        for i in range(n_cases)
+    ]
 
     def eng(kv: str) -> LLMEngine:
-        return LLMEngine(EngineConfig(model_dir=str(model), device="cpu", page_size=PAGE, chunk_size=64,
-                                      num_pages=64, max_num_seqs=1, kv_dtype=kv))
+        return LLMEngine(
+            EngineConfig(
+                model_dir=str(model),
+                device="cpu",
+                page_size=PAGE,
+                chunk_size=64,
+                num_pages=64,
+                max_num_seqs=1,
+                kv_dtype=kv,
+            )
+        )
+
     pre = eng("auto")
     greedy = SamplingParams(max_tokens=n_forced, temperature=0.0, ignore_eos=True)
 
     def prefill(prompt, kv, cached=None) -> tuple[list[PagePayload], torch.Tensor]:
         """(pages as shipped: the cached ones as stored + the computed ones, first-token logits)."""
-        pre.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True,
-                        cached_pages=cached)
+        pre.add_request(
+            "p", prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True, cached_pages=cached
+        )
         row = None
         while row is None:
             row = next((o.logits for o in pre.step(return_logits=True) if o.finished), None)
@@ -276,7 +322,7 @@ def quality(work: Path) -> None:
     def decode(de: LLMEngine, prompt, forced, pages) -> torch.Tensor:
         de.begin_import("d", prompt, greedy)
         de._seqs["d"].forced_token_ids = list(forced)  # teacher forcing on an import (engine internals, as the
-        for p in pages:                                # int8 quality test does)
+        for p in pages:  # int8 quality test does)
             de.import_page("d", p)
         de.finish_import("d", forced[0])
         rows = []
@@ -292,29 +338,45 @@ def quality(work: Path) -> None:
         int8_pages, _ = prefill(prompt, "int8")  # what an earlier request would have cached
         for name, n_cached in variants.items():
             kv = "auto" if n_cached is None else "int8"
-            pages, row = prefill(prompt, kv, int8_pages[:n_cached // PAGE] if n_cached else None)
+            pages, row = prefill(prompt, kv, int8_pages[: n_cached // PAGE] if n_cached else None)
             logits[name].append(decode(dense_de if n_cached is None else int8_de, prompt, forced, pages))
             first[name].append(row)
     target = torch.tensor([t for _, f in cases for t in f[1:]])
     base, base_first = torch.cat(logits["fp32 pages"]), torch.stack(first["fp32 pages"])
-    print(f"\nquality: trained tiny llama, {n_cases} held-out prompts of {n_prompt} tokens, {n_forced} forced "
-          f"tokens ({target.numel()} scored decode positions) + the prefill's first-token logits")
-    print(f"  {'pages':18s} {'ppl':>8s} {'ppl ratio':>10s} {'top-1 vs fp32':>14s} {'max |dlogit|':>13s} "
-          f"{'first-token max |dlogit|':>25s}")
+    print(
+        f"\nquality: trained tiny llama, {n_cases} held-out prompts of {n_prompt} tokens, {n_forced} forced "
+        f"tokens ({target.numel()} scored decode positions) + the prefill's first-token logits"
+    )
+    print(
+        f"  {'pages':18s} {'ppl':>8s} {'ppl ratio':>10s} {'top-1 vs fp32':>14s} {'max |dlogit|':>13s} "
+        f"{'first-token max |dlogit|':>25s}"
+    )
     ppl_base = math.exp(torch.nn.functional.cross_entropy(base, target).item())
     for name in variants:
         lg = torch.cat(logits[name])
         ppl = math.exp(torch.nn.functional.cross_entropy(lg, target).item())
         agree = (lg.argmax(-1) == base.argmax(-1)).float().mean().item()
         d_first = (torch.stack(first[name]) - base_first).abs().max().item()
-        print(f"  {name:18s} {ppl:8.3f} {ppl / ppl_base:10.5f} {agree:14.4f} {(lg - base).abs().max().item():13.4f} "
-              f"{d_first:25.4f}")
+        print(
+            f"  {name:18s} {ppl:8.3f} {ppl / ppl_base:10.5f} {agree:14.4f} {(lg - base).abs().max().item():13.4f} "
+            f"{d_first:25.4f}"
+        )
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
 def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = (
+        next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else ""
+    )
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{os.cpu_count()}-core {platform.machine()} {cpu}, {mem:.0f} GiB, no GPU, torch {torch.__version__}"
 
@@ -331,13 +393,21 @@ def main() -> None:
     model = build_checkpoint(work / "model", arch="llama", seed=0, **SHAPES)
     redis_srv = RedisServer(work / "redis", args=["--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"]).start()
     rds = redis_srv.client()
-    bench_layout = layout(SHAPES["num_hidden_layers"], SHAPES["num_key_value_heads"],
-                          SHAPES["hidden_size"] // SHAPES["num_attention_heads"])
+    bench_layout = layout(
+        SHAPES["num_hidden_layers"],
+        SHAPES["num_key_value_heads"],
+        SHAPES["hidden_size"] // SHAPES["num_attention_heads"],
+    )
     try:
         print(f"TTFT, prompt {args.prompt_len} tokens, {args.repeats} runs each (router+prefill+decode, kv int8):")
         os.environ.update(REDIS_URL=redis_srv.url, PDSERVE_PREFILL_CACHE_LOCAL_MB="0")
-        stack = start_stack(model, work / "stack", kv_dtype="int8", page_size=PAGE,
-                            extra=["--torch-threads", "1", "--max-num-seqs", "4"])
+        stack = start_stack(
+            model,
+            work / "stack",
+            kv_dtype="int8",
+            page_size=PAGE,
+            extra=["--torch-threads", "1", "--max-num-seqs", "4"],
+        )
         try:
             t = ttft_table(stack.router, rds, args.prompt_len, args.repeats)
         finally:
@@ -348,10 +418,17 @@ def main() -> None:
         look = lookup_ms(redis_srv.url, bench_layout, 4096, args.repeats * 4)
         look_local = lookup_ms(redis_srv.url, bench_layout, 4096, args.repeats * 4, local=True)
         bpt, bpt_redis = bytes_per_token(redis_srv.url, bench_layout)
-        print(f"\nlookup of a 4096-token prompt (256 pages of {page_value_bytes(bench_layout)} B): Redis {look:.2f} ms, "
-              f"local tier {look_local:.2f} ms")
-        print(f"bytes per cached token (int8 g64): value {bpt:.1f}, Redis MEMORY USAGE {bpt_redis:.1f} "
-              f"(fp32 pages would be {page_value_bytes(KVLayoutSpec('float32', PAGE, bench_layout.num_layers, bench_layout.num_kv_heads, bench_layout.head_dim)) / PAGE:.0f})")
+        print(
+            f"\nlookup of a 4096-token prompt (256 pages of {page_value_bytes(bench_layout)} B): Redis {look:.2f} ms, "
+            f"local tier {look_local:.2f} ms"
+        )
+        fp32_layout = KVLayoutSpec(
+            "float32", PAGE, bench_layout.num_layers, bench_layout.num_kv_heads, bench_layout.head_dim
+        )
+        print(
+            f"bytes per cached token (int8 g64): value {bpt:.1f}, Redis MEMORY USAGE {bpt_redis:.1f} "
+            f"(fp32 pages would be {page_value_bytes(fp32_layout) / PAGE:.0f})"
+        )
 
         print(f"\ndecode fetch from Redis vs receive from prefill: the {n90}-token cached prefix of the 90% case")
         sfx = suffix_ms(model, redis_srv.url, args.prompt_len, n90, args.repeats)
@@ -360,15 +437,21 @@ def main() -> None:
             rds.flushall()
             fetch = lookup_ms(redis_srv.url, lay, n90, max(3, args.repeats // 2))
             ship = stream_ms(lay, n90 // PAGE, max(3, args.repeats // 2))
-            print(f"  {name + f' ({page_value_bytes(lay)} B/page)':34s} {fetch:19.1f} {ship:22.1f} "
-                  f"{f'{sfx:.1f}' if name == 'bench model' else 'n/a (GPU)':>18s}")
+            print(
+                f"  {name + f' ({page_value_bytes(lay)} B/page)':34s} {fetch:19.1f} {ship:22.1f} "
+                f"{f'{sfx:.1f}' if name == 'bench model' else 'n/a (GPU)':>18s}"
+            )
             if name == "bench model":
-                print(f"  {'':34s} TTFT 90% - (prefill's lookup + suffix prefill) = "
-                      f"{t['90pct'][0] - fetch - sfx:.1f} ms of transfer/RPC overhead left to remove")
+                print(
+                    f"  {'':34s} TTFT 90% - (prefill's lookup + suffix prefill) = "
+                    f"{t['90pct'][0] - fetch - sfx:.1f} ms of transfer/RPC overhead left to remove"
+                )
         rds.flushall()
 
-        print("\nlocal tier: 2 prefill instances sharing Redis, 8 system prompts x 1024 tokens (Zipf 1.1) + 256 "
-              "unique tokens, 240 requests")
+        print(
+            "\nlocal tier: 2 prefill instances sharing Redis, 8 system prompts x 1024 tokens (Zipf 1.1) + 256 "
+            "unique tokens, 240 requests"
+        )
         print(f"  {'local tier':>10s} {'hit ratio':>10s} {'served locally':>15s} {'mean lookup ms':>15s}")
         for mb in (0, 8, 64):
             r = local_tier_workload(redis_srv.url, bench_layout, mb)
@@ -379,14 +462,27 @@ def main() -> None:
         redis_srv.stop()
 
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
         date = subprocess.run(["date", "-u", "+%Y-%m-%dT%H:%M:%SZ"], capture_output=True, text=True).stdout.strip()
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "ttft_ms_cold": round(t["cold"][0], 1), "ttft_ms_50pct": round(t["50pct"][0], 1),
-            "ttft_ms_90pct": round(t["90pct"][0], 1), "lookup_ms_4k": round(look, 2),
-            "bytes_per_token": round(bpt, 1), "date": date, "commit": commit, "machine": machine()}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "ttft_ms_cold": round(t["cold"][0], 1),
+                    "ttft_ms_50pct": round(t["50pct"][0], 1),
+                    "ttft_ms_90pct": round(t["90pct"][0], 1),
+                    "lookup_ms_4k": round(look, 2),
+                    "bytes_per_token": round(bpt, 1),
+                    "date": date,
+                    "commit": commit,
+                    "machine": machine(),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         print(f"wrote {args.json}")
 
 

@@ -4,6 +4,7 @@
 
 Prints TTFT (median, p90) and decode tokens/s at concurrency 1 and 8, for --kv-dtype int8 and auto.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,8 @@ from pathlib import Path
 import torch
 
 import pdserve
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.cli.launch import start_stack
+from pdserve.models.checkpoints import build_checkpoint
 
 
 def one(client: pdserve.Client, ids: list[int], max_tokens: int) -> tuple[float, float, int]:
@@ -42,8 +43,12 @@ def run(router: str, requests: int, concurrency: int, prompt_len: int, max_token
         wall = time.perf_counter() - t0
     ttfts = sorted(r[0] * 1e3 for r in res)
     itl = [(r[1] - r[0]) / max(1, r[2] - 1) * 1e3 for r in res]
-    return dict(ttft_p50=statistics.median(ttfts), ttft_p90=ttfts[int(0.9 * (len(ttfts) - 1))],
-                itl_ms=statistics.median(itl), tok_s=sum(r[2] for r in res) / wall)
+    return dict(
+        ttft_p50=statistics.median(ttfts),
+        ttft_p90=ttfts[int(0.9 * (len(ttfts) - 1))],
+        itl_ms=statistics.median(itl),
+        tok_s=sum(r[2] for r in res) / wall,
+    )
 
 
 def main() -> None:
@@ -62,8 +67,11 @@ def main() -> None:
         try:
             for conc in (1, 8):
                 r = run(stack.router, args.requests, conc, args.prompt_len, args.max_tokens, vocab)
-                print(f"{kv:6s} {conc:4d} {r['ttft_p50']:12.1f} {r['ttft_p90']:12.1f} {r['itl_ms']:8.2f} "
-                      f"{r['tok_s']:9.1f}", flush=True)
+                print(
+                    f"{kv:6s} {conc:4d} {r['ttft_p50']:12.1f} {r['ttft_p90']:12.1f} {r['itl_ms']:8.2f} "
+                    f"{r['tok_s']:9.1f}",
+                    flush=True,
+                )
         finally:
             stack.stop()
 

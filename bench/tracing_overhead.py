@@ -7,6 +7,7 @@ control); each prompt goes to all three in a rotating order.
 Prints TTFT median / p90 per prompt length for off, off (control) and on, the differences of medians, and the
 in-process cost of the spans of one hop (server span + child + context injection + ends), off vs on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,13 +21,20 @@ from pathlib import Path
 import torch
 
 import pdserve
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.cli.launch import start_stack
-from pdserve.testing.otlp_sink import OTLPSink
+from pdserve.models.checkpoints import build_checkpoint
 from pdserve.telemetry.tracing import Tracing, end_span
+from pdserve.testing.otlp_sink import OTLPSink
 
-OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED",
-             "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_BSP_SCHEDULE_DELAY")
+OTEL_VARS = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_BSP_SCHEDULE_DELAY",
+)
 
 
 @contextmanager
@@ -84,11 +92,11 @@ def main() -> None:
         try:
             for mode in ("off", "control"):
                 with environ():
-                    stacks[mode] = start_stack(model, work / mode, kv_dtype="int8", chunk_size=args.chunk_size,
-                                               extra=extra)
+                    stacks[mode] = start_stack(
+                        model, work / mode, kv_dtype="int8", chunk_size=args.chunk_size, extra=extra
+                    )
             with environ(OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint, OTEL_TRACES_SAMPLER="parentbased_always_on"):
-                stacks["on"] = start_stack(model, work / "on", kv_dtype="int8", chunk_size=args.chunk_size,
-                                           extra=extra)
+                stacks["on"] = start_stack(model, work / "on", kv_dtype="int8", chunk_size=args.chunk_size, extra=extra)
             g = torch.Generator().manual_seed(0)
             res: dict[tuple[int, str], list[float]] = {}
             clients = {mode: pdserve.Client(s.router, timeout=120) for mode, s in stacks.items()}
@@ -108,14 +116,18 @@ def main() -> None:
                 s.stop()  # the traced one flushes its remaining spans into the sink
         n_spans = len(sink.spans())
 
-    p90 = lambda xs: sorted(xs)[int(0.9 * (len(xs) - 1))]  # noqa: E731
-    print(f"{'prompt':>6s} {'chunks':>6s} {'off p50':>8s} {'ctrl p50':>8s} {'on p50':>8s} {'ctrl-off':>8s} "
-          f"{'on-off':>8s} {'on-off %':>8s} {'off p90':>8s} {'on p90':>8s}   (ms)")
+    p90 = lambda xs: sorted(xs)[int(0.9 * (len(xs) - 1))]
+    print(
+        f"{'prompt':>6s} {'chunks':>6s} {'off p50':>8s} {'ctrl p50':>8s} {'on p50':>8s} {'ctrl-off':>8s} "
+        f"{'on-off':>8s} {'on-off %':>8s} {'off p90':>8s} {'on p90':>8s}   (ms)"
+    )
     for n in lens:
         m = {mode: statistics.median(res[(n, mode)]) for mode in modes}
-        print(f"{n:6d} {-(-n // args.chunk_size):6d} {m['off']:8.2f} {m['control']:8.2f} {m['on']:8.2f} "
-              f"{m['control'] - m['off']:8.2f} {m['on'] - m['off']:8.2f} {(m['on'] / m['off'] - 1) * 100:8.1f} "
-              f"{p90(res[(n, 'off')]):8.2f} {p90(res[(n, 'on')]):8.2f}")
+        print(
+            f"{n:6d} {-(-n // args.chunk_size):6d} {m['off']:8.2f} {m['control']:8.2f} {m['on']:8.2f} "
+            f"{m['control'] - m['off']:8.2f} {m['on'] - m['off']:8.2f} {(m['on'] / m['off'] - 1) * 100:8.1f} "
+            f"{p90(res[(n, 'off')]):8.2f} {p90(res[(n, 'on')]):8.2f}"
+        )
     print(f"spans received by the OTLP sink: {n_spans}")
 
     # 1000 hops = 2000 spans fit the batch queue (2048); exported at shutdown, after the timing
@@ -125,8 +137,10 @@ def main() -> None:
         t_on.shutdown()
     with environ():
         cost_off = statistics.median(span_cost_us(Tracing("bench"), 200) for _ in range(5))
-    print(f"spans of one hop (server span + child + inject + 2 ends, export excluded): off {cost_off:.2f} µs, "
-          f"on {cost_on:.1f} µs")
+    print(
+        f"spans of one hop (server span + child + inject + 2 ends, export excluded): off {cost_off:.2f} µs, "
+        f"on {cost_on:.1f} µs"
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Compile protos/ into the package (shared/v1 = pdserve.v1). `--check` fails when the generated code is stale.
 
-    python scripts/gen_protos.py          # regenerate
-    python scripts/gen_protos.py --check  # CI: exit 1 if shared/v1 differs from what protos/ generates
+python scripts/gen_protos.py          # regenerate
+python scripts/gen_protos.py --check  # CI: exit 1 if shared/v1 differs from what protos/ generates
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,14 +20,21 @@ INIT = '"""Generated gRPC/protobuf code for pdserve.v1 (scripts/gen_protos.py). 
 
 
 def generate(dest: Path) -> None:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *protos]
+        args = [
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *protos,
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         dest.mkdir(parents=True, exist_ok=True)

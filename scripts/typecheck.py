@@ -4,6 +4,7 @@ The distribution maps directories to one package (`shared/` → `pdserve`, `serv
 see pyproject.toml), which mypy cannot follow through the editable install's import hook. This builds the same
 tree out of symlinks under build/typecheck/ and checks it as package `pdserve`. Usage: python scripts/typecheck.py
 """
+
 from __future__ import annotations
 
 import shutil

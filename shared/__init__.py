@@ -2,6 +2,7 @@
 
 SDK: `pdserve.Client(target)` and `pdserve.AsyncClient(target)`; see `pdserve.client`.
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"
@@ -11,5 +12,6 @@ __all__ = ["Client", "AsyncClient", "Completion", "CompletionChunk", "Usage"]
 def __getattr__(name: str):  # lazy: importing pdserve.engine must not pull in gRPC and vice versa
     if name in __all__:
         from pdserve import client
+
         return getattr(client, name)
     raise AttributeError(name)

@@ -8,6 +8,7 @@ A dataclass with a `config` field also reads a TOML file (`--config FILE` or its
 between the environment and the defaults: top-level keys are field names; a table may group them
 (`[pcs] w_in = 0.3` sets `pcs_w_in` when that field exists, else `w_in`). Unknown keys are an error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,16 +48,23 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         if f.metadata.get("cli") is False:
             continue
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, dest=f.name, default=None, action="append" if _is_list(cls, f) else "store",
-                            help=f.metadata.get("help", ""), metavar=f.name.upper())
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            default=None,
+            action="append" if _is_list(cls, f) else "store",
+            help=f.metadata.get("help", ""),
+            metavar=f.name.upper(),
+        )
 
 
 def _is_list(cls: type, f: dataclasses.Field) -> bool:
     return typing.get_origin(_field_type(cls, f)) in (list, tuple)
 
 
-def config_from(cls: type[T], args: argparse.Namespace | None, env_prefix: str,
-                environ: dict[str, str] | None = None) -> T:
+def config_from(
+    cls: type[T], args: argparse.Namespace | None, env_prefix: str, environ: dict[str, str] | None = None
+) -> T:
     """Build `cls` from parsed CLI args (None entries = not given), then env, then defaults."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
@@ -68,8 +76,7 @@ def config_from(cls: type[T], args: argparse.Namespace | None, env_prefix: str,
         env = environ.get(f"{env_prefix}{f.name.upper()}")
         try:
             if cli is not None:
-                values[f.name] = (_parse_value(tp, ",".join(cli)) if isinstance(cli, list)
-                                  else _parse_value(tp, cli))
+                values[f.name] = _parse_value(tp, ",".join(cli)) if isinstance(cli, list) else _parse_value(tp, cli)
             elif env is not None:
                 values[f.name] = _parse_value(tp, env)
             elif f.name in from_file:
@@ -95,8 +102,11 @@ def file_values(cls: type, path: str) -> dict[str, str]:
     names = {f.name for f in dataclasses.fields(cls)} - {"config"}
     out: dict[str, str] = {}
     for key, value in data.items():
-        items = ([(f"{key}_{k}" if f"{key}_{k}" in names else k, v, f"[{key}] {k}") for k, v in value.items()]
-                 if isinstance(value, dict) else [(key, value, key)])
+        items = (
+            [(f"{key}_{k}" if f"{key}_{k}" in names else k, v, f"[{key}] {k}") for k, v in value.items()]
+            if isinstance(value, dict)
+            else [(key, value, key)]
+        )
         for name, v, where in items:
             if name not in names:
                 raise SystemExit(f"config file {path}: unknown setting {where!r}")

@@ -3,6 +3,7 @@
 Engine, KV codec and services raise these (never bare ValueError/RuntimeError for a caller's mistake), so the
 status a caller sees never depends on the wording of a message.
 """
+
 from __future__ import annotations
 
 

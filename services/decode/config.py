@@ -1,4 +1,5 @@
 """Decode service configuration (CLI flags or PDSERVE_DECODE_* environment variables)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +10,11 @@ from pdserve.server.service_config import EngineOptions, opt
 @dataclass
 class DecodeConfig(EngineOptions):
     kv_asymmetric: bool = opt(False, "asymmetric int8 (scale + zero point) instead of symmetric")
-    page_timeout_s: float = opt(30.0, "longest wait for the next message (KV page or done) from prefill; then "
-                                      "the request fails DEADLINE_EXCEEDED and its pages are freed")
+    page_timeout_s: float = opt(
+        30.0,
+        "longest wait for the next message (KV page or done) from prefill; then "
+        "the request fails DEADLINE_EXCEEDED and its pages are freed",
+    )
 
     def validate(self) -> None:
         super().validate()

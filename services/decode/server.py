@@ -1,4 +1,5 @@
 """`pdserve serve decode`: one decode instance."""
+
 from __future__ import annotations
 
 from pdserve.decode.config import DecodeConfig
@@ -22,6 +23,7 @@ def serve(cfg: DecodeConfig) -> None:
         def cleanup():
             servicer.prefill.close()
             loop.stop()
+
         return cleanup
 
     run_service("decode", cfg, [SERVICE], register)

@@ -1,4 +1,5 @@
 """Decode gRPC servicer: pulls KV pages from the chosen prefill instance, then joins the continuous batch."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,11 @@ from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
 
-FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH,
-          "abort": generate_pb2.FINISH_REASON_ABORT}
+FINISH = {
+    "stop": generate_pb2.FINISH_REASON_STOP,
+    "length": generate_pb2.FINISH_REASON_LENGTH,
+    "abort": generate_pb2.FINISH_REASON_ABORT,
+}
 _END = object()
 
 
@@ -59,9 +63,13 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.max_model_len: int = mc.max_position_embeddings
         self.layout = KVLayoutSpec(
             dtype="int8" if cfg.kv_dtype == "int8" else engine.kv_storage_dtype_name,
-            page_size=engine.page_size, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, group_size=engine.kv_group_size if cfg.kv_dtype == "int8" else 0,
-            asymmetric=engine.kv_asymmetric if cfg.kv_dtype == "int8" else False)
+            page_size=engine.page_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            group_size=engine.kv_group_size if cfg.kv_dtype == "int8" else 0,
+            asymmetric=engine.kv_asymmetric if cfg.kv_dtype == "int8" else False,
+        )
         self.prefill = PrefillChannels()
         self._active = 0
         self._lock = threading.Lock()
@@ -69,17 +77,25 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):
         t0 = time.perf_counter()
         rid = request.request_id
-        req = self.telemetry.request("decode.request", context, {
-            "pdserve.request_id": rid, "pdserve.prompt_tokens": len(request.prompt_token_ids),
-            "pdserve.prefill": request.prefill_target})
+        req = self.telemetry.request(
+            "decode.request",
+            context,
+            {
+                "pdserve.request_id": rid,
+                "pdserve.prompt_tokens": len(request.prompt_token_ids),
+                "pdserve.prefill": request.prefill_target,
+            },
+        )
         prompt = list(request.prompt_token_ids)
         # Wire-level checks only; the prompt, sampling and resume fields are the engine's to check (begin_import).
         if not request.prefill_target:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_target is required")
         resumed = request.resumed_tokens  # a failover resume: the prompt ends with this many generated tokens
         if not resumed and request.resumed_text_chars:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"resumed_text_chars {request.resumed_text_chars} given without resumed_tokens")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"resumed_text_chars {request.resumed_text_chars} given without resumed_tokens",
+            )
         if resumed:
             req.set({"pdserve.resumed_tokens": resumed})
         sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
@@ -87,7 +103,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         outputs: queue.Queue = queue.Queue()
         try:
             self.loop.begin_import(rid, prompt, sampling, outputs.put, resumed, request.resumed_text_chars)
-        except Exception as e:  # noqa: BLE001 - typed (bad fields, duplicate id, pool too small) or INTERNAL
+        except Exception as e:
             context.abort(engine_error_code(e), f"decode could not admit request: {e}")
         with self._lock:
             self._active += 1
@@ -117,8 +133,13 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     req.finish(out.num_completion_tokens, out.finish_reason, {"pdserve.cached_tokens": cached})
                     msg.finish_reason = FINISH.get(out.finish_reason, generate_pb2.FINISH_REASON_ABORT)
                     msg.stop_reason = out.stop_reason or ""
-                    msg.usage.CopyFrom(generate_pb2.Usage(prompt_tokens=out.num_prompt_tokens, cached_tokens=cached,
-                                                          completion_tokens=out.num_completion_tokens))
+                    msg.usage.CopyFrom(
+                        generate_pb2.Usage(
+                            prompt_tokens=out.num_prompt_tokens,
+                            cached_tokens=cached,
+                            completion_tokens=out.num_completion_tokens,
+                        )
+                    )
                 yield msg
                 if finished:
                     return
@@ -127,19 +148,32 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 self.loop.abort(rid)
             with self._lock:
                 self._active -= 1
-            log.info("decode rid=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.1f", rid, len(prompt),
-                     n_out, finish, (time.perf_counter() - t0) * 1e3)
+            log.info(
+                "decode rid=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.1f",
+                rid,
+                len(prompt),
+                n_out,
+                finish,
+                (time.perf_counter() - t0) * 1e3,
+            )
 
-    def _receive_kv(self, request: internal_pb2.DecodeRequest, prompt: list[int],
-                    context: grpc.ServicerContext, req: RequestScope) -> tuple[int, int]:
+    def _receive_kv(
+        self, request: internal_pb2.DecodeRequest, prompt: list[int], context: grpc.ServicerContext, req: RequestScope
+    ) -> tuple[int, int]:
         """Open the Prefill stream, store pages as they arrive, ack them. Returns (first token, cached)."""
         rid = request.request_id
         pages = ReceiverPages(rid, -(-len(prompt) // self.layout.page_size))
         acks: queue.Queue = queue.Queue()
-        first = internal_pb2.PrefillClientMessage(request=internal_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
-            kv_layout=self.layout.to_proto(), model_fingerprint=self.fingerprint,
-            sampled_before=request.resumed_tokens))
+        first = internal_pb2.PrefillClientMessage(
+            request=internal_pb2.PrefillRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling=request.sampling,
+                kv_layout=self.layout.to_proto(),
+                model_fingerprint=self.fingerprint,
+                sampled_before=request.resumed_tokens,
+            )
+        )
 
         def client_messages():
             yield first
@@ -150,10 +184,12 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 yield item
 
         timeout = remaining(context) or self.cfg.request_timeout_s
-        span = req.child("decode.kv_receive", {"pdserve.prefill": request.prefill_target,
-                                               "pdserve.kv.dtype": self.layout.dtype})
-        call = self.prefill.stub(request.prefill_target).Prefill(client_messages(), timeout=timeout,
-                                                                 metadata=req.outgoing_metadata(span))
+        span = req.child(
+            "decode.kv_receive", {"pdserve.prefill": request.prefill_target, "pdserve.kv.dtype": self.layout.dtype}
+        )
+        call = self.prefill.stub(request.prefill_target).Prefill(
+            client_messages(), timeout=timeout, metadata=req.outgoing_metadata(span)
+        )
         context.add_callback(call.cancel)  # our caller went away: stop prefill too
         watchdog = Watchdog(self.cfg.page_timeout_s, call.cancel, name=f"pages-{rid[:8]}")
         try:
@@ -163,8 +199,12 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     page = msg.page
                     try:
                         pages.check(page.seq_no, page.page_index)
-                        payload = decode_page(page, expected_layout=self.layout,
-                                              expected_fingerprint=self.fingerprint, expected_request_id=rid)
+                        payload = decode_page(
+                            page,
+                            expected_layout=self.layout,
+                            expected_fingerprint=self.fingerprint,
+                            expected_request_id=rid,
+                        )
                         self.loop.import_page(rid, payload)
                     except (TransferError, InvalidRequest) as e:  # damaged, out of order or not ours
                         call.cancel()
@@ -180,16 +220,26 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                         call.cancel()
                         context.abort(grpc.StatusCode.DATA_LOSS, str(e))
                     self.telemetry.metrics.kv_bytes.inc(pages.bytes_received)
-                    req.end_child(span, ok=True, attributes={
-                        "pdserve.kv.pages": done.num_pages, "pdserve.kv.bytes": pages.bytes_received,
-                        "pdserve.cached_tokens": done.cached_tokens, "pdserve.first_token_id": done.first_token_id})
+                    req.end_child(
+                        span,
+                        ok=True,
+                        attributes={
+                            "pdserve.kv.pages": done.num_pages,
+                            "pdserve.kv.bytes": pages.bytes_received,
+                            "pdserve.cached_tokens": done.cached_tokens,
+                            "pdserve.first_token_id": done.first_token_id,
+                        },
+                    )
                     return done.first_token_id, done.cached_tokens
         except grpc.RpcError as e:
             if not context.is_active():
                 raise
             if watchdog.expired:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no KV page from prefill {request.prefill_target} "
-                              f"within page_timeout_s={self.cfg.page_timeout_s}s ({pages.next_seq_no} pages received)")
+                context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no KV page from prefill {request.prefill_target} "
+                    f"within page_timeout_s={self.cfg.page_timeout_s}s ({pages.next_seq_no} pages received)",
+                )
             code = e.code() if e.code() != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE
             context.abort(code, f"prefill {request.prefill_target}: {e.details()}")
         finally:
@@ -202,6 +252,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         used, total = self.loop.allocator.num_used, self.loop.allocator.num_pages
         with self._lock:
             active = self._active
-        return internal_pb2.InstanceStats(kv_pages_total=total, kv_pages_free=total - used, active_requests=active,
-                                          model_fingerprint=self.fingerprint, kv_dtype=self.layout.dtype,
-                                          page_size=self.layout.page_size)
+        return internal_pb2.InstanceStats(
+            kv_pages_total=total,
+            kv_pages_free=total - used,
+            active_requests=active,
+            model_fingerprint=self.fingerprint,
+            kv_dtype=self.layout.dtype,
+            page_size=self.layout.page_size,
+        )

@@ -1,4 +1,5 @@
 """A per-request watchdog: decode's bound on the wait for the next message from prefill (`page_timeout_s`)."""
+
 from __future__ import annotations
 
 import threading

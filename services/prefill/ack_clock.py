@@ -1,4 +1,5 @@
 """How long decode has left a shipped KV page unacknowledged (what `PrefillConfig.ack_timeout_s` bounds)."""
+
 from __future__ import annotations
 
 import time
@@ -10,7 +11,7 @@ class AckClock:
 
     def __init__(self) -> None:
         self._shipped_at: list[float] = []  # monotonic time each seq_no was handed to gRPC
-        self._acked = 0                     # seq_nos below this are acknowledged
+        self._acked = 0  # seq_nos below this are acknowledged
 
     def shipped(self) -> None:
         self._shipped_at.append(time.monotonic())

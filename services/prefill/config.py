@@ -1,4 +1,5 @@
 """Prefill service configuration (CLI flags or PDSERVE_PREFILL_* environment variables)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +10,11 @@ from pdserve.server.service_config import EngineOptions, opt
 
 @dataclass
 class PrefillConfig(CacheOptions, EngineOptions):
-    ack_timeout_s: float = opt(30.0, "longest a shipped KV page may stay unacknowledged by decode; then the "
-                                     "request fails DEADLINE_EXCEEDED and its pages are freed")
+    ack_timeout_s: float = opt(
+        30.0,
+        "longest a shipped KV page may stay unacknowledged by decode; then the "
+        "request fails DEADLINE_EXCEEDED and its pages are freed",
+    )
 
     def validate(self) -> None:
         super().validate()

@@ -1,4 +1,5 @@
 """`pdserve serve prefill`: one prefill instance."""
+
 from __future__ import annotations
 
 from pdserve.cache.prompt_cache import build_prompt_cache
@@ -26,6 +27,7 @@ def serve(cfg: PrefillConfig) -> None:
             loop.stop()
             if cache is not None:
                 cache.close()
+
         return cleanup
 
     run_service("prefill", cfg, [SERVICE], register)

@@ -9,6 +9,7 @@ A request is admitted when at least one eligible instance of each role stays wit
 Otherwise it is rejected with RESOURCE_EXHAUSTED and a retry-after hint: the time for the least-loaded
 instance to drain the excess at the rate the role has been completing PCS recently.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,6 +63,8 @@ def admit(role: str, candidates: list[Instance], pcs: float, threshold: float, d
     retry = excess * len(candidates) / rate if rate > 0 else RETRY_AFTER_UNKNOWN_S
     retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, retry))
     load = ", ".join(f"{i.address} {i.load_pcs:.0f}/{i.capacity_pcs:.0f}" for i in candidates)
-    raise Rejected(f"every {role} instance is above {threshold:.0%} of its PCS capacity (request PCS {pcs:.0f}; "
-                   f"load/capacity: {load})", retry)
-
+    raise Rejected(
+        f"every {role} instance is above {threshold:.0%} of its PCS capacity (request PCS {pcs:.0f}; "
+        f"load/capacity: {load})",
+        retry,
+    )

@@ -1,5 +1,6 @@
 """One attempt of a router request: relay the chosen decode instance's stream to the caller, keeping what the
 caller has received across attempts (the tokens and characters a resume continues after, the TTFT)."""
+
 from __future__ import annotations
 
 import time
@@ -12,11 +13,12 @@ from pdserve.v1 import generate_pb2, internal_pb2
 @dataclass
 class Progress:
     """What the caller has been sent, over every attempt of one request."""
-    t0: float                                          # perf_counter at the request's arrival
-    tokens: list[int] = field(default_factory=list)    # token ids streamed (a resume re-sends them as prompt)
-    chars: int = 0                                     # characters of text streamed
+
+    t0: float  # perf_counter at the request's arrival
+    tokens: list[int] = field(default_factory=list)  # token ids streamed (a resume re-sends them as prompt)
+    chars: int = 0  # characters of text streamed
     ttft_ms: float | None = None
-    finish: str = "abort"                              # FinishReason name once the final chunk went out
+    finish: str = "abort"  # FinishReason name once the final chunk went out
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1e3
@@ -25,13 +27,15 @@ class Progress:
 @dataclass
 class AttemptHooks:
     """Called by `relay` before the chunk that triggers them is yielded."""
-    attempt_first_token: Callable[[], None]                         # this pair's prefill is done
-    first_token: Callable[[], None]                                  # the caller's first token (once per request)
-    finished: Callable[[internal_pb2.DecodeResponse], None]          # the final chunk (usage, finish reason)
+
+    attempt_first_token: Callable[[], None]  # this pair's prefill is done
+    first_token: Callable[[], None]  # the caller's first token (once per request)
+    finished: Callable[[internal_pb2.DecodeResponse], None]  # the final chunk (usage, finish reason)
 
 
-def relay(call: Iterable[internal_pb2.DecodeResponse], rid: str, progress: Progress,
-          hooks: AttemptHooks) -> Iterator[generate_pb2.GenerateStreamResponse]:
+def relay(
+    call: Iterable[internal_pb2.DecodeResponse], rid: str, progress: Progress, hooks: AttemptHooks
+) -> Iterator[generate_pb2.GenerateStreamResponse]:
     """Yield the caller's chunks for one attempt's DecodeResponses, updating `progress`. The call's
     grpc.RpcError propagates (with `progress` telling how far the caller got)."""
     first_of_attempt = True

@@ -4,10 +4,12 @@ transformers' `apply_chat_template(..., add_generation_prompt=True)`), so the co
 Bad input raises `pdserve.errors.InvalidRequest` (INVALID_ARGUMENT): an unknown role, too many messages or bytes,
 an empty conversation, or a model whose tokenizer has no chat template.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from pdserve.errors import InvalidRequest
 
@@ -21,8 +23,8 @@ class Message(Protocol):
 
 @dataclass(frozen=True)
 class ChatLimits:
-    max_messages: int = 1024              # turns in one request
-    max_bytes: int = 4 * 1024 * 1024      # UTF-8 bytes of all contents together
+    max_messages: int = 1024  # turns in one request
+    max_bytes: int = 4 * 1024 * 1024  # UTF-8 bytes of all contents together
 
 
 def check_messages(messages: Iterable[Message], limits: ChatLimits = ChatLimits()) -> list[dict[str, str]]:

@@ -2,6 +2,7 @@
 
 Precedence: flag > environment > file > default. See docs/router.md for what each group of settings does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,11 +26,13 @@ class RouterConfig(ServerOptions):
     pcs_w_in: float = opt(0.3, "PCS weight of input length")
     pcs_w_out: float = opt(0.5, "PCS weight of estimated output length")
     pcs_w_special: float = opt(1.2, "PCS weight of special tokens")
-    pcs_fallback_mode: str = opt("length_only", "output estimate while the estimator is cold or its error is high: "
-                                                "length_only | max_tokens")
+    pcs_fallback_mode: str = opt(
+        "length_only", "output estimate while the estimator is cold or its error is high: length_only | max_tokens"
+    )
     # online output-length estimator
-    estimator_store: str = opt("", "where the estimator persists: '' (a file in the cache dir), PATH, "
-                                   "redis://HOST:PORT/DB, or memory")
+    estimator_store: str = opt(
+        "", "where the estimator persists: '' (a file in the cache dir), PATH, redis://HOST:PORT/DB, or memory"
+    )
     estimator_min_samples: int = opt(50, "completed requests before the learned estimate is used")
     estimator_max_error: float = opt(0.5, "running relative error above which the fallback is used")
     estimator_save_interval_s: float = opt(10.0, "how often a changed estimator is persisted")
@@ -41,20 +44,28 @@ class RouterConfig(ServerOptions):
     # admission
     prefill_capacity_pcs: float = opt(8192.0, "capacity of a prefill instance in PCS units")
     decode_capacity_pcs: float = opt(0.0, "capacity of a decode instance in PCS units (0 = from its KV pool)")
-    batch_utilization_threshold: float = opt(0.8, "reject when every instance's queued+running PCS would pass "
-                                                  "capacity × this")
+    batch_utilization_threshold: float = opt(
+        0.8, "reject when every instance's queued+running PCS would pass capacity × this"
+    )
     max_queue: int = opt(1024, "most requests waiting in the router queue")
     max_queue_wait_s: float = opt(30.0, "longest a request waits in the queue before RESOURCE_EXHAUSTED")
     # assignment
     affinity: bool = opt(True, "send prompts with the same leading page to the same prefill instance")
-    affinity_slack_pcs: float = opt(512.0, "affinity holds while its instance is at most this far above the "
-                                           "least-loaded one")
-    prefill_max_inflight_tokens: int = opt(4096, "a prefill instance gets no new request while this many prompt "
-                                                 "tokens sent to it await their first token (0 = no limit)")
+    affinity_slack_pcs: float = opt(
+        512.0, "affinity holds while its instance is at most this far above the least-loaded one"
+    )
+    prefill_max_inflight_tokens: int = opt(
+        4096,
+        "a prefill instance gets no new request while this many prompt "
+        "tokens sent to it await their first token (0 = no limit)",
+    )
     decode_choice: str = opt("least", "decode pick among all candidates (least) or two random ones (p2c)")
     decode_active_norm: float = opt(64.0, "active sequences that weigh as much as a full KV pool")
-    max_attempts: int = opt(3, "tries of a request whose prefill/decode pair fails UNAVAILABLE (before its first "
-                                "token: retried; after: resumed where the stream is)")
+    max_attempts: int = opt(
+        3,
+        "tries of a request whose prefill/decode pair fails UNAVAILABLE (before its first "
+        "token: retried; after: resumed where the stream is)",
+    )
     seed: int = opt(0, "seed of the router's random choices (p2c)")
     # membership
     health_interval_s: float = opt(1.0, "grpc.health.v1 check period per instance")
@@ -69,9 +80,11 @@ class RouterConfig(ServerOptions):
         problems = []
         if not self.model:
             problems.append("--model is required (the router needs the tokenizer)")
-        for name, value, allowed in (("policy", self.policy, POLICIES),
-                                     ("pcs_fallback_mode", self.pcs_fallback_mode, FALLBACK_MODES),
-                                     ("decode_choice", self.decode_choice, DECODE_CHOICES)):
+        for name, value, allowed in (
+            ("policy", self.policy, POLICIES),
+            ("pcs_fallback_mode", self.pcs_fallback_mode, FALLBACK_MODES),
+            ("decode_choice", self.decode_choice, DECODE_CHOICES),
+        ):
             if value not in allowed:
                 problems.append(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
         if not 0 < self.batch_utilization_threshold <= 1:
@@ -81,9 +94,21 @@ class RouterConfig(ServerOptions):
                 problems.append(f"{name} must be >= 0")
         if self.prefill_capacity_pcs == 0:
             problems.append("prefill_capacity_pcs must be > 0")
-        for name in ("priority_high", "priority_normal", "priority_low", "max_attempts", "max_queue",
-                     "health_interval_s", "health_timeout_s", "unhealthy_after", "stats_interval_s",
-                     "heartbeat_interval_s", "lease_s", "max_queue_wait_s", "decode_active_norm"):
+        for name in (
+            "priority_high",
+            "priority_normal",
+            "priority_low",
+            "max_attempts",
+            "max_queue",
+            "health_interval_s",
+            "health_timeout_s",
+            "unhealthy_after",
+            "stats_interval_s",
+            "heartbeat_interval_s",
+            "lease_s",
+            "max_queue_wait_s",
+            "decode_active_norm",
+        ):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0")
         if problems:

@@ -14,6 +14,7 @@ Error: every prediction is checked against the outcome (also while the fallback 
 estimator can prove itself): running mean of |pred − actual| / max(pred, actual, 1), in [0, 1].
 `use_learned()` is false while fewer than `min_samples` requests completed or that error exceeds `max_error`.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,11 @@ from pdserve.router.pcs import token_hash
 
 log = logging.getLogger("pdserve.router.estimator")
 
-SIG_TOKENS = 8          # prompt tokens (special tokens skipped) in the signature
-MIN_KEY_SAMPLES = 3     # observations before a table key answers
-ALPHA = 0.05            # floor of the running mean's update weight
-ERR_ALPHA = 0.02        # update weight of the running error
-MAX_KEYS = 4096         # per level (least recently used dropped)
+SIG_TOKENS = 8  # prompt tokens (special tokens skipped) in the signature
+MIN_KEY_SAMPLES = 3  # observations before a table key answers
+ALPHA = 0.05  # floor of the running mean's update weight
+ERR_ALPHA = 0.02  # update weight of the running error
+MAX_KEYS = 4096  # per level (least recently used dropped)
 VERSION = 1
 
 
@@ -42,14 +43,17 @@ class Features:
 
     def keys(self) -> list[str]:
         """One key per back-off level, most specific first."""
-        return [f"s{self.signature}|l{self.len_bucket}", f"s{self.signature}", f"l{self.len_bucket}|p{self.special_bucket}",
-                "*"]
+        return [
+            f"s{self.signature}|l{self.len_bucket}",
+            f"s{self.signature}",
+            f"l{self.len_bucket}|p{self.special_bucket}",
+            "*",
+        ]
 
 
 def features(token_ids: list[int], special_ids: frozenset[int], n_special: int) -> Features:
-    plain = [t for t in token_ids[:4 * SIG_TOKENS] if t not in special_ids][:SIG_TOKENS]
-    return Features(token_hash(plain).hex(), max(0, len(token_ids).bit_length() - 1),
-                    min(n_special, 8).bit_length())
+    plain = [t for t in token_ids[: 4 * SIG_TOKENS] if t not in special_ids][:SIG_TOKENS]
+    return Features(token_hash(plain).hex(), max(0, len(token_ids).bit_length() - 1), min(n_special, 8).bit_length())
 
 
 class OutputLengthEstimator:
@@ -106,9 +110,16 @@ class OutputLengthEstimator:
     def to_json(self) -> str:
         with self._lock:
             self.dirty = False
-            return json.dumps({"version": VERSION, "model": self.model, "samples": self.samples,
-                               "error": self.error, "err_n": self._err_n,
-                               "levels": [list(lv.items()) for lv in self._levels]})
+            return json.dumps(
+                {
+                    "version": VERSION,
+                    "model": self.model,
+                    "samples": self.samples,
+                    "error": self.error,
+                    "err_n": self._err_n,
+                    "levels": [list(lv.items()) for lv in self._levels],
+                }
+            )
 
     def load_json(self, text: str) -> bool:
         """Restore a saved state; False (and stay cold) when it belongs to another model or is malformed."""

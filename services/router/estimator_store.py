@@ -8,6 +8,7 @@
 A store that fails (disk full, Redis down) logs and keeps the router serving: the estimator is an
 optimisation, never a reason to fail a request.
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,18 +95,23 @@ class Persistence:
     def load(self) -> bool:
         try:
             text = self.store.load()
-        except Exception as e:  # noqa: BLE001 - any store failure: start cold
+        except Exception as e:
             log.warning("could not load estimator from %r: %s", self.store, e)
             return False
         ok = text is not None and self.estimator.load_json(text)
-        log.info("estimator %s from %r (%d samples, error %.2f)", "restored" if ok else "starts cold", self.store,
-                 self.estimator.samples, self.estimator.error)
+        log.info(
+            "estimator %s from %r (%d samples, error %.2f)",
+            "restored" if ok else "starts cold",
+            self.store,
+            self.estimator.samples,
+            self.estimator.error,
+        )
         return ok
 
     def save(self) -> None:
         try:
             self.store.save(self.estimator.to_json())
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.estimator.dirty = True
             log.warning("could not save estimator to %r: %s", self.store, e)
 

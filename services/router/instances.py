@@ -2,6 +2,7 @@
 
 All fields are guarded by the scheduler's lock (pdserve.router.scheduler.Scheduler.lock).
 """
+
 from __future__ import annotations
 
 import time
@@ -12,15 +13,16 @@ PREFILL, DECODE = "prefill", "decode"
 
 
 class State(str, Enum):
-    UP = "up"              # eligible for new requests
+    UP = "up"  # eligible for new requests
     DRAINING = "draining"  # reports NOT_SERVING or deregistered: finishes what it has, gets nothing new
-    DOWN = "down"          # failed health checks / lease expired / UNAVAILABLE: nothing new until it recovers
+    DOWN = "down"  # failed health checks / lease expired / UNAVAILABLE: nothing new until it recovers
 
 
 @dataclass
 class DecodeStats:
     """A decode instance's last Stats plus what the router had in flight there when it was taken, so that
     load dispatched since can be added on top: estimate = stats + (router's now − router's then)."""
+
     pages_free: int
     pages_total: int
     active: int
@@ -32,17 +34,17 @@ class DecodeStats:
 class Instance:
     role: str
     address: str
-    capacity_pcs: float          # admission capacity in PCS units
-    registered: bool = False     # announced itself (lease applies) vs static config
+    capacity_pcs: float  # admission capacity in PCS units
+    registered: bool = False  # announced itself (lease applies) vs static config
     state: State = State.UP
-    leaving: bool = False        # deregistered: forgotten once its in-flight requests are done
-    refused: str = ""            # why an up instance gets no requests (its KV page size differs from the cluster's)
+    leaving: bool = False  # deregistered: forgotten once its in-flight requests are done
+    refused: str = ""  # why an up instance gets no requests (its KV page size differs from the cluster's)
     # load the router accounts to this instance
-    running_pcs: float = 0.0     # prefill: dispatched, no first token yet; decode: dispatched, not finished
-    reserved_pcs: float = 0.0    # queued requests tentatively bound here (admission)
-    in_flight: int = 0           # requests in `running_pcs`
-    inflight_tokens: int = 0     # prefill: prompt tokens in flight
-    pages: int = 0               # decode: KV pages the router's in-flight requests need (estimate)
+    running_pcs: float = 0.0  # prefill: dispatched, no first token yet; decode: dispatched, not finished
+    reserved_pcs: float = 0.0  # queued requests tentatively bound here (admission)
+    in_flight: int = 0  # requests in `running_pcs`
+    inflight_tokens: int = 0  # prefill: prompt tokens in flight
+    pages: int = 0  # decode: KV pages the router's in-flight requests need (estimate)
     stats: DecodeStats | None = None
     # counters
     assigned: int = 0

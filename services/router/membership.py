@@ -13,6 +13,7 @@ Static instances are never forgotten: a static instance that recovers (restarted
 A request that fails UNAVAILABLE makes the router check both of its instances at once (`blame`): the one that
 fails is marked down immediately and the retry avoids it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,12 @@ from pdserve.v1 import internal_pb2, internal_pb2_grpc
 log = logging.getLogger("pdserve.router.membership")
 
 # Reconnect quickly to an instance that restarts on its address (gRPC's default backoff grows to 120 s).
-ROUTER_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
-                          ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+ROUTER_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class Membership:
@@ -104,8 +109,15 @@ class Membership:
         """A request failed UNAVAILABLE on these: health-check them now. Those that fail the check are marked
         down at once (the failed request was the first strike) and returned; [] when all look healthy."""
         req = health_pb2.HealthCheckRequest(service="")
-        futures = [(i, health_pb2_grpc.HealthStub(self.channel(i.address)).Check.future(
-            req, timeout=self.cfg.health_timeout_s)) for i in insts]
+        futures = [
+            (
+                i,
+                health_pb2_grpc.HealthStub(self.channel(i.address)).Check.future(
+                    req, timeout=self.cfg.health_timeout_s
+                ),
+            )
+            for i in insts
+        ]
         failed = []
         for inst, fut in futures:
             try:
@@ -118,8 +130,9 @@ class Membership:
                     inst.failures += 1
                     inst.consecutive_failures = max(inst.consecutive_failures + 1, self.cfg.unhealthy_after)
                 if inst.state == State.UP:
-                    log.warning("%s %s: up -> down (request failed UNAVAILABLE, health check failed)", inst.role,
-                                inst.address)
+                    log.warning(
+                        "%s %s: up -> down (request failed UNAVAILABLE, health check failed)", inst.role, inst.address
+                    )
                     self.scheduler.set_state(inst, State.DOWN)
         return failed
 
@@ -159,8 +172,15 @@ class Membership:
     def check_health(self) -> None:
         """One round of health checks and lease bookkeeping (also callable directly, e.g. from tests)."""
         req = health_pb2.HealthCheckRequest(service="")
-        futures = [(i, health_pb2_grpc.HealthStub(self.channel(i.address)).Check.future(
-            req, timeout=self.cfg.health_timeout_s)) for i in self._all()]
+        futures = [
+            (
+                i,
+                health_pb2_grpc.HealthStub(self.channel(i.address)).Check.future(
+                    req, timeout=self.cfg.health_timeout_s
+                ),
+            )
+            for i in self._all()
+        ]
         now = time.monotonic()
         for inst, fut in futures:
             try:
@@ -186,12 +206,23 @@ class Membership:
                     target = State.DOWN
                 else:
                     target = inst.state  # one failure: keep its state until it repeats
-                forget = registered and ((inst.leaving and inst.in_flight == 0) or (
-                    inst.state == State.DOWN and inst.down_since is not None
-                    and now - inst.down_since > self.cfg.remove_after_s))
+                forget = registered and (
+                    (inst.leaving and inst.in_flight == 0)
+                    or (
+                        inst.state == State.DOWN
+                        and inst.down_since is not None
+                        and now - inst.down_since > self.cfg.remove_after_s
+                    )
+                )
             if target != inst.state:
-                log.warning("%s %s: %s -> %s%s", inst.role, inst.address, inst.state.value, target.value,
-                            f" ({err.code().name})" if not ok else "")
+                log.warning(
+                    "%s %s: %s -> %s%s",
+                    inst.role,
+                    inst.address,
+                    inst.state.value,
+                    target.value,
+                    f" ({err.code().name})" if not ok else "",
+                )
                 self.scheduler.set_state(inst, target)
             if forget:
                 self._forget(inst)
@@ -204,7 +235,8 @@ class Membership:
             if i.state == State.DOWN:
                 continue
             stub = (internal_pb2_grpc.DecodeStub if i.role == DECODE else internal_pb2_grpc.PrefillStub)(
-                self.channel(i.address))
+                self.channel(i.address)
+            )
             futures.append((i, stub.Stats.future(internal_pb2.StatsRequest(), timeout=self.cfg.health_timeout_s)))
         for inst, fut in futures:
             try:

@@ -4,6 +4,7 @@ Also the two cheap prompt fingerprints the router keys on: special-token ids of 
 of a prompt's leading KV page (prefix affinity, estimator signature). Hashes use hashlib, never `hash()`,
 which is salted per process and would differ between router restarts.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,12 @@ def fallback_output_len(max_tokens: int, input_len: int, mode: str) -> int:
 
 
 def score(input_len: int, num_special: int, est_output_len: int, w: PCSWeights) -> PCS:
-    return PCS(input_len, est_output_len, num_special,
-               w.w_in * input_len + w.w_out * est_output_len + w.w_special * num_special)
+    return PCS(
+        input_len,
+        est_output_len,
+        num_special,
+        w.w_in * input_len + w.w_out * est_output_len + w.w_special * num_special,
+    )
 
 
 def token_hash(token_ids: list[int]) -> bytes:

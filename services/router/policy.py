@@ -12,6 +12,7 @@ Baselines for the benchmark: `round_robin` (rotate), `least_requests` (fewest re
 Candidates passed in are already eligible (up, not excluded by a retry) and have room (the dispatch gate).
 See docs/router.md for why these choices.
 """
+
 from __future__ import annotations
 
 import random
@@ -64,8 +65,11 @@ class PCSPolicy:
         choice = best
         if prev is not None:
             aff = next((i for i in candidates if i.address == prev), None)
-            if (aff is not None and aff.load_pcs + job.pcs <= aff.capacity_pcs * self.threshold
-                    and aff.load_pcs - best.load_pcs <= self.slack):
+            if (
+                aff is not None
+                and aff.load_pcs + job.pcs <= aff.capacity_pcs * self.threshold
+                and aff.load_pcs - best.load_pcs <= self.slack
+            ):
                 aff.affinity_hits += 1
                 choice = aff
             self._table.move_to_end(h)

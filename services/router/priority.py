@@ -10,6 +10,7 @@ request is overtaken only by requests arriving less than (value gap)/aging secon
 (Ordering by multiplier·PCS, largest first, was tried too: short prompts wait behind long prefills and P99
 TTFT is worse from moderate load on; see docs/router.md.)
 """
+
 from __future__ import annotations
 
 import heapq
@@ -27,8 +28,11 @@ class Priority(str, Enum):
     HIGH = "high"
 
 
-_FROM_FIELD = {generate_pb2.PRIORITY_LOW: Priority.LOW, generate_pb2.PRIORITY_NORMAL: Priority.NORMAL,
-               generate_pb2.PRIORITY_HIGH: Priority.HIGH}
+_FROM_FIELD = {
+    generate_pb2.PRIORITY_LOW: Priority.LOW,
+    generate_pb2.PRIORITY_NORMAL: Priority.NORMAL,
+    generate_pb2.PRIORITY_HIGH: Priority.HIGH,
+}
 METADATA_KEY = "x-priority"
 
 

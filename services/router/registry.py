@@ -1,4 +1,5 @@
 """The router's Registry service: instances Register / Heartbeat / Deregister; ListInstances shows the table."""
+
 from __future__ import annotations
 
 import grpc
@@ -54,12 +55,20 @@ class RegistryServicer(router_admin_pb2_grpc.RegistryServicer):
                 for i in sched.instances[role].values():
                     s = i.stats
                     resp.instances.add(
-                        role=ROLE_ENUM[role], address=i.address, state=i.state.value,
-                        registered=(role, i.address) not in self.membership.static, capacity_pcs=i.capacity_pcs,
-                        load_pcs=i.load_pcs, in_flight=i.in_flight, assigned=i.assigned,
-                        affinity_hits=i.affinity_hits, failures=i.failures,
-                        kv_pages_free=s.pages_free if s else 0, kv_pages_total=s.pages_total if s else 0,
-                        active_requests=s.active if s else 0)
+                        role=ROLE_ENUM[role],
+                        address=i.address,
+                        state=i.state.value,
+                        registered=(role, i.address) not in self.membership.static,
+                        capacity_pcs=i.capacity_pcs,
+                        load_pcs=i.load_pcs,
+                        in_flight=i.in_flight,
+                        assigned=i.assigned,
+                        affinity_hits=i.affinity_hits,
+                        failures=i.failures,
+                        kv_pages_free=s.pages_free if s else 0,
+                        kv_pages_total=s.pages_total if s else 0,
+                        active_requests=s.active if s else 0,
+                    )
             resp.queued, resp.rejected, resp.retries = len(sched.queue), sched.rejected, sched.retries
         resp.estimator_samples = self.estimator.samples
         resp.estimator_error = self.estimator.error

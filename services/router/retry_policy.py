@@ -8,6 +8,7 @@
   streamed and counts them as completion, so the caller sees one uninterrupted stream.
 - Anything else, or no attempt / time left: fail the caller with the attempt's status and reason.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,22 +18,30 @@ import grpc
 
 
 class Action(Enum):
-    RETRY = "retry"    # again from scratch on another pair
+    RETRY = "retry"  # again from scratch on another pair
     RESUME = "resume"  # on another pair, continuing after the tokens the caller already has
-    FAIL = "fail"      # end the caller's stream with `code`
-    DROP = "drop"      # the caller went away: end quietly
+    FAIL = "fail"  # end the caller's stream with `code`
+    DROP = "drop"  # the caller went away: end quietly
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Action
-    blame: bool = False                    # health-check the pair; exclude what fails (else exclude both)
-    code: grpc.StatusCode | None = None    # FAIL: the status for the caller
-    details: str = ""                      # FAIL: its reason
+    blame: bool = False  # health-check the pair; exclude what fails (else exclude both)
+    code: grpc.StatusCode | None = None  # FAIL: the status for the caller
+    details: str = ""  # FAIL: its reason
 
 
-def after_failure(code: grpc.StatusCode, details: str, *, attempt: int, max_attempts: int, streamed_tokens: int,
-                  caller_active: bool, time_left_s: float) -> Decision:
+def after_failure(
+    code: grpc.StatusCode,
+    details: str,
+    *,
+    attempt: int,
+    max_attempts: int,
+    streamed_tokens: int,
+    caller_active: bool,
+    time_left_s: float,
+) -> Decision:
     """Decide after attempt number `attempt` (0-based) ended with `code`/`details`, the caller having received
     `streamed_tokens` tokens so far."""
     if not caller_active:

@@ -15,6 +15,7 @@ and the next request waits for whichever instance frees first, instead of queuei
 decode instance while its estimated free KV pages cover the request (an idle one always takes one). The gate is
 what makes the queue — and with it the priority order — matter: instances are given work as they free up.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,18 +50,18 @@ class Cancelled(Exception):
 class Job:
     rid: str
     pcs: float
-    weighted_pcs: float          # PCS / priority multiplier: the queue's ordering value at arrival (lowest first)
+    weighted_pcs: float  # PCS / priority multiplier: the queue's ordering value at arrival (lowest first)
     prompt_len: int
-    need_pages: int              # KV pages for prompt + estimated output on the decode instance
-    page_hash: bytes | None      # leading page (prefix affinity)
+    need_pages: int  # KV pages for prompt + estimated output on the decode instance
+    page_hash: bytes | None  # leading page (prefix affinity)
     arrival: float = field(default_factory=time.monotonic)
-    key: float = 0.0             # heap key (set by the queue)
+    key: float = 0.0  # heap key (set by the queue)
     queued: bool = False
     excluded: set[str] = field(default_factory=set)
     reserved: list[Instance] = field(default_factory=list)
     prefill: Instance | None = None
     decode: Instance | None = None
-    prefill_open: bool = False   # prefill accounting held (no first token yet)
+    prefill_open: bool = False  # prefill accounting held (no first token yet)
     decode_open: bool = False
     cancelled: bool = False
     event: threading.Event = field(default_factory=threading.Event)
@@ -95,8 +96,9 @@ class Scheduler:
         with self.lock:
             inst = self.instances[role].get(address)
             if inst is None:
-                inst = self.instances[role][address] = Instance(role, address, self._capacity(role, capacity_pcs),
-                                                                registered=registered)
+                inst = self.instances[role][address] = Instance(
+                    role, address, self._capacity(role, capacity_pcs), registered=registered
+                )
             else:
                 inst.registered = inst.registered or registered
                 if capacity_pcs:
@@ -142,8 +144,11 @@ class Scheduler:
         if self.page_size is None:
             self.page_size = page_size
             log.info("KV page size %d (from %s %s)", page_size, inst.role, inst.address)
-        refused = "" if page_size == self.page_size else \
-            f"KV page size {page_size} differs from the cluster's {self.page_size}"
+        refused = (
+            ""
+            if page_size == self.page_size
+            else f"KV page size {page_size} differs from the cluster's {self.page_size}"
+        )
         if refused and not inst.refused:
             log.error("%s %s refused: %s", inst.role, inst.address, refused)
         elif inst.refused and not refused:
@@ -174,8 +179,7 @@ class Scheduler:
                 if not cands:
                     raise Unavailable(f"no healthy {role} instance")
                 try:
-                    targets.append(admit(role, cands, job.pcs, self.cfg.batch_utilization_threshold,
-                                         self.drain[role]))
+                    targets.append(admit(role, cands, job.pcs, self.cfg.batch_utilization_threshold, self.drain[role]))
                 except Rejected:
                     self.rejected += 1
                     raise
@@ -296,7 +300,9 @@ class Scheduler:
         """Start queued jobs in priority order while the head one finds room (strict order: no overtaking)."""
         while (job := self.queue.peek()) is not None:
             ps = [i for i in self._eligible(PREFILL, job.excluded) if self._prefill_room(i) and self._in_budget(i, job)]
-            ds = [i for i in self._eligible(DECODE, job.excluded) if self._decode_room(i, job) and self._in_budget(i, job)]
+            ds = [
+                i for i in self._eligible(DECODE, job.excluded) if self._decode_room(i, job) and self._in_budget(i, job)
+            ]
             if not ps or not ds:
                 return
             self.queue.pop()

@@ -1,13 +1,14 @@
 """`pdserve serve router`: the public Generation endpoint plus the Registry instances announce themselves to."""
+
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
 
-from pdserve.telemetry.metrics import watch_pools
 from pdserve.router.config import RouterConfig
 from pdserve.server.runner import run_service
+from pdserve.telemetry.metrics import watch_pools
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, router_admin_pb2, router_admin_pb2_grpc
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -34,15 +35,22 @@ def serve(cfg: RouterConfig) -> None:
     model_cfg = json.loads((Path(cfg.model) / "config.json").read_text())
 
     def register(server, telemetry):
-        servicer = RouterServicer(cfg, tokenizer, max_model_len=int(model_cfg["max_position_embeddings"]),
-                                  vocab_size=int(model_cfg["vocab_size"]), telemetry=telemetry,
-                                  model_id=model_id(cfg.model))
+        servicer = RouterServicer(
+            cfg,
+            tokenizer,
+            max_model_len=int(model_cfg["max_position_embeddings"]),
+            vocab_size=int(model_cfg["vocab_size"]),
+            telemetry=telemetry,
+            model_id=model_id(cfg.model),
+        )
         watch_pools(telemetry.metrics, servicer.prefill, servicer.decode)
-        telemetry.metrics.gauge("queue_depth", "Requests in the router's priority queue",
-                                lambda: len(servicer.scheduler.queue))
+        telemetry.metrics.gauge(
+            "queue_depth", "Requests in the router's priority queue", lambda: len(servicer.scheduler.queue)
+        )
         generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         router_admin_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(servicer.membership, servicer.estimator, cfg.pcs_fallback_mode), server)
+            RegistryServicer(servicer.membership, servicer.estimator, cfg.pcs_fallback_mode), server
+        )
         servicer.start()
         return servicer.close
 

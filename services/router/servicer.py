@@ -3,6 +3,7 @@ stream tokens back. An attempt that fails UNAVAILABLE is retried on another pair
 scratch, after it as a resume (prompt + the tokens already streamed, which the new pair counts as completion), so
 the caller sees one uninterrupted stream (transparent failover). `attempt.relay` runs one attempt,
 `retry_policy.after_failure` decides what follows a failed one."""
+
 from __future__ import annotations
 
 import logging
@@ -44,17 +45,25 @@ RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED: w
 @dataclass
 class Plan:
     """What the router decided about a request before it runs."""
+
     job: Job
     pcs: PCS
     priority: Priority
     features: Features
     predicted: int | None  # the learned estimate (kept to measure the estimator, also while it is not used)
-    mode: str              # learned | length_only | max_tokens
+    mode: str  # learned | length_only | max_tokens
 
 
 class RouterServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, cfg: RouterConfig, tokenizer, max_model_len: int, vocab_size: int,
-                 telemetry: Telemetry | None = None, model_id: str = ""):
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        telemetry: Telemetry | None = None,
+        model_id: str = "",
+    ):
         self.cfg = cfg
         self.telemetry = telemetry or Telemetry.off("router")
         self.tokenizer = tokenizer
@@ -62,13 +71,17 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         self.vocab_size = vocab_size
         self.special_ids = special_token_ids(tokenizer)
         self.weights = PCSWeights(cfg.pcs_w_in, cfg.pcs_w_out, cfg.pcs_w_special)
-        self.multiplier = {Priority.HIGH: cfg.priority_high, Priority.NORMAL: cfg.priority_normal,
-                           Priority.LOW: cfg.priority_low}
+        self.multiplier = {
+            Priority.HIGH: cfg.priority_high,
+            Priority.NORMAL: cfg.priority_normal,
+            Priority.LOW: cfg.priority_low,
+        }
         self.scheduler = Scheduler(cfg)
         self.membership = Membership(cfg, self.scheduler)
         self.estimator = OutputLengthEstimator(cfg.estimator_min_samples, cfg.estimator_max_error, model=model_id)
-        self.persistence = Persistence(self.estimator, open_store(cfg.estimator_store, model_id),
-                                       cfg.estimator_save_interval_s)
+        self.persistence = Persistence(
+            self.estimator, open_store(cfg.estimator_store, model_id), cfg.estimator_save_interval_s
+        )
         self.prefill = self.scheduler.view(PREFILL)  # .role/.snapshot() for the metrics gauges
         self.decode = self.scheduler.view(DECODE)
 
@@ -87,6 +100,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         which = request.WhichOneof("input")
         if request.messages:  # a conversation, rendered with the model's chat template
             from pdserve.router.chat import chat_prompt_ids
+
             if which is not None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set one of prompt, token_ids or messages")
             try:
@@ -100,16 +114,20 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         elif which == "token_ids":
             ids = list(request.token_ids.ids)
             if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"token_ids contain an id outside the vocabulary [0, {self.vocab_size})")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"token_ids contain an id outside the vocabulary [0, {self.vocab_size})",
+                )
         else:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, token_ids or messages is required")
         if not ids:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty (no tokens)")
         if len(ids) >= self.max_model_len:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"prompt has {len(ids)} tokens; the model context is {self.max_model_len} tokens "
-                          f"(at least one must remain for the completion)")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt has {len(ids)} tokens; the model context is {self.max_model_len} tokens "
+                f"(at least one must remain for the completion)",
+            )
         return ids
 
     def _max_tokens(self, s: generate_pb2.SamplingParams, num_prompt_tokens: int, context) -> int:
@@ -130,11 +148,20 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         f = features(ids, self.special_ids, n_special)
         predicted = self.estimator.predict(f, max_tokens)
         mode = self.estimator.mode(self.cfg.pcs_fallback_mode)
-        est = predicted if mode == "learned" and predicted is not None else \
-            fallback_output_len(max_tokens, len(ids), self.cfg.pcs_fallback_mode)
+        est = (
+            predicted
+            if mode == "learned" and predicted is not None
+            else fallback_output_len(max_tokens, len(ids), self.cfg.pcs_fallback_mode)
+        )
         pcs = score(len(ids), n_special, est, self.weights)
-        job = Job(rid, pcs.score, pcs.score / self.multiplier[priority], len(ids),
-                  need_pages=-(-(len(ids) + est) // page_size), page_hash=leading_page_hash(ids, page_size))
+        job = Job(
+            rid,
+            pcs.score,
+            pcs.score / self.multiplier[priority],
+            len(ids),
+            need_pages=-(-(len(ids) + est) // page_size),
+            page_hash=leading_page_hash(ids, page_size),
+        )
         return Plan(job, pcs, priority, f, predicted, mode)
 
     @staticmethod
@@ -146,8 +173,11 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
     def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         t0 = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
-        req = self.telemetry.request("router.generate", context, {
-            "pdserve.request_id": rid, "pdserve.priority": generate_pb2.Priority.Name(request.priority)})
+        req = self.telemetry.request(
+            "router.generate",
+            context,
+            {"pdserve.request_id": rid, "pdserve.priority": generate_pb2.Priority.Name(request.priority)},
+        )
         ids = self._prompt_ids(request, context)
         max_tokens = self._max_tokens(request.sampling, len(ids), context)
         try:
@@ -159,10 +189,17 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "no instance has reported its KV page size yet (Stats)")
         plan = self.plan(rid, ids, max_tokens, priority, page_size)
         job, pcs = plan.job, plan.pcs
-        req.set({"pdserve.prompt_tokens": len(ids), "pdserve.pcs.score": pcs.score, "pdserve.pcs.input_len":
-                 pcs.input_len, "pdserve.pcs.est_output_len": pcs.est_output_len,
-                 "pdserve.pcs.num_special": pcs.num_special, "pdserve.pcs.estimate": plan.mode,
-                 "pdserve.priority.effective": priority.value})  # field or x-priority metadata, resolved
+        req.set(
+            {
+                "pdserve.prompt_tokens": len(ids),
+                "pdserve.pcs.score": pcs.score,
+                "pdserve.pcs.input_len": pcs.input_len,
+                "pdserve.pcs.est_output_len": pcs.est_output_len,
+                "pdserve.pcs.num_special": pcs.num_special,
+                "pdserve.pcs.estimate": plan.mode,
+                "pdserve.priority.effective": priority.value,
+            }
+        )  # field or x-priority metadata, resolved
         timeout = context.time_remaining()
         timeout = self.cfg.default_timeout_s if timeout is None or timeout > 1e8 else timeout
         deadline = time.monotonic() + timeout
@@ -189,19 +226,32 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                     return
                 p, d = pair
                 decode_req.prefill_target = p.address
-                req.set({"pdserve.prefill": p.address, "pdserve.decode": d.address, "pdserve.attempt": attempt + 1,
-                         "pdserve.admission": "admitted"})
+                req.set(
+                    {
+                        "pdserve.prefill": p.address,
+                        "pdserve.decode": d.address,
+                        "pdserve.attempt": attempt + 1,
+                        "pdserve.admission": "admitted",
+                    }
+                )
                 call = self.membership.decode_stub(d.address).Generate(
-                    decode_req, timeout=max(0.001, deadline - time.monotonic()), metadata=metadata)
+                    decode_req, timeout=max(0.001, deadline - time.monotonic()), metadata=metadata
+                )
                 if not context.add_callback(call.cancel):  # the RPC already ended
                     call.cancel()
                 try:
                     yield from relay(call, rid, progress, self._hooks(job, plan, req))
                     return
                 except grpc.RpcError as e:
-                    decision = after_failure(e.code(), e.details(), attempt=attempt,
-                                             max_attempts=self.cfg.max_attempts, streamed_tokens=len(progress.tokens),
-                                             caller_active=context.is_active(), time_left_s=deadline - time.monotonic())
+                    decision = after_failure(
+                        e.code(),
+                        e.details(),
+                        attempt=attempt,
+                        max_attempts=self.cfg.max_attempts,
+                        streamed_tokens=len(progress.tokens),
+                        caller_active=context.is_active(),
+                        time_left_s=deadline - time.monotonic(),
+                    )
                     if decision.action is Action.DROP:
                         return
                     if decision.action is Action.FAIL:
@@ -210,11 +260,22 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             self.scheduler.finish(job)
             ttft_ms = progress.ttft_ms
-            log.info("router rid=%s prompt_tokens=%d completion_tokens=%d pcs=%.1f est_out=%d (%s) priority=%s "
-                     "prefill=%s decode=%s finish=%s ttft_ms=%s total_ms=%.1f", rid, len(ids), len(progress.tokens),
-                     pcs.score, pcs.est_output_len, plan.mode, priority.value, p.address if p else "-",
-                     d.address if d else "-", progress.finish, f"{ttft_ms:.1f}" if ttft_ms is not None else "-",
-                     progress.elapsed_ms())
+            log.info(
+                "router rid=%s prompt_tokens=%d completion_tokens=%d pcs=%.1f est_out=%d (%s) priority=%s "
+                "prefill=%s decode=%s finish=%s ttft_ms=%s total_ms=%.1f",
+                rid,
+                len(ids),
+                len(progress.tokens),
+                pcs.score,
+                pcs.est_output_len,
+                plan.mode,
+                priority.value,
+                p.address if p else "-",
+                d.address if d else "-",
+                progress.finish,
+                f"{ttft_ms:.1f}" if ttft_ms is not None else "-",
+                progress.elapsed_ms(),
+            )
 
     def _dispatched(self, job: Job, deadline: float, context: grpc.ServicerContext):
         """Wait in the queue for a (prefill, decode) pair; None when the caller went away. Aborts the RPC when
@@ -236,19 +297,32 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             req.finish(msg.usage.completion_tokens, reason)
             self.estimator.observe(plan.features, msg.usage.completion_tokens, plan.predicted)
             self.scheduler.finish(job, completed=True)
-        return AttemptHooks(attempt_first_token=lambda: self.scheduler.first_token(job), first_token=req.first_token,
-                            finished=finished)
 
-    def _next_attempt(self, decision: Decision, job: Job, p: Instance, d: Instance,
-                      decode_req: internal_pb2.DecodeRequest, ids: list[int], progress: Progress, req,
-                      err: grpc.RpcError) -> None:
+        return AttemptHooks(
+            attempt_first_token=lambda: self.scheduler.first_token(job), first_token=req.first_token, finished=finished
+        )
+
+    def _next_attempt(
+        self,
+        decision: Decision,
+        job: Job,
+        p: Instance,
+        d: Instance,
+        decode_req: internal_pb2.DecodeRequest,
+        ids: list[int],
+        progress: Progress,
+        req,
+        err: grpc.RpcError,
+    ) -> None:
         """Requeue `job` for a retry or resume on another pair (rewriting `decode_req` for a resume)."""
         rid = decode_req.request_id
         if not decision.blame:  # the pair could not admit it (pool full): healthy, just not these two
-            log.info("rid=%s retrying on another pair: %s/%s out of KV pages: %s", rid, p.address, d.address,
-                     err.details())
-            req.event("retry", {"pdserve.prefill": p.address, "pdserve.decode": d.address,
-                                "pdserve.error": err.details()})
+            log.info(
+                "rid=%s retrying on another pair: %s/%s out of KV pages: %s", rid, p.address, d.address, err.details()
+            )
+            req.event(
+                "retry", {"pdserve.prefill": p.address, "pdserve.decode": d.address, "pdserve.error": err.details()}
+            )
             self.scheduler.retry(job, [p, d])
             return
         generated = progress.tokens
@@ -259,9 +333,15 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             decode_req.resumed_text_chars = progress.chars
         what = f"resuming after {len(generated)} tokens" if generated else "retrying"
         log.warning("rid=%s %s after UNAVAILABLE from %s/%s: %s", rid, what, p.address, d.address, err.details())
-        req.event(decision.action.value, {
-            "pdserve.prefill": p.address, "pdserve.decode": d.address, "pdserve.error": err.details(),
-            "pdserve.resumed_tokens": len(generated)})
+        req.event(
+            decision.action.value,
+            {
+                "pdserve.prefill": p.address,
+                "pdserve.decode": d.address,
+                "pdserve.error": err.details(),
+                "pdserve.resumed_tokens": len(generated),
+            },
+        )
         self.scheduler.retry(job, self.membership.blame(p, d))
 
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):

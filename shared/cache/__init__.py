@@ -5,6 +5,7 @@ redis_store.py (byte stores), local_tier.py (in-memory LRU in front of Redis), w
 breaker.py (circuit breaker), stats.py (counters), prompt_cache.py (PromptCache, build_prompt_cache), config.py
 (CacheOptions), (the private redis-server launcher for tests lives in pdserve.testing).
 """
+
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache, build_prompt_cache
 

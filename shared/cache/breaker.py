@@ -1,6 +1,7 @@
 """Circuit breaker for the remote store: after `failures` consecutive errors the store is skipped for
 `cooldown_s` (lookups become misses, writes are dropped); then one probe is let through: success closes the
 breaker, failure opens it for another cooldown. Thread-safe."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """Prompt-cache options, mixed into the config dataclass of each service that uses the cache (prefill)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,11 @@ MiB = 1 << 20
 @dataclass
 class CacheOptions:
     prompt_cache: bool = opt(True, "prefix KV page cache: Redis when a Redis URL is set, else in-process")
-    redis_url: str = opt("", "prompt cache Redis: redis://[:password@]host:port/db, rediss:// (TLS), unix://; "
-                             "empty: $REDIS_URL, and without it an in-process cache")
+    redis_url: str = opt(
+        "",
+        "prompt cache Redis: redis://[:password@]host:port/db, rediss:// (TLS), unix://; "
+        "empty: $REDIS_URL, and without it an in-process cache",
+    )
     redis_cluster: bool = opt(False, "the Redis URL names a Redis Cluster node (redis-py cluster client)")
     cache_ttl_s: float = opt(1800.0, "lifetime of a cached page, refreshed on every hit")
     cache_timeout_ms: float = opt(250.0, "Redis socket timeout; a slower answer counts as an error (a miss)")

@@ -9,6 +9,7 @@ namespace pins everything else (model weights, KV dtype, group size, symmetry, p
 pages get keys: a partial page is never shared. Deterministic across processes and hosts (never Python's
 salted `hash()`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,16 +26,26 @@ CACHE_FORMAT_VERSION = 2  # bump with any change to keys.py or value.py (2: valu
 @dataclass(frozen=True)
 class CacheNamespace:
     """What a cached page must match besides its tokens: the model and the KV layout it is stored in."""
+
     fingerprint: str
     layout: KVLayoutSpec
 
     @cached_property
     def root(self) -> bytes:
         lay = self.layout
-        fields = (b"pdserve-prompt-cache", str(CACHE_FORMAT_VERSION).encode(), str(KV_FORMAT_VERSION).encode(),
-                  self.fingerprint.encode(), lay.dtype.encode(), str(lay.page_size).encode(),
-                  str(lay.num_layers).encode(), str(lay.num_kv_heads).encode(), str(lay.head_dim).encode(),
-                  str(lay.group_size).encode(), b"asym" if lay.asymmetric else b"sym")
+        fields = (
+            b"pdserve-prompt-cache",
+            str(CACHE_FORMAT_VERSION).encode(),
+            str(KV_FORMAT_VERSION).encode(),
+            self.fingerprint.encode(),
+            lay.dtype.encode(),
+            str(lay.page_size).encode(),
+            str(lay.num_layers).encode(),
+            str(lay.num_kv_heads).encode(),
+            str(lay.head_dim).encode(),
+            str(lay.group_size).encode(),
+            b"asym" if lay.asymmetric else b"sym",
+        )
         h = hashlib.sha256()
         for f in fields:  # length-prefixed: no two field lists serialize alike
             h.update(struct.pack("<I", len(f)) + f)
@@ -51,7 +62,7 @@ class CacheNamespace:
         n = len(token_ids) // ps if max_pages is None else min(len(token_ids) // ps, max_pages)
         out, h = [], self.root
         for k in range(n):
-            page = token_ids[k * ps:(k + 1) * ps]
+            page = token_ids[k * ps : (k + 1) * ps]
             h = hashlib.sha256(h + struct.pack(f"<{ps}i", *page)).digest()
             out.append(h)
         return out

@@ -3,6 +3,7 @@
 Keys are chain digests (they already carry the namespace); values are PagePayloads of CPU tensors that are
 never mutated after insertion. Bounded by payload bytes. Thread-safe.
 """
+
 from __future__ import annotations
 
 import threading

@@ -13,6 +13,7 @@ miss, counted in `corrupt`; the page is recomputed and written again, which repl
 Counters for metrics: `hits`, `misses`, `local_hits`, `corrupt`, `errors`, `write_drops` (pages), `hit_ratio()`,
 `local_hit_ratio()`, and `stats.snapshot()` for all of them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from pdserve.cache.breaker import CircuitBreaker
-from pdserve.cache.config import MiB, CacheOptions
+from pdserve.cache.config import CacheOptions, MiB
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.local_tier import LocalTier
 from pdserve.cache.stats import CacheStats
@@ -36,9 +37,9 @@ log = logging.getLogger("pdserve.cache")
 
 @dataclass
 class CacheLookup:
-    keys: list[bytes]          # chain digests of every full page of the prompt (what put() needs)
-    pages: list[PagePayload]   # cached prefix: pages 0 .. len(pages) - 1, full, all layers
-    local_hits: int = 0        # of `pages`, served by the local tier
+    keys: list[bytes]  # chain digests of every full page of the prompt (what put() needs)
+    pages: list[PagePayload]  # cached prefix: pages 0 .. len(pages) - 1, full, all layers
+    local_hits: int = 0  # of `pages`, served by the local tier
 
     @property
     def num_pages(self) -> int:
@@ -58,9 +59,18 @@ class _Touch:
 
 
 class PromptCache:
-    def __init__(self, store: PageStore, *, ttl_s: float = 1800.0, local_bytes: int = 0,
-                 max_value_bytes: int = 32 * MiB, write_queue: int = 1024, lookup_batch: int = 32,
-                 breaker: CircuitBreaker | None = None, key_prefix: str = "pdserve:kv:"):
+    def __init__(
+        self,
+        store: PageStore,
+        *,
+        ttl_s: float = 1800.0,
+        local_bytes: int = 0,
+        max_value_bytes: int = 32 * MiB,
+        write_queue: int = 1024,
+        lookup_batch: int = 32,
+        breaker: CircuitBreaker | None = None,
+        key_prefix: str = "pdserve:kv:",
+    ):
         self.store = store
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.local = LocalTier(local_bytes) if local_bytes > 0 else None
@@ -95,7 +105,7 @@ class PromptCache:
         """Longest cached prefix of at most `max_pages` full pages of `token_ids`. Never raises for store
         trouble (that is a miss); returns within about one store timeout per batch."""
         keys = ns.page_keys(token_ids)
-        want = keys[:max(0, max_pages)]
+        want = keys[: max(0, max_pages)]
         pages: list[PagePayload] = []
         while self.local is not None and len(pages) < len(want):
             p = self.local.get(want[len(pages)])
@@ -108,7 +118,7 @@ class PromptCache:
             if not self.breaker.allow():
                 skipped += 1
                 break
-            batch = want[len(pages):len(pages) + self.lookup_batch]
+            batch = want[len(pages) : len(pages) + self.lookup_batch]
             try:
                 values = self.store.get_many([self.store_key(ns, k) for k in batch], self.ttl_ms)
             except StoreError as e:
@@ -136,8 +146,15 @@ class PromptCache:
                 break
         if n_local and self.store.remote:  # keep the shared copy alive while this instance serves it locally
             self._writer.submit(_Touch([self.store_key(ns, k) for k in want[:n_local]]))
-        self.stats.add(lookups=1, lookup_pages=len(want), hits=len(pages), local_hits=n_local, corrupt=corrupt,
-                       errors=errors, skipped=skipped)
+        self.stats.add(
+            lookups=1,
+            lookup_pages=len(want),
+            hits=len(pages),
+            local_hits=n_local,
+            corrupt=corrupt,
+            errors=errors,
+            skipped=skipped,
+        )
         return CacheLookup(keys, pages, n_local)
 
     # ---- write-back --------------------------------------------------------------------------------------
@@ -210,27 +227,44 @@ def build_prompt_cache(opts: CacheOptions, environ: dict[str, str] | None = None
     environ = os.environ if environ is None else environ
     url = opts.redis_url or environ.get("REDIS_URL", "")
     breaker = CircuitBreaker(opts.cache_breaker_failures, opts.cache_breaker_cooldown_s)
-    common = dict(ttl_s=opts.cache_ttl_s, max_value_bytes=int(opts.cache_max_value_mb * MiB),
-                  write_queue=opts.cache_write_queue, lookup_batch=opts.cache_lookup_batch, breaker=breaker,
-                  key_prefix=opts.cache_key_prefix)
+    common = dict(
+        ttl_s=opts.cache_ttl_s,
+        max_value_bytes=int(opts.cache_max_value_mb * MiB),
+        write_queue=opts.cache_write_queue,
+        lookup_batch=opts.cache_lookup_batch,
+        breaker=breaker,
+        key_prefix=opts.cache_key_prefix,
+    )
     if not url:
-        log.info("prompt cache: in-process, %.0f MiB (set REDIS_URL to share it across instances)",
-                 opts.cache_memory_mb)
+        log.info(
+            "prompt cache: in-process, %.0f MiB (set REDIS_URL to share it across instances)", opts.cache_memory_mb
+        )
         return PromptCache(MemoryStore(int(opts.cache_memory_mb * MiB)), **common)
     from pdserve.cache.redis_store import RedisStore
 
     try:
-        store = RedisStore(url, cluster=opts.redis_cluster, timeout_s=opts.cache_timeout_ms / 1e3,
-                           connect_timeout_s=opts.cache_timeout_ms / 1e3)
+        store = RedisStore(
+            url,
+            cluster=opts.redis_cluster,
+            timeout_s=opts.cache_timeout_ms / 1e3,
+            connect_timeout_s=opts.cache_timeout_ms / 1e3,
+        )
     except ValueError as e:
         raise SystemExit(f"prompt cache: {e}") from None
     policy = store.eviction_policy()
     if policy is None:
-        log.warning("prompt cache: Redis %s not reachable now; serving continues as misses until it is",
-                    redact(url))
+        log.warning("prompt cache: Redis %s not reachable now; serving continues as misses until it is", redact(url))
     elif not policy.startswith("allkeys-"):
-        log.warning("prompt cache: Redis maxmemory-policy is %s; use allkeys-lru so that pages are evicted "
-                    "instead of writes failing when memory is full", policy)
-    log.info("prompt cache: Redis%s %s, ttl %.0fs, local tier %.0f MiB", " Cluster" if opts.redis_cluster else "",
-             redact(url), opts.cache_ttl_s, opts.cache_local_mb)
+        log.warning(
+            "prompt cache: Redis maxmemory-policy is %s; use allkeys-lru so that pages are evicted "
+            "instead of writes failing when memory is full",
+            policy,
+        )
+    log.info(
+        "prompt cache: Redis%s %s, ttl %.0fs, local tier %.0f MiB",
+        " Cluster" if opts.redis_cluster else "",
+        redact(url),
+        opts.cache_ttl_s,
+        opts.cache_local_mb,
+    )
     return PromptCache(store, local_bytes=int(opts.cache_local_mb * MiB), **common)

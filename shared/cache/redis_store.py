@@ -10,6 +10,7 @@
   `maxmemory-policy`; `allkeys-lru` (or -lfu) is what a cache deployment should use: each page is one key, so
   an eviction can only shorten a cached prefix, never leave half a page.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,7 @@ from pdserve.cache.store import StoreError
 
 log = logging.getLogger("pdserve.cache")
 
-_CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, RedisClusterException,
-                      OSError)
+_CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, RedisClusterException, OSError)
 
 
 class RedisStore:
@@ -36,16 +36,23 @@ class RedisStore:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {url!r}")
         self.url, self.cluster = url, cluster
-        self._kw = dict(socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
-                        retry=Retry(NoBackoff(), 0), socket_read_size=1 << 20)  # values are ~MB: read big chunks
+        self._kw = dict(
+            socket_timeout=timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            socket_read_size=1 << 20,
+        )  # values are ~MB: read big chunks
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
 
     def _get_client(self):
         with self._lock:
             if self._client is None:
-                self._client = RedisCluster.from_url(self.url, **self._kw) if self.cluster \
+                self._client = (
+                    RedisCluster.from_url(self.url, **self._kw)
+                    if self.cluster
                     else redis.Redis.from_url(self.url, **self._kw)
+                )
             return self._client
 
     def _reset(self, broken) -> None:
@@ -67,7 +74,7 @@ class RedisStore:
             if isinstance(e, _CONNECTION_ERRORS):
                 self._reset(client)
             raise StoreError(f"redis error: {type(e).__name__}: {e}") from e
-        except Exception as e:  # noqa: BLE001 - socket-level failures surface as many types; never raise them
+        except Exception as e:
             self._reset(client)
             raise StoreError(f"redis unavailable: {type(e).__name__}: {e}") from e
 

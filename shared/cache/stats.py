@@ -1,4 +1,5 @@
 """Prompt-cache counters (thread-safe). Units are pages unless the name says otherwise."""
+
 from __future__ import annotations
 
 import threading
@@ -7,17 +8,17 @@ from dataclasses import dataclass, field, fields
 
 @dataclass
 class CacheStats:
-    lookups: int = 0          # lookup() calls
-    lookup_pages: int = 0     # full pages asked for (the cacheable part of each prompt)
-    hits: int = 0             # pages found (local tier + store), longest prefix only
-    local_hits: int = 0       # of `hits`, served by the in-memory local tier
-    corrupt: int = 0          # values that failed parsing / checksum (treated as misses)
-    errors: int = 0           # store errors (timeouts, connection refused, server errors)
-    skipped: int = 0          # lookups / writes skipped because the circuit breaker was open
-    writes: int = 0           # pages written to the store
+    lookups: int = 0  # lookup() calls
+    lookup_pages: int = 0  # full pages asked for (the cacheable part of each prompt)
+    hits: int = 0  # pages found (local tier + store), longest prefix only
+    local_hits: int = 0  # of `hits`, served by the in-memory local tier
+    corrupt: int = 0  # values that failed parsing / checksum (treated as misses)
+    errors: int = 0  # store errors (timeouts, connection refused, server errors)
+    skipped: int = 0  # lookups / writes skipped because the circuit breaker was open
+    writes: int = 0  # pages written to the store
     write_bytes: int = 0
-    write_drops: int = 0      # pages not written: write-back queue full or breaker open
-    too_large: int = 0        # pages not written: value above the size cap
+    write_drops: int = 0  # pages not written: write-back queue full or breaker open
+    too_large: int = 0  # pages not written: value above the size cap
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

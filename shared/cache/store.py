@@ -3,6 +3,7 @@
 A store maps a key to one opaque value with a TTL; it knows nothing about KV pages. Every method may raise
 StoreError (the store could not answer); the prompt cache turns that into misses or dropped writes.
 """
+
 from __future__ import annotations
 
 import threading

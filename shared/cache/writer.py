@@ -3,6 +3,7 @@
 `submit` never blocks the caller (the engine thread): when the queue is full the item is refused and the caller
 counts a drop. `flush` waits (with a deadline) until everything submitted so far has been handled.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,9 @@ T = TypeVar("T")
 
 
 class WriteBack(Generic[T]):
-    def __init__(self, handle: Callable[[list[T]], None], max_queue: int, max_batch: int = 64,
-                 name: str = "cache-writer"):
+    def __init__(
+        self, handle: Callable[[list[T]], None], max_queue: int, max_batch: int = 64, name: str = "cache-writer"
+    ):
         if max_queue < 1 or max_batch < 1:
             raise ValueError(f"max_queue and max_batch must be >= 1, got {max_queue}, {max_batch}")
         self._handle, self.max_queue, self.max_batch = handle, max_queue, max_batch
@@ -64,7 +66,7 @@ class WriteBack(Generic[T]):
                 self._busy = True
             try:
                 self._handle(batch)
-            except Exception:  # noqa: BLE001 - a failed batch must not kill the writer
+            except Exception:
                 log.exception("prompt cache write-back batch failed")
             finally:
                 with self._cv:

@@ -1,4 +1,5 @@
 """Start router/prefill/decode as separate processes on loopback (`pdserve up`, tests, benchmarks)."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ class Stack:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in self.logs if p.exists())
 
 
-def start_service(name: str, args: list[str], workdir: Path, env: dict | None = None,
-                  to_terminal: bool = False) -> tuple[subprocess.Popen, Path, Path]:
+def start_service(
+    name: str, args: list[str], workdir: Path, env: dict | None = None, to_terminal: bool = False
+) -> tuple[subprocess.Popen, Path, Path]:
     """Start `pdserve serve NAME ARGS`; its output goes to workdir/NAME<i>.log (or the terminal)."""
     idx = len(list(workdir.glob(f"{name}*.json*"))) + len(list(workdir.glob(f"{name}*.log")))
     ready = workdir / f"{name}{idx}.json"
@@ -43,9 +45,12 @@ def start_service(name: str, args: list[str], workdir: Path, env: dict | None = 
     out = None if to_terminal else log.open("w")
     if to_terminal:
         log.touch()  # reserves the index: a second instance started before this one is ready gets the next one
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", name, "--ready-file", str(ready), *args],
-                            stdout=out, stderr=None if to_terminal else subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "serve", name, "--ready-file", str(ready), *args],
+        stdout=out,
+        stderr=None if to_terminal else subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
     return proc, ready, log
 
 
@@ -62,18 +67,40 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 
     return json.loads(ready.read_text())["address"]
 
 
-def start_stack(model: Path | str, workdir: Path, kv_dtype: str = "int8", page_size: int = 16,
-                chunk_size: int = 2048, num_prefill: int = 1, num_decode: int = 1, extra: list[str] = (),
-                router_port: int = 0, router_host: str = "127.0.0.1", to_terminal: bool = False,
-                timeout: float = 300.0, router_extra: list[str] = (), persist_estimator: bool = False,
-                gateway_port: int | None = None, model_name: str = "pdserve") -> Stack:
+def start_stack(
+    model: Path | str,
+    workdir: Path,
+    kv_dtype: str = "int8",
+    page_size: int = 16,
+    chunk_size: int = 2048,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    extra: list[str] = (),
+    router_port: int = 0,
+    router_host: str = "127.0.0.1",
+    to_terminal: bool = False,
+    timeout: float = 300.0,
+    router_extra: list[str] = (),
+    persist_estimator: bool = False,
+    gateway_port: int | None = None,
+    model_name: str = "pdserve",
+) -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
     `router_extra` adds router flags, e.g. `--config FILE`). The router's output-length estimator is kept in
     `workdir` (each stack starts cold) unless `persist_estimator` (`pdserve up`: its config or the cache dir).
     With `gateway_port` (0 = any free port) an OpenAI-compatible gateway serving `model_name` starts last."""
     workdir.mkdir(parents=True, exist_ok=True)
-    common = ["--model", str(model), "--page-size", str(page_size), "--chunk-size", str(chunk_size),
-              "--kv-dtype", kv_dtype, *extra]
+    common = [
+        "--model",
+        str(model),
+        "--page-size",
+        str(page_size),
+        "--chunk-size",
+        str(chunk_size),
+        "--kv-dtype",
+        kv_dtype,
+        *extra,
+    ]
     started = [start_service("prefill", common, workdir, to_terminal=to_terminal) for _ in range(num_prefill)]
     started += [start_service("decode", common, workdir, to_terminal=to_terminal) for _ in range(num_decode)]
     procs = [s[0] for s in started]
@@ -93,8 +120,12 @@ def start_stack(model: Path | str, workdir: Path, kv_dtype: str = "int8", page_s
         router = wait_ready(*r, timeout=timeout)
         gateway = ""
         if gateway_port is not None:
-            g = start_service("gateway", ["--router", router, "--host", router_host, "--port", str(gateway_port),
-                                          "--model-name", model_name], workdir, to_terminal=to_terminal)
+            g = start_service(
+                "gateway",
+                ["--router", router, "--host", router_host, "--port", str(gateway_port), "--model-name", model_name],
+                workdir,
+                to_terminal=to_terminal,
+            )
             procs.append(g[0])
             logs.append(g[2])
             gateway = wait_ready(*g, timeout=timeout)

@@ -1,5 +1,6 @@
 """The `pdserve` command: `up` (whole stack on loopback), `serve <service>` (router, prefill, decode, gateway),
 `generate`."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,24 +20,30 @@ DEFAULT_TARGET = "localhost:50051"
 def _service(name: str):
     if name == "router":
         from pdserve.router import config as mod
+
         return mod.RouterConfig, mod.ENV_PREFIX
     if name == "prefill":
         from pdserve.prefill import config as mod
+
         return mod.PrefillConfig, mod.ENV_PREFIX
     if name == "gateway":
         from pdserve.router.gateway import config as mod
+
         return mod.GatewayConfig, mod.ENV_PREFIX
     from pdserve.decode import config as mod
+
     return mod.DecodeConfig, mod.ENV_PREFIX
 
 
 def cmd_serve(name: str, argv: list[str]) -> int:
     cls, prefix = _service(name)
-    parser = argparse.ArgumentParser(prog=f"pdserve serve {name}",
-                                     description=f"Run one {name} instance (flags override {prefix}* env vars).")
+    parser = argparse.ArgumentParser(
+        prog=f"pdserve serve {name}", description=f"Run one {name} instance (flags override {prefix}* env vars)."
+    )
     add_dataclass_args(parser, cls)
     cfg = config_from(cls, parser.parse_args(argv), prefix)
     from pdserve.server.runner import setup_logging
+
     setup_logging(cfg.log_level)
     if name == "router":
         from pdserve.router.server import serve
@@ -57,13 +64,21 @@ def _interrupt(*_) -> None:
 # ---- up -------------------------------------------------------------------------------------------------------
 def cmd_up(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve up", description="Run router + N prefill + M decode on loopback.")
-    p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", ""),
-                   help="HF model directory (default: the demo model SmolLM2-135M-Instruct, fetched once)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")),
-                   help="router port (0 = any free port)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_MODEL", ""),
+        help="HF model directory (default: the demo model SmolLM2-135M-Instruct, fetched once)",
+    )
+    p.add_argument(
+        "--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")), help="router port (0 = any free port)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="router interface")
-    p.add_argument("--gateway-port", type=int, default=int(os.environ.get("PDSERVE_GATEWAY_PORT", "8000")),
-                   help="OpenAI-compatible HTTP gateway port (0 = any free port, -1 = no gateway)")
+    p.add_argument(
+        "--gateway-port",
+        type=int,
+        default=int(os.environ.get("PDSERVE_GATEWAY_PORT", "8000")),
+        help="OpenAI-compatible HTTP gateway port (0 = any free port, -1 = no gateway)",
+    )
     p.add_argument("--kv-dtype", choices=["int8", "auto"], default="int8")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--page-size", type=int, default=16)
@@ -73,8 +88,12 @@ def cmd_up(argv: list[str]) -> int:
     p.add_argument("--router-config", default="", help="router TOML config file (see docs/router.md)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--torch-threads", type=int, default=0,
-                   help="CPU threads per engine process (default: the cores shared among the engine processes)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="CPU threads per engine process (default: the cores shared among the engine processes)",
+    )
     args = p.parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
         p.error("--prefill and --decode must be >= 1")
@@ -85,6 +104,7 @@ def cmd_up(argv: list[str]) -> int:
     model = args.model
     if not model:
         from pdserve.models.demo import ensure_demo_model
+
         model = str(ensure_demo_model(say=lambda line: print(line, flush=True)))
     elif not (Path(model) / "config.json").exists():
         print(f"error: {model} is not a model directory (no config.json)", file=sys.stderr)
@@ -93,22 +113,32 @@ def cmd_up(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     stack = None
     try:
-        stack = start_stack(model, Path(tempfile.mkdtemp(prefix="pdserve-up-")), kv_dtype=args.kv_dtype,
-                            page_size=args.page_size, chunk_size=args.chunk_size,
-                            extra=["--dtype", args.dtype, "--log-level", args.log_level,
-                                   "--torch-threads", str(args.torch_threads)],
-                            router_port=args.port, router_host=args.host, to_terminal=True,
-                            timeout=args.ready_timeout, num_prefill=args.prefill, num_decode=args.decode,
-                            router_extra=["--config", args.router_config] if args.router_config else [],
-                            persist_estimator=True,
-                            gateway_port=None if args.gateway_port < 0 else args.gateway_port,
-                            model_name=Path(model).name)
-        print(f"pdserve is up: router at {stack.router}  (prefill {', '.join(stack.prefill)}, "
-              f"decode {', '.join(stack.decode)}, kv {args.kv_dtype})", flush=True)
+        stack = start_stack(
+            model,
+            Path(tempfile.mkdtemp(prefix="pdserve-up-")),
+            kv_dtype=args.kv_dtype,
+            page_size=args.page_size,
+            chunk_size=args.chunk_size,
+            extra=["--dtype", args.dtype, "--log-level", args.log_level, "--torch-threads", str(args.torch_threads)],
+            router_port=args.port,
+            router_host=args.host,
+            to_terminal=True,
+            timeout=args.ready_timeout,
+            num_prefill=args.prefill,
+            num_decode=args.decode,
+            router_extra=["--config", args.router_config] if args.router_config else [],
+            persist_estimator=True,
+            gateway_port=None if args.gateway_port < 0 else args.gateway_port,
+            model_name=Path(model).name,
+        )
+        print(
+            f"pdserve is up: router at {stack.router}  (prefill {', '.join(stack.prefill)}, "
+            f"decode {', '.join(stack.decode)}, kv {args.kv_dtype})",
+            flush=True,
+        )
         if stack.gateway:
-            print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {Path(model).name!r})",
-                  flush=True)
-        print(f"try:  pdserve generate --target {stack.router} \"hello\"", flush=True)
+            print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {Path(model).name!r})", flush=True)
+        print(f'try:  pdserve generate --target {stack.router} "hello"', flush=True)
         while all(proc.poll() is None for proc in stack.procs):
             time.sleep(0.5)
         print("error: a service exited; stopping the stack", file=sys.stderr)
@@ -143,8 +173,15 @@ def cmd_generate(argv: list[str]) -> int:
     with Client(args.target, timeout=args.timeout) as c:
         try:
             last = None
-            for chunk in c.stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop):
+            for chunk in c.stream(
+                args.prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=args.stop,
+            ):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
@@ -152,16 +189,21 @@ def cmd_generate(argv: list[str]) -> int:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     if last is not None and last.usage is not None:
-        print(f"\n[finish={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
-              f"completion_tokens={last.usage.completion_tokens}]", file=sys.stderr)
+        print(
+            f"\n[finish={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
+            f"completion_tokens={last.usage.completion_tokens}]",
+            file=sys.stderr,
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = ("usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|auto] ...\n"
-             "       pdserve serve router|prefill|decode|gateway [flags]   (--help for flags)\n"
-             "       pdserve generate [--target HOST:PORT] PROMPT")
+    usage = (
+        "usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|auto] ...\n"
+        "       pdserve serve router|prefill|decode|gateway [flags]   (--help for flags)\n"
+        "       pdserve generate [--target HOST:PORT] PROMPT"
+    )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0

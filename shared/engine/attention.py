@@ -5,6 +5,7 @@ are first written to the pool, then query i (absolute position start+i) attends 
 A backend only attends (`attend`): the model stores this step's K/V in the pool first (`KernelChoice.rope_and_store`).
 The backend is chosen once at start-up (`select_backend`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,13 +30,13 @@ def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> t
 
 @dataclass
 class AttentionMetadata:
-    starts: list[int]                 # per sequence: tokens already in the pool before this step
-    q_lens: list[int]                 # per sequence: new tokens this step
-    page_tables: list[list[int]]      # per sequence: physical pages (covering start + q_len tokens)
+    starts: list[int]  # per sequence: tokens already in the pool before this step
+    q_lens: list[int]  # per sequence: new tokens this step
+    page_tables: list[list[int]]  # per sequence: physical pages (covering start + q_len tokens)
     page_size: int
     device: torch.device
-    positions: torch.Tensor = field(init=False)      # [T] long
-    slot_mapping: torch.Tensor = field(init=False)   # [T] long: page * page_size + offset of each new token
+    positions: torch.Tensor = field(init=False)  # [T] long
+    slot_mapping: torch.Tensor = field(init=False)  # [T] long: page * page_size + offset of each new token
     _page_ids: list[torch.Tensor] | None = field(init=False, default=None)
     _fa3: dict = field(init=False, default_factory=dict)  # lazily built int32 tensors for FA3
 
@@ -54,8 +55,10 @@ class AttentionMetadata:
         """Per sequence [n_pages] long: the pages holding its keys (built on first use: the SDPA path)."""
         if self._page_ids is None:
             ps = self.page_size
-            self._page_ids = [torch.tensor(t[: -(-self.kv_len(i) // ps)], dtype=torch.long, device=self.device)
-                              for i, t in enumerate(self.page_tables)]
+            self._page_ids = [
+                torch.tensor(t[: -(-self.kv_len(i) // ps)], dtype=torch.long, device=self.device)
+                for i, t in enumerate(self.page_tables)
+            ]
         return self._page_ids
 
     @property
@@ -80,12 +83,21 @@ class AttentionMetadata:
             table = torch.zeros(self.num_seqs, max_pages, dtype=torch.int32)
             for i, (t, n) in enumerate(zip(self.page_tables, n_pages)):
                 table[i, :n] = torch.tensor(t[:n], dtype=torch.int32)
-            table = table.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+            table = (
+                table.pin_memory().to(self.device, non_blocking=True)
+                if self.device.type == "cuda"
                 else table.to(self.device)
+            )
             cu_q = torch.tensor([0] + self.q_lens, **i32).cumsum(0, dtype=torch.int32)
             cu_k = torch.tensor([0] + kv, **i32).cumsum(0, dtype=torch.int32)
-            self._fa3 = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cache_seqlens=torch.tensor(kv, **i32),
-                             page_table=table, max_q=max(self.q_lens), max_k=max(kv))
+            self._fa3 = dict(
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                cache_seqlens=torch.tensor(kv, **i32),
+                page_table=table,
+                max_q=max(self.q_lens),
+                max_k=max(kv),
+            )
         return self._fa3
 
 
@@ -94,8 +106,9 @@ class SdpaBackend:
 
     name = "sdpa"
 
-    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, cache: KVCache,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, meta: AttentionMetadata, cache: KVCache, scale: float
+    ) -> torch.Tensor:
         """q [T, H, D] against the pool (this step's K/V already written) -> out [T, H, D]."""
         out = torch.empty_like(q)
         n_rep = q.shape[1] // cache.num_kv_heads
@@ -105,14 +118,17 @@ class SdpaBackend:
             ks, vs = cache.read(layer, meta.page_ids[i], kv_len)  # [kv_len, KVH, D]
             if n_rep > 1:
                 ks, vs = ks.repeat_interleave(n_rep, dim=1), vs.repeat_interleave(n_rep, dim=1)
-            qi = q[qs:qs + n].transpose(0, 1)                   # [H, n, D]
+            qi = q[qs : qs + n].transpose(0, 1)  # [H, n, D]
             mask = None
             if n > 1:  # query j (position start+j) sees keys 0..start+j
-                mask = (torch.arange(kv_len, device=q.device)[None, :]
-                        <= torch.arange(start, start + n, device=q.device)[:, None])  # [n, kv_len]
-            o = F.scaled_dot_product_attention(qi, ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype),
-                                               attn_mask=mask, scale=scale)  # [H, n, D]
-            out[qs:qs + n] = o.transpose(0, 1)
+                mask = (
+                    torch.arange(kv_len, device=q.device)[None, :]
+                    <= torch.arange(start, start + n, device=q.device)[:, None]
+                )  # [n, kv_len]
+            o = F.scaled_dot_product_attention(
+                qi, ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale
+            )  # [H, n, D]
+            out[qs : qs + n] = o.transpose(0, 1)
             qs += n
         return out
 
@@ -156,32 +172,49 @@ class FA3Backend:
                 table = torch.arange(b * w, dtype=torch.int32, device=q.device).view(b, w)
             else:
                 k_cache, v_cache = cache.layer_tensors(layer)  # [P, ps, KVH, D]
-            out = self.fa.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens,
-                                                  page_table=table, softmax_scale=scale, causal=True,
-                                                  num_splits=kc.fa3_num_splits)
+            out = self.fa.flash_attn_with_kvcache(
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=seqlens,
+                page_table=table,
+                softmax_scale=scale,
+                causal=True,
+                num_splits=kc.fa3_num_splits,
+            )
             return self._first(out).squeeze(1)
         if not cache.quantized and kc.dense_prefill == "paged":
             k_cache, v_cache = cache.layer_tensors(layer)
-            out = self.fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table,
-                                                  cu_seqlens_q=t["cu_seqlens_q"], max_seqlen_q=t["max_q"],
-                                                  softmax_scale=scale, causal=True)
+            out = self.fa.flash_attn_with_kvcache(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens=seqlens,
+                page_table=table,
+                cu_seqlens_q=t["cu_seqlens_q"],
+                max_seqlen_q=t["max_q"],
+                softmax_scale=scale,
+                causal=True,
+            )
             return self._first(out)
         # contiguous K/V per sequence ([B, W * ps] tokens, the first seqlens[b] valid) -> varlen FA3
         kv = self._dense_scratch(layer, cache, table, seqlens, q.dtype)
         b, n = kv.shape[1], kv.shape[2]
         cu_k = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
         k, v = (x.view(b * n, *kv.shape[-2:]) for x in kv)
-        out = self.fa.flash_attn_varlen_func(q, k, v, t["cu_seqlens_q"], cu_k, t["max_q"], n, seqused_k=seqlens,
-                                             softmax_scale=scale, causal=True)
+        out = self.fa.flash_attn_varlen_func(
+            q, k, v, t["cu_seqlens_q"], cu_k, t["max_q"], n, seqused_k=seqlens, softmax_scale=scale, causal=True
+        )
         return self._first(out)
 
     @staticmethod
-    def _dense_scratch(layer: int, cache, table: torch.Tensor, seqlens: torch.Tensor,
-                       dtype: torch.dtype) -> torch.Tensor:
+    def _dense_scratch(
+        layer: int, cache, table: torch.Tensor, seqlens: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """The batch's pages as dense K/V [2, B, W * ps, KVH, D]: int8 pools dequantized by one Triton pass
         (tokens past seqlens[b] unwritten), dense pools gathered (tokens past seqlens[b] are other pages)."""
         if cache.quantized:
-            from pdserve.engine.kernels.kv_gather import dequant_pages  # noqa: PLC0415 - imports triton
+            from pdserve.engine.kernels.kv_gather import dequant_pages
 
             data, scales, zeros = cache.layer_views(layer)
             return dequant_pages(data, scales, zeros, table, seqlens, dtype)
@@ -192,24 +225,44 @@ class FA3Backend:
         kv = torch.stack([k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]])
         return kv.view(2, b, w * ps, *kv.shape[-2:])
 
-    def _triton_decode(self, layer: int, q: torch.Tensor, cache, table: torch.Tensor, seqlens: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-        from pdserve.engine.kernels import int8_decode_attention as kd  # noqa: PLC0415 - imports triton
+    def _triton_decode(
+        self, layer: int, q: torch.Tensor, cache, table: torch.Tensor, seqlens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        from pdserve.engine.kernels import int8_decode_attention as kd
 
         if not self._num_sms:
             self._num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         kc = self.kernels
         cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **kc.decode_config}
         splits = kd.default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
-        kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  scale_expand=cfg["scale_expand"], fold_scales=cfg.get("fold_scales", False), pdl=kc.pdl)
+        kw = dict(
+            block_n=cfg["block_n"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            scale_expand=cfg["scale_expand"],
+            fold_scales=cfg.get("fold_scales", False),
+            pdl=kc.pdl,
+        )
         if not cache.quantized:
             k_cache, v_cache = cache.layer_tensors(layer)
-            return kd.int8_paged_decode(q, k_cache, v_cache, None, None, None, None, table, seqlens, scale, splits,
-                                        **kw)
+            return kd.int8_paged_decode(
+                q, k_cache, v_cache, None, None, None, None, table, seqlens, scale, splits, **kw
+            )
         data, scales, zeros = cache.layer_views(layer)
-        return kd.int8_paged_decode(q, data[0], data[1], scales[0], scales[1], None if zeros is None else zeros[0],
-                                    None if zeros is None else zeros[1], table, seqlens, scale, splits, **kw)
+        return kd.int8_paged_decode(
+            q,
+            data[0],
+            data[1],
+            scales[0],
+            scales[1],
+            None if zeros is None else zeros[0],
+            None if zeros is None else zeros[1],
+            table,
+            seqlens,
+            scale,
+            splits,
+            **kw,
+        )
 
 
 def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None, str]:
@@ -221,8 +274,8 @@ def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None,
     if dtype not in (torch.float16, torch.bfloat16):
         return None, f"dtype {dtype} unsupported by FA3 (needs float16/bfloat16)"
     try:
-        import flash_attn_interface as fa  # noqa: PLC0415 - optional GPU dependency
-    except Exception as e:  # noqa: BLE001 - ImportError or a broken CUDA extension
+        import flash_attn_interface as fa
+    except Exception as e:
         return None, f"flash_attn_interface not importable ({type(e).__name__}: {e})"
     return fa, "CUDA sm90, flash_attn_interface importable"
 

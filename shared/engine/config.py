@@ -1,4 +1,5 @@
 """Engine configuration and its resolution (device, dtype) against the machine and the checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -14,29 +15,29 @@ CPU_MAX_AUTO_PAGES = 8192
 @dataclass
 class EngineConfig:
     model_dir: str
-    dtype: str = "auto"                # auto: float32 on CPU, checkpoint dtype on GPU
-    device: str = "auto"               # auto: cuda if available else cpu
-    page_size: int = 16                # tokens per KV page
-    chunk_size: int = 2048             # prefill tokens per step (across sequences)
-    num_pages: int = 0                 # 0: auto (see engine._auto_num_pages)
-    max_num_seqs: int = 64             # largest decode batch / sequences admitted at once
-    kv_dtype: str = "auto"             # auto: model dtype | int8
-    kv_group_size: int = 64            # int8 group size along head_dim (clamped to head_dim)
-    kv_asymmetric: bool = False        # int8 with zero points
-    attention_backend: str = "auto"    # auto | fa3 | sdpa
+    dtype: str = "auto"  # auto: float32 on CPU, checkpoint dtype on GPU
+    device: str = "auto"  # auto: cuda if available else cpu
+    page_size: int = 16  # tokens per KV page
+    chunk_size: int = 2048  # prefill tokens per step (across sequences)
+    num_pages: int = 0  # 0: auto (see engine._auto_num_pages)
+    max_num_seqs: int = 64  # largest decode batch / sequences admitted at once
+    kv_dtype: str = "auto"  # auto: model dtype | int8
+    kv_group_size: int = 64  # int8 group size along head_dim (clamped to head_dim)
+    kv_asymmetric: bool = False  # int8 with zero points
+    attention_backend: str = "auto"  # auto | fa3 | sdpa
     # ---- GPU kernels (CPU always runs plain torch ops; see kernel_choice.py) ----
-    triton: bool = True                # CUDA: Triton kernels (fused model path, int8 KV); off: torch ops as on CPU
-    pdl: bool = True                   # Triton kernels as programmatic dependent launches where supported (sm90+)
-    gemv_plan: str = "default"         # decode GEMVs (<= 4 rows): default | cublas | triton | JSON per projection
+    triton: bool = True  # CUDA: Triton kernels (fused model path, int8 KV); off: torch ops as on CPU
+    pdl: bool = True  # Triton kernels as programmatic dependent launches where supported (sm90+)
+    gemv_plan: str = "default"  # decode GEMVs (<= 4 rows): default | cublas | triton | JSON per projection
     int8_decode_kernel: str = "triton"  # FA3 + int8 pool, decode: triton (reads int8 pages) | dequant (+ FA3)
     dense_decode_kernel: str = "triton"  # FA3 + dense pool, decode: triton (reads dense pages) | fa3
     dense_prefill_kernel: str = "paged"  # FA3 + dense pool, prefill: paged (FA3 reads pages) | gather (varlen)
-    fa3_num_splits: int = 4            # FA3 decode split count (0: FA3's heuristic)
-    decode_kernel_config: str = ""     # JSON overrides of the Triton decode-attention config (block_n, ...)
-    cuda_graphs: bool = True           # decode through CUDA graphs (CUDA + FA3 + fused model path)
+    fa3_num_splits: int = 4  # FA3 decode split count (0: FA3's heuristic)
+    decode_kernel_config: str = ""  # JSON overrides of the Triton decode-attention config (block_n, ...)
+    cuda_graphs: bool = True  # decode through CUDA graphs (CUDA + FA3 + fused model path)
     cuda_graph_max_context: int = 8192  # page-table width of the graphs; longer sequences decode eagerly
     gpu_memory_utilization: float = 0.85  # GPU auto pages: fraction of free memory for the KV pool
-    seed: int = 0                      # engine RNG: seeds generators of requests without a seed
+    seed: int = 0  # engine RNG: seeds generators of requests without a seed
 
     def validate(self) -> None:
         if self.page_size <= 0:
@@ -68,7 +69,6 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
-
     def gemv_projections(self) -> dict[str, dict | None] | str:
         """`gemv_plan` parsed: "default" | "cublas" | "triton", or a dict projection -> Triton GEMV config | None
         (None: cuBLAS) over the projections qkv, o, gate_up, down."""
@@ -77,8 +77,10 @@ class EngineConfig:
         plan = _json_object("gemv_plan", self.gemv_plan)
         unknown = set(plan) - set(GEMV_PROJECTIONS)
         if unknown or any(v is not None and not isinstance(v, dict) for v in plan.values()):
-            raise ValueError(f"gemv_plan: want default|cublas|triton or a JSON object over {GEMV_PROJECTIONS} "
-                             f"with a config object or null each, got {self.gemv_plan!r}")
+            raise ValueError(
+                f"gemv_plan: want default|cublas|triton or a JSON object over {GEMV_PROJECTIONS} "
+                f"with a config object or null each, got {self.gemv_plan!r}"
+            )
         return plan
 
     def decode_kernel_overrides(self) -> dict:

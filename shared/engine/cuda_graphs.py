@@ -13,6 +13,7 @@ on preemption; a row remembers the list object it mirrors).
 Needs: CUDA, the fused model path (its KV write is graph-safe) and a backend whose decode `attend` reads only
 `fa3_tensors()` (FA3Backend). Anything else (a longer context, a larger batch) runs eagerly.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -27,10 +28,11 @@ log = logging.getLogger("pdserve.engine")
 @dataclass
 class StaticDecodeMeta:
     """The slice of the static buffers a captured batch size reads (duck-types AttentionMetadata for decode)."""
-    positions: torch.Tensor       # [bs] int32
-    slot_mapping: torch.Tensor    # [bs] int32 (-1: padded row)
-    cache_seqlens: torch.Tensor   # [bs] int32: keys per sequence, this step's token included
-    page_table: torch.Tensor      # [bs, W] int32
+
+    positions: torch.Tensor  # [bs] int32
+    slot_mapping: torch.Tensor  # [bs] int32 (-1: padded row)
+    cache_seqlens: torch.Tensor  # [bs] int32: keys per sequence, this step's token included
+    page_table: torch.Tensor  # [bs, W] int32
     is_decode: bool = True
 
     def fa3_tensors(self) -> dict:
@@ -43,8 +45,17 @@ def default_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphRunner:
-    def __init__(self, model, cache, backend, page_size: int, max_batch: int, max_context: int,
-                 device: torch.device, batch_sizes: list[int] | None = None):
+    def __init__(
+        self,
+        model,
+        cache,
+        backend,
+        page_size: int,
+        max_batch: int,
+        max_context: int,
+        device: torch.device,
+        batch_sizes: list[int] | None = None,
+    ):
         self.model, self.cache, self.backend = model, cache, backend
         self.page_size = page_size
         self.width = -(-max_context // page_size)
@@ -58,7 +69,7 @@ class DecodeGraphRunner:
         self._host = torch.zeros(n, dtype=torch.int32).pin_memory()
         self._np = self._host.numpy()
         self._nvec = self._np[: 4 * bs].reshape(4, bs)
-        self._ntable = self._np[4 * bs:].reshape(bs, self.width)
+        self._ntable = self._np[4 * bs :].reshape(bs, self.width)
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * bs  # per row: (mirrored list, entries)
         self._copied = torch.cuda.Event()
         self._greedy_host = torch.zeros(bs, dtype=torch.int64).pin_memory()  # [max_bs] argmax of the last step
@@ -70,7 +81,7 @@ class DecodeGraphRunner:
     def _meta(self, bs: int) -> StaticDecodeMeta:
         mb = self.max_batch
         vec = self._dev[: 4 * mb].view(4, mb)
-        table = self._dev[4 * mb:].view(mb, self.width)
+        table = self._dev[4 * mb :].view(mb, self.width)
         return StaticDecodeMeta(vec[1, :bs], vec[2, :bs], vec[3, :bs], table[:bs])
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -81,14 +92,14 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         """Capture every batch size (largest first, one shared memory pool). Buffers hold padding meanwhile.
         Calling it again (after `ModelRunner.set_kernels`) replaces the graphs."""
-        from pdserve.engine.kernels.argmax import argmax_rows  # noqa: PLC0415 - imports triton (CUDA only)
+        from pdserve.engine.kernels.argmax import argmax_rows
 
         self.graphs.clear()
         self.logits.clear()
         torch.cuda.empty_cache()
         self._nvec[:] = 0
         self._nvec[2] = -1  # slots: write nowhere
-        self._nvec[3] = 1   # seqlens
+        self._nvec[3] = 1  # seqlens
         self._ntable[:] = 0
         self._rows = [(None, 0)] * self.max_batch
         self._dev.copy_(self._host)
@@ -132,7 +143,7 @@ class DecodeGraphRunner:
             if mirrored is not t:
                 n = 0
             if n != len(t):
-                table[i, n:len(t)] = t[n:]
+                table[i, n : len(t)] = t[n:]
                 rows[i] = (t, len(t))
         # padded rows keep whatever table they had: every entry ever written is a valid page id
         n = 4 * self.max_batch + bs * self.width
@@ -148,8 +159,9 @@ class DecodeGraphRunner:
         return self._greedy_np[:b].tolist()
 
 
-def make_decode_graph_runner(model, cache, backend, page_size: int, max_batch: int, max_context: int,
-                             device: torch.device, enabled: bool) -> DecodeGraphRunner | None:
+def make_decode_graph_runner(
+    model, cache, backend, page_size: int, max_batch: int, max_context: int, device: torch.device, enabled: bool
+) -> DecodeGraphRunner | None:
     """A captured runner when the engine can use one (CUDA, fused model, FA3 backend), else None (eager)."""
     if not enabled or device.type != "cuda" or not model.kernels.fused or backend.name != "fa3":
         why = "disabled" if not enabled else "needs CUDA, the fused model path and the FA3 backend"

@@ -5,6 +5,7 @@ Roles: a plain engine prefills and decodes. A prefill instance adds requests wit
 pages (`export_pages`) as `ready_pages` reports them; a decode instance imports them (`begin_import`,
 `import_page`, `finish_import`) and decodes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,12 +34,12 @@ class StepOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None          # "stop" | "length" | "prefill_done" | "abort" when finished
+    finish_reason: str | None  # "stop" | "length" | "prefill_done" | "abort" when finished
     num_prompt_tokens: int
     num_completion_tokens: int
     ready_pages: list[int] = field(default_factory=list)  # prefill-only: logical pages whose KV became final
     logits: torch.Tensor | None = None  # step(return_logits=True): float32 [vocab] row used for the last token
-    stop_reason: str | None = None     # "eos", "token:<id>" or the matched stop string (finish_reason "stop")
+    stop_reason: str | None = None  # "eos", "token:<id>" or the matched stop string (finish_reason "stop")
     token_range: tuple[int, int] | None = None  # prefill-only: prompt tokens [start, end) this step computed
 
 
@@ -62,10 +63,19 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
         self._arrival = itertools.count()
         self.last_step_scheduled = False  # whether the last step() ran a forward pass
-        log.info("engine ready: arch=%s dtype=%s device=%s pages=%d page_size=%d chunk_size=%d max_num_seqs=%d "
-                 "kv=%s backend=%s", mc.arch, dtype_name(self.runner.dtype), self.runner.device,
-                 self.allocator.num_pages, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs,
-                 self.runner.kv_description(), self.runner.backend.name)
+        log.info(
+            "engine ready: arch=%s dtype=%s device=%s pages=%d page_size=%d chunk_size=%d max_num_seqs=%d "
+            "kv=%s backend=%s",
+            mc.arch,
+            dtype_name(self.runner.dtype),
+            self.runner.device,
+            self.allocator.num_pages,
+            cfg.page_size,
+            cfg.chunk_size,
+            cfg.max_num_seqs,
+            self.runner.kv_description(),
+            self.runner.backend.name,
+        )
 
     @property
     def kv_storage_dtype_name(self) -> str:
@@ -82,8 +92,7 @@ class LLMEngine:
         return self.runner.kv_asymmetric
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      **kw) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kw) -> Sequence:
         if request_id in self._seqs:
             raise DuplicateRequest(f"duplicate request id {request_id!r}")
         sampling.validate(self.max_model_len)
@@ -98,12 +107,26 @@ class LLMEngine:
         if need > self.allocator.num_pages:
             raise OutOfPages(f"prompt needs {need} KV pages but the pool only has {self.allocator.num_pages}")
         self.runner.add_request(request_id, sampling)
-        return Sequence(request_id, ids, sampling, detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
-                        arrival=next(self._arrival), max_model_len=self.max_model_len, **kw)
+        return Sequence(
+            request_id,
+            ids,
+            sampling,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
+            arrival=next(self._arrival),
+            max_model_len=self.max_model_len,
+            **kw,
+        )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    prefill_only: bool = False, forced_token_ids: list[int] | None = None,
-                    cached_pages: list[PagePayload] | None = None, sampled_before: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        prefill_only: bool = False,
+        forced_token_ids: list[int] | None = None,
+        cached_pages: list[PagePayload] | None = None,
+        sampled_before: int = 0,
+    ) -> None:
         """Queue a request. Raises ValueError (bad input, duplicate id) or OutOfPages (prompt larger than the
         whole pool). `forced_token_ids`: teacher forcing, the i-th sampled token is replaced by the i-th forced
         one (the logits are still those the model produced).
@@ -113,8 +136,13 @@ class LLMEngine:
         token). Cached pages never appear in `ready_pages` (the caller already has them).
         `sampled_before`: tokens this request already sampled elsewhere (a failover resume: the prompt ends with
         them); a seeded request skips their draws, so it samples as if it had never moved."""
-        seq = self._new_sequence(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
-                                 forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None)
+        seq = self._new_sequence(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            prefill_only=prefill_only,
+            forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
+        )
         try:
             if sampled_before < 0 or sampled_before >= seq.num_prompt_tokens:
                 raise InvalidRequest(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
@@ -132,14 +160,22 @@ class LLMEngine:
 
     def _check_cached_pages(self, num_prompt_tokens: int, pages: list[PagePayload]) -> None:
         if len(pages) * self.page_size >= num_prompt_tokens:
-            raise InvalidRequest(f"{len(pages)} cached pages cover all {num_prompt_tokens} prompt tokens; at least the "
-                             "last token must be computed")
+            raise InvalidRequest(
+                f"{len(pages)} cached pages cover all {num_prompt_tokens} prompt tokens; at least the "
+                "last token must be computed"
+            )
         for i, p in enumerate(pages):
-            if p.page_index != i or p.num_tokens != self.page_size or p.layer_start != 0 \
-                    or p.layer_count != self.model_config.num_layers:
-                raise InvalidRequest(f"cached page {i}: got page_index {p.page_index}, {p.num_tokens} tokens, layers "
-                                 f"[{p.layer_start}, {p.layer_start + p.layer_count}); want full pages 0..N-1 of "
-                                 f"all {self.model_config.num_layers} layers")
+            if (
+                p.page_index != i
+                or p.num_tokens != self.page_size
+                or p.layer_start != 0
+                or p.layer_count != self.model_config.num_layers
+            ):
+                raise InvalidRequest(
+                    f"cached page {i}: got page_index {p.page_index}, {p.num_tokens} tokens, layers "
+                    f"[{p.layer_start}, {p.layer_start + p.layer_count}); want full pages 0..N-1 of "
+                    f"all {self.model_config.num_layers} layers"
+                )
             self.runner.check_payload(p)
 
     def _load_cached_pages(self, seq: Sequence) -> None:
@@ -183,8 +219,14 @@ class LLMEngine:
         return list(self._seqs)
 
     # ---- prefill side: page export -------------------------------------------------------------------------
-    def export_pages(self, request_id: str, page_indexes: list[int], kv_dtype: str = "auto",
-                     group_size: int | None = None, asymmetric: bool | None = None) -> list[PagePayload]:
+    def export_pages(
+        self,
+        request_id: str,
+        page_indexes: list[int],
+        kv_dtype: str = "auto",
+        group_size: int | None = None,
+        asymmetric: bool | None = None,
+    ) -> list[PagePayload]:
         """PagePayloads (all layers, CPU tensors) for logical pages of a request whose KV is computed.
         kv_dtype: "int8" (quantized with group_size/asymmetric, default: this engine's settings), "auto" (the
         model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
@@ -199,14 +241,21 @@ class LLMEngine:
         for idx in page_indexes:
             n = min(self.page_size, seq.num_computed_tokens - idx * self.page_size)
             if idx < 0 or idx >= len(seq.page_table) or n <= 0:
-                raise InvalidRequest(f"page {idx} of {request_id!r} has no computed KV "
-                                 f"({seq.num_computed_tokens} tokens computed)")
+                raise InvalidRequest(
+                    f"page {idx} of {request_id!r} has no computed KV ({seq.num_computed_tokens} tokens computed)"
+                )
             out.append(self.runner.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype))
         return out
 
     # ---- decode side: page import --------------------------------------------------------------------------
-    def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     resumed_tokens: int = 0, resumed_text_chars: int = 0) -> None:
+    def begin_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        resumed_tokens: int = 0,
+        resumed_text_chars: int = 0,
+    ) -> None:
         """Reserve pages for a prompt whose KV comes from a prefill instance. Raises OutOfPages (nothing
         allocated) or ValueError.
 
@@ -235,8 +284,9 @@ class LLMEngine:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         seq.text = "".join(seq.detokenizer.add(t) for t in seq.completion_token_ids)
         if not 0 <= emitted_chars <= len(seq.text):
-            raise InvalidRequest(f"resumed_text_chars {emitted_chars} outside [0, {len(seq.text)}] (the resumed "
-                             f"tokens' text)")
+            raise InvalidRequest(
+                f"resumed_text_chars {emitted_chars} outside [0, {len(seq.text)}] (the resumed tokens' text)"
+            )
         seq.num_emitted_chars = emitted_chars
         self.runner.skip_draws(seq.request_id, k)
 
@@ -312,19 +362,37 @@ class LLMEngine:
         o.ready_pages = prev.ready_pages + o.ready_pages
         outputs[o.request_id] = o
 
-    def _output(self, seq: Sequence, new_ids: list[int], text: str, ready: list[int] | None = None,
-                logits: torch.Tensor | None = None) -> StepOutput:
-        return StepOutput(seq.request_id, new_ids, text, seq.finished, seq.finish_reason, seq.num_prompt_tokens,
-                          seq.num_completion_tokens, ready or [], logits, seq.stop_reason)
+    def _output(
+        self,
+        seq: Sequence,
+        new_ids: list[int],
+        text: str,
+        ready: list[int] | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> StepOutput:
+        return StepOutput(
+            seq.request_id,
+            new_ids,
+            text,
+            seq.finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_completion_tokens,
+            ready or [],
+            logits,
+            seq.stop_reason,
+        )
 
     def _run(self, batch: ScheduledBatch, return_logits: bool) -> list[StepOutput]:
         for seq in batch.seqs:
             if seq.request_id in self._cached_pages:
                 self._load_cached_pages(seq)
-        sample_rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                       if s.num_computed_tokens + n == s.num_tokens]
-        tokens, logits = self.runner.run(batch.seqs, batch.num_new_tokens, sample_rows, batch.is_prefill,
-                                         return_logits)
+        sample_rows = [
+            i
+            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+            if s.num_computed_tokens + n == s.num_tokens
+        ]
+        tokens, logits = self.runner.run(batch.seqs, batch.num_new_tokens, sample_rows, batch.is_prefill, return_logits)
         outputs = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
@@ -336,8 +404,9 @@ class LLMEngine:
                 outputs.append(self._postprocess_token(seq, tokens[i], batch.is_prefill, row))
         return outputs
 
-    def _postprocess_prefill_only(self, seq: Sequence, start: int, token: int | None,
-                                  row: torch.Tensor | None) -> list[StepOutput]:
+    def _postprocess_prefill_only(
+        self, seq: Sequence, start: int, token: int | None, row: torch.Tensor | None
+    ) -> list[StepOutput]:
         ps, end = self.page_size, seq.num_computed_tokens
         ready = list(range(start // ps, end // ps))
         if token is not None:
@@ -363,8 +432,9 @@ class LLMEngine:
         return out
 
     # ---- convenience ---------------------------------------------------------------------------------------
-    def generate(self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams]) \
-            -> list[list[int]]:
+    def generate(
+        self, prompts_token_ids: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         """Run prompts to completion (test helper); returns the completion token ids of each."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts_token_ids)
         rids = [f"gen-{uuid.uuid4().hex}" for _ in prompts_token_ids]

@@ -6,6 +6,7 @@ gate/up as one GEMM each (the weights are stored that way on every device), RMSN
 RoPE fused with the KV write, SwiGLU in one kernel, Triton GEMVs for decode rows, int8 KV (de)quantization in
 Triton. Both paths give the same math with the same bf16 roundings.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,13 +29,13 @@ def fusable(mc: ModelConfig) -> bool:
 
 @dataclass(frozen=True)
 class KernelChoice:
-    fused: bool = False                # Triton model kernels (fused path); False: torch ops
-    triton_kv_quant: bool = False      # int8 KV quantize/dequantize through Triton (bit-identical to torch)
-    pdl: bool = False                  # Triton kernels launched as programmatic dependent launches
+    fused: bool = False  # Triton model kernels (fused path); False: torch ops
+    triton_kv_quant: bool = False  # int8 KV quantize/dequantize through Triton (bit-identical to torch)
+    pdl: bool = False  # Triton kernels launched as programmatic dependent launches
     gemv: dict[str, dict | None] = field(default_factory=dict)  # fused path, <= 4 rows: projection -> config
-    int8_decode: str = "triton"        # FA3 backend, int8 pool, decode: triton | dequant
-    dense_decode: str = "triton"       # FA3 backend, dense pool, decode: triton | fa3
-    dense_prefill: str = "paged"       # FA3 backend, dense pool, prefill: paged | gather
+    int8_decode: str = "triton"  # FA3 backend, int8 pool, decode: triton | dequant
+    dense_decode: str = "triton"  # FA3 backend, dense pool, decode: triton | fa3
+    dense_prefill: str = "paged"  # FA3 backend, dense pool, prefill: paged | gather
     fa3_num_splits: int = 4
     decode_config: dict = field(default_factory=dict)  # Triton decode-attention config overrides
 
@@ -42,17 +43,24 @@ class KernelChoice:
     def select(cls, cfg: EngineConfig, device: torch.device, mc: ModelConfig) -> KernelChoice:
         triton = cfg.triton and kernels.enabled(device)
         fused = triton and device.type == "cuda" and fusable(mc)
-        return cls(fused=fused, triton_kv_quant=triton, pdl=fused and cfg.pdl and kernels.pdl_supported(device),
-                   gemv=_gemv_plan(cfg) if fused else {}, int8_decode=cfg.int8_decode_kernel,
-                   dense_decode=cfg.dense_decode_kernel, dense_prefill=cfg.dense_prefill_kernel,
-                   fa3_num_splits=cfg.fa3_num_splits, decode_config=cfg.decode_kernel_overrides())
+        return cls(
+            fused=fused,
+            triton_kv_quant=triton,
+            pdl=fused and cfg.pdl and kernels.pdl_supported(device),
+            gemv=_gemv_plan(cfg) if fused else {},
+            int8_decode=cfg.int8_decode_kernel,
+            dense_decode=cfg.dense_decode_kernel,
+            dense_prefill=cfg.dense_prefill_kernel,
+            fa3_num_splits=cfg.fa3_num_splits,
+            decode_config=cfg.decode_kernel_overrides(),
+        )
 
     # ---- model ops ---------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, proj: str) -> torch.Tensor:
         """x [T, in] -> [T, out]: F.linear, or the Triton GEMV of `proj`'s plan for a few rows."""
         cfg = self.gemv.get(proj)
         if cfg is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            from pdserve.engine.kernels.gemv import gemv  # noqa: PLC0415 - imports triton
+            from pdserve.engine.kernels.gemv import gemv
 
             return gemv(x, w, b, pdl=self.pdl, **cfg)
         return F.linear(x, w, b)
@@ -60,7 +68,7 @@ class KernelChoice:
     def rmsnorm(self, x: torch.Tensor, norm) -> torch.Tensor:
         """norm(x) for an RMSNorm module `norm`."""
         if self.fused:
-            from pdserve.engine.kernels.rmsnorm import rmsnorm  # noqa: PLC0415 - imports triton
+            from pdserve.engine.kernels.rmsnorm import rmsnorm
 
             return rmsnorm(x, norm.weight, norm.eps, pdl=self.pdl)
         return norm(x)
@@ -68,7 +76,7 @@ class KernelChoice:
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> torch.Tensor:
         """residual += x (in place); returns norm(residual)."""
         if self.fused:
-            from pdserve.engine.kernels.rmsnorm import rmsnorm  # noqa: PLC0415 - imports triton
+            from pdserve.engine.kernels.rmsnorm import rmsnorm
 
             return rmsnorm(x, norm.weight, norm.eps, residual, pdl=self.pdl)
         residual.add_(x)
@@ -82,22 +90,32 @@ class KernelChoice:
             return F.linear(F.silu(gate) * up, w, b)
         cfg = self.gemv.get("down")
         if cfg is not None and gate_up.shape[0] <= GEMV_MAX_ROWS:
-            from pdserve.engine.kernels.gemv import gemv  # noqa: PLC0415 - imports triton
+            from pdserve.engine.kernels.gemv import gemv
 
             return gemv(gate_up, w, b, act="silu_mul", pdl=self.pdl, **cfg)
-        from pdserve.engine.kernels.silu_mul import silu_mul  # noqa: PLC0415 - imports triton
+        from pdserve.engine.kernels.silu_mul import silu_mul
 
         return self.linear(silu_mul(gate_up, pdl=self.pdl), w, b, "down")
 
-    def rope_and_store(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, rotary,
-                       cache) -> torch.Tensor:
+    def rope_and_store(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, rotary, cache
+    ) -> torch.Tensor:
         """Rotate q [T, H, D] and k [T, KVH, D] at `meta.positions`, store k/v at `meta.slot_mapping` of the pool;
         returns the rotated q (the fused kernel rotates q in place)."""
         if self.fused:
-            from pdserve.engine.kernels.rope_kv_write import rope_kv_write  # noqa: PLC0415 - imports triton
+            from pdserve.engine.kernels.rope_kv_write import rope_kv_write
 
-            rope_kv_write(meta.positions, q, k, v, rotary.cos, rotary.sin, meta.slot_mapping,
-                          cache.layer_pool(layer), pdl=self.pdl)
+            rope_kv_write(
+                meta.positions,
+                q,
+                k,
+                v,
+                rotary.cos,
+                rotary.sin,
+                meta.slot_mapping,
+                cache.layer_pool(layer),
+                pdl=self.pdl,
+            )
             return q
         q, k = rotary(meta.positions, q, k)
         cache.write(layer, meta.slot_mapping, k, v)
@@ -107,26 +125,37 @@ class KernelChoice:
     def _triton_quant(self, t: torch.Tensor, group_size: int) -> bool:
         if not self.triton_kv_quant or not kernels.enabled(t.device):
             return False
-        from pdserve.engine.kernels import kv_quant  # noqa: PLC0415 - imports triton
+        from pdserve.engine.kernels import kv_quant
 
         return kv_quant.supported(t.shape[-1], group_size)
 
-    def quantize(self, x: torch.Tensor, group_size: int,
-                 asymmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def quantize(
+        self, x: torch.Tensor, group_size: int, asymmetric: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """pdserve.kv.quant.quantize, through Triton where chosen and the shape allows."""
         if self._triton_quant(x, group_size) and x.shape[-1] % group_size == 0:
-            from pdserve.engine.kernels import kv_quant  # noqa: PLC0415 - imports triton
+            from pdserve.engine.kernels import kv_quant
 
             return kv_quant.quantize(x, group_size, asymmetric)
         return quant.quantize(x, group_size, asymmetric)
 
-    def dequantize(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        group_size: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
         """pdserve.kv.quant.dequantize, through Triton where chosen and the shape allows."""
-        if self._triton_quant(q, group_size) and q.dtype == torch.int8 and scales.dtype == torch.float16 \
-                and scales.shape == (*q.shape[:-1], q.shape[-1] // group_size) \
-                and (zeros is None or zeros.dtype == torch.float16):
-            from pdserve.engine.kernels import kv_quant  # noqa: PLC0415 - imports triton
+        if (
+            self._triton_quant(q, group_size)
+            and q.dtype == torch.int8
+            and scales.dtype == torch.float16
+            and scales.shape == (*q.shape[:-1], q.shape[-1] // group_size)
+            and (zeros is None or zeros.dtype == torch.float16)
+        ):
+            from pdserve.engine.kernels import kv_quant
 
             return kv_quant.dequantize(q, scales, zeros, group_size, dtype)
         return quant.dequantize(q, scales, zeros, group_size, dtype)
@@ -134,7 +163,7 @@ class KernelChoice:
 
 def _gemv_plan(cfg: EngineConfig) -> dict[str, dict | None]:
     """EngineConfig.gemv_plan -> projection -> Triton GEMV config (None: cuBLAS)."""
-    from pdserve.engine.kernels.gemv import DEFAULT_CONFIG, DEFAULT_PLAN  # noqa: PLC0415 - imports triton
+    from pdserve.engine.kernels.gemv import DEFAULT_CONFIG, DEFAULT_PLAN
 
     plan = cfg.gemv_projections()
     if plan == "default":

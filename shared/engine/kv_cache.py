@@ -8,6 +8,7 @@ A token's "slot" is `page * page_size + offset`; attention reads a sequence's pa
 int8 (de)quantization goes through `quant` (`pdserve.kv.quant`, or the engine's KernelChoice, which runs the
 bit-identical Triton kernels on CUDA).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,14 +29,22 @@ class KVCache:
 
     quantized = False
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, quant=torch_quant):
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant=torch_quant,
+    ):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.quant = quant  # .quantize / .dequantize with pdserve.kv.quant's signatures
-        self.data = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
-                                device=device)
+        self.data = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -71,30 +80,43 @@ class KVCache:
     def _page_dense(self, page: int, num_tokens: int) -> torch.Tensor:
         return self.data[:, :, page, :num_tokens]  # [2, L, n, kvh, d]
 
-    def export_page(self, physical_page: int, logical_index: int, num_tokens: int, as_int8: bool,
-                    group_size: int = 0, asymmetric: bool = False,
-                    dense_dtype: torch.dtype | None = None) -> PagePayload:
+    def export_page(
+        self,
+        physical_page: int,
+        logical_index: int,
+        num_tokens: int,
+        as_int8: bool,
+        group_size: int = 0,
+        asymmetric: bool = False,
+        dense_dtype: torch.dtype | None = None,
+    ) -> PagePayload:
         """One page, all layers, as a PagePayload on CPU (int8-quantized if `as_int8`)."""
         self._check_page(physical_page, num_tokens)
         dense = self._page_dense(physical_page, num_tokens)
         if as_int8:
             q, s, z = self.quant.quantize(dense, group_size, asymmetric)
-            return PagePayload(logical_index, num_tokens, 0, q.cpu(), s.cpu(), None if z is None else z.cpu(),
-                               group_size)
-        return PagePayload(logical_index, num_tokens, 0, dense.to("cpu", dense_dtype or self.dtype, copy=True),
-                           None, None, 0)
+            return PagePayload(
+                logical_index, num_tokens, 0, q.cpu(), s.cpu(), None if z is None else z.cpu(), group_size
+            )
+        return PagePayload(
+            logical_index, num_tokens, 0, dense.to("cpu", dense_dtype or self.dtype, copy=True), None, None, 0
+        )
 
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         """Write a payload (dense or int8) into `physical_page`; int8 payloads are dequantized."""
         self._check_payload(physical_page, payload)
         if payload.group_size > 0:
-            dense = self.quant.dequantize(payload.data.to(self.device), payload.scales.to(self.device),
-                               None if payload.zeros is None else payload.zeros.to(self.device),
-                               payload.group_size, self.dtype)
+            dense = self.quant.dequantize(
+                payload.data.to(self.device),
+                payload.scales.to(self.device),
+                None if payload.zeros is None else payload.zeros.to(self.device),
+                payload.group_size,
+                self.dtype,
+            )
         else:
             dense = payload.data.to(self.device, self.dtype)
         ls, n = payload.layer_start, payload.num_tokens
-        self.data[:, ls:ls + dense.shape[1], physical_page, :n] = dense
+        self.data[:, ls : ls + dense.shape[1], physical_page, :n] = dense
 
     # ---- validation ------------------------------------------------------------------------------------
     def _check_page(self, page: int, num_tokens: int) -> None:
@@ -111,11 +133,14 @@ class KVCache:
         self._check_page(page, p.num_tokens)
         d = p.data
         if d.dim() != 5 or d.shape[0] != 2 or tuple(d.shape[2:]) != (p.num_tokens, self.num_kv_heads, self.head_dim):
-            raise InvalidRequest(f"payload data shape {tuple(d.shape)} != [2, layers, {p.num_tokens}, "
-                             f"{self.num_kv_heads}, {self.head_dim}]")
+            raise InvalidRequest(
+                f"payload data shape {tuple(d.shape)} != [2, layers, {p.num_tokens}, "
+                f"{self.num_kv_heads}, {self.head_dim}]"
+            )
         if p.layer_start < 0 or p.layer_start + d.shape[1] > self.num_layers or d.shape[1] == 0:
-            raise InvalidRequest(f"payload layers [{p.layer_start}, {p.layer_start + d.shape[1]}) outside "
-                             f"[0, {self.num_layers})")
+            raise InvalidRequest(
+                f"payload layers [{p.layer_start}, {p.layer_start + d.shape[1]}) outside [0, {self.num_layers})"
+            )
         if p.group_size > 0:
             if d.dtype != torch.int8:
                 raise InvalidRequest(f"quantized payload data must be int8, got {d.dtype}")
@@ -123,8 +148,9 @@ class KVCache:
                 raise InvalidRequest(f"payload group_size {p.group_size} does not divide head_dim {self.head_dim}")
             want = (*d.shape[:-1], self.head_dim // p.group_size)
             if p.scales is None or tuple(p.scales.shape) != want:
-                raise InvalidRequest(f"payload scales shape {None if p.scales is None else tuple(p.scales.shape)} "
-                                 f"!= {want}")
+                raise InvalidRequest(
+                    f"payload scales shape {None if p.scales is None else tuple(p.scales.shape)} != {want}"
+                )
             if p.zeros is not None and tuple(p.zeros.shape) != want:
                 raise InvalidRequest(f"payload zeros shape {tuple(p.zeros.shape)} != {want}")
         elif not d.is_floating_point():
@@ -136,8 +162,19 @@ class Int8KVCache(KVCache):
 
     quantized = True
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, group_size: int, asymmetric: bool, quant=torch_quant):
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        group_size: int,
+        asymmetric: bool,
+        quant=torch_quant,
+    ):
         if head_dim % group_size:
             raise ValueError(f"kv group_size {group_size} does not divide head_dim {head_dim}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
@@ -151,8 +188,9 @@ class Int8KVCache(KVCache):
         self.zeros = torch.zeros_like(self.scales) if asymmetric else None
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, group_size: int,
-                       asymmetric: bool) -> int:
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, group_size: int, asymmetric: bool
+    ) -> int:
         per_token = head_dim + (2 if asymmetric else 1) * 2 * (head_dim // group_size)
         return 2 * num_layers * page_size * num_kv_heads * per_token
 
@@ -184,8 +222,7 @@ class Int8KVCache(KVCache):
                 out.append(None)
                 continue
             x = t[:, layer]
-            x = x[:, index].reshape(2, -1, *t.shape[-2:]) if by_page else \
-                x.reshape(2, -1, *t.shape[-2:])[:, index]
+            x = x[:, index].reshape(2, -1, *t.shape[-2:]) if by_page else x.reshape(2, -1, *t.shape[-2:])[:, index]
             out.append(x)
         return out
 
@@ -202,17 +239,24 @@ class Int8KVCache(KVCache):
         z = None if self.zeros is None else self.zeros[:, :, page, :num_tokens]
         return self._dequant(self.data[:, :, page, :num_tokens], self.scales[:, :, page, :num_tokens], z)
 
-    def export_page(self, physical_page: int, logical_index: int, num_tokens: int, as_int8: bool,
-                    group_size: int = 0, asymmetric: bool = False,
-                    dense_dtype: torch.dtype | None = None) -> PagePayload:
+    def export_page(
+        self,
+        physical_page: int,
+        logical_index: int,
+        num_tokens: int,
+        as_int8: bool,
+        group_size: int = 0,
+        asymmetric: bool = False,
+        dense_dtype: torch.dtype | None = None,
+    ) -> PagePayload:
         self._check_page(physical_page, num_tokens)
         if as_int8 and group_size == self.group_size and asymmetric == self.asymmetric:  # straight copy
             sl = (slice(None), slice(None), physical_page, slice(0, num_tokens))
             z = None if self.zeros is None else self.zeros[sl].cpu()
-            return PagePayload(logical_index, num_tokens, 0, self.data[sl].cpu(), self.scales[sl].cpu(), z,
-                               group_size)
-        return super().export_page(physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric,
-                                   dense_dtype)
+            return PagePayload(logical_index, num_tokens, 0, self.data[sl].cpu(), self.scales[sl].cpu(), z, group_size)
+        return super().export_page(
+            physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric, dense_dtype
+        )
 
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         self._check_payload(physical_page, payload)
@@ -224,8 +268,13 @@ class Int8KVCache(KVCache):
         else:
             if payload.group_size > 0:
                 zeros = None if payload.zeros is None else payload.zeros.to(self.device)
-                dense = self.quant.dequantize(payload.data.to(self.device), payload.scales.to(self.device), zeros,
-                                   payload.group_size, torch.float32)
+                dense = self.quant.dequantize(
+                    payload.data.to(self.device),
+                    payload.scales.to(self.device),
+                    zeros,
+                    payload.group_size,
+                    torch.float32,
+                )
             else:
                 dense = payload.data.to(self.device)
             q, s, z = self.quant.quantize(dense, self.group_size, self.asymmetric)

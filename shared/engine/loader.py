@@ -1,4 +1,5 @@
 """Read a local Hugging Face model directory: config, safetensors weights, tokenizer, fingerprint."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,7 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 @dataclass
 class ModelConfig:
-    arch: str                         # llama | qwen2 | mistral
+    arch: str  # llama | qwen2 | mistral
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -30,15 +31,15 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None         # normalized: has "rope_type"; None for plain RoPE
+    rope_scaling: dict | None  # normalized: has "rope_type"; None for plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool              # bias on q/k/v/o (Llama flag)
+    attention_bias: bool  # bias on q/k/v/o (Llama flag)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
-    qkv_bias: bool = False            # bias on q/k/v only (Qwen2), or all with attention_bias
+    qkv_bias: bool = False  # bias on q/k/v only (Qwen2), or all with attention_bias
     mlp_bias: bool = False
-    torch_dtype: str | None = None    # checkpoint dtype name, e.g. "bfloat16"
+    torch_dtype: str | None = None  # checkpoint dtype name, e.g. "bfloat16"
 
 
 def _as_list(v) -> list[int]:
@@ -61,8 +62,9 @@ def _rope_params(cfg: dict) -> tuple[float, dict | None]:
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise NotImplementedError(f"rope_scaling type {rope_type!r} is not supported "
-                                  f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        raise NotImplementedError(
+            f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
     if rope_type == "default":
         return theta, None
     return theta, {"rope_type": rope_type, **scaling}
@@ -86,8 +88,10 @@ def parse_model_config(model_dir: str | Path) -> ModelConfig:
     window = cfg.get("sliding_window")
     uses_window = arch == "mistral" or (arch == "qwen2" and cfg.get("use_sliding_window", False))
     if uses_window and window is not None and int(window) < max_pos:
-        raise NotImplementedError(f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
-                                  "attention is not implemented by this engine")
+        raise NotImplementedError(
+            f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
+            "attention is not implemented by this engine"
+        )
     theta, scaling = _rope_params(cfg)
     num_heads = int(cfg["num_attention_heads"])
     eos = _as_list(cfg.get("eos_token_id"))

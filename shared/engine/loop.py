@@ -8,6 +8,7 @@
 - Idle means blocked on a condition variable: no busy-spinning, also when work exists but cannot be scheduled
   (e.g. waiting for pages that another request holds) until the next command arrives.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,22 +56,44 @@ class EngineLoop:
         return self.submit(fn).result(timeout)
 
     # ---- requests (block until the engine thread has applied them; errors propagate) ----------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    callback: OutputCallback, prefill_only: bool = False,
-                    forced_token_ids: list[int] | None = None,
-                    cached_pages: list[PagePayload] | None = None, sampled_before: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        callback: OutputCallback,
+        prefill_only: bool = False,
+        forced_token_ids: list[int] | None = None,
+        cached_pages: list[PagePayload] | None = None,
+        sampled_before: int = 0,
+    ) -> None:
         def fn(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt_token_ids, sampling, prefill_only=prefill_only,
-                               forced_token_ids=forced_token_ids, cached_pages=cached_pages,
-                               sampled_before=sampled_before)
+            engine.add_request(
+                request_id,
+                prompt_token_ids,
+                sampling,
+                prefill_only=prefill_only,
+                forced_token_ids=forced_token_ids,
+                cached_pages=cached_pages,
+                sampled_before=sampled_before,
+            )
             self._callbacks[request_id] = callback
+
         self.call(fn)
 
-    def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     callback: OutputCallback, resumed_tokens: int = 0, resumed_text_chars: int = 0) -> None:
+    def begin_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        callback: OutputCallback,
+        resumed_tokens: int = 0,
+        resumed_text_chars: int = 0,
+    ) -> None:
         def fn(engine: LLMEngine) -> None:
             engine.begin_import(request_id, prompt_token_ids, sampling, resumed_tokens, resumed_text_chars)
             self._callbacks[request_id] = callback
+
         self.call(fn)
 
     def import_page(self, request_id: str, payload: PagePayload) -> None:
@@ -85,9 +108,11 @@ class EngineLoop:
 
     def release(self, request_id: str) -> Future:
         """Free the request's pages (asynchronously); its callback is dropped without further output."""
+
         def fn(engine: LLMEngine) -> bool:
             self._callbacks.pop(request_id, None)
             return engine.release(request_id)
+
         return self.submit(fn)
 
     @property
@@ -121,7 +146,7 @@ class EngineLoop:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(self.engine))
-                    except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                    except BaseException as e:
                         fut.set_exception(e)
             blocked = False
             for o in self.engine.take_pending():  # e.g. an imported request's first token: stream it now
@@ -130,7 +155,7 @@ class EngineLoop:
                 try:
                     self.step_started_ns = time.time_ns()
                     outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+                except Exception as e:
                     log.exception("engine step failed; aborting %d requests", len(self._callbacks))
                     self._fail_all(e)
                     continue
@@ -147,7 +172,7 @@ class EngineLoop:
             del self._callbacks[rid]
         try:
             cb(out)
-        except Exception:  # noqa: BLE001 - a broken callback must not kill the loop
+        except Exception:
             log.exception("output callback for %s failed", rid)
 
     def _fail_all(self, err: BaseException) -> None:

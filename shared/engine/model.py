@@ -8,6 +8,7 @@ One module tree, one forward path: each op goes through the `KernelChoice` the m
 `CausalLM.use_kernels`), which runs plain torch ops on CPU and the fused Triton kernels on CUDA (RMSNorm fused
 with the residual add, RoPE fused with the KV write, SwiGLU in one kernel, small-row GEMVs).
 """
+
 from __future__ import annotations
 
 import math
@@ -49,9 +50,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         old_ctx = float(scaling["original_max_position_embeddings"])
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
         wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)     # long wavelengths: divide
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)  # long wavelengths: divide
         smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled          # medium: interpolate
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled  # medium: interpolate
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise NotImplementedError(f"rope type {kind!r}")
@@ -78,7 +79,7 @@ class RotaryEmbedding:
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, H, D], k [T, KVH, D] -> rotated q, k."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]           # [T, 1, D]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
@@ -88,22 +89,23 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(h, qd + 2 * kvd, bias=cfg.qkv_bias)  # rows: q | k | v
         self.o_proj = nn.Linear(qd, h, bias=cfg.attention_bias)
         self.kernels = KernelChoice()
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rotary: RotaryEmbedding, cache: KVCache,
-                backend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, rotary: RotaryEmbedding, cache: KVCache, backend
+    ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; this step's K/V are stored in `cache` on the way."""
         kc = self.kernels
         t = x.shape[0]
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = kc.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, "qkv")  # [T, qd + 2 kvd]
         q = qkv[:, :qd].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, qd:qd + kvd].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, qd + kvd:].view(t, self.num_kv_heads, self.head_dim)
+        k = qkv[:, qd : qd + kvd].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, qd + kvd :].view(t, self.num_kv_heads, self.head_dim)
         q = kc.rope_and_store(self.layer_idx, q, k, v, meta, rotary, cache)
         o = backend.attend(self.layer_idx, q, meta, cache, self.scale)  # [T, H, D]
         return kc.linear(o.reshape(t, qd), self.o_proj.weight, self.o_proj.bias, "o")
@@ -163,7 +165,7 @@ class CausalLM(nn.Module):
         """input_ids [T] -> final hidden states [T, hidden] (after the last norm). The residual stream lives in
         `residual`, updated in place by each add + RMSNorm."""
         kc, layers = self.kernels, self.model.layers
-        residual = self.model.embed_tokens(input_ids)                       # [T, hidden]
+        residual = self.model.embed_tokens(input_ids)  # [T, hidden]
         h = kc.rmsnorm(residual, layers[0].input_layernorm)
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, meta, self.rotary, cache, backend)
@@ -185,8 +187,9 @@ _CONCATENATED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("g
 def _concatenate_projections(state: dict[str, torch.Tensor]) -> None:
     """HF names -> this model's: `...self_attn.{q,k,v}_proj.{weight,bias}` become `...self_attn.qkv_proj.*`
     (rows concatenated), `...mlp.{gate,up}_proj.*` become `...mlp.gate_up_proj.*` (in place)."""
-    for name in [n for n in state if n.endswith((".q_proj.weight", ".q_proj.bias", ".gate_proj.weight",
-                                                 ".gate_proj.bias"))]:
+    for name in [
+        n for n in state if n.endswith((".q_proj.weight", ".q_proj.bias", ".gate_proj.weight", ".gate_proj.bias"))
+    ]:
         prefix, part, kind = name.rsplit(".", 2)
         fused = "qkv_proj" if part == "q_proj" else "gate_up_proj"
         names = [f"{prefix}.{p}.{kind}" for p in _CONCATENATED[fused]]
@@ -194,8 +197,9 @@ def _concatenate_projections(state: dict[str, torch.Tensor]) -> None:
             state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               choice: KernelChoice) -> CausalLM:
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, choice: KernelChoice
+) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors by name (strict), q/k/v and gate/up
     concatenated; the modules then run the kernels of `choice`."""
     with torch.device("meta"):

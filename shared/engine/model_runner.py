@@ -6,6 +6,7 @@ generators. It also moves pages in and out of the pool.
 The engine (`pdserve.engine.engine`) hands it sequences and integers (page ids, token counts) and never touches
 a tensor, except the logits rows it returns on request (`return_logits`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,8 +37,13 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.kernels = KernelChoice.select(cfg, self.device, mc)
         self.backend, reason = select_backend(cfg.attention_backend, self.device, self.dtype, self.kernels)
-        log.info("attention backend: %s (%s); fused kernels %s, PDL %s", self.backend.name, reason,
-                 self.kernels.fused, self.kernels.pdl)
+        log.info(
+            "attention backend: %s (%s); fused kernels %s, PDL %s",
+            self.backend.name,
+            reason,
+            self.kernels.fused,
+            self.kernels.pdl,
+        )
         self.model = load_model(cfg.model_dir, mc, self.device, self.dtype, self.kernels)
 
         self.kv_group_size = min(cfg.kv_group_size, mc.head_dim)
@@ -46,22 +52,32 @@ class ModelRunner:
         self.kv_asymmetric = cfg.kv_asymmetric
         self.num_pages = cfg.num_pages or self._auto_num_pages()
         shape = (mc.num_layers, self.num_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.kv_cache: KVCache = Int8KVCache(*shape, self.kv_group_size, cfg.kv_asymmetric, quant=self.kernels) \
-            if cfg.kv_dtype == "int8" else KVCache(*shape, quant=self.kernels)
-        self.graph_runner = make_decode_graph_runner(self.model, self.kv_cache, self.backend, cfg.page_size,
-                                                     cfg.max_num_seqs, min(mc.max_position_embeddings,
-                                                                           cfg.cuda_graph_max_context),
-                                                     self.device, cfg.cuda_graphs)
+        self.kv_cache: KVCache = (
+            Int8KVCache(*shape, self.kv_group_size, cfg.kv_asymmetric, quant=self.kernels)
+            if cfg.kv_dtype == "int8"
+            else KVCache(*shape, quant=self.kernels)
+        )
+        self.graph_runner = make_decode_graph_runner(
+            self.model,
+            self.kv_cache,
+            self.backend,
+            cfg.page_size,
+            cfg.max_num_seqs,
+            min(mc.max_position_embeddings, cfg.cuda_graph_max_context),
+            self.device,
+            cfg.cuda_graphs,
+        )
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)  # seeds of requests without one
-        self._generators: dict[str, torch.Generator] = {}        # sampled (non-greedy) live requests
+        self._generators: dict[str, torch.Generator] = {}  # sampled (non-greedy) live requests
 
     # ---- sizing ------------------------------------------------------------------------------------------
     def page_bytes(self) -> int:
         """Bytes of one KV page (all layers, K and V, scales included)."""
         mc, cfg = self.model_config, self.cfg
         if cfg.kv_dtype == "int8":
-            return Int8KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim,
-                                              self.kv_group_size, cfg.kv_asymmetric)
+            return Int8KVCache.bytes_per_page(
+                mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.kv_group_size, cfg.kv_asymmetric
+            )
         return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
 
     def _auto_num_pages(self) -> int:
@@ -102,8 +118,9 @@ class ModelRunner:
         """Seed the request's generator (its own seed, else one drawn from the engine seed) and advance it past
         `draws_to_skip` tokens sampled elsewhere. Greedy requests draw a seed too (so the seeds of later requests
         do not depend on which requests were greedy) but keep no generator."""
-        seed = sampling.seed if sampling.seed is not None else \
-            int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        seed = (
+            sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        )
         if sampling.greedy:
             return
         g = make_generator(seed, self.device)
@@ -127,14 +144,29 @@ class ModelRunner:
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         self.kv_cache.import_page(physical_page, payload)
 
-    def export_page(self, physical_page: int, logical_index: int, num_tokens: int, as_int8: bool,
-                    group_size: int, asymmetric: bool, dense_dtype: torch.dtype | None) -> PagePayload:
-        return self.kv_cache.export_page(physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric,
-                                         dense_dtype)
+    def export_page(
+        self,
+        physical_page: int,
+        logical_index: int,
+        num_tokens: int,
+        as_int8: bool,
+        group_size: int,
+        asymmetric: bool,
+        dense_dtype: torch.dtype | None,
+    ) -> PagePayload:
+        return self.kv_cache.export_page(
+            physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric, dense_dtype
+        )
 
     # ---- one forward -------------------------------------------------------------------------------------
-    def run(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int], is_prefill: bool,
-            return_logits: bool) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
+    def run(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        sample_rows: list[int],
+        is_prefill: bool,
+        return_logits: bool,
+    ) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
         """Compute `num_new_tokens[i]` tokens of each sequence from its `num_computed_tokens` on (its pages are
         allocated); sample one token for each row in `sample_rows`. Returns (row -> token, row -> float32
         logits [V] when `return_logits`)."""
@@ -143,14 +175,23 @@ class ModelRunner:
             ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
         graph_logits = None  # decode through a captured CUDA graph: logits [B, V] of every sequence
         graphs = self.graph_runner
-        if graphs is not None and not is_prefill and \
-                graphs.can_run(len(seqs), max(s.num_computed_tokens for s in seqs) + 1):
+        if (
+            graphs is not None
+            and not is_prefill
+            and graphs.can_run(len(seqs), max(s.num_computed_tokens for s in seqs) + 1)
+        ):
             graph_logits = graphs.run(ids, [s.num_computed_tokens for s in seqs], [s.page_table for s in seqs])
         else:
-            meta = AttentionMetadata([s.num_computed_tokens for s in seqs], list(num_new_tokens),
-                                     [s.page_table for s in seqs], self.page_size, self.device)
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache,
-                                self.backend)  # [T, hidden]
+            meta = AttentionMetadata(
+                [s.num_computed_tokens for s in seqs],
+                list(num_new_tokens),
+                [s.page_table for s in seqs],
+                self.page_size,
+                self.device,
+            )
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend
+            )  # [T, hidden]
         if not sample_rows:
             return {}, {}
         if graph_logits is not None:  # the graph took the argmax and copied it to the host already

@@ -2,6 +2,7 @@
 
 Per-sequence page tables (lists of physical page ids, indexed by logical page) live on the `Sequence`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -1,4 +1,5 @@
 """Sampling parameters and the per-request sampler (greedy, temperature, top-k, top-p)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,10 +12,10 @@ from pdserve.errors import InvalidRequest
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0          # 0: greedy
-    top_p: float = 1.0                # (0, 1]
-    top_k: int = 0                    # 0: off
-    seed: int | None = None           # per-request generator seed (deterministic regardless of batch mates)
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # per-request generator seed (deterministic regardless of batch mates)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False

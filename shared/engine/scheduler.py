@@ -12,6 +12,7 @@ Policy (kept simple and correct):
   running batch directly: its next step is a plain decode step.
 - At most `max_num_seqs` sequences are admitted (running + partially prefilled) at once.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -24,7 +25,7 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]   # per sequence: tokens computed this step, from seq.num_computed_tokens
+    num_new_tokens: list[int]  # per sequence: tokens computed this step, from seq.num_computed_tokens
     is_prefill: bool
 
 
@@ -87,9 +88,12 @@ class Scheduler:
 
     def _admit_decode_ready(self) -> None:
         admitted = self._num_admitted()
-        ready = [s for s in self.waiting if not s.prefill_only and s.num_uncomputed == 1
-                 and s.status == SequenceStatus.WAITING]
-        for seq in ready[:max(0, self.max_num_seqs - admitted)]:
+        ready = [
+            s
+            for s in self.waiting
+            if not s.prefill_only and s.num_uncomputed == 1 and s.status == SequenceStatus.WAITING
+        ]
+        for seq in ready[: max(0, self.max_num_seqs - admitted)]:
             self.waiting.remove(seq)
             self._join_running(seq)
 

@@ -1,4 +1,5 @@
 """Per-request state: token ids, KV progress, page table, stop conditions, incremental detokenization."""
+
 from __future__ import annotations
 
 import enum
@@ -8,10 +9,10 @@ from pdserve.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"        # queued for (chunked) prefill; also after preemption (recompute)
+    WAITING = "waiting"  # queued for (chunked) prefill; also after preemption (recompute)
     PREFILLING = "prefilling"  # part of its tokens computed, more chunks to go
-    RUNNING = "running"        # in the decode batch
-    IMPORTING = "importing"    # decode side: pages reserved, KV arriving from a prefill instance
+    RUNNING = "running"  # in the decode batch
+    IMPORTING = "importing"  # decode side: pages reserved, KV arriving from a prefill instance
     FINISHED = "finished"
 
 
@@ -40,11 +41,11 @@ class IncrementalDetokenizer:
         self.tokens.append(token_id)
         key = (self.prefix_offset, self.read_offset)
         if self._prefix is None or self._prefix[:2] != key:
-            self._prefix = (*key, self._decode(self.tokens[self.prefix_offset:self.read_offset]))
+            self._prefix = (*key, self._decode(self.tokens[self.prefix_offset : self.read_offset]))
         prefix = self._prefix[2]
-        full = self._decode(self.tokens[self.prefix_offset:])
+        full = self._decode(self.tokens[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             return delta
         return ""
@@ -59,13 +60,13 @@ class Sequence:
     forced_token_ids: list[int] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     completion_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0       # tokens whose K/V are in the pool
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     page_table: list[int] = field(default_factory=list)  # logical page -> physical page
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    stop_reason: str | None = None     # "eos", "token:<id>", or the matched stop string
-    arrival: int = 0                   # admission order (preemption picks the newest)
-    text: str = ""                     # decoded completion text (may extend past what was emitted)
+    stop_reason: str | None = None  # "eos", "token:<id>", or the matched stop string
+    arrival: int = 0  # admission order (preemption picks the newest)
+    text: str = ""  # decoded completion text (may extend past what was emitted)
     num_emitted_chars: int = 0
     max_model_len: int = 0
     imported_layers: list[int] | None = None  # IMPORTING: per logical page, a bit mask of the layers received
@@ -93,8 +94,8 @@ class Sequence:
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
-            return self.completion_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.completion_token_ids[:end - p]
+            return self.completion_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.completion_token_ids[: end - p]
 
     @property
     def finished(self) -> bool:
@@ -128,8 +129,9 @@ class Sequence:
                     idx, s = hit
                     self.text = self.text[:idx]
                     return self._finish("stop", s)
-        if len(self.completion_token_ids) >= sp.max_tokens or (self.max_model_len and
-                                                               self.num_tokens >= self.max_model_len):
+        if len(self.completion_token_ids) >= sp.max_tokens or (
+            self.max_model_len and self.num_tokens >= self.max_model_len
+        ):
             return self._finish("length", None)
         return self._emit(self._safe_len())
 
@@ -155,7 +157,7 @@ class Sequence:
     def _emit(self, upto: int) -> str:
         if upto <= self.num_emitted_chars:
             return ""
-        delta = self.text[self.num_emitted_chars:upto]
+        delta = self.text[self.num_emitted_chars : upto]
         self.num_emitted_chars = upto
         return delta
 

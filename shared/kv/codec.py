@@ -12,6 +12,7 @@ Errors: a payload or layout that does not fit (a caller's mistake) raises `Inval
 returns a tensor it could not fully verify: any damaged byte or disagreement with what the reader expects
 raises `CorruptPage`.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,12 +38,13 @@ if sys.byteorder != "little":  # the wire is little-endian and we copy native by
 @dataclass(frozen=True)
 class KVLayoutSpec:
     """How a KVPage's bytes are laid out (mirrors pdserve.v1.KVLayout)."""
-    dtype: str            # a name of pdserve.kv.dtypes.DTYPES: "int8" | "float32" | "bfloat16" | "float16"
+
+    dtype: str  # a name of pdserve.kv.dtypes.DTYPES: "int8" | "float32" | "bfloat16" | "float16"
     page_size: int
-    num_layers: int       # of the model
+    num_layers: int  # of the model
     num_kv_heads: int
     head_dim: int
-    group_size: int = 0   # 0 when unquantized
+    group_size: int = 0  # 0 when unquantized
     asymmetric: bool = False
     format_version: int = FORMAT_VERSION
 
@@ -69,10 +71,16 @@ class KVLayoutSpec:
             raise InvalidRequest(f"unquantized layout ({self.dtype}) must have group_size 0 and asymmetric false")
 
     def to_proto(self) -> kv_pb2.KVLayout:
-        return kv_pb2.KVLayout(format_version=self.format_version, dtype=DTYPES[self.dtype].wire,
-                               page_size=self.page_size, num_layers=self.num_layers,
-                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                               group_size=self.group_size, asymmetric=self.asymmetric)
+        return kv_pb2.KVLayout(
+            format_version=self.format_version,
+            dtype=DTYPES[self.dtype].wire,
+            page_size=self.page_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            group_size=self.group_size,
+            asymmetric=self.asymmetric,
+        )
 
     @classmethod
     def from_proto(cls, msg: kv_pb2.KVLayout) -> KVLayoutSpec:
@@ -80,9 +88,16 @@ class KVLayoutSpec:
         dt = by_wire(msg.dtype)
         if dt is None:
             raise InvalidRequest(f"unknown or unspecified KV dtype enum {msg.dtype}")
-        return cls(dtype=dt.name, page_size=msg.page_size, num_layers=msg.num_layers,
-                   num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, group_size=msg.group_size,
-                   asymmetric=msg.asymmetric, format_version=msg.format_version)
+        return cls(
+            dtype=dt.name,
+            page_size=msg.page_size,
+            num_layers=msg.num_layers,
+            num_kv_heads=msg.num_kv_heads,
+            head_dim=msg.head_dim,
+            group_size=msg.group_size,
+            asymmetric=msg.asymmetric,
+            format_version=msg.format_version,
+        )
 
 
 def _str_field(s: str) -> bytes:
@@ -93,15 +108,26 @@ def _str_field(s: str) -> bytes:
 def checksum(msg: kv_pb2.KVPage) -> int:
     """CRC32 over the canonical header and the three byte fields (the msg.checksum field is ignored)."""
     lay = msg.layout
-    header = b"".join([
-        b"PDKV",
-        _str_field(msg.request_id),
-        struct.pack("<QIIII", msg.seq_no, msg.page_index, msg.layer_start, msg.layer_count, msg.num_tokens),
-        struct.pack("<IIIIIIIB", lay.format_version, lay.dtype, lay.page_size, lay.num_layers, lay.num_kv_heads,
-                    lay.head_dim, lay.group_size, int(lay.asymmetric)),
-        _str_field(msg.model_fingerprint),
-        struct.pack("<QQQ", len(msg.data), len(msg.scales), len(msg.zero_points)),
-    ])
+    header = b"".join(
+        [
+            b"PDKV",
+            _str_field(msg.request_id),
+            struct.pack("<QIIII", msg.seq_no, msg.page_index, msg.layer_start, msg.layer_count, msg.num_tokens),
+            struct.pack(
+                "<IIIIIIIB",
+                lay.format_version,
+                lay.dtype,
+                lay.page_size,
+                lay.num_layers,
+                lay.num_kv_heads,
+                lay.head_dim,
+                lay.group_size,
+                int(lay.asymmetric),
+            ),
+            _str_field(msg.model_fingerprint),
+            struct.pack("<QQQ", len(msg.data), len(msg.scales), len(msg.zero_points)),
+        ]
+    )
     crc = zlib.crc32(header)
     for b in (msg.data, msg.scales, msg.zero_points):
         crc = zlib.crc32(b, crc)
@@ -122,31 +148,39 @@ def _shapes(layout: KVLayoutSpec, layer_count: int, num_tokens: int) -> tuple[tu
     return data, scales
 
 
-def _check_ranges(layout: KVLayoutSpec, layer_start: int, layer_count: int, num_tokens: int,
-                  error: type[InvalidRequest]) -> None:
+def _check_ranges(
+    layout: KVLayoutSpec, layer_start: int, layer_count: int, num_tokens: int, error: type[InvalidRequest]
+) -> None:
     if not 1 <= num_tokens <= layout.page_size:
         raise error(f"num_tokens {num_tokens} outside [1, page_size {layout.page_size}]")
     if layer_count < 1 or layer_start < 0 or layer_start + layer_count > layout.num_layers:
-        raise error(f"layer range [{layer_start}, {layer_start + layer_count}) outside model's "
-                    f"{layout.num_layers} layers")
+        raise error(
+            f"layer range [{layer_start}, {layer_start + layer_count}) outside model's {layout.num_layers} layers"
+        )
 
 
-def encode_page(payload: PagePayload, *, request_id: str, seq_no: int, layout: KVLayoutSpec,
-                fingerprint: str) -> kv_pb2.KVPage:
+def encode_page(
+    payload: PagePayload, *, request_id: str, seq_no: int, layout: KVLayoutSpec, fingerprint: str
+) -> kv_pb2.KVPage:
     """Serialize one page; raises InvalidRequest if the payload does not match `layout`."""
     layout.validate()
     layer_count = payload.data.shape[1] if payload.data.dim() == 5 else 0
     _check_ranges(layout, payload.layer_start, layer_count, payload.num_tokens, InvalidRequest)
     data_shape, scales_shape = _shapes(layout, layer_count, payload.num_tokens)
     if tuple(payload.data.shape) != data_shape or payload.data.dtype != layout.torch_dtype:
-        raise InvalidRequest(f"payload data {tuple(payload.data.shape)} {payload.data.dtype} does not match "
-                             f"layout {data_shape} {layout.torch_dtype}")
+        raise InvalidRequest(
+            f"payload data {tuple(payload.data.shape)} {payload.data.dtype} does not match "
+            f"layout {data_shape} {layout.torch_dtype}"
+        )
     scales = zeros = b""
     if layout.quantized:
         if payload.group_size != layout.group_size:
             raise InvalidRequest(f"payload group_size {payload.group_size} != layout {layout.group_size}")
-        if payload.scales is None or tuple(payload.scales.shape) != scales_shape \
-                or payload.scales.dtype != torch.float16:
+        if (
+            payload.scales is None
+            or tuple(payload.scales.shape) != scales_shape
+            or payload.scales.dtype != torch.float16
+        ):
             raise InvalidRequest(f"payload scales do not match layout {scales_shape} float16")
         if layout.asymmetric != (payload.zeros is not None):
             raise InvalidRequest(f"payload zeros presence does not match layout asymmetric={layout.asymmetric}")
@@ -157,16 +191,26 @@ def encode_page(payload: PagePayload, *, request_id: str, seq_no: int, layout: K
         scales = _to_bytes(payload.scales)
     elif payload.group_size != 0 or payload.scales is not None or payload.zeros is not None:
         raise InvalidRequest("quantized payload for an unquantized layout")
-    msg = kv_pb2.KVPage(request_id=request_id, seq_no=seq_no, page_index=payload.page_index,
-                        layer_start=payload.layer_start, layer_count=layer_count, num_tokens=payload.num_tokens,
-                        layout=layout.to_proto(), model_fingerprint=fingerprint, data=_to_bytes(payload.data),
-                        scales=scales, zero_points=zeros)
+    msg = kv_pb2.KVPage(
+        request_id=request_id,
+        seq_no=seq_no,
+        page_index=payload.page_index,
+        layer_start=payload.layer_start,
+        layer_count=layer_count,
+        num_tokens=payload.num_tokens,
+        layout=layout.to_proto(),
+        model_fingerprint=fingerprint,
+        data=_to_bytes(payload.data),
+        scales=scales,
+        zero_points=zeros,
+    )
     msg.checksum = checksum(msg)
     return msg
 
 
-def decode_page(msg: kv_pb2.KVPage, *, expected_layout: KVLayoutSpec, expected_fingerprint: str,
-                expected_request_id: str) -> PagePayload:
+def decode_page(
+    msg: kv_pb2.KVPage, *, expected_layout: KVLayoutSpec, expected_fingerprint: str, expected_request_id: str
+) -> PagePayload:
     """Verify and deserialize one page (CPU tensors); raises CorruptPage(reason) on any mismatch."""
     if not msg.HasField("layout"):
         raise CorruptPage("page has no layout")
@@ -178,15 +222,18 @@ def decode_page(msg: kv_pb2.KVPage, *, expected_layout: KVLayoutSpec, expected_f
     if layout != expected_layout:
         raise CorruptPage(f"layout mismatch: got {layout}, expected {expected_layout}")
     if msg.model_fingerprint != expected_fingerprint:
-        raise CorruptPage(f"model fingerprint mismatch: got {msg.model_fingerprint!r}, "
-                          f"expected {expected_fingerprint!r}")
+        raise CorruptPage(
+            f"model fingerprint mismatch: got {msg.model_fingerprint!r}, expected {expected_fingerprint!r}"
+        )
     if msg.request_id != expected_request_id:
         raise CorruptPage(f"request id mismatch: got {msg.request_id!r}, expected {expected_request_id!r}")
     _check_ranges(layout, msg.layer_start, msg.layer_count, msg.num_tokens, CorruptPage)
     data_shape, scales_shape = _shapes(layout, msg.layer_count, msg.num_tokens)
-    want = {"data": math.prod(data_shape) * DTYPES[layout.dtype].itemsize,
-            "scales": math.prod(scales_shape) * 2 if layout.quantized else 0,
-            "zero_points": math.prod(scales_shape) * 2 if layout.quantized and layout.asymmetric else 0}
+    want = {
+        "data": math.prod(data_shape) * DTYPES[layout.dtype].itemsize,
+        "scales": math.prod(scales_shape) * 2 if layout.quantized else 0,
+        "zero_points": math.prod(scales_shape) * 2 if layout.quantized and layout.asymmetric else 0,
+    }
     for field, n in want.items():
         got = len(getattr(msg, field))
         if got != n:
@@ -196,18 +243,25 @@ def decode_page(msg: kv_pb2.KVPage, *, expected_layout: KVLayoutSpec, expected_f
     data = _from_bytes(msg.data, layout.torch_dtype, data_shape)
     scales = _from_bytes(msg.scales, torch.float16, scales_shape) if layout.quantized else None
     zeros = _from_bytes(msg.zero_points, torch.float16, scales_shape) if want["zero_points"] else None
-    return PagePayload(page_index=msg.page_index, num_tokens=msg.num_tokens, layer_start=msg.layer_start,
-                       data=data, scales=scales, zeros=zeros, group_size=layout.group_size)
+    return PagePayload(
+        page_index=msg.page_index,
+        num_tokens=msg.num_tokens,
+        layer_start=msg.layer_start,
+        data=data,
+        scales=scales,
+        zeros=zeros,
+        group_size=layout.group_size,
+    )
 
 
 def page_to_bytes(payload: PagePayload, *, owner: str, layout: KVLayoutSpec, fingerprint: str) -> bytes:
     """One page as one self-contained byte string (the serialized KVPage, `request_id` = `owner`)."""
-    return encode_page(payload, request_id=owner, seq_no=0, layout=layout,
-                       fingerprint=fingerprint).SerializeToString()
+    return encode_page(payload, request_id=owner, seq_no=0, layout=layout, fingerprint=fingerprint).SerializeToString()
 
 
-def page_from_bytes(buf: bytes, *, expected_layout: KVLayoutSpec, expected_fingerprint: str,
-                    expected_owner: str) -> PagePayload:
+def page_from_bytes(
+    buf: bytes, *, expected_layout: KVLayoutSpec, expected_fingerprint: str, expected_owner: str
+) -> PagePayload:
     """Inverse of page_to_bytes, as strict as decode_page, and `buf` must be exactly what page_to_bytes writes
     (any flipped byte is detected); raises CorruptPage on any damage or mismatch."""
     try:
@@ -218,5 +272,9 @@ def page_from_bytes(buf: bytes, *, expected_layout: KVLayoutSpec, expected_finge
         raise CorruptPage(f"stored page has seq_no {msg.seq_no}, want 0")
     if msg.SerializeToString() != buf:  # e.g. a bool's varint 0x01 -> 0x5b parses alike: only page_to_bytes' bytes
         raise CorruptPage("not the canonical encoding of the page it parses to")
-    return decode_page(msg, expected_layout=expected_layout, expected_fingerprint=expected_fingerprint,
-                       expected_request_id=expected_owner)
+    return decode_page(
+        msg,
+        expected_layout=expected_layout,
+        expected_fingerprint=expected_fingerprint,
+        expected_request_id=expected_owner,
+    )

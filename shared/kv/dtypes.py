@@ -4,6 +4,7 @@ Names are what configs, the CLI and `KVLayoutSpec.dtype` use ("int8", "float32",
 aliases are extra spellings accepted for the model dtype ("bf16", "half", ...). Imports only torch and the
 generated stubs, so both `pdserve.kv` and `pdserve.engine` use it without import cycles.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from pdserve.v1 import kv_pb2
 @dataclass(frozen=True)
 class DType:
     """One storable dtype: how torch holds it and how the KV wire names it."""
+
     name: str
     torch_dtype: torch.dtype
-    wire: int             # pdserve.v1.KVDType enum value
-    dense: bool           # a model (activation / unquantized KV) dtype; int8 is the quantized KV dtype
+    wire: int  # pdserve.v1.KVDType enum value
+    dense: bool  # a model (activation / unquantized KV) dtype; int8 is the quantized KV dtype
 
     @property
     def itemsize(self) -> int:
@@ -27,22 +29,30 @@ class DType:
         return self.torch_dtype.itemsize
 
 
-DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("int8", torch.int8, kv_pb2.KV_DTYPE_INT8, dense=False),
-    DType("float32", torch.float32, kv_pb2.KV_DTYPE_FLOAT32, dense=True),
-    DType("bfloat16", torch.bfloat16, kv_pb2.KV_DTYPE_BFLOAT16, dense=True),
-    DType("float16", torch.float16, kv_pb2.KV_DTYPE_FLOAT16, dense=True),
-)}
-ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                           "half": "float16"}
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("int8", torch.int8, kv_pb2.KV_DTYPE_INT8, dense=False),
+        DType("float32", torch.float32, kv_pb2.KV_DTYPE_FLOAT32, dense=True),
+        DType("bfloat16", torch.bfloat16, kv_pb2.KV_DTYPE_BFLOAT16, dense=True),
+        DType("float16", torch.float16, kv_pb2.KV_DTYPE_FLOAT16, dense=True),
+    )
+}
+ALIASES: dict[str, str] = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
 _BY_WIRE: dict[int, DType] = {d.wire: d for d in DTYPES.values()}
 
 # Model dtypes by lower-case name or alias -> torch dtype (what `EngineConfig.dtype` accepts besides "auto").
 MODEL_DTYPES: dict[str, torch.dtype] = {name: d.torch_dtype for name, d in DTYPES.items() if d.dense} | {
-    alias: DTYPES[name].torch_dtype for alias, name in ALIASES.items()}
+    alias: DTYPES[name].torch_dtype for alias, name in ALIASES.items()
+}
 
 
 def by_wire(enum: int) -> DType | None:
     """The dtype of a `KVDType` enum value; None for UNSPECIFIED or an unknown value."""
     return _BY_WIRE.get(enum)
-

@@ -6,6 +6,7 @@ Byte cost per (token, kv_head), head_dim D, group g, model dtype of b bytes per 
     int8 asym:    D + 4 * D / g            (+ one fp16 zero point per group)
 e.g. D=128, g=64 vs bf16 (256 B): sym 132 B (ratio 0.516), asym 136 B (ratio 0.531).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,13 +18,13 @@ from pdserve.kv.quant import dequantize, quantize
 
 @dataclass
 class PagePayload:
-    page_index: int      # logical page index in the sequence
-    num_tokens: int      # valid tokens (<= page_size)
+    page_index: int  # logical page index in the sequence
+    num_tokens: int  # valid tokens (<= page_size)
     layer_start: int
-    data: torch.Tensor   # [2, layers, num_tokens, kv_heads, head_dim] int8 or model dtype (K=0, V=1)
+    data: torch.Tensor  # [2, layers, num_tokens, kv_heads, head_dim] int8 or model dtype (K=0, V=1)
     scales: torch.Tensor | None  # [2, layers, num_tokens, kv_heads, head_dim // group_size] float16
-    zeros: torch.Tensor | None   # same shape as scales, asymmetric only
-    group_size: int = 0          # 0 for unquantized
+    zeros: torch.Tensor | None  # same shape as scales, asymmetric only
+    group_size: int = 0  # 0 for unquantized
 
     @property
     def layer_count(self) -> int:
@@ -48,8 +49,15 @@ def quantize_payload(dense: PagePayload, group_size: int, asymmetric: bool) -> P
     if dense.quantized:
         raise ValueError("payload is already quantized")
     q, scales, zeros = quantize(dense.data, group_size, asymmetric)
-    return PagePayload(page_index=dense.page_index, num_tokens=dense.num_tokens, layer_start=dense.layer_start,
-                       data=q, scales=scales, zeros=zeros, group_size=group_size)
+    return PagePayload(
+        page_index=dense.page_index,
+        num_tokens=dense.num_tokens,
+        layer_start=dense.layer_start,
+        data=q,
+        scales=scales,
+        zeros=zeros,
+        group_size=group_size,
+    )
 
 
 def dequantize_payload(p: PagePayload, dtype: torch.dtype) -> PagePayload:
@@ -60,5 +68,12 @@ def dequantize_payload(p: PagePayload, dtype: torch.dtype) -> PagePayload:
         if p.scales is None:
             raise ValueError("quantized payload has no scales")
         data = dequantize(p.data, p.scales, p.zeros, p.group_size, dtype)
-    return PagePayload(page_index=p.page_index, num_tokens=p.num_tokens, layer_start=p.layer_start,
-                       data=data, scales=None, zeros=None, group_size=0)
+    return PagePayload(
+        page_index=p.page_index,
+        num_tokens=p.num_tokens,
+        layer_start=p.layer_start,
+        data=data,
+        scales=None,
+        zeros=None,
+        group_size=0,
+    )

@@ -17,6 +17,7 @@ The implementation is plain torch and vectorized, so it runs on any device witho
 reference: the GPU engine's Triton kernels (`pdserve.engine.kernels.kv_quant`, chosen by
 `pdserve.engine.kernel_choice`) are bit-identical to it. This package never imports the engine.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,8 +48,9 @@ def _fp16_round_down(v: torch.Tensor) -> torch.Tensor:
     return torch.where(h.float() > v, down, h)
 
 
-def quantize(x: torch.Tensor, group_size: int,
-             asymmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def quantize(
+    x: torch.Tensor, group_size: int, asymmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [..., D] (any float dtype) -> q int8 [..., D], scales fp16 [..., D // g], zeros fp16 [..., D // g] | None.
 
     Raises ValueError if D is not divisible by group_size.
@@ -56,14 +58,14 @@ def quantize(x: torch.Tensor, group_size: int,
     _check_group(x.shape[-1], group_size)
     d = x.shape[-1]
     g = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # [..., G, g]
-    lo, hi = torch.aminmax(g, dim=-1)                                    # [..., G] each
+    lo, hi = torch.aminmax(g, dim=-1)  # [..., G] each
     if asymmetric:
-        zero = _fp16_round_down(lo.clamp_(-FP16_MAX, FP16_MAX))          # fp16, <= every value of the group
+        zero = _fp16_round_down(lo.clamp_(-FP16_MAX, FP16_MAX))  # fp16, <= every value of the group
         scale = _fp16_round_up(((hi - zero.float()) / 255.0).clamp_(max=FP16_MAX))
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # zero range -> exact constant
         q = (g - zero.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 255).sub_(128)
     else:
-        absmax = torch.maximum(hi, lo.neg_())                            # [..., G]
+        absmax = torch.maximum(hi, lo.neg_())  # [..., G]
         scale = _fp16_round_up((absmax / 127.0).clamp_(max=FP16_MAX))
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # all zeros -> q = 0, exact
         zero = None
@@ -71,8 +73,13 @@ def quantize(x: torch.Tensor, group_size: int,
     return q.to(torch.int8).reshape(x.shape), scale, zero
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """q int8 [..., D], scales/zeros fp16 [..., D // g] -> x' [..., D] of `dtype` (computed in float32)."""
     d = q.shape[-1]
     _check_group(d, group_size)
@@ -81,9 +88,9 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
     if scales.shape != (*q.shape[:-1], d // group_size):
         raise ValueError(f"scales shape {tuple(scales.shape)} does not match q {tuple(q.shape)} / {group_size}")
     g = q.float().reshape(*q.shape[:-1], d // group_size, group_size)  # [..., G, g]
-    s = scales.float()[..., None]                                        # [..., G, 1]
+    s = scales.float()[..., None]  # [..., G, 1]
     if zeros is None:
         x = g.mul_(s)
     else:
-        x = torch.addcmul(zeros.float()[..., None] + 128.0 * s, g, s)   # (q + 128) * s + zero
+        x = torch.addcmul(zeros.float()[..., None] + 128.0 * s, g, s)  # (q + 128) * s + zero
     return x.reshape(q.shape).to(dtype)

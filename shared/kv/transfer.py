@@ -8,6 +8,7 @@ The sender frees its pages only when every shipped page is acknowledged or the t
 repeats and reordering detectable; a transfer that ends with a page missing is an error, never a silent
 wrong answer.
 """
+
 from __future__ import annotations
 
 import enum
@@ -34,8 +35,8 @@ class SenderPages:
         self.request_id = request_id
         self._lock = threading.Lock()
         self.states = [PageState.FILLING] * num_pages  # allocated and being filled by prefill
-        self._seq_page: list[int] = []                  # seq_no -> logical page index
-        self._acked_upto = -1                            # highest cumulatively acked seq_no
+        self._seq_page: list[int] = []  # seq_no -> logical page index
+        self._acked_upto = -1  # highest cumulatively acked seq_no
         self.bytes_shipped = 0
 
     def ship(self, page_index: int, nbytes: int) -> int:
@@ -100,8 +101,10 @@ class ReceiverPages:
         """At PrefillDone: every reserved page must have arrived exactly once."""
         missing = [i for i, s in enumerate(self.states) if s is PageState.ALLOCATED]
         if missing or num_pages_announced != self.next_seq_no:
-            raise TransferError(f"transfer incomplete: {len(missing)} pages missing, announced "
-                                f"{num_pages_announced}, received {self.next_seq_no}")
+            raise TransferError(
+                f"transfer incomplete: {len(missing)} pages missing, announced "
+                f"{num_pages_announced}, received {self.next_seq_no}"
+            )
 
     def free(self) -> None:
         self.states = [PageState.FREED] * len(self.states)

@@ -3,6 +3,7 @@
 Used by the tests (and `train_tiny`), which then load them through the same path a user's local model directory
 takes. The demo model `pdserve up` serves is in `pdserve.models.demo`.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,20 @@ import torch
 CORPUS_PATH = Path(__file__).parent.parent / "data" / "corpus.txt"  # the pdserve.data package
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen2/SmolLM2 write it
-CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # Small shapes: fast on CPU, yet every structural feature (GQA, bias, tied embeddings) is present.
-TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=1024)
+TINY_SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
 
 def corpus_text() -> str:
@@ -36,25 +45,48 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: s
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([corpus_text()], trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     if chat_template is not None:
         fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
 
 
-def build_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
-                     vocab_size: int = 512, chat_template: str | None = CHATML_TEMPLATE, **overrides) -> Path:
+def build_checkpoint(
+    out_dir: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    vocab_size: int = 512,
+    chat_template: str | None = CHATML_TEMPLATE,
+    **overrides,
+) -> Path:
     """Write config.json + model.safetensors + tokenizer files for `arch` in {llama, qwen2, mistral}
     (`chat_template`: the tokenizer's, ChatML by default; None for a model without one).
 
     Weights are random (seeded): the model's output is noise, but it is a real checkpoint.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-        Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

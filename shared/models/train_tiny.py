@@ -10,6 +10,7 @@ Measured on 2 CPU cores (seed 0, seconds=45 -> 180 steps of 16x128 tokens, 34.5 
 including build/eval/save): held-out eval perplexity 803.4 at (widened) random init -> 13.0 after training
 (final train loss 2.59). `train_log.json` in the output dir records each run.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,18 @@ from pdserve.models.checkpoints import build_checkpoint, corpus_text
 
 log = logging.getLogger(__name__)
 
-TRAIN_SHAPES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=1024)
+TRAIN_SHAPES = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 SEQ_LEN = 128
 BATCH = 16
 LR = 3e-3
-STEPS_PER_SECOND = 4.0     # calibration: ~0.22 s/step measured on 2 CPU cores, rounded down for shared load
+STEPS_PER_SECOND = 4.0  # calibration: ~0.22 s/step measured on 2 CPU cores, rounded down for shared load
 
 
 def split_corpus(eval_fraction: float = 0.1) -> tuple[str, str]:
@@ -52,8 +59,7 @@ def eval_perplexity(model, ids: torch.Tensor, seq_len: int = SEQ_LEN, max_window
     nll, count = 0.0, 0
     for chunk in win.split(8):
         logits = model(input_ids=chunk[:, :-1]).logits.float()  # [b, T, V]
-        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(),
-                                                 reduction="sum").item()
+        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
         count += chunk[:, 1:].numel()
     return math.exp(nll / count)
 
@@ -75,13 +81,14 @@ def train_tiny_checkpoint(out_dir: str | Path, seconds: float = 45, seed: int = 
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     t0 = time.perf_counter()
     model.train()
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
         starts = torch.randint(0, train_ids.numel() - SEQ_LEN - 1, (BATCH,), generator=gen)
-        batch = torch.stack([train_ids[s: s + SEQ_LEN + 1] for s in starts.tolist()])  # [B, T + 1]
+        batch = torch.stack([train_ids[s : s + SEQ_LEN + 1] for s in starts.tolist()])  # [B, T + 1]
         logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -92,9 +99,18 @@ def train_tiny_checkpoint(out_dir: str | Path, seconds: float = 45, seed: int = 
     train_s = time.perf_counter() - t0
     ppl_after = eval_perplexity(model, eval_ids)
     model.save_pretrained(str(out), safe_serialization=True)
-    info = dict(seed=seed, steps=steps, batch=BATCH, seq_len=SEQ_LEN, lr=LR, train_seconds=round(train_s, 1),
-                final_train_loss=round(loss.item(), 4), eval_ppl_before=round(ppl_before, 2),
-                eval_ppl_after=round(ppl_after, 2), eval_tokens=eval_ids.numel())
+    info = dict(
+        seed=seed,
+        steps=steps,
+        batch=BATCH,
+        seq_len=SEQ_LEN,
+        lr=LR,
+        train_seconds=round(train_s, 1),
+        final_train_loss=round(loss.item(), 4),
+        eval_ppl_before=round(ppl_before, 2),
+        eval_ppl_after=round(ppl_after, 2),
+        eval_tokens=eval_ids.numel(),
+    )
     (out / "train_log.json").write_text(json.dumps(info, indent=1) + "\n")
     log.info("train_tiny: %s", info)
     return out
@@ -113,13 +129,18 @@ def capture_kv(model_dir: str | Path, text: str, max_tokens: int = 512) -> torch
     ids = torch.tensor(tok(text)["input_ids"][:max_tokens], dtype=torch.long)[None]  # [1, T]
     out = model(input_ids=ids, use_cache=True)
     cache = out["cache"] if "cache" in out else out.past_key_values
-    k = torch.stack([layer.keys[0] for layer in cache.layers])    # [layers, kv_heads, T, head_dim]
+    k = torch.stack([layer.keys[0] for layer in cache.layers])  # [layers, kv_heads, T, head_dim]
     v = torch.stack([layer.values[0] for layer in cache.layers])
-    return torch.stack([k, v]).transpose(2, 3).contiguous()        # [2, layers, T, kv_heads, head_dim]
+    return torch.stack([k, v]).transpose(2, 3).contiguous()  # [2, layers, T, kv_heads, head_dim]
 
 
 if __name__ == "__main__":
     import sys
+
     logging.basicConfig(level=logging.INFO)
-    print(train_tiny_checkpoint(sys.argv[1] if len(sys.argv) > 1 else "/tmp/pdserve-tiny-trained",
-                                float(sys.argv[2]) if len(sys.argv) > 2 else 45))
+    print(
+        train_tiny_checkpoint(
+            sys.argv[1] if len(sys.argv) > 1 else "/tmp/pdserve-tiny-trained",
+            float(sys.argv[2]) if len(sys.argv) > 2 else 45,
+        )
+    )

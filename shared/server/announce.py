@@ -1,6 +1,7 @@
 """Instance side of router membership: `--router HOST:PORT` makes a prefill/decode instance Register with the
 router once it serves, Heartbeat at the interval the router asks for (registering again when the router
 forgot it, e.g. after a router restart), and Deregister when it shuts down so the router drains it first."""
+
 from __future__ import annotations
 
 import logging
@@ -37,13 +38,15 @@ class Announcer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="announce", daemon=True)
 
-    def start(self) -> "Announcer":
+    def start(self) -> Announcer:
         self._thread.start()
         return self
 
     def _register(self) -> float:
-        r = self._stub.Register(pb.RegisterRequest(role=self.role, address=self.address,
-                                                   capacity_pcs=self.capacity_pcs), timeout=RPC_TIMEOUT_S)
+        r = self._stub.Register(
+            pb.RegisterRequest(role=self.role, address=self.address, capacity_pcs=self.capacity_pcs),
+            timeout=RPC_TIMEOUT_S,
+        )
         log.info("registered %s with router %s", self.address, self.router)
         return r.heartbeat_interval_s
 
@@ -53,8 +56,9 @@ class Announcer:
             try:
                 if not registered:
                     interval, registered = self._register(), True
-                elif not self._stub.Heartbeat(pb.HeartbeatRequest(role=self.role, address=self.address),
-                                              timeout=RPC_TIMEOUT_S).known:
+                elif not self._stub.Heartbeat(
+                    pb.HeartbeatRequest(role=self.role, address=self.address), timeout=RPC_TIMEOUT_S
+                ).known:
                     registered = False
                     continue
                 backoff = 0.2

@@ -1,4 +1,5 @@
 """gRPC plumbing shared by the three services: server construction, health, reflection, readiness."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,11 @@ CHANNEL_OPTIONS = [
 
 def make_server(max_workers: int, max_concurrent_rpcs: int) -> grpc.Server:
     """A threaded server; RPCs beyond `max_concurrent_rpcs` get RESOURCE_EXHAUSTED instead of queueing."""
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                       options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        options=CHANNEL_OPTIONS,
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
 
 
 def add_health_and_reflection(server: grpc.Server, service_full_names: list[str]) -> health.HealthServicer:
@@ -35,8 +39,7 @@ def add_health_and_reflection(server: grpc.Server, service_full_names: list[str]
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     for name in ["", *service_full_names]:
         hs.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection([*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                        server)
+    reflection.enable_server_reflection([*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return hs
 
 

@@ -3,6 +3,7 @@
 Conversion only: defaults come from `SamplingParams` itself and every check is `SamplingParams.validate` (the
 router calls it where a request enters; the engine calls it again when the request is added).
 """
+
 from __future__ import annotations
 
 from pdserve.engine.sampling import SamplingParams

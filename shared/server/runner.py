@@ -1,10 +1,11 @@
 """Run one gRPC service until SIGTERM/SIGINT: bind, serve health + reflection, announce readiness, drain."""
+
 from __future__ import annotations
 
 import logging
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -26,13 +27,18 @@ def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
 
     if cfg.torch_threads > 0:
         import torch
+
         torch.set_num_threads(cfg.torch_threads)
     engine = LLMEngine(cfg.engine_config(pool_kv_dtype))
     return EngineLoop(engine)
 
 
-def run_service(name: str, cfg: ServerOptions, service_names: list[str],
-                register: Callable[[grpc.Server, Telemetry], Callable[[], None]]) -> None:
+def run_service(
+    name: str,
+    cfg: ServerOptions,
+    service_names: list[str],
+    register: Callable[[grpc.Server, Telemetry], Callable[[], None]],
+) -> None:
     """`register(server, telemetry)` adds the servicer(s) and returns a cleanup callable run after the server stops.
     Telemetry: tracing from the OTEL_* environment, /metrics on `cfg.metrics_port`; spans flushed at shutdown."""
     telemetry = Telemetry(name)
@@ -43,11 +49,16 @@ def run_service(name: str, cfg: ServerOptions, service_names: list[str],
     metrics_port = telemetry.metrics.serve(cfg.host, cfg.metrics_port)
     server.start()
     set_serving(hs, service_names, True)
-    announce_ready(name, f"{cfg.host}:{port}", cfg.ready_file or None,
-                   metrics=f"{cfg.host}:{metrics_port}" if metrics_port is not None else None)
+    announce_ready(
+        name,
+        f"{cfg.host}:{port}",
+        cfg.ready_file or None,
+        metrics=f"{cfg.host}:{metrics_port}" if metrics_port is not None else None,
+    )
     announcer = None
     if getattr(cfg, "router", ""):  # register with the router and heartbeat (pdserve.server.announce)
         from pdserve.server.announce import Announcer, advertised
+
         announcer = Announcer(cfg.router, name, advertised(cfg.host, port)).start()
 
     stop = threading.Event()

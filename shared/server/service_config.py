@@ -1,10 +1,11 @@
 """Fields every engine-backed service (prefill, decode) shares; each service subclasses into its own config."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
-def opt(default, help: str):  # noqa: A002 - mirrors argparse's name
+def opt(default, help: str):
     """A dataclass field with CLI help text."""
     return field(default=default, metadata={"help": help})
 
@@ -50,19 +51,32 @@ class EngineOptions(ServerOptions):
 
     def engine_config(self, pool_kv_dtype: str):
         """The EngineConfig of this instance; `pool_kv_dtype` is what its KV pool stores."""
-        from pdserve.engine.config import EngineConfig  # noqa: PLC0415 - imports torch; the router never does
+        from pdserve.engine.config import EngineConfig
 
-        return EngineConfig(model_dir=self.model, dtype=self.dtype, device=self.device, page_size=self.page_size,
-                            chunk_size=self.chunk_size, num_pages=self.num_pages, max_num_seqs=self.max_num_seqs,
-                            kv_dtype=pool_kv_dtype, kv_group_size=self.kv_group_size,
-                            kv_asymmetric=getattr(self, "kv_asymmetric", False),
-                            attention_backend=self.attention_backend, triton=self.triton, pdl=self.pdl,
-                            gemv_plan=self.gemv_plan, int8_decode_kernel=self.int8_decode_kernel,
-                            dense_decode_kernel=self.dense_decode_kernel,
-                            dense_prefill_kernel=self.dense_prefill_kernel, fa3_num_splits=self.fa3_num_splits,
-                            decode_kernel_config=self.decode_kernel_config, cuda_graphs=self.cuda_graphs,
-                            cuda_graph_max_context=self.cuda_graph_max_context,
-                            gpu_memory_utilization=self.gpu_memory_utilization)
+        return EngineConfig(
+            model_dir=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            page_size=self.page_size,
+            chunk_size=self.chunk_size,
+            num_pages=self.num_pages,
+            max_num_seqs=self.max_num_seqs,
+            kv_dtype=pool_kv_dtype,
+            kv_group_size=self.kv_group_size,
+            kv_asymmetric=getattr(self, "kv_asymmetric", False),
+            attention_backend=self.attention_backend,
+            triton=self.triton,
+            pdl=self.pdl,
+            gemv_plan=self.gemv_plan,
+            int8_decode_kernel=self.int8_decode_kernel,
+            dense_decode_kernel=self.dense_decode_kernel,
+            dense_prefill_kernel=self.dense_prefill_kernel,
+            fa3_num_splits=self.fa3_num_splits,
+            decode_kernel_config=self.decode_kernel_config,
+            cuda_graphs=self.cuda_graphs,
+            cuda_graph_max_context=self.cuda_graph_max_context,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
 
     def validate(self) -> None:
         if not self.model:

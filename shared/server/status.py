@@ -1,4 +1,5 @@
 """The one table from typed errors (`pdserve.errors`) to gRPC status codes, so every service answers alike."""
+
 from __future__ import annotations
 
 import grpc

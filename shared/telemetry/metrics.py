@@ -6,6 +6,7 @@ Every service: `pdserve_requests_total{status}`, `pdserve_requests_in_flight`, h
 server registers at start (`gauge(...)`: queue depth, KV pages, cache hit ratio, outstanding PCS), read at
 scrape time. Each service owns its registry (no process-global state).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,7 @@ class _Callback(Collector):
         fam = self.family(self.name, self.doc, labels=self.labelnames)
         try:
             values = self.fn()
-        except Exception:  # noqa: BLE001 - a broken gauge must not break the scrape
+        except Exception:
             log.exception("gauge %s failed", self.name)
             return [fam]
         if self.labelnames:
@@ -55,16 +56,29 @@ class ServiceMetrics:
         r = self.registry
         self.requests = Counter("pdserve_requests", "Requests by final gRPC status", ["status"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)
-        self.ttft = Histogram("pdserve_request_ttft_seconds", "Time to first token (prefill: time to the prefill "
-                              "result)", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_request_tpot_seconds", "Time per output token after the first",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_request_e2e_seconds", "Request latency, start to end of the RPC",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.awaiting_first = Gauge("pdserve_requests_awaiting_first_token", "Requests without their first token "
-                                    "yet (queued or prefilling)", registry=r)
-        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV page bytes shipped (prefill) or received (decode)",
-                                registry=r)
+        self.ttft = Histogram(
+            "pdserve_request_ttft_seconds",
+            "Time to first token (prefill: time to the prefill result)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_request_tpot_seconds", "Time per output token after the first", buckets=TPOT_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "pdserve_request_e2e_seconds",
+            "Request latency, start to end of the RPC",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.awaiting_first = Gauge(
+            "pdserve_requests_awaiting_first_token",
+            "Requests without their first token yet (queued or prefilling)",
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV page bytes shipped (prefill) or received (decode)", registry=r
+        )
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -76,8 +90,14 @@ class ServiceMetrics:
         """Register a counter kept elsewhere, read from `fn()` at scrape time (exposed as `pdserve_<name>_total`)."""
         self.registry.register(_Callback(f"pdserve_{name}", doc, labelnames, fn, CounterMetricFamily))
 
-    def observe(self, status: str, e2e_s: float, ttft_s: float | None = None, tpot_s: float | None = None,
-                trace_id: str | None = None) -> None:
+    def observe(
+        self,
+        status: str,
+        e2e_s: float,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        trace_id: str | None = None,
+    ) -> None:
         """One finished request; `trace_id` becomes the exemplar of its samples."""
         ex = {"trace_id": trace_id} if trace_id else None
         self.requests.labels(status).inc(exemplar=ex)
@@ -107,26 +127,44 @@ class ServiceMetrics:
 def watch_engine(metrics: ServiceMetrics, loop) -> None:
     """Gauges of a prefill/decode engine (`pdserve.engine.loop.EngineLoop`): KV pool pages used/free, queue depth
     (requests waiting to be scheduled), running requests. Read without locks: possibly one step stale."""
+
     def pages() -> dict[tuple[str, ...], float]:
         used, total = loop.allocator.num_used, loop.allocator.num_pages
         return {("used",): used, ("free",): total - used}
+
     metrics.gauge("kv_pages", "KV pool pages by state", pages, ["state"])
     metrics.gauge("queue_depth", "Requests waiting in the engine queue", lambda: len(loop.engine.scheduler.waiting))
-    metrics.gauge("running_requests", "Requests in the running (decode) batch",
-                  lambda: len(loop.engine.scheduler.running))
+    metrics.gauge(
+        "running_requests", "Requests in the running (decode) batch", lambda: len(loop.engine.scheduler.running)
+    )
 
 
 def watch_pools(metrics: ServiceMetrics, *pools) -> None:
     """Router gauge: outstanding PCS per instance of each pool (objects with `.role` and `.snapshot()` of
     instances with `.address` and `.outstanding_pcs`)."""
+
     def outstanding() -> dict[tuple[str, ...], float]:
         return {(p.role, i.address): i.outstanding_pcs for p in pools for i in p.snapshot()}
-    metrics.gauge("outstanding_pcs", "Outstanding prompt complexity score per instance", outstanding,
-                  ["role", "instance"])
+
+    metrics.gauge(
+        "outstanding_pcs", "Outstanding prompt complexity score per instance", outstanding, ["role", "instance"]
+    )
 
 
-PROMPT_CACHE_EVENTS = ("lookups", "lookup_pages", "hits", "misses", "local_hits", "corrupt", "errors", "skipped",
-                       "writes", "write_bytes", "write_drops", "too_large")
+PROMPT_CACHE_EVENTS = (
+    "lookups",
+    "lookup_pages",
+    "hits",
+    "misses",
+    "local_hits",
+    "corrupt",
+    "errors",
+    "skipped",
+    "writes",
+    "write_bytes",
+    "write_drops",
+    "too_large",
+)
 
 
 def watch_prompt_cache(metrics: ServiceMetrics, cache) -> None:
@@ -137,4 +175,5 @@ def watch_prompt_cache(metrics: ServiceMetrics, cache) -> None:
     def events() -> dict[tuple[str, ...], float]:
         snap = cache.stats.snapshot()
         return {(k,): snap[k] for k in PROMPT_CACHE_EVENTS if k in snap}
+
     metrics.counter("prompt_cache", "Prompt cache events (pages; write_bytes in bytes)", events, ["event"])

@@ -8,6 +8,7 @@ the server span with the final status, and counts and times the request. Status 
 handler aborted with; else DEADLINE_EXCEEDED when the deadline has passed; else CANCELLED (the client went away,
 or an unhandled error that gRPC logged).
 """
+
 from __future__ import annotations
 
 import threading
@@ -29,12 +30,13 @@ class Telemetry:
         self.metrics = ServiceMetrics(service)
 
     @classmethod
-    def off(cls, service: str) -> "Telemetry":
+    def off(cls, service: str) -> Telemetry:
         """Tracing off, metrics kept in memory only (servicers built outside `run_service`, e.g. in tests)."""
         return cls(service, environ={})
 
-    def request(self, name: str, context: grpc.ServicerContext, attributes: Mapping[str, Any] | None = None
-                ) -> "RequestScope":
+    def request(
+        self, name: str, context: grpc.ServicerContext, attributes: Mapping[str, Any] | None = None
+    ) -> RequestScope:
         return RequestScope(self, name, context, attributes)
 
     def shutdown(self) -> None:
@@ -49,8 +51,13 @@ def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
 class RequestScope:
     """One RPC: its server span, timing and metrics."""
 
-    def __init__(self, telemetry: Telemetry, name: str, context: grpc.ServicerContext,
-                 attributes: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        name: str,
+        context: grpc.ServicerContext,
+        attributes: Mapping[str, Any] | None = None,
+    ):
         self._t = telemetry
         self._context = context
         self.t0 = time.perf_counter()
@@ -74,8 +81,13 @@ class RequestScope:
         if self.recording:
             self.span.set_attributes(_clean(attributes))
 
-    def child(self, name: str, attributes: Mapping[str, Any] | None = None, start_time_ns: int | None = None,
-              parent: Span | None = None) -> Span:
+    def child(
+        self,
+        name: str,
+        attributes: Mapping[str, Any] | None = None,
+        start_time_ns: int | None = None,
+        parent: Span | None = None,
+    ) -> Span:
         """A child span (of `parent`, default the request span); end it with `end_child`. One still open when the
         request ends is ended with the request's status (a cancelled gRPC generator may never run its `finally`)."""
         span = self._t.tracing.child(name, parent or self.span, _clean(attributes), start_time_ns)

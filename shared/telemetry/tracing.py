@@ -9,6 +9,7 @@ The sampler comes from `OTEL_TRACES_SAMPLER`/`OTEL_TRACES_SAMPLER_ARG` (default:
 from `OTEL_BSP_*`, the exporter from `OTEL_EXPORTER_OTLP_*`. `service.name` is `pdserve-<service>` (it overrides
 OTEL_SERVICE_NAME, which one shell would otherwise give all three services); OTEL_RESOURCE_ATTRIBUTES add to it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,10 +40,12 @@ def tracing_enabled(environ: Mapping[str, str]) -> bool:
 def _exporter(kind: str):
     if kind == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
         return ConsoleSpanExporter()
     if kind != "otlp":
         raise SystemExit(f"OTEL_TRACES_EXPORTER={kind!r} is not supported (otlp, console or none)")
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
     return OTLPSpanExporter()  # endpoint, headers, TLS, timeout, compression: OTEL_EXPORTER_OTLP_*
 
 
@@ -66,8 +69,12 @@ class Tracing:
         self._provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER(_ARG)
         self._provider.add_span_processor(BatchSpanProcessor(_exporter(kind)))  # OTEL_BSP_* settings
         self.tracer = self._provider.get_tracer(f"pdserve.{service}")
-        log.info("tracing on: service.name=pdserve-%s exporter=%s sampler=%s", service, kind,
-                 type(self._provider.sampler).__name__)
+        log.info(
+            "tracing on: service.name=pdserve-%s exporter=%s sampler=%s",
+            service,
+            kind,
+            type(self._provider.sampler).__name__,
+        )
 
     # ---- spans -----------------------------------------------------------------------------------------
     def server_span(self, name: str, invocation_metadata, attributes: Attributes | None = None) -> Span:
@@ -77,13 +84,15 @@ class Tracing:
         parent = propagate.extract(dict(invocation_metadata or ()))
         return self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
 
-    def child(self, name: str, parent: Span, attributes: Attributes | None = None,
-              start_time_ns: int | None = None) -> Span:
+    def child(
+        self, name: str, parent: Span, attributes: Attributes | None = None, start_time_ns: int | None = None
+    ) -> Span:
         """A child of `parent`; `start_time_ns` (epoch ns) for spans recorded after the fact."""
         if not self.enabled or not parent.is_recording():
             return INVALID_SPAN
-        return self.tracer.start_span(name, context=trace.set_span_in_context(parent), attributes=attributes,
-                                      start_time=start_time_ns)
+        return self.tracer.start_span(
+            name, context=trace.set_span_in_context(parent), attributes=attributes, start_time=start_time_ns
+        )
 
     def outgoing_metadata(self, span: Span, invocation_metadata=None) -> list[tuple[str, str]]:
         """gRPC metadata for the next hop: `span` as the parent; when off, the caller's trace headers as given."""

@@ -6,6 +6,7 @@ protocol the services export with, for tests and benchmarks that have no collect
         ...
         spans = sink.wait_for(lambda spans: len(spans) >= 3, timeout=10)
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,20 +38,20 @@ def _attrs(kvs) -> dict[str, Any]:
 class SpanRecord:
     service: str
     name: str
-    trace_id: str        # 32 hex
-    span_id: str         # 16 hex
-    parent_id: str       # 16 hex, "" for a root span
-    kind: int            # opentelemetry.proto.trace.v1.Span.SpanKind
+    trace_id: str  # 32 hex
+    span_id: str  # 16 hex
+    parent_id: str  # 16 hex, "" for a root span
+    kind: int  # opentelemetry.proto.trace.v1.Span.SpanKind
     start_ns: int
     end_ns: int
     attributes: dict[str, Any]
-    status_code: int     # 0 unset, 1 ok, 2 error
+    status_code: int  # 0 unset, 1 ok, 2 error
     status_message: str
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, sink: "OTLPSink"):
+    def __init__(self, sink: OTLPSink):
         self.sink = sink
 
     def Export(self, request, context):
@@ -59,10 +60,22 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             service = _attrs(rs.resource.attributes).get("service.name", "")
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    records.append(SpanRecord(
-                        service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.kind,
-                        s.start_time_unix_nano, s.end_time_unix_nano, _attrs(s.attributes), s.status.code,
-                        s.status.message, [(e.name, _attrs(e.attributes)) for e in s.events]))
+                    records.append(
+                        SpanRecord(
+                            service,
+                            s.name,
+                            s.trace_id.hex(),
+                            s.span_id.hex(),
+                            s.parent_span_id.hex(),
+                            s.kind,
+                            s.start_time_unix_nano,
+                            s.end_time_unix_nano,
+                            _attrs(s.attributes),
+                            s.status.code,
+                            s.status.message,
+                            [(e.name, _attrs(e.attributes)) for e in s.events],
+                        )
+                    )
         self.sink._add(records)
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -100,14 +113,14 @@ class OTLPSink:
                 self._cv.wait(left)
             return list(self._spans)
 
-    def start(self) -> "OTLPSink":
+    def start(self) -> OTLPSink:
         self._server.start()
         return self
 
     def stop(self) -> None:
         self._server.stop(grace=1).wait()
 
-    def __enter__(self) -> "OTLPSink":
+    def __enter__(self) -> OTLPSink:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,5 +1,6 @@
 """A private `redis-server` process on a free loopback port (tests, benchmarks): no persistence, optional
 maxmemory / eviction policy, killable and restartable on the same port."""
+
 from __future__ import annotations
 
 import shutil
@@ -7,8 +8,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from pdserve.server.grpc_util import free_port
 from redis.exceptions import AuthenticationError, ResponseError
+
+from pdserve.server.grpc_util import free_port
 
 
 class RedisServer:
@@ -30,13 +32,29 @@ class RedisServer:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
+
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, retry=Retry(NoBackoff(), 0), **kw)
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         log = (self.workdir / f"redis-{self.port}.log").open("ab")
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), *self.args], stdout=log, stderr=subprocess.STDOUT)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                *self.args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -44,7 +62,7 @@ class RedisServer:
                     return self
             except (AuthenticationError, ResponseError):  # e.g. NOAUTH with --requirepass: it is up and answering
                 return self
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()

@@ -5,6 +5,7 @@ prompt of the task, optionally after chat-template markers), a body length range
     output = round(mu · LogNormal(0, sigma)),  mu = base + per_token · body_len,  capped by max_tokens
 so the best possible predictor (the oracle) knows the task and the body length, and still has the noise.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,18 +18,18 @@ PREFIX_TOKENS = 12
 @dataclass(frozen=True)
 class Task:
     prefix: tuple[int, ...]
-    base: float        # output tokens independent of the prompt
-    per_token: float   # output tokens per body token (summaries grow with the text, answers do not)
+    base: float  # output tokens independent of the prompt
+    per_token: float  # output tokens per body token (summaries grow with the text, answers do not)
     body: tuple[int, int]
-    chat: bool         # wrapped in <|im_start|> ... <|im_end|> markers
+    chat: bool  # wrapped in <|im_start|> ... <|im_end|> markers
 
 
 @dataclass(frozen=True)
 class Sample:
     token_ids: list[int]
     max_tokens: int
-    output_len: int    # what the "model" produces (observed)
-    oracle: float      # the best prediction possible: the law's mean, capped
+    output_len: int  # what the "model" produces (observed)
+    oracle: float  # the best prediction possible: the law's mean, capped
 
 
 def make_tasks(num_tasks: int, rng: random.Random, vocab: int = 512, first_id: int = 5) -> list[Task]:
@@ -42,8 +43,14 @@ def make_tasks(num_tasks: int, rng: random.Random, vocab: int = 512, first_id: i
     return tasks
 
 
-def sample(task: Task, rng: random.Random, vocab: int = 512, first_id: int = 5, sigma: float = 0.3,
-           markers: tuple[int, int] = (3, 4)) -> Sample:
+def sample(
+    task: Task,
+    rng: random.Random,
+    vocab: int = 512,
+    first_id: int = 5,
+    sigma: float = 0.3,
+    markers: tuple[int, int] = (3, 4),
+) -> Sample:
     body_len = rng.randint(*task.body)
     body = [rng.randrange(first_id, vocab) for _ in range(body_len)]
     ids = [*task.prefix, *body]
@@ -52,7 +59,7 @@ def sample(task: Task, rng: random.Random, vocab: int = 512, first_id: int = 5, 
     max_tokens = rng.choice([64, 256, 1024])
     mu = task.base + task.per_token * body_len
     out = max(1, min(max_tokens, round(mu * math.exp(rng.gauss(0.0, sigma)))))
-    return Sample(ids, max_tokens, out, min(max_tokens, mu * math.exp(sigma ** 2 / 2)))
+    return Sample(ids, max_tokens, out, min(max_tokens, mu * math.exp(sigma**2 / 2)))
 
 
 def workload(n: int, seed: int = 0, num_tasks: int = 8, vocab: int = 512) -> list[Sample]:

@@ -1,4 +1,5 @@
 """Event-driven waits for tests: poll a condition until it holds or a deadline passes (no fixed sleeps)."""
+
 from __future__ import annotations
 
 import time
@@ -8,8 +9,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.01,
-               what: str | None = None) -> T:
+def wait_until(condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.01, what: str | None = None) -> T:
     """Call `condition` every `interval` seconds until it returns something truthy, and return that; raise
     TimeoutError (naming `what`, else the condition) when `timeout` seconds pass first. The deadline is a
     bound for a broken system, not a figure: a healthy one meets the condition long before it."""

@@ -1,6 +1,7 @@
 """Static checks of deploy/ (no Docker engine here): the compose file parses, every service command is
 accepted by the real `pdserve serve` parser, addresses point at services that exist, and the Dockerfile copies
 what the package needs."""
+
 from __future__ import annotations
 
 import argparse
@@ -111,8 +112,9 @@ def test_dashboard_queries():
 
     dash = json.loads((DEPLOY / "grafana/dashboards/pdserve.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    assert len(exprs) >= 10 and all(t["datasource"]["uid"] == "prometheus" for p in dash["panels"]
-                                     for t in p["targets"])
+    assert len(exprs) >= 10 and all(
+        t["datasource"]["uid"] == "prometheus" for p in dash["panels"] for t in p["targets"]
+    )
     for job in {j for e in exprs for j in re.findall(r'job=~"([a-z]+)"', e)}:
         assert job in PDSERVE
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])

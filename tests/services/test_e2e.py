@@ -1,4 +1,5 @@
 """End to end through three real processes (router, prefill, decode) over gRPC."""
+
 from __future__ import annotations
 
 import time
@@ -26,6 +27,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
@@ -37,9 +39,15 @@ def prompts(n_tokens: int, vocab: int = 512, seed: int = 0) -> list[int]:
 @torch.no_grad()
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """HF reference greedy continuation, EOS not special (like ignore_eos)."""
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def pool_usage(stack) -> list[tuple[int, int]]:
@@ -67,16 +75,28 @@ def wait_pools_empty(stack, timeout: float = 10.0) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def auto_stack(model_dir, tmp_path_factory):
-    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-auto"), kv_dtype="auto", page_size=PAGE,
-                        chunk_size=CHUNK, extra=["--num-pages", "512", "--torch-threads", "1"])
+    stack = start_stack(
+        model_dir,
+        tmp_path_factory.mktemp("stack-auto"),
+        kv_dtype="auto",
+        page_size=PAGE,
+        chunk_size=CHUNK,
+        extra=["--num-pages", "512", "--torch-threads", "1"],
+    )
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
 def int8_stack(model_dir, tmp_path_factory):
-    stack = start_stack(model_dir, tmp_path_factory.mktemp("stack-int8"), kv_dtype="int8", page_size=PAGE,
-                        chunk_size=CHUNK, extra=["--num-pages", "512", "--torch-threads", "1"])
+    stack = start_stack(
+        model_dir,
+        tmp_path_factory.mktemp("stack-int8"),
+        kv_dtype="int8",
+        page_size=PAGE,
+        chunk_size=CHUNK,
+        extra=["--num-pages", "512", "--torch-threads", "1"],
+    )
     yield stack
     stack.stop()
 
@@ -95,10 +115,13 @@ def test_auto_kv_token_identical_to_hf(auto_stack, hf_model):
 def test_concurrent_requests_match_hf(auto_stack, hf_model):
     """Requests that overlap in the decode batch (joining and leaving between steps) stay exact."""
     from concurrent.futures import ThreadPoolExecutor
+
     lens = [3, 9, 17, 30, 5, 12]
     with pdserve.Client(auto_stack.router, timeout=120) as c, ThreadPoolExecutor(len(lens)) as ex:
-        futs = [ex.submit(c.generate, token_ids=prompts(n, seed=2), max_tokens=8 + i, temperature=0,
-                          ignore_eos=True) for i, n in enumerate(lens)]
+        futs = [
+            ex.submit(c.generate, token_ids=prompts(n, seed=2), max_tokens=8 + i, temperature=0, ignore_eos=True)
+            for i, n in enumerate(lens)
+        ]
         for i, (n, f) in enumerate(zip(lens, futs)):
             assert f.result().token_ids == hf_greedy(hf_model, prompts(n, seed=2), 8 + i)
 
@@ -123,10 +146,9 @@ def test_stop_string_and_stop_token(auto_stack):
         assert out.finish_reason == "stop" and stop not in out.text
         assert ref.text.startswith(out.text)
         tok = ref.token_ids[3]
-        out = c.generate("Assert statements are", max_tokens=20, temperature=0, ignore_eos=True,
-                         stop_token_ids=[tok])
+        out = c.generate("Assert statements are", max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[tok])
         assert out.finish_reason == "stop" and out.token_ids[-1] == tok
-        assert out.token_ids == ref.token_ids[:ref.token_ids.index(tok) + 1]
+        assert out.token_ids == ref.token_ids[: ref.token_ids.index(tok) + 1]
 
 
 def test_seeded_sampling_reproducible(auto_stack):
@@ -136,17 +158,20 @@ def test_seeded_sampling_reproducible(auto_stack):
     assert a.token_ids == b.token_ids
 
 
-@pytest.mark.parametrize("kwargs, reason", [
-    (dict(prompt=""), "prompt is empty"),
-    (dict(token_ids=[5 + i % 500 for i in range(1200)]), "context"),
-    (dict(prompt="assert statement " * 1500), "context"),
-    (dict(prompt="hi", max_tokens=0), "max_tokens"),
-    (dict(prompt="hi", max_tokens=-3), "max_tokens"),
-    (dict(prompt="hi", temperature=-0.5), "temperature"),
-    (dict(prompt="hi", top_p=0.0), "top_p"),
-    (dict(prompt="hi", top_p=1.5), "top_p"),
-    (dict(token_ids=[5, 99999]), "vocabulary"),
-])
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(prompt=""), "prompt is empty"),
+        (dict(token_ids=[5 + i % 500 for i in range(1200)]), "context"),
+        (dict(prompt="assert statement " * 1500), "context"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens"),
+        (dict(prompt="hi", max_tokens=-3), "max_tokens"),
+        (dict(prompt="hi", temperature=-0.5), "temperature"),
+        (dict(prompt="hi", top_p=0.0), "top_p"),
+        (dict(prompt="hi", top_p=1.5), "top_p"),
+        (dict(token_ids=[5, 99999]), "vocabulary"),
+    ],
+)
 def test_bad_input_invalid_argument(auto_stack, kwargs, reason):
     with pdserve.Client(auto_stack.router, timeout=30) as c:
         with pytest.raises(grpc.RpcError) as err:
@@ -200,11 +225,15 @@ def test_int8_kv_end_to_end(int8_stack, auto_stack):
 def test_health_and_reflection(auto_stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
     for addr in [auto_stack.router, *auto_stack.prefill, *auto_stack.decode]:
         with channel(addr) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
             req = reflection_pb2.ServerReflectionRequest(list_services="")
-            names = [s.name for r in reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([req]), timeout=5) for s in r.list_services_response.service]
+            names = [
+                s.name
+                for r in reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([req]), timeout=5)
+                for s in r.list_services_response.service
+            ]
             assert "grpc.health.v1.Health" in names and any(n.startswith("pdserve.v1.") for n in names)

@@ -1,5 +1,6 @@
 """Tracing and metrics through three real processes: the services export OTLP/gRPC to a TraceService receiver
 run here, requests carry a client `traceparent`, and every service's /metrics is scraped and parsed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 import pdserve
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.cli.launch import start_stack
+from pdserve.models.checkpoints import build_checkpoint
 from pdserve.testing.otlp_sink import OTLPSink
 
 PAGE, CHUNK = 4, 8
@@ -38,8 +39,11 @@ def scrape(address: str, openmetrics: bool = False) -> str:
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value, parsed by prometheus_client's text parser."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 @pytest.fixture(scope="module")
@@ -55,28 +59,43 @@ def traced(tmp_path_factory):
         mp.delenv("OTEL_TRACES_EXPORTER", raising=False)
         mp.delenv("OTEL_TRACES_SAMPLER", raising=False)
         mp.delenv("REDIS_URL", raising=False)  # the prefill's prompt cache is in-process
-        stack = start_stack(model, workdir, kv_dtype="int8", page_size=PAGE, chunk_size=CHUNK,
-                            extra=["--num-pages", "256", "--torch-threads", "1"])
+        stack = start_stack(
+            model,
+            workdir,
+            kv_dtype="int8",
+            page_size=PAGE,
+            chunk_size=CHUNK,
+            extra=["--num-pages", "256", "--torch-threads", "1"],
+        )
         try:
             ok, bad, unsampled = traceparent(), traceparent(), traceparent(sampled=False)
             prompt = [5 + (7 * i) % 400 for i in range(PROMPT_LEN)]
             with pdserve.Client(stack.router, timeout=60) as c:
-                out = c.generate(token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-                                 metadata=[("traceparent", ok[2])])
+                out = c.generate(
+                    token_ids=prompt,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    ignore_eos=True,
+                    metadata=[("traceparent", ok[2])],
+                )
                 with pytest.raises(grpc.RpcError) as err:
                     c.generate(token_ids=prompt, temperature=-1.0, metadata=[("traceparent", bad[2])])
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 c.generate(token_ids=prompt, max_tokens=2, metadata=[("traceparent", unsampled[2])])
             streamed = traceparent()
             asyncio.run(stream_async(stack.router, prompt, streamed[2]))
-            metrics_at = {json.loads(p.read_text())["service"]: json.loads(p.read_text())["metrics"]
-                          for p in workdir.glob("*.json")}
+            metrics_at = {
+                json.loads(p.read_text())["service"]: json.loads(p.read_text())["metrics"]
+                for p in workdir.glob("*.json")
+            }
             expect = {"router": 4, "prefill": 3, "decode": 3}  # requests counted once their RPC has ended
             deadline = time.monotonic() + 10
             while True:
                 texts = {svc: scrape(addr) for svc, addr in metrics_at.items()}
-                counts = {svc: sum(v for (n, _), v in samples(t).items() if n == "pdserve_requests_total")
-                          for svc, t in texts.items()}
+                counts = {
+                    svc: sum(v for (n, _), v in samples(t).items() if n == "pdserve_requests_total")
+                    for svc, t in texts.items()
+                }
                 if counts == expect or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
@@ -84,14 +103,28 @@ def traced(tmp_path_factory):
         finally:
             stack.stop()
         spans = sink.spans()
-    return dict(spans=spans, ok=ok, bad=bad, unsampled=unsampled, stack=stack, out=out, texts=texts,
-                router_om=router_om, counts=counts, streamed=streamed)
+    return dict(
+        spans=spans,
+        ok=ok,
+        bad=bad,
+        unsampled=unsampled,
+        stack=stack,
+        out=out,
+        texts=texts,
+        router_om=router_om,
+        counts=counts,
+        streamed=streamed,
+    )
 
 
 async def stream_async(router: str, prompt: list[int], tp: str) -> None:
     async with pdserve.AsyncClient(router, timeout=60) as c:
-        chunks = [ch async for ch in c.stream(token_ids=prompt, max_tokens=3, temperature=0, ignore_eos=True,
-                                              metadata=[("traceparent", tp)])]
+        chunks = [
+            ch
+            async for ch in c.stream(
+                token_ids=prompt, max_tokens=3, temperature=0, ignore_eos=True, metadata=[("traceparent", tp)]
+            )
+        ]
     assert chunks[-1].finish_reason == "length"
 
 
@@ -142,8 +175,11 @@ def test_span_attributes(traced):
     assert r["pdserve.request_id"] == out.request_id and r["pdserve.priority"] == "PRIORITY_UNSPECIFIED"
     assert r["pdserve.pcs.input_len"] == PROMPT_LEN and 1 <= r["pdserve.pcs.est_output_len"] <= MAX_TOKENS
     assert r["pdserve.pcs.num_special"] == 0 and r["pdserve.pcs.score"] > 0
-    assert r["pdserve.priority.effective"] == "normal" and r["pdserve.pcs.estimate"] in ("learned", "length_only",
-                                                                                           "max_tokens")
+    assert r["pdserve.priority.effective"] == "normal" and r["pdserve.pcs.estimate"] in (
+        "learned",
+        "length_only",
+        "max_tokens",
+    )
     assert r["pdserve.prefill"] == stack.prefill[0] and r["pdserve.decode"] == stack.decode[0]
     assert r["pdserve.admission"] == "admitted" and r["pdserve.attempt"] == 1
     assert r["pdserve.completion_tokens"] == MAX_TOKENS and r["pdserve.finish_reason"] == "length"
@@ -180,8 +216,9 @@ def test_async_stream_continues_client_trace(traced):
     assert hit + trace["prefill.cache_lookup"][0].attributes["pdserve.cache.pages_miss"] == (PROMPT_LEN - 1) // PAGE
     assert trace["prefill.request"][0].attributes["pdserve.cached_tokens"] == hit * PAGE
     assert trace["decode.kv_receive"][0].attributes["pdserve.cached_tokens"] == hit * PAGE
-    ranges = sorted((c.attributes["pdserve.chunk.start"], c.attributes["pdserve.chunk.end"])
-                    for c in trace["prefill.chunk"])
+    ranges = sorted(
+        (c.attributes["pdserve.chunk.start"], c.attributes["pdserve.chunk.end"]) for c in trace["prefill.chunk"]
+    )
     assert ranges[0][0] == hit * PAGE and ranges[-1][1] == PROMPT_LEN
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert trace["prefill.kv_ship"][0].attributes["pdserve.kv.pages"] == -(-PROMPT_LEN // PAGE)  # cached ones too
@@ -232,11 +269,17 @@ def test_exemplars_carry_trace_ids(traced):
     """Each bucket keeps the exemplar of its last sampled observation; unsampled requests leave none."""
     families = {f.name: f for f in parse_openmetrics(traced["router_om"])}
     sampled = {traced["ok"][0], traced["streamed"][0]}  # the completed, sampled requests
-    ttft = {s.exemplar.labels["trace_id"] for s in families["pdserve_request_ttft_seconds"].samples
-            if s.exemplar is not None}
+    ttft = {
+        s.exemplar.labels["trace_id"]
+        for s in families["pdserve_request_ttft_seconds"].samples
+        if s.exemplar is not None
+    }
     assert ttft and ttft <= sampled
-    (rejected,) = [s for s in families["pdserve_requests"].samples
-                   if s.name == "pdserve_requests_total" and s.labels["status"] == "INVALID_ARGUMENT"]
+    (rejected,) = [
+        s
+        for s in families["pdserve_requests"].samples
+        if s.name == "pdserve_requests_total" and s.labels["status"] == "INVALID_ARGUMENT"
+    ]
     assert rejected.exemplar.labels["trace_id"] == traced["bad"][0]
 
 

@@ -14,8 +14,9 @@ def parse(cls, argv, env):
 
 
 def test_cli_overrides_env_overrides_default():
-    cfg = parse(DecodeConfig, ["--model", "m", "--page-size", "8"], {"PDSERVE_X_PAGE_SIZE": "4",
-                                                                     "PDSERVE_X_KV_DTYPE": "auto"})
+    cfg = parse(
+        DecodeConfig, ["--model", "m", "--page-size", "8"], {"PDSERVE_X_PAGE_SIZE": "4", "PDSERVE_X_KV_DTYPE": "auto"}
+    )
     assert (cfg.page_size, cfg.kv_dtype, cfg.chunk_size) == (8, "auto", 2048)
 
 

@@ -1,11 +1,12 @@
 """The FastAPI application: OpenAI routes over `pdserve.AsyncClient`, errors mapped from the router's status."""
+
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import grpc
 from fastapi import FastAPI, Request
@@ -15,8 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.client import AsyncClient, CompletionChunk
 from pdserve.router.gateway import protocol
 from pdserve.router.gateway.config import GatewayConfig
-from pdserve.router.gateway.errors import APIError, api_error_response, error_body, rpc_error_response, \
-    rpc_error_status
+from pdserve.router.gateway.errors import APIError, api_error_response, error_body, rpc_error_response, rpc_error_status
 
 GENERATION_SERVICE = "pdserve.v1.Generation"
 FORWARDED_HEADERS = ("traceparent", "tracestate", "x-priority")  # passed on to the router as gRPC metadata
@@ -35,8 +35,12 @@ async def _body(request: Request, model_name: str) -> dict:
         raise APIError(400, "request body must be a JSON object")
     model = body.get("model")
     if model != model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
     return body
 
 
@@ -87,8 +91,10 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve"}]}
+        return {
+            "object": "list",
+            "data": [{"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}],
+        }
 
     async def complete(request: Request, chat: bool):
         body = await _body(request, cfg.model_name)
@@ -108,11 +114,15 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         except grpc.RpcError:
             await chunks.aclose()
             raise
-        return StreamingResponse(_events(chunks, first, oid, chat, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _events(chunks, first, oid, chat, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
-    async def _events(chunks: AsyncIterator[CompletionChunk], first: CompletionChunk, oid: str, chat: bool,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+    async def _events(
+        chunks: AsyncIterator[CompletionChunk], first: CompletionChunk, oid: str, chat: bool, include_usage: bool
+    ) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = cfg.model_name
         try:
@@ -125,8 +135,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                     yield _sse(protocol.chunk_json(oid, model, created, chat, chunk.text))
                 if chunk.finish_reason is not None:
                     usage = chunk.usage
-                    yield _sse(protocol.chunk_json(oid, model, created, chat, None if chat else "",
-                                                   finish_reason=chunk.finish_reason))
+                    yield _sse(
+                        protocol.chunk_json(
+                            oid, model, created, chat, None if chat else "", finish_reason=chunk.finish_reason
+                        )
+                    )
                 chunk = await anext(chunks, None)
             if include_usage and usage is not None:
                 yield _sse(protocol.usage_chunk_json(oid, model, created, chat, usage))

@@ -1,4 +1,5 @@
 """Gateway configuration: PDSERVE_GATEWAY_* environment variables and CLI flags (flag > environment > default)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """OpenAI-shaped errors: the router's gRPC status → HTTP status, and the `{"error": {...}}` body."""
+
 from __future__ import annotations
 
 import grpc
@@ -18,8 +19,14 @@ HTTP_OF: dict[grpc.StatusCode, tuple[int, str]] = {
 class APIError(Exception):
     """An error the gateway answers itself (bad request body, unsupported parameter, unknown model)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 

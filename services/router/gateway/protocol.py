@@ -5,6 +5,7 @@ Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed
 CLI's: max_tokens 16, temperature 1.0, top_p 1.0). `logprobs`/`top_logprobs` and other parameters that would
 change the output in ways pdserve cannot honour yet are rejected with 400, never silently ignored.
 """
+
 from __future__ import annotations
 
 import time
@@ -54,8 +55,13 @@ def sampling_args(body: dict) -> dict:
     if stop is not None and len(stop) > MAX_STOP:
         raise APIError(400, f"'stop' takes at most {MAX_STOP} strings", param="stop")
     seed = _number(body, "seed", int, lo=0)
-    return dict(max_tokens=max_tokens, temperature=_number(body, "temperature", float),
-                top_p=_number(body, "top_p", float), seed=seed, stop=stop or None)
+    return dict(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", float),
+        top_p=_number(body, "top_p", float),
+        seed=seed,
+        stop=stop or None,
+    )
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
@@ -113,9 +119,12 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
 
 
 def usage_json(u: Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
 
 
 def completion_json(rid: str, model: str, out: Completion, chat: bool) -> dict:
@@ -125,12 +134,25 @@ def completion_json(rid: str, model: str, out: Completion, chat: bool) -> dict:
         choice["message"] = {"role": "assistant", "content": out.text}
     else:
         choice["text"] = out.text
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage_json(out.usage)}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage_json(out.usage),
+    }
 
 
-def chunk_json(rid: str, model: str, created: int, chat: bool, text: str | None,
-               finish_reason: str | None = None, role: bool = False) -> dict:
+def chunk_json(
+    rid: str,
+    model: str,
+    created: int,
+    chat: bool,
+    text: str | None,
+    finish_reason: str | None = None,
+    role: bool = False,
+) -> dict:
     """One streamed `chat.completion.chunk` / `text_completion` event with a single choice."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
     if chat:
@@ -140,11 +162,22 @@ def chunk_json(rid: str, model: str, created: int, chat: bool, text: str | None,
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def usage_chunk_json(rid: str, model: str, created: int, chat: bool, usage: Usage) -> dict:
     """The last event of a stream with `stream_options.include_usage`: no choices, the usage."""
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage_json(usage)}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_json(usage),
+    }

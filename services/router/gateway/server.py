@@ -1,4 +1,5 @@
 """`pdserve serve gateway`: run the OpenAI-compatible app under uvicorn until SIGTERM/SIGINT."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,7 @@
 """Triton kernels for the GPU engine (one file per kernel). CPU never uses them: `pdserve.engine.kernel_choice`
 decides once at load which ops run as Triton kernels. Import a kernel module only after `enabled` returned True
 (it imports triton, which a CPU-only install may lack)."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -3,6 +3,7 @@ row finds the maximum of its slice (first index among equal values), then one pr
 chunk holding the row maximum. torch's single-row reduction lets one block walk the whole row (slow on a
 128k-vocab row, docs/benchmarks.md); this spreads the read over the GPU. Same result as `torch.argmax` for finite
 logits, ties included (the smallest index wins)."""
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ Two fusions for the decode step:
   runs; each program loads its first weight tile (weights are never written by an earlier kernel), then waits
   for the previous kernel (`gdc_wait`) before it reads x, and lets the next kernel launch. This hides launch
   latency and the ramp-up of the weight stream behind the previous kernel's tail."""
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,12 @@ DEFAULT_CONFIG = dict(block_n=16, block_k=1024, num_warps=4, num_stages=2)
 # The decode plan of the recorded H200 run (docs/benchmarks.md): per projection a Triton config, or None for
 # cuBLAS. `down` stays on cuBLAS (+ the SwiGLU kernel): its split-K GEMV beat the fused Triton one in every run,
 # and Triton everywhere was slower per b1 step than this mix inside the PDL chain.
-DEFAULT_PLAN = {"qkv": dict(DEFAULT_CONFIG), "o": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2),
-                "gate_up": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2), "down": None}
+DEFAULT_PLAN = {
+    "qkv": dict(DEFAULT_CONFIG),
+    "o": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2),
+    "gate_up": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2),
+    "down": None,
+}
 ACTIVATIONS = (None, "silu_mul")
 
 
@@ -42,19 +47,34 @@ def _x_tile(x_ptr, m, M, k, K, x_stride, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    w_stride,
+    y_stride,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     nmask = n < N
-    wrow = w_ptr + n[:, None].to(tl.int64) * w_stride                                   # [BLOCK_N, 1]
+    wrow = w_ptr + n[:, None].to(tl.int64) * w_stride  # [BLOCK_N, 1]
     k = tl.arange(0, BLOCK_K)
-    w = tl.load(wrow + k[None, :], mask=nmask[:, None] & (k[None, :] < K), other=0.0)   # [BLOCK_N, BLOCK_K]
+    w = tl.load(wrow + k[None, :], mask=nmask[:, None] & (k[None, :] < K), other=0.0)  # [BLOCK_N, BLOCK_K]
     if USE_PDL:  # the first weight tile is in flight; now wait for the kernel that wrote x
         gdc_wait()
         gdc_launch_dependents()
-    x = _x_tile(x_ptr, m, M, k, K, x_stride, SILU_MUL)                                 # [BLOCK_M, BLOCK_K]
+    x = _x_tile(x_ptr, m, M, k, K, x_stride, SILU_MUL)  # [BLOCK_M, BLOCK_K]
     acc = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -63,13 +83,24 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stri
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * y_stride + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(m[:, None] < M) & nmask[None, :])
+    tl.store(
+        y_ptr + m[:, None] * y_stride + n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(m[:, None] < M) & nmask[None, :],
+    )
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
-         pdl: bool = False, block_n: int = DEFAULT_CONFIG["block_n"], block_k: int = DEFAULT_CONFIG["block_k"],
-         num_warps: int = DEFAULT_CONFIG["num_warps"], num_stages: int = DEFAULT_CONFIG["num_stages"]) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    act: str | None = None,
+    pdl: bool = False,
+    block_n: int = DEFAULT_CONFIG["block_n"],
+    block_k: int = DEFAULT_CONFIG["block_k"],
+    num_warps: int = DEFAULT_CONFIG["num_warps"],
+    num_stages: int = DEFAULT_CONFIG["num_stages"],
+) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; [M, 2K] gate|up with act="silu_mul"), w [N, K], b [N] | None -> [M, N] in x's
     dtype. `pdl`: launch as a programmatic dependent launch (Hopper; see the module docstring)."""
     if act not in ACTIVATIONS:
@@ -80,9 +111,25 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: s
     assert x.shape[1] == (2 * k if act else k), (x.shape, w.shape, act)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     extra = dict(launch_pdl=True) if pdl else {}
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, b if b is not None else w, y, m, n, k, x.stride(0), w.stride(0),
-                                             y.stride(0), HAS_BIAS=b is not None, SILU_MUL=act == "silu_mul",
-                                             USE_PDL=pdl, BLOCK_M=triton.next_power_of_2(max(m, 1)),
-                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-                                             num_stages=num_stages, **extra)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        w,
+        b if b is not None else w,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        HAS_BIAS=b is not None,
+        SILU_MUL=act == "silu_mul",
+        USE_PDL=pdl,
+        BLOCK_M=triton.next_power_of_2(max(m, 1)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **extra,
+    )
     return y

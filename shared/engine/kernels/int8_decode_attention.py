@@ -8,6 +8,7 @@ where dequantize-then-FA3 moves 1 + 2 + 2. The same kernel reads a dense (bf16/f
 Graph-safe: the grid depends only on the batch size and `num_splits`; each split's token range is computed
 on the device from `seqlens` (a split past the end of a short sequence does nothing).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,21 @@ DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_e
 
 
 @triton.jit
-def _load_dequant(q_ptr, s_ptr, z_ptr, row, d, gi, ok, dtype, G: tl.constexpr, D: tl.constexpr,
-                  ASYM: tl.constexpr, DENSE: tl.constexpr, EXPAND: tl.constexpr):
+def _load_dequant(
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    row,
+    d,
+    gi,
+    ok,
+    dtype,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    ASYM: tl.constexpr,
+    DENSE: tl.constexpr,
+    EXPAND: tl.constexpr,
+):
     """Rows `row` [BLOCK] of one head: [BLOCK, D] in `dtype` (int8 pages dequantized in registers)."""
     x = tl.load(q_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0)
     if DENSE:
@@ -58,12 +72,39 @@ def _load_dequant(q_ptr, s_ptr, z_ptr, row, d, gi, ok, dtype, G: tl.constexpr, D
 
 
 @triton.jit
-def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
-                   table_ptr, table_stride, seqlens_ptr, po_ptr, pml_ptr, out_ptr, out_sb, out_sh,
-                   qk_scale, num_splits,
-                   KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
-                   G: tl.constexpr, ASYM: tl.constexpr, DIRECT: tl.constexpr, BLOCK: tl.constexpr,
-                   DENSE: tl.constexpr, EXPAND: tl.constexpr, USE_PDL: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    q_sb,
+    q_sh,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    kz_ptr,
+    vz_ptr,
+    table_ptr,
+    table_stride,
+    seqlens_ptr,
+    po_ptr,
+    pml_ptr,
+    out_ptr,
+    out_sb,
+    out_sh,
+    qk_scale,
+    num_splits,
+    KVH: tl.constexpr,
+    QPK: tl.constexpr,
+    QP: tl.constexpr,
+    PS: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    ASYM: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DENSE: tl.constexpr,
+    EXPAND: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -80,8 +121,9 @@ def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_p
     d = tl.arange(0, D)
     gi = tl.arange(0, G)
     heads = kh * QPK + qi
-    q = tl.load(q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + d[None, :], mask=qmask[:, None],
-                other=0.0)                                                           # [QP, D]
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + d[None, :], mask=qmask[:, None], other=0.0
+    )  # [QP, D]
     m = tl.full([QP], float("-inf"), tl.float32)
     l = tl.zeros([QP], tl.float32)
     acc = tl.zeros([QP, D], tl.float32)
@@ -90,10 +132,10 @@ def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_p
         t = n0 + tl.arange(0, BLOCK)
         ok = t < end
         page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
-        row = (page * PS + t % PS) * KVH + kh                                           # [BLOCK] pool rows
+        row = (page * PS + t % PS) * KVH + kh  # [BLOCK] pool rows
         k = _load_dequant(k_ptr, ks_ptr, kz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE, EXPAND)  # [BLOCK, D]
 
-        qk = tl.dot(q, tl.trans(k)) * qk_scale                                          # [QP, BLOCK] (log2 units)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [QP, BLOCK] (log2 units)
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp2(m - m_new)
@@ -104,21 +146,47 @@ def _decode_kernel(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_p
         m = m_new
     if DIRECT:
         o = acc / l[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+        tl.store(
+            out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=qmask[:, None],
+        )
     else:
         hq = KVH * QPK
-        part = (b.to(tl.int64) * hq + heads) * num_splits + sp                          # [QP]
+        part = (b.to(tl.int64) * hq + heads) * num_splits + sp  # [QP]
         tl.store(po_ptr + part[:, None] * D + d[None, :], acc, mask=qmask[:, None])
         tl.store(pml_ptr + part * 2, m, mask=qmask)
         tl.store(pml_ptr + part * 2 + 1, l, mask=qmask)
 
 
 @triton.jit
-def _decode_kernel_fold2(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, table_stride, seqlens_ptr,
-                         po_ptr, pml_ptr, out_ptr, out_sb, out_sh, qk_scale, num_splits,
-                         KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr,
-                         D: tl.constexpr, DIRECT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _decode_kernel_fold2(
+    q_ptr,
+    q_sb,
+    q_sh,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    table_stride,
+    seqlens_ptr,
+    po_ptr,
+    pml_ptr,
+    out_ptr,
+    out_sb,
+    out_sh,
+    qk_scale,
+    num_splits,
+    KVH: tl.constexpr,
+    QPK: tl.constexpr,
+    QP: tl.constexpr,
+    PS: tl.constexpr,
+    D: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """`_decode_kernel` for a symmetric int8 pool with two scale groups per head (group = head_dim / 2, the
     default 64 at head_dim 128), scales folded out of the tiles: each half of K and V is read as its own
     [BLOCK, D/2] tile and converted int8 -> q's dtype exactly (no multiply, no reshape); QK^T is the sum of two
@@ -140,7 +208,7 @@ def _decode_kernel_fold2(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_
     c = tl.arange(0, H)
     heads = kh * QPK + qi
     qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + c[None, :]
-    q0 = tl.load(qrow, mask=qmask[:, None], other=0.0)                                  # [QP, H]
+    q0 = tl.load(qrow, mask=qmask[:, None], other=0.0)  # [QP, H]
     q1 = tl.load(qrow + H, mask=qmask[:, None], other=0.0)
     dt = q0.dtype
     m = tl.full([QP], float("-inf"), tl.float32)
@@ -152,14 +220,14 @@ def _decode_kernel_fold2(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_
         t = n0 + tl.arange(0, BLOCK)
         ok = t < end
         page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
-        row = (page * PS + t % PS) * KVH + kh                                           # [BLOCK] pool rows
-        kv_off = row[:, None] * D + c[None, :]                                          # [BLOCK, H]
+        row = (page * PS + t % PS) * KVH + kh  # [BLOCK] pool rows
+        kv_off = row[:, None] * D + c[None, :]  # [BLOCK, H]
         k0 = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0).to(dt)
         k1 = tl.load(k_ptr + kv_off + H, mask=ok[:, None], other=0).to(dt)
         ks0 = tl.load(ks_ptr + row * 2, mask=ok, other=0.0).to(tl.float32)
         ks1 = tl.load(ks_ptr + row * 2 + 1, mask=ok, other=0.0).to(tl.float32)
         qk = tl.dot(q0, tl.trans(k0)) * ks0[None, :] + tl.dot(q1, tl.trans(k1)) * ks1[None, :]
-        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))                        # [QP, BLOCK] (log2)
+        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [QP, BLOCK] (log2)
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -177,7 +245,7 @@ def _decode_kernel_fold2(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_
         tl.store(orow + H, (acc1 / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
     else:
         hq = KVH * QPK
-        part = (b.to(tl.int64) * hq + heads) * num_splits + sp                          # [QP]
+        part = (b.to(tl.int64) * hq + heads) * num_splits + sp  # [QP]
         tl.store(po_ptr + part[:, None] * D + c[None, :], acc0, mask=qmask[:, None])
         tl.store(po_ptr + part[:, None] * D + H + c[None, :], acc1, mask=qmask[:, None])
         tl.store(pml_ptr + part * 2, m, mask=qmask)
@@ -185,8 +253,18 @@ def _decode_kernel_fold2(q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_
 
 
 @triton.jit
-def _combine_kernel(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, num_splits, HQ: tl.constexpr, D: tl.constexpr,
-                    SP: tl.constexpr, USE_PDL: tl.constexpr):
+def _combine_kernel(
+    po_ptr,
+    pml_ptr,
+    out_ptr,
+    out_sb,
+    out_sh,
+    num_splits,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    SP: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -198,7 +276,7 @@ def _combine_kernel(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, num_splits, HQ: tl
     ms = tl.load(pml_ptr + part * 2, mask=ok, other=float("-inf"))
     ls = tl.load(pml_ptr + part * 2 + 1, mask=ok, other=0.0)
     mx = tl.max(ms, 0)
-    w = tl.where(ms > float("-inf"), tl.exp2(ms - mx), 0.0)                              # empty splits weigh 0
+    w = tl.where(ms > float("-inf"), tl.exp2(ms - mx), 0.0)  # empty splits weigh 0
     d = tl.arange(0, D)
     po = tl.load(po_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     o = tl.sum(po * w[:, None], 0) / tl.sum(ls * w, 0)
@@ -211,14 +289,26 @@ def default_num_splits(batch: int, kv_heads: int, num_sms: int, split_mult: int 
     return max(1, min(32, math.ceil(split_mult * num_sms / max(1, batch * kv_heads))))
 
 
-def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
-                      v_scales: torch.Tensor | None, k_zeros: torch.Tensor | None, v_zeros: torch.Tensor | None,
-                      page_table: torch.Tensor, seqlens: torch.Tensor, scale: float, num_splits: int,
-                      out: torch.Tensor | None = None, block_n: int = DEFAULT_CONFIG["block_n"],
-                      num_warps: int = DEFAULT_CONFIG["num_warps"],
-                      num_stages: int = DEFAULT_CONFIG["num_stages"],
-                      scale_expand: bool = DEFAULT_CONFIG["scale_expand"],
-                      fold_scales: bool = DEFAULT_CONFIG["fold_scales"], pdl: bool = False) -> torch.Tensor:
+def int8_paged_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    k_zeros: torch.Tensor | None,
+    v_zeros: torch.Tensor | None,
+    page_table: torch.Tensor,
+    seqlens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    block_n: int = DEFAULT_CONFIG["block_n"],
+    num_warps: int = DEFAULT_CONFIG["num_warps"],
+    num_stages: int = DEFAULT_CONFIG["num_stages"],
+    scale_expand: bool = DEFAULT_CONFIG["scale_expand"],
+    fold_scales: bool = DEFAULT_CONFIG["fold_scales"],
+    pdl: bool = False,
+) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
     [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
     k_scales None: k/v are a dense pool in q's dtype (no dequantization). `pdl`: programmatic dependent launch
@@ -244,18 +334,84 @@ def int8_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale
     launch = dict(launch_pdl=True) if pdl else {}
     if fold_scales and not dense and not asym and g == 2:
         _decode_kernel_fold2[(b, kvh, num_splits)](
-            q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, page_table, page_table.stride(0), seqlens, po,
-            pml, out, out.stride(0), out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk,
-            QP=qp, PS=ps, D=d, DIRECT=direct, BLOCK=block_n, USE_PDL=pdl, num_warps=num_warps,
-            num_stages=num_stages, **launch)
+            q,
+            q.stride(0),
+            q.stride(1),
+            k,
+            v,
+            k_scales,
+            v_scales,
+            page_table,
+            page_table.stride(0),
+            seqlens,
+            po,
+            pml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            scale * 1.4426950408889634,
+            num_splits,
+            KVH=kvh,
+            QPK=qpk,
+            QP=qp,
+            PS=ps,
+            D=d,
+            DIRECT=direct,
+            BLOCK=block_n,
+            USE_PDL=pdl,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **launch,
+        )
     else:
         _decode_kernel[(b, kvh, num_splits)](
-            q, q.stride(0), q.stride(1), k, v, k_scales, v_scales, k_zeros if asym else k_scales,
-            v_zeros if asym else v_scales, page_table, page_table.stride(0), seqlens, po, pml, out, out.stride(0),
-            out.stride(1), scale * 1.4426950408889634, num_splits, KVH=kvh, QPK=qpk, QP=qp, PS=ps, D=d, G=g,
-            ASYM=asym, DIRECT=direct, BLOCK=block_n, DENSE=dense, EXPAND=scale_expand, USE_PDL=pdl,
-            num_warps=num_warps, num_stages=num_stages, **launch)
+            q,
+            q.stride(0),
+            q.stride(1),
+            k,
+            v,
+            k_scales,
+            v_scales,
+            k_zeros if asym else k_scales,
+            v_zeros if asym else v_scales,
+            page_table,
+            page_table.stride(0),
+            seqlens,
+            po,
+            pml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            scale * 1.4426950408889634,
+            num_splits,
+            KVH=kvh,
+            QPK=qpk,
+            QP=qp,
+            PS=ps,
+            D=d,
+            G=g,
+            ASYM=asym,
+            DIRECT=direct,
+            BLOCK=block_n,
+            DENSE=dense,
+            EXPAND=scale_expand,
+            USE_PDL=pdl,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **launch,
+        )
     if not direct:
-        _combine_kernel[(b, hq)](po, pml, out, out.stride(0), out.stride(1), num_splits, HQ=hq, D=d,
-                                 SP=triton.next_power_of_2(num_splits), USE_PDL=pdl, **launch)
+        _combine_kernel[(b, hq)](
+            po,
+            pml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            HQ=hq,
+            D=d,
+            SP=triton.next_power_of_2(num_splits),
+            USE_PDL=pdl,
+            **launch,
+        )
     return out

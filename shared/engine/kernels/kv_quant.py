@@ -6,15 +6,18 @@ Rows are the last dim (head_dim D, a power of two); a program handles BLOCK_R ro
 (`slots`) lets the same code scatter into / gather from a paged pool: row r of the input is token r // H, head
 r % H, stored at pool row slots[token] * H + head (slots < 0 are skipped: padded batch rows).
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_R = 32     # rows per program (quantize/dequantize); bench/gpu_engine.py sweeps it
+BLOCK_R = 32  # rows per program (quantize/dequantize); bench/gpu_engine.py sweeps it
 NUM_WARPS = 4
-FAST_DIV = True  # quantize: Markstein division (see _div), bit-equal to div_rn (checked on the H200 by the bench + tests)
+FAST_DIV = (
+    True  # quantize: Markstein division (see _div), bit-equal to div_rn (checked on the H200 by the bench + tests)
+)
 
 
 @triton.jit
@@ -90,9 +93,22 @@ def dequantize_tile(q, s, z, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constex
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, x_stride, q_ptr, s_ptr, z_ptr, slot_ptr, n_rows, H,
-                     D: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                     BLOCK: tl.constexpr, FAST: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    x_stride,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    slot_ptr,
+    n_rows,
+    H,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    ASYM: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FAST: tl.constexpr,
+):
     """x rows [n_rows, D] (row r at x_ptr + (r // H) * x_stride + (r % H) * D) -> pool rows (see module doc)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, D)
@@ -116,8 +132,9 @@ def _quantize_kernel(x_ptr, x_stride, q_ptr, s_ptr, z_ptr, slot_ptr, n_rows, H,
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, n_rows,
-                       D: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, BLOCK: tl.constexpr):
+def _dequantize_kernel(
+    q_ptr, s_ptr, z_ptr, out_ptr, n_rows, D: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, BLOCK: tl.constexpr
+):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, D)
     gi = tl.arange(0, G)
@@ -138,8 +155,14 @@ def supported(head_dim: int, group_size: int) -> bool:
     return pow2(head_dim) and pow2(group_size) and group_size <= head_dim and head_dim >= 16
 
 
-def quantize(x: torch.Tensor, group_size: int, asymmetric: bool, block_rows: int = BLOCK_R,
-             num_warps: int = NUM_WARPS, fast_div: bool = FAST_DIV):
+def quantize(
+    x: torch.Tensor,
+    group_size: int,
+    asymmetric: bool,
+    block_rows: int = BLOCK_R,
+    num_warps: int = NUM_WARPS,
+    fast_div: bool = FAST_DIV,
+):
     """x [..., D] float -> q int8 [..., D], scales fp16 [..., D/g], zeros fp16 [..., D/g] | None."""
     d = x.shape[-1]
     xc = x.contiguous()
@@ -148,22 +171,42 @@ def quantize(x: torch.Tensor, group_size: int, asymmetric: bool, block_rows: int
     s = torch.empty(*x.shape[:-1], d // group_size, dtype=torch.float16, device=x.device)
     z = torch.empty_like(s) if asymmetric else None
     if n:
-        _quantize_kernel[(triton.cdiv(n, block_rows),)](xc, d, q, s, z if asymmetric else s, s, n, 1, D=d,
-                                                        G=d // group_size, ASYM=asymmetric, HAS_SLOTS=False,
-                                                        BLOCK=block_rows, FAST=fast_div, num_warps=num_warps)
+        _quantize_kernel[(triton.cdiv(n, block_rows),)](
+            xc,
+            d,
+            q,
+            s,
+            z if asymmetric else s,
+            s,
+            n,
+            1,
+            D=d,
+            G=d // group_size,
+            ASYM=asymmetric,
+            HAS_SLOTS=False,
+            BLOCK=block_rows,
+            FAST=fast_div,
+            num_warps=num_warps,
+        )
     return q, s, z
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-               dtype: torch.dtype, block_rows: int = BLOCK_R, num_warps: int = NUM_WARPS) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype,
+    block_rows: int = BLOCK_R,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
     d = q.shape[-1]
     qc, sc = q.contiguous(), scales.contiguous()
     zc = zeros.contiguous() if zeros is not None else sc
     n = qc.numel() // d
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if n:
-        _dequantize_kernel[(triton.cdiv(n, block_rows),)](qc, sc, zc, out, n, D=d, G=d // group_size,
-                                                          ASYM=zeros is not None, BLOCK=block_rows,
-                                                          num_warps=num_warps)
+        _dequantize_kernel[(triton.cdiv(n, block_rows),)](
+            qc, sc, zc, out, n, D=d, G=d // group_size, ASYM=zeros is not None, BLOCK=block_rows, num_warps=num_warps
+        )
     return out
-

@@ -3,6 +3,7 @@
     h = (residual in float32) * rsqrt(mean(residual^2) + eps), rounded to the activation dtype
     out = weight * h, rounded to the activation dtype
 One program per row (the hidden size fits one block)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,20 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, x_stride, res_ptr, res_stride, w_ptr, out_ptr, out_stride, n_cols, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _rmsnorm_kernel(
+    x_ptr,
+    x_stride,
+    res_ptr,
+    res_stride,
+    w_ptr,
+    out_ptr,
+    out_stride,
+    n_cols,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel's writes, let the next launch
         gdc_wait()
         gdc_launch_dependents()
@@ -34,8 +47,9 @@ def _rmsnorm_kernel(x_ptr, x_stride, res_ptr, res_stride, w_ptr, out_ptr, out_st
     tl.store(out_ptr + row * out_stride + cols, (w * h).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            pdl: bool = False) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = False
+) -> torch.Tensor:
     """x [T, N] -> RMSNorm(x) [T, N]; with `residual` [T, N]: residual += x in place, returns RMSNorm(residual).
     `pdl`: programmatic dependent launch (Hopper; kernels/gemv.py says how the decode chain uses it)."""
     t, n = x.shape
@@ -43,7 +57,20 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     out = torch.empty_like(x)
     block = triton.next_power_of_2(n)
     res = residual if residual is not None else x
-    _rmsnorm_kernel[(t,)](x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), n, eps,
-                          HAS_RES=residual is not None, BLOCK=block, USE_PDL=pdl,
-                          num_warps=8 if block >= 4096 else 4, **(dict(launch_pdl=True) if pdl else {}))
+    _rmsnorm_kernel[(t,)](
+        x,
+        x.stride(0),
+        res,
+        res.stride(0),
+        weight,
+        out,
+        out.stride(0),
+        n,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=block,
+        USE_PDL=pdl,
+        num_warps=8 if block >= 4096 else 4,
+        **(dict(launch_pdl=True) if pdl else {}),
+    )
     return out

@@ -5,6 +5,7 @@ is < 0 (padded rows of a CUDA-graph batch) are rotated but not written.
 
 cos/sin come from a float32 table [max_positions, D/2] built once (`RotaryEmbedding`), the same values HF
 computes per step (positions * inv_freq in float32)."""
+
 from __future__ import annotations
 
 import torch
@@ -31,10 +32,32 @@ def _rotate(ptr, rows, j, HALF: tl.constexpr, cos, sin, mask):
 
 
 @triton.jit
-def _rope_kv_write_kernel(pos_ptr, q_ptr, q_st, k_ptr, k_st, v_ptr, v_st, cos_ptr, sin_ptr, slot_ptr,
-                          kc_ptr, vc_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
-                          H: tl.constexpr, KVH: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                          INT8: tl.constexpr, G: tl.constexpr, ASYM: tl.constexpr, USE_PDL: tl.constexpr):
+def _rope_kv_write_kernel(
+    pos_ptr,
+    q_ptr,
+    q_st,
+    k_ptr,
+    k_st,
+    v_ptr,
+    v_st,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    kz_ptr,
+    vz_ptr,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    HP: tl.constexpr,
+    D: tl.constexpr,
+    INT8: tl.constexpr,
+    G: tl.constexpr,
+    ASYM: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel's writes, let the next launch
         gdc_wait()
         gdc_launch_dependents()
@@ -51,9 +74,9 @@ def _rope_kv_write_kernel(pos_ptr, q_ptr, q_st, k_ptr, k_st, v_ptr, v_st, cos_pt
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
         d = tl.arange(0, D)
-        k = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (KVH, D))   # [KVH, D] = [k1 | k2]
+        k = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (KVH, D))  # [KVH, D] = [k1 | k2]
         v = tl.load(v_ptr + t * v_st + hk[:, None] * D + d[None, :])
-        row = slot.to(tl.int64) * KVH + hk                                  # [KVH] pool rows
+        row = slot.to(tl.int64) * KVH + hk  # [KVH] pool rows
         if INT8:
             gi = tl.arange(0, G)
             kq, ks, kz = quantize_tile(k.to(tl.float32), G, D // G, ASYM)
@@ -70,8 +93,17 @@ def _rope_kv_write_kernel(pos_ptr, q_ptr, q_st, k_ptr, k_st, v_ptr, v_st, cos_pt
             tl.store(vc_ptr + row[:, None] * D + d[None, :], v.to(vc_ptr.dtype.element_ty))
 
 
-def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, slots: torch.Tensor, pool: tuple, pdl: bool = False) -> None:
+def rope_kv_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    pool: tuple,
+    pdl: bool = False,
+) -> None:
     """positions [T] (int), q [T, H, D], k/v [T, KVH, D] (heads contiguous, any token stride): q, k rotated in
     place; k, v written at `slots` [T] of `pool`: (k [P, ps, KVH, D], v) dense, or
     (k int8, v int8, k_scales, v_scales, k_zeros | None, v_zeros | None) for an int8 pool."""
@@ -90,7 +122,31 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         ks = vs = kz = vz = kc
         g, asym = 1, False
     if t:
-        _rope_kv_write_kernel[(t,)](positions, q, q.stride(0), k, k.stride(0), v, v.stride(0), cos, sin, slots,
-                                    kc, vc, ks, vs, kz, vz, H=h, KVH=kvh, HP=triton.next_power_of_2(h), D=d,
-                                    INT8=int8, G=g, ASYM=asym, USE_PDL=pdl, num_warps=4,
-                                    **(dict(launch_pdl=True) if pdl else {}))
+        _rope_kv_write_kernel[(t,)](
+            positions,
+            q,
+            q.stride(0),
+            k,
+            k.stride(0),
+            v,
+            v.stride(0),
+            cos,
+            sin,
+            slots,
+            kc,
+            vc,
+            ks,
+            vs,
+            kz,
+            vz,
+            H=h,
+            KVH=kvh,
+            HP=triton.next_power_of_2(h),
+            D=d,
+            INT8=int8,
+            G=g,
+            ASYM=asym,
+            USE_PDL=pdl,
+            num_warps=4,
+            **(dict(launch_pdl=True) if pdl else {}),
+        )

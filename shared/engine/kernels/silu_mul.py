@@ -1,5 +1,6 @@
 """SwiGLU activation: gate_up [T, 2I] (gate | up, as the fused gate_up projection writes it) -> silu(gate) * up
 [T, I], rounding like `F.silu(gate) * up` in the activation dtype (silu rounded, then the product)."""
+
 from __future__ import annotations
 
 import torch
@@ -30,6 +31,15 @@ def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     n = n2 // 2
     assert gate_up.stride(1) == 1
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(t, triton.cdiv(n, BLOCK))](gate_up, gate_up.stride(0), out, out.stride(0), n, BLOCK=BLOCK,
-                                                 USE_PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
+    _silu_mul_kernel[(t, triton.cdiv(n, BLOCK))](
+        gate_up,
+        gate_up.stride(0),
+        out,
+        out.stride(0),
+        n,
+        BLOCK=BLOCK,
+        USE_PDL=pdl,
+        num_warps=4,
+        **(dict(launch_pdl=True) if pdl else {}),
+    )
     return out

@@ -1,6 +1,7 @@
 """The decode service driven directly, with a stand-in prefill instance: bad resume fields get INVALID_ARGUMENT
 and leave no page held; a prefill that goes silent fails the request after page_timeout_s (DEADLINE_EXCEEDED),
 its pages freed."""
+
 from __future__ import annotations
 
 import threading
@@ -47,9 +48,24 @@ def silent_prefill():
 def decode(tmp_path_factory):
     work = tmp_path_factory.mktemp("decode")
     model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
-    proc, ready, log = start_service("decode", ["--model", str(model), "--page-size", str(PAGE), "--num-pages", "64",
-                                                "--kv-dtype", "auto", "--torch-threads", "1",
-                                                "--page-timeout-s", str(PAGE_TIMEOUT_S)], work)
+    proc, ready, log = start_service(
+        "decode",
+        [
+            "--model",
+            str(model),
+            "--page-size",
+            str(PAGE),
+            "--num-pages",
+            "64",
+            "--kv-dtype",
+            "auto",
+            "--torch-threads",
+            "1",
+            "--page-timeout-s",
+            str(PAGE_TIMEOUT_S),
+        ],
+        work,
+    )
     addr = wait_ready(proc, ready, log)
     ch = channel(addr)
     yield internal_pb2_grpc.DecodeStub(ch)
@@ -68,42 +84,56 @@ def all_free(stub, timeout: float = 10.0) -> bool:
     return False
 
 
-def decode_request(target: str, rid: str, resumed_tokens: int = 0, resumed_text_chars: int = 0,
-                   n: int = 8) -> internal_pb2.DecodeRequest:
-    return internal_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[5 + i for i in range(n)], prefill_target=target,
-                                      sampling=generate_pb2.SamplingParams(max_tokens=6, temperature=0.0),
-                                      resumed_tokens=resumed_tokens, resumed_text_chars=resumed_text_chars)
+def decode_request(
+    target: str, rid: str, resumed_tokens: int = 0, resumed_text_chars: int = 0, n: int = 8
+) -> internal_pb2.DecodeRequest:
+    return internal_pb2.DecodeRequest(
+        request_id=rid,
+        prompt_token_ids=[5 + i for i in range(n)],
+        prefill_target=target,
+        sampling=generate_pb2.SamplingParams(max_tokens=6, temperature=0.0),
+        resumed_tokens=resumed_tokens,
+        resumed_text_chars=resumed_text_chars,
+    )
 
 
 def test_stats_report_the_page_size(decode):
     assert decode.Stats(internal_pb2.StatsRequest(), timeout=5).page_size == PAGE
 
 
-@pytest.mark.parametrize("resumed_tokens, resumed_text_chars, reason", [
-    (8, 0, "resumed_tokens"),        # the whole prompt
-    (-1, 0, "resumed_tokens"),
-    (2, -5, "resumed_text_chars"),
-    (2, 10_000, "resumed_text_chars"),  # more text delivered than the resumed tokens make
-    (6, 0, "resumed_tokens"),        # >= max_tokens: the request had finished
-    (0, 3, "resumed_text_chars"),    # text delivered without resumed tokens
-])
-def test_bad_resume_fields_invalid_argument_and_no_pages_held(decode, silent_prefill, resumed_tokens,
-                                                              resumed_text_chars, reason):
+@pytest.mark.parametrize(
+    "resumed_tokens, resumed_text_chars, reason",
+    [
+        (8, 0, "resumed_tokens"),  # the whole prompt
+        (-1, 0, "resumed_tokens"),
+        (2, -5, "resumed_text_chars"),
+        (2, 10_000, "resumed_text_chars"),  # more text delivered than the resumed tokens make
+        (6, 0, "resumed_tokens"),  # >= max_tokens: the request had finished
+        (0, 3, "resumed_text_chars"),  # text delivered without resumed tokens
+    ],
+)
+def test_bad_resume_fields_invalid_argument_and_no_pages_held(
+    decode, silent_prefill, resumed_tokens, resumed_text_chars, reason
+):
     target, _ = silent_prefill
-    req = decode_request(target, f"bad-resume-{resumed_tokens}-{resumed_text_chars}", resumed_tokens,
-                         resumed_text_chars)
+    req = decode_request(
+        target, f"bad-resume-{resumed_tokens}-{resumed_text_chars}", resumed_tokens, resumed_text_chars
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(decode.Generate(req, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
     assert all_free(decode)
 
 
-@pytest.mark.parametrize("mutate, reason", [
-    (lambda r: r.ClearField("prefill_target"), "prefill_target"),
-    (lambda r: r.ClearField("prompt_token_ids"), "empty"),
-    (lambda r: r.prompt_token_ids.append(10**6), "vocabulary"),
-    (lambda r: r.sampling.__setattr__("top_p", 0.0), "top_p"),
-])
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda r: r.ClearField("prefill_target"), "prefill_target"),
+        (lambda r: r.ClearField("prompt_token_ids"), "empty"),
+        (lambda r: r.prompt_token_ids.append(10**6), "vocabulary"),
+        (lambda r: r.sampling.__setattr__("top_p", 0.0), "top_p"),
+    ],
+)
 def test_bad_requests_invalid_argument(decode, silent_prefill, mutate, reason):
     req = decode_request(silent_prefill[0], f"bad-{reason}")
     mutate(req)

@@ -1,5 +1,6 @@
 """Prefill bounds how long decode may leave a shipped page unacknowledged (ack_timeout_s): a receiver that reads
 pages but never acks gets DEADLINE_EXCEEDED with the reason, and the pages are freed."""
+
 from __future__ import annotations
 
 import time
@@ -21,9 +22,24 @@ PAGE, CHUNK, ACK_TIMEOUT_S = 4, 8, 0.05
 def prefill(tmp_path_factory):
     work = tmp_path_factory.mktemp("prefill-ack")
     model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
-    proc, ready, log = start_service("prefill", ["--model", str(model), "--page-size", str(PAGE), "--chunk-size",
-                                                 str(CHUNK), "--num-pages", "600", "--torch-threads", "1",
-                                                 "--ack-timeout-s", str(ACK_TIMEOUT_S)], work)
+    proc, ready, log = start_service(
+        "prefill",
+        [
+            "--model",
+            str(model),
+            "--page-size",
+            str(PAGE),
+            "--chunk-size",
+            str(CHUNK),
+            "--num-pages",
+            "600",
+            "--torch-threads",
+            "1",
+            "--ack-timeout-s",
+            str(ACK_TIMEOUT_S),
+        ],
+        work,
+    )
     addr = wait_ready(proc, ready, log)
     ch = channel(addr)
     yield internal_pb2_grpc.PrefillStub(ch), model_fingerprint(str(model))
@@ -35,9 +51,15 @@ def prefill(tmp_path_factory):
 def test_unacknowledged_pages_end_the_stream_and_are_freed(prefill):
     stub, fp = prefill
     layout = KVLayoutSpec(dtype="int8", page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16, group_size=16)
-    first = internal_pb2.PrefillClientMessage(request=internal_pb2.PrefillRequest(
-        request_id="no-acks", prompt_token_ids=[5 + i % 400 for i in range(1000)],  # 125 chunks, 250 pages
-        sampling=generate_pb2.SamplingParams(temperature=0), kv_layout=layout.to_proto(), model_fingerprint=fp))
+    first = internal_pb2.PrefillClientMessage(
+        request=internal_pb2.PrefillRequest(
+            request_id="no-acks",
+            prompt_token_ids=[5 + i % 400 for i in range(1000)],  # 125 chunks, 250 pages
+            sampling=generate_pb2.SamplingParams(temperature=0),
+            kv_layout=layout.to_proto(),
+            model_fingerprint=fp,
+        )
+    )
     pages = 0
     with pytest.raises(grpc.RpcError) as err:
         for msg in stub.Prefill(iter([first]), timeout=120):  # reads every page, acks none

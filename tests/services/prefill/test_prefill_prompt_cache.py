@@ -1,6 +1,7 @@
 """Prompt cache through real processes: 3 prefill instances (two sharing a private redis-server, one with the
 in-process cache) and two decode instances (kv auto and int8), driven through Decode.Generate with an explicit
 prefill target. Output with cache hits must equal output without them (kv auto)."""
+
 from __future__ import annotations
 
 import threading
@@ -12,12 +13,12 @@ import torch
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import PromptCache
-from pdserve.testing.redis_server import RedisServer
 from pdserve.cache.redis_store import RedisStore
+from pdserve.cli.launch import start_service, wait_ready
+from pdserve.kv.codec import KVLayoutSpec
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
-from pdserve.kv.codec import KVLayoutSpec
-from pdserve.cli.launch import start_service, wait_ready
+from pdserve.testing.redis_server import RedisServer
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 16
@@ -28,13 +29,16 @@ class Cluster:
     def __init__(self, work, model, redis: RedisServer):
         self.redis = redis
         fast = ["--cache-timeout-ms", "300", "--cache-breaker-failures", "2", "--cache-breaker-cooldown-s", "0.3"]
-        specs = [("prefill", [*fast, "--cache-local-mb", "0"], {"REDIS_URL": redis.url}),  # p0: Redis only
-                 ("prefill", fast, {"REDIS_URL": redis.url}),                            # p1: local tier + Redis
-                 ("prefill", [], {"REDIS_URL": ""}),                                     # p2: in-process cache
-                 ("decode", ["--kv-dtype", "auto"], {}),
-                 ("decode", ["--kv-dtype", "int8"], {})]
-        started = [start_service(name, ["--model", str(model), *ENGINE, *args], work, env=env)
-                   for name, args, env in specs]
+        specs = [
+            ("prefill", [*fast, "--cache-local-mb", "0"], {"REDIS_URL": redis.url}),  # p0: Redis only
+            ("prefill", fast, {"REDIS_URL": redis.url}),  # p1: local tier + Redis
+            ("prefill", [], {"REDIS_URL": ""}),  # p2: in-process cache
+            ("decode", ["--kv-dtype", "auto"], {}),
+            ("decode", ["--kv-dtype", "int8"], {}),
+        ]
+        started = [
+            start_service(name, ["--model", str(model), *ENGINE, *args], work, env=env) for name, args, env in specs
+        ]
         self.procs = [s[0] for s in started]
         try:
             addrs = [wait_ready(*s, timeout=120) for s in started]
@@ -48,8 +52,11 @@ class Cluster:
         """(completion token ids, cached_tokens) of a greedy request through decode -> prefill[prefill]."""
         decode = self.decode_int8 if int8 else self.decode_auto
         req = internal_pb2.DecodeRequest(
-            request_id=uuid.uuid4().hex, prompt_token_ids=ids, prefill_target=self.prefill[prefill],
-            sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            prefill_target=self.prefill[prefill],
+            sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        )
         tokens, cached = [], None
         for msg in internal_pb2_grpc.DecodeStub(self.channels[decode]).Generate(req, timeout=60):
             tokens += msg.token_ids
@@ -112,14 +119,14 @@ def test_hits_shared_across_instances_output_identical(cluster, rds, n):
     assert cluster.generate(1, ids) == (cold, want)  # now from p1's local tier
     rds.flushall()
     assert cluster.generate(1, ids) == (cold, want)  # the local tier outlives Redis' copy
-    assert cluster.generate(0, ids) == (cold, 0)     # p0 has no local tier: a miss, same output
+    assert cluster.generate(0, ids) == (cold, 0)  # p0 has no local tier: a miss, same output
 
 
 def test_partial_prefix_hit_at_page_boundary(cluster, rds):
     base = prompt(10 * PAGE, seed=1)
     cluster.generate(0, base)
     wait_keys(rds, 10)
-    other = base[:5 * PAGE + 2] + prompt(13, seed=2)  # shares 5 full pages, diverges inside page 5
+    other = base[: 5 * PAGE + 2] + prompt(13, seed=2)  # shares 5 full pages, diverges inside page 5
     cold, _ = cluster.generate(2, other)  # reference: the in-process instance has never seen `base`
     assert cluster.generate(0, other) == (cold, 5 * PAGE)
 
@@ -141,6 +148,7 @@ def test_corrupt_value_in_redis_is_a_miss_from_there(cluster, rds, model):
     wait_keys(rds, 8)
     keys = rds.keys("pdserve:kv:*")
     from pdserve.engine.loader import model_fingerprint
+
     layout = KVLayoutSpec(dtype="float32", page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16)
     ns = CacheNamespace(model_fingerprint(str(model)), layout)
     naming = PromptCache(RedisStore(cluster.redis.url))  # only to name the keys the way the service does
@@ -169,7 +177,7 @@ def test_redis_killed_and_restarted_under_load(cluster, rds):
             try:
                 tokens, cached = cluster.generate(0, prompts[k])
                 log.append((time.monotonic(), cached, tokens == refs[k]))
-            except Exception as e:  # noqa: BLE001 - every request must succeed
+            except Exception as e:
                 errors.append(e)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
@@ -201,7 +209,7 @@ def test_int8_cache_hits_through_the_real_path(cluster, rds):
         ids = prompt(n, seed=40 + i)
         cold, cached = cluster.generate(0, ids, max_tokens=12, int8=True)
         assert cached == 0
-        wait_keys(rds, sum(m // PAGE for m in [6 * PAGE + 1, 11 * PAGE + 2, 15 * PAGE + 3][:i + 1]))
+        wait_keys(rds, sum(m // PAGE for m in [6 * PAGE + 1, 11 * PAGE + 2, 15 * PAGE + 3][: i + 1]))
         warm, cached = cluster.generate(0, ids, max_tokens=12, int8=True)
         assert cached == (n - 1) // PAGE * PAGE
         assert warm[0] == cold[0]

@@ -1,19 +1,19 @@
 """The Prefill bidi stream, driven directly: pages stream while prefill still runs, protocol errors get a status,
 and pages are freed on ack and on abandonment."""
+
 from __future__ import annotations
 
 import queue
-import threading
 import time
 
 import grpc
 import pytest
 
-from pdserve.models.checkpoints import build_checkpoint
-from pdserve.engine.loader import model_fingerprint
-from pdserve.server.grpc_util import channel
-from pdserve.kv.codec import KVLayoutSpec, decode_page
 from pdserve.cli.launch import start_service, wait_ready
+from pdserve.engine.loader import model_fingerprint
+from pdserve.kv.codec import KVLayoutSpec, decode_page
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.server.grpc_util import channel
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 8
@@ -23,8 +23,22 @@ PAGE, CHUNK = 4, 8
 def prefill(tmp_path_factory):
     work = tmp_path_factory.mktemp("prefill")
     model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
-    proc, ready, log = start_service("prefill", ["--model", str(model), "--page-size", str(PAGE), "--chunk-size",
-                                                 str(CHUNK), "--num-pages", "600", "--torch-threads", "1"], work)
+    proc, ready, log = start_service(
+        "prefill",
+        [
+            "--model",
+            str(model),
+            "--page-size",
+            str(PAGE),
+            "--chunk-size",
+            str(CHUNK),
+            "--num-pages",
+            "600",
+            "--torch-threads",
+            "1",
+        ],
+        work,
+    )
     addr = wait_ready(proc, ready, log)
     ch = channel(addr)
     yield internal_pb2_grpc.PrefillStub(ch), model_fingerprint(str(model))
@@ -34,15 +48,21 @@ def prefill(tmp_path_factory):
 
 
 def layout(dtype="int8") -> KVLayoutSpec:
-    return KVLayoutSpec(dtype=dtype, page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16,
-                        group_size=16 if dtype == "int8" else 0)
+    return KVLayoutSpec(
+        dtype=dtype, page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16, group_size=16 if dtype == "int8" else 0
+    )
 
 
 def request(fp: str, n: int, dtype="int8", rid="r") -> internal_pb2.PrefillClientMessage:
-    return internal_pb2.PrefillClientMessage(request=internal_pb2.PrefillRequest(
-        request_id=rid, prompt_token_ids=[5 + i % 400 for i in range(n)],
-        sampling=generate_pb2.SamplingParams(temperature=0), kv_layout=layout(dtype).to_proto(),
-        model_fingerprint=fp))
+    return internal_pb2.PrefillClientMessage(
+        request=internal_pb2.PrefillRequest(
+            request_id=rid,
+            prompt_token_ids=[5 + i % 400 for i in range(n)],
+            sampling=generate_pb2.SamplingParams(temperature=0),
+            kv_layout=layout(dtype).to_proto(),
+            model_fingerprint=fp,
+        )
+    )
 
 
 def free_pages(stub) -> tuple[int, int]:
@@ -77,8 +97,9 @@ def test_pages_stream_while_prefill_runs_and_ack_frees(prefill):
     for msg in call:
         if msg.HasField("page"):
             arrivals.append(time.perf_counter() - t0)
-            pages.append(decode_page(msg.page, expected_layout=layout(), expected_fingerprint=fp,
-                                     expected_request_id="r"))
+            pages.append(
+                decode_page(msg.page, expected_layout=layout(), expected_fingerprint=fp, expected_request_id="r")
+            )
             acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=msg.page.seq_no)))
         else:
             done = msg.done
@@ -100,16 +121,23 @@ def test_abandoned_stream_frees_pages(prefill):
     assert wait_all_free(stub)
 
 
-@pytest.mark.parametrize("mutate, code, reason", [
-    (lambda m: setattr(m.request, "model_fingerprint", "other"), grpc.StatusCode.FAILED_PRECONDITION, "fingerprint"),
-    (lambda m: m.request.kv_layout.__setattr__("head_dim", 32), grpc.StatusCode.FAILED_PRECONDITION, "layout"),
-    (lambda m: m.request.kv_layout.__setattr__("group_size", 5), grpc.StatusCode.FAILED_PRECONDITION, "group_size"),
-    (lambda m: m.request.ClearField("prompt_token_ids"), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    (lambda m: m.request.prompt_token_ids.append(10**6), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
-    (lambda m: m.request.sampling.__setattr__("top_p", 2.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    (lambda m: setattr(m.request, "sampled_before", 10), grpc.StatusCode.INVALID_ARGUMENT, "sampled_before"),
-    (lambda m: setattr(m.request, "sampled_before", -1), grpc.StatusCode.INVALID_ARGUMENT, "sampled_before"),
-])
+@pytest.mark.parametrize(
+    "mutate, code, reason",
+    [
+        (
+            lambda m: setattr(m.request, "model_fingerprint", "other"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "fingerprint",
+        ),
+        (lambda m: m.request.kv_layout.__setattr__("head_dim", 32), grpc.StatusCode.FAILED_PRECONDITION, "layout"),
+        (lambda m: m.request.kv_layout.__setattr__("group_size", 5), grpc.StatusCode.FAILED_PRECONDITION, "group_size"),
+        (lambda m: m.request.ClearField("prompt_token_ids"), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        (lambda m: m.request.prompt_token_ids.append(10**6), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        (lambda m: m.request.sampling.__setattr__("top_p", 2.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (lambda m: setattr(m.request, "sampled_before", 10), grpc.StatusCode.INVALID_ARGUMENT, "sampled_before"),
+        (lambda m: setattr(m.request, "sampled_before", -1), grpc.StatusCode.INVALID_ARGUMENT, "sampled_before"),
+    ],
+)
 def test_bad_requests_get_status(prefill, mutate, code, reason):
     stub, fp = prefill
     msg = request(fp, 10)

@@ -1,4 +1,5 @@
 """Helpers of the router tests: free ports, the router's instance listing, waiting for instance states."""
+
 from __future__ import annotations
 
 import time

@@ -1,5 +1,6 @@
 """The attempt relay over plain iterables (no gRPC): chunks relayed with TTFT once per request, progress kept
 across attempts (what a resume continues from), hooks in order, the call's error propagating mid-stream."""
+
 import time
 
 import grpc
@@ -31,9 +32,11 @@ def chunks(*token_lists, finish=0, then_fail=False):
 
 def recorder():
     events = []
-    hooks = AttemptHooks(attempt_first_token=lambda: events.append("attempt_first"),
-                         first_token=lambda: events.append("first"),
-                         finished=lambda msg: events.append(("finished", msg.usage.completion_tokens)))
+    hooks = AttemptHooks(
+        attempt_first_token=lambda: events.append("attempt_first"),
+        first_token=lambda: events.append("first"),
+        finished=lambda msg: events.append(("finished", msg.usage.completion_tokens)),
+    )
     return events, hooks
 
 

@@ -1,5 +1,6 @@
 """Rendering chat messages with the tokenizer's template (pdserve.router.chat): limits, roles, no template.
 (Through the real router and gateway: tests/services/router/gateway/test_gateway_stack.py.)"""
+
 from __future__ import annotations
 
 import pytest

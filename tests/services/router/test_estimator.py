@@ -1,5 +1,6 @@
 """Output-length estimator: learns a synthetic workload with known structure, falls back while cold or wrong,
 persists to a file and to a real Redis, and never trusts state saved for another model."""
+
 import statistics
 
 import pytest
@@ -33,7 +34,7 @@ def test_learns_known_structure_close_to_oracle():
     e = run(est, workload(3000, seed=1), skip=1000)
     print(f"relative error: learned {e['learned']:.3f}, length_only {e['length_only']:.3f}, oracle {e['oracle']:.3f}")
     assert e["learned"] < 0.6 * e["length_only"]
-    assert e["learned"] < e["oracle"] + 0.05      # the noise floor of the workload is the oracle's error
+    assert e["learned"] < e["oracle"] + 0.05  # the noise floor of the workload is the oracle's error
     assert est.use_learned() and est.mode("length_only") == "learned"
     assert abs(est.error - e["learned"]) < 0.05  # its own running error tracks the measured one
 
@@ -94,6 +95,7 @@ def test_background_save_and_close(tmp_path):
 @pytest.fixture
 def redis_server(tmp_path):
     from pdserve.testing.redis_server import RedisServer
+
     srv = RedisServer(tmp_path / "redis").start()
     yield srv
     srv.stop()

@@ -1,6 +1,7 @@
 """Membership over real gRPC in one process: instances announce themselves (pdserve.server.announce) to the
 router's Registry, the router health-checks them over grpc.health.v1, drains, marks down, forgets and
 re-adds them. The "instances" here are gRPC servers serving only the health protocol (what membership uses)."""
+
 import sys
 import time
 from concurrent import futures
@@ -10,22 +11,29 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.server.announce import Announcer
-from pdserve.server.grpc_util import channel
 from pdserve.router.config import RouterConfig
 from pdserve.router.estimator import OutputLengthEstimator
 from pdserve.router.instances import PREFILL
 from pdserve.router.membership import Membership
 from pdserve.router.registry import RegistryServicer
 from pdserve.router.scheduler import Scheduler
+from pdserve.server.announce import Announcer
+from pdserve.server.grpc_util import channel
 from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from router_testutil import free_port, instances, wait_states  # noqa: E402
+from router_testutil import free_port, instances, wait_states
 
-FAST = dict(health_interval_s=0.1, health_timeout_s=0.5, unhealthy_after=2, heartbeat_interval_s=0.1, lease_s=0.6,
-            remove_after_s=0.8, stats_interval_s=0.1)
+FAST = dict(
+    health_interval_s=0.1,
+    health_timeout_s=0.5,
+    unhealthy_after=2,
+    heartbeat_interval_s=0.1,
+    lease_s=0.6,
+    remove_after_s=0.8,
+    stats_interval_s=0.1,
+)
 
 
 class HealthOnly:
@@ -45,7 +53,9 @@ class HealthOnly:
         return self
 
     def serving(self, on: bool) -> None:
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING if on else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set(
+            "", health_pb2.HealthCheckResponse.SERVING if on else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
 
     def stop(self) -> None:
         self.server.stop(0).wait()
@@ -54,17 +64,20 @@ class HealthOnly:
 @pytest.fixture
 def router():
     """Scheduler + Membership + the Registry service on a real gRPC server; yields (address, membership)."""
+
     def make(**kw):
         cfg = RouterConfig(model="m", **{**FAST, **kw})
         m = Membership(cfg, Scheduler(cfg))
         server = grpc.server(futures.ThreadPoolExecutor(8))
         router_admin_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(m, OutputLengthEstimator(), cfg.pcs_fallback_mode), server)
+            RegistryServicer(m, OutputLengthEstimator(), cfg.pcs_fallback_mode), server
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         m.start()
         made.append((server, m))
         return f"127.0.0.1:{port}", m
+
     made = []
     yield make
     for server, m in made:
@@ -84,17 +97,17 @@ def test_registered_instance_lifecycle(router):
         wait_state(addr, inst.address, "up")
         info = instances(addr)[inst.address]
         assert info.registered and info.role == pb.INSTANCE_ROLE_PREFILL
-        inst.serving(False)                     # shutting down: no new work, but not failed
+        inst.serving(False)  # shutting down: no new work, but not failed
         wait_state(addr, inst.address, "draining")
         inst.serving(True)
         wait_state(addr, inst.address, "up")
-        inst.stop()                             # the process dies (its heartbeats do not matter)
+        inst.stop()  # the process dies (its heartbeats do not matter)
         wait_state(addr, inst.address, "down")
         assert instances(addr)[inst.address].failures >= 2
-        inst.start()                            # restarted on the same port
+        inst.start()  # restarted on the same port
         wait_state(addr, inst.address, "up")
     finally:
-        ann.stop()                              # deregisters: drained, then forgotten
+        ann.stop()  # deregisters: drained, then forgotten
     wait_state(addr, inst.address, None)
     inst.stop()
 
@@ -124,8 +137,9 @@ def test_lease_expiry_then_forget_and_reregister(router):
             # healthy but silent: the lease runs out, then the instance is forgotten
             wait_state(addr, inst.address, "down")
             wait_state(addr, inst.address, None)
-            assert not stub.Heartbeat(pb.HeartbeatRequest(role=pb.INSTANCE_ROLE_PREFILL, address=inst.address),
-                                      timeout=5).known
+            assert not stub.Heartbeat(
+                pb.HeartbeatRequest(role=pb.INSTANCE_ROLE_PREFILL, address=inst.address), timeout=5
+            ).known
         ann = Announcer(addr, "prefill", inst.address).start()  # heartbeat says unknown -> registers again
         wait_state(addr, inst.address, "up")
         ann.stop()
@@ -147,12 +161,15 @@ def test_blame_marks_a_dead_instance_down_at_once(router):
         live.stop()
 
 
-@pytest.mark.parametrize("req, reason", [
-    (pb.RegisterRequest(role=pb.INSTANCE_ROLE_UNSPECIFIED, address="h:1"), "role"),
-    (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="nohost"), "host:port"),
-    (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:99999"), "host:port"),
-    (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:1", capacity_pcs=-1), "capacity_pcs"),
-])
+@pytest.mark.parametrize(
+    "req, reason",
+    [
+        (pb.RegisterRequest(role=pb.INSTANCE_ROLE_UNSPECIFIED, address="h:1"), "role"),
+        (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="nohost"), "host:port"),
+        (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:99999"), "host:port"),
+        (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:1", capacity_pcs=-1), "capacity_pcs"),
+    ],
+)
 def test_register_rejects_bad_input(router, req, reason):
     addr, _ = router()
     with channel(addr) as ch, pytest.raises(grpc.RpcError) as e:

@@ -1,12 +1,19 @@
 """PCS formula, special-token counting with a real tokenizer, and the process-stable leading-page hash."""
+
 import os
 import subprocess
 import sys
 
 import pytest
 
-from pdserve.router.pcs import PCSWeights, count_special, fallback_output_len, leading_page_hash, score, \
-    special_token_ids
+from pdserve.router.pcs import (
+    PCSWeights,
+    count_special,
+    fallback_output_len,
+    leading_page_hash,
+    score,
+    special_token_ids,
+)
 
 
 def test_pcs_formula_default_and_custom_weights():
@@ -18,9 +25,9 @@ def test_pcs_formula_default_and_custom_weights():
 
 def test_fallback_modes():
     assert fallback_output_len(max_tokens=1000, input_len=40, mode="length_only") == 40
-    assert fallback_output_len(1000, 3, "length_only") == 16        # floor
-    assert fallback_output_len(1000, 4000, "length_only") == 512    # cap
-    assert fallback_output_len(8, 4000, "length_only") == 8         # never above the budget
+    assert fallback_output_len(1000, 3, "length_only") == 16  # floor
+    assert fallback_output_len(1000, 4000, "length_only") == 512  # cap
+    assert fallback_output_len(8, 4000, "length_only") == 8  # never above the budget
     assert fallback_output_len(1000, 40, "max_tokens") == 1000
 
 
@@ -29,6 +36,7 @@ def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from pdserve.models.checkpoints import build_tokenizer
+
     d = tmp_path_factory.mktemp("tok")
     build_tokenizer(d)
     return AutoTokenizer.from_pretrained(str(d))
@@ -36,8 +44,9 @@ def tokenizer(tmp_path_factory):
 
 def test_chat_template_markers_count_as_special(tokenizer):
     special = special_token_ids(tokenizer)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What does assert do?"}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What does assert do?"}], add_generation_prompt=True, tokenize=False
+    )
     ids = tokenizer(text).input_ids  # what the router does with a templated prompt
     markers = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
     assert markers <= special and tokenizer.eos_token_id in special
@@ -49,11 +58,16 @@ def test_chat_template_markers_count_as_special(tokenizer):
 def test_leading_page_hash_is_stable_across_processes():
     ids = list(range(100, 140))
     h = leading_page_hash(ids, 16)
-    assert h == leading_page_hash(ids[:16] + [1, 2, 3], 16)   # only the first page counts
+    assert h == leading_page_hash(ids[:16] + [1, 2, 3], 16)  # only the first page counts
     assert h != leading_page_hash([101] + ids[1:], 16)
-    assert leading_page_hash(ids[:15], 16) is None            # no full page: no affinity key
+    assert leading_page_hash(ids[:15], 16) is None  # no full page: no affinity key
     code = "from pdserve.router.pcs import leading_page_hash; print(leading_page_hash(list(range(100, 140)), 16).hex())"
     for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.strip()
         assert out == h.hex()

@@ -1,4 +1,5 @@
 """Priority from the request field or `x-priority` metadata; queue order by PCS / multiplier; aging."""
+
 import pytest
 
 from pdserve.router.priority import Priority, PriorityQueue, resolve
@@ -29,8 +30,14 @@ def drain(q):
 
 def test_order_by_weighted_pcs_then_arrival():
     q = PriorityQueue(aging_per_s=0.0)
-    for name, cost, t in [("low", 100 / 0.5, 0.0), ("normal", 100, 0.1), ("high", 100 / 1.5, 0.2),
-                          ("normal2", 100, 0.3), ("small-normal", 20, 0.4), ("big-high", 400 / 1.5, 0.5)]:
+    for name, cost, t in [
+        ("low", 100 / 0.5, 0.0),
+        ("normal", 100, 0.1),
+        ("high", 100 / 1.5, 0.2),
+        ("normal2", 100, 0.3),
+        ("small-normal", 20, 0.4),
+        ("big-high", 400 / 1.5, 0.5),
+    ]:
         q.push(Item(name), cost, t)
     assert len(q) == 6
     assert drain(q) == ["small-normal", "high", "normal", "normal2", "low", "big-high"]

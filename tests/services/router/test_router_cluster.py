@@ -1,6 +1,7 @@
 """The router scheduling real prefill and decode processes (cluster in conftest.py): balanced assignment,
 prefix affinity, admission rejections at the threshold, priority order under contention, retry before the
 first token, instance death and recovery."""
+
 from __future__ import annotations
 
 import random
@@ -11,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from router_testutil import instances, listing, wait_states
 
 import pdserve
-from router_testutil import instances, listing, wait_states
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,8 +36,7 @@ def test_balanced_assignment(cluster):
     r = cluster.routers["A"]
     before = assigned(r)
     with pdserve.Client(r, timeout=120) as c, ThreadPoolExecutor(12) as ex:
-        outs = list(ex.map(lambda k: c.generate(token_ids=prompt(64, k), max_tokens=24, ignore_eos=True),
-                           range(12)))
+        outs = list(ex.map(lambda k: c.generate(token_ids=prompt(64, k), max_tokens=24, ignore_eos=True), range(12)))
     assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
     d = delta(before, assigned(r))
     pre = [d[a] for a in cluster.p]
@@ -60,9 +60,9 @@ def test_prefix_affinity(cluster):
             c.generate(token_ids=prompt(52, 300 + k), max_tokens=4, ignore_eos=True)
         spread = delta(before, assigned(r))
     print(f"shared prefix {[same[a] for a in cluster.p]}, distinct {[spread[a] for a in cluster.p]}")
-    assert sorted(same[a] for a in cluster.p) == [0, 0, 6]      # one instance got every shared-prefix prompt
-    assert sum(hits.values()) == 5                               # the first one found no entry
-    assert sum(1 for a in cluster.p if spread[a] > 0) >= 2       # distinct prefixes are balanced instead
+    assert sorted(same[a] for a in cluster.p) == [0, 0, 6]  # one instance got every shared-prefix prompt
+    assert sum(hits.values()) == 5  # the first one found no entry
+    assert sum(1 for a in cluster.p if spread[a] > 0) >= 2  # distinct prefixes are balanced instead
 
 
 def test_admission_rejections_at_threshold(cluster):
@@ -80,11 +80,12 @@ def test_admission_rejections_at_threshold(cluster):
                 return c.generate(token_ids=prompt(30, 400 + k), max_tokens=200, ignore_eos=True)
             except grpc.RpcError as e:
                 return e
+
     with ThreadPoolExecutor(10) as ex:
         results = list(ex.map(one, range(10)))
     ok = [x for x in results if not isinstance(x, grpc.RpcError)]
     errs = [x for x in results if isinstance(x, grpc.RpcError)]
-    assert len(ok) == 6 and all(len(o.token_ids) == 200 for o in ok), [getattr(e, "details", lambda: e)() for e in errs]
+    assert len(ok) == 6 and all(len(o.token_ids) == 200 for o in ok), [e.details() for e in errs]
     assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in errs)
     assert all("80% of its PCS capacity" in e.details() for e in errs)
     retry_ms = [int(dict(e.trailing_metadata())["retry-after-ms"]) for e in errs]
@@ -113,8 +114,11 @@ def test_priority_order_under_contention(cluster):
         with ThreadPoolExecutor(10) as ex:
             futs = [ex.submit(run, "blocker", prompt(40, 500))]
             time.sleep(0.2)
-            for k, (name, kw) in enumerate([("low", dict(priority="low"))] * 3 + [("normal", {})] * 3 +
-                                           [("high", dict(metadata=[("x-priority", "high")]))] * 3):
+            for k, (name, kw) in enumerate(
+                [("low", dict(priority="low"))] * 3
+                + [("normal", {})] * 3
+                + [("high", dict(metadata=[("x-priority", "high")]))] * 3
+            ):
                 futs.append(ex.submit(run, f"{name}{k % 3}", prompt(200, 600 + k), **kw))
                 time.sleep(0.02)
             deadline = time.monotonic() + 30
@@ -150,14 +154,16 @@ def test_instance_death_and_recovery(cluster):
     """Kill P3 (registered with --router): the router marks it down and keeps serving; restarted on the same
     port it registers again, comes back up and gets work; stopped gracefully it deregisters and is forgotten."""
     from pdserve.cli.launch import wait_ready
+
     r = cluster.routers["A"]
     P3 = cluster.p[2]
     proc = cluster.p3_proc[0]
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     with pdserve.Client(r, timeout=60) as c, ThreadPoolExecutor(6) as ex:  # some may still be sent to P3: retried
-        outs = list(ex.map(lambda k: c.generate(token_ids=prompt(40, 800 + k), max_tokens=4, ignore_eos=True),
-                           range(6)))
+        outs = list(
+            ex.map(lambda k: c.generate(token_ids=prompt(40, 800 + k), max_tokens=4, ignore_eos=True), range(6))
+        )
     assert all(len(o.token_ids) == 4 for o in outs)
     wait_states(r, {P3: "down"}, timeout=15)
     cluster.start_p3()  # same port, --router A

@@ -7,6 +7,7 @@ The engines keep full-precision KV here (`--kv-dtype auto`): exactness is then d
 decode computing the same values. With int8 KV the resumed tokens' K/V are quantized from prefill's computation
 instead of decode's, so a near-tie far down the stream may flip (seen once in 600 seeded tokens); the resume
 itself (positions, sampling state, text) is the same."""
+
 from __future__ import annotations
 
 import random
@@ -18,15 +19,25 @@ from pathlib import Path
 import pytest
 
 import pdserve
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.cli.launch import Stack, start_service, wait_ready
+from pdserve.models.checkpoints import build_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from router_testutil import free_port, instances, listing, wait_states  # noqa: E402
+from router_testutil import free_port, instances, listing, wait_states
 
 pytestmark = pytest.mark.timeout(300)
-ENGINE_FLAGS = ["--torch-threads", "1", "--page-size", "16", "--max-num-seqs", "8", "--num-pages", "512",
-                "--kv-dtype", "auto"]
+ENGINE_FLAGS = [
+    "--torch-threads",
+    "1",
+    "--page-size",
+    "16",
+    "--max-num-seqs",
+    "8",
+    "--num-pages",
+    "512",
+    "--kv-dtype",
+    "auto",
+]
 MAX_TOKENS = 600
 
 
@@ -55,10 +66,27 @@ def cluster(tmp_path_factory):
         wait_ready(*start("decode", engine_args(addr), addr), timeout=180)
 
     try:
-        started = [start("router", ["--prefill", P, "--decode", D1, "--decode", D2, "--estimator-store", "memory",
-                                    "--health-interval-s", "0.5"], "router")]
-        started += [start(role, engine_args(addr), addr) for role, addr in
-                    (("prefill", P), ("decode", D1), ("decode", D2))]
+        started = [
+            start(
+                "router",
+                [
+                    "--prefill",
+                    P,
+                    "--decode",
+                    D1,
+                    "--decode",
+                    D2,
+                    "--estimator-store",
+                    "memory",
+                    "--health-interval-s",
+                    "0.5",
+                ],
+                "router",
+            )
+        ]
+        started += [
+            start(role, engine_args(addr), addr) for role, addr in (("prefill", P), ("decode", D1), ("decode", D2))
+        ]
         router = wait_ready(*started[0], timeout=180)
         for s in started[1:]:
             wait_ready(*s, timeout=180)
@@ -81,11 +109,31 @@ def small_pool_cluster(tmp_path_factory):
     flags = {P: ENGINE_FLAGS, small: [*ENGINE_FLAGS, "--num-pages", "4"], big: ENGINE_FLAGS}
     stack = Stack("", [], [])
     try:
-        started = [start_service("router", [*common, "--prefill", P, "--decode", small, "--decode", big,
-                                            "--policy", "round_robin", "--estimator-store", "memory",
-                                            "--health-interval-s", "0.2"], work)]
-        started += [start_service(role, [*common, "--port", a.rsplit(":", 1)[1], *flags[a]], work)
-                    for role, a in (("prefill", P), ("decode", small), ("decode", big))]
+        started = [
+            start_service(
+                "router",
+                [
+                    *common,
+                    "--prefill",
+                    P,
+                    "--decode",
+                    small,
+                    "--decode",
+                    big,
+                    "--policy",
+                    "round_robin",
+                    "--estimator-store",
+                    "memory",
+                    "--health-interval-s",
+                    "0.2",
+                ],
+                work,
+            )
+        ]
+        started += [
+            start_service(role, [*common, "--port", a.rsplit(":", 1)[1], *flags[a]], work)
+            for role, a in (("prefill", P), ("decode", small), ("decode", big))
+        ]
         stack.procs.extend(s[0] for s in started)
         stack.logs.extend(s[2] for s in started)
         router = wait_ready(*started[0], timeout=180)
@@ -131,8 +179,9 @@ def collect(chunks) -> dict:
     return out
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=5)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=5)], ids=["greedy", "seeded"]
+)
 def test_decode_killed_mid_stream_is_invisible_to_the_caller(cluster, sampling):
     r = cluster["router"]
     kw = dict(token_ids=prompt(len(sampling)), max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
@@ -159,8 +208,10 @@ def test_decode_killed_mid_stream_is_invisible_to_the_caller(cluster, sampling):
             arrivals.append(time.perf_counter())
         got = collect(head + rest)
         gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-        print(f"{sampling}: longest gap between chunks after the kill {max(gaps) * 1e3:.0f} ms (the resume; "
-              f"median gap {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms)")
+        print(
+            f"{sampling}: longest gap between chunks after the kill {max(gaps) * 1e3:.0f} ms (the resume; "
+            f"median gap {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms)"
+        )
     assert sum(len(x.token_ids) for x in head) < MAX_TOKENS  # the kill happened mid-stream
     assert got["tokens"] == ref["tokens"], len(got["tokens"])
     assert got["text"] == ref["text"]

@@ -1,5 +1,6 @@
 """Scheduler in-process (the policy code, no network): admission at the threshold, the dispatch gate and
 priority order under contention, retries, release of every unit of load, the assignment policies."""
+
 import threading
 
 import pytest
@@ -34,7 +35,7 @@ def idle(s):
 def test_admission_rejects_at_threshold_with_retry_after():
     s = make(prefill_capacity_pcs=1000, decode_capacity_pcs=100, batch_utilization_threshold=0.8)
     admitted = []
-    for k in range(7):
+    for _ in range(7):
         j = job(pcs=24)
         try:
             s.submit(j)
@@ -90,8 +91,10 @@ def test_gate_and_priority_order_under_contention():
     blocker = job(pcs=50, name="blocker")
     s.submit(blocker)
     s.wait(blocker, 1.0)
-    jobs = [job(pcs=20, mult=m, name=n) for n, m in
-            [("low1", 0.5), ("normal1", 1.0), ("high1", 1.5), ("low2", 0.5), ("high2", 1.5), ("normal2", 1.0)]]
+    jobs = [
+        job(pcs=20, mult=m, name=n)
+        for n, m in [("low1", 0.5), ("normal1", 1.0), ("high1", 1.5), ("low2", 0.5), ("high2", 1.5), ("normal2", 1.0)]
+    ]
     for j in jobs:
         s.submit(j)
     assert len(s.queue) == 6 and all(not j.event.is_set() for j in jobs)
@@ -223,13 +226,15 @@ def test_concurrent_submit_finish_leaves_no_load():
                 continue
             finally:
                 s.finish(j, completed=True)
+
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert idle(s) and all(i.inflight_tokens == 0 and i.pages == 0
-                           for r in (PREFILL, DECODE) for i in s.instances[r].values())
+    assert idle(s) and all(
+        i.inflight_tokens == 0 and i.pages == 0 for r in (PREFILL, DECODE) for i in s.instances[r].values()
+    )
 
 
 # ---- assignment policies ------------------------------------------------------------------------------------
@@ -248,7 +253,7 @@ def test_pcs_prefill_least_outstanding_and_balanced():
     assert run_one(s, job(pcs=5))[0] == held[0].prefill.address
     s2 = make(3, 2)
     counts = {}
-    for k in range(30):
+    for _ in range(30):
         p, _ = run_one(s2, j := job(pcs=10))
         counts[p] = counts.get(p, 0) + 1
         s2.finish(j, completed=True)
@@ -277,7 +282,7 @@ def test_prefix_affinity_holds_while_load_allows():
 def test_decode_prefers_free_pages_and_few_active():
     s = make(1, 3)
     ds = s.instances[DECODE]
-    s.update_stats(ds["d0:1"], pages_free=100, pages_total=1000, active=2)   # nearly full
+    s.update_stats(ds["d0:1"], pages_free=100, pages_total=1000, active=2)  # nearly full
     s.update_stats(ds["d1:1"], pages_free=900, pages_total=1000, active=40)  # many sequences
     s.update_stats(ds["d2:1"], pages_free=800, pages_total=1000, active=2)
     assert run_one(s, job(pages=10))[1] == "d2:1"

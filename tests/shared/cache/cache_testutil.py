@@ -1,5 +1,6 @@
 """Helpers shared by the pdserve.cache tests (imported as a plain module; conftest puts this folder on sys.path):
 a small KV layout and synthetic pages in it."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Fixtures for pdserve.cache tests: private redis-server processes (free port, no persistence)."""
+
 from __future__ import annotations
 
 import sys
@@ -20,6 +21,7 @@ def start_redis(tmp_path):
         srv = RedisServer(tmp_path / f"redis{len(servers)}", args=list(args)).start()
         servers.append(srv)
         return srv
+
     yield start
     for s in servers:
         s.stop()

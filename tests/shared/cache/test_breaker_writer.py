@@ -1,4 +1,5 @@
 """Circuit breaker states and the bounded write-back queue."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """PromptCache against real Redis: prefix hits, TTL, eviction, corruption, outages, local tier, write-back."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,14 +8,14 @@ import time
 
 import pytest
 import torch
-
 from cache_testutil import INT8, PAGE, make_page, namespace
+
 from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import CacheOptions
-from pdserve.cache.value import encode_value
 from pdserve.cache.prompt_cache import PromptCache, build_prompt_cache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.store import MemoryStore
+from pdserve.cache.value import encode_value
 from pdserve.testing.wait import wait_until
 
 NS = namespace()
@@ -50,15 +51,22 @@ def test_partial_prefix_hits_at_page_boundaries(cache):
     base = tokens(4 * PAGE, seed=1)
     pages = fill(cache, base)
     assert cache.stats.writes == 4
-    for n, max_pages, want in [(4 * PAGE, 4, 4), (4 * PAGE, 3, 3), (4 * PAGE + 1, 4, 4), (4 * PAGE + 9, 9, 4),
-                               (3 * PAGE + 2, 9, 3), (PAGE - 1, 9, 0), (4 * PAGE, 0, 0)]:
+    for n, max_pages, want in [
+        (4 * PAGE, 4, 4),
+        (4 * PAGE, 3, 3),
+        (4 * PAGE + 1, 4, 4),
+        (4 * PAGE + 9, 9, 4),
+        (3 * PAGE + 2, 9, 3),
+        (PAGE - 1, 9, 0),
+        (4 * PAGE, 0, 0),
+    ]:
         prompt = (base + tokens(20, seed=2))[:n]
         hit = cache.lookup(NS, prompt, max_pages)
         assert hit.num_pages == want, (n, max_pages)
         assert len(hit.keys) == n // PAGE
         for got, ref in zip(hit.pages, pages):
             assert torch.equal(got.data, ref.data) and torch.equal(got.scales, ref.scales)
-    diverged = base[:2 * PAGE + 1] + [(base[2 * PAGE + 1] + 1) % 500] + base[2 * PAGE + 2:]
+    diverged = base[: 2 * PAGE + 1] + [(base[2 * PAGE + 1] + 1) % 500] + base[2 * PAGE + 2 :]
     assert cache.lookup(NS, diverged, 4).num_pages == 2  # a different token in page 2 ends the prefix there
     other = namespace(dataclasses.replace(INT8, group_size=8))
     assert cache.lookup(other, base, 4).num_pages == 0  # another KV format never sees these pages
@@ -125,9 +133,14 @@ def test_corrupt_values_are_counted_misses_and_get_replaced(redis):
     r = redis.client()
     victim = cache.store_key(NS, keys[2])
     good = r.get(victim)
-    damaged = [good[:-1] + bytes([good[-1] ^ 1]), good[:len(good) // 2], b"", b"garbage",
-               bytes(good[:200]) + bytes(len(good) - 200),  # zeroed tail
-               encode_value(pages[3], NS, keys[3])]         # a valid value of another page
+    damaged = [
+        good[:-1] + bytes([good[-1] ^ 1]),
+        good[: len(good) // 2],
+        b"",
+        b"garbage",
+        bytes(good[:200]) + bytes(len(good) - 200),  # zeroed tail
+        encode_value(pages[3], NS, keys[3]),
+    ]  # a valid value of another page
     for n, bad in enumerate(damaged, 1):
         r.set(victim, bad)
         assert cache.lookup(NS, prompt, 4).num_pages == 2
@@ -152,10 +165,10 @@ def test_redis_killed_and_restarted_under_load(start_redis):
             t0 = time.monotonic()
             try:
                 hit = cache.lookup(NS, p, 6)
-                for k, pg in zip(hit.keys[hit.num_pages:], range(hit.num_pages, 6)):  # "recompute" the rest
+                for k, pg in zip(hit.keys[hit.num_pages :], range(hit.num_pages, 6)):  # "recompute" the rest
                     cache.put(NS, k, make_page(INT8, pg))
                 results.append(hit.num_pages)
-            except Exception as e:  # noqa: BLE001 - the cache must never raise
+            except Exception as e:
                 failures.append(e)
             slowest[0] = max(slowest[0], time.monotonic() - t0)
             j += 1
@@ -166,8 +179,11 @@ def test_redis_killed_and_restarted_under_load(start_redis):
         t.start()
     wait_until(lambda: len(results) >= 20, timeout=60, what="lookups under load")
     srv.kill()
-    wait_until(lambda: cache.breaker.times_opened > 0 and cache.stats.skipped > 0, timeout=60,
-               what="the breaker opened and kept Redis out of the way")
+    wait_until(
+        lambda: cache.breaker.times_opened > 0 and cache.stats.skipped > 0,
+        timeout=60,
+        what="the breaker opened and kept Redis out of the way",
+    )
     down_errors = cache.errors
     srv.restart()
     n_restart = len(results)

@@ -1,4 +1,5 @@
 """The byte stores behind the cache (in-process and real Redis) behave alike: TTL, refresh on hit, bounds."""
+
 from __future__ import annotations
 
 import time
@@ -87,6 +88,7 @@ def test_redis_down_raises_store_error_fast(start_redis):
 
 def test_password_and_tls(start_redis, tmp_path):
     import subprocess
+
     srv = start_redis("--requirepass", "s3cret")
     with pytest.raises(StoreError):
         RedisStore(srv.url).get_many([b"k"], 1000)
@@ -94,13 +96,45 @@ def test_password_and_tls(start_redis, tmp_path):
     s.set_many([(b"k", b"v")], 60_000)
     assert s.get_many([b"k"], 1000) == [b"v"]
     cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     from pdserve.testing.redis_server import free_port
+
     tls_port = free_port()
-    start_redis("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-                "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")
+    start_redis(
+        "--tls-port",
+        str(tls_port),
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(cert),
+        "--tls-auth-clients",
+        "no",
+    )
     s = RedisStore(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}", timeout_s=2.0)
     s.set_many([(b"t", b"tls")], 60_000)
     assert s.get_many([b"t"], 1000) == [b"tls"]
@@ -110,8 +144,15 @@ def test_password_and_tls(start_redis, tmp_path):
 def test_redis_cluster_client(start_redis, tmp_path):
     """A one-node Redis Cluster (all 16384 slots) through redis-py's cluster client."""
     from pdserve.testing.redis_server import free_port
-    srv = start_redis("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
-                      "--cluster-port", str(free_port()))
+
+    srv = start_redis(
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        str(tmp_path / "nodes.conf"),
+        "--cluster-port",
+        str(free_port()),
+    )
     c = srv.client()
     c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
     deadline = time.monotonic() + 10

@@ -1,18 +1,23 @@
 """Cached page values (KVPage messages bound to their key): round trip, and every kind of damage is detected."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
-
 from cache_testutil import DENSE, INT8, make_page, namespace
+
 from pdserve.cache.value import decode_value, encode_value, value_bytes
 from pdserve.errors import CorruptPage, InvalidRequest
 
 CHAIN = bytes(range(32))
-LAYOUTS = {"int8": INT8, "int8-asym": dataclasses.replace(INT8, asymmetric=True), "float32": DENSE,
-           "bfloat16": dataclasses.replace(DENSE, dtype="bfloat16")}
+LAYOUTS = {
+    "int8": INT8,
+    "int8-asym": dataclasses.replace(INT8, asymmetric=True),
+    "float32": DENSE,
+    "bfloat16": dataclasses.replace(DENSE, dtype="bfloat16"),
+}
 NS = namespace(INT8)
 
 
@@ -65,8 +70,11 @@ def test_mismatches_rejected():
 
 def test_encode_refuses_pages_that_do_not_fit():
     page = make_page(INT8, 0)
-    for bad in (dataclasses.replace(page, num_tokens=INT8.page_size - 1), dataclasses.replace(page, layer_start=1),
-                dataclasses.replace(page, data=page.data[:, :1], scales=page.scales[:, :1])):
+    for bad in (
+        dataclasses.replace(page, num_tokens=INT8.page_size - 1),
+        dataclasses.replace(page, layer_start=1),
+        dataclasses.replace(page, data=page.data[:, :1], scales=page.scales[:, :1]),
+    ):
         with pytest.raises(InvalidRequest, match="full pages"):
             encode_value(bad, NS, CHAIN)
     with pytest.raises(InvalidRequest):

@@ -1,4 +1,5 @@
 """`pdserve up` as a subprocess, talked to through the SDK and through `pdserve generate`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,10 +19,28 @@ from pdserve.models.checkpoints import build_checkpoint
 @pytest.fixture(scope="module")
 def up_and_gateway(tmp_path_factory):
     model = build_checkpoint(tmp_path_factory.mktemp("cli") / "ckpt", arch="qwen2", seed=2)
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", "0",
-                             "--gateway-port", "0", "--prefill", "2", "--decode", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--gateway-port",
+            "0",
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))},
+    )
     lines = []
     deadline = time.monotonic() + 180
     target = gateway = None
@@ -52,11 +71,13 @@ def up(up_and_gateway):
 
 def test_gateway_started_by_up(up_and_gateway):
     import openai
+
     target, (base_url, model) = up_and_gateway
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == [model] == ["ckpt"]
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
-                                         max_tokens=4, temperature=0)
+    out = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0
+    )
     with pdserve.Client(target, timeout=60) as c:
         ref = c.generate(messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0)
     assert out.choices[0].message.content == ref.text
@@ -77,6 +98,7 @@ def test_async_client(up):
             out = await c.generate(prompt="hello", max_tokens=5, temperature=0, ignore_eos=True)
             chunks = [ch async for ch in c.stream(prompt="hello", max_tokens=5, temperature=0, ignore_eos=True)]
             return out, chunks
+
     out, chunks = asyncio.run(run())
     assert [t for ch in chunks for t in ch.token_ids] == out.token_ids and len(out.token_ids) == 5
 
@@ -85,6 +107,7 @@ def test_up_runs_the_requested_instances(up):
     from pdserve.server.grpc_util import channel
     from pdserve.v1 import router_admin_pb2 as pb
     from pdserve.v1 import router_admin_pb2_grpc
+
     with channel(up) as ch:
         r = router_admin_pb2_grpc.RegistryStub(ch).ListInstances(pb.ListInstancesRequest(), timeout=10)
     roles = sorted(pb.InstanceRole.Name(i.role) for i in r.instances if i.state == "up")
@@ -92,13 +115,21 @@ def test_up_runs_the_requested_instances(up):
 
 
 def test_generate_command(up):
-    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--target", up, "--max-tokens", "6",
-                          "hello"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "generate", "--target", up, "--max-tokens", "6", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "finish=" in res.stderr and "completion_tokens=6" in res.stderr
 
 
 def test_generate_command_reports_bad_input(up):
-    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--target", up, "--max-tokens", "0",
-                          "hello"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "generate", "--target", up, "--max-tokens", "0", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "max_tokens" in res.stderr

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny real HF checkpoints (built once per session per variant) and engine/HF factories."""
+
 from __future__ import annotations
 
 import sys
@@ -7,22 +8,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.models.checkpoints import build_checkpoint
 
 torch.set_num_threads(1)  # tiny ops: a 2-thread pool on a shared 2-core box is ~100x slower
 sys.path.insert(0, str(Path(__file__).parent))  # engine_testutil (pytest runs with --import-mode=importlib)
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 # name -> (arch, build overrides). "llama_variant": head_dim != hidden/heads, q/k/v/o + MLP bias, llama3 RoPE.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
     "mistral": ("mistral", {}),
-    "llama_variant": ("llama", dict(seed=1, head_dim=8, attention_bias=True, mlp_bias=True,
-                                    rope_parameters=LLAMA3_ROPE)),
+    "llama_variant": (
+        "llama",
+        dict(seed=1, head_dim=8, attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3_ROPE),
+    ),
     "llama_hd64": ("llama", dict(head_dim=64)),  # a head_dim FlashAttention-3 kernels are built for (GPU test)
 }
 
@@ -39,6 +48,7 @@ def checkpoint(tmp_path_factory):
             seed = kw.pop("seed", 0)
             built[name] = build_checkpoint(tmp_path_factory.mktemp(name), arch=arch, seed=seed, **kw)
         return built[name]
+
     return get
 
 
@@ -55,16 +65,19 @@ def hf_model(checkpoint):
             m.generation_config.eos_token_id = None  # compare full lengths, like ignore_eos
             cache[name] = m
         return cache[name]
+
     return get
 
 
 @pytest.fixture(scope="session")
 def make_engine(checkpoint):
     """make_engine(name, **EngineConfig overrides) -> LLMEngine on CPU/fp32 with small pages and chunks."""
+
     def make(name: str = "llama", **kw) -> LLMEngine:
         cfg = dict(page_size=4, chunk_size=8, num_pages=128, max_num_seqs=16, device="cpu", dtype="float32")
         cfg.update(kw)
         return LLMEngine(EngineConfig(model_dir=str(checkpoint(name)), **cfg))
+
     return make
 
 

@@ -1,4 +1,5 @@
 """Helpers shared by the engine tests (imported as a plain module; pytest puts this folder on sys.path)."""
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,9 @@ def forced_logits(engine: LLMEngine, prompts: list[list[int]], forced: list[list
     request per prompt)."""
     rows: dict[str, list[torch.Tensor]] = {}
     for i, (p, f) in enumerate(zip(prompts, forced)):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True),
-                           forced_token_ids=f)
+        engine.add_request(
+            f"r{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True), forced_token_ids=f
+        )
     while engine.has_unfinished_requests():
         for o in engine.step(return_logits=True):
             rows.setdefault(o.request_id, []).append(o.logits)

@@ -1,10 +1,11 @@
 """add_request(cached_pages=...): a request starts with its first N pages filled from a prompt cache."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_testutil import random_prompt, run_to_completion
+
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.payload import PagePayload
 
@@ -89,8 +90,9 @@ def test_int8_cached_pages_into_dense_pool(engine):
     assert all(p.data.dtype == torch.int8 for p in q8)
     rows = {}
     for rid, pages in (("dense", dense), ("int8", q8)):
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True,
-                           cached_pages=pages)
+        engine.add_request(
+            rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True, cached_pages=pages
+        )
         while rid not in rows:
             for o in engine.step(return_logits=True):
                 if o.finished:
@@ -129,7 +131,7 @@ def test_bad_cached_pages_rejected(engine):
 
 
 def engine_partial_page(engine, prompt: list[int]) -> PagePayload:
-    engine.add_request("part", prompt[:PAGE - 1], GREEDY, prefill_only=True)
+    engine.add_request("part", prompt[: PAGE - 1], GREEDY, prefill_only=True)
     while not any(o.finished for o in engine.step()):
         pass
     (p,) = engine.export_pages("part", [0], "auto")

@@ -1,10 +1,11 @@
 """Prefill-only + page export on one engine, import + decode on another == one engine doing both."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_testutil import random_prompt, run_to_completion
+
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.payload import PagePayload
 
@@ -72,6 +73,7 @@ def test_concurrent_imports_and_local_requests(prefill_engine, decode_engine):
     def collect(outs):
         for o in outs:
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
+
     d.add_request("local", local, GREEDY)
     collect(d.step())
     for rid, (payloads, first) in shipped.items():
@@ -93,8 +95,9 @@ def test_int8_paths_run(pool, wire, prefill_engine, make_engine):
     ref = d.generate([prompt], GREEDY)[0]  # int8 pool: self-prefill works too
     payloads, first = prefill(prefill_engine, "q", prompt, GREEDY, kv_dtype=wire, group_size=8, asymmetric=False)
     if wire == "int8":
-        assert all(p.data.dtype == torch.int8 and p.scales.dtype == torch.float16 and p.group_size == 8
-                   for p in payloads)
+        assert all(
+            p.data.dtype == torch.int8 and p.scales.dtype == torch.float16 and p.group_size == 8 for p in payloads
+        )
     out = decode(d, "q", prompt, GREEDY, payloads, first)
     assert len(out) == GREEDY.max_tokens
     agree = sum(a == b for a, b in zip(out, ref)) / len(ref)
@@ -105,11 +108,11 @@ def test_int8_pool_export_is_copy(make_engine):
     e = make_engine("llama", kv_dtype="int8", kv_group_size=16)
     e.add_request("x", random_prompt(6, 3), GREEDY, prefill_only=True)
     run_to_completion(e)
-    a, = e.export_pages("x", [0], "int8", group_size=16, asymmetric=False)
-    b, = e.export_pages("x", [0], "int8", group_size=16, asymmetric=False)
+    (a,) = e.export_pages("x", [0], "int8", group_size=16, asymmetric=False)
+    (b,) = e.export_pages("x", [0], "int8", group_size=16, asymmetric=False)
     table = e._seqs["x"].page_table
     assert torch.equal(a.data, e.runner.kv_cache.data[:, :, table[0], :4].cpu()) and torch.equal(a.data, b.data)
-    dense, = e.export_pages("x", [1], "float32")
+    (dense,) = e.export_pages("x", [1], "float32")
     assert dense.data.shape == (2, 2, 2, 2, 16) and dense.data.dtype == torch.float32
     e.release("x")
 
@@ -121,11 +124,11 @@ def test_import_validation(decode_engine, prefill_engine):
     d.begin_import("v", prompt, GREEDY)
     p0, p1 = payloads
     bad = [
-        PagePayload(5, 4, 0, p0.data, None, None),                       # page index out of range
-        PagePayload(1, 4, 0, p0.data, None, None),                       # last page has 2 tokens, not 4
-        PagePayload(0, 4, 0, p0.data[:, :, :, :1], None, None),          # wrong kv_heads
-        PagePayload(0, 4, 1, p0.data, None, None),                       # layers 1..2 of a 2-layer model
-        PagePayload(0, 4, 0, p0.data.to(torch.int8), None, None),        # int8 without scales
+        PagePayload(5, 4, 0, p0.data, None, None),  # page index out of range
+        PagePayload(1, 4, 0, p0.data, None, None),  # last page has 2 tokens, not 4
+        PagePayload(0, 4, 0, p0.data[:, :, :, :1], None, None),  # wrong kv_heads
+        PagePayload(0, 4, 1, p0.data, None, None),  # layers 1..2 of a 2-layer model
+        PagePayload(0, 4, 0, p0.data.to(torch.int8), None, None),  # int8 without scales
     ]
     for p in bad:
         with pytest.raises(ValueError):

@@ -1,17 +1,19 @@
 """FlashAttention-3 backend vs the SDPA backend (Hopper GPU with flash_attn_interface only; skipped elsewhere)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_testutil import forced_logits, random_prompt
+
 from pdserve.engine.attention import AttentionMetadata, FA3Backend, SdpaBackend, select_backend
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                                reason="needs a CUDA sm90 GPU")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a CUDA sm90 GPU"
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,11 @@ def fa3() -> FA3Backend:
 def test_fa3_matches_sdpa_on_paged_pool(fa3, head_dim, int8):
     dev, dt, ps, H, KVH = torch.device("cuda"), torch.bfloat16, 16, 8, 2
     g = torch.Generator(device=dev).manual_seed(0)
-    pool = Int8KVCache(1, 64, ps, KVH, head_dim, dt, dev, 64, False) if int8 else \
-        KVCache(1, 64, ps, KVH, head_dim, dt, dev)
+    pool = (
+        Int8KVCache(1, 64, ps, KVH, head_dim, dt, dev, 64, False)
+        if int8
+        else KVCache(1, 64, ps, KVH, head_dim, dt, dev)
+    )
     perm = torch.randperm(64, generator=g, device=dev).tolist()
     # prefill chunks (mixed starts/lengths), then a decode batch over the same sequences
     for starts, q_lens in (([0, 0, 0], [37, 1, 16]), ([37, 1, 16], [20, 5, 33]), ([57, 6, 49], [1, 1, 1])):
@@ -39,8 +44,8 @@ def test_fa3_matches_sdpa_on_paged_pool(fa3, head_dim, int8):
         k = torch.randn(T, KVH, head_dim, device=dev, dtype=dt, generator=g)
         v = torch.randn(T, KVH, head_dim, device=dev, dtype=dt, generator=g)
         pool.write(0, meta.slot_mapping, k, v)
-        ref = SdpaBackend().attend(0, q, meta, pool, head_dim ** -0.5)
-        out = fa3.attend(0, q, AttentionMetadata(starts, q_lens, tables, ps, dev), pool, head_dim ** -0.5)
+        ref = SdpaBackend().attend(0, q, meta, pool, head_dim**-0.5)
+        out = fa3.attend(0, q, AttentionMetadata(starts, q_lens, tables, ps, dev), pool, head_dim**-0.5)
         assert out.shape == ref.shape
         assert (out.float() - ref.float()).abs().max().item() < 2e-2, (starts, q_lens)
 

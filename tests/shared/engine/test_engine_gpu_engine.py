@@ -1,22 +1,26 @@
 """The GPU engine (fused model path, FA3, decode CUDA graphs, int8 decode kernels) against the eager engine and
 an fp32 SDPA reference (Hopper GPU with flash_attn_interface and triton only; skipped elsewhere)."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
-
 from engine_testutil import forced_logits, random_prompt
+
 from pdserve.engine import kernels
 from pdserve.engine.attention import select_backend
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9
-                                or not kernels.HAVE_TRITON, reason="needs a CUDA sm90 GPU and triton")
-KW = dict(device="cuda", dtype="bfloat16", attention_backend="fa3", page_size=16, chunk_size=48, num_pages=96,
-          max_num_seqs=8)
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not kernels.HAVE_TRITON,
+    reason="needs a CUDA sm90 GPU and triton",
+)
+KW = dict(
+    device="cuda", dtype="bfloat16", attention_backend="fa3", page_size=16, chunk_size=48, num_pages=96, max_num_seqs=8
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,8 +44,10 @@ PROMPTS = [random_prompt(n, seed=n) for n in (1, 15, 16, 17, 70, 33)]
 def reference(make_engine):
     """fp32 SDPA engine: greedy continuations (different lengths, so the decode batch shrinks) and logits."""
     ref = make_engine("llama_hd64", **{**KW, "attention_backend": "sdpa", "dtype": "float32"})
-    forced = [ref.generate([p], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
-              for p, n in zip(PROMPTS, (20, 7, 33, 12, 25, 18))]
+    forced = [
+        ref.generate([p], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+        for p, n in zip(PROMPTS, (20, 7, 33, 12, 25, 18))
+    ]
     return forced, run_forced(ref, PROMPTS, forced)
 
 
@@ -79,8 +85,13 @@ def test_alternative_decode_kernels_match_defaults(make_engine, reference, gemv)
     kc = default.runner.kernels
     assert set(kc.gemv) == {"qkv", "o", "gate_up", "down"} and kc.dense_decode == "triton"
     assert kc.pdl and default.runner.backend.kernels is kc  # Hopper: the fused decode chain uses PDL
-    alt = make_engine("llama_hd64", **KW, gemv_plan="triton" if gemv == "triton-everywhere" else "cublas", pdl=False,
-                      dense_decode_kernel="fa3")
+    alt = make_engine(
+        "llama_hd64",
+        **KW,
+        gemv_plan="triton" if gemv == "triton-everywhere" else "cublas",
+        pdl=False,
+        dense_decode_kernel="fa3",
+    )
     want = dict(DEFAULT_CONFIG) if gemv == "triton-everywhere" else None
     assert alt.runner.kernels.gemv == {n: want for n in ("qkv", "o", "gate_up", "down")} and not alt.runner.kernels.pdl
     ld, la = run_forced(default, PROMPTS, forced), run_forced(alt, PROMPTS, forced)

@@ -1,6 +1,7 @@
 """Triton kernels of the GPU engine against references, on fresh random inputs (CUDA + triton only; skipped
 elsewhere: CPU CI has neither). Quantization must equal the CPU torch path bit for bit; float kernels are held to
 an fp32 reference with bf16-level tolerances (relative L2 error)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ from pdserve.engine import kernels
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.kv import quant as Q
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not kernels.HAVE_TRITON,
-                                reason="needs a CUDA GPU and triton")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not kernels.HAVE_TRITON, reason="needs a CUDA GPU and triton"
+)
 DEV = torch.device("cuda")
 
 
@@ -26,7 +28,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_matches_cpu_path_bitwise(asym, group, dtype):
     g = torch.Generator(device=DEV).manual_seed(group + asym)
-    x = (torch.randn(37, 8, 128, device=DEV, generator=g) * torch.rand(37, 8, 1, device=DEV, generator=g) * 20)
+    x = torch.randn(37, 8, 128, device=DEV, generator=g) * torch.rand(37, 8, 1, device=DEV, generator=g) * 20
     x = x.to(dtype)
     x[0, 0] = 0
     x[1, 1, :group] = 2.5  # constant group
@@ -173,15 +175,27 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
     P, ps, KVH, D, HQ, B, W = 256, 16, 8, 128, 32, 5, 40
     q8, s, z = Q.quantize(torch.randn(2, P, ps, KVH, D, device=DEV, generator=g), 64, asym)
     kv = Q.dequantize(q8, s, z, 64, torch.float32).view(2, P * ps, KVH, D)  # what the kernel must attend to
-    table = torch.randperm(P, device=DEV, generator=g)[:B * W].view(B, W).int()
+    table = torch.randperm(P, device=DEV, generator=g)[: B * W].view(B, W).int()
     lens = torch.tensor([1, 15, 16, 333, 640], device=DEV, dtype=torch.int32)
     q = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
-    out = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None if z is None else z[0], None if z is None else z[1],
-                            table, lens, D ** -0.5, splits, scale_expand=variant == "expand",
-                            fold_scales=variant.startswith("fold"),  # sym only: asym falls back to the tile kernel
-                            pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV))
+    out = int8_paged_decode(
+        q,
+        q8[0],
+        q8[1],
+        s[0],
+        s[1],
+        None if z is None else z[0],
+        None if z is None else z[1],
+        table,
+        lens,
+        D**-0.5,
+        splits,
+        scale_expand=variant == "expand",
+        fold_scales=variant.startswith("fold"),  # sym only: asym falls back to the tile kernel
+        pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV),
+    )
     assert out.isfinite().all()
-    assert rel(out, _ref_decode(q, kv, table, lens, ps, D ** -0.5)) < 1e-2
+    assert rel(out, _ref_decode(q, kv, table, lens, ps, D**-0.5)) < 1e-2
 
 
 def test_rmsnorm_silu_vs_fp32():
@@ -213,7 +227,11 @@ def test_rope_kv_write_vs_fp32(int8):
     rot.build_tables(4096)
     pos = torch.randint(0, 4096, (T,), device=DEV, generator=g)
     qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEV, generator=g).bfloat16()
-    q, k, v = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D), qkv[:, (H + KVH) * D:].view(T, KVH, D)
+    q, k, v = (
+        qkv[:, : H * D].view(T, H, D),
+        qkv[:, H * D : (H + KVH) * D].view(T, KVH, D),
+        qkv[:, (H + KVH) * D :].view(T, KVH, D),
+    )
     q0, k0, v0 = q.double(), k.double(), v.double()
     rq, rk = RotaryEmbedding(D, 500000.0, None, DEV)(pos, q0, k0)  # float64 reference rotation
     slots = torch.randperm(P * ps, device=DEV, generator=g)[:T]
@@ -233,7 +251,9 @@ def test_rope_kv_write_vs_fp32(int8):
         vc = Q.dequantize(vq, vs, None, 64, torch.float32)
         # stored exactly what the torch path stores for the same (rotated, bf16) k and v
         eq, es, _ = Q.quantize(k[ok].cpu(), 64, False)
-        assert torch.equal(kq.view(-1, KVH, D)[slots[ok]].cpu(), eq) and torch.equal(ks.view(-1, KVH, 2)[slots[ok]].cpu(), es)
+        assert torch.equal(kq.view(-1, KVH, D)[slots[ok]].cpu(), eq) and torch.equal(
+            ks.view(-1, KVH, 2)[slots[ok]].cpu(), es
+        )
     else:
         kc, vc = pool
     kc, vc = kc.view(-1, KVH, D), vc.view(-1, KVH, D)

@@ -1,4 +1,5 @@
 """Loader (configs, fingerprint, RoPE), engine config resolution, and the KV pools as units."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,13 @@ def test_parse_configs(checkpoint):
 
 
 def test_generation_config_eos_and_old_rope_format(checkpoint, tmp_path):
-    d = edited_copy(checkpoint("llama"), tmp_path / "m", rope_parameters=None, rope_theta=5000.0,
-                    rope_scaling={"type": "linear", "factor": 2.0})
+    d = edited_copy(
+        checkpoint("llama"),
+        tmp_path / "m",
+        rope_parameters=None,
+        rope_theta=5000.0,
+        rope_scaling={"type": "linear", "factor": 2.0},
+    )
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4]}))
     c = parse_model_config(d)
     assert c.eos_token_ids == [2, 4]
@@ -48,8 +54,13 @@ def test_unsupported_architecture_and_sliding_window(checkpoint, tmp_path):
         parse_model_config(edited_copy(checkpoint("mistral"), tmp_path / "b", sliding_window=256))
     parse_model_config(edited_copy(checkpoint("mistral"), tmp_path / "c", sliding_window=4096))  # >= max: fine
     with pytest.raises(NotImplementedError, match="rope"):
-        parse_model_config(edited_copy(checkpoint("llama"), tmp_path / "d",
-                                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}))
+        parse_model_config(
+            edited_copy(
+                checkpoint("llama"),
+                tmp_path / "d",
+                rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+            )
+        )
 
 
 def test_fingerprint(checkpoint, tmp_path):
@@ -73,8 +84,14 @@ def test_llama3_inv_freq_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     cfg = LlamaConfig(hidden_size=2048, num_attention_heads=16, head_dim=128, rope_parameters=rope)
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     ours = rope_inv_freq(128, 500000.0, {k: v for k, v in rope.items() if k != "rope_theta"})
@@ -94,10 +111,13 @@ def test_engine_config_validation_and_dtype():
 @pytest.mark.parametrize("int8, asym", [(False, False), (True, False), (True, True)])
 def test_kv_pool_write_read_export_import(int8, asym):
     L, P, ps, H, D = 2, 6, 4, 2, 16
-    pool = Int8KVCache(L, P, ps, H, D, torch.float32, torch.device("cpu"), 8, asym) if int8 else \
-        KVCache(L, P, ps, H, D, torch.float32, torch.device("cpu"))
+    pool = (
+        Int8KVCache(L, P, ps, H, D, torch.float32, torch.device("cpu"), 8, asym)
+        if int8
+        else KVCache(L, P, ps, H, D, torch.float32, torch.device("cpu"))
+    )
     k, v = torch.randn(6, H, D), torch.randn(6, H, D)
-    table = [4, 1]                                  # logical pages 0, 1 -> physical 4, 1
+    table = [4, 1]  # logical pages 0, 1 -> physical 4, 1
     slots = torch.tensor([4 * ps + i for i in range(4)] + [1 * ps + i for i in range(2)])
     pool.write(1, slots, k, v)
     rk, rv = pool.read(1, table, 6)

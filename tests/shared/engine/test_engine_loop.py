@@ -1,4 +1,5 @@
 """EngineLoop: engine on a background thread, commands from other threads, per-request callbacks."""
+
 from __future__ import annotations
 
 import queue
@@ -6,8 +7,8 @@ import sys
 import threading
 
 import pytest
-
 from engine_testutil import random_prompt
+
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.page_table import OutOfPages
 from pdserve.engine.sampling import SamplingParams
@@ -38,8 +39,10 @@ def test_generate_through_loop_matches_direct(loop, llama_engine):
     refs = llama_engine.generate(prompts, GREEDY)
     qs = [queue.Queue() for _ in prompts]
     # submit from several threads at once
-    ts = [threading.Thread(target=loop.add_request, args=(f"r{i}", p, GREEDY, q.put)) for i, (p, q) in
-          enumerate(zip(prompts, qs))]
+    ts = [
+        threading.Thread(target=loop.add_request, args=(f"r{i}", p, GREEDY, q.put))
+        for i, (p, q) in enumerate(zip(prompts, qs))
+    ]
     for t in ts:
         t.start()
     for t in ts:
@@ -111,6 +114,7 @@ def test_step_failure_reaches_callbacks(loop):
 
     def boom(*a, **k):
         raise RuntimeError("kaboom")
+
     loop.call(lambda e: setattr(e, "_run", boom))
     loop.add_request("f", random_prompt(4, 5), GREEDY, q.put)
     err = q.get(timeout=20)

@@ -1,13 +1,14 @@
 """The engine / model-runner seam: the engine keeps integers (sequences hold no tensors), the runner owns tensors
 and per-request generators; GPU knobs come from EngineConfig; the model has one module tree."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
-
 from engine_testutil import random_prompt
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.sampling import SamplingParams
@@ -15,8 +16,11 @@ from pdserve.errors import InvalidRequest
 
 
 def _tensors_in(obj) -> list[str]:
-    return [f.name for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)
-            or isinstance(getattr(obj, f.name), torch.Generator)]
+    return [
+        f.name
+        for f in dataclasses.fields(obj)
+        if isinstance(getattr(obj, f.name), torch.Tensor) or isinstance(getattr(obj, f.name), torch.Generator)
+    ]
 
 
 def test_sequences_hold_no_tensors_while_importing_and_running(llama_engine):
@@ -51,7 +55,7 @@ def test_import_bookkeeping_counts_layer_ranges(make_engine):
         dst.import_page("p", p)
     with pytest.raises(InvalidRequest, match=r"pages \[0, 1\] not imported"):
         dst.finish_import("p", first)
-    dst.import_page("p", pages[0])   # page 0 complete (layers repeated)
+    dst.import_page("p", pages[0])  # page 0 complete (layers repeated)
     with pytest.raises(InvalidRequest, match=r"pages \[1\] not imported"):
         dst.finish_import("p", first)
     dst.import_page("p", dataclasses.replace(pages[1], data=pages[1].data[:, :1]))  # layer 0 of page 1
@@ -66,8 +70,7 @@ def test_runner_keeps_generators_of_sampled_requests_only(make_engine):
     e.add_request("sampled", random_prompt(5, seed=6), SamplingParams(max_tokens=2, temperature=1.0))
     assert set(r._generators) == {"sampled"}
     with pytest.raises(InvalidRequest):  # a rejected request leaves no generator behind
-        e.add_request("bad", random_prompt(5, seed=7), SamplingParams(max_tokens=2, temperature=1.0),
-                      sampled_before=99)
+        e.add_request("bad", random_prompt(5, seed=7), SamplingParams(max_tokens=2, temperature=1.0), sampled_before=99)
     assert set(r._generators) == {"sampled"}
     e.abort("sampled")
     e.release("greedy")
@@ -104,18 +107,28 @@ def test_cpu_kernel_choice_ignores_gpu_knobs(checkpoint):
     assert not kc.fused and not kc.pdl and kc.gemv == {}
 
 
-@pytest.mark.parametrize("bad", [dict(gemv_plan="fast"), dict(gemv_plan='{"qkv": 3}'), dict(gemv_plan='{"x": null}'),
-                                 dict(decode_kernel_config="[1]"), dict(decode_kernel_config="{"),
-                                 dict(dense_decode_kernel="x"), dict(dense_prefill_kernel="x"),
-                                 dict(fa3_num_splits=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(gemv_plan="fast"),
+        dict(gemv_plan='{"qkv": 3}'),
+        dict(gemv_plan='{"x": null}'),
+        dict(decode_kernel_config="[1]"),
+        dict(decode_kernel_config="{"),
+        dict(dense_decode_kernel="x"),
+        dict(dense_prefill_kernel="x"),
+        dict(fa3_num_splits=-1),
+    ],
+)
 def test_gpu_knobs_are_validated(bad):
     with pytest.raises(ValueError):
         EngineConfig(model_dir="x", **bad).validate()
 
 
 def test_gpu_knobs_parse():
-    cfg = EngineConfig(model_dir="x", gemv_plan='{"qkv": {"block_n": 8}, "down": null}',
-                       decode_kernel_config='{"block_n": 32}')
+    cfg = EngineConfig(
+        model_dir="x", gemv_plan='{"qkv": {"block_n": 8}, "down": null}', decode_kernel_config='{"block_n": 32}'
+    )
     cfg.validate()
     assert cfg.gemv_projections() == {"qkv": {"block_n": 8}, "down": None}
     assert cfg.decode_kernel_overrides() == {"block_n": 32}
@@ -125,11 +138,29 @@ def test_engine_options_reach_engine_config():
     """Every GPU knob of EngineConfig is an EngineOptions flag of the same name (so the CLI and env reach it)."""
     from pdserve.server.service_config import EngineOptions
 
-    opts = EngineOptions(model="m", pdl=False, triton=False, gemv_plan="cublas", fa3_num_splits=2,
-                         dense_decode_kernel="fa3", decode_kernel_config='{"block_n": 16}', cuda_graphs=False)
+    opts = EngineOptions(
+        model="m",
+        pdl=False,
+        triton=False,
+        gemv_plan="cublas",
+        fa3_num_splits=2,
+        dense_decode_kernel="fa3",
+        decode_kernel_config='{"block_n": 16}',
+        cuda_graphs=False,
+    )
     cfg = opts.engine_config("int8")
-    for name in ("pdl", "triton", "gemv_plan", "fa3_num_splits", "dense_decode_kernel", "decode_kernel_config",
-                 "cuda_graphs", "int8_decode_kernel", "dense_prefill_kernel", "cuda_graph_max_context",
-                 "gpu_memory_utilization"):
+    for name in (
+        "pdl",
+        "triton",
+        "gemv_plan",
+        "fa3_num_splits",
+        "dense_decode_kernel",
+        "decode_kernel_config",
+        "cuda_graphs",
+        "int8_decode_kernel",
+        "dense_prefill_kernel",
+        "cuda_graph_max_context",
+        "gpu_memory_utilization",
+    ):
         assert getattr(cfg, name) == getattr(opts, name), name
     assert cfg.kv_dtype == "int8" and cfg.model_dir == "m"

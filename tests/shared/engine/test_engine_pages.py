@@ -1,9 +1,10 @@
 """Page allocator units, and the pool returning to all-free after finishing/aborting in every state."""
+
 from __future__ import annotations
 
 import pytest
-
 from engine_testutil import random_prompt, run_to_completion
+
 from pdserve.engine.page_table import OutOfPages, PageAllocator
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import SequenceStatus
@@ -70,7 +71,7 @@ def test_abort_waiting(llama_engine):
 
 def test_abort_mid_prefill_and_running(llama_engine):
     e = llama_engine
-    e.add_request("long", random_prompt(29, 2), GREEDY)   # 4 chunks of 8
+    e.add_request("long", random_prompt(29, 2), GREEDY)  # 4 chunks of 8
     e.add_request("short", random_prompt(3, 3), GREEDY)
     e.step()  # first chunk: 'long' takes the whole budget
     assert e._seqs["long"].status == SequenceStatus.PREFILLING and e.allocator.num_used > 0
@@ -111,7 +112,7 @@ def test_prefill_only_holds_pages_until_release(llama_engine):
     res = run_to_completion(e)
     assert res["p"]["outputs"][-1].finish_reason == "prefill_done"
     assert e.allocator.num_used == 3  # ceil(10 / 4): kept for export
-    assert e.abort("p")                 # finished already: frees, no output
+    assert e.abort("p")  # finished already: frees, no output
     assert e.step() == [] and e.allocator.num_used == 0
 
 

@@ -2,11 +2,12 @@
 prompt + those k tokens, `sampled_before=k`; decode import with `resumed_tokens=k` and the characters already
 delivered) and produces exactly the uninterrupted stream: same tokens (greedy and seeded sampling), same text
 (text held back at the cut comes out after it), same finish reason and usage."""
+
 from __future__ import annotations
 
 import pytest
-
 from engine_testutil import random_prompt, run_to_completion
+
 from pdserve.engine.sampling import SamplingParams
 
 N = 24
@@ -22,7 +23,7 @@ def resumed(prefill_engine, decode_engine, prompt, sp, ref, k: int) -> dict:
     done = ref["tokens"][:k]
     delivered = ""
     for o in ref["outputs"]:  # the text the dead instance had delivered with its first k tokens
-        if sum(len(x.new_token_ids) for x in ref["outputs"][:ref["outputs"].index(o) + 1]) > k:
+        if sum(len(x.new_token_ids) for x in ref["outputs"][: ref["outputs"].index(o) + 1]) > k:
             break
         delivered += o.text_delta
     rid = f"resume-{k}"
@@ -42,14 +43,23 @@ def resumed(prefill_engine, decode_engine, prompt, sp, ref, k: int) -> dict:
     rest = run_to_completion(decode_engine)[rid]
     assert decode_engine.allocator.num_used == 0 and prefill_engine.allocator.num_used == 0
     last = rest["outputs"][-1]
-    return dict(tokens=done + rest["tokens"], text=delivered + rest["text"], finish=last.finish_reason,
-                stop=last.stop_reason, usage=(last.num_prompt_tokens, last.num_completion_tokens))
+    return dict(
+        tokens=done + rest["tokens"],
+        text=delivered + rest["text"],
+        finish=last.finish_reason,
+        stop=last.stop_reason,
+        usage=(last.num_prompt_tokens, last.num_completion_tokens),
+    )
 
 
-@pytest.mark.parametrize("sp", [
-    SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=N, temperature=0.9, top_k=50, seed=11, ignore_eos=True),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=N, temperature=0.9, top_k=50, seed=11, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_resume_continues_the_same_stream(prefill_engine, decode_engine, sp):
     prompt = random_prompt(13, seed=77)
     ref = uninterrupted(decode_engine, prompt, sp)
@@ -70,14 +80,13 @@ def test_resume_with_a_stop_string_across_the_cut(prefill_engine, decode_engine)
     prompt = random_prompt(9, seed=78)
     full = uninterrupted(decode_engine, prompt, greedy)["text"]
     assert len(full) > 12
-    stop = full[len(full) // 2:len(full) // 2 + 4]
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
     sp = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, stop=[stop])
     ref = uninterrupted(decode_engine, prompt, sp)
-    assert ref["outputs"][-1].finish_reason == "stop" and ref["text"] == full[:full.index(stop)]
+    assert ref["outputs"][-1].finish_reason == "stop" and ref["text"] == full[: full.index(stop)]
     for k in range(1, len(ref["tokens"])):
         got = resumed(prefill_engine, decode_engine, prompt, sp, ref, k)
-        assert (got["tokens"], got["text"], got["finish"], got["stop"]) == \
-            (ref["tokens"], ref["text"], "stop", stop), k
+        assert (got["tokens"], got["text"], got["finish"], got["stop"]) == (ref["tokens"], ref["text"], "stop", stop), k
 
 
 def test_resume_arguments_are_checked(decode_engine):

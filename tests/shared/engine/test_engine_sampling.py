@@ -1,12 +1,13 @@
 """Sampling (seeds, top-k/top-p, validation), stop conditions and incremental detokenization."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-
 from engine_testutil import random_prompt, run_to_completion
+
 from pdserve.engine.sampling import SamplingParams, sample
 from pdserve.engine.sequence import IncrementalDetokenizer
 
@@ -17,12 +18,22 @@ def text_prompt(engine, text: str = "The quick brown fox jumps over the lazy dog
     return engine.tokenizer.encode(text)
 
 
-@pytest.mark.parametrize("bad, reason", [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2000), "context"),
-    (dict(temperature=-0.1), "temperature"), (dict(temperature=math.nan), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
-    (dict(seed=-1), "seed"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-2]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(max_tokens=2000), "context"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(seed=-1), "seed"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-2]), "stop_token_ids"),
+    ],
+)
 def test_validate_rejects_with_reason(bad, reason):
     with pytest.raises(ValueError, match=reason):
         SamplingParams(**bad).validate(1024)
@@ -41,8 +52,9 @@ def test_sampler_top_k_one_is_argmax_and_top_p_keeps_head():
         gen = torch.Generator().manual_seed(s)
         assert sample(logits, SamplingParams(temperature=1.0, top_k=1), gen) == best
         assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-6), gen) == best
-    picks = {sample(logits, SamplingParams(temperature=1.0, top_k=3), torch.Generator().manual_seed(s))
-             for s in range(200)}
+    picks = {
+        sample(logits, SamplingParams(temperature=1.0, top_k=3), torch.Generator().manual_seed(s)) for s in range(200)
+    }
     assert picks <= set(torch.topk(logits, 3).indices.tolist()) and len(picks) > 1
 
 
@@ -52,9 +64,15 @@ def test_seed_determinism_independent_of_batch(llama_engine):
     sp = SamplingParams(max_tokens=12, seed=1234, ignore_eos=True, **RANDOM)
     alone = e.generate([prompt], sp)[0]
     mates = [random_prompt(n, seed=50 + n) for n in (3, 17, 30)]
-    batched = e.generate([mates[0], prompt, mates[1], mates[2]],
-                         [SamplingParams(max_tokens=12, ignore_eos=True, **RANDOM), sp,
-                          SamplingParams(max_tokens=5, seed=7, **RANDOM), SamplingParams(max_tokens=12, temperature=0)])
+    batched = e.generate(
+        [mates[0], prompt, mates[1], mates[2]],
+        [
+            SamplingParams(max_tokens=12, ignore_eos=True, **RANDOM),
+            sp,
+            SamplingParams(max_tokens=5, seed=7, **RANDOM),
+            SamplingParams(max_tokens=12, temperature=0),
+        ],
+    )
     assert batched[1] == alone
     other_seed = e.generate([prompt], SamplingParams(max_tokens=12, seed=99, ignore_eos=True, **RANDOM))[0]
     assert other_seed != alone
@@ -88,7 +106,7 @@ def test_stop_token_ids(llama_engine):
     j = ref.index(tok)
     r = greedy_run(e, prompt, max_tokens=12, ignore_eos=True, stop_token_ids=[tok])
     last = r["outputs"][-1]
-    assert r["tokens"] == ref[:j + 1]
+    assert r["tokens"] == ref[: j + 1]
     assert (last.finish_reason, last.stop_reason) == ("stop", f"token:{tok}")
 
 
@@ -98,8 +116,9 @@ def test_eos_stops_unless_ignored(llama_engine):
     prompt = random_prompt(5, 4)
     forced = [7, 8, eos, 9, 10]
     e.add_request("eos", prompt, SamplingParams(max_tokens=5, temperature=0.0), forced_token_ids=forced)
-    e.add_request("ign", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
-                  forced_token_ids=forced)
+    e.add_request(
+        "ign", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), forced_token_ids=forced
+    )
     res = run_to_completion(e)
     assert res["eos"]["tokens"] == forced[:3]
     assert (res["eos"]["outputs"][-1].finish_reason, res["eos"]["outputs"][-1].stop_reason) == ("stop", "eos")

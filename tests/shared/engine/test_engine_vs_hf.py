@@ -1,10 +1,11 @@
 """Our model + paged KV + chunked prefill vs Hugging Face transformers on the same checkpoints (fp32, CPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_testutil import random_prompt, run_to_completion
+
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.sampling import SamplingParams
 
@@ -22,12 +23,19 @@ def hf_greedy(hf_model):
     def run(name: str, prompt: list[int]):
         key = (name, tuple(prompt))
         if key not in cache:
-            out = hf_model(name).generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW,
-                                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(prompt):].tolist()
+            out = hf_model(name).generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=NEW,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
             assert len(tokens) == NEW
             cache[key] = (tokens, torch.stack([lg[0] for lg in out.logits]).float())
         return cache[key]
+
     return run
 
 
@@ -35,14 +43,19 @@ def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: torch.Tensor
     """Token-identical, unless the first divergence sits on a float-noise tie in HF's logits (then skip)."""
     if ours == ref:
         return
-    j = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b) if len(ours) == len(ref) else \
-        min(len(ours), len(ref))
+    j = (
+        next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+        if len(ours) == len(ref)
+        else min(len(ours), len(ref))
+    )
     if j < len(ref):
         top2 = torch.topk(ref_logits[j], 2).values
         margin = float(top2[0] - top2[1])
         if margin < NOISE_MARGIN:
-            pytest.skip(f"{what}: diverges at step {j} where HF's top-2 logit margin is {margin:.2e} "
-                        f"(< {NOISE_MARGIN}): float noise, not a mismatch")
+            pytest.skip(
+                f"{what}: diverges at step {j} where HF's top-2 logit margin is {margin:.2e} "
+                f"(< {NOISE_MARGIN}): float noise, not a mismatch"
+            )
     raise AssertionError(f"{what}: greedy tokens differ at step {j}\nours={ours}\nhf  ={ref}")
 
 
@@ -56,7 +69,7 @@ def test_prefill_logits_match_hf(name, make_engine, hf_model):
     pages = engine.allocator.allocate(-(-len(prompt) // PAGE))
     rows = []
     for start in range(0, len(prompt), CHUNK):
-        ids = prompt[start:start + CHUNK]
+        ids = prompt[start : start + CHUNK]
         runner = engine.runner
         meta = AttentionMetadata([start], [len(ids)], [pages], PAGE, runner.device)
         hidden = runner.model(torch.tensor(ids), meta, runner.kv_cache, runner.backend)
@@ -148,7 +161,7 @@ def test_forced_tokens_and_returned_logits_match_hf(make_engine, hf_model):
             rows.append(o.logits)
     assert tokens == forced
     with torch.no_grad():
-        ref = hf_model("qwen2")(torch.tensor([prompt + forced])).logits[0, len(prompt) - 1:-1].float()
+        ref = hf_model("qwen2")(torch.tensor([prompt + forced])).logits[0, len(prompt) - 1 : -1].float()
     ours = torch.stack(rows)
     assert ours.shape == ref.shape and ours.dtype == torch.float32
     assert (ours - ref).abs().max().item() < 1e-4

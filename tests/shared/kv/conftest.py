@@ -1,4 +1,5 @@
 """Shared fixtures for pdserve.kv tests: a tiny llama trained once per session (~40 s on 2 CPU cores)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 @pytest.fixture(scope="session")
 def trained_model_dir(tmp_path_factory) -> Path:
     from pdserve.models.train_tiny import train_tiny_checkpoint
+
     return train_tiny_checkpoint(tmp_path_factory.mktemp("tiny-trained"), seconds=45, seed=0)
 
 
@@ -17,4 +19,5 @@ def trained_model_dir(tmp_path_factory) -> Path:
 def real_kv(trained_model_dir) -> torch.Tensor:
     """[2, layers, T=512, kv_heads, head_dim] float32 K/V of the trained model on held-out text."""
     from pdserve.models.train_tiny import capture_kv, split_corpus
+
     return capture_kv(trained_model_dir, split_corpus()[1], max_tokens=512)

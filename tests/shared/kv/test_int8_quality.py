@@ -17,6 +17,7 @@ Trained tiny llama (head_dim 64, 2 layers, 2 kv heads), 8 held-out prompts of 70
 NOTE: begin_import has no forced_token_ids; the test sets it on the importing sequence (engine internals)
 unless a later engine adds the keyword (detected via inspect.signature).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -50,8 +51,15 @@ class Case:
 
 
 def engine(model_dir, **kw) -> LLMEngine:
-    cfg = EngineConfig(model_dir=str(model_dir), device="cpu", page_size=PAGE_SIZE, chunk_size=64, num_pages=160,
-                       max_num_seqs=NUM_PROMPTS, **kw)
+    cfg = EngineConfig(
+        model_dir=str(model_dir),
+        device="cpu",
+        page_size=PAGE_SIZE,
+        chunk_size=64,
+        num_pages=160,
+        max_num_seqs=NUM_PROMPTS,
+        **kw,
+    )
     return LLMEngine(cfg)
 
 
@@ -62,14 +70,16 @@ def greedy(max_tokens: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def cases(trained_model_dir) -> list[Case]:
     from transformers import AutoTokenizer
+
     from pdserve.models.train_tiny import split_corpus
+
     tok = AutoTokenizer.from_pretrained(str(trained_model_dir))
     ids = tok(split_corpus()[1])["input_ids"]
     stride = (len(ids) - 200) // NUM_PROMPTS
     out = []
     for i, n in enumerate(PROMPT_LENS):
         s = i * stride
-        out.append(Case(f"q{i}", ids[s:s + n], ids[s + n:s + n + FORCED]))
+        out.append(Case(f"q{i}", ids[s : s + n], ids[s + n : s + n + FORCED]))
     return out
 
 
@@ -90,8 +100,9 @@ def prefill_and_ship(pe: LLMEngine, cases: list[Case], layout: KVLayoutSpec, tag
             if o.ready_pages:
                 kw = dict(group_size=layout.group_size, asymmetric=layout.asymmetric) if layout.quantized else {}
                 for p in pe.export_pages(o.request_id, o.ready_pages, kv_dtype=layout.dtype, **kw):
-                    msg = encode_page(p, request_id=rid, seq_no=len(wire[rid]), layout=layout,
-                                      fingerprint=pe.fingerprint)
+                    msg = encode_page(
+                        p, request_id=rid, seq_no=len(wire[rid]), layout=layout, fingerprint=pe.fingerprint
+                    )
                     wire[rid].append(msg.SerializeToString())
             if o.finished:
                 assert o.finish_reason == "prefill_done"
@@ -103,8 +114,9 @@ def prefill_and_ship(pe: LLMEngine, cases: list[Case], layout: KVLayoutSpec, tag
     return wire
 
 
-def import_and_decode(de: LLMEngine, cases: list[Case], wire: dict[str, list[bytes]],
-                      layout: KVLayoutSpec, fingerprint: str) -> dict[str, torch.Tensor]:
+def import_and_decode(
+    de: LLMEngine, cases: list[Case], wire: dict[str, list[bytes]], layout: KVLayoutSpec, fingerprint: str
+) -> dict[str, torch.Tensor]:
     """Import the pages, teacher-force the continuation; rid -> logits [FORCED - 1, V] of the decode steps."""
     forced_kw = "forced_token_ids" in inspect.signature(de.begin_import).parameters
     for c in cases:
@@ -115,8 +127,10 @@ def import_and_decode(de: LLMEngine, cases: list[Case], wire: dict[str, list[byt
             de._seqs[c.rid].forced_token_ids = list(c.forced)
         for raw in wire[c.rid]:
             msg = kv_pb2.KVPage.FromString(raw)
-            de.import_page(c.rid, decode_page(msg, expected_layout=layout, expected_fingerprint=fingerprint,
-                                              expected_request_id=c.rid))
+            de.import_page(
+                c.rid,
+                decode_page(msg, expected_layout=layout, expected_fingerprint=fingerprint, expected_request_id=c.rid),
+            )
         de.finish_import(c.rid, c.forced[0])
     rows: dict[str, list[torch.Tensor]] = {c.rid: [] for c in cases}
     tokens: dict[str, list[int]] = {c.rid: [] for c in cases}
@@ -133,21 +147,31 @@ def import_and_decode(de: LLMEngine, cases: list[Case], wire: dict[str, list[byt
 
 def layout_for(pe: LLMEngine, dtype: str, group_size: int = 0, asymmetric: bool = False) -> KVLayoutSpec:
     mc = pe.model_config
-    return KVLayoutSpec(dtype=dtype, page_size=PAGE_SIZE, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                        head_dim=mc.head_dim, group_size=group_size, asymmetric=asymmetric)
+    return KVLayoutSpec(
+        dtype=dtype,
+        page_size=PAGE_SIZE,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        group_size=group_size,
+        asymmetric=asymmetric,
+    )
 
 
 def disaggregated(model_dir, pe: LLMEngine, cases: list[Case], layout: KVLayoutSpec, tag: str):
     wire = prefill_and_ship(pe, cases, layout, tag)
-    kw = dict(kv_dtype="int8", kv_group_size=layout.group_size, kv_asymmetric=layout.asymmetric) \
-        if layout.quantized else dict(kv_dtype="auto")
+    kw = (
+        dict(kv_dtype="int8", kv_group_size=layout.group_size, kv_asymmetric=layout.asymmetric)
+        if layout.quantized
+        else dict(kv_dtype="auto")
+    )
     return import_and_decode(engine(model_dir, **kw), cases, wire, layout, pe.fingerprint), wire
 
 
 def scores(logits: dict[str, torch.Tensor], cases: list[Case]) -> tuple[torch.Tensor, torch.Tensor]:
     """(nll [N], argmax [N]) over every scored position of every case."""
-    lg = torch.cat([logits[c.rid] for c in cases])                        # [N, V]
-    tgt = torch.tensor([t for c in cases for t in c.forced[1:]])          # [N]
+    lg = torch.cat([logits[c.rid] for c in cases])  # [N, V]
+    tgt = torch.tensor([t for c in cases for t in c.forced[1:]])  # [N]
     nll = torch.nn.functional.cross_entropy(lg, tgt, reduction="none")
     return nll, lg.argmax(-1)
 
@@ -155,8 +179,9 @@ def scores(logits: dict[str, torch.Tensor], cases: list[Case]) -> tuple[torch.Te
 @pytest.fixture(scope="module")
 def baseline(trained_model_dir, prefill_engine, cases):
     """Unquantized disaggregated run (float32 pages); checked against one monolithic engine."""
-    logits, wire = disaggregated(trained_model_dir, prefill_engine, cases, layout_for(prefill_engine, "float32"),
-                                 "base-")
+    logits, wire = disaggregated(
+        trained_model_dir, prefill_engine, cases, layout_for(prefill_engine, "float32"), "base-"
+    )
     mono = engine(trained_model_dir, kv_dtype="auto")
     for c in cases:
         mono.add_request(c.rid, c.prompt, greedy(FORCED), forced_token_ids=c.forced)
@@ -170,14 +195,17 @@ def baseline(trained_model_dir, prefill_engine, cases):
     return logits, wire
 
 
-@pytest.mark.parametrize("group_size,asymmetric", [(64, False), (64, True), (32, False)],
-                         ids=["g64-sym", "g64-asym", "g32-sym"])
-def test_int8_pages_match_unquantized_quality(trained_model_dir, prefill_engine, cases, baseline,
-                                              group_size, asymmetric):
+@pytest.mark.parametrize(
+    "group_size,asymmetric", [(64, False), (64, True), (32, False)], ids=["g64-sym", "g64-asym", "g32-sym"]
+)
+def test_int8_pages_match_unquantized_quality(
+    trained_model_dir, prefill_engine, cases, baseline, group_size, asymmetric
+):
     base_logits, base_wire = baseline
     layout = layout_for(prefill_engine, "int8", group_size, asymmetric)
-    q_logits, q_wire = disaggregated(trained_model_dir, prefill_engine, cases, layout,
-                                     f"g{group_size}{'a' if asymmetric else 's'}-")
+    q_logits, q_wire = disaggregated(
+        trained_model_dir, prefill_engine, cases, layout, f"g{group_size}{'a' if asymmetric else 's'}-"
+    )
     nll_b, top_b = scores(base_logits, cases)
     nll_q, top_q = scores(q_logits, cases)
     agree = (top_b == top_q).float().mean().item()
@@ -185,9 +213,11 @@ def test_int8_pages_match_unquantized_quality(trained_model_dir, prefill_engine,
     dlogit = max((q_logits[c.rid] - base_logits[c.rid]).abs().max().item() for c in cases)
     bytes_b = sum(len(m) for ms in base_wire.values() for m in ms)
     bytes_q = sum(len(m) for ms in q_wire.values() for m in ms)
-    print(f"\nint8 g={group_size} {'asym' if asymmetric else 'sym'}: positions={top_b.numel()} "
-          f"top1_agreement={agree:.4f} ppl_base={ppl_b:.4f} ppl_int8={ppl_q:.4f} ratio={ppl_q / ppl_b:.5f} "
-          f"max|dlogit|={dlogit:.4f} wire_bytes int8/float32={bytes_q}/{bytes_b}={bytes_q / bytes_b:.3f}")
+    print(
+        f"\nint8 g={group_size} {'asym' if asymmetric else 'sym'}: positions={top_b.numel()} "
+        f"top1_agreement={agree:.4f} ppl_base={ppl_b:.4f} ppl_int8={ppl_q:.4f} ratio={ppl_q / ppl_b:.5f} "
+        f"max|dlogit|={dlogit:.4f} wire_bytes int8/float32={bytes_q}/{bytes_b}={bytes_q / bytes_b:.3f}"
+    )
     assert agree >= MIN_TOP1
     assert ppl_q / ppl_b <= MAX_PPL_RATIO
     assert ppl_b < 40  # the model is trained: held-out continuation is far from uniform (512)

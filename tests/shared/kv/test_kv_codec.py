@@ -1,5 +1,6 @@
 """KVPage codec: exact round trips; every kind of corruption or mismatch on decode raises CorruptPage, a payload
 or layout that does not fit raises InvalidRequest (never CorruptPage: the bytes were never damaged)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,14 +19,27 @@ RID = "req-1"
 
 
 def layout(dtype: str = "int8", asymmetric: bool = False, group_size: int = 32) -> KVLayoutSpec:
-    return KVLayoutSpec(dtype=dtype, page_size=16, num_layers=4, num_kv_heads=2, head_dim=64,
-                        group_size=group_size if dtype == "int8" else 0, asymmetric=asymmetric)
+    return KVLayoutSpec(
+        dtype=dtype,
+        page_size=16,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        group_size=group_size if dtype == "int8" else 0,
+        asymmetric=asymmetric,
+    )
 
 
 def payload(lay: KVLayoutSpec, num_tokens: int = 11, layer_start: int = 1, layers: int = 3) -> PagePayload:
     g = torch.Generator().manual_seed(1)
-    dense = PagePayload(page_index=7, num_tokens=num_tokens, layer_start=layer_start, scales=None, zeros=None,
-                        data=torch.randn(2, layers, num_tokens, lay.num_kv_heads, lay.head_dim, generator=g) * 3)
+    dense = PagePayload(
+        page_index=7,
+        num_tokens=num_tokens,
+        layer_start=layer_start,
+        scales=None,
+        zeros=None,
+        data=torch.randn(2, layers, num_tokens, lay.num_kv_heads, lay.head_dim, generator=g) * 3,
+    )
     if lay.dtype == "int8":
         return quantize_payload(dense, lay.group_size, lay.asymmetric)
     dense.data = dense.data.to(lay.torch_dtype)
@@ -55,16 +69,21 @@ def wire(msg: kv_pb2.KVPage) -> kv_pb2.KVPage:
     return kv_pb2.KVPage.FromString(msg.SerializeToString())
 
 
-@pytest.mark.parametrize("dtype,asym", [("int8", False), ("int8", True), ("float32", False),
-                                        ("bfloat16", False), ("float16", False)])
+@pytest.mark.parametrize(
+    "dtype,asym", [("int8", False), ("int8", True), ("float32", False), ("bfloat16", False), ("float16", False)]
+)
 def test_roundtrip_exact(dtype, asym):
     lay = layout(dtype, asym)
     p = payload(lay)
     msg = wire(encode(p, lay))
     assert msg.layer_count == 3 and msg.seq_no == 3 and msg.checksum == checksum(msg)
     out = decode(msg, lay)
-    assert (out.page_index, out.num_tokens, out.layer_start, out.group_size) == \
-           (p.page_index, p.num_tokens, p.layer_start, p.group_size)
+    assert (out.page_index, out.num_tokens, out.layer_start, out.group_size) == (
+        p.page_index,
+        p.num_tokens,
+        p.layer_start,
+        p.group_size,
+    )
     assert out.data.dtype == p.data.dtype and torch.equal(out.data, p.data)
     for a, b in ((out.scales, p.scales), (out.zeros, p.zeros)):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -82,11 +101,17 @@ def test_layout_proto_roundtrip():
 def corrupt(name: str, msg: kv_pb2.KVPage) -> None:
     """Apply one corruption in place."""
     if name == "flip_data_byte":
-        b = bytearray(msg.data); b[len(b) // 2] ^= 0x01; msg.data = bytes(b)
+        b = bytearray(msg.data)
+        b[len(b) // 2] ^= 0x01
+        msg.data = bytes(b)
     elif name == "flip_scale_byte":
-        b = bytearray(msg.scales); b[3] ^= 0x80; msg.scales = bytes(b)
+        b = bytearray(msg.scales)
+        b[3] ^= 0x80
+        msg.scales = bytes(b)
     elif name == "flip_zero_byte":
-        b = bytearray(msg.zero_points); b[0] ^= 0x04; msg.zero_points = bytes(b)
+        b = bytearray(msg.zero_points)
+        b[0] ^= 0x04
+        msg.zero_points = bytes(b)
     elif name == "truncated_scales":
         msg.scales = msg.scales[:-2]
     elif name == "truncated_data":
@@ -109,9 +134,23 @@ def corrupt(name: str, msg: kv_pb2.KVPage) -> None:
         raise AssertionError(name)
 
 
-@pytest.mark.parametrize("name", ["flip_data_byte", "flip_scale_byte", "flip_zero_byte", "truncated_scales",
-                                  "truncated_data", "extra_data", "missing_zero_points", "header_page_index",
-                                  "header_seq_no", "checksum", "format_version", "no_layout"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "flip_data_byte",
+        "flip_scale_byte",
+        "flip_zero_byte",
+        "truncated_scales",
+        "truncated_data",
+        "extra_data",
+        "missing_zero_points",
+        "header_page_index",
+        "header_seq_no",
+        "checksum",
+        "format_version",
+        "no_layout",
+    ],
+)
 def test_corruption_raises(name):
     lay = layout("int8", asymmetric=True)
     msg = wire(encode(payload(lay), lay))
@@ -125,7 +164,9 @@ def test_corruption_raises(name):
 def test_flipped_byte_dense_raises(dtype):
     lay = layout(dtype)
     msg = encode(payload(lay), lay)
-    b = bytearray(msg.data); b[-1] ^= 0x10; msg.data = bytes(b)
+    b = bytearray(msg.data)
+    b[-1] ^= 0x10
+    msg.data = bytes(b)
     with pytest.raises(CorruptPage, match="checksum"):
         decode(msg, lay)
 
@@ -137,9 +178,14 @@ def test_wrong_fingerprint_request_and_layout_raise():
         decode(msg, lay, expected_fingerprint="sha256:model-b")
     with pytest.raises(CorruptPage, match="request id"):
         decode(msg, lay, expected_request_id="req-2")
-    for other in (dataclasses.replace(lay, group_size=64), dataclasses.replace(lay, asymmetric=True),
-                  dataclasses.replace(lay, page_size=32), dataclasses.replace(lay, num_layers=8),
-                  dataclasses.replace(lay, num_kv_heads=4), layout("float32")):
+    for other in (
+        dataclasses.replace(lay, group_size=64),
+        dataclasses.replace(lay, asymmetric=True),
+        dataclasses.replace(lay, page_size=32),
+        dataclasses.replace(lay, num_layers=8),
+        dataclasses.replace(lay, num_kv_heads=4),
+        layout("float32"),
+    ):
         with pytest.raises(CorruptPage, match="layout"):
             decode(msg, other)
 

@@ -3,6 +3,7 @@
 Overhead per (token, kv_head) for head_dim 128, group 64:
     bf16 dense 256 B; int8 sym 128 + 2 fp16 scales = 132 B (ratio 0.516); asym + 2 fp16 zeros = 136 B (0.531).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ import torch
 from pdserve.kv.payload import PagePayload, dequantize_payload, quantize_payload
 
 
-def dense_page(layers: int = 3, tokens: int = 16, heads: int = 2, head_dim: int = 128,
-               dtype: torch.dtype = torch.bfloat16) -> PagePayload:
+def dense_page(
+    layers: int = 3, tokens: int = 16, heads: int = 2, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16
+) -> PagePayload:
     g = torch.Generator().manual_seed(0)
     data = torch.randn(2, layers, tokens, heads, head_dim, generator=g).to(dtype)
     return PagePayload(page_index=5, num_tokens=tokens, layer_start=1, data=data, scales=None, zeros=None)

@@ -11,6 +11,7 @@ trained tiny llama, 512 held-out tokens, K (after RoPE) / V, head_dim 64:
     V g=16 sym 0.48% asym 0.40%   g=32 sym 0.56% asym 0.49%   g=64 sym 0.63% asym 0.56%
 In every group the max abs error is <= scale/2 (scale = the stored fp16 scale) up to float32 arithmetic.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,7 @@ def roundtrip_stats(x: torch.Tensor, group_size: int, asymmetric: bool) -> dict[
     assert q.dtype == torch.int8 and s.dtype == torch.float16 and y.shape == x.shape
     assert (z is not None) == asymmetric and (z is None or z.dtype == torch.float16)
     err = (y - x.float()).abs()
-    grp_err = err.reshape(*s.shape, group_size).amax(-1)                      # [..., G]
+    grp_err = err.reshape(*s.shape, group_size).amax(-1)  # [..., G]
     grp_abs = x.float().abs().reshape(*s.shape, group_size).amax(-1)
     # Rounding to the nearest grid point: |err| <= scale / 2, plus float32 arithmetic error.
     assert torch.all(grp_err <= 0.5 * s.float() + 1e-5 * grp_abs + 1e-7)
@@ -44,13 +45,23 @@ def roundtrip_stats(x: torch.Tensor, group_size: int, asymmetric: bool) -> dict[
         assert q.min() >= -128 and q.max() <= 127
     else:
         assert q.min() >= -127 and q.max() <= 127
-    return dict(mean=err.mean().item(), max=err.max().item(), rel=(err.mean() / x.float().abs().mean()).item(),
-                max_over_scale=(grp_err / s.float()).max().item())
+    return dict(
+        mean=err.mean().item(),
+        max=err.max().item(),
+        rel=(err.mean() / x.float().abs().mean()).item(),
+        max_over_scale=(grp_err / s.float()).max().item(),
+    )
 
 
 # (group_size, asymmetric) -> measured mean relative error on k_like(); bounds below are 1.25x these.
-SYNTHETIC_REL = {(32, False): 0.0149, (64, False): 0.0258, (128, False): 0.0468,
-                 (32, True): 0.0091, (64, True): 0.0149, (128, True): 0.0257}
+SYNTHETIC_REL = {
+    (32, False): 0.0149,
+    (64, False): 0.0258,
+    (128, False): 0.0468,
+    (32, True): 0.0091,
+    (64, True): 0.0149,
+    (128, True): 0.0257,
+}
 
 
 @pytest.mark.parametrize("asymmetric", [False, True], ids=["sym", "asym"])
@@ -58,8 +69,10 @@ def test_synthetic_error_per_group_size(asymmetric):
     x = k_like()
     stats = {g: roundtrip_stats(x, g, asymmetric) for g in (32, 64, 128)}
     for g, st in stats.items():
-        print(f"synthetic g={g:3d} {'asym' if asymmetric else 'sym '} mean={st['mean']:.4f} max={st['max']:.4f} "
-              f"rel={st['rel']:.4f} max/scale={st['max_over_scale']:.5f}")
+        print(
+            f"synthetic g={g:3d} {'asym' if asymmetric else 'sym '} mean={st['mean']:.4f} max={st['max']:.4f} "
+            f"rel={st['rel']:.4f} max/scale={st['max_over_scale']:.5f}"
+        )
         assert st["rel"] <= 1.25 * SYNTHETIC_REL[(g, asymmetric)]
         assert st["max_over_scale"] <= 0.5 + 1e-4
     # Larger groups share one scale over a wider range: error grows with group size.
@@ -78,8 +91,10 @@ def test_real_kv_error_per_group_size(real_kv, asymmetric):
     for name, t in (("K", real_kv[0]), ("V", real_kv[1])):
         stats = {g: roundtrip_stats(t, g, asymmetric) for g in (16, 32, 64)}
         for g, st in stats.items():
-            print(f"real {name} g={g:2d} {'asym' if asymmetric else 'sym '} mean={st['mean']:.5f} "
-                  f"max={st['max']:.5f} rel={st['rel']:.5f}")
+            print(
+                f"real {name} g={g:2d} {'asym' if asymmetric else 'sym '} mean={st['mean']:.5f} "
+                f"max={st['max']:.5f} rel={st['rel']:.5f}"
+            )
             assert st["rel"] < 0.0085  # measured <= 0.0066
         assert stats[16]["mean"] < stats[32]["mean"] < stats[64]["mean"]
     with pytest.raises(ValueError):
@@ -89,7 +104,7 @@ def test_real_kv_error_per_group_size(real_kv, asymmetric):
 @pytest.mark.parametrize("asymmetric", [False, True], ids=["sym", "asym"])
 def test_zero_and_constant_groups_are_exact(asymmetric):
     x = torch.zeros(3, 64)
-    x[1] = 0.5         # fp16-representable constant
+    x[1] = 0.5  # fp16-representable constant
     x[2, :32] = -2.25  # one constant group, one zero group
     q, s, z = quantize(x, 32, asymmetric)
     assert torch.all(s > 0) and torch.isfinite(s).all()
@@ -132,6 +147,7 @@ def test_large_values_do_not_overflow_fp16_scales():
 def test_trained_model_is_trained(trained_model_dir):
     """The fixture's model learned the corpus (measured: eval ppl 803.4 -> 13.0 in 180 steps)."""
     import json
+
     info = json.loads((trained_model_dir / "train_log.json").read_text())
     print(f"\ntrain_tiny: {info}")
     assert info["steps"] == 180

@@ -1,4 +1,5 @@
 """Page state machines of the KV transfer: every protocol violation is an error, never silent."""
+
 import pytest
 
 from pdserve.kv.transfer import PageState, ReceiverPages, SenderPages, TransferError

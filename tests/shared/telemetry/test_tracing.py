@@ -1,26 +1,31 @@
-"""pdserve.telemetry.tracing: on/off from the OTEL_* environment, W3C context in and out of gRPC metadata, export over real
+"""pdserve.telemetry.tracing: on/off from the OTEL_* environment, W3C context in and out of gRPC metadata,
+export over real
 OTLP/gRPC to an in-process TraceService receiver, flush on shutdown."""
+
 from __future__ import annotations
 
 import pytest
 from opentelemetry.trace import INVALID_SPAN
 
-from pdserve.testing.otlp_sink import OTLPSink
 from pdserve.telemetry.tracing import Tracing, end_span, trace_id_hex, tracing_enabled
+from pdserve.testing.otlp_sink import OTLPSink
 
 TID, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TID}-{PARENT}-01"
 
 
-@pytest.mark.parametrize("env, on", [
-    ({}, False),
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, True),
-    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317"}, True),
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}, False),
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "false"}, True),
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "none"}, False),
-    ({"OTEL_TRACES_EXPORTER": "console"}, True),
-])
+@pytest.mark.parametrize(
+    "env, on",
+    [
+        ({}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317"}, True),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "false"}, True),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "none"}, False),
+        ({"OTEL_TRACES_EXPORTER": "console"}, True),
+    ],
+)
 def test_enabled_from_env(env, on):
     assert tracing_enabled(env) is on
 

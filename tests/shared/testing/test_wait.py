@@ -1,4 +1,5 @@
 """wait_until: returns the condition's first truthy value, raises TimeoutError at the deadline."""
+
 from __future__ import annotations
 
 import threading

@@ -1,5 +1,6 @@
 """Gateway error mapping and metadata, driven by the official `openai` client against a gateway process whose
 router is a scripted gRPC Generation server (each prompt names the status it answers with)."""
+
 from __future__ import annotations
 
 import threading
@@ -32,13 +33,22 @@ class ScriptedRouter(generate_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode[request.prompt], f"scripted {request.prompt}")
         yield generate_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=[5], text="he")
         yield generate_pb2.GenerateStreamResponse(
-            request_id=request.request_id, token_ids=[6], text="llo", finish_reason=generate_pb2.FINISH_REASON_LENGTH,
-            usage=generate_pb2.Usage(prompt_tokens=1, completion_tokens=2))
+            request_id=request.request_id,
+            token_ids=[6],
+            text="llo",
+            finish_reason=generate_pb2.FINISH_REASON_LENGTH,
+            usage=generate_pb2.Usage(prompt_tokens=1, completion_tokens=2),
+        )
 
     def Generate(self, request, context):
         chunks = list(self.GenerateStream(request, context))
-        return generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=[5, 6], text="hello",
-                                             finish_reason=chunks[-1].finish_reason, usage=chunks[-1].usage)
+        return generate_pb2.GenerateResponse(
+            request_id=request.request_id,
+            token_ids=[5, 6],
+            text="hello",
+            finish_reason=chunks[-1].finish_reason,
+            usage=chunks[-1].usage,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +58,9 @@ def scripted(tmp_path_factory):
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    proc, ready, log = start_service("gateway", ["--router", f"127.0.0.1:{port}", "--model-name", "m"],
-                                     tmp_path_factory.mktemp("gw-scripted"))
+    proc, ready, log = start_service(
+        "gateway", ["--router", f"127.0.0.1:{port}", "--model-name", "m"], tmp_path_factory.mktemp("gw-scripted")
+    )
     try:
         address = wait_ready(proc, ready, log, timeout=60)
         yield servicer, openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0, timeout=30)
@@ -59,9 +70,17 @@ def scripted(tmp_path_factory):
         server.stop(0)
 
 
-@pytest.mark.parametrize("code,status", [("INVALID_ARGUMENT", 400), ("RESOURCE_EXHAUSTED", 429),
-                                         ("DEADLINE_EXCEEDED", 504), ("UNAVAILABLE", 503), ("INTERNAL", 500),
-                                         ("NOT_FOUND", 500)])
+@pytest.mark.parametrize(
+    "code,status",
+    [
+        ("INVALID_ARGUMENT", 400),
+        ("RESOURCE_EXHAUSTED", 429),
+        ("DEADLINE_EXCEEDED", 504),
+        ("UNAVAILABLE", 503),
+        ("INTERNAL", 500),
+        ("NOT_FOUND", 500),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_status_mapping(scripted, code, status, stream):
     _, client = scripted
@@ -78,8 +97,9 @@ def test_status_mapping(scripted, code, status, stream):
 
 def test_traceparent_passed_on(scripted):
     servicer, client = scripted
-    out = client.completions.create(model="m", prompt="ok",
-                                    extra_headers={"traceparent": TRACEPARENT, "x-priority": "high"})
+    out = client.completions.create(
+        model="m", prompt="ok", extra_headers={"traceparent": TRACEPARENT, "x-priority": "high"}
+    )
     assert out.choices[0].text == "hello" and out.usage.total_tokens == 3
     assert servicer.metadata[-1]["traceparent"] == TRACEPARENT and servicer.metadata[-1]["x-priority"] == "high"
     client.completions.create(model="m", prompt="ok")
@@ -108,6 +128,7 @@ def test_ready_follows_the_router(scripted, tmp_path):
     import json
     import urllib.error
     import urllib.request
+
     _, client = scripted
     base = str(client.base_url).removesuffix("/").removesuffix("/v1")
     with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
@@ -119,8 +140,8 @@ def test_ready_follows_the_router(scripted, tmp_path):
 
 def test_router_down_is_503(tmp_path):
     from pdserve.server.grpc_util import free_port
-    proc, ready, log = start_service("gateway", ["--router", f"127.0.0.1:{free_port()}", "--model-name", "m"],
-                                     tmp_path)
+
+    proc, ready, log = start_service("gateway", ["--router", f"127.0.0.1:{free_port()}", "--model-name", "m"], tmp_path)
     try:
         address = wait_ready(proc, ready, log, timeout=60)
         client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0, timeout=30)

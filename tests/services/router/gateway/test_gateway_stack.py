@@ -1,5 +1,6 @@
 """The gateway in front of the real stack (router + prefill + decode processes), driven by the `openai` client:
 completions and chat, streaming and not, equal to what the SDK gets for the same request."""
+
 from __future__ import annotations
 
 import openai
@@ -20,8 +21,16 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = start_stack(model_dir, tmp_path_factory.mktemp("gw-stack"), kv_dtype="auto", page_size=4, chunk_size=16,
-                    extra=["--num-pages", "256", "--torch-threads", "1"], gateway_port=0, model_name=MODEL)
+    s = start_stack(
+        model_dir,
+        tmp_path_factory.mktemp("gw-stack"),
+        kv_dtype="auto",
+        page_size=4,
+        chunk_size=16,
+        extra=["--num-pages", "256", "--torch-threads", "1"],
+        gateway_port=0,
+        model_name=MODEL,
+    )
     yield s
     s.stop()
 
@@ -50,8 +59,16 @@ def test_completion_equals_sdk(stack, client):
 
 def test_completion_stream_with_usage(client):
     whole = client.completions.create(model=MODEL, prompt="Exceptions are", max_tokens=10, temperature=0)
-    events = list(client.completions.create(model=MODEL, prompt="Exceptions are", max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    events = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Exceptions are",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(e.choices[0].text for e in events if e.choices) == whole.choices[0].text
     finishes = [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason]
     assert finishes == [whole.choices[0].finish_reason]
@@ -62,8 +79,10 @@ def test_completion_stream_with_usage(client):
 def test_chat_equals_template_rendering(stack, client, model_dir):
     """The router renders messages with the tokenizer's template exactly as transformers does."""
     from transformers import AutoTokenizer
-    ids = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(CHAT, add_generation_prompt=True,
-                                                                            tokenize=True, return_dict=False)
+
+    ids = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     with pdserve.Client(stack.router, timeout=60) as c:
         ref = c.generate(token_ids=list(ids), max_tokens=8, temperature=0)
         via_sdk = c.generate(messages=CHAT, max_tokens=8, temperature=0)
@@ -88,7 +107,7 @@ def test_chat_stream_stop_and_seed(client):
     cut = text[2:4]  # stop on a piece of the seeded answer: it ends just before it, finish_reason stop
     stopped = client.chat.completions.create(**kw, stop=[cut])
     assert stopped.choices[0].finish_reason == "stop"
-    assert stopped.choices[0].message.content == text[:text.index(cut)]
+    assert stopped.choices[0].message.content == text[: text.index(cut)]
 
 
 def test_router_errors_reach_the_client(client):
@@ -106,6 +125,7 @@ def test_reflection_lists_and_resolves_the_api(stack):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
     from pdserve.server.grpc_util import channel
+
     with channel(stack.router) as ch:
         db = ProtoReflectionDescriptorDatabase(ch)
         services = set(db.get_services())
