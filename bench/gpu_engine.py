@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -43,15 +42,9 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.sampling import SamplingParams
+from pdserve.models.random_llama import LLAMA3_8B_SHAPE, write_random_llama
 
-SHAPE = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-)
+SHAPE = LLAMA3_8B_SHAPE
 DEV = torch.device("cuda")
 RESULTS: dict = {}
 ROWS: list[tuple[str, str, str]] = []  # (figure, value, note) for the final table
@@ -107,72 +100,7 @@ def ceilings() -> tuple[float, float]:
 # ---- 2. checkpoint --------------------------------------------------------------------------------------
 def write_checkpoint(out: Path, layers: int, seed: int = 0) -> int:
     """Random bf16 Llama-3-8B-shaped checkpoint (HF layout). Returns the parameter count."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
-
-    from pdserve.models.checkpoints import build_tokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(
-        num_hidden_layers=layers,
-        max_position_embeddings=16384,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        **SHAPE,
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
-    cfg.dtype = "bfloat16"
-    cfg.save_pretrained(str(out))
-    build_tokenizer(out)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    h, ffn, hd = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
-    qd, kvd = SHAPE["num_attention_heads"] * hd, SHAPE["num_key_value_heads"] * hd
-
-    def mat(rows: int, cols: int, std: float) -> torch.Tensor:
-        return (torch.randn(rows, cols, device=DEV, generator=g) * std).to(torch.bfloat16).cpu()
-
-    def norm() -> torch.Tensor:
-        return (1 + 0.1 * torch.randn(h, device=DEV, generator=g)).to(torch.bfloat16).cpu()
-
-    weight_map, n_params, shard, shard_id = {}, 0, {}, 0
-    total_shards = math.ceil(layers / 8) + 1
-
-    def flush() -> None:
-        nonlocal shard, shard_id
-        shard_id += 1
-        name = f"model-{shard_id:05d}-of-{total_shards:05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        for k in shard:
-            weight_map[k] = name
-        shard = {}
-
-    shard["model.embed_tokens.weight"] = mat(SHAPE["vocab_size"], h, 0.25)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shard[p + "self_attn.q_proj.weight"] = mat(qd, h, h**-0.5)
-        shard[p + "self_attn.k_proj.weight"] = mat(kvd, h, h**-0.5)
-        shard[p + "self_attn.v_proj.weight"] = mat(kvd, h, h**-0.5)
-        shard[p + "self_attn.o_proj.weight"] = mat(h, qd, qd**-0.5)
-        shard[p + "mlp.gate_proj.weight"] = mat(ffn, h, h**-0.5)
-        shard[p + "mlp.up_proj.weight"] = mat(ffn, h, h**-0.5)
-        shard[p + "mlp.down_proj.weight"] = mat(h, ffn, ffn**-0.5)
-        shard[p + "input_layernorm.weight"] = norm()
-        shard[p + "post_attention_layernorm.weight"] = norm()
-        n_params += sum(t.numel() for k, t in shard.items() if k.startswith(p))
-        if (i + 1) % 8 == 0:
-            n_params += sum(t.numel() for k, t in shard.items() if not k.startswith("model.layers."))
-            flush()
-    shard["model.norm.weight"] = norm()
-    shard["lm_head.weight"] = mat(SHAPE["vocab_size"], h, h**-0.5)
-    n_params += sum(t.numel() for k, t in shard.items() if not k.startswith("model.layers."))
-    flush()
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": 2 * n_params}, "weight_map": weight_map}, indent=1)
-    )
-    return n_params
+    return write_random_llama(out, layers, seed, DEV, SHAPE)
 
 
 def prefill_flops(n_params: int, tokens: int, layers: int) -> float:

@@ -5,6 +5,13 @@
         print(out.text, out.finish_reason, out.usage)
         for chunk in c.stream(prompt="hello"):
             print(chunk.text, end="")
+        reply = c.chat([{"role": "user", "content": "hi"}])  # rendered with the model's chat template
+        for chunk in c.chat(messages, stream=True): ...
+        scored = c.generate(prompt="2+2=", logprobs=True, top_logprobs=5, prompt_logprobs=True)
+
+Defaults: max_tokens unset is 16 for prompt= / token_ids= and "until EOS or the context ends" for messages= (the
+OpenAI defaults of /v1/completions and /v1/chat/completions). Log-probabilities are the model's distribution
+before temperature / top-k / top-p. Reasoning models: `reasoning_text` holds the `<think>` part, `text` the answer.
 
 Errors are `grpc.RpcError` with the server's status code and reason (e.g. INVALID_ARGUMENT).
 `metadata=` (per client and per call) is sent as gRPC metadata: a W3C `traceparent` there is continued by the
@@ -13,8 +20,9 @@ server's trace (router → decode → prefill), see docs/tracing.md.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import grpc
 
@@ -42,6 +50,32 @@ class Usage:
 
 
 @dataclass
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability (the model's distribution, before temperature) and the top ones."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt scored by the model: logprobs[i] = log P(token_ids[i + 1] | token_ids[: i + 1])."""
+
+    token_ids: list[int]
+    tokens: list[str]
+    logprobs: list[float]
+
+
+@dataclass
 class CompletionChunk:
     """One streamed piece: new token ids and text; `finish_reason` is set on the last chunk."""
 
@@ -52,6 +86,9 @@ class CompletionChunk:
     stop_reason: str = ""
     usage: Usage | None = None
     ttft_ms: float | None = None
+    reasoning_text: str = ""  # new thinking text (reasoning models; `text` is the answer)
+    logprobs: list[TokenLogprob] | None = None  # one per token id (logprobs=True / top_logprobs=N)
+    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk (prompt_logprobs=True)
 
 
 @dataclass
@@ -64,6 +101,9 @@ class Completion:
     usage: Usage = field(default_factory=Usage)
     ttft_ms: float | None = None
     total_ms: float | None = None
+    reasoning_text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def build_request(
@@ -81,6 +121,11 @@ def build_request(
     ignore_eos: bool = False,
     request_id: str | None = None,
     priority: str | None = None,
+    logprobs: bool = False,
+    top_logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+    max_reasoning_tokens: int | None = None,
+    split_reasoning: bool | None = None,
 ) -> generate_pb2.GenerateRequest:
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("pass exactly one of prompt=, token_ids= or messages=")
@@ -88,6 +133,9 @@ def build_request(
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         stop_token_ids=list(stop_token_ids or []),
         ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs or 0,
+        prompt_logprobs=prompt_logprobs,
     )
     for name, value in (
         ("max_tokens", max_tokens),
@@ -95,10 +143,13 @@ def build_request(
         ("top_p", top_p),
         ("top_k", top_k),
         ("seed", seed),
+        ("max_reasoning_tokens", max_reasoning_tokens),
     ):
         if value is not None:
             setattr(s, name, value)
     req = generate_pb2.GenerateRequest(request_id=request_id or "", sampling=s, priority=_PRIORITY[priority])
+    if split_reasoning is not None:
+        req.split_reasoning = split_reasoning
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:  # [{"role": ..., "content": ...}], rendered by the router's chat template
@@ -106,6 +157,22 @@ def build_request(
     else:
         req.token_ids.ids.extend(token_ids)
     return req
+
+
+def _logprobs(msg) -> list[TokenLogprob] | None:
+    if not msg.logprobs:
+        return None
+    return [
+        TokenLogprob(lp.token_id, lp.token, lp.logprob, [TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top])
+        for lp in msg.logprobs
+    ]
+
+
+def _prompt_logprobs(msg) -> PromptLogprobs | None:
+    if not msg.HasField("prompt_logprobs"):
+        return None
+    p = msg.prompt_logprobs
+    return PromptLogprobs(list(p.token_ids), list(p.tokens), list(p.logprobs))
 
 
 def _chunk(msg: generate_pb2.GenerateStreamResponse) -> CompletionChunk:
@@ -118,6 +185,9 @@ def _chunk(msg: generate_pb2.GenerateStreamResponse) -> CompletionChunk:
         stop_reason=msg.stop_reason,
         usage=Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens) if last else None,
         ttft_ms=msg.timing.ttft_ms if msg.HasField("timing") and msg.timing.ttft_ms else None,
+        reasoning_text=msg.reasoning_text,
+        logprobs=_logprobs(msg),
+        prompt_logprobs=_prompt_logprobs(msg),
     )
 
 
@@ -131,6 +201,9 @@ def _completion(msg: generate_pb2.GenerateResponse) -> Completion:
         usage=Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens),
         ttft_ms=msg.timing.ttft_ms,
         total_ms=msg.timing.total_ms,
+        reasoning_text=msg.reasoning_text,
+        logprobs=_logprobs(msg),
+        prompt_logprobs=_prompt_logprobs(msg),
     )
 
 
@@ -165,6 +238,20 @@ class Client:
         finally:
             call.cancel()  # no-op when finished; stops generation when the caller breaks out early
 
+    @overload
+    def chat(self, messages: Sequence[dict[str, str]], *, stream: Literal[False] = False, **kw) -> Completion: ...
+
+    @overload
+    def chat(self, messages: Sequence[dict[str, str]], *, stream: Literal[True], **kw) -> Iterator[CompletionChunk]: ...
+
+    def chat(
+        self, messages: Sequence[dict[str, str]], *, stream: bool = False, **kw
+    ) -> Completion | Iterator[CompletionChunk]:
+        """The assistant's next turn after `messages` ([{"role", "content"}], rendered with the model's chat
+        template): a Completion, or its chunks with `stream=True`. Takes `generate`'s keywords; max_tokens unset
+        means until EOS or the end of the context."""
+        return self.stream(messages=messages, **kw) if stream else self.generate(messages=messages, **kw)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -196,7 +283,7 @@ class AsyncClient:
 
     async def stream(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (), **kw
-    ) -> AsyncIterator[CompletionChunk]:
+    ) -> AsyncGenerator[CompletionChunk, None]:
         call = self._stub.GenerateStream(
             build_request(prompt, **kw), timeout=timeout or self.timeout, metadata=[*self.metadata, *metadata]
         )
@@ -205,6 +292,10 @@ class AsyncClient:
                 yield _chunk(msg)
         finally:
             call.cancel()
+
+    def chat(self, messages: Sequence[dict[str, str]], *, stream: bool = False, **kw):
+        """As `Client.chat`: `await client.chat(messages)`, or `async for c in client.chat(messages, stream=True)`."""
+        return self.stream(messages=messages, **kw) if stream else self.generate(messages=messages, **kw)
 
     async def close(self) -> None:
         await self._channel.close()

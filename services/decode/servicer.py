@@ -16,7 +16,7 @@ from pdserve.errors import InvalidRequest
 from pdserve.kv.codec import KVLayoutSpec, decode_page
 from pdserve.kv.transfer import ReceiverPages, TransferError
 from pdserve.server.grpc_util import channel, remaining
-from pdserve.server.proto_convert import sampling_from_proto
+from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
@@ -111,8 +111,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         n_out = 0
         finish = "abort"
         try:
-            first, cached = self._receive_kv(request, prompt, context, req)
+            first, cached, done = self._receive_kv(request, prompt, context, req)
             self.loop.finish_import(rid, first)
+            # the first token's logprob and the prompt's came from prefill: they lead the first message
+            lead_logprobs = [done.first_token_logprob] if done.HasField("first_token_logprob") else []
+            prompt_logprobs = list(done.prompt_logprobs)
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
             while True:
                 try:
@@ -126,7 +129,13 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 if isinstance(out, Exception):
                     context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
                 n_out = out.num_completion_tokens
-                msg = internal_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.text_delta)
+                msg = internal_pb2.DecodeResponse(
+                    token_ids=out.new_token_ids,
+                    text=out.text_delta,
+                    logprobs=[*lead_logprobs, *map(logprob_to_proto, out.logprobs)],
+                    prompt_logprobs=prompt_logprobs,
+                )
+                lead_logprobs, prompt_logprobs = [], []
                 req.first_token()
                 if out.finished:
                     finished, finish = True, out.finish_reason
@@ -159,7 +168,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 
     def _receive_kv(
         self, request: internal_pb2.DecodeRequest, prompt: list[int], context: grpc.ServicerContext, req: RequestScope
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, internal_pb2.PrefillDone]:
         """Open the Prefill stream, store pages as they arrive, ack them. Returns (first token, cached)."""
         rid = request.request_id
         pages = ReceiverPages(rid, -(-len(prompt) // self.layout.page_size))
@@ -230,7 +239,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                             "pdserve.first_token_id": done.first_token_id,
                         },
                     )
-                    return done.first_token_id, done.cached_tokens
+                    return done.first_token_id, done.cached_tokens, done
         except grpc.RpcError as e:
             if not context.is_active():
                 raise

@@ -17,7 +17,7 @@ from pdserve.kv.codec import KVLayoutSpec, encode_page
 from pdserve.kv.transfer import SenderPages, TransferError
 from pdserve.prefill.ack_clock import AckClock
 from pdserve.prefill.config import PrefillConfig
-from pdserve.server.proto_convert import sampling_from_proto
+from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -93,7 +93,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         scope.set({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(prompt), "pdserve.kv.dtype": kv_dtype})
         ns = CacheNamespace(self.fingerprint, layout)
         lookup_ns = time.time_ns()
-        hit = self._cache_lookup(ns, prompt)
+        # prompt_logprobs score every prompt token: nothing may come from the cache
+        hit = CacheLookup([], []) if sampling.prompt_logprobs else self._cache_lookup(ns, prompt)
+        prompt_lps: list[float] = []  # sampling.prompt_logprobs, gathered chunk by chunk (engine thread)
         scope.record(
             "prefill.cache_lookup",
             lookup_ns,
@@ -115,6 +117,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 if out.finish_reason == "abort":
                     outbox.put(RuntimeError("prefill aborted"))
                     return
+                prompt_lps.extend(out.prompt_logprobs)
                 if scope.recording and out.token_range:  # this step computed one chunk of the prompt
                     scope.record(
                         "prefill.chunk",
@@ -197,7 +200,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                         num_pages=pages.num_shipped,
                         cached_tokens=hit.num_pages * self.page_size,
                         prefill_ms=(time.perf_counter() - t0) * 1e3,
+                        prompt_logprobs=prompt_lps,
                     )
+                    if out.logprobs:  # the first token's (sampling.logprobs / top_logprobs)
+                        done.first_token_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
                     self._record_done(scope, ship, pages, len(prompt), done)
                     yield internal_pb2.PrefillServerMessage(done=done)
                     log.info(

@@ -40,7 +40,11 @@ def relay(
     grpc.RpcError propagates (with `progress` telling how far the caller got)."""
     first_of_attempt = True
     for msg in call:
-        out = generate_pb2.GenerateStreamResponse(request_id=rid, token_ids=msg.token_ids, text=msg.text)
+        out = generate_pb2.GenerateStreamResponse(
+            request_id=rid, token_ids=msg.token_ids, text=msg.text, logprobs=msg.logprobs
+        )
+        if msg.prompt_logprobs:
+            out.prompt_logprobs.logprobs.extend(msg.prompt_logprobs)
         now_ms = progress.elapsed_ms()
         if first_of_attempt:
             first_of_attempt = False

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.engine.reasoning_budget import ThinkTags
 from pdserve.errors import InvalidRequest
 from pdserve.router.admission import Rejected
 from pdserve.router.attempt import AttemptHooks, Progress, relay
@@ -31,8 +32,10 @@ from pdserve.router.pcs import (
     special_token_ids,
 )
 from pdserve.router.priority import Priority, resolve
+from pdserve.router.reasoning import ReasoningSplitter, reasoning_tags
 from pdserve.router.retry_policy import Action, Decision, after_failure
 from pdserve.router.scheduler import Cancelled, Job, Scheduler, Unavailable
+from pdserve.router.shaping import ChunkShaper, merge_chunks
 from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.telemetry.service import Telemetry
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2
@@ -70,6 +73,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.special_ids = special_token_ids(tokenizer)
+        self.think_tags = ThinkTags.from_tokenizer(tokenizer)  # max_reasoning_tokens needs them
+        self.split_tags = reasoning_tags(tokenizer)  # the reasoning split's default: on when the tags show in text
         self.weights = PCSWeights(cfg.pcs_w_in, cfg.pcs_w_out, cfg.pcs_w_special)
         self.multiplier = {
             Priority.HIGH: cfg.priority_high,
@@ -130,9 +135,34 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             )
         return ids
 
-    def _max_tokens(self, s: generate_pb2.SamplingParams, num_prompt_tokens: int, context) -> int:
-        """The request's max_tokens (SamplingParams' default when unset), clamped to the context left; every
-        sampling field is checked here (SamplingParams.validate), where the request enters."""
+    def _splitter(self, request: generate_pb2.GenerateRequest, ids: list[int], context) -> ReasoningSplitter | None:
+        """The request's reasoning split (GenerateRequest.split_reasoning, default: the model's think tags)."""
+        if request.sampling.HasField("max_reasoning_tokens") and self.think_tags is None:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "max_reasoning_tokens needs a reasoning model: this tokenizer has no <think>/</think> tokens",
+            )
+        split = request.split_reasoning if request.HasField("split_reasoning") else self.split_tags is not None
+        if not split:
+            return None
+        tags = self.split_tags
+        if tags is None:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "split_reasoning: this model's tokenizer has no <think>/</think> tokens",
+            )
+            return None  # not reached: abort raises
+        return ReasoningSplitter(inside=tags.inside_after(ids))
+
+    def _max_tokens(self, s: generate_pb2.SamplingParams, num_prompt_tokens: int, context, chat: bool = False) -> int:
+        """The request's max_tokens, clamped to the context left. Unset: SamplingParams' default (16) for a prompt,
+        the whole context left for a chat (OpenAI's defaults for the two API shapes). Every sampling field is
+        checked here (SamplingParams.validate), where the request enters."""
+        if chat and not s.HasField("max_tokens"):
+            copy = generate_pb2.SamplingParams()
+            copy.CopyFrom(s)
+            copy.max_tokens = self.max_model_len - num_prompt_tokens
+            s = copy
         params = sampling_from_proto(s, self.max_model_len - num_prompt_tokens)
         try:
             params.validate(self.max_model_len)
@@ -179,7 +209,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             {"pdserve.request_id": rid, "pdserve.priority": generate_pb2.Priority.Name(request.priority)},
         )
         ids = self._prompt_ids(request, context)
-        max_tokens = self._max_tokens(request.sampling, len(ids), context)
+        max_tokens = self._max_tokens(request.sampling, len(ids), context, chat=bool(request.messages))
+        shaper = ChunkShaper(self.tokenizer, ids, self._splitter(request, ids, context))
         try:
             priority = resolve(request.priority, context.invocation_metadata())
         except ValueError as e:
@@ -240,7 +271,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 if not context.add_callback(call.cancel):  # the RPC already ended
                     call.cancel()
                 try:
-                    yield from relay(call, rid, progress, self._hooks(job, plan, req))
+                    yield from shaper.shape(relay(call, rid, progress, self._hooks(job, plan, req)))
                     return
                 except grpc.RpcError as e:
                     decision = after_failure(
@@ -330,6 +361,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             del decode_req.prompt_token_ids[:]
             decode_req.prompt_token_ids.extend(ids + generated)
             decode_req.resumed_tokens = len(generated)
+            decode_req.sampling.prompt_logprobs = False  # the caller has them (first chunk); the prompt grew
             decode_req.resumed_text_chars = progress.chars
         what = f"resuming after {len(generated)} tokens" if generated else "retrying"
         log.warning("rid=%s %s after UNAVAILABLE from %s/%s: %s", rid, what, p.address, d.address, err.details())
@@ -345,16 +377,4 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         self.scheduler.retry(job, self.membership.blame(p, d))
 
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
-        resp = generate_pb2.GenerateResponse()
-        text = []
-        for chunk in self.GenerateStream(request, context):
-            resp.request_id = chunk.request_id
-            resp.token_ids.extend(chunk.token_ids)
-            text.append(chunk.text)
-            if chunk.finish_reason:
-                resp.finish_reason = chunk.finish_reason
-                resp.stop_reason = chunk.stop_reason
-                resp.usage.CopyFrom(chunk.usage)
-                resp.timing.CopyFrom(chunk.timing)
-        resp.text = "".join(text)
-        return resp
+        return merge_chunks(self.GenerateStream(request, context))

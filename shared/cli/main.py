@@ -1,5 +1,5 @@
 """The `pdserve` command: `up` (whole stack on loopback), `serve <service>` (router, prefill, decode, gateway),
-`generate`."""
+`generate`, `chat` (`pdserve.cli.chat`)."""
 
 from __future__ import annotations
 
@@ -139,6 +139,7 @@ def cmd_up(argv: list[str]) -> int:
         if stack.gateway:
             print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {Path(model).name!r})", flush=True)
         print(f'try:  pdserve generate --target {stack.router} "hello"', flush=True)
+        print(f"      pdserve chat --target {stack.router}", flush=True)
         while all(proc.poll() is None for proc in stack.procs):
             time.sleep(0.5)
         print("error: a service exited; stopping the stack", file=sys.stderr)
@@ -158,7 +159,7 @@ def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve generate", description="Stream a completion to the terminal.")
     p.add_argument("prompt")
     p.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET))
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None, help="default: the API's, 16 for a prompt")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     usage = (
         "usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|auto] ...\n"
         "       pdserve serve router|prefill|decode|gateway [flags]   (--help for flags)\n"
-        "       pdserve generate [--target HOST:PORT] PROMPT"
+        "       pdserve generate [--target HOST:PORT] PROMPT\n"
+        "       pdserve chat [--target HOST:PORT] [--system TEXT]   (interactive; /reset, /exit, Ctrl-D)"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -214,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(rest[0], rest[1:])
     if cmd == "generate":
         return cmd_generate(rest)
+    if cmd == "chat":
+        from pdserve.cli.chat import cmd_chat
+
+        return cmd_chat(rest)
     print(usage, file=sys.stderr)
     return 2
 

@@ -19,7 +19,8 @@ from pdserve.engine.config import EngineConfig, dtype_name, parse_dtype
 from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.page_table import PageAllocator
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.reasoning_budget import ReasoningBudget, ThinkTags
+from pdserve.engine.sampling import SamplingParams, TokenLogprob
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
 from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
@@ -41,6 +42,8 @@ class StepOutput:
     logits: torch.Tensor | None = None  # step(return_logits=True): float32 [vocab] row used for the last token
     stop_reason: str | None = None  # "eos", "token:<id>" or the matched stop string (finish_reason "stop")
     token_range: tuple[int, int] | None = None  # prefill-only: prompt tokens [start, end) this step computed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token id (sampling.logprobs)
+    prompt_logprobs: list[float] = field(default_factory=list)  # next prompt-token logprobs computed this step
 
 
 class LLMEngine:
@@ -54,6 +57,7 @@ class LLMEngine:
         self.page_size = cfg.page_size
         self.tokenizer = load_tokenizer(cfg.model_dir)
         self.fingerprint = model_fingerprint(cfg.model_dir)
+        self.think_tags = ThinkTags.from_tokenizer(self.tokenizer)  # reasoning models: max_reasoning_tokens
         self.runner = ModelRunner(cfg, mc)
         self.allocator = PageAllocator(self.runner.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs)
@@ -106,6 +110,13 @@ class LLMEngine:
         need = -(-(len(ids) + 1) // self.page_size)
         if need > self.allocator.num_pages:
             raise OutOfPages(f"prompt needs {need} KV pages but the pool only has {self.allocator.num_pages}")
+        reasoning = None
+        if sampling.max_reasoning_tokens is not None:
+            if self.think_tags is None:
+                raise InvalidRequest(
+                    "max_reasoning_tokens needs a reasoning model: this tokenizer has no <think>/</think> tokens"
+                )
+            reasoning = ReasoningBudget.for_prompt(self.think_tags, sampling.max_reasoning_tokens, ids)
         self.runner.add_request(request_id, sampling)
         return Sequence(
             request_id,
@@ -114,6 +125,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
             arrival=next(self._arrival),
             max_model_len=self.max_model_len,
+            reasoning=reasoning,
             **kw,
         )
 
@@ -148,6 +160,8 @@ class LLMEngine:
                 raise InvalidRequest(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
             self.runner.skip_draws(request_id, sampled_before)
             if cached_pages:
+                if sampling.prompt_logprobs:
+                    raise InvalidRequest("prompt_logprobs needs every prompt token computed: no cached pages")
                 self._check_cached_pages(seq.num_prompt_tokens, cached_pages)
         except Exception:
             self.runner.drop_request(request_id)
@@ -360,6 +374,8 @@ class LLMEngine:
         o.new_token_ids = prev.new_token_ids + o.new_token_ids
         o.text_delta = prev.text_delta + o.text_delta
         o.ready_pages = prev.ready_pages + o.ready_pages
+        o.logprobs = prev.logprobs + o.logprobs
+        o.prompt_logprobs = prev.prompt_logprobs + o.prompt_logprobs
         outputs[o.request_id] = o
 
     def _output(
@@ -392,17 +408,37 @@ class LLMEngine:
             for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
             if s.num_computed_tokens + n == s.num_tokens
         ]
-        tokens, logits = self.runner.run(batch.seqs, batch.num_new_tokens, sample_rows, batch.is_prefill, return_logits)
+        tokens, logits, logprobs, prompt_lps = self.runner.run(
+            batch.seqs, batch.num_new_tokens, sample_rows, batch.is_prefill, return_logits
+        )
         outputs = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
             row = logits.get(i)
+            new_prompt_lps = self._new_prompt_logprobs(seq, start, prompt_lps.get(i))
             if seq.prefill_only:
-                outputs.extend(self._postprocess_prefill_only(seq, start, tokens.get(i), row))
+                out = self._postprocess_prefill_only(seq, start, tokens.get(i), row)[0]
             elif i in tokens:
-                outputs.append(self._postprocess_token(seq, tokens[i], batch.is_prefill, row))
+                out = self._postprocess_token(seq, tokens[i], batch.is_prefill, row)
+            elif new_prompt_lps:  # a prompt chunk before the last: its scores go out now
+                out = self._output(seq, [], "")
+            else:
+                continue
+            out.prompt_logprobs = new_prompt_lps
+            if i in logprobs:
+                out.logprobs = [logprobs[i]]
+            outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(seq: Sequence, start: int, values: list[float] | None) -> list[float]:
+        """The part of a chunk's prompt logprobs not reported before (a preempted request recomputes its prompt)."""
+        if not values:
+            return []
+        new = values[max(0, seq.num_prompt_logprobs - start) :]
+        seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, start + len(values))
+        return new
 
     def _postprocess_prefill_only(
         self, seq: Sequence, start: int, token: int | None, row: torch.Tensor | None

@@ -21,11 +21,21 @@ from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.model import load_model
-from pdserve.engine.sampling import SamplingParams, make_generator, sample, skip_draws
+from pdserve.engine.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    make_generator,
+    next_token_logprobs,
+    sample,
+    skip_draws,
+    token_logprobs,
+)
 from pdserve.engine.sequence import Sequence
 from pdserve.kv.payload import PagePayload
 
 log = logging.getLogger("pdserve.engine")
+
+PROMPT_LOGPROB_BLOCK = 256  # prompt rows per logits block (a [256, vocab] float32 at a time)
 
 
 class ModelRunner:
@@ -166,10 +176,12 @@ class ModelRunner:
         sample_rows: list[int],
         is_prefill: bool,
         return_logits: bool,
-    ) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
+    ) -> tuple[dict[int, int], dict[int, torch.Tensor], dict[int, TokenLogprob], dict[int, list[float]]]:
         """Compute `num_new_tokens[i]` tokens of each sequence from its `num_computed_tokens` on (its pages are
-        allocated); sample one token for each row in `sample_rows`. Returns (row -> token, row -> float32
-        logits [V] when `return_logits`)."""
+        allocated); sample one token for each row in `sample_rows` (a forced token, `Sequence.forced_token`,
+        replaces the draw; the generator still advances). Returns (row -> token, row -> float32 logits [V] when
+        `return_logits`, row -> the token's logprob when its sampling asks, row -> log P(prompt[p + 1]) for the
+        prompt positions p this step computed, when its sampling asks for prompt_logprobs)."""
         ids: list[int] = []
         for seq, n in zip(seqs, num_new_tokens):
             ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
@@ -192,8 +204,9 @@ class ModelRunner:
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend
             )  # [T, hidden]
+        prompt_lps = {} if graph_logits is not None else self._prompt_logprobs(seqs, num_new_tokens, hidden)
         if not sample_rows:
-            return {}, {}
+            return {}, {}, {}, prompt_lps
         if graph_logits is not None:  # the graph took the argmax and copied it to the host already
             logits = graph_logits
             greedy = graphs.greedy_tokens(len(seqs))
@@ -204,10 +217,36 @@ class ModelRunner:
             greedy = logits.argmax(dim=-1).tolist()
         tokens: dict[int, int] = {}
         rows: dict[int, torch.Tensor] = {}
+        lps: dict[int, TokenLogprob] = {}
         for r, i in enumerate(sample_rows):
             seq = seqs[i]
             sp = seq.sampling
             tokens[i] = greedy[r] if sp.greedy else sample(logits[r], sp, self._generators[seq.request_id])
+            forced = seq.forced_token()
+            if forced is not None:
+                tokens[i] = forced
+            if sp.wants_logprobs:  # from this same row: graph logits or eager, never dropped
+                lps[i] = token_logprobs(logits[r : r + 1], [tokens[i]], sp.top_logprobs)[0]
             if return_logits:
                 rows[i] = logits[r].clone()
-        return tokens, rows
+        return tokens, rows, lps, prompt_lps
+
+    def _prompt_logprobs(
+        self, seqs: list[Sequence], num_new_tokens: list[int], hidden: torch.Tensor
+    ) -> dict[int, list[float]]:
+        """Per row asking for prompt_logprobs: log P(prompt[p + 1]) for each prompt position p of this chunk
+        (hidden [T, hidden]: the chunk rows of every sequence, in order). Logits are built block by block."""
+        out: dict[int, list[float]] = {}
+        offset = 0
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = min(start + n, seq.num_prompt_tokens - 1)  # positions with a next prompt token
+            if seq.sampling.prompt_logprobs and end > start:
+                targets = seq.prompt_token_ids[start + 1 : end + 1]
+                vals: list[float] = []
+                for b in range(0, len(targets), PROMPT_LOGPROB_BLOCK):
+                    h = hidden[offset + b : offset + min(b + PROMPT_LOGPROB_BLOCK, len(targets))]  # [<=B, hidden]
+                    vals.extend(next_token_logprobs(self.model.compute_logits(h), targets[b : b + len(h)]))
+                out[i] = vals
+            offset += n
+        return out

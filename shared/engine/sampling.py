@@ -1,4 +1,9 @@
-"""Sampling parameters and the per-request sampler (greedy, temperature, top-k, top-p)."""
+"""Sampling parameters, the per-request sampler (greedy, temperature, top-k, top-p) and log-probabilities.
+
+Log-probabilities are the model's own distribution, log_softmax of the raw logits BEFORE temperature, top-k and
+top-p (what OpenAI and vLLM report): they do not change with the sampling knobs, a text scores the same at any
+temperature, and greedy requests have them too. They come from the same logits row the token was sampled from.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,17 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.errors import InvalidRequest
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """log P(token) at one generated position and the `top` most likely (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -19,6 +35,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: bool = False  # each generated token's log-probability
+    top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS alternatives per generated token (implies logprobs)
+    prompt_logprobs: bool = False  # log P(prompt[i] | prompt[:i]) for i >= 1, computed at prefill
+    max_reasoning_tokens: int | None = None  # force the think close tag after this many reasoning tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     def validate(self, max_model_len: int | None = None) -> None:
         """Raise ValueError(reason) for values the engine cannot honour."""
@@ -38,6 +62,13 @@ class SamplingParams:
             raise InvalidRequest("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
+        budget = self.max_reasoning_tokens
+        if budget is not None and not (isinstance(budget, int) and budget >= 0):
+            raise InvalidRequest(f"max_reasoning_tokens must be an integer >= 0, got {budget!r}")
 
     @property
     def greedy(self) -> bool:
@@ -76,3 +107,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)  # argmax(p / E) ~ Categorical(p)
     return int(torch.argmax(probs / noise))
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Logprobs of the chosen tokens from their logits rows [S, V] (S = len(token_ids)), with `k` alternatives."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
+    chosen = logp.gather(-1, torch.tensor(token_ids, device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    if k > 0:
+        top = torch.topk(logp, k, dim=-1)
+        ids, vals = top.indices.tolist(), top.values.tolist()
+        return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(token_ids, chosen, ids, vals)]
+    return [TokenLogprob(t, lp) for t, lp in zip(token_ids, chosen)]
+
+
+def next_token_logprobs(logits: torch.Tensor, next_ids: list[int], block: int = 256) -> list[float]:
+    """log P(next_ids[i]) under the logits rows [T, V] (T = len(next_ids)): a prompt's scores, in row blocks so a
+    long chunk never holds a [T, V] float32 softmax at once."""
+    out: list[float] = []
+    for s in range(0, len(next_ids), block):
+        logp = torch.log_softmax(logits[s : s + block].float(), dim=-1)
+        idx = torch.tensor(next_ids[s : s + block], device=logp.device).unsqueeze(-1)
+        out.extend(logp.gather(-1, idx).squeeze(-1).tolist())
+    return out

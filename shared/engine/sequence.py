@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.reasoning_budget import ReasoningBudget
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -70,6 +71,8 @@ class Sequence:
     num_emitted_chars: int = 0
     max_model_len: int = 0
     imported_layers: list[int] | None = None  # IMPORTING: per logical page, a bit mask of the layers received
+    reasoning: ReasoningBudget | None = None  # sampling.max_reasoning_tokens: forces the think close tag
+    num_prompt_logprobs: int = 0  # prompt positions whose next-token logprob was reported (prompt_logprobs)
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
@@ -106,6 +109,8 @@ class Sequence:
         i = len(self.completion_token_ids)
         if self.forced_token_ids is not None and i < len(self.forced_token_ids):
             return self.forced_token_ids[i]
+        if self.reasoning is not None:
+            return self.reasoning.forced_token(self.completion_token_ids)
         return None
 
     def append_token(self, token_id: int, eos_token_ids: list[int]) -> str:

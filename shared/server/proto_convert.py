@@ -6,7 +6,7 @@ router calls it where a request enters; the engine calls it again when the reque
 
 from __future__ import annotations
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams, TokenLogprob
 from pdserve.v1 import generate_pb2
 
 
@@ -27,6 +27,19 @@ def sampling_from_proto(msg: generate_pb2.SamplingParams, max_new_tokens: int | 
     params.stop = list(msg.stop)
     params.stop_token_ids = list(msg.stop_token_ids)
     params.ignore_eos = msg.ignore_eos
+    params.logprobs = msg.logprobs
+    params.top_logprobs = msg.top_logprobs
+    params.prompt_logprobs = msg.prompt_logprobs
+    if msg.HasField("max_reasoning_tokens"):
+        params.max_reasoning_tokens = msg.max_reasoning_tokens
     if max_new_tokens is not None and params.max_tokens > 0:
         params.max_tokens = min(params.max_tokens, max(1, max_new_tokens))
     return params
+
+
+def logprob_to_proto(lp: TokenLogprob) -> generate_pb2.TokenLogprob:
+    return generate_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )

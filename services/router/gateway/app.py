@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.client import AsyncClient, CompletionChunk
-from pdserve.router.gateway import protocol
+from pdserve.client import AsyncClient, CompletionChunk, PromptLogprobs, TokenLogprob
+from pdserve.router.gateway import logprobs, protocol
 from pdserve.router.gateway.config import GatewayConfig
 from pdserve.router.gateway.errors import APIError, api_error_response, error_body, rpc_error_response, rpc_error_status
 
@@ -42,6 +44,30 @@ async def _body(request: Request, model_name: str) -> dict:
             code="model_not_found",
         )
     return body
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How one request's results are presented: chat or completions, logprobs asked, echo (completions)."""
+
+    chat: bool
+    logprobs: bool
+    prompt_text: str | None  # echo of a text prompt
+    echo: bool
+
+    def echo_text(self, prompt: PromptLogprobs | None) -> str:
+        if not self.echo:
+            return ""
+        if self.prompt_text is not None:
+            return self.prompt_text
+        return "".join(prompt.tokens) if prompt is not None else ""  # a token-id prompt: its tokens' text
+
+    def logprobs_json(self, lps: list[TokenLogprob] | None, prompt: PromptLogprobs | None, offset: int) -> dict | None:
+        if not self.logprobs or (not lps and prompt is None):
+            return None
+        if self.chat:
+            return logprobs.chat_logprobs_json(lps or [])
+        return logprobs.completion_logprobs_json(lps or [], prompt if self.echo else None, offset)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -98,8 +124,16 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     async def complete(request: Request, chat: bool):
         body = await _body(request, cfg.model_name)
-        inputs = {"messages": protocol.chat_messages(body)} if chat else protocol.completion_input(body)
-        kw = {**inputs, **protocol.sampling_args(body)}
+        if chat:
+            inputs: dict[str, Any] = {"messages": protocol.chat_messages(body)}
+            echo = False
+            lp_args = logprobs.chat_logprob_args(body)
+        else:
+            inputs = protocol.completion_input(body)
+            lp_args, echo = logprobs.completion_logprob_args(body, prompt_is_text="prompt" in inputs)
+        kw = {**inputs, **protocol.sampling_args(body), **lp_args}
+        prompt_text = inputs["prompt"] if echo and "prompt" in inputs else None
+        shape = _Shape(chat, bool(lp_args.get("logprobs")), prompt_text, echo)
         stream, include_usage = protocol.stream_flags(body)
         rid = uuid.uuid4().hex
         oid = ("chatcmpl-" if chat else "cmpl-") + rid
@@ -107,7 +141,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         metadata = _metadata(request)
         if not stream:
             out = await client.generate(request_id=rid, metadata=metadata, **kw)
-            return JSONResponse(protocol.completion_json(oid, cfg.model_name, out, chat))
+            echo_text = shape.echo_text(out.prompt_logprobs)
+            lps = shape.logprobs_json(out.logprobs, out.prompt_logprobs, 0)
+            return JSONResponse(protocol.completion_json(oid, cfg.model_name, out, chat, echo_text, lps))
         chunks = client.stream(request_id=rid, metadata=metadata, **kw)
         try:  # the first chunk decides the HTTP status: errors before it are plain HTTP errors
             first = await anext(chunks)
@@ -115,24 +151,39 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             await chunks.aclose()
             raise
         return StreamingResponse(
-            _events(chunks, first, oid, chat, include_usage),
+            _events(chunks, first, oid, shape, include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        chunks: AsyncIterator[CompletionChunk], first: CompletionChunk, oid: str, chat: bool, include_usage: bool
+        chunks: AsyncGenerator[CompletionChunk, None],
+        first: CompletionChunk,
+        oid: str,
+        shape: _Shape,
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = cfg.model_name
+        chat = shape.chat
         try:
             if chat:  # the role comes first, alone, as OpenAI sends it
                 yield _sse(protocol.chunk_json(oid, model, created, chat, "", role=True))
             chunk: CompletionChunk | None = first
             usage = None
+            sent = 0  # characters of choice text sent (completions' text_offset)
             while chunk is not None:
-                if chunk.text:
-                    yield _sse(protocol.chunk_json(oid, model, created, chat, chunk.text))
+                text = chunk.text
+                if chunk is first:  # echo: the prompt leads the text
+                    text = shape.echo_text(chunk.prompt_logprobs) + text
+                lps = shape.logprobs_json(chunk.logprobs, chunk.prompt_logprobs, sent)
+                if text or chunk.reasoning_text or lps:
+                    yield _sse(
+                        protocol.chunk_json(
+                            oid, model, created, chat, text, logprobs=lps, reasoning=chunk.reasoning_text
+                        )
+                    )
+                    sent += len(text)
                 if chunk.finish_reason is not None:
                     usage = chunk.usage
                     yield _sse(

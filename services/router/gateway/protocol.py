@@ -1,9 +1,12 @@
 """OpenAI request bodies → SDK call arguments, and SDK results → OpenAI response objects.
 
 Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or up to 4),
-`stream`, `stream_options.include_usage`, `n=1`. Unset parameters keep the pdserve defaults (the SDK's and the
-CLI's: max_tokens 16, temperature 1.0, top_p 1.0). `logprobs`/`top_logprobs` and other parameters that would
-change the output in ways pdserve cannot honour yet are rejected with 400, never silently ignored.
+`stream`, `stream_options.include_usage`, `n=1`, `max_reasoning_tokens` (an extension), `logprobs` /
+`top_logprobs` (chat) and `logprobs: N` + `echo` (completions, `gateway.logprobs`). Unset parameters keep the
+pdserve defaults, which are OpenAI's and the SDK's / CLI's: max_tokens 16 for /v1/completions and "until EOS or
+the context ends" for /v1/chat/completions (the router applies both), temperature 1.0, top_p 1.0. A reasoning
+model's thinking comes back as `reasoning_content` (the message / delta field DeepSeek's API uses). Parameters
+that would change the output in ways pdserve cannot honour are rejected with 400, never silently ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pdserve.router.gateway.errors import APIError
 MAX_STOP = 4
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
 # parameters accepted only at their no-op value: name -> that value
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0}
+NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
 UNSUPPORTED = ("logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format", "suffix")
 
 
@@ -35,9 +38,6 @@ def _number(body: dict, name: str, kind: type, lo: float | None = None) -> Any:
 def sampling_args(body: dict) -> dict:
     """The SDK keyword arguments (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`) of an OpenAI body.
     Range checks beyond the types are the router's (its INVALID_ARGUMENT reasons come back as 400)."""
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in (None, False, 0):
-            raise APIError(400, f"'{name}' is not supported yet", param=name)
     for name, neutral in NEUTRAL.items():
         if body.get(name) is not None and body[name] != neutral:
             raise APIError(400, f"'{name}' is not supported (only {neutral!r})", param=name)
@@ -61,6 +61,7 @@ def sampling_args(body: dict) -> dict:
         top_p=_number(body, "top_p", float),
         seed=seed,
         stop=stop or None,
+        max_reasoning_tokens=_number(body, "max_reasoning_tokens", int),  # pdserve extension (reasoning models)
     )
 
 
@@ -127,13 +128,17 @@ def usage_json(u: Usage) -> dict:
     }
 
 
-def completion_json(rid: str, model: str, out: Completion, chat: bool) -> dict:
-    """A whole `chat.completion` or `text_completion` object."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None}
+def completion_json(
+    rid: str, model: str, out: Completion, chat: bool, echo_text: str = "", logprobs: dict | None = None
+) -> dict:
+    """A whole `chat.completion` or `text_completion` object (`echo_text`: the prompt, completions with echo)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": logprobs}
     if chat:
         choice["message"] = {"role": "assistant", "content": out.text}
+        if out.reasoning_text:
+            choice["message"]["reasoning_content"] = out.reasoning_text
     else:
-        choice["text"] = out.text
+        choice["text"] = echo_text + out.text
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -152,11 +157,15 @@ def chunk_json(
     text: str | None,
     finish_reason: str | None = None,
     role: bool = False,
+    logprobs: dict | None = None,
+    reasoning: str = "",
 ) -> dict:
     """One streamed `chat.completion.chunk` / `text_completion` event with a single choice."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         choice["delta"] = delta

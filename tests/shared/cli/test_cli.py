@@ -133,3 +133,40 @@ def test_generate_command_reports_bad_input(up):
         timeout=60,
     )
     assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "max_tokens" in res.stderr
+
+
+def _chat(up: str, stdin: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "chat", "--target", up, "--temperature", "0", *flags],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_chat_command_keeps_history_resets_and_ends_at_eof(up):
+    res = _chat(up, "hello\n\nhow are you\n/reset\nhello\n", "--max-tokens", "5", "--system", "Be brief.")
+    assert res.returncode == 0, res.stderr
+    sys_msg = {"role": "system", "content": "Be brief."}
+    with pdserve.Client(up, timeout=60) as c:
+        first = c.chat([sys_msg, {"role": "user", "content": "hello"}], temperature=0, max_tokens=5).text
+        history = [sys_msg, {"role": "user", "content": "hello"}, {"role": "assistant", "content": first}]
+        second = c.chat([*history, {"role": "user", "content": "how are you"}], temperature=0, max_tokens=5).text
+    assert res.stdout == f"{first}\n{second}\n{first}\n"  # the empty line is skipped; /reset forgets the turns
+    assert "[history cleared]" in res.stderr
+
+
+def test_chat_command_reports_errors_and_goes_on(up):
+    res = _chat(up, "hello\n/exit\nnever sent\n", "--max-tokens", "0")
+    assert res.returncode == 0 and "INVALID_ARGUMENT" in res.stderr and "max_tokens" in res.stderr
+    assert res.stdout == "\n"
+
+
+def test_chat_command_default_runs_to_eos_or_context(up):
+    """No --max-tokens: the chat API's default (until EOS or the context ends), not the prompt API's 16."""
+    with pdserve.Client(up, timeout=60) as c:
+        ref = c.chat([{"role": "user", "content": "hello"}], temperature=0)
+    res = _chat(up, "hello\n")
+    assert res.returncode == 0 and res.stdout == ref.text + "\n"
+    assert ref.usage.completion_tokens > 16 or ref.finish_reason == "stop"

@@ -109,13 +109,21 @@ def test_traceparent_passed_on(scripted):
 def test_gateway_rejects_before_calling_the_router(scripted):
     servicer, client = scripted
     before = len(servicer.metadata)
-    cases = [dict(n=2), dict(logprobs=1), dict(stop=["a", "b", "c", "d", "e"]), dict(max_tokens="many")]
+    cases = [
+        dict(n=2),
+        dict(logprobs=21),
+        dict(logprobs=-1),
+        dict(echo="yes"),
+        dict(stop=["a", "b", "c", "d", "e"]),
+        dict(max_tokens="many"),
+    ]
     for extra in cases:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="m", prompt="ok", **extra)
         assert info.value.body["type"] == "invalid_request_error", extra
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)
+    for extra in (dict(logprobs=True, top_logprobs=21), dict(top_logprobs=2), dict(logprobs=True, top_logprobs=1.5)):
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], **extra)
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="other", prompt="ok")
     assert info.value.body["code"] == "model_not_found"

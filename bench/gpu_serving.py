@@ -1,0 +1,369 @@
+"""Served figures on GPUs (issue 11): router + prefill + decode as real processes with the SDK as the client, beside
+the in-process engine's figures from the same run.
+
+    python bench/gpu_serving.py [--layers 32] [--workdir DIR] [--json docs/bench/gpu_serving.json] [--part all]
+
+8B Llama-shaped random bf16 checkpoint, int8 KV, FA3, chunk 2048. Prefill on cuda:0, decode on cuda:1 when two GPUs
+are visible, else both on cuda:0 (each with its own memory share). Every prompt is fresh random tokens (no cache
+flattery) except where a cached prefix is the point. Prints a table; writes the issue's JSON keys (+ details).
+Parts (`--part`, comma-separated; `all` = every part): engine, raw, grpc, ipc, cache. The JSON is merged, so parts may
+run in separate calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import torch
+
+import pdserve
+from pdserve.cli.launch import Stack, start_service, wait_ready
+from pdserve.v1 import internal_pb2, internal_pb2_grpc
+
+VOCAB = 128256
+ROWS: list[tuple[str, str, str]] = []
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def row(name: str, value: str, note: str = "") -> None:
+    ROWS.append((name, value, note))
+    log(f"{name}: {value} {note}")
+
+
+def fresh(n: int, rng: torch.Generator) -> list[int]:
+    return torch.randint(5, VOCAB, (n,), generator=rng).tolist()
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+# ---- the in-process engine ------------------------------------------------------------------------------
+def engine_ttft(model: Path, reps: int = 5) -> dict:
+    """In-process engine on cuda:0, same settings as the served prefill: add_request → first token, median."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+
+    cfg = EngineConfig(
+        model_dir=str(model), dtype="bfloat16", device="cuda:0", page_size=16, chunk_size=2048, kv_dtype="int8",
+        attention_backend="fa3", num_pages=4096, max_num_seqs=8,
+    )  # fmt: skip
+    e = LLMEngine(cfg)
+    rng = torch.Generator().manual_seed(1)
+    out = {}
+    for n in (2048,):
+        times = []
+        for r in range(reps + 1):
+            ids = fresh(n, rng)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            e.add_request(f"e{n}-{r}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+            while e.has_unfinished_requests():
+                e.step()
+            torch.cuda.synchronize()
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+        out[n] = median(times)
+    del e
+    torch.cuda.empty_cache()
+    return {"engine_ttft_ms_2k": out[2048]}
+
+
+# ---- raw gRPC ceiling -----------------------------------------------------------------------------------
+RAW_METHOD = "/bench.Raw/Pull"
+
+
+def raw_server(port_file: str, msg_mb: int) -> None:
+    """Child process: a server streaming `n` messages of msg_mb MiB of bytes per call (request: n as text)."""
+    payload = bytes(msg_mb << 20)
+
+    def pull(request: bytes, context):
+        for _ in range(int(request.decode())):
+            yield payload
+
+    handler = grpc.method_handlers_generic_handler("bench.Raw", {"Pull": grpc.unary_stream_rpc_method_handler(pull)})
+    from concurrent import futures
+
+    opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    server = grpc.server(futures.ThreadPoolExecutor(8), options=opts)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    Path(port_file).write_text(str(port))
+    server.wait_for_termination()
+
+
+def raw_grpc(workdir: Path, msg_mb: int = 4, total_mb: int = 4096) -> dict:
+    port_file = workdir / "raw.port"
+    port_file.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--raw-server", str(port_file), "--raw-msg-mb", str(msg_mb)])
+    try:
+        while not port_file.exists():
+            time.sleep(0.05)
+        opts = [("grpc.max_receive_message_length", 64 << 20)]
+        with grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}", options=opts) as ch:
+            pull = ch.unary_stream(RAW_METHOD)
+            n = total_mb // msg_mb
+            rates = []
+            for _ in range(3):
+                t0, got = time.perf_counter(), 0
+                for m in pull(str(n).encode()):
+                    got += len(m)
+                rates.append(got / (time.perf_counter() - t0) / 1e9)
+    finally:
+        proc.kill()
+    return {"raw_grpc_gbps": median(rates), "raw_grpc_msg_mb": msg_mb}
+
+
+# ---- a served stack -------------------------------------------------------------------------------------
+def start(model: Path, workdir: Path, transport: str, redis_url: str, extra: list[str] = ()) -> Stack:
+    """prefill on cuda:0, decode on cuda:1 (or cuda:0 when one GPU: each takes a share of its memory)."""
+    two = torch.cuda.device_count() >= 2
+    share = "0.85" if two else "0.40"
+    common = [
+        "--model", str(model), "--page-size", "16", "--chunk-size", "2048", "--kv-dtype", "int8",
+        "--kv-transport", transport, "--gpu-memory-utilization", share, "--max-num-seqs", "64",
+        *(["--redis-url", redis_url] if redis_url else []), *extra,
+    ]  # fmt: skip
+    started = [
+        start_service("prefill", [*common, "--device", "cuda:0"], workdir),
+        start_service("decode", [*common, "--device", "cuda:1" if two else "cuda:0"], workdir),
+    ]
+    procs, logs = [s[0] for s in started], [s[2] for s in started]
+    try:
+        pre, dec = (wait_ready(*s, timeout=600) for s in started)
+        r = start_service("router", ["--model", str(model), "--prefill", pre, "--decode", dec], workdir)
+        procs.append(r[0])
+        logs.append(r[2])
+        router = wait_ready(*r, timeout=120)
+    except BaseException:
+        Stack("", [], [], procs, logs).stop()
+        raise
+    return Stack(router, [pre], [dec], procs, logs)
+
+
+def stats(addr: str, stub_cls) -> internal_pb2.InstanceStats:
+    with grpc.insecure_channel(addr) as ch:
+        return stub_cls(ch).Stats(internal_pb2.StatsRequest(), timeout=10)
+
+
+def kv_counters(stack: Stack) -> dict[str, tuple[int, float]]:
+    """Per transport: (page bytes, transfer seconds) as the decode instance measured them."""
+    s = stats(stack.decode[0], internal_pb2_grpc.DecodeStub)
+    return {t.transport: (t.bytes, t.seconds) for t in s.kv_transports}
+
+
+def kv_gbps(before: dict, after: dict, transport: str) -> float:
+    b0, s0 = before.get(transport, (0, 0.0))
+    b1, s1 = after.get(transport, (0, 0.0))
+    return (b1 - b0) / max(s1 - s0, 1e-9) / 1e9 if b1 > b0 else float("nan")
+
+
+def ttft_once(c: pdserve.Client, ids: list[int]) -> float:
+    t0 = time.perf_counter()
+    for ch in c.stream(token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True):
+        if ch.token_ids:
+            return (time.perf_counter() - t0) * 1e3
+    raise RuntimeError("stream ended without a token")
+
+
+def itl(c: pdserve.Client, ids: list[int], n: int = 128) -> float:
+    """Median gap per token between chunks after the first, batch 1."""
+    stamps: list[tuple[float, int]] = []
+    for ch in c.stream(token_ids=ids, max_tokens=n, temperature=0, ignore_eos=True):
+        if ch.token_ids:
+            stamps.append((time.perf_counter(), len(ch.token_ids)))
+    gaps = [(t1 - t0) * 1e3 / k for (t0, _), (t1, k) in zip(stamps[1:], stamps[2:])]
+    return median(gaps)
+
+
+def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 7) -> dict:
+    with pdserve.Client(stack.router, timeout=120) as c:
+        ttft_once(c, fresh(2048, rng))  # warm-up (and the transport's first handshake)
+        before = kv_counters(stack)
+        times = [ttft_once(c, fresh(2048, rng)) for _ in range(reps)]
+        after = kv_counters(stack)
+    key = "ipc" if transport == "cuda-ipc" else "grpc"
+    return {
+        f"served_ttft_ms_2k_{key}": median(times),
+        f"kv_gbps_{key}": kv_gbps(before, after, transport),
+        f"served_ttft_ms_2k_{key}_all": times,
+        f"kv_counters_{key}": {t: list(v) for t, v in after.items()},
+    }
+
+
+def decode_figures(stack: Stack, rng: torch.Generator) -> dict:
+    with pdserve.Client(stack.router, timeout=300) as c:
+        itl(c, fresh(512, rng), 16)  # warm-up
+        i512 = median([itl(c, fresh(512, rng)) for _ in range(3)])
+        i8k = median([itl(c, fresh(8192, rng)) for _ in range(3)])
+    return {"itl_ms_b1_ctx512": i512, "itl_ms_b1_ctx8k": i8k}
+
+
+def throughput_c32(stack: Stack, rng: torch.Generator, n: int = 64, conc: int = 32) -> dict:
+    prompts = [fresh(2048, rng) for _ in range(n)]
+    rejected = 0
+    other_errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(ids: list[int]) -> int:
+        nonlocal rejected
+        try:
+            got = 0
+            with pdserve.Client(stack.router, timeout=600) as c:
+                for ch in c.stream(token_ids=ids, max_tokens=128, temperature=0, ignore_eos=True):
+                    got += len(ch.token_ids)
+            return got
+        except grpc.RpcError as e:
+            with lock:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    rejected += 1
+                else:
+                    other_errors.append(f"{e.code().name}: {e.details()}")
+            return 0
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(conc) as ex:
+        tokens = sum(ex.map(one, prompts))
+    wall = time.perf_counter() - t0
+    return {"out_tok_s_c32": tokens / wall, "rejected_c32": rejected, "errors_c32": other_errors}
+
+
+def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -> dict:
+    """4096-token prompts: cold (fresh) and 90% cached (a 3680-token prefix sent once before, then fresh tails)."""
+    cold, warm = [], []
+    with pdserve.Client(stack.router, timeout=120) as c:
+        ttft_once(c, fresh(4096, rng))  # warm-up
+        for _ in range(reps):
+            cold.append(ttft_once(c, fresh(4096, rng)))
+            prefix = fresh(3680, rng)
+            ttft_once(c, prefix + fresh(416, rng))  # writes the prefix's pages to the cache
+            time.sleep(1.0)  # the write-back is asynchronous (Redis tier)
+            warm.append(ttft_once(c, prefix + fresh(416, rng)))
+    return {f"served_ttft_ms_4k_cold_{tag}": median(cold), f"served_ttft_ms_4k_90pct_{tag}": median(warm)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pdserve-gpu-serving"))
+    ap.add_argument("--json", default="docs/bench/gpu_serving.json")
+    ap.add_argument("--part", default="all")
+    ap.add_argument("--raw-server", default="")
+    ap.add_argument("--raw-msg-mb", type=int, default=4)
+    args = ap.parse_args()
+    if args.raw_server:
+        raw_server(args.raw_server, args.raw_msg_mb)
+        return
+    parts = {"engine", "raw", "grpc", "ipc", "cache"} if args.part == "all" else set(args.part.split(","))
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = workdir / f"llama8b-{args.layers}l"
+    if not (model / "model.safetensors.index.json").exists():
+        from pdserve.models.random_llama import write_random_llama
+
+        t0 = time.perf_counter()
+        write_random_llama(model, args.layers, device="cuda:0")
+        log(f"checkpoint written in {time.perf_counter() - t0:.0f}s")
+    out_path = Path(args.json)
+    res: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
+    res.update(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        commit=git_commit(),
+        device=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
+        layers=args.layers,
+    )
+    rng = torch.Generator().manual_seed(int(time.time()))
+
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+
+    if "engine" in parts:
+        res.update(engine_ttft(model))
+        row("engine TTFT 2k (in-process)", f"{res['engine_ttft_ms_2k']:.1f} ms")
+        save()
+    if "raw" in parts:
+        res.update(raw_grpc(workdir))
+        row("raw gRPC stream", f"{res['raw_grpc_gbps']:.2f} GB/s", f"{res['raw_grpc_msg_mb']} MiB messages")
+        save()
+    from pdserve.testing.redis_server import RedisServer
+
+    redis = RedisServer(workdir / "redis").start() if parts & {"cache", "ipc"} else None
+    try:
+        if "grpc" in parts:
+            stack = start(model, workdir / "grpc", "grpc", "")
+            try:
+                res.update(served_ttft(stack, "grpc", rng))
+            finally:
+                stack.stop()
+            row("served TTFT 2k, grpc", f"{res['served_ttft_ms_2k_grpc']:.1f} ms", f"kv {res['kv_gbps_grpc']:.2f} GB/s")
+            save()
+        if "ipc" in parts:
+            stack = start(model, workdir / "ipc", "auto", redis.url if redis else "")
+            try:
+                res.update(served_ttft(stack, "cuda-ipc", rng))
+                row("served TTFT 2k, cuda-ipc", f"{res['served_ttft_ms_2k_ipc']:.1f} ms",
+                    f"kv {res['kv_gbps_ipc']:.1f} GB/s")  # fmt: skip
+                save()
+                res.update(decode_figures(stack, rng))
+                row("ITL b1 ctx512 / ctx8k", f"{res['itl_ms_b1_ctx512']:.2f} / {res['itl_ms_b1_ctx8k']:.2f} ms")
+                save()
+                res.update(throughput_c32(stack, rng))
+                row(
+                    "64 x 2048→128, 32 concurrent",
+                    f"{res['out_tok_s_c32']:.0f} tok/s",
+                    f"{res['rejected_c32']} rejected",
+                )
+                save()
+                res.update(cache_figures(stack, rng, "local"))
+                res["served_ttft_ms_4k_cold"] = res.pop("served_ttft_ms_4k_cold_local")
+                row("TTFT 4k cold / 90% local", f"{res['served_ttft_ms_4k_cold']:.0f} / "
+                    f"{res['served_ttft_ms_4k_90pct_local']:.0f} ms")  # fmt: skip
+                save()
+            finally:
+                stack.stop()
+        if "cache" in parts and redis is not None:
+            # local tier off: every hit is a Redis hit (what another prefill instance wrote)
+            stack = start(model, workdir / "redis-only", "auto", redis.url, ["--cache-local-mb", "0"])
+            try:
+                res.update(cache_figures(stack, rng, "redis"))
+            finally:
+                stack.stop()
+            row("TTFT 4k cold / 90% in Redis only", f"{res['served_ttft_ms_4k_cold_redis']:.0f} / "
+                f"{res['served_ttft_ms_4k_90pct_redis']:.0f} ms")  # fmt: skip
+            save()
+    finally:
+        if redis is not None:
+            redis.stop()
+    print("\n| figure | value | note |\n|---|---|---|")
+    for r in ROWS:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+
+
+if __name__ == "__main__":
+    main()
