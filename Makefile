@@ -1,5 +1,6 @@
 # make up   : set up (once) and run router + prefill + decode on loopback (demo model unless MODEL=dir)
 # make test : set up (once), lint (ruff, mypy, stubs) and run the test suite
+# make compose-up : the whole stack in containers (deploy/docker-compose.yml); GPU=1 for the GPU profile
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 MODEL ?=
 ARGS ?=
 
-.PHONY: up test lint setup protos protos-check clean
+.PHONY: up test lint setup protos protos-check clean compose-up
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +31,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python scripts/typecheck.py
+
+compose-up:
+	docker compose -f deploy/docker-compose.yml $(if $(GPU),--profile gpu) up --build $(ARGS)
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -792,7 +792,7 @@ def capacity_gain() -> dict:
     budget = free - 0.15 * total
     L, KVH, D, ps = 32, SHAPE["num_key_value_heads"], SHAPE["head_dim"], 16
     dense = int(budget // KVCache.bytes_per_page(L, ps, KVH, D, torch.bfloat16)) // (4096 // ps)
-    int8 = int(budget // Int8KVCache.bytes_per_page(L, ps, KVH, D, 64, False)) // (4096 // ps)
+    int8 = int(budget // Int8KVCache.int8_bytes_per_page(L, ps, KVH, D, 64, False)) // (4096 // ps)
     row(
         "KV capacity at ctx 4k",
         f"bf16 {dense} seqs, int8 {int8} seqs",

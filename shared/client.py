@@ -13,19 +13,24 @@ Defaults: max_tokens unset is 16 for prompt= / token_ids= and "until EOS or the 
 OpenAI defaults of /v1/completions and /v1/chat/completions). Log-probabilities are the model's distribution
 before temperature / top-k / top-p. Reasoning models: `reasoning_text` holds the `<think>` part, `text` the answer.
 
-Errors are `grpc.RpcError` with the server's status code and reason (e.g. INVALID_ARGUMENT).
+Errors are `grpc.RpcError` with the server's status code and reason (e.g. INVALID_ARGUMENT). RESOURCE_EXHAUSTED
+(the router at capacity) is retried after the server's pushback, bounded (`retry=RetryPolicy(...)`, `retry=False`
+to turn it off; streams only before their first chunk; `pdserve.client_retry`).
 `metadata=` (per client and per call) is sent as gRPC metadata: a W3C `traceparent` there is continued by the
 server's trace (router → decode → prefill), see docs/tracing.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
 import grpc
 
+from pdserve.client_retry import RetryPolicy
 from pdserve.server.grpc_util import CHANNEL_OPTIONS
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -207,36 +212,79 @@ def _completion(msg: generate_pb2.GenerateResponse) -> Completion:
     )
 
 
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _retry_policy(retry: RetryPolicy | bool) -> RetryPolicy:
+    """True: the default policy; False: no retries; a RetryPolicy as given."""
+    if isinstance(retry, RetryPolicy):
+        return retry
+    return RetryPolicy() if retry else RetryPolicy(max_attempts=1)
+
+
 class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of each call."""
+    """Blocking client. `timeout` (seconds) is the default deadline of each call (retries included); `retry`: how
+    RESOURCE_EXHAUSTED is retried (True: `RetryPolicy()`, False: never)."""
 
     def __init__(
-        self, target: str = "localhost:50051", *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+        self,
+        target: str = "localhost:50051",
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        retry: RetryPolicy | bool = True,
     ):
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self.timeout = timeout
         self.metadata = list(metadata)
+        self.retry = _retry_policy(retry)
+        self.retries = 0  # RESOURCE_EXHAUSTED retried so far (all calls)
+
+    def _backoff(self, err: grpc.RpcError, attempt: int, waited: float, deadline: float | None) -> float:
+        """Sleep before the next attempt and return the seconds slept; re-raise `err` when the policy gives up."""
+        d = self.retry.delay(err, attempt, waited, deadline)
+        if d is None:
+            raise err
+        self.retries += 1
+        time.sleep(d)
+        return d
 
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (), **kw
     ) -> Completion:
-        resp = self._stub.Generate(
-            build_request(prompt, **kw), timeout=timeout or self.timeout, metadata=[*self.metadata, *metadata]
-        )
-        return _completion(resp)
+        request, deadline, waited = build_request(prompt, **kw), _deadline(timeout or self.timeout), 0.0
+        for attempt in range(1, self.retry.max_attempts + 1):
+            try:
+                resp = self._stub.Generate(request, timeout=_left(deadline), metadata=[*self.metadata, *metadata])
+                return _completion(resp)
+            except grpc.RpcError as e:
+                waited += self._backoff(e, attempt, waited, deadline)
+        raise AssertionError("unreachable: the last attempt raises")
 
     def stream(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (), **kw
     ) -> Iterator[CompletionChunk]:
-        call = self._stub.GenerateStream(
-            build_request(prompt, **kw), timeout=timeout or self.timeout, metadata=[*self.metadata, *metadata]
-        )
-        try:
-            for msg in call:
-                yield _chunk(msg)
-        finally:
-            call.cancel()  # no-op when finished; stops generation when the caller breaks out early
+        request, deadline, waited = build_request(prompt, **kw), _deadline(timeout or self.timeout), 0.0
+        for attempt in range(1, self.retry.max_attempts + 1):
+            call = self._stub.GenerateStream(request, timeout=_left(deadline), metadata=[*self.metadata, *metadata])
+            yielded = False
+            try:
+                for msg in call:
+                    yielded = True
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as e:
+                if yielded:  # tokens reached the caller: a retry would repeat them
+                    raise
+                waited += self._backoff(e, attempt, waited, deadline)
+            finally:
+                call.cancel()  # no-op when finished; stops generation when the caller breaks out early
 
     @overload
     def chat(self, messages: Sequence[dict[str, str]], *, stream: Literal[False] = False, **kw) -> Completion: ...
@@ -266,32 +314,58 @@ class AsyncClient:
     """asyncio client with the same methods as `Client`."""
 
     def __init__(
-        self, target: str = "localhost:50051", *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()
+        self,
+        target: str = "localhost:50051",
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        retry: RetryPolicy | bool = True,
     ):
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self.timeout = timeout
         self.metadata = list(metadata)
+        self.retry = _retry_policy(retry)
+        self.retries = 0
+
+    async def _backoff(self, err: grpc.RpcError, attempt: int, waited: float, deadline: float | None) -> float:
+        d = self.retry.delay(err, attempt, waited, deadline)
+        if d is None:
+            raise err
+        self.retries += 1
+        await asyncio.sleep(d)
+        return d
 
     async def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (), **kw
     ) -> Completion:
-        resp = await self._stub.Generate(
-            build_request(prompt, **kw), timeout=timeout or self.timeout, metadata=[*self.metadata, *metadata]
-        )
-        return _completion(resp)
+        request, deadline, waited = build_request(prompt, **kw), _deadline(timeout or self.timeout), 0.0
+        for attempt in range(1, self.retry.max_attempts + 1):
+            try:
+                resp = await self._stub.Generate(request, timeout=_left(deadline), metadata=[*self.metadata, *metadata])
+                return _completion(resp)
+            except grpc.RpcError as e:
+                waited += await self._backoff(e, attempt, waited, deadline)
+        raise AssertionError("unreachable: the last attempt raises")
 
     async def stream(
         self, prompt: str | None = None, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (), **kw
     ) -> AsyncGenerator[CompletionChunk, None]:
-        call = self._stub.GenerateStream(
-            build_request(prompt, **kw), timeout=timeout or self.timeout, metadata=[*self.metadata, *metadata]
-        )
-        try:
-            async for msg in call:
-                yield _chunk(msg)
-        finally:
-            call.cancel()
+        request, deadline, waited = build_request(prompt, **kw), _deadline(timeout or self.timeout), 0.0
+        for attempt in range(1, self.retry.max_attempts + 1):
+            call = self._stub.GenerateStream(request, timeout=_left(deadline), metadata=[*self.metadata, *metadata])
+            yielded = False
+            try:
+                async for msg in call:
+                    yielded = True
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as e:
+                if yielded:
+                    raise
+                waited += await self._backoff(e, attempt, waited, deadline)
+            finally:
+                call.cancel()
 
     def chat(self, messages: Sequence[dict[str, str]], *, stream: bool = False, **kw):
         """As `Client.chat`: `await client.chat(messages)`, or `async for c in client.chat(messages, stream=True)`."""

@@ -15,9 +15,13 @@ import argparse
 import dataclasses
 import os
 import typing
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def _field_type(cls: type, field: dataclasses.Field) -> Any:
@@ -63,10 +67,11 @@ def _is_list(cls: type, f: dataclasses.Field) -> bool:
 
 
 def config_from(
-    cls: type[T], args: argparse.Namespace | None, env_prefix: str, environ: dict[str, str] | None = None
+    cls: type[T], args: argparse.Namespace | None, env_prefix: str, environ: Mapping[str, str] | None = None
 ) -> T:
     """Build `cls` from parsed CLI args (None entries = not given), then env, then defaults."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
     values: dict[str, Any] = {}
     path = (getattr(args, "config", None) if args is not None else None) or environ.get(f"{env_prefix}CONFIG")
     from_file = file_values(cls, path) if path and any(f.name == "config" for f in dataclasses.fields(cls)) else {}

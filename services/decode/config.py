@@ -15,11 +15,18 @@ class DecodeConfig(EngineOptions):
         "longest wait for the next message (KV page or done) from prefill; then "
         "the request fails DEADLINE_EXCEEDED and its pages are freed",
     )
+    kv_transport: str = opt(
+        "auto",
+        "auto|grpc|cuda-ipc: how KV pages arrive from prefill (offered in each request; auto: cuda-ipc when "
+        "prefill is on this host with CUDA, else grpc; a forced transport that cannot work fails the request)",
+    )
 
     def validate(self) -> None:
         super().validate()
         if not self.page_timeout_s > 0:
             raise SystemExit(f"--page-timeout-s must be > 0, got {self.page_timeout_s}")
+        if self.kv_transport not in ("auto", "grpc", "cuda-ipc"):
+            raise SystemExit(f"--kv-transport must be auto, grpc or cuda-ipc, got {self.kv_transport!r}")
 
 
 ENV_PREFIX = "PDSERVE_DECODE_"

@@ -12,14 +12,19 @@ import grpc
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.watchdog import Watchdog
 from pdserve.engine.loop import EngineLoop
-from pdserve.errors import InvalidRequest
-from pdserve.kv.codec import KVLayoutSpec, decode_page
-from pdserve.kv.transfer import ReceiverPages, TransferError
+from pdserve.errors import CorruptPage, InvalidRequest
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer import KVReceiver, ReceiverPages, TransferError
+from pdserve.kv.transfer.cuda_ipc import IpcBufferCache, IpcReceiver, copier_for
+from pdserve.kv.transfer.grpc_transport import GrpcReceiver
+from pdserve.kv.transfer.handshake import CUDA_IPC, GRPC, make_offer
+from pdserve.kv.transfer.stats import TransferStats
+from pdserve.kv.transfer.wire import BatchExpectation, parse_server_message
 from pdserve.server.grpc_util import channel, remaining
 from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.service import RequestScope, Telemetry
-from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
+from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc, kv_pb2
 
 log = logging.getLogger("pdserve.decode")
 
@@ -37,6 +42,7 @@ class PrefillChannels:
     def __init__(self):
         self._lock = threading.Lock()
         self._stubs: dict[str, internal_pb2_grpc.PrefillStub] = {}
+        self._raw: dict[str, grpc.StreamStreamMultiCallable] = {}
         self._channels: list[grpc.Channel] = []
 
     def stub(self, target: str) -> internal_pb2_grpc.PrefillStub:
@@ -45,7 +51,18 @@ class PrefillChannels:
                 ch = channel(target)
                 self._channels.append(ch)
                 self._stubs[target] = internal_pb2_grpc.PrefillStub(ch)
+                # the Prefill stream with its responses left as bytes (KV batches are parsed without copies)
+                self._raw[target] = ch.stream_stream(
+                    "/pdserve.v1.Prefill/Prefill",
+                    request_serializer=internal_pb2.PrefillClientMessage.SerializeToString,
+                    response_deserializer=None,
+                )
             return self._stubs[target]
+
+    def prefill_stream(self, target: str) -> grpc.StreamStreamMultiCallable:
+        self.stub(target)
+        with self._lock:
+            return self._raw[target]
 
     def close(self) -> None:
         for ch in self._channels:
@@ -71,6 +88,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             asymmetric=engine.kv_asymmetric if cfg.kv_dtype == "int8" else False,
         )
         self.prefill = PrefillChannels()
+        self.device = engine.runner.device
+        self.transfer_stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
+        self.kv_offer = make_offer(cfg.kv_transport, self.device)  # what this instance can receive
+        self.ipc_buffers = IpcBufferCache(copier_for(self.device))  # prefill staging buffers, opened once each
         self._active = 0
         self._lock = threading.Lock()
 
@@ -169,9 +190,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def _receive_kv(
         self, request: internal_pb2.DecodeRequest, prompt: list[int], context: grpc.ServicerContext, req: RequestScope
     ) -> tuple[int, int, internal_pb2.PrefillDone]:
-        """Open the Prefill stream, store pages as they arrive, ack them. Returns (first token, cached)."""
+        """Open the Prefill stream, agree on the transport, store batches as they arrive and ack them. Returns
+        (first token, cached tokens, PrefillDone)."""
         rid = request.request_id
-        pages = ReceiverPages(rid, -(-len(prompt) // self.layout.page_size))
+        pages = ReceiverPages(rid, -(-len(prompt) // self.layout.page_size), free=lambda: self.loop.abort(rid))
         acks: queue.Queue = queue.Queue()
         first = internal_pb2.PrefillClientMessage(
             request=internal_pb2.PrefillRequest(
@@ -181,6 +203,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 kv_layout=self.layout.to_proto(),
                 model_fingerprint=self.fingerprint,
                 sampled_before=request.resumed_tokens,
+                kv_transport=self.kv_offer,
             )
         )
 
@@ -196,51 +219,70 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         span = req.child(
             "decode.kv_receive", {"pdserve.prefill": request.prefill_target, "pdserve.kv.dtype": self.layout.dtype}
         )
-        call = self.prefill.stub(request.prefill_target).Prefill(
+        call = self.prefill.prefill_stream(request.prefill_target)(
             client_messages(), timeout=timeout, metadata=req.outgoing_metadata(span)
         )
         context.add_callback(call.cancel)  # our caller went away: stop prefill too
         watchdog = Watchdog(self.cfg.page_timeout_s, call.cancel, name=f"pages-{rid[:8]}")
+        receiver: KVReceiver | None = None
+
+        def fail(code: grpc.StatusCode, message: str):
+            pages.fail()
+            call.cancel()
+            context.abort(code, message)
+
         try:
-            for msg in call:
+            for raw in call:
                 watchdog.feed()
-                if msg.HasField("page"):
-                    page = msg.page
-                    try:
-                        pages.check(page.seq_no, page.page_index)
-                        payload = decode_page(
-                            page,
-                            expected_layout=self.layout,
-                            expected_fingerprint=self.fingerprint,
-                            expected_request_id=rid,
+                try:
+                    msg, header, payload = parse_server_message(raw)
+                    if msg is not None and msg.HasField("transport"):
+                        if receiver is not None:
+                            raise TransferError("second transport choice on one stream")
+                        receiver = self._open_receiver(msg.transport, pages, rid, acks, fail)
+                        continue
+                    if msg is not None and msg.HasField("done"):
+                        break
+                    if receiver is None:
+                        raise TransferError("KV batch before the transport choice")
+                    if header is not None:
+                        seq = receiver.receive(header, payload)
+                    elif msg is not None and msg.HasField("ipc_batch"):
+                        seq = receiver.receive(msg.ipc_batch.header, msg.ipc_batch)
+                    else:
+                        raise TransferError(
+                            f"unexpected message from prefill: {msg.WhichOneof('msg') if msg else None}"
                         )
-                        self.loop.import_page(rid, payload)
-                    except (TransferError, InvalidRequest) as e:  # damaged, out of order or not ours
-                        call.cancel()
-                        context.abort(grpc.StatusCode.DATA_LOSS, f"bad KV page from prefill: {e}")
-                    pages.filled(page.page_index, payload.nbytes)
-                    acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=page.seq_no)))
-                    pages.acked()
-                else:
-                    done = msg.done
-                    try:
-                        pages.complete(done.num_pages)
-                    except TransferError as e:
-                        call.cancel()
-                        context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-                    self.telemetry.metrics.kv_bytes.inc(pages.bytes_received)
-                    req.end_child(
-                        span,
-                        ok=True,
-                        attributes={
-                            "pdserve.kv.pages": done.num_pages,
-                            "pdserve.kv.bytes": pages.bytes_received,
-                            "pdserve.cached_tokens": done.cached_tokens,
-                            "pdserve.first_token_id": done.first_token_id,
-                        },
-                    )
-                    return done.first_token_id, done.cached_tokens, done
+                except (TransferError, CorruptPage, InvalidRequest) as e:  # damaged, out of order or not ours
+                    fail(grpc.StatusCode.DATA_LOSS, f"bad KV batch from prefill: {e}")
+                acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=seq)))
+                pages.acked()
+            else:
+                fail(grpc.StatusCode.UNAVAILABLE, f"prefill {request.prefill_target} ended without finishing")
+            assert msg is not None  # the loop broke on PrefillDone
+            done = msg.done
+            if receiver is None:
+                fail(grpc.StatusCode.DATA_LOSS, "PrefillDone before the transport choice")
+                raise AssertionError("unreachable: abort raises")
+            try:
+                receiver.finish(done.num_pages, self.cfg.page_timeout_s)
+            except (TransferError, InvalidRequest) as e:
+                fail(grpc.StatusCode.DATA_LOSS, str(e))
+            self.telemetry.metrics.kv_bytes.inc(pages.bytes_received)
+            req.end_child(
+                span,
+                ok=True,
+                attributes={
+                    "pdserve.kv.pages": done.num_pages,
+                    "pdserve.kv.bytes": pages.bytes_received,
+                    "pdserve.kv.transport": receiver.transport,
+                    "pdserve.cached_tokens": done.cached_tokens,
+                    "pdserve.first_token_id": done.first_token_id,
+                },
+            )
+            return done.first_token_id, done.cached_tokens, done
         except grpc.RpcError as e:
+            pages.fail()
             if not context.is_active():
                 raise
             if watchdog.expired:
@@ -251,11 +293,41 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 )
             code = e.code() if e.code() != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE
             context.abort(code, f"prefill {request.prefill_target}: {e.details()}")
+            raise  # unreachable: abort raises
         finally:
             watchdog.stop()
             acks.put(_END)
+            if receiver is not None and not pages.completed:
+                receiver.fail()
             req.end_child(span)  # no-op after success; else the status the RPC ends with
-        context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill {request.prefill_target} ended without finishing")
+
+    def _open_receiver(self, choice, pages: ReceiverPages, rid: str, acks: queue.Queue, fail) -> KVReceiver:
+        """The receiver for prefill's choice. cuda-ipc: open its buffer (once per buffer) and answer
+        KVTransportReady; if it cannot be opened, grpc for this request (counted, logged) unless forced."""
+        layout = self.layout
+
+        def import_rows(indexes: list[int], tokens: list[int], rows):
+            return self.loop.submit(lambda e: e.import_batch(rid, indexes, tokens, rows, layout))
+
+        args = (pages, BatchExpectation(layout, self.fingerprint, rid), self.transfer_stats, self.device, import_rows)
+        if choice.transport == GRPC:
+            return GrpcReceiver(*args)
+        if choice.transport != CUDA_IPC:
+            raise TransferError(f"prefill chose unknown kv transport {choice.transport!r}")
+        try:
+            self.ipc_buffers.get(choice.ipc_buffer)
+        except Exception as e:
+            reason = f"cannot open prefill's {choice.ipc_buffer.kind} buffer: {e}"
+            if self.cfg.kv_transport == CUDA_IPC:
+                fail(grpc.StatusCode.FAILED_PRECONDITION, f"kv transport cuda-ipc forced but unusable: {reason}")
+            self.transfer_stats.add(CUDA_IPC, fallbacks=1)
+            log.warning("rid=%s kv transport: grpc instead of cuda-ipc (%s)", rid, reason)
+            acks.put(
+                internal_pb2.PrefillClientMessage(transport_ready=kv_pb2.KVTransportReady(ok=False, reason=reason))
+            )
+            return GrpcReceiver(*args)
+        acks.put(internal_pb2.PrefillClientMessage(transport_ready=kv_pb2.KVTransportReady(ok=True)))
+        return IpcReceiver(*args, buffers=self.ipc_buffers, buffer_id=choice.ipc_buffer.buffer_id)
 
     def Stats(self, request, context):
         used, total = self.loop.allocator.num_used, self.loop.allocator.num_pages
@@ -268,4 +340,5 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             model_fingerprint=self.fingerprint,
             kv_dtype=self.layout.dtype,
             page_size=self.layout.page_size,
+            kv_transports=self.transfer_stats.to_proto(),
         )

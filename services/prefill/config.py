@@ -15,11 +15,22 @@ class PrefillConfig(CacheOptions, EngineOptions):
         "longest a shipped KV page may stay unacknowledged by decode; then the "
         "request fails DEADLINE_EXCEEDED and its pages are freed",
     )
+    kv_transport: str = opt(
+        "auto",
+        "auto|grpc|cuda-ipc: how KV pages reach decode (auto: cuda-ipc when decode is on this host with CUDA, "
+        "else grpc; a forced transport that cannot work fails the request)",
+    )
+    kv_batch_mb: float = opt(8.0, "grpc transport: page bytes per stream message, MiB")
+    kv_ipc_staging_mb: float = opt(512.0, "cuda-ipc transport: device staging buffer shared with decode, MiB")
 
     def validate(self) -> None:
         super().validate()
         if not self.ack_timeout_s > 0:
             raise SystemExit(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
+        if self.kv_transport not in ("auto", "grpc", "cuda-ipc"):
+            raise SystemExit(f"--kv-transport must be auto, grpc or cuda-ipc, got {self.kv_transport!r}")
+        if not (self.kv_batch_mb > 0 and self.kv_ipc_staging_mb > 0):
+            raise SystemExit("--kv-batch-mb and --kv-ipc-staging-mb must be > 0")
         self.validate_cache()
 
 

@@ -6,13 +6,13 @@ from pdserve.cache.prompt_cache import build_prompt_cache
 from pdserve.prefill.config import PrefillConfig
 from pdserve.server.runner import build_engine, run_service
 from pdserve.telemetry.metrics import watch_engine, watch_prompt_cache
-from pdserve.v1 import internal_pb2, internal_pb2_grpc
+from pdserve.v1 import internal_pb2
 
 SERVICE = internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
 def serve(cfg: PrefillConfig) -> None:
-    from pdserve.prefill.servicer import PrefillServicer
+    from pdserve.prefill.servicer import PrefillServicer, add_prefill_servicer
 
     loop = build_engine(cfg, pool_kv_dtype="auto")  # prefill keeps full precision; quantizes when shipping
     cache = build_prompt_cache(cfg)  # Redis (--redis-url / $REDIS_URL), in-process, or None (--prompt-cache false)
@@ -21,10 +21,12 @@ def serve(cfg: PrefillConfig) -> None:
         watch_engine(telemetry.metrics, loop)
         if cache is not None:
             watch_prompt_cache(telemetry.metrics, cache)
-        internal_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(cfg, loop, telemetry, cache), server)
+        servicer = PrefillServicer(cfg, loop, telemetry, cache)
+        add_prefill_servicer(servicer, server)  # KV batches go out pre-serialized
 
         def cleanup() -> None:
             loop.stop()
+            servicer.close()
             if cache is not None:
                 cache.close()
 

@@ -13,12 +13,19 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import InvalidRequest
-from pdserve.kv.codec import KVLayoutSpec, encode_page
-from pdserve.kv.transfer import SenderPages, TransferError
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer import ExportedPages, SenderPages, TransferError
+from pdserve.kv.transfer.cuda_ipc import IpcSender, IpcStaging, copier_for
+from pdserve.kv.transfer.grpc_transport import GrpcSender, to_host
+from pdserve.kv.transfer.handshake import CUDA_IPC, GRPC, choose, host_id
+from pdserve.kv.transfer.page_format import PageFormat
+from pdserve.kv.transfer.stats import TransferStats
 from pdserve.prefill.ack_clock import AckClock
 from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.kv_link import SendLink
 from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.server.status import engine_error_code
+from pdserve.telemetry.rates import WorkRate
 from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
@@ -49,6 +56,12 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.max_model_len: int = engine.model_config.max_position_embeddings
         self._active = 0
         self._lock = threading.Lock()
+        self.device = engine.runner.device
+        self.transfer_stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
+        self._host_id = host_id()
+        self._staging: IpcStaging | None = None  # cuda-ipc: registered on the first request that may use it
+        self._staging_error = ""
+        self.prefill_rate = WorkRate()  # prompt tokens per busy second of the engine (Stats; cache decisions)
 
     # ---- validation -------------------------------------------------------------------------------------
     def _check_peer(self, req: internal_pb2.PrefillRequest, context: grpc.ServicerContext) -> KVLayoutSpec:
@@ -85,11 +98,11 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         rid = req.request_id
         prompt = list(req.prompt_token_ids)
         num_pages = -(-len(prompt) // self.page_size)
-        pages = SenderPages(rid, num_pages)
+        link = self._open_link(req, context, rid, num_pages, layout)  # the transport agreed with this decode
+        pages = link.pages
         outbox: queue.Queue = queue.Queue()
         released = threading.Event()
         kv_dtype = layout.dtype
-        group_size = layout.group_size or None
         scope.set({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(prompt), "pdserve.kv.dtype": kv_dtype})
         ns = CacheNamespace(self.fingerprint, layout)
         lookup_ns = time.time_ns()
@@ -104,10 +117,12 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 "pdserve.cache.pages_hit": hit.num_pages,
                 "pdserve.cache.pages_miss": max(0, (len(prompt) - 1) // self.page_size - hit.num_pages),
                 "pdserve.cache.local_hits": hit.local_hits,
+                **(hit.decision.attributes() if hit.decision is not None else {}),
             },
         )
-        for p in hit.pages:  # shipped first, as stored (already in the layout decode asked for)
-            outbox.put(p)
+        if hit.pages:  # shipped first, as stored (already in the layout decode asked for)
+            rows = PageFormat(layout).rows_from_payloads(hit.pages)
+            outbox.put(ExportedPages(list(range(hit.num_pages)), [p.num_tokens for p in hit.pages], rows))
 
         def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
             if isinstance(out, BaseException):
@@ -118,6 +133,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     outbox.put(RuntimeError("prefill aborted"))
                     return
                 prompt_lps.extend(out.prompt_logprobs)
+                if out.token_range:  # step start .. now (its outputs are dispatched right after it)
+                    start = self.loop.step_started_ns
+                    n = out.token_range[1] - out.token_range[0]
+                    self.prefill_rate.add_to_step(start, n, start / 1e9, time.time_ns() / 1e9)
                 if scope.recording and out.token_range:  # this step computed one chunk of the prompt
                     scope.record(
                         "prefill.chunk",
@@ -128,24 +147,17 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                             "pdserve.chunk.ready_pages": len(out.ready_pages),
                         },
                     )
-                if out.ready_pages:
-                    payloads = self.loop.engine.export_pages(
-                        rid, out.ready_pages, kv_dtype, group_size=group_size, asymmetric=layout.asymmetric
-                    )
-                    for p in payloads:
-                        outbox.put(p)
-                        if self.cache is not None and p.page_index < len(hit.keys):  # a full page: share it
-                            self.cache.put(ns, hit.keys[p.page_index], p)
+                if out.ready_pages:  # one device gather per chunk; the writer ships it
+                    outbox.put(self.loop.engine.export_batch(rid, out.ready_pages, layout))
                 if out.finished:
                     outbox.put((_DONE, out))
             except Exception as e:
                 outbox.put(e)
 
-        def release() -> None:
+        def release() -> None:  # pages not all acknowledged by now are abandoned: freed here
             if not released.is_set():
                 released.set()
-                pages.free()
-                self.loop.release(rid)
+                link.sender.close()
 
         context.add_callback(release)  # RPC ended for any reason (cancel, deadline, error, success)
         with self._lock:
@@ -167,12 +179,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
 
         clock = AckClock()
         acks = threading.Thread(
-            target=self._read_acks, args=(request_iterator, pages, clock, release), daemon=True, name=f"acks-{rid[:8]}"
+            target=self._read_acks, args=(request_iterator, link, clock), daemon=True, name=f"acks-{rid[:8]}"
         )
         acks.start()
         deadline = time.monotonic() + self.cfg.request_timeout_s
         ack_timeout = self.cfg.ack_timeout_s
         ship = None  # prefill.kv_ship span: first page shipped → PrefillDone
+        yield internal_pb2.PrefillServerMessage(transport=link.choice)
         try:
             while True:
                 try:
@@ -195,6 +208,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
                 if isinstance(item, tuple) and item[0] is _DONE:
                     out = item[1]
+                    try:
+                        link.sender.drain(max(0.0, min(ack_timeout, deadline - time.monotonic())))
+                    except TimeoutError as e:
+                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode did not acknowledge KV: {e}")
                     done = internal_pb2.PrefillDone(
                         first_token_id=out.new_token_ids[0],
                         num_pages=pages.num_shipped,
@@ -207,27 +224,32 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     self._record_done(scope, ship, pages, len(prompt), done)
                     yield internal_pb2.PrefillServerMessage(done=done)
                     log.info(
-                        "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s ms=%.1f",
+                        "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s ms=%.1f",
                         rid,
                         len(prompt),
                         done.cached_tokens,
                         pages.num_shipped,
                         pages.bytes_shipped,
                         kv_dtype,
+                        link.sender.transport,
                         done.prefill_ms,
                     )
                     return
                 if ship is None:
-                    ship = scope.child("prefill.kv_ship", {"pdserve.kv.dtype": kv_dtype})
-                try:
-                    msg = encode_page(
-                        item, request_id=rid, seq_no=pages.num_shipped, layout=layout, fingerprint=self.fingerprint
+                    self._await_transport(link, context, layout)  # cuda-ipc: decode opened the buffer (or grpc)
+                    ship = scope.child(
+                        "prefill.kv_ship", {"pdserve.kv.dtype": kv_dtype, "pdserve.kv.transport": link.sender.transport}
                     )
-                    pages.ship(item.page_index, item.nbytes)
+                try:
+                    msgs = link.sender.send(item)
+                except TimeoutError as e:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer stalled: {e}")
+                except (InvalidRequest, TransferError, ValueError, RuntimeError) as e:
+                    context.abort(grpc.StatusCode.INTERNAL, f"KV transfer failed ({link.sender.transport}): {e}")
+                for _ in item.page_indexes:
                     clock.shipped()
-                except (InvalidRequest, TransferError) as e:
-                    context.abort(grpc.StatusCode.INTERNAL, f"KV export failed: {e}")
-                yield internal_pb2.PrefillServerMessage(page=msg)
+                yield from msgs
+                self._cache_pages(item, hit, ns, layout)
         finally:
             with self._lock:
                 self._active -= 1
@@ -258,20 +280,109 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         first token). Store trouble is a miss, never an error."""
         if self.cache is None:
             return CacheLookup([], [])
-        return self.cache.lookup(ns, prompt, max_pages=(len(prompt) - 1) // self.page_size)
+        return self.cache.lookup(
+            ns, prompt, max_pages=(len(prompt) - 1) // self.page_size, prefill_tokens_per_s=self.prefill_rate.rate()
+        )
 
-    def _read_acks(self, request_iterator, pages: SenderPages, clock: AckClock, release) -> None:
+    def _read_acks(self, request_iterator, link: SendLink, clock: AckClock) -> None:
+        """Decode's messages after the request: acks (the last one frees the pages) and transport readiness."""
         try:
             for msg in request_iterator:
                 if msg.HasField("ack"):
-                    pages.ack(msg.ack.seq_no)
                     clock.acked(msg.ack.seq_no)
-                    if pages.all_acked():
-                        release()
+                    link.sender.ack(msg.ack.seq_no)
+                elif msg.HasField("transport_ready"):
+                    link.set_ready(msg.transport_ready)
         except (grpc.RpcError, TransferError) as e:
             log.debug("ack stream ended: %s", e)
         except Exception:
-            pass
+            log.exception("ack reader failed")
+        finally:
+            link.set_ready(None)  # a writer still waiting for readiness stops waiting
+
+    # ---- KV transport -----------------------------------------------------------------------------------
+    def _staging_unavailable(self) -> str:
+        """Register the cuda-ipc staging buffer once; "" when it serves, else why not."""
+        with self._lock:
+            if self._staging is None and not self._staging_error:
+                try:
+                    nbytes = int(self.cfg.kv_ipc_staging_mb * 2**20)
+                    self._staging = IpcStaging(copier_for(self.device), nbytes)
+                    log.info("cuda-ipc staging buffer: %d MiB on %s", nbytes >> 20, self.device)
+                except Exception as e:
+                    self._staging_error = f"staging buffer registration failed: {e}"
+                    log.warning("cuda-ipc unusable: %s", self._staging_error)
+            return self._staging_error
+
+    def _open_link(self, req, context, rid: str, num_pages: int, layout: KVLayoutSpec) -> SendLink:
+        """Pick the transport for this request (decode's offer, --kv-transport) and make its sender."""
+        offer = req.kv_transport if req.HasField("kv_transport") else None
+        mode = self.cfg.kv_transport
+        may_ipc = mode == CUDA_IPC or (
+            mode == "auto" and offer is not None and CUDA_IPC in offer.transports and offer.host_id == self._host_id
+        )
+        choice = choose(offer, mode, self._host_id, self.device.type, self._staging_unavailable() if may_ipc else "")
+        if choice.error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, choice.error)
+        if choice.fallback:
+            self.transfer_stats.add(CUDA_IPC, fallbacks=1)
+            log.warning("rid=%s kv transport: grpc instead of cuda-ipc (%s)", rid, choice.reason)
+        forced = mode == CUDA_IPC or (offer is not None and offer.forced and list(offer.transports) == [CUDA_IPC])
+        pages = SenderPages(rid, num_pages, free=lambda: self.loop.release(rid))
+        link = SendLink(choice, pages, forced, self._staging if choice.transport == CUDA_IPC else None)
+        link.sender = self._new_sender(choice.transport, pages, layout)
+        return link
+
+    def _new_sender(self, transport: str, pages: SenderPages, layout: KVLayoutSpec):
+        args = (pages, layout, self.fingerprint, self.transfer_stats)
+        if transport == CUDA_IPC:
+            assert self._staging is not None
+            return IpcSender(
+                *args,
+                max_batch_bytes=self._staging.nbytes,
+                staging=self._staging,
+                reserve_timeout=self.cfg.ack_timeout_s,
+            )
+        return GrpcSender(*args, max_batch_bytes=int(self.cfg.kv_batch_mb * 2**20))
+
+    def _await_transport(self, link: SendLink, context, layout: KVLayoutSpec) -> None:
+        """Before the first batch on cuda-ipc: decode must have opened the buffer; if it could not, this request
+        ships over grpc (counted, logged), unless cuda-ipc was forced (FAILED_PRECONDITION)."""
+        if link.sender.transport != CUDA_IPC:
+            return
+        ready = link.wait_ready(self.cfg.ack_timeout_s)
+        if ready is not None and ready.ok:
+            return
+        if ready is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "decode did not confirm the cuda-ipc buffer")
+            return
+        if link.forced:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"kv transport cuda-ipc forced but decode cannot use it: {ready.reason}",
+            )
+        self.transfer_stats.add(CUDA_IPC, fallbacks=1)
+        log.warning("rid=%s kv transport: grpc instead of cuda-ipc (decode: %s)", link.pages.request_id, ready.reason)
+        link.sender = self._new_sender(GRPC, link.pages, layout)
+
+    def _cache_pages(self, item: ExportedPages, hit: CacheLookup, ns: CacheNamespace, layout: KVLayoutSpec) -> None:
+        """Write newly computed full pages of a shipped batch back to the prompt cache (CPU copies)."""
+        if self.cache is None:
+            return
+        want = [i for i, idx in enumerate(item.page_indexes) if hit.num_pages <= idx < len(hit.keys)]
+        if not want:
+            return
+        rows = item.host if item.host is not None else to_host(item)
+        payloads = PageFormat(layout).payloads(
+            rows[want], [item.page_indexes[i] for i in want], [item.num_tokens[i] for i in want]
+        )
+        for p in payloads:
+            self.cache.put(ns, hit.keys[p.page_index], p)
+
+    def close(self) -> None:
+        """Service shutdown: release the staging buffer (its shared-memory file on CPU)."""
+        if self._staging is not None:
+            self._staging.close()
 
     def Stats(self, request, context):
         used, total = self.loop.allocator.num_used, self.loop.allocator.num_pages
@@ -284,4 +395,28 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             model_fingerprint=self.fingerprint,
             kv_dtype="auto",
             page_size=self.page_size,
+            kv_transports=self.transfer_stats.to_proto(),
+            prefill_tokens_per_s=self.prefill_rate.rate() or 0.0,
         )
+
+
+def _serialize_server_message(msg) -> bytes:
+    """Batches are yielded pre-serialized (`pdserve.kv.transfer.wire`); everything else is a message."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def add_prefill_servicer(servicer: PrefillServicer, server: grpc.Server) -> None:
+    """Register the Prefill service like the generated helper, but let the stream carry pre-serialized bytes."""
+    handlers = {
+        "Prefill": grpc.stream_stream_rpc_method_handler(
+            servicer.Prefill,
+            request_deserializer=internal_pb2.PrefillClientMessage.FromString,
+            response_serializer=_serialize_server_message,
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats,
+            request_deserializer=internal_pb2.StatsRequest.FromString,
+            response_serializer=internal_pb2.InstanceStats.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Prefill", handlers),))

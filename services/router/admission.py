@@ -1,13 +1,20 @@
-"""Admission control: capacity per instance in PCS units, reject early instead of queueing without bound.
+"""Admission control that follows the hardware: reject early (RESOURCE_EXHAUSTED with a retry hint) instead of
+queueing more than the instances can serve in time.
 
-An instance's load is the PCS of requests queued for it (reserved at admission) plus those running on it.
-A request is admitted when at least one eligible instance of each role stays within its budget:
+- prefill: an instance's load is the prompt tokens queued for it (reserved at admission) plus those it is
+  computing (dispatched, no first token yet). Its capacity is about a TTFT budget of work at the prefill rate it
+  measures and reports in Stats (`prefill_tokens_per_s`):
 
-    load + PCS <= capacity × batch_utilization_threshold      (an idle instance always admits, so a request
-                                                               larger than the budget still runs somewhere)
+      load + prompt_len <= max(floor_tokens, tokens_per_s × ttft_budget_s)
 
-Otherwise it is rejected with RESOURCE_EXHAUSTED and a retry-after hint: the time for the least-loaded
-instance to drain the excess at the rate the role has been completing PCS recently.
+  (`floor_tokens` alone while nothing is measured yet).
+- decode: an instance's load is the KV pages of the requests queued for it plus those it runs (prompt +
+  estimated output each); it admits while its pool (`kv_pages_total` from Stats) could hold all of them. Before
+  its first Stats nothing is known and it admits (the dispatch gate still waits for free pages).
+
+An idle instance always admits, so a request larger than any budget still runs somewhere. A rejection carries
+the time after which a retry should fit: the excess over the budget drained at the measured rate (prefill:
+tokens/s; decode: pages of finished requests per second, `DrainRate`).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ class Rejected(Exception):
 
 
 class DrainRate:
-    """PCS completed per second, exponentially decayed over `tau_s` (0 until something completes)."""
+    """Units completed per second, exponentially decayed over `tau_s` (0 until something completes)."""
 
     def __init__(self, tau_s: float = 10.0):
         self.tau_s = tau_s
@@ -38,9 +45,9 @@ class DrainRate:
         self._t = time.monotonic()
         self._start = self._t
 
-    def add(self, pcs: float, now: float | None = None) -> None:
+    def add(self, units: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self._sum = self._sum * math.exp(-(now - self._t) / self.tau_s) + pcs
+        self._sum = self._sum * math.exp(-(now - self._t) / self.tau_s) + units
         self._t = now
 
     def rate(self, now: float | None = None) -> float:
@@ -49,22 +56,79 @@ class DrainRate:
         return self._sum * math.exp(-(now - self._t) / self.tau_s) / window
 
 
-def fits(inst: Instance, pcs: float, threshold: float) -> bool:
-    return inst.load_pcs == 0 or inst.load_pcs + pcs <= inst.capacity_pcs * threshold
+def clamp_retry(seconds: float) -> float:
+    return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, seconds))
 
 
-def admit(role: str, candidates: list[Instance], pcs: float, threshold: float, drain: DrainRate) -> Instance:
-    """The instance to reserve `pcs` on (least relative load among those within budget), or raise Rejected."""
-    ok = [i for i in candidates if fits(i, pcs, threshold)]
+# ---- prefill: tokens within a TTFT budget ----------------------------------------------------------------------
+def prefill_capacity_tokens(tokens_per_s: float, ttft_budget_s: float, floor_tokens: float) -> float:
+    """Prompt tokens an instance may have queued + computing: a TTFT budget of work at its measured rate, never
+    below `floor_tokens` (also what an unmeasured instance, rate 0, gets)."""
+    return max(float(floor_tokens), tokens_per_s * ttft_budget_s)
+
+
+def prefill_load_tokens(inst: Instance) -> int:
+    """Prompt tokens queued for `inst` plus those it is computing."""
+    return inst.queued_tokens + inst.inflight_tokens
+
+
+def prefill_fits(inst: Instance, load: int, prompt_len: int, ttft_budget_s: float, floor_tokens: float) -> bool:
+    cap = prefill_capacity_tokens(inst.prefill_tokens_per_s, ttft_budget_s, floor_tokens)
+    return load <= 0 or load + prompt_len <= cap
+
+
+def admit_prefill(candidates: list[Instance], prompt_len: int, ttft_budget_s: float, floor_tokens: float) -> Instance:
+    """The prefill instance to reserve `prompt_len` tokens on (the one whose queue drains first), or Rejected."""
+
+    def drain_s(i: Instance, extra: int) -> float:  # seconds to compute its load (+ extra) at its rate
+        rate = i.prefill_tokens_per_s or floor_tokens / ttft_budget_s
+        return (prefill_load_tokens(i) + extra) / rate
+
+    ok = [i for i in candidates if prefill_fits(i, prefill_load_tokens(i), prompt_len, ttft_budget_s, floor_tokens)]
     if ok:
-        return min(ok, key=lambda i: (i.load_pcs / i.capacity_pcs, i.in_flight))
-    excess = min(i.load_pcs + pcs - i.capacity_pcs * threshold for i in candidates)
-    rate = drain.rate()
-    retry = excess * len(candidates) / rate if rate > 0 else RETRY_AFTER_UNKNOWN_S
-    retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, retry))
-    load = ", ".join(f"{i.address} {i.load_pcs:.0f}/{i.capacity_pcs:.0f}" for i in candidates)
+        return min(ok, key=lambda i: (drain_s(i, 0), i.in_flight))
+    # once the excess over the budget is computed, the request fits on the instance that drains first
+    retry = min(drain_s(i, prompt_len) - ttft_budget_s for i in candidates)
+    load = ", ".join(
+        f"{i.address} {prefill_load_tokens(i)}/"
+        f"{prefill_capacity_tokens(i.prefill_tokens_per_s, ttft_budget_s, floor_tokens):.0f} tokens"
+        for i in candidates
+    )
     raise Rejected(
-        f"every {role} instance is above {threshold:.0%} of its PCS capacity (request PCS {pcs:.0f}; "
-        f"load/capacity: {load})",
-        retry,
+        f"every prefill instance has more than {ttft_budget_s * 1e3:.0f} ms of prefill work queued (request "
+        f"{prompt_len} prompt tokens; load/capacity: {load})",
+        clamp_retry(retry),
+    )
+
+
+# ---- decode: what the KV pool can hold ------------------------------------------------------------------------
+def decode_load_pages(inst: Instance) -> int:
+    """KV pages of the requests queued for `inst` plus those it runs (router estimates)."""
+    return inst.queued_pages + inst.pages
+
+
+def decode_fits(inst: Instance, load: int, need_pages: int) -> bool:
+    total = inst.stats.pages_total if inst.stats is not None else 0
+    return load <= 0 or not total or load + need_pages <= total
+
+
+def admit_decode(candidates: list[Instance], need_pages: int, drain_pages: DrainRate) -> Instance:
+    """The decode instance to reserve `need_pages` on (most pool left), or Rejected."""
+
+    def room(i: Instance) -> float:
+        total = i.stats.pages_total if i.stats is not None else 0
+        return (total - decode_load_pages(i)) / total if total else 1.0
+
+    ok = [i for i in candidates if decode_fits(i, decode_load_pages(i), need_pages)]
+    if ok:
+        return max(ok, key=lambda i: (room(i), -i.in_flight))
+    excess = min(decode_load_pages(i) + need_pages - i.stats.pages_total for i in candidates if i.stats)
+    rate = drain_pages.rate()
+    retry = excess * len(candidates) / rate if rate > 0 else RETRY_AFTER_UNKNOWN_S
+    load = ", ".join(
+        f"{i.address} {decode_load_pages(i)}/{i.stats.pages_total if i.stats else 0} pages" for i in candidates
+    )
+    raise Rejected(
+        f"no decode instance's KV pool can hold this request too ({need_pages} pages; load/pool: {load})",
+        clamp_retry(retry),
     )

@@ -41,11 +41,19 @@ class RouterConfig(ServerOptions):
     priority_normal: float = opt(1.0, "urgency multiplier of normal requests")
     priority_low: float = opt(0.5, "urgency multiplier of low-priority requests")
     priority_aging_pcs_per_s: float = opt(100.0, "ordering value (PCS) a queued request gains per second waited")
-    # admission
-    prefill_capacity_pcs: float = opt(8192.0, "capacity of a prefill instance in PCS units")
-    decode_capacity_pcs: float = opt(0.0, "capacity of a decode instance in PCS units (0 = from its KV pool)")
+    # admission (docs/router.md): prefill work within a TTFT budget at each instance's measured rate, decode
+    # requests within each instance's KV pool
+    ttft_budget_ms: float = opt(
+        350.0, "prefill work queued per prefill instance: at most this long at its measured tokens/s"
+    )
+    prefill_floor_tokens: int = opt(
+        4096, "prompt tokens a prefill instance may always have queued (all it gets before it measured its rate)"
+    )
+    # relative load of the assignment policy (PCS units)
+    prefill_capacity_pcs: float = opt(8192.0, "PCS that count as a fully loaded prefill instance (policy)")
+    decode_capacity_pcs: float = opt(0.0, "PCS that count as a fully loaded decode instance (0 = from its KV pool)")
     batch_utilization_threshold: float = opt(
-        0.8, "reject when every instance's queued+running PCS would pass capacity × this"
+        0.8, "prefix affinity holds while its instance's PCS load stays within capacity × this"
     )
     max_queue: int = opt(1024, "most requests waiting in the router queue")
     max_queue_wait_s: float = opt(30.0, "longest a request waits in the queue before RESOURCE_EXHAUSTED")
@@ -89,6 +97,8 @@ class RouterConfig(ServerOptions):
                 problems.append(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
         if not 0 < self.batch_utilization_threshold <= 1:
             problems.append(f"batch_utilization_threshold must be in (0, 1], got {self.batch_utilization_threshold}")
+        if not self.ttft_budget_ms > 0 or not self.prefill_floor_tokens > 0:
+            problems.append("ttft_budget_ms and prefill_floor_tokens must be > 0")
         for name in ("prefill_capacity_pcs", "decode_capacity_pcs", "priority_aging_pcs_per_s", "affinity_slack_pcs"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")

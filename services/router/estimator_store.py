@@ -62,7 +62,9 @@ class RedisStore:
 
     def load(self) -> str | None:
         raw = self._r.get(self.key)
-        return raw.decode() if raw is not None else None
+        if raw is None:
+            return None
+        return raw.decode() if isinstance(raw, bytes) else raw
 
     def save(self, text: str) -> None:
         self._r.set(self.key, text)

@@ -44,7 +44,10 @@ class Instance:
     reserved_pcs: float = 0.0  # queued requests tentatively bound here (admission)
     in_flight: int = 0  # requests in `running_pcs`
     inflight_tokens: int = 0  # prefill: prompt tokens in flight
+    queued_tokens: int = 0  # prefill: prompt tokens of queued requests bound here (admission)
     pages: int = 0  # decode: KV pages the router's in-flight requests need (estimate)
+    queued_pages: int = 0  # decode: KV pages of queued requests bound here (admission)
+    prefill_tokens_per_s: float = 0.0  # prefill: measured by the instance (Stats; 0 = not yet)
     stats: DecodeStats | None = None
     # counters
     assigned: int = 0

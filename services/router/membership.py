@@ -246,4 +246,4 @@ class Membership:
             if inst.role == DECODE:
                 self.scheduler.update_stats(inst, s.kv_pages_free, s.kv_pages_total, s.active_requests, s.page_size)
             else:
-                self.scheduler.observe_page_size(inst, s.page_size)
+                self.scheduler.observe_page_size(inst, s.page_size, s.prefill_tokens_per_s)

@@ -28,7 +28,7 @@ class Priority(str, Enum):
     HIGH = "high"
 
 
-_FROM_FIELD = {
+_FROM_FIELD: dict[int, Priority] = {
     generate_pb2.PRIORITY_LOW: Priority.LOW,
     generate_pb2.PRIORITY_NORMAL: Priority.NORMAL,
     generate_pb2.PRIORITY_HIGH: Priority.HIGH,

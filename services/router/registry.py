@@ -21,6 +21,7 @@ def _role_and_address(request, context: grpc.ServicerContext) -> tuple[str, str]
     host, sep, port = request.address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be host:port, got {request.address!r}")
+    assert role is not None  # context.abort raised above
     return role, request.address
 
 

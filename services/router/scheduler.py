@@ -23,7 +23,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pdserve.router.admission import DrainRate, Rejected, admit
+from pdserve.router.admission import (
+    DrainRate,
+    Rejected,
+    admit_decode,
+    admit_prefill,
+    decode_fits,
+    decode_load_pages,
+    prefill_fits,
+    prefill_load_tokens,
+)
 from pdserve.router.config import RouterConfig
 from pdserve.router.instances import DECODE, PREFILL, DecodeStats, Instance, State
 from pdserve.router.policy import Policy, make_policy
@@ -85,7 +94,7 @@ class Scheduler:
         self.instances: dict[str, dict[str, Instance]] = {PREFILL: {}, DECODE: {}}
         self.queue = PriorityQueue(cfg.priority_aging_pcs_per_s)
         self.policy = policy or make_policy(cfg)
-        self.drain = {PREFILL: DrainRate(), DECODE: DrainRate()}
+        self.drain_pages = DrainRate()  # KV pages of finished decode requests per second (retry hints)
         self.rejected = 0
         self.retries = 0
         self.page_size: int | None = None  # tokens per KV page, learned from instances' Stats
@@ -130,10 +139,13 @@ class Scheduler:
                 inst.capacity_pcs = w * self.page_size * pages_total  # PCS of prompts+outputs filling the pool
             self._dispatch()
 
-    def observe_page_size(self, inst: Instance, page_size: int) -> None:
-        """An instance's Stats told its KV page size (0: not reported)."""
+    def observe_page_size(self, inst: Instance, page_size: int, prefill_tokens_per_s: float = 0.0) -> None:
+        """A prefill instance's Stats: its KV page size (0: not reported) and measured prefill rate (0: none yet;
+        the last measurement is kept)."""
         with self.lock:
             self._observe_page_size(inst, page_size)
+            if prefill_tokens_per_s > 0:
+                inst.prefill_tokens_per_s = prefill_tokens_per_s
             self._dispatch()
 
     def _observe_page_size(self, inst: Instance, page_size: int) -> None:
@@ -173,16 +185,19 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Admit and queue (dispatching at once when there is room). Raises Rejected or Unavailable."""
         with self.lock:
-            targets = []
-            for role in (PREFILL, DECODE):
-                cands = self._eligible(role)
+            pre, dec = self._eligible(PREFILL), self._eligible(DECODE)
+            for role, cands in ((PREFILL, pre), (DECODE, dec)):
                 if not cands:
                     raise Unavailable(f"no healthy {role} instance")
-                try:
-                    targets.append(admit(role, cands, job.pcs, self.cfg.batch_utilization_threshold, self.drain[role]))
-                except Rejected:
-                    self.rejected += 1
-                    raise
+            try:
+                budget_s, floor = self.cfg.ttft_budget_ms / 1e3, self.cfg.prefill_floor_tokens
+                targets = [
+                    admit_prefill(pre, job.prompt_len, budget_s, floor),
+                    admit_decode(dec, job.need_pages, self.drain_pages),
+                ]
+            except Rejected:
+                self.rejected += 1
+                raise
             if len(self.queue) >= self.cfg.max_queue:
                 self.rejected += 1
                 raise Rejected(f"router queue is full ({self.cfg.max_queue} requests)", 1.0)
@@ -250,11 +265,19 @@ class Scheduler:
     def _reserve(self, job: Job, targets: list[Instance]) -> None:
         for inst in targets:
             inst.reserved_pcs += job.pcs
+            if inst.role == PREFILL:
+                inst.queued_tokens += job.prompt_len
+            else:
+                inst.queued_pages += job.need_pages
         job.reserved = targets
 
     def _unreserve(self, job: Job) -> None:
         for inst in job.reserved:
             inst.reserved_pcs = max(0.0, inst.reserved_pcs - job.pcs)
+            if inst.role == PREFILL:
+                inst.queued_tokens = max(0, inst.queued_tokens - job.prompt_len)
+            else:
+                inst.queued_pages = max(0, inst.queued_pages - job.need_pages)
         job.reserved = []
 
     @staticmethod
@@ -271,21 +294,23 @@ class Scheduler:
         if job.prefill_open:
             self._charge(job.prefill, job, -1)
             job.prefill_open = False
-            if done:
-                self.drain[PREFILL].add(job.pcs)
 
     def _release_decode(self, job: Job, done: bool) -> None:
         if job.decode_open:
             self._charge(job.decode, job, -1)
             job.decode_open = False
             if done:
-                self.drain[DECODE].add(job.pcs)
+                self.drain_pages.add(job.need_pages)
 
     def _in_budget(self, inst: Instance, job: Job) -> bool:
         """Dispatching `job` keeps `inst` within its admission budget (its own reservation not counted twice):
         the policy may prefer another instance than the one admission reserved on, never an overloaded one."""
-        load = inst.load_pcs - (job.pcs if inst in job.reserved else 0.0)
-        return load <= 0 or load + job.pcs <= inst.capacity_pcs * self.cfg.batch_utilization_threshold
+        own = inst in job.reserved
+        if inst.role == PREFILL:
+            load = prefill_load_tokens(inst) - (job.prompt_len if own else 0)
+            cfg = self.cfg
+            return prefill_fits(inst, load, job.prompt_len, cfg.ttft_budget_ms / 1e3, cfg.prefill_floor_tokens)
+        return decode_fits(inst, decode_load_pages(inst) - (job.need_pages if own else 0), job.need_pages)
 
     def _prefill_room(self, inst: Instance) -> bool:
         limit = self.cfg.prefill_max_inflight_tokens

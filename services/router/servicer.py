@@ -43,6 +43,7 @@ from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2
 log = logging.getLogger("pdserve.router")
 
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED: when to try again
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # the same delay in gRPC's own key (its retry policies honour it)
 
 
 @dataclass
@@ -196,7 +197,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _reject(context: grpc.ServicerContext, e: Rejected) -> None:
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, round(e.retry_after_s * 1e3)))),))
+        ms = str(max(1, round(e.retry_after_s * 1e3)))
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, ms), (RETRY_PUSHBACK_KEY, ms)))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.reason}; retry after {e.retry_after_s:.2f}s")
 
     # ---- RPCs -------------------------------------------------------------------------------------------

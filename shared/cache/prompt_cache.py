@@ -1,7 +1,9 @@
 """PromptCache: KV pages of prompt prefixes, looked up by chained page keys, shared through a store.
 
-    lookup(ns, prompt, max_pages)   longest cached prefix of full pages: local tier first, then the store in
-                                    pipelined batches, stopping at the first miss (or corrupt value)
+    lookup(ns, prompt, max_pages, prefill_tokens_per_s)
+                                    longest cached prefix of full pages: local tier first, then the store in
+                                    pipelined batches, stopping at the first miss (or corrupt value); the store
+                                    only where fetching beats computing at the measured rates (fetch_policy.py)
     put(ns, key, payload)           a newly computed full page: into the local tier now, into the store by the
                                     write-back thread (never blocks; dropped and counted when the queue is full)
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 
 from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import CacheOptions, MiB
+from pdserve.cache.fetch_policy import FetchDecision, decide_fetch
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.local_tier import LocalTier
 from pdserve.cache.stats import CacheStats
@@ -31,6 +35,7 @@ from pdserve.cache.value import decode_value, encode_value
 from pdserve.cache.writer import WriteBack
 from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.payload import PagePayload
+from pdserve.telemetry.rates import WorkRate
 
 log = logging.getLogger("pdserve.cache")
 
@@ -40,6 +45,7 @@ class CacheLookup:
     keys: list[bytes]  # chain digests of every full page of the prompt (what put() needs)
     pages: list[PagePayload]  # cached prefix: pages 0 .. len(pages) - 1, full, all layers
     local_hits: int = 0  # of `pages`, served by the local tier
+    decision: FetchDecision | None = None  # whether the store was asked for what the local tier lacked
 
     @property
     def num_pages(self) -> int:
@@ -80,6 +86,8 @@ class PromptCache:
         self.key_prefix = key_prefix
         self.stats = CacheStats()
         self._writer: WriteBack[_Write | _Touch] = WriteBack(self._write_batch, write_queue)
+        self.fetch_rate = WorkRate()  # store value bytes per second of fetching (remote stores)
+        self.page_value_bytes = 0.0  # stored size of a page, from the last fetch (0: none yet)
 
     # ---- counters (for metrics) ------------------------------------------------------------------------
     hits = property(lambda self: self.stats.hits)
@@ -101,9 +109,18 @@ class PromptCache:
         return f"{self.key_prefix}{ns.tag}:{digest.hex()}".encode()
 
     # ---- lookup ------------------------------------------------------------------------------------------
-    def lookup(self, ns: CacheNamespace, token_ids: list[int], max_pages: int) -> CacheLookup:
+    def fetch_decision(self, page_size: int, prefill_tokens_per_s: float | None) -> FetchDecision:
+        """Whether the store beats computing now (an in-process store always does: it is memory)."""
+        if not self.store.remote:
+            return FetchDecision(True, "faster", 0.0, prefill_tokens_per_s or 0.0)
+        return decide_fetch(self.fetch_rate.rate(), self.page_value_bytes, page_size, prefill_tokens_per_s)
+
+    def lookup(
+        self, ns: CacheNamespace, token_ids: list[int], max_pages: int, prefill_tokens_per_s: float | None = None
+    ) -> CacheLookup:
         """Longest cached prefix of at most `max_pages` full pages of `token_ids`. Never raises for store
-        trouble (that is a miss); returns within about one store timeout per batch."""
+        trouble (that is a miss); returns within about one store timeout per batch. Past the local tier, the
+        store is asked only when fetching beats computing at `prefill_tokens_per_s` (None: unmeasured)."""
         keys = ns.page_keys(token_ids)
         want = keys[: max(0, max_pages)]
         pages: list[PagePayload] = []
@@ -113,14 +130,30 @@ class PromptCache:
                 break
             pages.append(p)
         n_local = len(pages)
-        corrupt = errors = skipped = 0
-        while len(pages) < len(want):
+        corrupt = errors = skipped = slow = 0
+        decision = None
+        if len(pages) < len(want):
+            decision = self.fetch_decision(ns.layout.page_size, prefill_tokens_per_s)
+            slow = int(not decision.fetch)
+            if slow:
+                log.debug(
+                    "prompt cache: store skipped for %d pages (it delivers %.0f tokens/s, prefill computes %.0f)",
+                    len(want) - len(pages),
+                    decision.fetch_tokens_per_s,
+                    decision.prefill_tokens_per_s,
+                )
+        while len(pages) < len(want) and not slow:
             if not self.breaker.allow():
                 skipped += 1
                 break
             batch = want[len(pages) : len(pages) + self.lookup_batch]
+            t0 = time.perf_counter()
             try:
                 values = self.store.get_many([self.store_key(ns, k) for k in batch], self.ttl_ms)
+                found = [len(v) for v in values if v is not None]
+                if found:
+                    self.fetch_rate.add(sum(found), time.perf_counter() - t0)
+                    self.page_value_bytes = sum(found) / len(found)
             except StoreError as e:
                 self.breaker.failure()
                 errors += 1
@@ -154,8 +187,9 @@ class PromptCache:
             corrupt=corrupt,
             errors=errors,
             skipped=skipped,
+            store_slower=slow,
         )
-        return CacheLookup(keys, pages, n_local)
+        return CacheLookup(keys, pages, n_local, decision)
 
     # ---- write-back --------------------------------------------------------------------------------------
     def put(self, ns: CacheNamespace, key: bytes, payload: PagePayload) -> bool:

@@ -15,6 +15,7 @@ class CacheStats:
     corrupt: int = 0  # values that failed parsing / checksum (treated as misses)
     errors: int = 0  # store errors (timeouts, connection refused, server errors)
     skipped: int = 0  # lookups / writes skipped because the circuit breaker was open
+    store_slower: int = 0  # lookups that skipped the store: fetching measured slower than computing
     writes: int = 0  # pages written to the store
     write_bytes: int = 0
     write_drops: int = 0  # pages not written: write-back queue full or breaker open

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+PREFILL, DECODE = "prefill", "decode"
+
 
 @dataclass
 class Stack:
@@ -33,6 +35,59 @@ class Stack:
 
     def log_text(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in self.logs if p.exists())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one engine instance runs: its GPU (None: the engine's own `auto` device) and the fraction of that
+    GPU's total memory it may fill (None: the service's default)."""
+
+    role: str  # prefill | decode
+    index: int  # instance number within its role
+    gpu: int | None = None
+    memory_fraction: float | None = None
+
+    def args(self) -> list[str]:
+        """`pdserve serve` flags of this placement."""
+        if self.gpu is None:
+            return []
+        out = ["--device", f"cuda:{self.gpu}"]
+        if self.memory_fraction is not None:
+            out += ["--gpu-memory-utilization", f"{self.memory_fraction:.4f}"]
+        return out
+
+
+def plan_placement(
+    num_prefill: int, num_decode: int, gpus: list[int], gpu_memory_utilization: float = 0.85
+) -> list[Placement]:
+    """Prefill instances first, then decode. Without GPUs every instance keeps the engine's default device.
+    With two or more GPUs the roles get disjoint GPU groups sized by their instance counts (prefill compute never
+    slows decode steps), instances round-robin within their group; with one GPU everything shares it. The
+    instances on one GPU split `gpu_memory_utilization` (a fraction of its total memory) evenly, so two instances
+    on one GPU at 0.85 get 0.425 each."""
+    roles = [(PREFILL, i) for i in range(num_prefill)] + [(DECODE, i) for i in range(num_decode)]
+    if not gpus:
+        return [Placement(r, i) for r, i in roles]
+    if len(gpus) != len(set(gpus)) or any(g < 0 for g in gpus):
+        raise ValueError(f"GPU ids must be distinct and >= 0, got {gpus}")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if len(gpus) == 1 or not num_prefill or not num_decode:
+        groups = {PREFILL: gpus, DECODE: gpus}
+    else:
+        n_pre = round(len(gpus) * num_prefill / (num_prefill + num_decode))
+        n_pre = min(len(gpus) - 1, max(1, n_pre))
+        groups = {PREFILL: gpus[:n_pre], DECODE: gpus[n_pre:]}
+    chosen = [groups[r][i % len(groups[r])] for r, i in roles]
+    sharing = {g: chosen.count(g) for g in chosen}
+    return [Placement(r, i, g, gpu_memory_utilization / sharing[g]) for (r, i), g in zip(roles, chosen)]
+
+
+def visible_gpus() -> list[int]:
+    """Ids of the CUDA devices this process sees (empty without CUDA)."""
+    import torch
+
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def start_service(
@@ -84,11 +139,15 @@ def start_stack(
     persist_estimator: bool = False,
     gateway_port: int | None = None,
     model_name: str = "pdserve",
+    gpus: list[int] | None = None,
+    gpu_memory_utilization: float = 0.85,
 ) -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
     `router_extra` adds router flags, e.g. `--config FILE`). The router's output-length estimator is kept in
     `workdir` (each stack starts cold) unless `persist_estimator` (`pdserve up`: its config or the cache dir).
-    With `gateway_port` (0 = any free port) an OpenAI-compatible gateway serving `model_name` starts last."""
+    With `gateway_port` (0 = any free port) an OpenAI-compatible gateway serving `model_name` starts last.
+    `gpus` places the engine instances (`plan_placement`: `--device cuda:N`, each GPU's memory fraction split
+    among its instances); None or [] leaves the device to each engine."""
     workdir.mkdir(parents=True, exist_ok=True)
     common = [
         "--model",
@@ -101,8 +160,8 @@ def start_stack(
         kv_dtype,
         *extra,
     ]
-    started = [start_service("prefill", common, workdir, to_terminal=to_terminal) for _ in range(num_prefill)]
-    started += [start_service("decode", common, workdir, to_terminal=to_terminal) for _ in range(num_decode)]
+    plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization)
+    started = [start_service(p.role, [*common, *p.args()], workdir, to_terminal=to_terminal) for p in plan]
     procs = [s[0] for s in started]
     logs = [s[2] for s in started]
     try:

@@ -85,6 +85,18 @@ def cmd_up(argv: list[str]) -> int:
     p.add_argument("--chunk-size", type=int, default=2048)
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    p.add_argument(
+        "--gpus",
+        default=os.environ.get("PDSERVE_GPUS", ""),
+        help="GPU ids for the engine instances, e.g. 0,1 (default: every visible GPU; 'none': each engine's own "
+        "device choice); prefill and decode get separate GPUs where there are enough, round-robin within each",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.85,
+        help="fraction of each GPU's total memory its instances may fill together (split evenly among them)",
+    )
     p.add_argument("--router-config", default="", help="router TOML config file (see docs/router.md)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
@@ -99,7 +111,16 @@ def cmd_up(argv: list[str]) -> int:
         p.error("--prefill and --decode must be >= 1")
     args.torch_threads = args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
 
-    from pdserve.cli.launch import start_stack
+    from pdserve.cli.launch import plan_placement, start_stack, visible_gpus
+
+    try:
+        gpus = parse_gpus(args.gpus, visible_gpus)
+        plan = plan_placement(args.prefill, args.decode, gpus, args.gpu_memory_utilization)
+    except ValueError as e:
+        p.error(str(e))
+    for pl in plan:
+        if pl.gpu is not None:
+            print(f"{pl.role} {pl.index}: cuda:{pl.gpu}, {pl.memory_fraction:.0%} of its memory", flush=True)
 
     model = args.model
     if not model:
@@ -130,6 +151,8 @@ def cmd_up(argv: list[str]) -> int:
             persist_estimator=True,
             gateway_port=None if args.gateway_port < 0 else args.gateway_port,
             model_name=Path(model).name,
+            gpus=gpus,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
         print(
             f"pdserve is up: router at {stack.router}  (prefill {', '.join(stack.prefill)}, "
@@ -152,6 +175,48 @@ def cmd_up(argv: list[str]) -> int:
     finally:
         if stack is not None:
             stack.stop()
+
+
+def parse_gpus(text: str, visible) -> list[int]:
+    """`--gpus`: "" = `visible()` (every GPU this host shows), "none" = no placement, else comma-separated ids."""
+    text = text.strip()
+    if not text:
+        return visible()
+    if text.lower() == "none":
+        return []
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus wants comma-separated GPU ids or 'none', got {text!r}") from None
+
+
+# ---- health ---------------------------------------------------------------------------------------------------
+def cmd_health(argv: list[str]) -> int:
+    """Exit 0 when the grpc.health.v1 service at TARGET answers SERVING, else 1 (container health checks)."""
+    p = argparse.ArgumentParser(prog="pdserve health", description="Check a service through grpc.health.v1.")
+    p.add_argument(
+        "target",
+        nargs="?",
+        default=os.environ.get("PDSERVE_HEALTH_TARGET", DEFAULT_TARGET),
+        help="HOST:PORT (default: $PDSERVE_HEALTH_TARGET, else %(default)s)",
+    )
+    p.add_argument("--service", default="", help="health service name ('' = the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    args = p.parse_args(argv)
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.target) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as e:
+            print(f"{args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.target}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 # ---- generate -------------------------------------------------------------------------------------------------
@@ -204,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|auto] ...\n"
         "       pdserve serve router|prefill|decode|gateway [flags]   (--help for flags)\n"
         "       pdserve generate [--target HOST:PORT] PROMPT\n"
+        "       pdserve health [HOST:PORT] [--service NAME]   (exit 0 when SERVING)\n"
         "       pdserve chat [--target HOST:PORT] [--system TEXT]   (interactive; /reset, /exit, Ctrl-D)"
     )
     if not argv or argv[0] in ("-h", "--help"):
@@ -216,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(rest[0], rest[1:])
     if cmd == "generate":
         return cmd_generate(rest)
+    if cmd == "health":
+        return cmd_health(rest)
     if cmd == "chat":
         from pdserve.cli.chat import cmd_chat
 

@@ -42,7 +42,8 @@ class AttentionMetadata:
 
     def __post_init__(self) -> None:
         ps = self.page_size
-        pos, slots = [], []
+        pos: list[int] = []
+        slots: list[int] = []
         for start, n, table in zip(self.starts, self.q_lens, self.page_tables):
             p = list(range(start, start + n))
             pos.extend(p)
@@ -76,7 +77,6 @@ class AttentionMetadata:
         """cu_seqlens_q/k, cache_seqlens [B] (keys per sequence), page_table [B, max_pages], maxima."""
         if not self._fa3:
             kv = [self.kv_len(i) for i in range(self.num_seqs)]
-            i32 = dict(dtype=torch.int32, device=self.device)
             ps = self.page_size
             n_pages = [-(-n // ps) for n in kv]
             max_pages = max(n_pages)
@@ -88,12 +88,12 @@ class AttentionMetadata:
                 if self.device.type == "cuda"
                 else table.to(self.device)
             )
-            cu_q = torch.tensor([0] + self.q_lens, **i32).cumsum(0, dtype=torch.int32)
-            cu_k = torch.tensor([0] + kv, **i32).cumsum(0, dtype=torch.int32)
+            cu_q = torch.tensor([0] + self.q_lens, dtype=torch.int32, device=self.device).cumsum(0, dtype=torch.int32)
+            cu_k = torch.tensor([0] + kv, dtype=torch.int32, device=self.device).cumsum(0, dtype=torch.int32)
             self._fa3 = dict(
                 cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k,
-                cache_seqlens=torch.tensor(kv, **i32),
+                cache_seqlens=torch.tensor(kv, dtype=torch.int32, device=self.device),
                 page_table=table,
                 max_q=max(self.q_lens),
                 max_k=max(kv),

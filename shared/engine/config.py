@@ -35,8 +35,8 @@ class EngineConfig:
     fa3_num_splits: int = 4  # FA3 decode split count (0: FA3's heuristic)
     decode_kernel_config: str = ""  # JSON overrides of the Triton decode-attention config (block_n, ...)
     cuda_graphs: bool = True  # decode through CUDA graphs (CUDA + FA3 + fused model path)
-    cuda_graph_max_context: int = 8192  # page-table width of the graphs; longer sequences decode eagerly
-    gpu_memory_utilization: float = 0.85  # GPU auto pages: fraction of free memory for the KV pool
+    cuda_graph_max_context: int = 0  # context the decode graphs cover (0: the model's whole context); longer: eager
+    gpu_memory_utilization: float = 0.85  # GPU: fraction of the device's total memory this instance may fill
     seed: int = 0  # engine RNG: seeds generators of requests without a seed
 
     def validate(self) -> None:
@@ -62,8 +62,10 @@ class EngineConfig:
             raise ValueError(f"fa3_num_splits must be >= 0, got {self.fa3_num_splits}")
         self.gemv_projections()
         self.decode_kernel_overrides()
-        if self.cuda_graph_max_context <= 0:
-            raise ValueError(f"cuda_graph_max_context must be > 0, got {self.cuda_graph_max_context}")
+        if self.cuda_graph_max_context < 0:
+            raise ValueError(
+                f"cuda_graph_max_context must be >= 0 (0: whole context), got {self.cuda_graph_max_context}"
+            )
         if self.attention_backend not in ("auto", "fa3", "sdpa"):
             raise ValueError(f"attention_backend must be auto|fa3|sdpa, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -104,10 +106,27 @@ def _json_object(name: str, text: str) -> dict:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r} (auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA devices are visible")
     return dev
+
+
+CUDA_CONTEXT_BYTES = 1 << 30  # what the CUDA context and libraries hold outside torch's allocator (estimate)
+
+
+def gpu_kv_pool_bytes(total: int, free: int, process_bytes: int, utilization: float) -> int:
+    """Bytes the KV pool may take on a GPU of `total` bytes with `free` bytes free now, when this process already
+    holds `process_bytes` (weights, buffers, its CUDA context): its share is `utilization` × total, counted from
+    the whole device, so instances sharing a GPU each size from their own fraction (two at 0.45 fit together);
+    never more than what is free now, less a margin of one context. May be <= 0 (no room)."""
+    return int(min(utilization * total - process_bytes, free - CUDA_CONTEXT_BYTES))
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -4,14 +4,19 @@ copies it into pinned host memory, so a greedy step costs the host one event wai
 separate device-to-host copy).
 
 Static inputs live in one int32 device buffer: input ids, positions, KV slots, cache_seqlens [max_bs] each, then
-the page table [max_bs, W] with W = ceil(max_context / page_size). A decode batch of B sequences runs the graph of
-the smallest captured size >= B; padded rows read page 0 (seqlen 1) and write nowhere (slot -1: the fused KV
-write skips it). Inputs are staged in pinned host memory and sent with one copy per step; a page-table row is
-rewritten on the host only where the sequence's table grew or changed (tables are append-only lists, replaced
-on preemption; a row remembers the list object it mirrors).
+the page table [max_bs, W] with W = ceil(max_context / page_size). max_context is the model's whole context (or
+`cuda_graph_max_context` when set), so no decode falls off to eager for its length: every batch size shares
+this one buffer set, which costs 4·max_bs·(4 + W) bytes on the device and as much pinned (64 rows at 128k
+context and 16-token pages: 2 MiB). Kernels whose decode reads a dense scratch sized by W (the int8 `dequant`
+kernel) capture only the batch sizes whose scratch fits GRAPH_SCRATCH_BUDGET_BYTES; larger batches run eagerly.
+A decode batch of B sequences runs the graph of the smallest captured size >= B; padded rows read page 0
+(seqlen 1) and write nowhere (slot -1: the fused KV write skips it). Inputs are staged in pinned host memory
+and sent with one copy per step; a page-table row is rewritten on the host only where the sequence's table
+grew or changed (tables are append-only lists, replaced on preemption; a row remembers the list object it
+mirrors).
 
 Needs: CUDA, the fused model path (its KV write is graph-safe) and a backend whose decode `attend` reads only
-`fa3_tensors()` (FA3Backend). Anything else (a longer context, a larger batch) runs eagerly.
+`fa3_tensors()` (FA3Backend). Anything else (a larger batch than captured) runs eagerly.
 """
 
 from __future__ import annotations
@@ -23,6 +28,33 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger("pdserve.engine")
+
+GRAPH_SCRATCH_BUDGET_BYTES = 2 << 30  # largest per-layer dense K/V scratch a captured graph may allocate
+
+
+def graph_context(max_model_len: int, requested: int, page_size: int) -> int:
+    """Context the decode graphs cover: the model's whole context, or `requested` (> 0) when smaller; rounded up
+    to whole pages."""
+    ctx = min(max_model_len, requested) if requested > 0 else max_model_len
+    return -(-ctx // page_size) * page_size
+
+
+def static_buffer_bytes(max_batch: int, width: int) -> int:
+    """Device bytes of the shared static inputs (ids, positions, slots, seqlens, page table); as much pinned."""
+    return 4 * max_batch * (4 + width)
+
+
+def scratch_bytes_per_row(cache, kernels, width: int, page_size: int, dtype_size: int) -> int:
+    """Per batch row, bytes of the dense K/V scratch a decode layer allocates inside the graph: only the int8 pool's
+    `dequant` kernel has one ([2, B, W·ps, KVH, D] of the model dtype); 0 otherwise."""
+    if not (cache.quantized and kernels.int8_decode == "dequant"):
+        return 0
+    return 2 * width * page_size * cache.num_kv_heads * cache.head_dim * dtype_size
+
+
+def capturable_sizes(sizes: list[int], per_row_scratch: int, budget: int = GRAPH_SCRATCH_BUDGET_BYTES) -> list[int]:
+    """The batch sizes whose graph scratch fits `budget` (all of them without scratch)."""
+    return [bs for bs in sizes if bs * per_row_scratch <= budget]
 
 
 @dataclass
@@ -60,8 +92,9 @@ class DecodeGraphRunner:
         self.page_size = page_size
         self.width = -(-max_context // page_size)
         self.max_context = self.width * page_size
-        self.sizes = sorted(batch_sizes or default_batch_sizes(max_batch))
-        bs = self.max_batch = self.sizes[-1]
+        self.all_sizes = sorted(batch_sizes or default_batch_sizes(max_batch))
+        self.sizes = self.all_sizes  # captured ones (capture() drops those whose scratch would not fit)
+        bs = self.max_batch = self.all_sizes[-1]
         self.device = device
         # one int32 block: [ids | positions | slots | seqlens] (bs each), then the page table [bs, W]
         n = bs * (4 + self.width)
@@ -97,6 +130,13 @@ class DecodeGraphRunner:
         self.graphs.clear()
         self.logits.clear()
         torch.cuda.empty_cache()
+        dtype_size = torch.empty((), dtype=self.cache.dtype).element_size()
+        scratch = scratch_bytes_per_row(self.cache, self.model.kernels, self.width, self.page_size, dtype_size)
+        self.sizes = capturable_sizes(self.all_sizes, scratch)
+        if not self.sizes:
+            log.warning("decode CUDA graphs: no batch size fits the dense scratch budget; decode runs eagerly")
+            return
+        reserved = torch.cuda.memory_reserved(self.device)
         self._nvec[:] = 0
         self._nvec[2] = -1  # slots: write nowhere
         self._nvec[3] = 1  # seqlens
@@ -117,10 +157,21 @@ class DecodeGraphRunner:
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s (max context %d)", self.sizes, self.max_context)
+        static = static_buffer_bytes(self.max_batch, self.width)
+        log.info(
+            "captured decode CUDA graphs for batch sizes %s, context %d (%d pages a row): static inputs %.2f MiB "
+            "device + %.2f MiB pinned, graph pool and outputs %.1f MiB%s",
+            self.sizes,
+            self.max_context,
+            self.width,
+            static / 2**20,
+            static / 2**20,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+            f"; dense scratch {scratch * self.sizes[-1] / 2**20:.0f} MiB" if scratch else "",
+        )
 
     def can_run(self, batch_size: int, max_kv_len: int) -> bool:
-        return bool(self.graphs) and batch_size <= self.max_batch and max_kv_len <= self.max_context
+        return bool(self.graphs) and batch_size <= self.sizes[-1] and max_kv_len <= self.max_context
 
     def run(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
         """One decode step: token ids, their positions, and each sequence's page table -> logits [B, V] float32

@@ -24,7 +24,10 @@ from pdserve.engine.sampling import SamplingParams, TokenLogprob
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
 from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
+from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import PagePayload
+from pdserve.kv.transfer.base import ExportedPages
+from pdserve.kv.transfer.page_format import PageFormat
 
 log = logging.getLogger("pdserve.engine")
 
@@ -261,6 +264,31 @@ class LLMEngine:
             out.append(self.runner.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype))
         return out
 
+    def export_batch(self, request_id: str, page_indexes: list[int], layout: KVLayoutSpec) -> ExportedPages:
+        """The computed pages `page_indexes` of a request as one page-major buffer in `layout`
+        (`pdserve.kv.transfer.page_format`), gathered on the device; its `ready` event marks the gather."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise InvalidRequest(f"unknown request {request_id!r}")
+        num_tokens = []
+        for idx in page_indexes:
+            n = min(self.page_size, seq.num_computed_tokens - idx * self.page_size)
+            if idx < 0 or idx >= len(seq.page_table) or n <= 0:
+                raise InvalidRequest(
+                    f"page {idx} of {request_id!r} has no computed KV ({seq.num_computed_tokens} tokens computed)"
+                )
+            num_tokens.append(n)
+        data, scales, zeros = self.runner.gather_pages(
+            [seq.page_table[i] for i in page_indexes],
+            num_tokens,
+            layout.quantized,
+            layout.group_size,
+            layout.asymmetric,
+            None if layout.quantized else layout.torch_dtype,
+        )
+        rows = PageFormat(layout).pack(data, scales, zeros)
+        return ExportedPages(list(page_indexes), num_tokens, rows, self.runner.record_event())
+
     # ---- decode side: page import --------------------------------------------------------------------------
     def begin_import(
         self,
@@ -321,6 +349,28 @@ class LLMEngine:
             raise InvalidRequest(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
         self.runner.import_page(seq.page_table[idx], payload)
         seq.imported_layers[idx] |= ((1 << payload.layer_count) - 1) << payload.layer_start
+
+    def import_batch(
+        self, request_id: str, page_indexes: list[int], num_tokens: list[int], rows: torch.Tensor, layout: KVLayoutSpec
+    ) -> None:
+        """Write received whole pages (rows uint8 [N, page_bytes] in `layout`, on the pool's device) in one
+        scatter. Raises InvalidRequest on any mismatch."""
+        seq = self._importing(request_id)
+        all_layers = (1 << self.model_config.num_layers) - 1
+        imported = seq.imported_layers
+        assert imported is not None  # an importing sequence has its masks
+        for idx, n in zip(page_indexes, num_tokens, strict=True):
+            if not 0 <= idx < len(seq.page_table):
+                raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
+            want = min(self.page_size, seq.num_tokens - idx * self.page_size)
+            if n != want:
+                raise InvalidRequest(f"page {idx} carries {n} tokens, expected {want}")
+            if imported[idx]:
+                raise InvalidRequest(f"page {idx} imported twice")
+        data, scales, zeros = PageFormat(layout).unpack(rows)
+        self.runner.scatter_pages([seq.page_table[i] for i in page_indexes], data, scales, zeros, layout.group_size)
+        for idx in page_indexes:
+            imported[idx] = all_layers
 
     def finish_import(self, request_id: str, first_token_id: int) -> None:
         """All pages are in: append the first token (stop checks apply) and join the running batch. The

@@ -167,9 +167,10 @@ def _gemv_plan(cfg: EngineConfig) -> dict[str, dict | None]:
 
     plan = cfg.gemv_projections()
     if plan == "default":
-        return {p: DEFAULT_PLAN[p] and dict(DEFAULT_PLAN[p]) for p in GEMV_PROJECTIONS}
+        return {p: None if (c := DEFAULT_PLAN[p]) is None else dict(c) for p in GEMV_PROJECTIONS}
     if plan == "cublas":
         return {p: None for p in GEMV_PROJECTIONS}
     if plan == "triton":
         return {p: dict(DEFAULT_CONFIG) for p in GEMV_PROJECTIONS}
+    assert isinstance(plan, dict)  # gemv_projections returns one of the three names above or a dict
     return {p: plan.get(p) for p in GEMV_PROJECTIONS}

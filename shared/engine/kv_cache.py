@@ -24,6 +24,13 @@ def _ids(ids, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=device)
 
 
+def _zero_tails(pages: torch.Tensor, num_tokens: list[int], page_size: int) -> None:
+    """pages [N, 2, L, ps, ...]: zero the tokens past each page's num_tokens (no stale KV leaves the pool)."""
+    for i, n in enumerate(num_tokens):
+        if n < page_size:
+            pages[i, :, :, n:] = 0
+
+
 class KVCache:
     """Dense pool in the model dtype."""
 
@@ -106,6 +113,7 @@ class KVCache:
         """Write a payload (dense or int8) into `physical_page`; int8 payloads are dequantized."""
         self._check_payload(physical_page, payload)
         if payload.group_size > 0:
+            assert payload.scales is not None  # _check_payload: a quantized payload carries scales
             dense = self.quant.dequantize(
                 payload.data.to(self.device),
                 payload.scales.to(self.device),
@@ -117,6 +125,56 @@ class KVCache:
             dense = payload.data.to(self.device, self.dtype)
         ls, n = payload.layer_start, payload.num_tokens
         self.data[:, ls : ls + dense.shape[1], physical_page, :n] = dense
+
+    # ---- batches of whole pages (pdserve.kv.transfer) -------------------------------------------------------
+    def _gather_dense(self, ids: torch.Tensor) -> torch.Tensor:
+        """[N, 2, L, ps, kvh, d] of the pages `ids`, model dtype (one gather)."""
+        return self.data.permute(2, 0, 1, 3, 4, 5)[ids]
+
+    def gather_pages(
+        self,
+        page_ids: list[int],
+        num_tokens: list[int],
+        as_int8: bool,
+        group_size: int = 0,
+        asymmetric: bool = False,
+        dense_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Whole pages, page-major, on the pool's device: data [N, 2, L, ps, kvh, d] (int8 if `as_int8`, else
+        `dense_dtype` or the model dtype), scales / zeros [N, 2, L, ps, kvh, d // group] float16 or None.
+        Tokens past each page's `num_tokens` are zero."""
+        for p, n in zip(page_ids, num_tokens):
+            self._check_page(p, n)
+        dense = self._gather_dense(_ids(page_ids, self.device))
+        _zero_tails(dense, num_tokens, self.page_size)
+        if as_int8:
+            return self.quant.quantize(dense, group_size, asymmetric)
+        return dense.to(dense_dtype or self.dtype), None, None
+
+    def scatter_pages(
+        self,
+        page_ids: list[int],
+        data: torch.Tensor,
+        scales: torch.Tensor | None,
+        zeros: torch.Tensor | None,
+        group_size: int,
+    ) -> None:
+        """Write whole pages (the layout of `gather_pages`, all layers) into `page_ids`; int8 is dequantized."""
+        self._check_batch(page_ids, data, scales, group_size)
+        if group_size > 0:
+            dense = self.quant.dequantize(data, scales, zeros, group_size, self.dtype)
+        else:
+            dense = data.to(self.dtype)
+        self.data.permute(2, 0, 1, 3, 4, 5)[_ids(page_ids, self.device)] = dense
+
+    def _check_batch(self, page_ids: list[int], data: torch.Tensor, scales: torch.Tensor | None, g: int) -> None:
+        for p in page_ids:
+            self._check_page(p, self.page_size)
+        want = (len(page_ids), 2, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+        if tuple(data.shape) != want:
+            raise InvalidRequest(f"batch data shape {tuple(data.shape)} != {want}")
+        if g > 0 and (scales is None or self.head_dim % g or tuple(scales.shape) != (*want[:-1], self.head_dim // g)):
+            raise InvalidRequest(f"batch scales do not fit group_size {g}")
 
     # ---- validation ------------------------------------------------------------------------------------
     def _check_page(self, page: int, num_tokens: int) -> None:
@@ -188,9 +246,10 @@ class Int8KVCache(KVCache):
         self.zeros = torch.zeros_like(self.scales) if asymmetric else None
 
     @staticmethod
-    def bytes_per_page(
+    def int8_bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, group_size: int, asymmetric: bool
     ) -> int:
+        """Bytes of one int8 page: data, scales and (asymmetric) zero points, all layers, K and V."""
         per_token = head_dim + (2 if asymmetric else 1) * 2 * (head_dim // group_size)
         return 2 * num_layers * page_size * num_kv_heads * per_token
 
@@ -215,16 +274,16 @@ class Int8KVCache(KVCache):
             if dst is not None:
                 dst[:, layer].view(2, -1, *dst.shape[-2:]).index_copy_(1, slot_ids, src)
 
-    def _select(self, layer: int, index: torch.Tensor, by_page: bool):
-        out = []
-        for t in (self.data, self.scales, self.zeros):
-            if t is None:
-                out.append(None)
-                continue
+    def _select(
+        self, layer: int, index: torch.Tensor, by_page: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(data, scales, zeros | None) of one layer at pages (`by_page`) or slots `index`, [2, N, kvh, d | G]."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
             x = t[:, layer]
-            x = x[:, index].reshape(2, -1, *t.shape[-2:]) if by_page else x.reshape(2, -1, *t.shape[-2:])[:, index]
-            out.append(x)
-        return out
+            return x[:, index].reshape(2, -1, *t.shape[-2:]) if by_page else x.reshape(2, -1, *t.shape[-2:])[:, index]
+
+        return pick(self.data), pick(self.scales), None if self.zeros is None else pick(self.zeros)
 
     def read(self, layer: int, page_ids, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, s, z = self._select(layer, _ids(page_ids, self.device), by_page=True)
@@ -234,6 +293,56 @@ class Int8KVCache(KVCache):
     def gather(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._dequant(*self._select(layer, slot_ids, by_page=False))
         return kv[0], kv[1]
+
+    def _gather_int8(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [N, 2, L, ps, kvh, d], scales / zeros (or None) [N, 2, L, ps, kvh, d // g] of the pages `ids`."""
+
+        def pages(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(2, 0, 1, 3, 4, 5)[ids]
+
+        return pages(self.data), pages(self.scales), None if self.zeros is None else pages(self.zeros)
+
+    def _gather_dense(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._dequant(*self._gather_int8(ids))
+
+    def gather_pages(
+        self,
+        page_ids: list[int],
+        num_tokens: list[int],
+        as_int8: bool,
+        group_size: int = 0,
+        asymmetric: bool = False,
+        dense_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        if not (as_int8 and group_size == self.group_size and asymmetric == self.asymmetric):
+            return super().gather_pages(page_ids, num_tokens, as_int8, group_size, asymmetric, dense_dtype)
+        for p, n in zip(page_ids, num_tokens):
+            self._check_page(p, n)
+        q, s, z = self._gather_int8(_ids(page_ids, self.device))  # straight copy
+        for t in (q, s, z):
+            if t is not None:
+                _zero_tails(t, num_tokens, self.page_size)
+        return q, s, z
+
+    def scatter_pages(
+        self,
+        page_ids: list[int],
+        data: torch.Tensor,
+        scales: torch.Tensor | None,
+        zeros: torch.Tensor | None,
+        group_size: int,
+    ) -> None:
+        self._check_batch(page_ids, data, scales, group_size)
+        ids = _ids(page_ids, self.device)
+        if group_size == self.group_size and (zeros is not None) == self.asymmetric:  # straight copy
+            q, s, z = data, scales, zeros
+        else:
+            dense = self.quant.dequantize(data, scales, zeros, group_size, torch.float32) if group_size > 0 else data
+            q, s, z = self.quant.quantize(dense, self.group_size, self.asymmetric)
+        for dst, src in ((self.data, q), (self.scales, s), (self.zeros, z)):
+            if dst is not None:
+                assert src is not None  # _check_batch: int8 input has scales; zeros present iff the pool's are
+                dst.permute(2, 0, 1, 3, 4, 5)[ids] = src.to(self.device)
 
     def _page_dense(self, page: int, num_tokens: int) -> torch.Tensor:
         z = None if self.zeros is None else self.zeros[:, :, page, :num_tokens]
@@ -267,6 +376,7 @@ class Int8KVCache(KVCache):
             q, s, z = payload.data, payload.scales, payload.zeros
         else:
             if payload.group_size > 0:
+                assert payload.scales is not None  # _check_payload: a quantized payload carries scales
                 zeros = None if payload.zeros is None else payload.zeros.to(self.device)
                 dense = self.quant.dequantize(
                     payload.data.to(self.device),
@@ -278,7 +388,9 @@ class Int8KVCache(KVCache):
             else:
                 dense = payload.data.to(self.device)
             q, s, z = self.quant.quantize(dense, self.group_size, self.asymmetric)
+        assert s is not None  # same format: the pool's int8 layout, scales included
         self.data[sl] = q.to(self.device)
         self.scales[sl] = s.to(self.device)
         if self.zeros is not None:
+            assert z is not None  # same format means zeros present iff the pool is asymmetric
             self.zeros[sl] = z.to(self.device)

@@ -129,6 +129,7 @@ class EngineLoop:
 
     # ---- engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        self.engine.runner.bind_thread()  # its GPU is this thread's current CUDA device (Triton, graphs)
         blocked = False  # last step scheduled nothing: wait for a command before stepping again
         while True:
             with self._cv:

@@ -12,7 +12,9 @@ with the residual add, RoPE fused with the KV write, SwiGLU in one kernel, small
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -154,8 +156,10 @@ class CausalLM(nn.Module):
 
     def use_kernels(self, choice: KernelChoice) -> None:
         """Hand `choice` to every module (load time; the bench re-chooses, then re-captures its graphs)."""
-        if choice.fused and self.rotary.cos is None:
-            self.rotary.build_tables(self.config.max_position_embeddings)
+        if choice.fused:
+            assert self.rotary is not None, "load_model sets the rotary embedding before choosing kernels"
+            if self.rotary.cos is None:
+                self.rotary.build_tables(self.config.max_position_embeddings)
         for m in self.modules():
             if isinstance(m, (CausalLM, Attention, MLP)):
                 m.kernels = choice
@@ -164,7 +168,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, backend) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden] (after the last norm). The residual stream lives in
         `residual`, updated in place by each add + RMSNorm."""
-        kc, layers = self.kernels, self.model.layers
+        kc, layers = self.kernels, cast(Sequence[DecoderLayer], self.model.layers)
         residual = self.model.embed_tokens(input_ids)  # [T, hidden]
         h = kc.rmsnorm(residual, layers[0].input_layernorm)
         for i, layer in enumerate(layers):

@@ -15,8 +15,16 @@ import logging
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, select_backend
-from pdserve.engine.config import CPU_MAX_AUTO_PAGES, EngineConfig, dtype_name, resolve_device, resolve_dtype
-from pdserve.engine.cuda_graphs import make_decode_graph_runner
+from pdserve.engine.config import (
+    CPU_MAX_AUTO_PAGES,
+    CUDA_CONTEXT_BYTES,
+    EngineConfig,
+    dtype_name,
+    gpu_kv_pool_bytes,
+    resolve_device,
+    resolve_dtype,
+)
+from pdserve.engine.cuda_graphs import graph_context, make_decode_graph_runner
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.loader import ModelConfig
@@ -43,6 +51,7 @@ class ModelRunner:
         self.cfg = cfg
         self.model_config = mc = model_config
         self.device = resolve_device(cfg.device)
+        self.bind_thread()
         self.dtype = resolve_dtype(cfg.dtype, self.device, mc.torch_dtype)
         self.page_size = cfg.page_size
         self.kernels = KernelChoice.select(cfg, self.device, mc)
@@ -73,7 +82,7 @@ class ModelRunner:
             self.backend,
             cfg.page_size,
             cfg.max_num_seqs,
-            min(mc.max_position_embeddings, cfg.cuda_graph_max_context),
+            graph_context(mc.max_position_embeddings, cfg.cuda_graph_max_context, cfg.page_size),
             self.device,
             cfg.cuda_graphs,
         )
@@ -85,7 +94,7 @@ class ModelRunner:
         """Bytes of one KV page (all layers, K and V, scales included)."""
         mc, cfg = self.model_config, self.cfg
         if cfg.kv_dtype == "int8":
-            return Int8KVCache.bytes_per_page(
+            return Int8KVCache.int8_bytes_per_page(
                 mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.kv_group_size, cfg.kv_asymmetric
             )
         return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
@@ -94,13 +103,32 @@ class ModelRunner:
         """CPU: enough for max_num_seqs full-length sequences, capped. GPU: a fraction of free memory."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            usable = free - (1.0 - self.cfg.gpu_memory_utilization) * total
-            pages = int(usable // self.page_bytes())
+            held = torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
+            util = self.cfg.gpu_memory_utilization
+            pages = gpu_kv_pool_bytes(total, free, held, util) // self.page_bytes()
+            log.info(
+                "KV pool: %d pages (%.1f GiB) = %.0f%% of %.1f GiB less %.1f GiB held, %.1f GiB free",
+                max(0, pages),
+                max(0, pages) * self.page_bytes() / 2**30,
+                util * 100,
+                total / 2**30,
+                held / 2**30,
+                free / 2**30,
+            )
             if pages <= 0:
-                raise RuntimeError(f"no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free)")
+                raise RuntimeError(
+                    f"no GPU memory left for the KV pool on {self.device} ({free / 2**30:.1f} GiB free, this "
+                    f"instance holds {held / 2**30:.1f} GiB of its {util:.0%} share of {total / 2**30:.1f} GiB)"
+                )
             return pages
         per_seq = -(-self.model_config.max_position_embeddings // self.cfg.page_size)
         return max(1, min(self.cfg.max_num_seqs * per_seq, CPU_MAX_AUTO_PAGES))
+
+    def bind_thread(self) -> None:
+        """Make this runner's GPU the calling thread's current CUDA device (Triton launches and graph capture
+        use the current device); call it on every thread that runs the model. No-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def kv_description(self) -> str:
         if self.cfg.kv_dtype == "int8":
@@ -167,6 +195,37 @@ class ModelRunner:
         return self.kv_cache.export_page(
             physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric, dense_dtype
         )
+
+    def gather_pages(
+        self,
+        physical_pages: list[int],
+        num_tokens: list[int],
+        as_int8: bool,
+        group_size: int,
+        asymmetric: bool,
+        dense_dtype: torch.dtype | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Whole pages, page-major, on the device (`KVCache.gather_pages`), queued on the current stream."""
+        return self.kv_cache.gather_pages(physical_pages, num_tokens, as_int8, group_size, asymmetric, dense_dtype)
+
+    def scatter_pages(
+        self,
+        physical_pages: list[int],
+        data: torch.Tensor,
+        scales: torch.Tensor | None,
+        zeros: torch.Tensor | None,
+        group_size: int,
+    ) -> None:
+        """Write whole pages (`KVCache.scatter_pages`) from tensors on the pool's device."""
+        self.kv_cache.scatter_pages(physical_pages, data, scales, zeros, group_size)
+
+    def record_event(self):
+        """A CUDA event marking the work queued so far on this runner's stream (None on CPU: done already)."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     # ---- one forward -------------------------------------------------------------------------------------
     def run(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.reasoning_budget import ReasoningBudget
@@ -30,7 +31,9 @@ class IncrementalDetokenizer:
         # gives the same text without transformers' per-call Python work (most of a large decode batch's host time
         # on the GPU engine, docs/benchmarks.md).
         backend = getattr(tokenizer, "_tokenizer", None)
-        self._rust_decode = backend.decode if type(backend).__module__.startswith("tokenizers") else None
+        self._rust_decode: Callable[..., str] | None = None
+        if backend is not None and type(backend).__module__.startswith("tokenizers"):
+            self._rust_decode = backend.decode
         self._prefix: tuple[int, int, str] | None = None  # (prefix_offset, read_offset, its text): moves rarely
 
     def _decode(self, ids: list[int]) -> str:

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CORPUS_PATH = Path(__file__).parent.parent / "data" / "corpus.txt"  # the pdserve.data package
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -19,8 +23,20 @@ CHATML_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+
+class ModelShape(TypedDict, total=False):
+    """Hugging Face config sizes a checkpoint is built with (any subset overrides the tiny defaults)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+
 # Small shapes: fast on CPU, yet every structural feature (GQA, bias, tied embeddings) is present.
-TINY_SHAPES = dict(
+TINY_SHAPES = ModelShape(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -72,7 +88,7 @@ def build_checkpoint(
     dtype: torch.dtype = torch.float32,
     vocab_size: int = 512,
     chat_template: str | None = CHATML_TEMPLATE,
-    **overrides,
+    **overrides: Any,
 ) -> Path:
     """Write config.json + model.safetensors + tokenizer files for `arch` in {llama, qwen2, mistral}
     (`chat_template`: the tokenizer's, ChatML by default; None for a model without one).
@@ -92,20 +108,24 @@ def build_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template)
     shapes = {**TINY_SHAPES, **overrides}
-    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=None, **shapes)
+    common: dict[str, Any] = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=None, **shapes)
+    torch.manual_seed(seed)  # the random init below
+    # rope_theta: a parameter in transformers 4.x, folded into rope_parameters by 5.x (whose stubs lack it)
+    model: PreTrainedModel
     if arch == "llama":
-        cfg = LlamaConfig(rope_theta=10000.0, tie_word_embeddings=False, **common)
-        cls = LlamaForCausalLM
+        llama = LlamaConfig(rope_theta=10000.0, tie_word_embeddings=False, **common)  # type: ignore[call-arg]
+        model = LlamaForCausalLM(llama)
     elif arch == "qwen2":
-        cfg = Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, **common)
-        cls = Qwen2ForCausalLM
+        qwen2 = Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, **common)  # type: ignore[call-arg]
+        model = Qwen2ForCausalLM(qwen2)
     elif arch == "mistral":
-        cfg = MistralConfig(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None, **common)
-        cls = MistralForCausalLM
+        mistral = MistralConfig(  # type: ignore[call-arg]
+            rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None, **common
+        )
+        model = MistralForCausalLM(mistral)
     else:
         raise ValueError(f"unknown arch {arch!r}")
-    torch.manual_seed(seed)
-    model = cls(cfg).to(dtype)
+    model = model.to(dtype)  # type: ignore[arg-type]  # transformers types .to through a decorator stub
     with torch.no_grad():  # HF's default init (std 0.02) gives near-uniform logits; widen it so argmax is stable
         for name, p in model.named_parameters():
             if p.dim() >= 2:

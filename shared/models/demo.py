@@ -40,7 +40,7 @@ def _complete(path: Path) -> bool:
     return (path / "config.json").exists() and (path / "tokenizer.json").exists() and any(path.glob("*.safetensors"))
 
 
-def _build_once(path: Path, build: Callable[[Path], None]) -> Path:
+def _build_once(path: Path, build: Callable[[Path], object]) -> Path:
     """Build into a temporary sibling and rename it into place, so a half-built directory is never used."""
     if _complete(path):
         return path

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,7 +37,9 @@ def write_random_llama(
 
     shape = dict(LLAMA3_8B_SHAPE if shape is None else shape)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(
+    sizes: dict[str, Any] = shape  # HF config kwargs are of mixed types
+    # rope_theta: a parameter in transformers 4.x, folded into rope_parameters by 5.x (whose stubs lack it)
+    cfg = LlamaConfig(  # type: ignore[call-arg]
         num_hidden_layers=layers,
         max_position_embeddings=max_position_embeddings,
         rope_theta=500000.0,
@@ -44,7 +47,7 @@ def write_random_llama(
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        **shape,
+        **sizes,
     )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "bfloat16"

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.models.checkpoints import build_checkpoint, corpus_text
+from pdserve.models.checkpoints import ModelShape, build_checkpoint, corpus_text
 
 log = logging.getLogger(__name__)
 
-TRAIN_SHAPES = dict(
+TRAIN_SHAPES = ModelShape(
     hidden_size=256,
     intermediate_size=512,
     num_hidden_layers=2,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from concurrent import futures
 from pathlib import Path
 
@@ -79,10 +78,3 @@ def remaining(context: grpc.ServicerContext) -> float | None:
     """Seconds left of the caller's deadline (None when the caller set none)."""
     t = context.time_remaining()
     return None if t is None or t > 1e8 else max(t, 0.0)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for a process that must be told its port before it binds)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -56,10 +56,11 @@ def run_service(
         metrics=f"{cfg.host}:{metrics_port}" if metrics_port is not None else None,
     )
     announcer = None
-    if getattr(cfg, "router", ""):  # register with the router and heartbeat (pdserve.server.announce)
+    router = getattr(cfg, "router", "")  # only services that register with a router have this field
+    if router:  # register with the router and heartbeat (pdserve.server.announce)
         from pdserve.server.announce import Announcer, advertised
 
-        announcer = Announcer(cfg.router, name, advertised(cfg.host, port)).start()
+        announcer = Announcer(router, name, advertised(cfg.host, port)).start()
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

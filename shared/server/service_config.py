@@ -25,7 +25,7 @@ class ServerOptions:
 class EngineOptions(ServerOptions):
     model: str = opt("", "HF model directory (config.json, *.safetensors, tokenizer files)")
     dtype: str = opt("auto", "auto|float32|bfloat16|float16 (auto: float32 on CPU, checkpoint dtype on GPU)")
-    device: str = opt("auto", "auto|cpu|cuda")
+    device: str = opt("auto", "auto|cpu|cuda|cuda:N (auto: cuda if available)")
     page_size: int = opt(16, "tokens per KV page")
     chunk_size: int = opt(2048, "prefill chunk size in tokens")
     num_pages: int = opt(0, "KV pool pages (0 = auto)")
@@ -43,8 +43,10 @@ class EngineOptions(ServerOptions):
     fa3_num_splits: int = opt(4, "FA3 decode split count (0: FA3's heuristic)")
     decode_kernel_config: str = opt("", "JSON overrides of the Triton decode-attention kernel config")
     cuda_graphs: bool = opt(True, "decode through CUDA graphs (CUDA + FA3 + fused path)")
-    cuda_graph_max_context: int = opt(8192, "context covered by the decode CUDA graphs (longer: eager)")
-    gpu_memory_utilization: float = opt(0.85, "auto pages on GPU: fraction of memory the KV pool may fill")
+    cuda_graph_max_context: int = opt(0, "context the decode CUDA graphs cover (0: the model's whole context)")
+    gpu_memory_utilization: float = opt(
+        0.85, "GPU: fraction of the device's total memory this instance may fill (weights + KV pool)"
+    )
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
     router: str = opt("", "router host:port to register with and heartbeat to (empty: the router's static list)")

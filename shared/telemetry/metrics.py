@@ -12,10 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger("pdserve.telemetry.metrics")
 
@@ -79,7 +83,7 @@ class ServiceMetrics:
         self.kv_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV page bytes shipped (prefill) or received (decode)", registry=r
         )
-        self._server = None
+        self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     def gauge(self, name: str, doc: str, fn: GaugeFn, labelnames: Sequence[str] = ()) -> None:

@@ -161,7 +161,7 @@ class RequestScope:
         status, details = self._status()
         e2e = time.perf_counter() - self.t0
         tpot = None
-        if self._finished and self._tokens > 1 and self.ttft_s is not None:
+        if self._finished and self._tokens > 1 and self.ttft_s is not None and self._last_s is not None:
             tpot = (self._last_s - self.ttft_s) / (self._tokens - 1)
         m = self._t.metrics
         m.in_flight.dec()

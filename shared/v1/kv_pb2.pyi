@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -66,3 +67,123 @@ class KVPage(_message.Message):
     zero_points: bytes
     checksum: int
     def __init__(self, request_id: _Optional[str] = ..., seq_no: _Optional[int] = ..., page_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., zero_points: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class KVBatchHeader(_message.Message):
+    __slots__ = ("request_id", "model_fingerprint", "layout", "first_seq_no", "page_indexes", "num_tokens", "nbytes", "has_checksum", "checksum")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_NO_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_fingerprint: str
+    layout: KVLayout
+    first_seq_no: int
+    page_indexes: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    has_checksum: bool
+    checksum: int
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_seq_no: _Optional[int] = ..., page_indexes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class KVPageBatch(_message.Message):
+    __slots__ = ("header", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: KVBatchHeader
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[KVBatchHeader, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class KVIpcBatch(_message.Message):
+    __slots__ = ("header", "offset", "buffer_id")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    header: KVBatchHeader
+    offset: int
+    buffer_id: str
+    def __init__(self, header: _Optional[_Union[KVBatchHeader, _Mapping]] = ..., offset: _Optional[int] = ..., buffer_id: _Optional[str] = ...) -> None: ...
+
+class KVTransportOffer(_message.Message):
+    __slots__ = ("transports", "host_id", "device_kind", "gpu_uuid", "device_index", "forced")
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    device_kind: str
+    gpu_uuid: str
+    device_index: int
+    forced: bool
+    def __init__(self, transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., forced: _Optional[bool] = ...) -> None: ...
+
+class KVIpcBuffer(_message.Message):
+    __slots__ = ("buffer_id", "kind", "nbytes", "device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "path")
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    kind: str
+    nbytes: int
+    device_index: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    path: str
+    def __init__(self, buffer_id: _Optional[str] = ..., kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., path: _Optional[str] = ...) -> None: ...
+
+class KVTransportChoice(_message.Message):
+    __slots__ = ("transport", "reason", "ipc_buffer")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    IPC_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    reason: str
+    ipc_buffer: KVIpcBuffer
+    def __init__(self, transport: _Optional[str] = ..., reason: _Optional[str] = ..., ipc_buffer: _Optional[_Union[KVIpcBuffer, _Mapping]] = ...) -> None: ...
+
+class KVTransportReady(_message.Message):
+    __slots__ = ("ok", "reason")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class KVTransportStats(_message.Message):
+    __slots__ = ("transport", "requests", "pages", "bytes", "transfer_seconds", "fallbacks", "batches")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    requests: int
+    pages: int
+    bytes: int
+    transfer_seconds: float
+    fallbacks: int
+    batches: int
+    def __init__(self, transport: _Optional[str] = ..., requests: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., fallbacks: _Optional[int] = ..., batches: _Optional[int] = ...) -> None: ...

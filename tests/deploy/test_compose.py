@@ -1,135 +1,184 @@
-"""Static checks of deploy/ (no Docker engine here): the compose file parses, every service command is
-accepted by the real `pdserve serve` parser, addresses point at services that exist, and the Dockerfile copies
-what the package needs."""
+"""Static checks of deploy/docker-compose.yml (no container engine here): what `docker compose config` checks
+(the compose-spec JSON schema after variable substitution, references between services per profile), and that
+every service runs a real `pdserve` command with settings its config knows."""
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+import json
 
+import jsonschema
+import pytest
 import yaml
 
-from pdserve.cli.main import _service
-from pdserve.config import add_dataclass_args, config_from
-
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-
-
-def load():
-    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
-
-
-PDSERVE = ("prefill", "decode", "router")
+PDSERVE = {
+    "router": "router",
+    "prefill": "prefill",
+    "decode": "decode",
+    "prefill-gpu": "prefill",
+    "decode-gpu": "decode",
+}
 OBSERVABILITY = ("jaeger", "prometheus", "grafana")
 
 
-def parsed_configs(compose) -> dict:
-    """Each pdserve service's config as its real parser and environment handling build it."""
-    out = {}
-    for name in PDSERVE:
-        svc = compose["services"][name]
-        cls, prefix = _service(name)
-        parser = argparse.ArgumentParser()
-        add_dataclass_args(parser, cls)
-        env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
-        out[name] = config_from(cls, parser.parse_args(svc["command"][2:]), prefix, environ=env)
-    return out
+def schema_errors(files, compose: dict) -> list[str]:
+    schema = json.loads((files.ROOT / "tests/deploy/compose-spec.json").read_text())
+    return [f"{e.json_path}: {e.message}" for e in jsonschema.Draft7Validator(schema).iter_errors(compose)]
 
 
-def test_compose_services_commands_parse():
-    compose = load()
-    assert set(compose["services"]) == {*PDSERVE, *OBSERVABILITY, "redis", "gateway"}
-    ports = {}
-    for name, cfg in parsed_configs(compose).items():  # router last: prefill/decode ports known
-        svc = compose["services"][name]
-        assert svc["command"][:2] == ["serve", name]
-        assert cfg.model == "/models/model"
-        ports[name] = cfg.port
-        if name == "router":
-            for target in cfg.prefill + cfg.decode:
-                host, port = target.split(":")
-                assert host in compose["services"] and int(port) == ports.get(host, int(port))
-            assert "50051:50051" in svc["ports"]
-    assert ports["prefill"] != ports["decode"]
+@pytest.mark.parametrize("env", [{}, {"MODEL_DIR": "/srv/model", "KV_TRANSPORT": "grpc", "DECODE_GPU": "3"}])
+def test_compose_file_matches_the_compose_spec(files, env):
+    assert schema_errors(files, files.load_compose(env)) == []
 
 
-def test_gateway_points_at_the_router():
-    compose = load()
-    svc = compose["services"]["gateway"]
-    cls, prefix = _service("gateway")
-    parser = argparse.ArgumentParser()
-    add_dataclass_args(parser, cls)
-    assert svc["command"][:2] == ["serve", "gateway"]
-    cfg = config_from(cls, parser.parse_args(svc["command"][2:]), prefix, environ={})
-    router = parsed_configs(compose)["router"]
-    assert cfg.router == f"router:{router.port}" and f"{cfg.port}:{cfg.port}" in svc["ports"]
+def test_schema_check_catches_mistakes(files):
+    compose = files.load_compose()
+    compose["services"]["router"]["helthcheck"] = {}
+    compose["services"]["gateway"]["ports"] = "8000:8000"
+    errors = schema_errors(files, compose)
+    assert any("helthcheck" in e for e in errors) and any("ports" in e for e in errors)
 
 
-def test_dockerfile_copies_package_sources():
-    text = (DEPLOY / "Dockerfile").read_text()
-    for path in ("pyproject.toml", "shared", "services", "protos"):
-        assert f"COPY {path}" in text
-    assert 'ENTRYPOINT ["pdserve"]' in text
+@pytest.mark.parametrize("profiles", [{"cpu"}, {"gpu"}])
+def test_each_profile_is_a_whole_stack(files, profiles):
+    """Services that reference another (depends_on, service:X namespaces) find it started under the same
+    profiles; each profile runs exactly one prefill and one decode, and the default profile (deploy/.env) is cpu."""
+    compose = files.load_compose()
+    running = files.enabled(compose, profiles)
+    for name, svc in running.items():
+        refs = list(svc.get("depends_on") or [])
+        refs += [
+            svc[k].removeprefix("service:")
+            for k in ("network_mode", "pid", "ipc")
+            if str(svc.get(k, "")).startswith("service:")
+        ]
+        for ref in refs:
+            assert ref in running, f"{name} references {ref}, not started with profiles {profiles}"
+    roles = sorted(PDSERVE[n] for n in running if n in PDSERVE)
+    assert roles == ["decode", "prefill", "router"]
+    assert {"model", "gateway", "redis", *OBSERVABILITY} <= set(running)
+    assert files.env_file()["COMPOSE_PROFILES"] == "cpu"
 
 
-def test_observability_wiring():
+def parsed(files, compose: dict, name: str):
+    svc = compose["services"][name]
+    env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
+    assert svc["command"][0] == "serve"
+    service = svc["command"][1]
+    files.check_env_names(service, env)
+    return files.service_config(service, svc["command"][2:], env), env
+
+
+def test_every_command_and_setting_exists(files):
+    """Each pdserve service's command parses with the real parser, every PDSERVE_* variable is a field of its
+    config, the engines register with the router they can reach, and the model step reads what it is given."""
+    compose = files.load_compose()
+    services = compose["services"]
+    router, _ = parsed(files, compose, "router")
+    for name, role in PDSERVE.items():
+        cfg, env = parsed(files, compose, name)
+        assert services[name]["command"][1] == role and cfg.model == "/models/model"
+        assert any(v.endswith(":/models/model:ro") for v in services[name]["volumes"])
+        hostname = services.get(services[name].get("network_mode", "").removeprefix("service:"), services[name])
+        assert env["PDSERVE_HEALTH_TARGET"] == f"localhost:{cfg.port}"
+        if role != "router":
+            assert cfg.host == "0.0.0.0" and cfg.router == f"router:{router.port}"
+            assert hostname["hostname"] in services  # what the engine advertises (its host name) resolves
+    gateway, _ = parsed(files, compose, "gateway")
+    assert (
+        gateway.router == f"router:{router.port}" and f"{gateway.port}:{gateway.port}" in services["gateway"]["ports"]
+    )
+    assert f"{router.port}:{router.port}" in services["router"]["ports"]
+    model = services["model"]
+    assert model["entrypoint"] == ["python", "/opt/pdserve/prepare_model.py"]
+    assert model["environment"]["PDSERVE_MODEL_DIR"] == "/models/model"
+    assert "models:/models/model" in model["volumes"] and "models" in compose["volumes"]
+
+
+def test_gpu_profile_placement(files):
+    """One GPU each for compute, both visible to both (CUDA IPC), one host to the KV handshake: decode shares
+    prefill's network (host name), PID and IPC namespaces; the KV transport is same-host by default."""
+    compose = files.load_compose()
+    s = compose["services"]
+    prefill, _ = parsed(files, compose, "prefill-gpu")
+    decode, _ = parsed(files, compose, "decode-gpu")
+    assert {prefill.device, decode.device} == {"cuda:0", "cuda:1"}
+    assert prefill.kv_transport == decode.kv_transport == "cuda-ipc"
+    for ns in ("network_mode", "pid", "ipc"):
+        assert s["decode-gpu"][ns] == "service:prefill-gpu"
+    assert s["prefill-gpu"]["ipc"] == "shareable"
+    for name in ("prefill-gpu", "decode-gpu"):
+        (dev,) = s[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["device_ids"] == ["0", "1"] and dev["capabilities"] == ["gpu"]
+        assert s[name]["image"] == "pdserve:cuda" and s[name]["build"]["target"] == "cuda"
+    # one network namespace: the two engines' ports differ (gRPC and metrics)
+    assert len({prefill.port, decode.port, prefill.metrics_port, decode.metrics_port}) == 4
+
+
+def test_observability_wiring(files):
     """Every service exports traces to the compose Jaeger and serves /metrics where Prometheus scrapes it; Grafana
     mounts files that exist and points at the compose Prometheus and Jaeger."""
     from pdserve.telemetry.tracing import tracing_enabled
 
-    compose = load()
+    compose = files.load_compose()
     services = compose["services"]
-    cfgs = parsed_configs(compose)
-    for name in PDSERVE:
-        env = {k: str(v) for k, v in services[name]["environment"].items()}
+    scraped: dict[str, set[str]] = {}
+    for name, role in PDSERVE.items():
+        cfg, env = parsed(files, compose, name)
         assert tracing_enabled(env), name
-        host, port = env["OTEL_EXPORTER_OTLP_ENDPOINT"].removeprefix("http://").split(":")
-        assert host == "jaeger" and port == "4317"
-        assert cfgs[name].metrics_port > 0
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        host = services[name].get("network_mode", name).removeprefix("service:")
+        scraped.setdefault(role, set()).add(f"{host}:{cfg.metrics_port}")
     mounts = dict(v.split(":")[:2] for v in services["prometheus"]["volumes"])
     assert mounts["./prometheus.yml"] == "/etc/prometheus/prometheus.yml"
-    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    jobs = {j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]] for j in prom["scrape_configs"]}
-    assert jobs == {name: [f"{name}:{cfgs[name].metrics_port}"] for name in PDSERVE}
+    prom = yaml.safe_load((files.DEPLOY / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: {t for sc in j["static_configs"] for t in sc["targets"]} for j in prom["scrape_configs"]}
+    assert jobs == scraped
     assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
 
     grafana = services["grafana"]
     for vol in grafana["volumes"]:
-        assert (DEPLOY / vol.split(":")[0]).exists(), vol
-    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/datasources.yml").read_text())["datasources"]
+        assert (files.DEPLOY / vol.split(":")[0]).exists(), vol
+    ds = yaml.safe_load((files.DEPLOY / "grafana/provisioning/datasources/datasources.yml").read_text())["datasources"]
     by_uid = {d["uid"]: d for d in ds}
     assert by_uid["prometheus"]["url"] == "http://prometheus:9090" and by_uid["jaeger"]["url"] == "http://jaeger:16686"
     assert by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"][0]["datasourceUid"] == "jaeger"
-    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboards.yml").read_text())["providers"][0]
-    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in grafana["volumes"]
+    provider = yaml.safe_load((files.DEPLOY / "grafana/provisioning/dashboards/dashboards.yml").read_text())
+    assert f"./grafana/dashboards:{provider['providers'][0]['options']['path']}:ro" in grafana["volumes"]
 
 
-def test_dashboard_queries():
+def test_dashboard_queries(files):
     """The dashboard parses, uses the provisioned Prometheus, and selects jobs Prometheus has. (That every metric
     it names is exported is checked against live /metrics in tests/services/test_tracing_e2e.py.)"""
-    import json
     import re
 
-    dash = json.loads((DEPLOY / "grafana/dashboards/pdserve.json").read_text())
+    dash = json.loads((files.DEPLOY / "grafana/dashboards/pdserve.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    assert len(exprs) >= 10 and all(
-        t["datasource"]["uid"] == "prometheus" for p in dash["panels"] for t in p["targets"]
-    )
+    assert len(exprs) >= 10
+    assert all(t["datasource"]["uid"] == "prometheus" for p in dash["panels"] for t in p["targets"])
     for job in {j for e in exprs for j in re.findall(r'job=~"([a-z]+)"', e)}:
-        assert job in PDSERVE
+        assert job in ("router", "prefill", "decode")
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
 
-def test_prompt_cache_wiring():
+def test_prompt_cache_wiring(files):
     """Prefill reaches the compose Redis through REDIS_URL (what build_prompt_cache reads), and that Redis evicts
     instead of failing writes when full and persists nothing."""
     from pdserve.cache.prompt_cache import build_prompt_cache
 
-    services = load()["services"]
-    env = {k: str(v) for k, v in services["prefill"]["environment"].items()}
-    cache = build_prompt_cache(parsed_configs(load())["prefill"], environ=env)
-    assert cache.store.remote and cache.store.url == "redis://redis:6379/0"
-    cache.close()
-    cmd = services["redis"]["command"]
+    compose = files.load_compose()
+    for name in ("prefill", "prefill-gpu"):
+        cfg, env = parsed(files, compose, name)
+        cache = build_prompt_cache(cfg, environ=env)
+        assert cache.store.remote and cache.store.url == "redis://redis:6379/0"
+        cache.close()
+    cmd = compose["services"]["redis"]["command"]
     assert cmd[0] == "redis-server" and cmd[cmd.index("--maxmemory-policy") + 1] == "allkeys-lru"
     assert cmd[cmd.index("--save") + 1] == "" and cmd[cmd.index("--appendonly") + 1] == "no"
+
+
+def test_unknown_settings_are_caught(files):
+    """The name check is real: a misspelled variable or flag fails."""
+    with pytest.raises(AssertionError, match="PDSERVE_PREFILL_KV_DTYP"):
+        files.check_env_names("prefill", {"PDSERVE_PREFILL_KV_DTYP": "int8"})
+    with pytest.raises(SystemExit):
+        files.service_config("decode", ["--kv-format", "int8"], {"PDSERVE_DECODE_MODEL": "/m"})

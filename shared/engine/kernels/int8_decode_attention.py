@@ -305,8 +305,8 @@ def int8_paged_decode(
     block_n: int = DEFAULT_CONFIG["block_n"],
     num_warps: int = DEFAULT_CONFIG["num_warps"],
     num_stages: int = DEFAULT_CONFIG["num_stages"],
-    scale_expand: bool = DEFAULT_CONFIG["scale_expand"],
-    fold_scales: bool = DEFAULT_CONFIG["fold_scales"],
+    scale_expand: bool = bool(DEFAULT_CONFIG["scale_expand"]),  # the dict holds ints and bools
+    fold_scales: bool = bool(DEFAULT_CONFIG["fold_scales"]),
     pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
@@ -316,8 +316,8 @@ def int8_paged_decode(
     b, hq, d = q.shape
     _, ps, kvh, _ = k.shape
     dense = k_scales is None
-    if dense:
-        k_scales = v_scales = k  # unused pointers
+    if k_scales is None:
+        k_scales = v_scales = k  # dense: unused pointers
     g = 1 if dense else k_scales.shape[-1]
     qpk = hq // kvh
     qp = max(16, triton.next_power_of_2(qpk))

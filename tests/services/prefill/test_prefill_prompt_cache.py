@@ -19,6 +19,7 @@ from pdserve.kv.codec import KVLayoutSpec
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
 from pdserve.testing.redis_server import RedisServer
+from pdserve.testing.wait import wait_until
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 16
@@ -183,16 +184,17 @@ def test_redis_killed_and_restarted_under_load(cluster, rds):
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
-    cluster.redis.kill()
-    t_kill = time.monotonic()
-    time.sleep(1.5)
-    cluster.redis.restart()
-    t_back = time.monotonic()
-    deadline = t_back + 20  # back to hits by itself: breaker probe, write-back refills the empty server
-    while time.monotonic() < deadline and not any(t > t_back and c > 0 for t, c, _ in log):
-        time.sleep(0.1)
-    stop.set()
+    try:
+        wait_until(lambda: len(log) >= 3, timeout=30, what="requests served before the outage")
+        cluster.redis.kill()
+        t_kill = time.monotonic()
+        wait_until(lambda: any(t > t_kill and c == 0 for t, c, _ in log), timeout=30, what="a miss in the outage")
+        cluster.redis.restart()
+        t_back = time.monotonic()
+        # back to hits by itself: breaker probe, write-back refills the empty server
+        wait_until(lambda: any(t > t_back and c > 0 for t, c, _ in log), timeout=20, what="a hit after the restart")
+    finally:
+        stop.set()
     for t in threads:
         t.join(60)
     assert not errors, errors[:3]

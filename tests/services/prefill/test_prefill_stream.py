@@ -8,13 +8,17 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from pdserve.cli.launch import start_service, wait_ready
 from pdserve.engine.loader import model_fingerprint
-from pdserve.kv.codec import KVLayoutSpec, decode_page
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer.handshake import make_offer
+from pdserve.kv.transfer.page_format import PageFormat
+from pdserve.kv.transfer.wire import BatchExpectation, verify_header
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
-from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
+from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc, kv_pb2
 
 PAGE, CHUNK = 4, 8
 
@@ -94,17 +98,26 @@ def test_pages_stream_while_prefill_runs_and_ack_frees(prefill):
     arrivals, pages = [], []
     done = None
     call = stub.Prefill(client(), timeout=120)
+    choice = None
     for msg in call:
-        if msg.HasField("page"):
+        if msg.HasField("transport"):  # always first: no offer in the request, so grpc
+            assert choice is None and not pages
+            choice = msg.transport
+        elif msg.HasField("batch"):  # a standard protobuf reader parses the pre-serialized batch
             arrivals.append(time.perf_counter() - t0)
-            pages.append(
-                decode_page(msg.page, expected_layout=layout(), expected_fingerprint=fp, expected_request_id="r")
-            )
-            acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=msg.page.seq_no)))
+            h, payload = msg.batch.header, msg.batch.payload
+            verify_header(h, BatchExpectation(layout(), fp, "r"), payload)
+            assert h.first_seq_no == len(pages)
+            fmt = PageFormat(layout())
+            rows = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(-1, fmt.page_bytes)
+            pages.extend(fmt.payloads(rows, list(h.page_indexes), list(h.num_tokens)))
+            last = h.first_seq_no + len(h.page_indexes) - 1
+            acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=last)))
         else:
             done = msg.done
             t_done = time.perf_counter() - t0
     acks.put(None)
+    assert choice is not None and choice.transport == "grpc"
     assert done is not None and done.num_pages == len(pages) == -(-n // PAGE)
     assert [p.page_index for p in pages] == list(range(len(pages)))
     assert pages[-1].num_tokens == n - (len(pages) - 1) * PAGE
@@ -116,7 +129,8 @@ def test_pages_stream_while_prefill_runs_and_ack_frees(prefill):
 def test_abandoned_stream_frees_pages(prefill):
     stub, fp = prefill
     call = stub.Prefill(iter([request(fp, 1000, rid="gone")]), timeout=120)
-    next(call)  # first page arrived; never ack, then hang up mid-prefill
+    assert next(call).HasField("transport")
+    assert next(call).HasField("batch")  # first pages arrived; never ack, then hang up mid-prefill
     call.cancel()
     assert wait_all_free(stub)
 
@@ -152,3 +166,46 @@ def test_first_message_must_be_request(prefill):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Prefill(iter([internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=0))]), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def kv_stats(stub) -> dict:
+    return {t.transport: t for t in stub.Stats(internal_pb2.StatsRequest(), timeout=5).kv_transports}
+
+
+def test_cuda_ipc_offer_on_a_cpu_prefill_falls_back_to_grpc_counted(prefill):
+    """Decode offers cuda-ipc from this host with CUDA; this prefill runs on CPU: grpc, with the reason, counted."""
+    stub, fp = prefill
+    before = kv_stats(stub).get("cuda-ipc")
+    msg = request(fp, 10, rid="fallback")
+    offer = make_offer("cuda-ipc", torch.device("cpu"))
+    offer.forced, offer.device_kind = False, "cuda"
+    offer.transports.append("grpc")
+    msg.request.kv_transport.CopyFrom(offer)
+    out = list(stub.Prefill(iter([msg]), timeout=30))  # no acks: the stream still ends after PrefillDone (grpc)
+    assert out[0].transport.transport == "grpc" and "CUDA on both ends" in out[0].transport.reason
+    assert out[-1].HasField("done")
+    after = kv_stats(stub)["cuda-ipc"]
+    assert after.fallbacks == (before.fallbacks if before else 0) + 1
+
+
+def test_forced_cuda_ipc_across_hosts_is_an_error(prefill):
+    stub, fp = prefill
+    msg = request(fp, 10, rid="elsewhere")
+    offer = make_offer("cuda-ipc", torch.device("cpu"))
+    offer.host_id = "another-host/boot"
+    msg.request.kv_transport.CopyFrom(offer)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Prefill(iter([msg]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "different hosts" in err.value.details()
+
+
+def test_decode_that_cannot_open_a_forced_ipc_buffer_gets_an_error_and_pages_are_freed(prefill):
+    stub, fp = prefill
+    msg = request(fp, 40, rid="no-open")
+    msg.request.kv_transport.CopyFrom(make_offer("cuda-ipc", torch.device("cpu")))  # forced: shm on CPU
+    ready = internal_pb2.PrefillClientMessage(transport_ready=kv_pb2.KVTransportReady(ok=False, reason="test"))
+    with pytest.raises(grpc.RpcError) as err:
+        for m in stub.Prefill(iter([msg, ready]), timeout=30):
+            assert m.HasField("transport") and m.transport.transport == "cuda-ipc"
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "test" in err.value.details()
+    assert wait_all_free(stub)

@@ -1,10 +1,10 @@
-"""Helpers of the router tests: free ports, the router's instance listing, waiting for instance states."""
+"""Helpers of the router tests: the router's instance listing, waiting for instance states."""
 
 from __future__ import annotations
 
 import time
 
-from pdserve.server.grpc_util import channel, free_port  # noqa: F401 - used by the router tests
+from pdserve.server.grpc_util import channel
 from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
 

@@ -2,8 +2,8 @@
 router's Registry, the router health-checks them over grpc.health.v1, drains, marks down, forgets and
 re-adds them. The "instances" here are gRPC servers serving only the health protocol (what membership uses)."""
 
+import socket
 import sys
-import time
 from concurrent import futures
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from router_testutil import free_port, instances, wait_states
+from router_testutil import instances, wait_states
 
 FAST = dict(
     health_interval_s=0.1,
@@ -37,17 +37,24 @@ FAST = dict(
 
 
 class HealthOnly:
-    """A gRPC server on a fixed port that serves grpc.health.v1; can be stopped and started again."""
+    """A gRPC server on a loopback port that serves grpc.health.v1 (port 0: a free one, fixed at the first start);
+    can be stopped and started again on the same port."""
 
-    def __init__(self, port: int):
-        self.port, self.address = port, f"127.0.0.1:{port}"
+    def __init__(self, port: int = 0):
+        self.port = port
         self.server = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
     def start(self) -> "HealthOnly":
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        assert self.server.add_insecure_port(self.address) == self.port
+        bound = self.server.add_insecure_port(self.address)
+        assert bound and self.port in (0, bound), (self.port, bound)
+        self.port = bound
         self.server.start()
         self.serving(True)
         return self
@@ -91,7 +98,7 @@ def wait_state(router_addr: str, address: str, state: str | None) -> None:
 
 def test_registered_instance_lifecycle(router):
     addr, m = router()
-    inst = HealthOnly(free_port()).start()
+    inst = HealthOnly().start()
     ann = Announcer(addr, "prefill", inst.address).start()
     try:
         wait_state(addr, inst.address, "up")
@@ -113,12 +120,28 @@ def test_registered_instance_lifecycle(router):
 
 
 def test_static_instance_is_marked_down_and_recovers_never_forgotten(router):
-    port = free_port()
+    # A port held bound but not listening (connections refused); SO_REUSEPORT, as gRPC servers bind, lets the
+    # instance bind it later while it is still held, so no other process can take it in between.
+    hold = socket.socket()
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    hold.bind(("127.0.0.1", 0))
+    port = hold.getsockname()[1]
     addr, m = router(prefill=[f"127.0.0.1:{port}"])
     wait_state(addr, f"127.0.0.1:{port}", "down")  # nothing listens there yet
-    time.sleep(FAST["remove_after_s"] + 0.3)
+    # A registered instance that goes silent after the static one went down: once it has been forgotten,
+    # the static one has been down for longer than remove_after_s too.
+    silent = HealthOnly().start()
+    try:
+        with channel(addr) as ch:
+            req = pb.RegisterRequest(role=pb.INSTANCE_ROLE_PREFILL, address=silent.address)
+            router_admin_pb2_grpc.RegistryStub(ch).Register(req, timeout=5)
+        wait_state(addr, silent.address, "up")
+        wait_state(addr, silent.address, None)  # lease ran out, then forgotten
+    finally:
+        silent.stop()
     assert instances(addr)[f"127.0.0.1:{port}"].registered is False  # static: still known
     inst = HealthOnly(port).start()
+    hold.close()
     try:
         wait_state(addr, inst.address, "up")
     finally:
@@ -127,7 +150,7 @@ def test_static_instance_is_marked_down_and_recovers_never_forgotten(router):
 
 def test_lease_expiry_then_forget_and_reregister(router):
     addr, m = router()
-    inst = HealthOnly(free_port()).start()
+    inst = HealthOnly().start()
     try:
         with channel(addr) as ch:
             stub = router_admin_pb2_grpc.RegistryStub(ch)
@@ -148,8 +171,10 @@ def test_lease_expiry_then_forget_and_reregister(router):
 
 
 def test_blame_marks_a_dead_instance_down_at_once(router):
-    dead = f"127.0.0.1:{free_port()}"
-    live = HealthOnly(free_port()).start()
+    hold = socket.socket()  # bound, never listening: connections are refused
+    hold.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{hold.getsockname()[1]}"
+    live = HealthOnly().start()
     try:
         addr, m = router(prefill=[dead, live.address], health_interval_s=60.0)  # no periodic checks
         sched = m.scheduler
@@ -159,6 +184,7 @@ def test_blame_marks_a_dead_instance_down_at_once(router):
         assert insts[dead].state.value == "down" and insts[live.address].state.value == "up"
     finally:
         live.stop()
+        hold.close()
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +14,7 @@ import pytest
 from router_testutil import instances, listing, wait_states
 
 import pdserve
+from pdserve.client_retry import RetryPolicy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,34 +65,54 @@ def test_prefix_affinity(cluster):
     assert sum(1 for a in cluster.p if spread[a] > 0) >= 2  # distinct prefixes are balanced instead
 
 
-def test_admission_rejections_at_threshold(cluster):
-    """Decode capacity 100 PCS, threshold 0.8: each decode instance takes requests while load + PCS <= 80.
-    A 30-token prompt with max_tokens 200 scores 0.3·30 + 0.5·30 (cold estimate: the prompt length) = 24,
-    so 3 fit per instance (72), the 4th would make 96: 6 of 10 concurrent requests are admitted."""
+def test_admission_rejects_with_pushback_and_the_sdk_retries(cluster):
+    """Router B queues at most 64 prompt tokens per prefill instance (an idle one always admits). With P1 and P2
+    paused, one 40-token request holds each; a third is rejected with RESOURCE_EXHAUSTED carrying both
+    `grpc-retry-pushback-ms` and `retry-after-ms`. The SDK retries it after the pushback (bounded: a 3-attempt
+    policy gives up after 2 retries), and by default keeps retrying until the instances resume and it fits."""
     r = cluster.routers["B"]
+    p1, p2 = (cluster.procs[a] for a in cluster.p[:2])
     rejected0 = listing(r).rejected
-    barrier = threading.Barrier(10)
+    stopped = [p1, p2]
+    for p in stopped:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(3) as ex:
 
-    def one(k):
-        with pdserve.Client(r, timeout=120) as c:
-            barrier.wait(timeout=30)
-            try:
-                return c.generate(token_ids=prompt(30, 400 + k), max_tokens=200, ignore_eos=True)
-            except grpc.RpcError as e:
-                return e
+            def run(k: int, **client_kw):
+                with pdserve.Client(r, timeout=120, **client_kw) as c:
+                    out = c.generate(token_ids=prompt(40, 400 + k), max_tokens=4, ignore_eos=True)
+                    return out, c.retries
 
-    with ThreadPoolExecutor(10) as ex:
-        results = list(ex.map(one, range(10)))
-    ok = [x for x in results if not isinstance(x, grpc.RpcError)]
-    errs = [x for x in results if isinstance(x, grpc.RpcError)]
-    assert len(ok) == 6 and all(len(o.token_ids) == 200 for o in ok), [e.details() for e in errs]
-    assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in errs)
-    assert all("80% of its PCS capacity" in e.details() for e in errs)
-    retry_ms = [int(dict(e.trailing_metadata())["retry-after-ms"]) for e in errs]
-    assert all(50 <= ms <= 30_000 for ms in retry_ms), retry_ms
-    assert listing(r).rejected - rejected0 == 4
-    with pdserve.Client(r, timeout=60) as c:  # capacity is back once they finished
-        assert len(c.generate(token_ids=prompt(30, 499), max_tokens=8, ignore_eos=True).token_ids) == 8
+            blockers = [ex.submit(run, k, retry=False) for k in range(2)]
+            deadline = time.monotonic() + 10
+            while sum(i.assigned for a, i in instances(r).items() if a in cluster.p[:2]) < 2:
+                assert time.monotonic() < deadline, "blockers were not dispatched"
+                time.sleep(0.02)
+            with pdserve.Client(r, timeout=60, retry=False) as c, pytest.raises(grpc.RpcError) as e:
+                c.generate(token_ids=prompt(40, 410), max_tokens=4)
+            err = e.value
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill work queued" in err.details()
+            trailers = dict(err.trailing_metadata())
+            assert 50 <= int(trailers["grpc-retry-pushback-ms"]) == int(trailers["retry-after-ms"]) <= 30_000
+            bounded = pdserve.Client(r, timeout=60, retry=RetryPolicy(max_attempts=3))
+            t0 = time.monotonic()
+            with bounded, pytest.raises(grpc.RpcError) as e:
+                bounded.generate(token_ids=prompt(40, 411), max_tokens=4)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and bounded.retries == 2
+            assert time.monotonic() - t0 < 5
+            patient = ex.submit(run, 412)  # default policy: retries until there is room
+            time.sleep(0.3)
+            for p in stopped:
+                p.send_signal(signal.SIGCONT)
+            stopped = []
+            out, retries = patient.result(timeout=60)
+            assert len(out.token_ids) == 4 and retries >= 1
+            assert all(len(b.result(timeout=60)[0].token_ids) == 4 for b in blockers)
+    finally:
+        for p in stopped:
+            p.send_signal(signal.SIGCONT)
+    assert listing(r).rejected - rejected0 == 1 + 3 + retries  # every attempt that was turned away
 
 
 def test_priority_order_under_contention(cluster):

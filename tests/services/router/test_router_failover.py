@@ -23,7 +23,7 @@ from pdserve.cli.launch import Stack, start_service, wait_ready
 from pdserve.models.checkpoints import build_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from router_testutil import free_port, instances, listing, wait_states
+from router_testutil import instances, listing, wait_states
 
 pytestmark = pytest.mark.timeout(300)
 ENGINE_FLAGS = [
@@ -43,53 +43,31 @@ MAX_TOKENS = 600
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """One prefill, two decode instances, one router (health checks every 0.5 s). `restart(addr)` starts a
-    killed engine again on its port."""
+    """One prefill, two decode instances (started first, on free ports), then one router over them (health checks
+    every 0.5 s). `restart(addr)` starts a killed engine again on its port."""
     work = tmp_path_factory.mktemp("failover")
     model = build_checkpoint(work / "model", arch="llama", seed=4)
-    P, D1, D2 = (f"127.0.0.1:{free_port()}" for _ in range(3))
     common = ["--model", str(model), "--log-level", "INFO"]
     stack = Stack("", [], [])
-    procs: dict = {}
+    procs: dict = {}  # engine address -> its process
 
-    def start(role: str, args: list[str], name: str):
+    def start(role: str, args: list[str]):
         started = start_service(role, [*common, *args], work)
         stack.procs.append(started[0])
         stack.logs.append(started[2])
-        procs[name] = started[0]
         return started
 
-    def engine_args(addr: str) -> list[str]:
-        return ["--port", addr.rsplit(":", 1)[1], *ENGINE_FLAGS]
-
     def restart(addr: str) -> None:
-        wait_ready(*start("decode", engine_args(addr), addr), timeout=180)
+        started = start("decode", ["--port", addr.rsplit(":", 1)[1], *ENGINE_FLAGS])
+        procs[addr] = started[0]
+        wait_ready(*started, timeout=180)
 
     try:
-        started = [
-            start(
-                "router",
-                [
-                    "--prefill",
-                    P,
-                    "--decode",
-                    D1,
-                    "--decode",
-                    D2,
-                    "--estimator-store",
-                    "memory",
-                    "--health-interval-s",
-                    "0.5",
-                ],
-                "router",
-            )
-        ]
-        started += [
-            start(role, engine_args(addr), addr) for role, addr in (("prefill", P), ("decode", D1), ("decode", D2))
-        ]
-        router = wait_ready(*started[0], timeout=180)
-        for s in started[1:]:
-            wait_ready(*s, timeout=180)
+        engines = [start(role, ENGINE_FLAGS) for role in ("prefill", "decode", "decode")]  # no --port: any free one
+        P, D1, D2 = addrs = [wait_ready(*s, timeout=180) for s in engines]
+        procs.update((a, s[0]) for a, s in zip(addrs, engines))
+        args = ["--prefill", P, "--decode", D1, "--decode", D2, "--estimator-store", "memory"]
+        router = wait_ready(*start("router", [*args, "--health-interval-s", "0.5"]), timeout=180)
         wait_states(router, {P: "up", D1: "up", D2: "up"})
     except BaseException:
         stack.stop()
@@ -101,49 +79,31 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_pool_cluster(tmp_path_factory):
-    """Round-robin router over a decode instance with a 4-page pool (64 tokens) and a normal one."""
+    """Round-robin router over a decode instance with a 4-page pool (64 tokens) and a normal one. The engines start
+    first (free ports): the router's channels never see a closed port, so no request fails UNAVAILABLE on a
+    channel still in reconnect backoff (a retry this test would count)."""
     work = tmp_path_factory.mktemp("small-pool")
     model = build_checkpoint(work / "model", arch="llama", seed=4)
-    P, small, big = (f"127.0.0.1:{free_port()}" for _ in range(3))
     common = ["--model", str(model), "--log-level", "INFO"]
-    flags = {P: ENGINE_FLAGS, small: [*ENGINE_FLAGS, "--num-pages", "4"], big: ENGINE_FLAGS}
     stack = Stack("", [], [])
+
+    def start(role: str, args: list[str]):
+        started = start_service(role, [*common, *args], work)
+        stack.procs.append(started[0])
+        stack.logs.append(started[2])
+        return started
+
     try:
-        started = [
-            start_service(
-                "router",
-                [
-                    *common,
-                    "--prefill",
-                    P,
-                    "--decode",
-                    small,
-                    "--decode",
-                    big,
-                    "--policy",
-                    "round_robin",
-                    "--estimator-store",
-                    "memory",
-                    "--health-interval-s",
-                    "0.2",
-                ],
-                work,
-            )
+        engines = [
+            start("prefill", ENGINE_FLAGS),
+            start("decode", [*ENGINE_FLAGS, "--num-pages", "4"]),
+            start("decode", ENGINE_FLAGS),
         ]
-        started += [
-            start_service(role, [*common, "--port", a.rsplit(":", 1)[1], *flags[a]], work)
-            for role, a in (("prefill", P), ("decode", small), ("decode", big))
-        ]
-        stack.procs.extend(s[0] for s in started)
-        stack.logs.extend(s[2] for s in started)
-        router = wait_ready(*started[0], timeout=180)
-        for s in started[1:]:
-            wait_ready(*s, timeout=180)
-        wait_states(router, {P: "up", small: "up", big: "up"})
-        # The router's channels tried these addresses before the engines listened and may still be in their
-        # reconnect backoff (<= 1 s): a request then fails UNAVAILABLE and is retried, which would use up attempts
-        # this test counts. Let the health checks reconnect them first.
-        time.sleep(1.2)
+        P, small, big = (wait_ready(*s, timeout=180) for s in engines)
+        args = ["--prefill", P, "--decode", small, "--decode", big, "--policy", "round_robin"]
+        router = wait_ready(
+            *start("router", [*args, "--estimator-store", "memory", "--health-interval-s", "0.2"]), timeout=180
+        )
         wait_states(router, {P: "up", small: "up", big: "up"})
     except BaseException:
         stack.stop()

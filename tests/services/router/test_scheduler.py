@@ -32,48 +32,79 @@ def idle(s):
     return all(v == (0, 0) for v in loads(s).values()) and len(s.queue) == 0
 
 
-def test_admission_rejects_at_threshold_with_retry_after():
-    s = make(prefill_capacity_pcs=1000, decode_capacity_pcs=100, batch_utilization_threshold=0.8)
+def test_decode_admission_follows_the_kv_pool_with_retry_after():
+    s = make()
+    for d in s.instances[DECODE].values():
+        s.update_stats(d, pages_free=100, pages_total=100, active=0)
     admitted = []
     for _ in range(7):
-        j = job(pcs=24)
+        j = job(pages=30)
         try:
             s.submit(j)
             admitted.append(j)
         except Rejected as e:
-            assert e.retry_after_s > 0 and "decode" in e.reason and "80%" in e.reason
+            assert e.retry_after_s > 0 and "decode" in e.reason and "pool" in e.reason
             break
-    # Budget 0.8·100 = 80 per decode instance: 3 × 24 = 72 fit, a 4th (96) does not; two instances.
+    # each pool holds 100 pages: 3 × 30 fit, a 4th (120) does not; two instances
     assert len(admitted) == 6 and s.rejected == 1
     s.finish(admitted[0], completed=True)
-    s.submit(job(pcs=24))  # room again
+    s.submit(job(pages=30))  # room again
     with pytest.raises(Rejected):
-        s.submit(job(pcs=24))
+        s.submit(job(pages=30))
+
+
+def test_prefill_admission_queues_a_ttft_budget_at_the_measured_rate():
+    s = make(2, 1, ttft_budget_ms=500, prefill_floor_tokens=1000)
+    p0, p1 = s.instances[PREFILL]["p0:1"], s.instances[PREFILL]["p1:1"]
+    # unmeasured: the floor (1000 tokens) each
+    jobs = [job(prompt_len=400, name=f"a{i}") for i in range(4)]
+    for j in jobs:
+        s.submit(j)
+    with pytest.raises(Rejected) as e:
+        s.submit(job(prompt_len=400))
+    assert "500 ms" in e.value.reason and "prefill" in e.value.reason
+    # unmeasured rate = floor / budget = 2000 tokens/s: (800 + 400) / 2000 - 0.5 = 0.1 s until it fits
+    assert e.value.retry_after_s == pytest.approx(0.1)
+    # p0 measured 10k tokens/s: 5000 tokens within 500 ms; p1 stays at its floor
+    s.observe_page_size(p0, 0, prefill_tokens_per_s=10_000.0)
+    s.observe_page_size(p1, 0, prefill_tokens_per_s=0.0)  # nothing measured: the rate is not reset
+    assert p0.prefill_tokens_per_s == 10_000.0
+    more = [job(prompt_len=1000, name=f"b{i}") for i in range(4)]
+    for j in more:
+        s.submit(j)
+        assert (j.prefill or j.reserved[0]) is p0
+    assert p0.queued_tokens + p0.inflight_tokens == 4800
+    with pytest.raises(Rejected):
+        s.submit(job(prompt_len=1000))
+    for j in jobs + more:
+        s.finish(j)
+    assert idle(s) and p0.queued_tokens == p0.inflight_tokens == 0
 
 
 def test_dispatch_never_takes_an_instance_past_its_budget():
-    """The decode policy prefers d0 (free pages, idle) for everything; admission reserved on both: the budget
-    wins, each instance ends with 3 requests (72 of 80)."""
-    s = make(1, 2, prefill_capacity_pcs=1000, decode_capacity_pcs=100)
+    """The decode policy prefers d0 (free pages, idle) for everything; admission reserved on both: the pool
+    wins, each instance ends with 3 requests (90 of 100 pages)."""
+    s = make(1, 2)
     ds = s.instances[DECODE]
-    s.update_stats(ds["d0:1"], pages_free=1000, pages_total=1000, active=0)
-    s.update_stats(ds["d1:1"], pages_free=100, pages_total=1000, active=50)
-    jobs = [job(pcs=24) for _ in range(6)]
+    s.update_stats(ds["d0:1"], pages_free=100, pages_total=100, active=0)
+    s.update_stats(ds["d1:1"], pages_free=100, pages_total=100, active=50)
+    jobs = [job(pages=30) for _ in range(6)]
     for j in jobs:
         s.submit(j)
         s.wait(j, 1.0)
-    assert [round(ds[a].running_pcs) for a in ("d0:1", "d1:1")] == [72, 72]
+    assert [ds[a].pages for a in ("d0:1", "d1:1")] == [90, 90]
     with pytest.raises(Rejected):
-        s.submit(job(pcs=24))
+        s.submit(job(pages=30))
 
 
 def test_idle_instance_admits_a_request_larger_than_its_budget():
-    s = make(1, 1, prefill_capacity_pcs=100, decode_capacity_pcs=100)
-    big = job(pcs=500)
+    s = make(1, 1, prefill_floor_tokens=100)
+    s.update_stats(s.instances[DECODE]["d0:1"], pages_free=10, pages_total=10, active=0)
+    big = job(prompt_len=500, pages=50)
     s.submit(big)
     assert s.wait(big, 1.0)[0].address == "p0:1"
     with pytest.raises(Rejected):
-        s.submit(job(pcs=1))
+        s.submit(job(prompt_len=1, pages=1))
     s.finish(big)
     assert idle(s)
 
@@ -147,12 +178,12 @@ def test_cancel_while_queued_wakes_the_waiter_and_frees_its_place():
 def test_decode_gate_waits_for_free_pages():
     s = make(1, 1)
     d = s.instances[DECODE]["d0:1"]
-    s.update_stats(d, pages_free=10, pages_total=10, active=0)
+    s.update_stats(d, pages_free=10, pages_total=20, active=0)  # the pool could hold both; 10 pages are in use
     a, b = job(pages=8), job(pages=8)
     s.submit(a)
     s.wait(a, 1.0)
     s.submit(b)
-    assert not b.event.is_set()  # 10 - 8 pages left < 8 needed
+    assert not b.event.is_set()  # 10 - 8 pages free < 8 needed
     s.finish(a, completed=True)
     assert b.event.is_set()
     s.finish(b)

@@ -120,12 +120,11 @@ def test_password_and_tls(start_redis, tmp_path):
         check=True,
         capture_output=True,
     )
-    from pdserve.testing.redis_server import free_port
+    from pdserve.testing.redis_server import RedisServer
 
-    tls_port = free_port()
-    start_redis(
+    tls = start_redis(
         "--tls-port",
-        str(tls_port),
+        RedisServer.FREE_PORT,
         "--tls-cert-file",
         str(cert),
         "--tls-key-file",
@@ -135,7 +134,7 @@ def test_password_and_tls(start_redis, tmp_path):
         "--tls-auth-clients",
         "no",
     )
-    s = RedisStore(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}", timeout_s=2.0)
+    s = RedisStore(f"rediss://127.0.0.1:{tls.extra_ports[0]}/0?ssl_ca_certs={cert}", timeout_s=2.0)
     s.set_many([(b"t", b"tls")], 60_000)
     assert s.get_many([b"t"], 1000) == [b"tls"]
     s.close()
@@ -143,7 +142,7 @@ def test_password_and_tls(start_redis, tmp_path):
 
 def test_redis_cluster_client(start_redis, tmp_path):
     """A one-node Redis Cluster (all 16384 slots) through redis-py's cluster client."""
-    from pdserve.testing.redis_server import free_port
+    from pdserve.testing.redis_server import RedisServer
 
     srv = start_redis(
         "--cluster-enabled",
@@ -151,7 +150,7 @@ def test_redis_cluster_client(start_redis, tmp_path):
         "--cluster-config-file",
         str(tmp_path / "nodes.conf"),
         "--cluster-port",
-        str(free_port()),
+        RedisServer.FREE_PORT,
     )
     c = srv.client()
     c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)

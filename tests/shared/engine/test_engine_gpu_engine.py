@@ -116,3 +116,25 @@ def test_graph_decode_under_preemption_matches_plenty_of_pages(make_engine):
     same = sum(a == b for a, b in zip(out, roomy))
     assert same >= len(prompts) - 1, (out, roomy)  # bf16: at most one near-tie flip
     assert tight.allocator.num_used == 0
+
+
+def test_graph_decode_covers_the_whole_context(make_engine):
+    """The graphs' page tables span the model's whole context: decoding past 512 tokens (where an engine capped at
+    512 falls back to eager) replays the graph at every decode step and matches the eager engine."""
+    prompts = [random_prompt(n, seed=n) for n in (600, 530)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw = {**KW, "chunk_size": 256, "num_pages": 160}
+    eager = make_engine("llama_hd64", **kw, cuda_graphs=False)
+    graph = make_engine("llama_hd64", **kw)
+    capped = make_engine("llama_hd64", **kw, cuda_graph_max_context=512)
+    runner = graph.runner.graph_runner
+    assert runner.max_context == graph.max_model_len and capped.runner.graph_runner.max_context == 512
+    assert not capped.runner.graph_runner.can_run(1, 600) and runner.can_run(1, 600)
+    positions: list[int] = []
+    replay = runner.run
+    runner.run = lambda ids, pos, tables: (positions.extend(pos), replay(ids, pos, tables))[1]
+    forced = [eager.generate([p], sp)[0] for p in prompts]
+    le, lg = run_forced(eager, prompts, forced), run_forced(graph, prompts, forced)
+    assert len(positions) == sum(len(f) - 1 for f in forced)  # every decode step went through the graph
+    assert max(positions) >= 600 + len(forced[0]) - 2 > 512
+    assert lg.isfinite().all() and ((lg - le).norm() / le.norm()).item() < 2e-2

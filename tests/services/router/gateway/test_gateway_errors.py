@@ -147,9 +147,12 @@ def test_ready_follows_the_router(scripted, tmp_path):
 
 
 def test_router_down_is_503(tmp_path):
-    from pdserve.server.grpc_util import free_port
+    import socket
 
-    proc, ready, log = start_service("gateway", ["--router", f"127.0.0.1:{free_port()}", "--model-name", "m"], tmp_path)
+    dead = socket.socket()  # bound, never listening: connections to it are refused, and no one else can take it
+    dead.bind(("127.0.0.1", 0))
+    router = f"127.0.0.1:{dead.getsockname()[1]}"
+    proc, ready, log = start_service("gateway", ["--router", router, "--model-name", "m"], tmp_path)
     try:
         address = wait_ready(proc, ready, log, timeout=60)
         client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0, timeout=30)
@@ -159,3 +162,4 @@ def test_router_down_is_503(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+        dead.close()

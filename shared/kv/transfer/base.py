@@ -1,0 +1,183 @@
+"""The KV transfer interface: one sender per request on prefill, one receiver per request on decode.
+
+The servicers only wire a request to them:
+- prefill: the engine thread exports a chunk's ready pages as one `ExportedPages` (page-major rows on the
+  device, `page_format`), the stream writer calls `sender.send(exported)` and yields what it returns on the
+  Prefill stream; the ack reader calls `sender.ack(seq_no)`; before PrefillDone the writer calls
+  `sender.drain(timeout)`; when the RPC ends, `sender.close()`.
+- decode: each batch message goes to `receiver.receive(header, source)`, which returns the seq_no to ack;
+  `receiver.finish()` waits for the pool writes before the request joins the batch; `receiver.fail()` on any
+  error frees the reserved pages.
+
+Page states (`pages.SenderPages` / `ReceiverPages`) drive freeing on both ends. A transport is one file
+(`grpc_transport.py`, `cuda_ipc.py`); a new one (e.g. NIXL/RDMA) subclasses KVSender / KVReceiver, adds its
+descriptor message and its offer/choice fields (`handshake.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer.page_format import PageFormat
+from pdserve.kv.transfer.pages import ReceiverPages, SenderPages, TransferError
+from pdserve.kv.transfer.stats import BusyClock, TransferStats
+from pdserve.kv.transfer.wire import BatchExpectation, verify_header
+from pdserve.v1 import kv_pb2
+
+
+@dataclass
+class ExportedPages:
+    """A chunk's ready pages, gathered by the engine into one buffer."""
+
+    page_indexes: list[int]
+    num_tokens: list[int]
+    rows: torch.Tensor  # uint8 [N, page_bytes] on the engine's device (CPU for prompt-cache hits)
+    ready: Any = None  # torch.cuda.Event recorded after the gather on the engine's stream (None: ready now)
+    host: torch.Tensor | None = None  # a host copy, when the transport made one (the prompt cache reuses it)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel()
+
+
+# Import a batch into the pool: (page_indexes, num_tokens, rows uint8 [N, page_bytes] on the pool's device)
+# -> a Future of the engine-thread write.
+ImportRows = Callable[[list[int], list[int], torch.Tensor], Future]
+
+
+class KVSender(ABC):
+    """Sending side of one request. `send` runs on the stream writer thread, `ack` on the ack reader."""
+
+    transport: str = ""
+
+    def __init__(
+        self,
+        pages: SenderPages,
+        layout: KVLayoutSpec,
+        fingerprint: str,
+        stats: TransferStats,
+        max_batch_bytes: int,
+    ):
+        self.pages = pages
+        self.layout = layout
+        self.fmt = PageFormat(layout)
+        self.fingerprint = fingerprint
+        self.stats = stats
+        self.rows_per_batch = max(1, max_batch_bytes // self.fmt.page_bytes)
+        self.clock = BusyClock()
+        self._spans: list[tuple[int, int]] = []  # (last seq_no of a batch, its clock span), in seq order
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @abstractmethod
+    def send(self, exported: ExportedPages) -> list[Any]:
+        """Ship the pages; returns the stream messages to yield (protobuf messages or pre-serialized bytes)."""
+
+    def _shipped(self, page_indexes: list[int], nbytes: int, span: int) -> int:
+        """Book a batch: page states, counters, its clock span. Returns its first seq_no."""
+        first = self.pages.ship(page_indexes, nbytes)
+        with self._lock:
+            self._spans.append((first + len(page_indexes) - 1, span))
+        self.stats.add(self.transport, pages=len(page_indexes), bytes=nbytes, batches=1)
+        return first
+
+    def ack(self, seq_no: int) -> bool:
+        """Cumulative ack from the receiver; returns True when it freed the request's pages (all acked)."""
+        freed = self.pages.ack(seq_no)
+        with self._lock:
+            done = [span for last, span in self._spans if last <= seq_no]
+            self._spans = [(last, span) for last, span in self._spans if last > seq_no]
+        if done:
+            self.clock.end_upto(max(done))
+        self._acked(seq_no)
+        return freed
+
+    def _acked(self, seq_no: int) -> None:
+        """Transport hook: release what batches up to seq_no held (staging regions)."""
+        return None
+
+    def drain(self, timeout: float) -> None:
+        """Before PrefillDone: return once the receiver no longer needs anything the sender holds (grpc: at
+        once; cuda-ipc: every batch acked). Raises TimeoutError."""
+        return None
+
+    def close(self) -> None:
+        """The RPC ended: free the pages if not all acked, release transport resources, book the time."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.pages.abandon()
+        self._release_all()
+        self.stats.add(self.transport, requests=1, transfer_seconds=self.clock.seconds())
+
+    def _release_all(self) -> None:
+        """Transport hook: give back everything still held."""
+        return None
+
+
+class KVReceiver(ABC):
+    """Receiving side of one request: verifies each batch, fetches its bytes, acks, imports into the pool."""
+
+    transport: str = ""
+
+    def __init__(
+        self,
+        pages: ReceiverPages,
+        expect: BatchExpectation,
+        stats: TransferStats,
+        device: torch.device,
+        import_rows: ImportRows,
+    ):
+        self.pages = pages
+        self.expect = expect
+        self.fmt = PageFormat(expect.layout)
+        self.stats = stats
+        self.device = device
+        self.import_rows = import_rows
+        self.clock = BusyClock()
+        self._writes: list[Future] = []
+
+    @abstractmethod
+    def _fetch(self, header: kv_pb2.KVBatchHeader, source: Any) -> torch.Tensor:
+        """Verify the transport part and return the batch as uint8 [N, page_bytes] in memory this process owns
+        on `self.device`, complete (no pending copy)."""
+
+    def receive(self, header: kv_pb2.KVBatchHeader, source: Any) -> int:
+        """One batch: verified before any byte reaches the pool. Returns the seq_no to acknowledge. Raises
+        CorruptPage or TransferError."""
+        verify_header(header, self.expect)
+        indexes, tokens = list(header.page_indexes), list(header.num_tokens)
+        self.pages.check(header.first_seq_no, indexes)
+        span = self.clock.start()
+        rows = self._fetch(header, source)
+        self.clock.end(span)
+        seq = self.pages.filled(indexes, header.nbytes)
+        self._writes.append(self.import_rows(indexes, tokens, rows))
+        self.stats.add(self.transport, pages=len(indexes), bytes=header.nbytes, batches=1)
+        return seq
+
+    def finish(self, num_pages: int, timeout: float) -> None:
+        """At PrefillDone: every page arrived and every pool write is done. Raises TransferError / the write's
+        error."""
+        for f in self._writes:
+            f.result(timeout)
+        self.pages.complete(num_pages)
+        self.pages.acked()
+        self.stats.add(self.transport, requests=1, transfer_seconds=self.clock.seconds())
+
+    def fail(self) -> None:
+        """Any failure before `finish` completed: free the reserved pages."""
+        if self.pages.fail():
+            self.stats.add(self.transport, requests=1, transfer_seconds=self.clock.seconds())
+
+
+__all__ = ["ExportedPages", "ImportRows", "KVReceiver", "KVSender", "TransferError"]

@@ -1,0 +1,102 @@
+"""Agreeing on a transport per prefill/decode pair, in the Prefill stream's first messages.
+
+1. Decode's PrefillRequest carries a `KVTransportOffer`: what it can receive (`grpc` always, unless forced
+   otherwise; `cuda-ipc` on CUDA, or when forced), its host identity and device.
+2. Prefill answers with a `KVTransportChoice` as its first message (`choose`): with `--kv-transport auto`,
+   cuda-ipc when both ends are on one host with CUDA and prefill's staging buffer is registered, else grpc.
+   A forced transport that cannot work is an error (FAILED_PRECONDITION), never a fallback.
+3. For cuda-ipc, decode opens the buffer and replies `KVTransportReady`; if it cannot (and neither end forced
+   cuda-ipc), prefill ships this request over grpc. Every fallback is counted and logged.
+
+A new transport (e.g. NIXL) adds its name to `TRANSPORTS`, its offer fields, and a branch in `choose`.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.v1 import kv_pb2
+
+GRPC, CUDA_IPC = "grpc", "cuda-ipc"
+TRANSPORTS = (GRPC, CUDA_IPC)
+MODES = ("auto", *TRANSPORTS)
+
+
+def host_id() -> str:
+    """Equal for two processes on one host (the kernel's boot id and the host name)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def device_identity(device: torch.device) -> tuple[str, str, int]:
+    """(kind, GPU UUID or "", index) of a device."""
+    if device.type != "cuda":
+        return device.type, "", -1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return "cuda", str(getattr(props, "uuid", "")), index
+
+
+def make_offer(mode: str, device: torch.device) -> kv_pb2.KVTransportOffer:
+    """Decode's offer for `--kv-transport mode` on `device`."""
+    kind, uuid, index = device_identity(device)
+    if mode == "auto":
+        transports = [CUDA_IPC, GRPC] if kind == "cuda" else [GRPC]
+    else:
+        transports = [mode]
+    return kv_pb2.KVTransportOffer(
+        transports=transports,
+        host_id=host_id(),
+        device_kind=kind,
+        gpu_uuid=uuid,
+        device_index=index,
+        forced=mode != "auto",
+    )
+
+
+@dataclass(frozen=True)
+class Choice:
+    transport: str  # what this request uses ("" with an error)
+    reason: str  # why (shown in logs and in the choice message)
+    fallback: bool = False  # cuda-ipc was possible on paper (one host, offered) but grpc is used
+    error: str = ""  # a forced transport cannot work: the request fails FAILED_PRECONDITION with this
+
+
+def choose(
+    offer: kv_pb2.KVTransportOffer | None,
+    mode: str,
+    local_host: str,
+    local_device_kind: str,
+    ipc_unavailable: str,
+) -> Choice:
+    """Prefill's pick. `ipc_unavailable` is why its staging buffer cannot serve ("" when it can)."""
+    offered = list(offer.transports) if offer is not None and offer.transports else [GRPC]
+    decode_forced = offer is not None and offer.forced
+    same_host = offer is not None and offer.host_id == local_host
+    wants_ipc = mode == CUDA_IPC or (decode_forced and offered == [CUDA_IPC])
+    if mode == GRPC or (mode == "auto" and not wants_ipc and CUDA_IPC not in offered):
+        if GRPC not in offered:
+            return Choice("", "", error=f"prefill is forced to grpc, decode offers only {offered}")
+        return Choice(GRPC, "forced" if mode == GRPC else "decode offers grpc only")
+    # cuda-ipc is wanted (forced) or offered (auto)
+    why_not = ""
+    if CUDA_IPC not in offered:
+        why_not = f"decode offers only {offered}"
+    elif not same_host:
+        why_not = "prefill and decode are on different hosts"
+    elif ipc_unavailable:
+        why_not = ipc_unavailable
+    elif not wants_ipc and (local_device_kind != "cuda" or offer is None or offer.device_kind != "cuda"):
+        why_not = "cuda-ipc needs CUDA on both ends"
+    if not why_not:
+        return Choice(CUDA_IPC, "forced" if wants_ipc else "same host, CUDA on both ends")
+    if wants_ipc:
+        return Choice("", "", error=f"kv transport cuda-ipc forced but unusable: {why_not}")
+    return Choice(GRPC, f"cuda-ipc unusable: {why_not}", fallback=same_host)

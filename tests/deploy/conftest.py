@@ -1,0 +1,124 @@
+"""Helpers of the deploy/ checks: compose interpolation, kustomize rendering, the pdserve commands the files run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.cli.main import _service
+from pdserve.config import add_dataclass_args, config_from
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+SERVICES = ("router", "prefill", "decode", "gateway")
+# read by code outside the config dataclasses: the health command, the demo-model step, the prompt cache, tracing
+OTHER_ENV = {"PDSERVE_HEALTH_TARGET", "PDSERVE_MODEL_DIR", "PDSERVE_CACHE_DIR", "REDIS_URL"}
+
+
+@pytest.fixture(scope="session")
+def files():
+    """This module: the tests reach the helpers through it (test files here are no package to import from)."""
+    return sys.modules[__name__]
+
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose's variable substitution: ${VAR}, ${VAR:-default}, ${VAR-default}, $VAR, $$ (a literal $)."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(3)
+        return env.get(name) or (m.group(2) or "")
+
+    return _VAR.sub(sub, value)
+
+
+def load_compose(env: dict[str, str] | None = None) -> dict:
+    return interpolate(yaml.safe_load((DEPLOY / "docker-compose.yml").read_text()), env or {})
+
+
+def env_file() -> dict[str, str]:
+    lines = (DEPLOY / ".env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+def enabled(compose: dict, profiles: set[str]) -> dict:
+    """The services `docker compose` starts with these profiles active."""
+    return {n: s for n, s in compose["services"].items() if not s.get("profiles") or profiles & set(s["profiles"])}
+
+
+def service_config(service: str, argv: list[str], environ: dict[str, str]):
+    """Build a service's config with its real parser and environment handling (raises on unknown flags)."""
+    cls, prefix = _service(service)
+    parser = argparse.ArgumentParser(prog=f"pdserve serve {service}", exit_on_error=False)
+    add_dataclass_args(parser, cls)
+    return config_from(cls, parser.parse_args(argv), prefix, environ=environ)
+
+
+def check_env_names(service: str, environ: dict[str, str]) -> None:
+    """Every PDSERVE_* variable is a field of this service's config (or read elsewhere, OTHER_ENV)."""
+    cls, prefix = _service(service)
+    fields = {prefix + f.name.upper() for f in dataclasses.fields(cls)}
+    for name in environ:
+        if name.startswith("PDSERVE_"):
+            assert name in fields or name in OTHER_ENV, f"{service}: {name} is no setting of {cls.__name__}"
+
+
+def kustomize(directory: Path) -> list[dict]:
+    """Render a kustomization (the parts used here: resources, labels, images, strategic-merge patches)."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs: list[dict] = []
+    for res in k.get("resources", []):
+        path = directory / res
+        docs += kustomize(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in k.get("patches", []):
+        for p in yaml.safe_load_all((directory / patch["path"]).read_text()):
+            matches = [d for d in docs if (d["kind"], d["metadata"]["name"]) == (p["kind"], p["metadata"]["name"])]
+            assert len(matches) == 1, f"patch {patch['path']}: {p['kind']}/{p['metadata']['name']} not in resources"
+            merge(matches[0], p)
+    for image in k.get("images", []):
+        for d in docs:
+            for c in containers(d):
+                if c["image"].split(":")[0] == image["name"]:
+                    c["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
+    for group in k.get("labels", []):
+        for d in docs:
+            d["metadata"].setdefault("labels", {}).update(group["pairs"])
+    return docs
+
+
+def merge(base: dict, patch: dict) -> None:
+    """Strategic merge as kustomize does it for these files: maps merge, lists of named maps merge by name."""
+    for key, value in patch.items():
+        old = base.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            merge(old, value)
+        elif isinstance(old, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
+            by_name = {o["name"]: o for o in old}
+            for v in value:
+                if v["name"] in by_name:
+                    merge(by_name[v["name"]], v)
+                else:
+                    old.append(v)
+        else:
+            base[key] = value
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("initContainers", []) + spec.get("containers", [])

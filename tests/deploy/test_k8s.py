@@ -1,0 +1,152 @@
+"""Static checks of deploy/k8s: both overlays render (kustomize's merge, tests/deploy/conftest.py), every object
+passes the Kubernetes API schema (kubernetes-validate, strict: unknown fields fail), and the settings, probes,
+termination and autoscaling agree with the code they configure."""
+
+from __future__ import annotations
+
+import ast
+
+import kubernetes_validate
+import pytest
+import yaml
+
+K8S_VERSION = "1.32"
+ENGINES = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def rendered(request, files):
+    docs = files.kustomize(files.DEPLOY / "k8s/overlays" / request.param)
+    return request.param, {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def test_every_object_matches_the_api_schema(rendered):
+    _, objs = rendered
+    for (kind, name), doc in objs.items():
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{kind}/{name}: {e.message} at {'.'.join(map(str, e.path))}")
+
+
+def test_schema_check_catches_mistakes(files):
+    deployment = yaml.safe_load((files.DEPLOY / "k8s/base/router.yaml").read_text().split("---")[0])
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+def env_of(objs: dict, container: dict) -> dict[str, str]:
+    env = {}
+    for ref in container.get("envFrom", []):
+        env.update(objs[("ConfigMap", ref["configMapRef"]["name"])]["data"])
+    env.update({e["name"]: e.get("value", "10.0.0.7") for e in container.get("env", [])})  # fieldRef: a pod IP
+    return env
+
+
+def test_commands_settings_and_probes(files, rendered):
+    """Each container runs a real `pdserve serve` command; every PDSERVE_* variable it gets is a setting of that
+    service; gRPC probes (k8s native) hit the port it serves; the model init container fills the mounted volume."""
+    kind, objs = rendered
+    router_port = None
+    for name in ("router", *ENGINES, "gateway"):
+        pod = objs[("Deployment", name)]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["args"][:2] == ["serve", name]
+        env = env_of(objs, c)
+        files.check_env_names(name, env)
+        cfg = files.service_config(name, c["args"][2:], env)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        if name == "gateway":
+            assert cfg.router == f"router:{router_port}" and ports["http"] == cfg.port
+            assert {c["readinessProbe"]["httpGet"]["path"], c["livenessProbe"]["httpGet"]["path"]} == {
+                "/ready",
+                "/health",
+            }
+            continue
+        assert ports == {"grpc": cfg.port, "metrics": cfg.metrics_port}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == cfg.port, (name, probe)
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (init,) = pod["initContainers"]
+        assert init["command"] == ["python", "/opt/pdserve/prepare_model.py"]
+        model_dir = env_of(objs, init)["PDSERVE_MODEL_DIR"]
+        assert cfg.model == model_dir
+        assert {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]} == {model_dir: True}
+        assert init["volumeMounts"][0]["mountPath"] == model_dir
+        if name == "router":
+            router_port = cfg.port
+            service = objs[("Service", "router")]["spec"]["ports"]
+            assert {p["name"]: p["port"] for p in service}["grpc"] == cfg.port
+        else:
+            assert cfg.router == f"router:{router_port}"
+            assert c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"  # advertised address
+
+
+def test_gpu_overlay_places_engines_on_gpus(rendered):
+    kind, objs = rendered
+    for name in ENGINES:
+        (c,) = objs[("Deployment", name)]["spec"]["template"]["spec"]["containers"]
+        env = env_of(objs, c)
+        gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+        if kind == "gpu":
+            assert gpus == "1" and c["image"] == "pdserve:cuda" and env[f"PDSERVE_{name.upper()}_DEVICE"] == "cuda"
+        else:
+            assert gpus is None and c["image"] == "pdserve:cpu" and env[f"PDSERVE_{name.upper()}_DEVICE"] == "cpu"
+
+
+def drain_seconds(files) -> float:
+    """The longest a service takes from SIGTERM to exit: deregistering (the announcer's join and its RPC timeout)
+    plus the gRPC server's stop grace, read from the code."""
+    from pdserve.server import announce
+
+    tree = ast.parse((files.ROOT / "shared/server/runner.py").read_text())
+    graces = [
+        kw.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "stop"
+        for kw in node.keywords
+        if kw.arg == "grace"
+    ]
+    assert len(graces) == 1, "expected one server.stop(grace=N) in runner.py"
+    return graces[0] + (announce.RPC_TIMEOUT_S + 1) + 1.0  # join(timeout=RPC_TIMEOUT_S + 1), Deregister(timeout=1)
+
+
+def test_graceful_termination_covers_the_drain(files, rendered):
+    """preStop + the services' drain fit in terminationGracePeriodSeconds, with room for the process to exit."""
+    _, objs = rendered
+    drain = drain_seconds(files)
+    for name in ("router", *ENGINES, "gateway"):
+        pod = objs[("Deployment", name)]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[0] == "sleep"
+        assert int(cmd[1]) + drain + 5 <= pod["terminationGracePeriodSeconds"] <= int(cmd[1]) + drain + 30, name
+    compose = files.load_compose()
+    for name in ("prefill", "decode", "router"):
+        assert int(compose["services"][name]["stop_grace_period"].removesuffix("s")) >= drain + 5
+
+
+def test_disruption_budgets_and_autoscaling(files, rendered):
+    """PDBs select pods that exist; the HPAs scale the engines on the External metric that the prometheus-adapter
+    rule serves, which is the router's queue-depth gauge."""
+    _, objs = rendered
+    labels = {n: objs[("Deployment", n)]["spec"]["template"]["metadata"]["labels"] for n in ("gateway", *ENGINES)}
+    for name, pod_labels in labels.items():
+        pdb = objs[("PodDisruptionBudget", name)]["spec"]
+        assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
+    rules = yaml.safe_load((files.DEPLOY / "k8s/prometheus-adapter/values.yaml").read_text())["rules"]
+    (rule,) = rules["external"]
+    router_src = (files.ROOT / "services/router/server.py").read_text()
+    assert '"queue_depth", "Requests in the router\'s priority queue"' in router_src  # exported as pdserve_queue_depth
+    assert rule["name"]["matches"] == "^pdserve_queue_depth$"
+    assert 'app_kubernetes_io_component="router"' in rule["metricsQuery"]
+    router_labels = objs[("Deployment", "router")]["spec"]["template"]["metadata"]
+    assert router_labels["labels"]["app.kubernetes.io/component"] == "router"
+    assert router_labels["annotations"]["prometheus.io/scrape"] == "true"
+    for name in ENGINES:
+        hpa = objs[("HorizontalPodAutoscaler", name)]["spec"]
+        assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+        (metric,) = hpa["metrics"]
+        assert metric["type"] == "External" and metric["external"]["metric"]["name"] == rule["name"]["as"]
+        assert 1 <= hpa["minReplicas"] < hpa["maxReplicas"]
