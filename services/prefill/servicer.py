@@ -92,6 +92,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         first = next(request_iterator, None)
         if first is None or not first.HasField("request"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be a PrefillRequest")
+        assert first is not None  # context.abort raised otherwise
         req = first.request
         layout = self._check_peer(req, context)  # the prompt, sampling and sampled_before: the engine checks them
         sampling = sampling_from_proto(req.sampling, self.max_model_len - len(req.prompt_token_ids))

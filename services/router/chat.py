@@ -29,7 +29,7 @@ class ChatLimits:
 
 def check_messages(messages: Iterable[Message], limits: ChatLimits = ChatLimits()) -> list[dict[str, str]]:
     """Validate roles and limits; returns the messages as the dicts `apply_chat_template` takes."""
-    out = []
+    out: list[dict[str, str]] = []
     total = 0
     for i, m in enumerate(messages):
         if len(out) >= limits.max_messages:

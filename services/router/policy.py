@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from pdserve.router.config import RouterConfig
@@ -39,7 +40,7 @@ class Policy(Protocol):
 
 def decode_cost(inst: Instance, need_pages: int, active_norm: float) -> float:
     free = inst.pages_free_estimate()
-    if free is None or inst.stats.pages_total == 0:
+    if free is None or inst.stats is None or inst.stats.pages_total == 0:
         used = inst.load_pcs / inst.capacity_pcs  # no Stats yet: fall back to accounted PCS
     else:
         used = 1.0 - (free - need_pages) / inst.stats.pages_total
@@ -112,4 +113,9 @@ class LeastRequestsPolicy:
 
 
 def make_policy(cfg: RouterConfig) -> Policy:
-    return {"pcs": PCSPolicy, "round_robin": RoundRobinPolicy, "least_requests": LeastRequestsPolicy}[cfg.policy](cfg)
+    policies: dict[str, Callable[[RouterConfig], Policy]] = {
+        "pcs": PCSPolicy,
+        "round_robin": RoundRobinPolicy,
+        "least_requests": LeastRequestsPolicy,
+    }
+    return policies[cfg.policy](cfg)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from pdserve.router.admission import (
@@ -177,7 +178,7 @@ class Scheduler:
             return self.cfg.prefill_capacity_pcs
         return self.cfg.decode_capacity_pcs or DEFAULT_DECODE_CAPACITY_PCS
 
-    def _eligible(self, role: str, exclude: set[str] = frozenset()) -> list[Instance]:
+    def _eligible(self, role: str, exclude: AbstractSet[str] = frozenset()) -> list[Instance]:
         up = [i for i in self.instances[role].values() if i.state == State.UP and not i.refused]
         return [i for i in up if i.address not in exclude] or up
 
@@ -220,6 +221,7 @@ class Scheduler:
                             raise Unavailable(f"no healthy {role} instance")
                     waited = time.monotonic() - job.arrival
                     raise QueueTimeout(f"no instance had room for this request within {waited:.1f}s", 1.0)
+        assert job.prefill is not None and job.decode is not None, "a woken, uncancelled job is dispatched"
         return job.prefill, job.decode
 
     def cancel(self, job: Job) -> None:
@@ -243,7 +245,7 @@ class Scheduler:
             self._release_decode(job, done=False)
             if job.cancelled:
                 return
-            for inst in blamed or (job.prefill, job.decode):
+            for inst in blamed or [i for i in (job.prefill, job.decode) if i is not None]:
                 job.excluded.add(inst.address)
             self.retries += 1
             job.event.clear()
@@ -292,11 +294,13 @@ class Scheduler:
 
     def _release_prefill(self, job: Job, done: bool) -> None:
         if job.prefill_open:
+            assert job.prefill is not None
             self._charge(job.prefill, job, -1)
             job.prefill_open = False
 
     def _release_decode(self, job: Job, done: bool) -> None:
         if job.decode_open:
+            assert job.decode is not None
             self._charge(job.decode, job, -1)
             job.decode_open = False
             if done:

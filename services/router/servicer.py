@@ -220,6 +220,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         page_size = self.scheduler.page_size
         if page_size is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no instance has reported its KV page size yet (Stats)")
+        assert page_size is not None  # context.abort raised otherwise
         plan = self.plan(rid, ids, max_tokens, priority, page_size)
         job, pcs = plan.job, plan.pcs
         req.set(

@@ -22,7 +22,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import CacheOptions, MiB
@@ -252,16 +254,16 @@ def redact(url: str) -> str:
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
-def build_prompt_cache(opts: CacheOptions, environ: dict[str, str] | None = None) -> PromptCache | None:
+def build_prompt_cache(opts: CacheOptions, environ: Mapping[str, str] | None = None) -> PromptCache | None:
     """The cache a service's options ask for: Redis (`--redis-url`, else $REDIS_URL) with a local LRU tier in
     front, or the in-process store; None when `--prompt-cache false`."""
     if not opts.prompt_cache:
         log.info("prompt cache: off")
         return None
-    environ = os.environ if environ is None else environ
-    url = opts.redis_url or environ.get("REDIS_URL", "")
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    url = opts.redis_url or env.get("REDIS_URL", "")
     breaker = CircuitBreaker(opts.cache_breaker_failures, opts.cache_breaker_cooldown_s)
-    common = dict(
+    common: dict[str, Any] = dict(
         ttl_s=opts.cache_ttl_s,
         max_value_bytes=int(opts.cache_max_value_mb * MiB),
         write_queue=opts.cache_write_queue,

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,12 +131,12 @@ def start_stack(
     chunk_size: int = 2048,
     num_prefill: int = 1,
     num_decode: int = 1,
-    extra: list[str] = (),
+    extra: Sequence[str] = (),
     router_port: int = 0,
     router_host: str = "127.0.0.1",
     to_terminal: bool = False,
     timeout: float = 300.0,
-    router_extra: list[str] = (),
+    router_extra: Sequence[str] = (),
     persist_estimator: bool = False,
     gateway_port: int | None = None,
     model_name: str = "pdserve",

@@ -9,7 +9,9 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pdserve.config import add_dataclass_args, config_from
 
@@ -17,22 +19,42 @@ DEFAULT_TARGET = "localhost:50051"
 
 
 # ---- serve --------------------------------------------------------------------------------------------------
-def _service(name: str):
+def _service(name: str) -> tuple[type, str]:
+    """The config dataclass of service `name` and its env prefix."""
     if name == "router":
-        from pdserve.router import config as mod
+        from pdserve.router import config as router_cfg
 
-        return mod.RouterConfig, mod.ENV_PREFIX
+        return router_cfg.RouterConfig, router_cfg.ENV_PREFIX
     if name == "prefill":
-        from pdserve.prefill import config as mod
+        from pdserve.prefill import config as prefill_cfg
 
-        return mod.PrefillConfig, mod.ENV_PREFIX
+        return prefill_cfg.PrefillConfig, prefill_cfg.ENV_PREFIX
     if name == "gateway":
-        from pdserve.router.gateway import config as mod
+        from pdserve.router.gateway import config as gateway_cfg
 
-        return mod.GatewayConfig, mod.ENV_PREFIX
-    from pdserve.decode import config as mod
+        return gateway_cfg.GatewayConfig, gateway_cfg.ENV_PREFIX
+    from pdserve.decode import config as decode_cfg
 
-    return mod.DecodeConfig, mod.ENV_PREFIX
+    return decode_cfg.DecodeConfig, decode_cfg.ENV_PREFIX
+
+
+def _server_main(name: str) -> Callable[[Any], None]:
+    """The `serve(cfg)` entry of service `name` (imported late: each pulls in its own dependencies)."""
+    if name == "router":
+        from pdserve.router.server import serve as serve_router
+
+        return serve_router
+    if name == "prefill":
+        from pdserve.prefill.server import serve as serve_prefill
+
+        return serve_prefill
+    if name == "gateway":
+        from pdserve.router.gateway.server import serve as serve_gateway
+
+        return serve_gateway
+    from pdserve.decode.server import serve as serve_decode
+
+    return serve_decode
 
 
 def cmd_serve(name: str, argv: list[str]) -> int:
@@ -41,19 +63,11 @@ def cmd_serve(name: str, argv: list[str]) -> int:
         prog=f"pdserve serve {name}", description=f"Run one {name} instance (flags override {prefix}* env vars)."
     )
     add_dataclass_args(parser, cls)
-    cfg = config_from(cls, parser.parse_args(argv), prefix)
+    cfg: Any = config_from(cls, parser.parse_args(argv), prefix)
     from pdserve.server.runner import setup_logging
 
     setup_logging(cfg.log_level)
-    if name == "router":
-        from pdserve.router.server import serve
-    elif name == "prefill":
-        from pdserve.prefill.server import serve
-    elif name == "gateway":
-        from pdserve.router.gateway.server import serve
-    else:
-        from pdserve.decode.server import serve
-    serve(cfg)
+    _server_main(name)(cfg)
     return 0
 
 

@@ -348,6 +348,7 @@ class LLMEngine:
         if payload.num_tokens != want:
             raise InvalidRequest(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
         self.runner.import_page(seq.page_table[idx], payload)
+        assert seq.imported_layers is not None  # set by begin_import while IMPORTING
         seq.imported_layers[idx] |= ((1 << payload.layer_count) - 1) << payload.layer_start
 
     def import_batch(
@@ -377,6 +378,7 @@ class LLMEngine:
         StepOutput carrying the first token comes from the next `step()`."""
         seq = self._importing(request_id)
         all_layers = (1 << self.model_config.num_layers) - 1
+        assert seq.imported_layers is not None  # set by begin_import while IMPORTING
         missing = [i for i, mask in enumerate(seq.imported_layers) if mask != all_layers]
         if missing:
             raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")

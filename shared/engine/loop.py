@@ -165,7 +165,11 @@ class EngineLoop:
                     self._dispatch(o)
 
     def _dispatch(self, out: StepOutput | BaseException, request_id: str | None = None) -> None:
-        rid = request_id or out.request_id
+        if request_id is not None:
+            rid = request_id
+        else:
+            assert isinstance(out, StepOutput), "an error is dispatched with the request id it fails"
+            rid = out.request_id
         cb = self._callbacks.get(rid)
         if cb is None:
             return

@@ -268,6 +268,7 @@ class ModelRunner:
             return {}, {}, {}, prompt_lps
         if graph_logits is not None:  # the graph took the argmax and copied it to the host already
             logits = graph_logits
+            assert graphs is not None
             greedy = graphs.greedy_tokens(len(seqs))
             greedy = [greedy[i] for i in sample_rows]
         else:

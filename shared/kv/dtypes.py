@@ -20,7 +20,7 @@ class DType:
 
     name: str
     torch_dtype: torch.dtype
-    wire: int  # pdserve.v1.KVDType enum value
+    wire: kv_pb2.KVDType  # pdserve.v1.KVDType enum value
     dense: bool  # a model (activation / unquantized KV) dtype; int8 is the quantized KV dtype
 
     @property
