@@ -142,15 +142,16 @@ def raw_grpc(workdir: Path, msg_mb: int = 4, total_mb: int = 4096) -> dict:
 # ---- a served stack -------------------------------------------------------------------------------------
 def start(model: Path, workdir: Path, transport: str, redis_url: str, extra: list[str] = ()) -> Stack:
     """prefill on cuda:0, decode on cuda:1 (or cuda:0 when one GPU: each takes a share of its memory)."""
+    workdir.mkdir(parents=True, exist_ok=True)
     two = torch.cuda.device_count() >= 2
     share = "0.85" if two else "0.40"
     common = [
         "--model", str(model), "--page-size", "16", "--chunk-size", "2048", "--kv-dtype", "int8",
         "--kv-transport", transport, "--gpu-memory-utilization", share, "--max-num-seqs", "64",
-        *(["--redis-url", redis_url] if redis_url else []), *extra,
     ]  # fmt: skip
+    cache = [*(["--redis-url", redis_url] if redis_url else []), *extra]  # prefill's prompt cache
     started = [
-        start_service("prefill", [*common, "--device", "cuda:0"], workdir),
+        start_service("prefill", [*common, *cache, "--device", "cuda:0"], workdir),
         start_service("decode", [*common, "--device", "cuda:1" if two else "cuda:0"], workdir),
     ]
     procs, logs = [s[0] for s in started], [s[2] for s in started]
@@ -171,15 +172,16 @@ def stats(addr: str, stub_cls) -> internal_pb2.InstanceStats:
         return stub_cls(ch).Stats(internal_pb2.StatsRequest(), timeout=10)
 
 
-def kv_counters(stack: Stack) -> dict[str, tuple[int, float]]:
-    """Per transport: (page bytes, transfer seconds) as the decode instance measured them."""
-    s = stats(stack.decode[0], internal_pb2_grpc.DecodeStub)
-    return {t.transport: (t.bytes, t.seconds) for t in s.kv_transports}
+def kv_counters(stack: Stack) -> dict[str, tuple[int, float, int]]:
+    """Per transport: (page bytes, transfer seconds, fallbacks) as the prefill instance measured them (from the
+    staging copy to decode's ack)."""
+    s = stats(stack.prefill[0], internal_pb2_grpc.PrefillStub)
+    return {t.transport: (t.bytes, t.transfer_seconds, t.fallbacks) for t in s.kv_transports}
 
 
 def kv_gbps(before: dict, after: dict, transport: str) -> float:
-    b0, s0 = before.get(transport, (0, 0.0))
-    b1, s1 = after.get(transport, (0, 0.0))
+    b0, s0, _ = before.get(transport, (0, 0.0, 0))
+    b1, s1, _ = after.get(transport, (0, 0.0, 0))
     return (b1 - b0) / max(s1 - s0, 1e-9) / 1e9 if b1 > b0 else float("nan")
 
 
@@ -273,6 +275,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pdserve-gpu-serving"))
     ap.add_argument("--json", default="docs/bench/gpu_serving.json")
     ap.add_argument("--part", default="all")
+    ap.add_argument("--commit", default="", help="commit measured (a device copy of the tree may lack git)")
     ap.add_argument("--raw-server", default="")
     ap.add_argument("--raw-msg-mb", type=int, default=4)
     args = ap.parse_args()
@@ -293,7 +296,7 @@ def main() -> None:
     res: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
     res.update(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        commit=git_commit(),
+        commit=args.commit or git_commit(),
         device=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
         layers=args.layers,
     )

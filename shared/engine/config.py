@@ -105,7 +105,7 @@ def _json_object(name: str, text: str) -> dict:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(name)
     except RuntimeError:
@@ -115,6 +115,8 @@ def resolve_device(name: str) -> torch.device:
             raise ValueError(f"device {name!r} requested but CUDA is not available")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA devices are visible")
+        if dev.index is None:  # always an indexed device: it is set as each engine thread's current device
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

@@ -72,7 +72,8 @@ def _consumer(desc_bytes: bytes, device: int, offset: int, nbytes: int, out: mp.
         for _ in range(reps):
             rows = cache.copier.fetch(region)
         dt = (time.perf_counter() - t0) / reps
-        out.put(("ok", rows.sum(dtype=torch.int64).item(), rows[:4096].cpu(), cache.opens, nbytes / dt / 1e9))
+        # plain Python values only: a tensor in the queue would be shared by fd and die with this process
+        out.put(("ok", rows.sum(dtype=torch.int64).item(), rows[:4096].cpu().tolist(), cache.opens, nbytes / dt / 1e9))
     except Exception as e:  # report, do not hang the parent
         out.put(("error", repr(e), None, 0, 0.0))
 
@@ -96,6 +97,6 @@ def test_cuda_ipc_between_two_processes(peer):
     status, total, head, opens, gbps = out.get(timeout=120)
     p.join(30)
     assert status == "ok", total
-    assert total == rows.sum(dtype=torch.int64).item() and torch.equal(head, rows[:4096].cpu())
+    assert total == rows.sum(dtype=torch.int64).item() and head == rows[:4096].cpu().tolist()
     assert opens == 1  # the handle is opened once, then cached
     print(f"\ncuda-ipc fetch GPU0 -> GPU{peer}: {gbps:.0f} GB/s")
