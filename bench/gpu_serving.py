@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -140,7 +141,9 @@ def raw_grpc(workdir: Path, msg_mb: int = 4, total_mb: int = 4096) -> dict:
 
 
 # ---- a served stack -------------------------------------------------------------------------------------
-def start(model: Path, workdir: Path, transport: str, redis_url: str, extra: list[str] = ()) -> Stack:
+def start(
+    model: Path, workdir: Path, transport: str, redis_url: str, extra: Sequence[str] = (), env: dict | None = None
+) -> Stack:
     """prefill on cuda:0, decode on cuda:1 (or cuda:0 when one GPU: each takes a share of its memory)."""
     workdir.mkdir(parents=True, exist_ok=True)
     two = torch.cuda.device_count() >= 2
@@ -151,13 +154,13 @@ def start(model: Path, workdir: Path, transport: str, redis_url: str, extra: lis
     ]  # fmt: skip
     cache = [*(["--redis-url", redis_url] if redis_url else []), *extra]  # prefill's prompt cache
     started = [
-        start_service("prefill", [*common, *cache, "--device", "cuda:0"], workdir),
-        start_service("decode", [*common, "--device", "cuda:1" if two else "cuda:0"], workdir),
+        start_service("prefill", [*common, *cache, "--device", "cuda:0"], workdir, env=env),
+        start_service("decode", [*common, "--device", "cuda:1" if two else "cuda:0"], workdir, env=env),
     ]
     procs, logs = [s[0] for s in started], [s[2] for s in started]
     try:
         pre, dec = (wait_ready(*s, timeout=600) for s in started)
-        r = start_service("router", ["--model", str(model), "--prefill", pre, "--decode", dec], workdir)
+        r = start_service("router", ["--model", str(model), "--prefill", pre, "--decode", dec], workdir, env=env)
         procs.append(r[0])
         logs.append(r[2])
         router = wait_ready(*r, timeout=120)
@@ -269,6 +272,34 @@ def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -
     return {f"served_ttft_ms_4k_cold_{tag}": median(cold), f"served_ttft_ms_4k_90pct_{tag}": median(warm)}
 
 
+def ttft_breakdown(stack: Stack, sink, rng: torch.Generator, reps: int = 5) -> dict:
+    """Where a 2048-token request's time to first token goes, from the services' own spans (OTLP to an in-process
+    receiver): per span, the median start offset from the router's span and the median duration."""
+    sink.clear()
+    with pdserve.Client(stack.router, timeout=120) as c:
+        for _ in range(reps):
+            ttft_once(c, fresh(2048, rng))
+    time.sleep(2.0)  # the batch span processors export every 200 ms
+    traces: dict[str, list] = {}
+    for sp in sink.spans():
+        traces.setdefault(sp.trace_id, []).append(sp)
+    rows: dict[str, tuple[list[float], list[float]]] = {}
+    for spans in traces.values():
+        roots = [sp for sp in spans if sp.name == "router.generate"]
+        if not roots:
+            continue
+        t0 = roots[0].start_ns
+        for sp in spans:
+            off, dur = rows.setdefault(f"{sp.service}/{sp.name}", ([], []))
+            off.append((sp.start_ns - t0) / 1e6)
+            dur.append((sp.end_ns - sp.start_ns) / 1e6)
+    table = {k: {"start_ms": median(o), "dur_ms": median(d), "n": len(d)} for k, (o, d) in rows.items()}
+    print("\nwhere a 2048-token request's time goes (median over requests; ms from the router span's start)")
+    for k, v in sorted(table.items(), key=lambda kv: kv[1]["start_ms"]):
+        print(f"  {k:40s} start {v['start_ms']:8.1f}  duration {v['dur_ms']:8.1f}  (n={v['n']})")
+    return {"ttft_breakdown_2k": table}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -352,11 +383,18 @@ def main() -> None:
                 stack.stop()
         if "cache" in parts and redis is not None:
             # local tier off: every hit is a Redis hit (what another prefill instance wrote)
-            stack = start(model, workdir / "redis-only", "auto", redis.url, ["--cache-local-mb", "0"])
+            from pdserve.testing.otlp_sink import OTLPSink
+
+            sink = OTLPSink().start()
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+            stack = start(model, workdir / "redis-only", "auto", redis.url, ["--cache-local-mb", "0"], env)
             try:
                 res.update(cache_figures(stack, rng, "redis"))
+                save()
+                res.update(ttft_breakdown(stack, sink, rng))
             finally:
                 stack.stop()
+                sink.stop()
             row("TTFT 4k cold / 90% in Redis only", f"{res['served_ttft_ms_4k_cold_redis']:.0f} / "
                 f"{res['served_ttft_ms_4k_90pct_redis']:.0f} ms")  # fmt: skip
             save()

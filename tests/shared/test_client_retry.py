@@ -46,3 +46,18 @@ def test_jitter_only_lengthens_and_is_bounded():
     err = Err(trailers=[("retry-after-ms", "100")])
     delays = [pol.delay(err, 1, 0.0, None) for _ in range(200)]
     assert all(0.1 <= d <= 0.15 for d in delays) and len(set(delays)) > 100
+
+
+def test_small_pushbacks_back_off_so_a_burst_is_outlasted():
+    """A router that keeps saying "in 1 ms" must not exhaust the attempts in a few milliseconds: the floor grows
+    per attempt and the retries together span the time budget (what rejected a burst of 32 clients on the H200)."""
+    pol = RetryPolicy(jitter=0.0)
+    err = Err(trailers=[("grpc-retry-pushback-ms", "1")])
+    waited, attempt, delays = 0.0, 1, []
+    while (d := pol.delay(err, attempt, waited, None)) is not None:
+        delays.append(d)
+        waited += d
+        attempt += 1
+    assert delays[0] == pol.min_delay_s and delays == sorted(delays)  # a pushback is a floor, never shortened
+    assert max(delays) == pol.max_delay_s
+    assert waited > 0.8 * pol.max_wait_s  # the time budget, not the attempt count, ends the retries
