@@ -186,6 +186,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         deadline = time.monotonic() + self.cfg.request_timeout_s
         ack_timeout = self.cfg.ack_timeout_s
         ship = None  # prefill.kv_ship span: first page shipped → PrefillDone
+        to_cache: list[ExportedPages] = []  # shipped batches, written to the prompt cache after PrefillDone
         yield internal_pb2.PrefillServerMessage(transport=link.choice)
         try:
             while True:
@@ -224,6 +225,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                         done.first_token_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
                     self._record_done(scope, ship, pages, len(prompt), done)
                     yield internal_pb2.PrefillServerMessage(done=done)
+                    for shipped in to_cache:  # off the first token's path: decode has every page already
+                        self._cache_pages(shipped, hit, ns, layout)
                     log.info(
                         "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s ms=%.1f",
                         rid,
@@ -250,7 +253,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 for _ in item.page_indexes:
                     clock.shipped()
                 yield from msgs
-                self._cache_pages(item, hit, ns, layout)
+                to_cache.append(item)
         finally:
             with self._lock:
                 self._active -= 1

@@ -200,8 +200,8 @@ class LLMEngine:
         pages = self._cached_pages.pop(seq.request_id)
         if seq.num_computed_tokens < len(pages) * self.page_size:  # preempted before it ran: recomputed instead
             return
-        for p in pages:
-            self.runner.import_page(seq.page_table[p.page_index], p)
+        # _check_cached_pages: full pages 0..N-1 of all layers, each checked against the pool
+        self.runner.import_full_pages([seq.page_table[p.page_index] for p in pages], pages)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request in any state and free its pages. If it had not finished, the next `step()` returns a
