@@ -236,37 +236,9 @@ class LLMEngine:
         return list(self._seqs)
 
     # ---- prefill side: page export -------------------------------------------------------------------------
-    def export_pages(
-        self,
-        request_id: str,
-        page_indexes: list[int],
-        kv_dtype: str = "auto",
-        group_size: int | None = None,
-        asymmetric: bool | None = None,
-    ) -> list[PagePayload]:
-        """PagePayloads (all layers, CPU tensors) for logical pages of a request whose KV is computed.
-        kv_dtype: "int8" (quantized with group_size/asymmetric, default: this engine's settings), "auto" (the
-        model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            raise InvalidRequest(f"unknown request {request_id!r}")
-        as_int8 = kv_dtype == "int8"
-        dense_dtype = None if as_int8 or kv_dtype == "auto" else parse_dtype(kv_dtype)
-        g = self.kv_group_size if group_size is None else group_size
-        asym = self.kv_asymmetric if asymmetric is None else asymmetric
-        out = []
-        for idx in page_indexes:
-            n = min(self.page_size, seq.num_computed_tokens - idx * self.page_size)
-            if idx < 0 or idx >= len(seq.page_table) or n <= 0:
-                raise InvalidRequest(
-                    f"page {idx} of {request_id!r} has no computed KV ({seq.num_computed_tokens} tokens computed)"
-                )
-            out.append(self.runner.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype))
-        return out
-
-    def export_batch(self, request_id: str, page_indexes: list[int], layout: KVLayoutSpec) -> ExportedPages:
-        """The computed pages `page_indexes` of a request as one page-major buffer in `layout`
-        (`pdserve.kv.transfer.page_format`), gathered on the device; its `ready` event marks the gather."""
+    def _computed_pages(self, request_id: str, page_indexes: list[int]) -> tuple[Sequence, list[int]]:
+        """The request's sequence and the valid token count of each of its pages `page_indexes`; raises
+        InvalidRequest for an unknown request or a page with no computed KV."""
         seq = self._seqs.get(request_id)
         if seq is None:
             raise InvalidRequest(f"unknown request {request_id!r}")
@@ -278,7 +250,35 @@ class LLMEngine:
                     f"page {idx} of {request_id!r} has no computed KV ({seq.num_computed_tokens} tokens computed)"
                 )
             num_tokens.append(n)
-        data, scales, zeros = self.runner.gather_pages(
+        return seq, num_tokens
+
+    def export_pages(
+        self,
+        request_id: str,
+        page_indexes: list[int],
+        kv_dtype: str = "auto",
+        group_size: int | None = None,
+        asymmetric: bool | None = None,
+    ) -> list[PagePayload]:
+        """PagePayloads (all layers, CPU tensors) for logical pages of a request whose KV is computed.
+        kv_dtype: "int8" (quantized with group_size/asymmetric, default: this engine's settings), "auto" (the
+        model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
+        as_int8 = kv_dtype == "int8"
+        dense_dtype = None if as_int8 or kv_dtype == "auto" else parse_dtype(kv_dtype)
+        g = self.kv_group_size if group_size is None else group_size
+        asym = self.kv_asymmetric if asymmetric is None else asymmetric
+        seq, num_tokens = self._computed_pages(request_id, page_indexes)
+        kv_cache = self.runner.kv_cache
+        return [
+            kv_cache.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype)
+            for idx, n in zip(page_indexes, num_tokens)
+        ]
+
+    def export_batch(self, request_id: str, page_indexes: list[int], layout: KVLayoutSpec) -> ExportedPages:
+        """The computed pages `page_indexes` of a request as one page-major buffer in `layout`
+        (`pdserve.kv.transfer.page_format`), gathered on the device; its `ready` event marks the gather."""
+        seq, num_tokens = self._computed_pages(request_id, page_indexes)
+        data, scales, zeros = self.runner.kv_cache.gather_pages(
             [seq.page_table[i] for i in page_indexes],
             num_tokens,
             layout.quantized,
@@ -369,7 +369,8 @@ class LLMEngine:
             if imported[idx]:
                 raise InvalidRequest(f"page {idx} imported twice")
         data, scales, zeros = PageFormat(layout).unpack(rows)
-        self.runner.scatter_pages([seq.page_table[i] for i in page_indexes], data, scales, zeros, layout.group_size)
+        physical_pages = [seq.page_table[i] for i in page_indexes]
+        self.runner.kv_cache.scatter_pages(physical_pages, data, scales, zeros, layout.group_size)
         for idx in page_indexes:
             imported[idx] = all_layers
 

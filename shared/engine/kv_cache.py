@@ -112,19 +112,20 @@ class KVCache:
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         """Write a payload (dense or int8) into `physical_page`; int8 payloads are dequantized."""
         self._check_payload(physical_page, payload)
-        if payload.group_size > 0:
-            assert payload.scales is not None  # _check_payload: a quantized payload carries scales
-            dense = self.quant.dequantize(
-                payload.data.to(self.device),
-                payload.scales.to(self.device),
-                None if payload.zeros is None else payload.zeros.to(self.device),
-                payload.group_size,
-                self.dtype,
-            )
-        else:
-            dense = payload.data.to(self.device, self.dtype)
+        dense = self._payload_dense(payload, self.dtype)
         ls, n = payload.layer_start, payload.num_tokens
         self.data[:, ls : ls + dense.shape[1], physical_page, :n] = dense
+
+    def _payload_dense(self, payload: PagePayload, dtype: torch.dtype, cast_dense: bool = True) -> torch.Tensor:
+        """A checked payload's data on the pool's device: int8 dequantized to `dtype`, dense cast to `dtype`
+        (or kept in its own dtype unless `cast_dense`)."""
+        if payload.group_size == 0:
+            return payload.data.to(self.device, dtype) if cast_dense else payload.data.to(self.device)
+        assert payload.scales is not None  # _check_payload: a quantized payload carries scales
+        zeros = None if payload.zeros is None else payload.zeros.to(self.device)
+        return self.quant.dequantize(
+            payload.data.to(self.device), payload.scales.to(self.device), zeros, payload.group_size, dtype
+        )
 
     # ---- batches of whole pages (pdserve.kv.transfer) -------------------------------------------------------
     def _gather_dense(self, ids: torch.Tensor) -> torch.Tensor:
@@ -143,8 +144,7 @@ class KVCache:
         """Whole pages, page-major, on the pool's device: data [N, 2, L, ps, kvh, d] (int8 if `as_int8`, else
         `dense_dtype` or the model dtype), scales / zeros [N, 2, L, ps, kvh, d // group] float16 or None.
         Tokens past each page's `num_tokens` are zero."""
-        for p, n in zip(page_ids, num_tokens):
-            self._check_page(p, n)
+        self._check_pages(page_ids, num_tokens)
         dense = self._gather_dense(_ids(page_ids, self.device))
         _zero_tails(dense, num_tokens, self.page_size)
         if as_int8:
@@ -177,6 +177,10 @@ class KVCache:
             raise InvalidRequest(f"batch scales do not fit group_size {g}")
 
     # ---- validation ------------------------------------------------------------------------------------
+    def _check_pages(self, page_ids: list[int], num_tokens: list[int]) -> None:
+        for p, n in zip(page_ids, num_tokens):
+            self._check_page(p, n)
+
     def _check_page(self, page: int, num_tokens: int) -> None:
         if not 0 <= page < self.num_pages:
             raise InvalidRequest(f"physical page {page} outside pool of {self.num_pages}")
@@ -316,8 +320,7 @@ class Int8KVCache(KVCache):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         if not (as_int8 and group_size == self.group_size and asymmetric == self.asymmetric):
             return super().gather_pages(page_ids, num_tokens, as_int8, group_size, asymmetric, dense_dtype)
-        for p, n in zip(page_ids, num_tokens):
-            self._check_page(p, n)
+        self._check_pages(page_ids, num_tokens)
         q, s, z = self._gather_int8(_ids(page_ids, self.device))  # straight copy
         for t in (q, s, z):
             if t is not None:
@@ -375,18 +378,7 @@ class Int8KVCache(KVCache):
         if same_format:  # straight copy
             q, s, z = payload.data, payload.scales, payload.zeros
         else:
-            if payload.group_size > 0:
-                assert payload.scales is not None  # _check_payload: a quantized payload carries scales
-                zeros = None if payload.zeros is None else payload.zeros.to(self.device)
-                dense = self.quant.dequantize(
-                    payload.data.to(self.device),
-                    payload.scales.to(self.device),
-                    zeros,
-                    payload.group_size,
-                    torch.float32,
-                )
-            else:
-                dense = payload.data.to(self.device)
+            dense = self._payload_dense(payload, torch.float32, cast_dense=False)
             q, s, z = self.quant.quantize(dense, self.group_size, self.asymmetric)
         assert s is not None  # same format: the pool's int8 layout, scales included
         self.data[sl] = q.to(self.device)

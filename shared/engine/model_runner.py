@@ -202,43 +202,6 @@ class ModelRunner:
         zeros = stacked([p.zeros for p in payloads]) if first.zeros is not None else None  # type: ignore[misc]
         self.kv_cache.scatter_pages(physical_pages, data, scales, zeros, first.group_size)
 
-    def export_page(
-        self,
-        physical_page: int,
-        logical_index: int,
-        num_tokens: int,
-        as_int8: bool,
-        group_size: int,
-        asymmetric: bool,
-        dense_dtype: torch.dtype | None,
-    ) -> PagePayload:
-        return self.kv_cache.export_page(
-            physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric, dense_dtype
-        )
-
-    def gather_pages(
-        self,
-        physical_pages: list[int],
-        num_tokens: list[int],
-        as_int8: bool,
-        group_size: int,
-        asymmetric: bool,
-        dense_dtype: torch.dtype | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Whole pages, page-major, on the device (`KVCache.gather_pages`), queued on the current stream."""
-        return self.kv_cache.gather_pages(physical_pages, num_tokens, as_int8, group_size, asymmetric, dense_dtype)
-
-    def scatter_pages(
-        self,
-        physical_pages: list[int],
-        data: torch.Tensor,
-        scales: torch.Tensor | None,
-        zeros: torch.Tensor | None,
-        group_size: int,
-    ) -> None:
-        """Write whole pages (`KVCache.scatter_pages`) from tensors on the pool's device."""
-        self.kv_cache.scatter_pages(physical_pages, data, scales, zeros, group_size)
-
     def record_event(self):
         """A CUDA event marking the work queued so far on this runner's stream (None on CPU: done already)."""
         if self.device.type != "cuda":

@@ -100,31 +100,36 @@ class KVLayoutSpec:
         )
 
 
-def _str_field(s: str) -> bytes:
+def pack_str(s: str) -> bytes:
+    """A string in canonical header bytes: little-endian u32 length, then its UTF-8."""
     b = s.encode("utf-8")
     return struct.pack("<I", len(b)) + b
 
 
+def pack_layout(lay: kv_pb2.KVLayout) -> bytes:
+    """A KVLayout in canonical header bytes (page and batch checksums cover it)."""
+    return struct.pack(
+        "<IIIIIIIB",
+        lay.format_version,
+        lay.dtype,
+        lay.page_size,
+        lay.num_layers,
+        lay.num_kv_heads,
+        lay.head_dim,
+        lay.group_size,
+        int(lay.asymmetric),
+    )
+
+
 def checksum(msg: kv_pb2.KVPage) -> int:
     """CRC32 over the canonical header and the three byte fields (the msg.checksum field is ignored)."""
-    lay = msg.layout
     header = b"".join(
         [
             b"PDKV",
-            _str_field(msg.request_id),
+            pack_str(msg.request_id),
             struct.pack("<QIIII", msg.seq_no, msg.page_index, msg.layer_start, msg.layer_count, msg.num_tokens),
-            struct.pack(
-                "<IIIIIIIB",
-                lay.format_version,
-                lay.dtype,
-                lay.page_size,
-                lay.num_layers,
-                lay.num_kv_heads,
-                lay.head_dim,
-                lay.group_size,
-                int(lay.asymmetric),
-            ),
-            _str_field(msg.model_fingerprint),
+            pack_layout(msg.layout),
+            pack_str(msg.model_fingerprint),
             struct.pack("<QQQ", len(msg.data), len(msg.scales), len(msg.zero_points)),
         ]
     )

@@ -9,7 +9,7 @@ e.g. D=128, g=64 vs bf16 (256 B): sym 132 B (ratio 0.516), asym 136 B (ratio 0.5
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,15 +49,7 @@ def quantize_payload(dense: PagePayload, group_size: int, asymmetric: bool) -> P
     if dense.quantized:
         raise ValueError("payload is already quantized")
     q, scales, zeros = quantize(dense.data, group_size, asymmetric)
-    return PagePayload(
-        page_index=dense.page_index,
-        num_tokens=dense.num_tokens,
-        layer_start=dense.layer_start,
-        data=q,
-        scales=scales,
-        zeros=zeros,
-        group_size=group_size,
-    )
+    return replace(dense, data=q, scales=scales, zeros=zeros, group_size=group_size)
 
 
 def dequantize_payload(p: PagePayload, dtype: torch.dtype) -> PagePayload:
@@ -68,12 +60,4 @@ def dequantize_payload(p: PagePayload, dtype: torch.dtype) -> PagePayload:
         if p.scales is None:
             raise ValueError("quantized payload has no scales")
         data = dequantize(p.data, p.scales, p.zeros, p.group_size, dtype)
-    return PagePayload(
-        page_index=p.page_index,
-        num_tokens=p.num_tokens,
-        layer_start=p.layer_start,
-        data=data,
-        scales=None,
-        zeros=None,
-        group_size=0,
-    )
+    return replace(p, data=data, scales=None, zeros=None, group_size=0)

@@ -7,11 +7,12 @@ import time
 import grpc
 import pytest
 import torch
+from services_testutil import tiny_stack
 
 import pdserve
-from pdserve.cli.launch import start_stack
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
+from pdserve.testing.hf_reference import hf_greedy, load_hf_model
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 8
@@ -26,28 +27,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return load_hf_model(model_dir)
 
 
 def prompts(n_tokens: int, vocab: int = 512, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed * 1000 + n_tokens)
     return torch.randint(5, vocab, (n_tokens,), generator=g).tolist()
-
-
-@torch.no_grad()
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """HF reference greedy continuation, EOS not special (like ignore_eos)."""
-    out = model.generate(
-        torch.tensor([ids]),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-    )
-    return out[0, len(ids) :].tolist()
 
 
 def pool_usage(stack) -> list[tuple[int, int]]:
@@ -75,30 +60,16 @@ def wait_pools_empty(stack, timeout: float = 10.0) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def auto_stack(model_dir, tmp_path_factory):
-    stack = start_stack(
-        model_dir,
-        tmp_path_factory.mktemp("stack-auto"),
-        kv_dtype="auto",
-        page_size=PAGE,
-        chunk_size=CHUNK,
-        extra=["--num-pages", "512", "--torch-threads", "1"],
-    )
-    yield stack
-    stack.stop()
+    work = tmp_path_factory.mktemp("stack-auto")
+    with tiny_stack(model_dir, work, kv_dtype="auto", page_size=PAGE, chunk_size=CHUNK, num_pages=512) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def int8_stack(model_dir, tmp_path_factory):
-    stack = start_stack(
-        model_dir,
-        tmp_path_factory.mktemp("stack-int8"),
-        kv_dtype="int8",
-        page_size=PAGE,
-        chunk_size=CHUNK,
-        extra=["--num-pages", "512", "--torch-threads", "1"],
-    )
-    yield stack
-    stack.stop()
+    work = tmp_path_factory.mktemp("stack-int8")
+    with tiny_stack(model_dir, work, kv_dtype="int8", page_size=PAGE, chunk_size=CHUNK, num_pages=512) as stack:
+        yield stack
 
 
 def test_auto_kv_token_identical_to_hf(auto_stack, hf_model):

@@ -10,6 +10,7 @@ import pdserve
 from pdserve.cli.launch import start_stack
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
+from pdserve.testing.hf_reference import hf_greedy, load_hf_model
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 8
@@ -23,22 +24,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([ids]),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-    )
-    return out[0, len(ids) :].tolist()
+    return load_hf_model(model_dir)
 
 
 def transports(addr: str, stub_cls) -> tuple[dict, tuple[int, int]]:

@@ -72,6 +72,48 @@ def _load_dequant(
 
 
 @triton.jit
+def _split_range(seqlens_ptr, b, sp, num_splits, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Keys [start, end) of split `sp` of sequence `b`: whole BLOCKs each, empty past a short sequence's end."""
+    n = tl.load(seqlens_ptr + b)  # graph inputs: written before the step, never by the previous kernel
+    if USE_PDL:  # programmatic dependent launch: q and this step's K/V come from the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK) * BLOCK
+    start = sp * per
+    return start, tl.minimum(start + per, n)
+
+
+@triton.jit
+def _pool_rows(tab, n0, end, kh, KVH: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pool rows [BLOCK] of keys n0 .. n0 + BLOCK - 1 of KV head `kh` through the page table row `tab`, and
+    `ok` [BLOCK]: the key is before `end`."""
+    t = n0 + tl.arange(0, BLOCK)
+    ok = t < end
+    page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
+    return (page * PS + t % PS) * KVH + kh, ok
+
+
+@triton.jit
+def _online_softmax(qk, m, l):
+    """Scores qk [QP, BLOCK] (log2 units) into the running max m and sum l [QP]: (p [QP, BLOCK], alpha [QP], the
+    factor for what was accumulated before, the new m, the new l)."""
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_split_stats(pml_ptr, b, heads, sp, num_splits, hq, m, l, qmask):
+    """Store split `sp`'s running max and sum of query heads `heads` [QP] for `_combine_kernel`; returns their
+    partial rows [QP] (where the split's unnormalized output goes)."""
+    part = (b.to(tl.int64) * hq + heads) * num_splits + sp  # [QP]
+    tl.store(pml_ptr + part * 2, m, mask=qmask)
+    tl.store(pml_ptr + part * 2 + 1, l, mask=qmask)
+    return part
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     q_sb,
@@ -108,13 +150,7 @@ def _decode_kernel(
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
-    n = tl.load(seqlens_ptr + b)  # graph inputs: written before the step, never by the previous kernel
-    if USE_PDL:  # programmatic dependent launch: q and this step's K/V come from the previous kernel
-        gdc_wait()
-        gdc_launch_dependents()
-    per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK) * BLOCK
-    start = sp * per
-    end = tl.minimum(start + per, n)
+    start, end = _split_range(seqlens_ptr, b, sp, num_splits, BLOCK, USE_PDL)
 
     qi = tl.arange(0, QP)
     qmask = qi < QPK
@@ -129,21 +165,14 @@ def _decode_kernel(
     acc = tl.zeros([QP, D], tl.float32)
     tab = table_ptr + b.to(tl.int64) * table_stride
     for n0 in range(start, end, BLOCK):
-        t = n0 + tl.arange(0, BLOCK)
-        ok = t < end
-        page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
-        row = (page * PS + t % PS) * KVH + kh  # [BLOCK] pool rows
+        row, ok = _pool_rows(tab, n0, end, kh, KVH, PS, BLOCK)  # [BLOCK] pool rows
         k = _load_dequant(k_ptr, ks_ptr, kz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE, EXPAND)  # [BLOCK, D]
 
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [QP, BLOCK] (log2 units)
         qk = tl.where(ok[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m, l = _online_softmax(qk, m, l)
         v = _load_dequant(v_ptr, vs_ptr, vz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE, EXPAND)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m = m_new
     if DIRECT:
         o = acc / l[:, None]
         tl.store(
@@ -152,11 +181,8 @@ def _decode_kernel(
             mask=qmask[:, None],
         )
     else:
-        hq = KVH * QPK
-        part = (b.to(tl.int64) * hq + heads) * num_splits + sp  # [QP]
+        part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, qmask)  # [QP]
         tl.store(po_ptr + part[:, None] * D + d[None, :], acc, mask=qmask[:, None])
-        tl.store(pml_ptr + part * 2, m, mask=qmask)
-        tl.store(pml_ptr + part * 2 + 1, l, mask=qmask)
 
 
 @triton.jit
@@ -195,13 +221,7 @@ def _decode_kernel_fold2(
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
-    n = tl.load(seqlens_ptr + b)  # graph inputs: written before the step, never by the previous kernel
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK) * BLOCK
-    start = sp * per
-    end = tl.minimum(start + per, n)
+    start, end = _split_range(seqlens_ptr, b, sp, num_splits, BLOCK, USE_PDL)
 
     qi = tl.arange(0, QP)
     qmask = qi < QPK
@@ -217,10 +237,7 @@ def _decode_kernel_fold2(
     acc1 = tl.zeros([QP, H], tl.float32)
     tab = table_ptr + b.to(tl.int64) * table_stride
     for n0 in range(start, end, BLOCK):
-        t = n0 + tl.arange(0, BLOCK)
-        ok = t < end
-        page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
-        row = (page * PS + t % PS) * KVH + kh  # [BLOCK] pool rows
+        row, ok = _pool_rows(tab, n0, end, kh, KVH, PS, BLOCK)  # [BLOCK] pool rows
         kv_off = row[:, None] * D + c[None, :]  # [BLOCK, H]
         k0 = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0).to(dt)
         k1 = tl.load(k_ptr + kv_off + H, mask=ok[:, None], other=0).to(dt)
@@ -228,28 +245,21 @@ def _decode_kernel_fold2(
         ks1 = tl.load(ks_ptr + row * 2 + 1, mask=ok, other=0.0).to(tl.float32)
         qk = tl.dot(q0, tl.trans(k0)) * ks0[None, :] + tl.dot(q1, tl.trans(k1)) * ks1[None, :]
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [QP, BLOCK] (log2)
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m, l = _online_softmax(qk, m, l)
         v0 = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0).to(dt)
         v1 = tl.load(v_ptr + kv_off + H, mask=ok[:, None], other=0).to(dt)
         vs0 = tl.load(vs_ptr + row * 2, mask=ok, other=0.0).to(tl.float32)
         vs1 = tl.load(vs_ptr + row * 2 + 1, mask=ok, other=0.0).to(tl.float32)
         acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0[None, :]).to(dt), v0)
         acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1[None, :]).to(dt), v1)
-        m = m_new
     if DIRECT:
         orow = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + c[None, :]
         tl.store(orow, (acc0 / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
         tl.store(orow + H, (acc1 / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
     else:
-        hq = KVH * QPK
-        part = (b.to(tl.int64) * hq + heads) * num_splits + sp  # [QP]
+        part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, qmask)  # [QP]
         tl.store(po_ptr + part[:, None] * D + c[None, :], acc0, mask=qmask[:, None])
         tl.store(po_ptr + part[:, None] * D + H + c[None, :], acc1, mask=qmask[:, None])
-        tl.store(pml_ptr + part * 2, m, mask=qmask)
-        tl.store(pml_ptr + part * 2 + 1, l, mask=qmask)
 
 
 @triton.jit

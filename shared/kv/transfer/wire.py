@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import crc32c
 
 from pdserve.errors import CorruptPage
-from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.codec import KVLayoutSpec, pack_layout, pack_str
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.v1 import internal_pb2, kv_pb2
 
@@ -49,30 +49,14 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<I", len(b)) + b
-
-
 def canonical_header(h: kv_pb2.KVBatchHeader) -> bytes:
     """Every header field except the checksum, in a fixed byte order (what the checksum covers)."""
-    lay = h.layout
     return b"".join(
         [
             b"PDKB",
-            _str(h.request_id),
-            _str(h.model_fingerprint),
-            struct.pack(
-                "<IIIIIIIB",
-                lay.format_version,
-                lay.dtype,
-                lay.page_size,
-                lay.num_layers,
-                lay.num_kv_heads,
-                lay.head_dim,
-                lay.group_size,
-                int(lay.asymmetric),
-            ),
+            pack_str(h.request_id),
+            pack_str(h.model_fingerprint),
+            pack_layout(h.layout),
             struct.pack("<QQQB", h.first_seq_no, len(h.page_indexes), h.nbytes, int(h.has_checksum)),
             struct.pack(f"<{len(h.page_indexes)}I", *h.page_indexes),
             struct.pack(f"<{len(h.num_tokens)}I", *h.num_tokens),

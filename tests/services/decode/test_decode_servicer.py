@@ -10,8 +10,8 @@ from concurrent import futures
 
 import grpc
 import pytest
+from services_testutil import running_service
 
-from pdserve.cli.launch import start_service, wait_ready
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
@@ -48,30 +48,10 @@ def silent_prefill():
 def decode(tmp_path_factory):
     work = tmp_path_factory.mktemp("decode")
     model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
-    proc, ready, log = start_service(
-        "decode",
-        [
-            "--model",
-            str(model),
-            "--page-size",
-            str(PAGE),
-            "--num-pages",
-            "64",
-            "--kv-dtype",
-            "auto",
-            "--torch-threads",
-            "1",
-            "--page-timeout-s",
-            str(PAGE_TIMEOUT_S),
-        ],
-        work,
-    )
-    addr = wait_ready(proc, ready, log)
-    ch = channel(addr)
-    yield internal_pb2_grpc.DecodeStub(ch)
-    ch.close()
-    proc.terminate()
-    proc.wait(20)
+    args = ["--model", str(model), "--page-size", str(PAGE), "--num-pages", "64", "--kv-dtype", "auto"]
+    args += ["--torch-threads", "1", "--page-timeout-s", str(PAGE_TIMEOUT_S)]
+    with running_service("decode", args, work) as addr, channel(addr) as ch:
+        yield internal_pb2_grpc.DecodeStub(ch)
 
 
 def all_free(stub, timeout: float = 10.0) -> bool:

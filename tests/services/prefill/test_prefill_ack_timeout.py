@@ -7,8 +7,8 @@ import time
 
 import grpc
 import pytest
+from services_testutil import running_service
 
-from pdserve.cli.launch import start_service, wait_ready
 from pdserve.engine.loader import model_fingerprint
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.models.checkpoints import build_checkpoint
@@ -22,30 +22,10 @@ PAGE, CHUNK, ACK_TIMEOUT_S = 4, 8, 0.05
 def prefill(tmp_path_factory):
     work = tmp_path_factory.mktemp("prefill-ack")
     model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
-    proc, ready, log = start_service(
-        "prefill",
-        [
-            "--model",
-            str(model),
-            "--page-size",
-            str(PAGE),
-            "--chunk-size",
-            str(CHUNK),
-            "--num-pages",
-            "600",
-            "--torch-threads",
-            "1",
-            "--ack-timeout-s",
-            str(ACK_TIMEOUT_S),
-        ],
-        work,
-    )
-    addr = wait_ready(proc, ready, log)
-    ch = channel(addr)
-    yield internal_pb2_grpc.PrefillStub(ch), model_fingerprint(str(model))
-    ch.close()
-    proc.terminate()
-    proc.wait(20)
+    args = ["--model", str(model), "--page-size", str(PAGE), "--chunk-size", str(CHUNK), "--num-pages", "600"]
+    args += ["--torch-threads", "1", "--ack-timeout-s", str(ACK_TIMEOUT_S)]
+    with running_service("prefill", args, work) as addr, channel(addr) as ch:
+        yield internal_pb2_grpc.PrefillStub(ch), model_fingerprint(str(model))
 
 
 def test_unacknowledged_pages_end_the_stream_and_are_freed(prefill):

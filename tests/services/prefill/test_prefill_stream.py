@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 import torch
+from services_testutil import running_service
 
-from pdserve.cli.launch import start_service, wait_ready
 from pdserve.engine.loader import model_fingerprint
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.handshake import make_offer
@@ -27,28 +27,9 @@ PAGE, CHUNK = 4, 8
 def prefill(tmp_path_factory):
     work = tmp_path_factory.mktemp("prefill")
     model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
-    proc, ready, log = start_service(
-        "prefill",
-        [
-            "--model",
-            str(model),
-            "--page-size",
-            str(PAGE),
-            "--chunk-size",
-            str(CHUNK),
-            "--num-pages",
-            "600",
-            "--torch-threads",
-            "1",
-        ],
-        work,
-    )
-    addr = wait_ready(proc, ready, log)
-    ch = channel(addr)
-    yield internal_pb2_grpc.PrefillStub(ch), model_fingerprint(str(model))
-    ch.close()
-    proc.terminate()
-    proc.wait(20)
+    args = ["--model", str(model), "--page-size", str(PAGE), "--chunk-size", str(CHUNK), "--num-pages", "600"]
+    with running_service("prefill", [*args, "--torch-threads", "1"], work) as addr, channel(addr) as ch:
+        yield internal_pb2_grpc.PrefillStub(ch), model_fingerprint(str(model))
 
 
 def layout(dtype="int8") -> KVLayoutSpec:

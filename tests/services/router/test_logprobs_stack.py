@@ -10,9 +10,9 @@ import grpc
 import openai
 import pytest
 import torch
+from services_testutil import tiny_stack
 
 import pdserve
-from pdserve.cli.launch import start_stack
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.router.chat import chat_prompt_ids
 from pdserve.router.pcs import count_special, special_token_ids
@@ -32,18 +32,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = start_stack(
-        model_dir,
-        tmp_path_factory.mktemp("lp-stack"),
-        kv_dtype="auto",
-        page_size=4,
-        chunk_size=8,
-        extra=["--num-pages", "256", "--torch-threads", "1", "--dtype", "float32"],
-        gateway_port=0,
-        model_name=MODEL,
-    )
-    yield s
-    s.stop()
+    work = tmp_path_factory.mktemp("lp-stack")
+    with tiny_stack(
+        model_dir, work, kv_dtype="auto", extra=["--dtype", "float32"], gateway_port=0, model_name=MODEL
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

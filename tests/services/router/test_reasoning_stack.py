@@ -8,9 +8,9 @@ from __future__ import annotations
 import grpc
 import openai
 import pytest
+from services_testutil import tiny_stack
 
 import pdserve
-from pdserve.cli.launch import start_stack
 from pdserve.models.checkpoints import build_checkpoint, build_tokenizer
 
 MODEL = "tiny-r1"
@@ -45,18 +45,9 @@ def tok(model_dir):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = start_stack(
-        model_dir,
-        tmp_path_factory.mktemp("r1-stack"),
-        kv_dtype="int8",
-        page_size=4,
-        chunk_size=8,
-        extra=["--num-pages", "256", "--torch-threads", "1"],
-        gateway_port=0,
-        model_name=MODEL,
-    )
-    yield s
-    s.stop()
+    work = tmp_path_factory.mktemp("r1-stack")
+    with tiny_stack(model_dir, work, kv_dtype="int8", gateway_port=0, model_name=MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ fp32). Uses the real cache dir (PDSERVE_CACHE_DIR or ~/.cache/pdserve), so the 9
 from __future__ import annotations
 
 import pytest
-import torch
 
 import pdserve
 from pdserve.cli.launch import start_stack
 from pdserve.models import demo
+from pdserve.testing.hf_reference import hf_greedy, load_hf_model
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 N = 8
@@ -32,21 +32,12 @@ def stack(smol_dir, tmp_path_factory):
     s.stop()
 
 
-@torch.no_grad()
 def test_smol_answers_like_transformers(smol_dir, stack):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smol_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).eval()
     ids = list(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False))
-    ref = model.generate(
-        torch.tensor([ids]),
-        max_new_tokens=N,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-    )[0, len(ids) :].tolist()
+    ref = hf_greedy(load_hf_model(smol_dir), ids, N)
     with pdserve.Client(stack.router, timeout=300) as c:
         out = c.generate(messages=QUESTION, max_tokens=N, temperature=0, ignore_eos=True)
         answer = c.generate(messages=QUESTION, max_tokens=16, temperature=0)

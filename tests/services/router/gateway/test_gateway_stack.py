@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import openai
 import pytest
+from services_testutil import tiny_stack
 
 import pdserve
-from pdserve.cli.launch import start_stack
 from pdserve.models.checkpoints import build_checkpoint
 
 MODEL = "tiny-chat"
@@ -21,18 +21,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = start_stack(
-        model_dir,
-        tmp_path_factory.mktemp("gw-stack"),
-        kv_dtype="auto",
-        page_size=4,
-        chunk_size=16,
-        extra=["--num-pages", "256", "--torch-threads", "1"],
-        gateway_port=0,
-        model_name=MODEL,
-    )
-    yield s
-    s.stop()
+    work = tmp_path_factory.mktemp("gw-stack")
+    with tiny_stack(model_dir, work, kv_dtype="auto", chunk_size=16, gateway_port=0, model_name=MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
