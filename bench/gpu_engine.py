@@ -31,7 +31,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.sampling import SamplingParams
 from pdserve.models.random_llama import LLAMA3_8B_SHAPE, write_random_llama
+from pdserve.testing.provenance import git_commit
+from pdserve.testing.teacher_forcing import forced_logits as teacher_forced_logits
 
 SHAPE = LLAMA3_8B_SHAPE
 DEV = torch.device("cuda")
@@ -538,15 +539,8 @@ def make_engine(model_dir: Path, kv: str, num_pages: int, **kw) -> LLMEngine:
 
 
 def forced_logits(e: LLMEngine, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
-    rows: dict[str, list[torch.Tensor]] = {}
-    for i, (p, f) in enumerate(zip(prompts, forced)):
-        e.add_request(
-            f"tf{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True), forced_token_ids=f
-        )
-    while e.has_unfinished_requests():
-        for o in e.step(return_logits=True):
-            rows.setdefault(o.request_id, []).append(o.logits)
-    return torch.stack([torch.stack(rows[f"tf{i}"]) for i in range(len(prompts))])
+    """[prompts, steps, V] teacher-forced logits (all continuations have one length here)."""
+    return torch.stack(teacher_forced_logits(e, prompts, forced))
 
 
 def time_prefill(e: LLMEngine, ids: list[int], reps: int = 3) -> float:
@@ -799,15 +793,6 @@ def capacity_gain() -> dict:
         f"gain {int8 / dense:.3f}x (budget {budget / 2**30:.1f} GiB, 8B weights not loaded)",
     )
     return dict(budget_gib=budget / 2**30, dense_seqs=dense, int8_seqs=int8, gain=int8 / dense)
-
-
-def git_commit() -> str:
-    if os.environ.get("PDSERVE_COMMIT"):  # set by the caller: a copied tree's .git may not be the one measured
-        return os.environ["PDSERVE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def main() -> None:

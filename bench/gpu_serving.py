@@ -29,6 +29,7 @@ import torch
 
 import pdserve
 from pdserve.cli.launch import Stack, start_service, wait_ready
+from pdserve.testing.provenance import git_commit
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 VOCAB = 128256
@@ -50,16 +51,6 @@ def fresh(n: int, rng: torch.Generator) -> list[int]:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except OSError:
-        return "unknown"
 
 
 # ---- the in-process engine ------------------------------------------------------------------------------
@@ -327,7 +318,7 @@ def main() -> None:
     res: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
     res.update(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        commit=args.commit or git_commit(),
+        commit=git_commit(args.commit),
         device=f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
         layers=args.layers,
     )

@@ -21,6 +21,7 @@ from pdserve.kv.transfer.handshake import CUDA_IPC, GRPC, make_offer
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.kv.transfer.wire import BatchExpectation, parse_server_message
 from pdserve.server.grpc_util import channel, remaining
+from pdserve.server.instance_stats import instance_stats
 from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.service import RequestScope, Telemetry
@@ -330,15 +331,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return IpcReceiver(*args, buffers=self.ipc_buffers, buffer_id=choice.ipc_buffer.buffer_id)
 
     def Stats(self, request, context):
-        used, total = self.loop.allocator.num_used, self.loop.allocator.num_pages
         with self._lock:
             active = self._active
-        return internal_pb2.InstanceStats(
-            kv_pages_total=total,
-            kv_pages_free=total - used,
-            active_requests=active,
-            model_fingerprint=self.fingerprint,
-            kv_dtype=self.layout.dtype,
-            page_size=self.layout.page_size,
-            kv_transports=self.transfer_stats.to_proto(),
+        return instance_stats(
+            self.loop, active, self.fingerprint, self.layout.dtype, self.layout.page_size, self.transfer_stats
         )

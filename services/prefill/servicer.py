@@ -23,6 +23,7 @@ from pdserve.kv.transfer.stats import TransferStats
 from pdserve.prefill.ack_clock import AckClock
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.kv_link import SendLink
+from pdserve.server.instance_stats import instance_stats
 from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.rates import WorkRate
@@ -389,17 +390,15 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             self._staging.close()
 
     def Stats(self, request, context):
-        used, total = self.loop.allocator.num_used, self.loop.allocator.num_pages
         with self._lock:
             active = self._active
-        return internal_pb2.InstanceStats(
-            kv_pages_total=total,
-            kv_pages_free=total - used,
-            active_requests=active,
-            model_fingerprint=self.fingerprint,
-            kv_dtype="auto",
-            page_size=self.page_size,
-            kv_transports=self.transfer_stats.to_proto(),
+        return instance_stats(
+            self.loop,
+            active,
+            self.fingerprint,
+            "auto",
+            self.page_size,
+            self.transfer_stats,
             prefill_tokens_per_s=self.prefill_rate.rate() or 0.0,
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling import SamplingParams
+from pdserve.testing.teacher_forcing import forced_logits as teacher_forced_logits
 
 
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
@@ -28,14 +28,5 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
 
 
 def forced_logits(engine: LLMEngine, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
-    """Teacher-forced per-step logits [sum of steps, V] (float32) for each prompt's forced continuation (one
-    request per prompt)."""
-    rows: dict[str, list[torch.Tensor]] = {}
-    for i, (p, f) in enumerate(zip(prompts, forced)):
-        engine.add_request(
-            f"r{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True), forced_token_ids=f
-        )
-    while engine.has_unfinished_requests():
-        for o in engine.step(return_logits=True):
-            rows.setdefault(o.request_id, []).append(o.logits)
-    return torch.cat([torch.stack(rows[f"r{i}"]) for i in range(len(prompts))])
+    """Teacher-forced per-step logits [sum of steps, V] (float32), prompts in order."""
+    return torch.cat(teacher_forced_logits(engine, prompts, forced))
