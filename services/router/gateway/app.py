@@ -28,9 +28,25 @@ def _metadata(request: Request) -> list[tuple[str, str]]:
     return [(h, request.headers[h]) for h in FORWARDED_HEADERS if h in request.headers]
 
 
-async def _body(request: Request, model_name: str) -> dict:
+async def _read_limited(request: Request, max_bytes: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `max_bytes` (declared length or bytes read)."""
+    too_large = APIError(413, f"request body larger than {max_bytes} bytes (--max-body-mb)", code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _body(request: Request, model_name: str, max_bytes: int) -> dict:
+    raw = await _read_limited(request, max_bytes)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -123,7 +139,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         }
 
     async def complete(request: Request, chat: bool):
-        body = await _body(request, cfg.model_name)
+        body = await _body(request, cfg.model_name, int(cfg.max_body_mb * 1024 * 1024))
         if chat:
             inputs: dict[str, Any] = {"messages": protocol.chat_messages(body)}
             echo = False

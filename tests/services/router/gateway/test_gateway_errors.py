@@ -163,3 +163,30 @@ def test_router_down_is_503(tmp_path):
         proc.terminate()
         proc.wait(timeout=20)
         dead.close()
+
+
+def test_oversized_body_is_413_before_parsing(scripted):
+    """The body limit (--max-body-mb, 8 MiB) holds for a declared length and for a chunked body alike."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    servicer, client = scripted
+    before = len(servicer.metadata)
+    base = urlsplit(str(client.base_url))
+    big = b'{"model": "m", "prompt": "' + b"x" * (9 << 20) + b'"}'
+
+    def post(body, **kw) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(base.hostname, base.port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"}, **kw)
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()
+
+    chunks = (big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20))
+    for status, body in (post(big), post(chunks, encode_chunked=True)):
+        assert status == 413, body
+        assert body["error"]["code"] == "body_too_large"
+    assert len(servicer.metadata) == before
