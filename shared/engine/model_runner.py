@@ -194,8 +194,11 @@ class ModelRunner:
             return
 
         def stacked(ts: list[torch.Tensor]) -> torch.Tensor:  # [N, 2, L, page_size, kv_heads, d or d/g]
-            out = torch.stack(ts)
-            return out.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else out
+            if self.device.type != "cuda":
+                return torch.stack(ts)
+            host = torch.empty((len(ts), *ts[0].shape), dtype=ts[0].dtype, pin_memory=True)
+            torch.stack(ts, out=host)  # one host copy, straight into pinned memory
+            return host.to(self.device, non_blocking=True)
 
         data = stacked([p.data for p in payloads])
         scales = stacked([p.scales for p in payloads]) if first.scales is not None else None  # type: ignore[misc]
