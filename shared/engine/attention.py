@@ -241,6 +241,7 @@ class FA3Backend:
             num_stages=cfg["num_stages"],
             scale_expand=cfg["scale_expand"],
             fold_scales=cfg.get("fold_scales", False),
+            byte_convert=cfg.get("byte_convert", False),
             pdl=kc.pdl,
         )
         if not cache.quantized:

@@ -26,8 +26,38 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # fold_scales: symmetric int8 pools with two scale groups per head only (`_decode_kernel_fold2`), else ignored;
 # on by default: faster per layer than the tile kernel at batch 64/128 and more accurate against fp32 attention
 # (figures: docs/benchmarks.md, docs/bench/int8_decode.json).
-DEFAULT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2, split_mult=2, scale_expand=False, fold_scales=True)
-DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False, fold_scales=False)
+# byte_convert (fold_scales kernel only): int8 -> fp16 with byte permutes (`_s8_to_f16`) instead of the GPU's
+# int -> float conversion instructions, which run at a quarter of the integer rate and bound the kernel.
+DEFAULT_CONFIG = dict(
+    block_n=64, num_warps=2, num_stages=3, split_mult=2, scale_expand=False, fold_scales=True, byte_convert=True
+)
+DENSE_CONFIG = dict(
+    block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False, fold_scales=False, byte_convert=False
+)
+
+
+@triton.jit
+def _s8_to_f16(x):
+    """int8 tile -> the same values in fp16, exactly, with integer ops: for each byte b, the fp16 with bits
+    0x64 | (b ^ 0x80) is 1024 + (b + 128); one packed fp16 subtraction of 1152 leaves b. Four bytes per
+    instance: one xor, two byte permutes, two subtractions (vs four int -> float conversions)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, hi, off;
+        mov.b32 hi, 0x64646464;
+        mov.b32 off, 0x64806480;
+        xor.b32 t, $2, 0x80808080;
+        prmt.b32 $0, t, hi, 0x5150;
+        prmt.b32 $1, t, hi, 0x5352;
+        sub.f16x2 $0, $0, off;
+        sub.f16x2 $1, $1, off;
+        }""",
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -186,6 +216,25 @@ def _decode_kernel(
 
 
 @triton.jit
+def _load_halves(ptrs, ok, H: tl.constexpr, dt, BYTES: tl.constexpr):
+    """Both halves [BLOCK, H] of int8 rows at `ptrs` [BLOCK, H] (first half) as `dt` values."""
+    x0 = tl.load(ptrs, mask=ok[:, None], other=0)
+    x1 = tl.load(ptrs + H, mask=ok[:, None], other=0)
+    if BYTES:
+        return _s8_to_f16(x0), _s8_to_f16(x1)
+    return x0.to(dt), x1.to(dt)
+
+
+@triton.jit
+def _load_scale_pair(s_ptr, row, ok):
+    """Both group scales of rows `row` [BLOCK] as fp32 [BLOCK] each, read as one 4-byte pair per row (one gather
+    instead of two: scattered 2-byte loads cost L1 wavefronts like whole tile rows)."""
+    pair = tl.load(s_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, 2]
+    s0, s1 = tl.split(pair.to(tl.float32))
+    return s0, s1
+
+
+@triton.jit
 def _decode_kernel_fold2(
     q_ptr,
     q_sb,
@@ -212,11 +261,13 @@ def _decode_kernel_fold2(
     DIRECT: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    BYTES: tl.constexpr,
 ):
     """`_decode_kernel` for a symmetric int8 pool with two scale groups per head (group = head_dim / 2, the
     default 64 at head_dim 128), scales folded out of the tiles: each half of K and V is read as its own
     [BLOCK, D/2] tile and converted int8 -> q's dtype exactly (no multiply, no reshape); QK^T is the sum of two
-    dots, each scaled per key on the [QP, BLOCK] scores; P is scaled per value before each half's PV dot."""
+    dots, each scaled per key on the [QP, BLOCK] scores; P is scaled per value before each half's PV dot.
+    BYTES: the dots run in fp16 on tiles converted by `_s8_to_f16` (q and P rounded to fp16 instead of q's dtype)."""
     H: tl.constexpr = D // 2
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -230,6 +281,9 @@ def _decode_kernel_fold2(
     qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + c[None, :]
     q0 = tl.load(qrow, mask=qmask[:, None], other=0.0)  # [QP, H]
     q1 = tl.load(qrow + H, mask=qmask[:, None], other=0.0)
+    if BYTES:
+        q0 = q0.to(tl.float16)
+        q1 = q1.to(tl.float16)
     dt = q0.dtype
     m = tl.full([QP], float("-inf"), tl.float32)
     l = tl.zeros([QP], tl.float32)
@@ -239,17 +293,13 @@ def _decode_kernel_fold2(
     for n0 in range(start, end, BLOCK):
         row, ok = _pool_rows(tab, n0, end, kh, KVH, PS, BLOCK)  # [BLOCK] pool rows
         kv_off = row[:, None] * D + c[None, :]  # [BLOCK, H]
-        k0 = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0).to(dt)
-        k1 = tl.load(k_ptr + kv_off + H, mask=ok[:, None], other=0).to(dt)
-        ks0 = tl.load(ks_ptr + row * 2, mask=ok, other=0.0).to(tl.float32)
-        ks1 = tl.load(ks_ptr + row * 2 + 1, mask=ok, other=0.0).to(tl.float32)
+        k0, k1 = _load_halves(k_ptr + kv_off, ok, H, dt, BYTES)  # [BLOCK, H] each
+        ks0, ks1 = _load_scale_pair(ks_ptr, row, ok)  # [BLOCK] each
         qk = tl.dot(q0, tl.trans(k0)) * ks0[None, :] + tl.dot(q1, tl.trans(k1)) * ks1[None, :]
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [QP, BLOCK] (log2)
         p, alpha, m, l = _online_softmax(qk, m, l)
-        v0 = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0).to(dt)
-        v1 = tl.load(v_ptr + kv_off + H, mask=ok[:, None], other=0).to(dt)
-        vs0 = tl.load(vs_ptr + row * 2, mask=ok, other=0.0).to(tl.float32)
-        vs1 = tl.load(vs_ptr + row * 2 + 1, mask=ok, other=0.0).to(tl.float32)
+        v0, v1 = _load_halves(v_ptr + kv_off, ok, H, dt, BYTES)
+        vs0, vs1 = _load_scale_pair(vs_ptr, row, ok)
         acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0[None, :]).to(dt), v0)
         acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1[None, :]).to(dt), v1)
     if DIRECT:
@@ -317,6 +367,7 @@ def int8_paged_decode(
     num_stages: int = DEFAULT_CONFIG["num_stages"],
     scale_expand: bool = bool(DEFAULT_CONFIG["scale_expand"]),  # the dict holds ints and bools
     fold_scales: bool = bool(DEFAULT_CONFIG["fold_scales"]),
+    byte_convert: bool = bool(DEFAULT_CONFIG["byte_convert"]),
     pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
@@ -369,6 +420,7 @@ def int8_paged_decode(
             DIRECT=direct,
             BLOCK=block_n,
             USE_PDL=pdl,
+            BYTES=byte_convert,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,

@@ -165,7 +165,27 @@ def _ref_decode(q, kv, table, lens, ps, scale):
     return out
 
 
-@pytest.mark.parametrize("variant", ["tile", "expand", "fold", "fold-pdl"])
+def test_s8_to_f16_exact():
+    """The byte-permute int8 -> fp16 conversion gives every int8 value exactly, in order, in any tile shape."""
+    import triton
+    import triton.language as tl
+
+    from pdserve.engine.kernels.int8_decode_attention import _s8_to_f16
+
+    @triton.jit
+    def convert(x_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):
+        off = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+        tl.store(y_ptr + off, _s8_to_f16(tl.load(x_ptr + off)))
+
+    for r, c in ((16, 16), (64, 64), (128, 64)):
+        x = torch.arange(r * c, device=DEV).remainder(256).sub(128).to(torch.int8).view(r, c)
+        x = x[:, torch.randperm(c, device=DEV)].contiguous()
+        y = torch.empty(r, c, dtype=torch.float16, device=DEV)
+        convert[(1,)](x, y, R=r, C=c)
+        assert torch.equal(y, x.half())
+
+
+@pytest.mark.parametrize("variant", ["tile", "expand", "fold", "fold-pdl", "fold-cvt"])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 def test_int8_decode_attention_vs_fp32(asym, splits, variant):
@@ -192,6 +212,7 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
         splits,
         scale_expand=variant == "expand",
         fold_scales=variant.startswith("fold"),  # sym only: asym falls back to the tile kernel
+        byte_convert=variant != "fold-cvt",  # fold kernel: int8 -> fp16 by byte permutes, or by conversions
         pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV),
     )
     assert out.isfinite().all()

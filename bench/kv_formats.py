@@ -1,0 +1,236 @@
+"""KV formats on one Hopper GPU: decode attention per layer at the memory roofline, and engine decode steps at
+batch 128 / context 2k with bf16, int8 and fp8 KV (issue 14's speed keys of docs/bench/kv_formats.json).
+
+    python bench/kv_formats.py [--json docs/bench/kv_formats.json] [--skip-engine]
+
+1. Per layer (Llama-3-8B: 8 KV heads, 32 query heads, head_dim 128, page 16), CUDA-graph timed: the int8
+   fold-scales kernel with byte-permute conversion (`byte_convert`, the default) and with int -> float
+   conversions, block 64/128 x stages 2/3, plus the same kernel over a bf16 pool, at batch 64/128 x context
+   2k/8k. Bandwidth fraction = bytes the kernel must read (int8 K/V + fp16 scales; bf16 K/V) / time / copy
+   bandwidth (a device-to-device copy, read + write bytes). Every variant is checked against fp64 attention
+   over the same dequantized pages first.
+2. Engine (decode CUDA graphs, PDL): 128 sequences of 2048 random prompt tokens, median decode step over 30
+   steps, per KV format, with the roofline (weights + KV bytes read per step over the copy bandwidth).
+Keys are merged into the JSON (quality keys written by bench/kv_quality.py survive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_engine as ge
+
+DEV = ge.DEV
+PS, KVH, D, HQ = 16, 8, 128, 32
+
+
+def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
+    from pdserve.engine.kernels import int8_decode_attention as kd
+    from pdserve.kv import quant as Q
+
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    g = torch.Generator(device=DEV).manual_seed(14)
+    variants = {
+        f"{cv}_bn{bn}_st{st}": dict(
+            block_n=bn, num_stages=st, num_warps=4, fold_scales=True, byte_convert=cv == "bytes"
+        )
+        for cv in ("bytes", "cvt")
+        for bn in (64, 128)
+        for st in (2, 3)
+    }
+    out: dict = {}
+    for B, ctx in shapes:
+        W, key = ctx // PS, f"b{B}_ctx{ctx}"
+        P = B * W
+        kv = torch.randn(2, P, PS, KVH, D, device=DEV, generator=g).bfloat16()
+        q8, s8, _ = Q.quantize(kv, 64, False)
+        table = torch.randperm(P, device=DEV, generator=g).int().view(B, W)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+        qq = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
+        nb = 2
+        sub = table[:nb].flatten().long()
+        pool = Q.dequantize(q8[:, sub], s8[:, sub], None, 64, torch.float32).view(2, -1, KVH, D)
+        ref = ge.paged_attention_ref(qq[:nb], pool, torch.arange(nb * W, device=DEV).int().view(nb, W), PS)
+        del pool
+        splits = kd.default_num_splits(B, KVH, sms, 2)
+        res: dict = {}
+        for name, c in variants.items():
+
+            def fn(c=c):
+                return kd.int8_paged_decode(
+                    qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, splits, **c
+                )
+
+            try:
+                err = ge.rel_err(fn()[:nb], ref)
+                res[name] = {"ms": ge.graph_ms(fn) if err < 2e-2 else float("inf"), "rel_err": err}
+            except Exception as exc:  # a variant that does not compile/run is reported, not fatal
+                ge.log(f"{key} {name}: {type(exc).__name__}: {str(exc)[:300]}")
+                res[name] = {"ms": float("inf"), "rel_err": float("nan"), "error": str(exc)[:300]}
+        dense_cfg = {k: v for k, v in kd.DENSE_CONFIG.items() if k != "split_mult"}
+        dense_ms = ge.graph_ms(
+            lambda: kd.int8_paged_decode(
+                qq, kv[0], kv[1], None, None, None, None, table, lens, D**-0.5, splits, **dense_cfg
+            )
+        )
+        int8_bytes = 2 * B * ctx * KVH * (D + 2 * 2)
+        bf16_bytes = 2 * B * ctx * KVH * D * 2
+        best = {
+            cv: min((k for k in variants if k.startswith(cv)), key=lambda k: res[k]["ms"]) for cv in ("bytes", "cvt")
+        }
+        for k in res:
+            res[k]["bw_fraction"] = int8_bytes / (res[k]["ms"] * 1e-3) / copy_bw
+        res["dense_bf16"] = {"ms": dense_ms, "bw_fraction": bf16_bytes / (dense_ms * 1e-3) / copy_bw}
+        res["best"] = best
+        out[key] = res
+        ge.row(
+            f"decode attn/layer {key} (us)",
+            " / ".join(f"int8-{cv} {res[b]['ms'] * 1e3:.1f}" for cv, b in best.items())
+            + f" / bf16 {dense_ms * 1e3:.1f}",
+            "of copy BW: "
+            + ", ".join(f"int8-{cv} {res[b]['bw_fraction']:.0%}" for cv, b in best.items())
+            + f", bf16 {res['dense_bf16']['bw_fraction']:.0%}; best {', '.join(best.values())}",
+        )
+        del kv, q8, s8
+        ge.free_memory()
+    return out
+
+
+def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
+    """The byte-convert int8 kernel over split count x block x stages x warps; prints the five fastest per shape."""
+    import itertools
+
+    from pdserve.engine.kernels import int8_decode_attention as kd
+    from pdserve.kv import quant as Q
+
+    g = torch.Generator(device=DEV).manual_seed(15)
+    out: dict = {}
+    for B, ctx in shapes:
+        W, P = ctx // PS, B * (ctx // PS)
+        q8, s8, _ = Q.quantize(torch.randn(2, P, PS, KVH, D, device=DEV, generator=g).bfloat16(), 64, False)
+        table = torch.randperm(P, device=DEV, generator=g).int().view(B, W)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+        qq = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
+        base = kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, 1)
+        nbytes = 2 * B * ctx * KVH * (D + 2 * 2)
+        res = {}
+        for sp, bn, st, nw in itertools.product((1, 2, 4), (32, 64), (2, 3), (2, 4)):
+            c = dict(block_n=bn, num_stages=st, num_warps=nw, fold_scales=True, byte_convert=True)
+
+            def fn(c=c, sp=sp):
+                return kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, sp, **c)
+
+            name = f"sp{sp}_bn{bn}_st{st}_w{nw}"
+            try:
+                if ge.rel_err(fn(), base) > 1e-2:
+                    raise ValueError("differs from the 1-split result")
+                res[name] = ge.graph_ms(fn, reps=20)
+            except Exception as exc:
+                res[name] = float("inf")
+                ge.log(f"{name}: {type(exc).__name__} {str(exc)[:120]}")
+        top = sorted(res, key=res.get)[:5]
+        key = f"b{B}_ctx{ctx}"
+        ge.row(
+            f"int8 sweep {key} top5 (us, of copy BW)",
+            ", ".join(f"{k} {res[k] * 1e3:.0f} ({nbytes / (res[k] * 1e-3) / copy_bw:.0%})" for k in top),
+        )
+        out[key] = {"ms": res, "bytes": nbytes}
+        del q8, s8
+        ge.free_memory()
+    return out
+
+
+def engine_steps(
+    model_dir: Path, kv: str, copy_bw: float, weight_bytes: int, batch: int = 128, ctx: int = 2048
+) -> dict:
+    from pdserve.engine.sampling import SamplingParams
+
+    e = ge.make_engine(model_dir, kv, num_pages=batch * (ctx // PS + 8) + 64)
+    g = torch.Generator().manual_seed(9)
+    V = ge.SHAPE["vocab_size"]
+    sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        e.add_request(f"d{i}", torch.randint(5, V, (ctx,), generator=g).tolist(), sp)
+    while len(e.scheduler.running) < batch or e.scheduler.waiting:
+        e.step()
+    steps = ge.time_decode_steps(e, 34)[4:]
+    mean_ctx = sum(s.num_tokens for s in e.scheduler.running) / batch
+    kv_token_bytes = e.runner.page_bytes() // e.page_size
+    roof = (weight_bytes + batch * mean_ctx * kv_token_bytes) / copy_bw * 1e3
+    t = statistics.median(steps)
+    ge.row(
+        f"engine decode b{batch} ctx{ctx // 1024}k, {kv} KV",
+        f"{t:.2f} ms/step ({batch / t * 1e3:.0f} tok/s)",
+        f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {sorted(steps)[2]:.2f}-{sorted(steps)[-3]:.2f}",
+    )
+    out = {"step_ms": t, "roofline_ms": roof, "ratio": t / roof, "kv_token_bytes": kv_token_bytes, "steps_ms": steps}
+    del e
+    ge.free_memory()
+    return out
+
+
+def kv_formats_available() -> list[str]:
+    """Engine KV formats to compare: bf16 ("auto" on a bf16 model), int8, and fp8 where the engine has it."""
+    from pdserve.kv import dtypes
+
+    names = ["auto", "int8"]
+    known = getattr(dtypes, "KV_FORMATS", None) or getattr(dtypes, "POOL_DTYPES", None) or {}
+    if "fp8" in known:
+        names.append("fp8")
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default="docs/bench/kv_formats.json")
+    ap.add_argument("--model-dir", default="/dev/shm/llama3-8b-random")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--formats", default="", help="engine KV formats (default: auto,int8[,fp8])")
+    ap.add_argument("--sweep", action="store_true", help="only the int8 kernel config sweep")
+    args = ap.parse_args()
+    copy_bw, _ = ge.ceilings()
+    if args.sweep:
+        sweep = config_sweep(copy_bw, [(128, 2048), (64, 8192)])
+        Path(args.json).write_text(json.dumps(sweep, indent=1))
+        return
+    sweep = int8_kernel_sweep(copy_bw, [(64, 2048), (128, 2048), (64, 8192), (128, 8192)])
+    b128 = sweep["b128_ctx2048"]
+    result: dict = {
+        "int8_attn_bw_fraction_b128": b128[b128["best"]["bytes"]]["bw_fraction"],
+        "bf16_attn_bw_fraction_b128": b128["dense_bf16"]["bw_fraction"],
+        "copy_bw": copy_bw,
+        "attention_per_layer": sweep,
+    }
+    if not args.skip_engine:
+        n_params = ge.write_checkpoint(Path(args.model_dir), 32)
+        formats = args.formats.split(",") if args.formats else kv_formats_available()
+        engine = {kv: engine_steps(Path(args.model_dir), kv, copy_bw, n_params * 2) for kv in formats}
+        result["engine_b128_ctx2k"] = engine
+        for kv, key in (("auto", "bf16_step_ms_b128"), ("int8", "int8_step_ms_b128"), ("fp8", "fp8_step_ms_b128")):
+            if kv in engine:
+                result[key] = engine[kv]["step_ms"]
+    result.update(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        commit=ge.git_commit(),
+        device=torch.cuda.get_device_name(DEV),
+    )
+    path = Path(args.json)
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update(result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=1))
+    print("\n| figure | value | note |\n|---|---|---|")
+    for name, value, note in ge.ROWS:
+        print(f"| {name} | {value} | {note} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
