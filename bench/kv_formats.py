@@ -122,13 +122,13 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
         base = kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, 1)
         nbytes = 2 * B * ctx * KVH * (D + 2 * 2)
         res = {}
-        for sp, bn, st, nw in itertools.product((1, 2, 4), (32, 64), (2, 3), (2, 4)):
-            c = dict(block_n=bn, num_stages=st, num_warps=nw, fold_scales=True, byte_convert=True)
+        for wl, sp, bn, st, nw in itertools.product((False, True), (1, 2), (32, 64, 128), (2, 3), (2, 4)):
+            c = dict(block_n=bn, num_stages=st, num_warps=nw, fold_scales=True, byte_convert=True, word_loads=wl)
 
             def fn(c=c, sp=sp):
                 return kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, sp, **c)
 
-            name = f"sp{sp}_bn{bn}_st{st}_w{nw}"
+            name = f"{'words' if wl else 'bytes'}_sp{sp}_bn{bn}_st{st}_w{nw}"
             try:
                 if ge.rel_err(fn(), base) > 1e-2:
                     raise ValueError("differs from the 1-split result")
@@ -136,7 +136,7 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
             except Exception as exc:
                 res[name] = float("inf")
                 ge.log(f"{name}: {type(exc).__name__} {str(exc)[:120]}")
-        top = sorted(res, key=res.get)[:5]
+        top = sorted(res, key=res.get)[:5] + [min((k for k in res if k.startswith("bytes")), key=res.get)]
         key = f"b{B}_ctx{ctx}"
         ge.row(
             f"int8 sweep {key} top5 (us, of copy BW)",

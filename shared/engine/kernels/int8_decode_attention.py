@@ -28,11 +28,28 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # (figures: docs/benchmarks.md, docs/bench/int8_decode.json).
 # byte_convert (fold_scales kernel only): int8 -> fp16 with byte permutes (`_s8_to_f16`) instead of the GPU's
 # int -> float conversion instructions, which run at a quarter of the integer rate and bound the kernel.
+# word_loads (fold_scales kernel only): read the int8 pool as int32 words and convert them in the load layout
+# (`_load_words_f16`), so tiles reach the tensor-core operand layout as fp16 through ldmatrix instead of one
+# 8-bit shared-memory load per element.
 DEFAULT_CONFIG = dict(
-    block_n=64, num_warps=2, num_stages=3, split_mult=2, scale_expand=False, fold_scales=True, byte_convert=True
+    block_n=128,
+    num_warps=4,
+    num_stages=3,
+    split_mult=2,
+    scale_expand=False,
+    fold_scales=True,
+    byte_convert=True,
+    word_loads=True,
 )
 DENSE_CONFIG = dict(
-    block_n=64, num_warps=4, num_stages=3, split_mult=2, scale_expand=False, fold_scales=False, byte_convert=False
+    block_n=64,
+    num_warps=4,
+    num_stages=3,
+    split_mult=2,
+    scale_expand=False,
+    fold_scales=False,
+    byte_convert=False,
+    word_loads=False,
 )
 
 
@@ -216,6 +233,40 @@ def _decode_kernel(
 
 
 @triton.jit
+def _words_to_f16(w):
+    """int32 words [..] (four int8 each) -> four fp16 tensors [..]: bytes 0..3 of each word, exactly."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, a, b, hi, off;
+        mov.b32 hi, 0x64646464;
+        mov.b32 off, 0x64806480;
+        xor.b32 t, $4, 0x80808080;
+        prmt.b32 a, t, hi, 0x5150;
+        prmt.b32 b, t, hi, 0x5352;
+        sub.f16x2 a, a, off;
+        sub.f16x2 b, b, off;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        }""",
+        constraints="=h,=h,=h,=h,r",
+        args=[w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _load_words_f16(wptrs, ok, BLOCK: tl.constexpr, H: tl.constexpr):
+    """int8 rows read as int32 words at `wptrs` [BLOCK, H/4] -> fp16 [BLOCK, H] (column 4j + r: byte r of word j)."""
+    e0, e1, e2, e3 = _words_to_f16(tl.load(wptrs, mask=ok[:, None], other=0))
+    x = tl.join(
+        tl.join(e0, e2), tl.join(e1, e3)
+    )  # [BLOCK, H/4, 2, 2]: [.., u, v] = byte 2u + v (join adds the last dim)
+    return tl.reshape(x, (BLOCK, H))
+
+
+@triton.jit
 def _load_halves(ptrs, ok, H: tl.constexpr, dt, BYTES: tl.constexpr):
     """Both halves [BLOCK, H] of int8 rows at `ptrs` [BLOCK, H] (first half) as `dt` values."""
     x0 = tl.load(ptrs, mask=ok[:, None], other=0)
@@ -262,6 +313,7 @@ def _decode_kernel_fold2(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     BYTES: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     """`_decode_kernel` for a symmetric int8 pool with two scale groups per head (group = head_dim / 2, the
     default 64 at head_dim 128), scales folded out of the tiles: each half of K and V is read as its own
@@ -281,7 +333,7 @@ def _decode_kernel_fold2(
     qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + c[None, :]
     q0 = tl.load(qrow, mask=qmask[:, None], other=0.0)  # [QP, H]
     q1 = tl.load(qrow + H, mask=qmask[:, None], other=0.0)
-    if BYTES:
+    if BYTES or WORDS:
         q0 = q0.to(tl.float16)
         q1 = q1.to(tl.float16)
     dt = q0.dtype
@@ -293,12 +345,21 @@ def _decode_kernel_fold2(
     for n0 in range(start, end, BLOCK):
         row, ok = _pool_rows(tab, n0, end, kh, KVH, PS, BLOCK)  # [BLOCK] pool rows
         kv_off = row[:, None] * D + c[None, :]  # [BLOCK, H]
-        k0, k1 = _load_halves(k_ptr + kv_off, ok, H, dt, BYTES)  # [BLOCK, H] each
+        if WORDS:  # k_ptr/v_ptr: the pool as int32 words [rows, D/4]
+            w_off = row[:, None] * (D // 4) + tl.arange(0, H // 4)[None, :]  # [BLOCK, H/4]
+            k0 = _load_words_f16(k_ptr + w_off, ok, BLOCK, H)  # [BLOCK, H]
+            k1 = _load_words_f16(k_ptr + w_off + H // 4, ok, BLOCK, H)
+        else:
+            k0, k1 = _load_halves(k_ptr + kv_off, ok, H, dt, BYTES)  # [BLOCK, H] each
         ks0, ks1 = _load_scale_pair(ks_ptr, row, ok)  # [BLOCK] each
         qk = tl.dot(q0, tl.trans(k0)) * ks0[None, :] + tl.dot(q1, tl.trans(k1)) * ks1[None, :]
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [QP, BLOCK] (log2)
         p, alpha, m, l = _online_softmax(qk, m, l)
-        v0, v1 = _load_halves(v_ptr + kv_off, ok, H, dt, BYTES)
+        if WORDS:
+            v0 = _load_words_f16(v_ptr + w_off, ok, BLOCK, H)
+            v1 = _load_words_f16(v_ptr + w_off + H // 4, ok, BLOCK, H)
+        else:
+            v0, v1 = _load_halves(v_ptr + kv_off, ok, H, dt, BYTES)
         vs0, vs1 = _load_scale_pair(vs_ptr, row, ok)
         acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0[None, :]).to(dt), v0)
         acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1[None, :]).to(dt), v1)
@@ -368,6 +429,7 @@ def int8_paged_decode(
     scale_expand: bool = bool(DEFAULT_CONFIG["scale_expand"]),  # the dict holds ints and bools
     fold_scales: bool = bool(DEFAULT_CONFIG["fold_scales"]),
     byte_convert: bool = bool(DEFAULT_CONFIG["byte_convert"]),
+    word_loads: bool = bool(DEFAULT_CONFIG["word_loads"]),
     pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
@@ -394,12 +456,13 @@ def int8_paged_decode(
     asym = k_zeros is not None
     launch = dict(launch_pdl=True) if pdl else {}
     if fold_scales and not dense and not asym and g == 2:
+        words = word_loads and d % 8 == 0
         _decode_kernel_fold2[(b, kvh, num_splits)](
             q,
             q.stride(0),
             q.stride(1),
-            k,
-            v,
+            k.view(torch.int32) if words else k,  # [P, ps, KVH, D/4] words
+            v.view(torch.int32) if words else v,
             k_scales,
             v_scales,
             page_table,
@@ -421,6 +484,7 @@ def int8_paged_decode(
             BLOCK=block_n,
             USE_PDL=pdl,
             BYTES=byte_convert,
+            WORDS=words,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,
