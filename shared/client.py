@@ -18,6 +18,12 @@ Errors are `grpc.RpcError` with the server's status code and reason (e.g. INVALI
 to turn it off; streams only before their first chunk; `pdserve.client_retry`).
 `metadata=` (per client and per call) is sent as gRPC metadata: a W3C `traceparent` there is continued by the
 server's trace (router → decode → prefill), see docs/tracing.md.
+
+Security (docs/security.md): `token=` is sent as `authorization: Bearer <token>` (the router maps it to a tenant);
+`tls_ca=` (a PEM path or bytes; `tls=True` alone: the system roots) makes the channel TLS, `tls_cert=`/`tls_key=`
+add a client certificate.
+
+    with pdserve.Client("router.example:50051", token="...", tls_ca="ca.pem") as c: ...
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Literal, overload
 import grpc
 
 from pdserve.client_retry import RetryPolicy
+from pdserve.server.auth import bearer_metadata
 from pdserve.server.grpc_util import CHANNEL_OPTIONS
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -220,6 +227,28 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def _pem(value: str | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as f:
+        return f.read()
+
+
+def _credentials(
+    tls: bool, tls_ca: str | bytes | None, tls_cert: str | bytes | None, tls_key: str | bytes | None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials when any TLS argument is given, else None (plaintext)."""
+    if not (tls or tls_ca or tls_cert):
+        return None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together")
+    return grpc.ssl_channel_credentials(_pem(tls_ca), _pem(tls_key), _pem(tls_cert))
+
+
+def _call_metadata(metadata: Sequence[tuple[str, str]], token: str | None) -> list[tuple[str, str]]:
+    return [*metadata, *bearer_metadata(token)]
+
+
 def _retry_policy(retry: RetryPolicy | bool) -> RetryPolicy:
     """True: the default policy; False: no retries; a RetryPolicy as given."""
     if isinstance(retry, RetryPolicy):
@@ -229,7 +258,7 @@ def _retry_policy(retry: RetryPolicy | bool) -> RetryPolicy:
 
 class Client:
     """Blocking client. `timeout` (seconds) is the default deadline of each call (retries included); `retry`: how
-    RESOURCE_EXHAUSTED is retried (True: `RetryPolicy()`, False: never)."""
+    RESOURCE_EXHAUSTED is retried (True: `RetryPolicy()`, False: never); `token`, `tls*`: see the module docstring."""
 
     def __init__(
         self,
@@ -238,11 +267,21 @@ class Client:
         timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         retry: RetryPolicy | bool = True,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | bytes | None = None,
+        tls_cert: str | bytes | None = None,
+        tls_key: str | bytes | None = None,
     ):
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
+        self._channel = (
+            grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+            if creds is not None
+            else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        )
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self.timeout = timeout
-        self.metadata = list(metadata)
+        self.metadata = _call_metadata(metadata, token)
         self.retry = _retry_policy(retry)
         self.retries = 0  # RESOURCE_EXHAUSTED retried so far (all calls)
 
@@ -320,11 +359,21 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
         retry: RetryPolicy | bool = True,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | bytes | None = None,
+        tls_cert: str | bytes | None = None,
+        tls_key: str | bytes | None = None,
     ):
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
+        self._channel = (
+            grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+            if creds is not None
+            else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        )
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self.timeout = timeout
-        self.metadata = list(metadata)
+        self.metadata = _call_metadata(metadata, token)
         self.retry = _retry_policy(retry)
         self.retries = 0
 

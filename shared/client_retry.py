@@ -33,15 +33,15 @@ def pushback_s(err: grpc.RpcError) -> float | None:
 @dataclass
 class RetryPolicy:
     """Retries of RESOURCE_EXHAUSTED. `max_attempts` counts the first try; `max_wait_s` bounds the sleeps of one
-    call together (the bound that matters: a burst of rejected clients must outlast the burst); without a pushback
-    the delay is `default_delay_s`. A pushback is a lower bound: the n-th retry waits at least
-    `min_delay_s * backoff ** (n - 1)` (capped at `max_delay_s`), so a router whose estimate says "soon" many times in
-    a row is not hammered until the attempts run out. Each delay gets up to `jitter` of itself added at random, so
-    that clients rejected together do not return together."""
+    call together (the bound that matters: a burst of rejected clients must outlast the burst). A RESOURCE_EXHAUSTED
+    without a pushback is not retried: pdserve's own rejections (admission, thread budget) always carry one, gRPC's
+    (a message over the server's size limit) cannot succeed on a retry. A pushback is a lower bound: the n-th retry
+    waits at least `min_delay_s * backoff ** (n - 1)` (capped at `max_delay_s`), so a router whose estimate says
+    "soon" many times in a row is not hammered until the attempts run out. Each delay gets up to `jitter` of itself
+    added at random, so that clients rejected together do not return together."""
 
     max_attempts: int = 64
     max_wait_s: float = 20.0
-    default_delay_s: float = 0.25
     min_delay_s: float = 0.05
     backoff: float = 1.5
     max_delay_s: float = 2.0
@@ -54,10 +54,10 @@ class RetryPolicy:
         if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt >= self.max_attempts:
             return None
         push = pushback_s(err)
-        if push is not None and push < 0:
-            return None  # the server asked not to be retried
+        if push is None or push < 0:
+            return None  # gRPC's own refusal (message too large), or the server asked not to be retried
         floor = min(self.max_delay_s, self.min_delay_s * self.backoff ** (attempt - 1))
-        base = max(floor, self.default_delay_s if push is None else push)
+        base = max(floor, push)
         d = base * (1.0 + self.jitter * self.rng.random())
         if waited_s + d > self.max_wait_s:
             return None

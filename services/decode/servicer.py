@@ -23,6 +23,7 @@ from pdserve.kv.transfer.wire import BatchExpectation, parse_server_message
 from pdserve.server.grpc_util import channel, remaining
 from pdserve.server.instance_stats import instance_stats
 from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
+from pdserve.server.security import ChannelSecurity, ServiceSecurity
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc, kv_pb2
@@ -37,10 +38,16 @@ FINISH = {
 _END = object()
 
 
-class PrefillChannels:
-    """One channel per prefill target, created on first use and reused."""
+class CallerGone(Exception):
+    """The caller cancelled (or its deadline passed) while KV pages were arriving: the request ends quietly."""
 
-    def __init__(self):
+
+class PrefillChannels:
+    """One channel per prefill target, created on first use and reused; `security`: this decode's internal identity
+    (None: the environment's)."""
+
+    def __init__(self, security: ChannelSecurity | None = None):
+        self.security = security
         self._lock = threading.Lock()
         self._stubs: dict[str, internal_pb2_grpc.PrefillStub] = {}
         self._raw: dict[str, grpc.StreamStreamMultiCallable] = {}
@@ -49,7 +56,7 @@ class PrefillChannels:
     def stub(self, target: str) -> internal_pb2_grpc.PrefillStub:
         with self._lock:
             if target not in self._stubs:
-                ch = channel(target)
+                ch = channel(target, self.security)
                 self._channels.append(ch)
                 self._stubs[target] = internal_pb2_grpc.PrefillStub(ch)
                 # the Prefill stream with its responses left as bytes (KV batches are parsed without copies)
@@ -80,15 +87,15 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.fingerprint: str = engine.fingerprint
         self.max_model_len: int = mc.max_position_embeddings
         self.layout = KVLayoutSpec(
-            dtype="int8" if cfg.kv_dtype == "int8" else engine.kv_storage_dtype_name,
+            dtype=cfg.kv_dtype if cfg.kv_dtype in ("int8", "fp8") else engine.kv_storage_dtype_name,
             page_size=engine.page_size,
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
-            group_size=engine.kv_group_size if cfg.kv_dtype == "int8" else 0,
+            group_size=engine.kv_group_size if cfg.kv_dtype in ("int8", "fp8") else 0,
             asymmetric=engine.kv_asymmetric if cfg.kv_dtype == "int8" else False,
         )
-        self.prefill = PrefillChannels()
+        self.prefill = PrefillChannels(ServiceSecurity.of(cfg).channel())
         self.device = engine.runner.device
         self.transfer_stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
         self.kv_offer = make_offer(cfg.kv_transport, self.device)  # what this instance can receive
@@ -133,8 +140,14 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         n_out = 0
         finish = "abort"
         try:
-            first, cached, done = self._receive_kv(request, prompt, context, req)
-            self.loop.finish_import(rid, first)
+            try:
+                first, cached, done = self._receive_kv(request, prompt, context, req)
+            except CallerGone:
+                return
+            try:
+                self.loop.finish_import(rid, first)
+            except InvalidRequest as e:  # the prompt was checked at begin_import: prefill's answer is at fault
+                context.abort(grpc.StatusCode.DATA_LOSS, f"bad PrefillDone from {request.prefill_target}: {e}")
             # the first token's logprob and the prompt's came from prefill: they lead the first message
             lead_logprobs = [done.first_token_logprob] if done.HasField("first_token_logprob") else []
             prompt_logprobs = list(done.prompt_logprobs)
@@ -204,6 +217,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 kv_layout=self.layout.to_proto(),
                 model_fingerprint=self.fingerprint,
                 sampled_before=request.resumed_tokens,
+                cache_scope=request.cache_scope,
                 kv_transport=self.kv_offer,
             )
         )
@@ -284,8 +298,14 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             return done.first_token_id, done.cached_tokens, done
         except grpc.RpcError as e:
             pages.fail()
-            if not context.is_active():
-                raise
+            if not context.is_active():  # a cancellation, not an error: no traceback
+                log.info(
+                    "rid=%s caller went away during the KV transfer (%d pages received): %s",
+                    rid,
+                    pages.next_seq_no,
+                    e.code(),
+                )
+                raise CallerGone from None
             if watchdog.expired:
                 context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -23,6 +23,10 @@ class PrefillConfig(CacheOptions, EngineOptions):
     kv_batch_mb: float = opt(8.0, "grpc transport: page bytes per stream message, MiB")
     kv_ipc_staging_mb: float = opt(512.0, "cuda-ipc transport: device staging buffer shared with decode, MiB")
 
+    def default_max_streams(self) -> int:
+        """KV streams at once: every decode instance's requests in prefill (several decode instances per prefill)."""
+        return 4 * self.max_num_seqs
+
     def validate(self) -> None:
         super().validate()
         if not self.ack_timeout_s > 0:

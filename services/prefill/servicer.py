@@ -106,7 +106,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         released = threading.Event()
         kv_dtype = layout.dtype
         scope.set({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(prompt), "pdserve.kv.dtype": kv_dtype})
-        ns = CacheNamespace(self.fingerprint, layout)
+        ns = CacheNamespace(self.fingerprint, layout, req.cache_scope)  # the router's scope: tenant or shared
         lookup_ns = time.time_ns()
         # prompt_logprobs score every prompt token: nothing may come from the cache
         hit = CacheLookup([], []) if sampling.prompt_logprobs else self._cache_lookup(ns, prompt)
@@ -161,7 +161,6 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 released.set()
                 link.sender.close()
 
-        context.add_callback(release)  # RPC ended for any reason (cancel, deadline, error, success)
         with self._lock:
             self._active += 1
         try:
@@ -178,6 +177,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             with self._lock:
                 self._active -= 1
             context.abort(engine_error_code(e), f"prefill could not admit request: {e}")
+        # Only once admitted is `rid` this call's in the engine: a rejected duplicate id must never free the engine
+        # request of the same id that another call holds.
+        if not context.add_callback(release):  # RPC ended for any reason (cancel, deadline, error, success)
+            release()  # ... already
 
         clock = AckClock()
         acks = threading.Thread(

@@ -12,6 +12,11 @@ queueing more than the instances can serve in time.
   estimated output each); it admits while its pool (`kv_pages_total` from Stats) could hold all of them. Before
   its first Stats nothing is known and it admits (the dispatch gate still waits for free pages).
 
+- colocated (prefills and decodes itself): both of the above on the same instance.
+
+The SLO controller (`pdserve.router.slo`) scales these per instance: `ttft_factor` multiplies the prefill
+capacity (budget × rate and the floor), `tpot_factor` the share of the KV pool decode admission fills.
+
 An idle instance always admits, so a request larger than any budget still runs somewhere. A rejection carries
 the time after which a retry should fit: the excess over the budget drained at the measured rate (prefill:
 tokens/s; decode: pages of finished requests per second, `DrainRate`).
@@ -72,9 +77,14 @@ def prefill_load_tokens(inst: Instance) -> int:
     return inst.queued_tokens + inst.inflight_tokens
 
 
+def instance_prefill_capacity(inst: Instance, ttft_budget_s: float, floor_tokens: float) -> float:
+    """`prefill_capacity_tokens` of `inst`, scaled by its SLO factor."""
+    f = inst.ttft_factor
+    return prefill_capacity_tokens(inst.prefill_tokens_per_s, ttft_budget_s * f, floor_tokens * f)
+
+
 def prefill_fits(inst: Instance, load: int, prompt_len: int, ttft_budget_s: float, floor_tokens: float) -> bool:
-    cap = prefill_capacity_tokens(inst.prefill_tokens_per_s, ttft_budget_s, floor_tokens)
-    return load <= 0 or load + prompt_len <= cap
+    return load <= 0 or load + prompt_len <= instance_prefill_capacity(inst, ttft_budget_s, floor_tokens)
 
 
 def admit_prefill(candidates: list[Instance], prompt_len: int, ttft_budget_s: float, floor_tokens: float) -> Instance:
@@ -88,10 +98,10 @@ def admit_prefill(candidates: list[Instance], prompt_len: int, ttft_budget_s: fl
     if ok:
         return min(ok, key=lambda i: (drain_s(i, 0), i.in_flight))
     # once the excess over the budget is computed, the request fits on the instance that drains first
-    retry = min(drain_s(i, prompt_len) - ttft_budget_s for i in candidates)
+    retry = min(drain_s(i, prompt_len) - ttft_budget_s * i.ttft_factor for i in candidates)
     load = ", ".join(
-        f"{i.address} {prefill_load_tokens(i)}/"
-        f"{prefill_capacity_tokens(i.prefill_tokens_per_s, ttft_budget_s, floor_tokens):.0f} tokens"
+        f"{i.address} {prefill_load_tokens(i)}/{instance_prefill_capacity(i, ttft_budget_s, floor_tokens):.0f} tokens"
+        + (f" (SLO factor {i.ttft_factor:.2f})" if i.ttft_factor < 1 else "")
         for i in candidates
     )
     raise Rejected(
@@ -107,28 +117,56 @@ def decode_load_pages(inst: Instance) -> int:
     return inst.queued_pages + inst.pages
 
 
+def decode_budget_pages(inst: Instance) -> float:
+    """KV pages decode admission may fill on `inst`: its pool scaled by its SLO factor (0: pool unknown)."""
+    return (inst.stats.pages_total if inst.stats is not None else 0) * inst.tpot_factor
+
+
 def decode_fits(inst: Instance, load: int, need_pages: int) -> bool:
-    total = inst.stats.pages_total if inst.stats is not None else 0
-    return load <= 0 or not total or load + need_pages <= total
+    budget = decode_budget_pages(inst)
+    return load <= 0 or not budget or load + need_pages <= budget
 
 
 def admit_decode(candidates: list[Instance], need_pages: int, drain_pages: DrainRate) -> Instance:
     """The decode instance to reserve `need_pages` on (most pool left), or Rejected."""
 
     def room(i: Instance) -> float:
-        total = i.stats.pages_total if i.stats is not None else 0
+        total = decode_budget_pages(i)
         return (total - decode_load_pages(i)) / total if total else 1.0
 
     ok = [i for i in candidates if decode_fits(i, decode_load_pages(i), need_pages)]
     if ok:
         return max(ok, key=lambda i: (room(i), -i.in_flight))
-    excess = min(decode_load_pages(i) + need_pages - i.stats.pages_total for i in candidates if i.stats)
+    excess = min(decode_load_pages(i) + need_pages - decode_budget_pages(i) for i in candidates if i.stats)
     rate = drain_pages.rate()
     retry = excess * len(candidates) / rate if rate > 0 else RETRY_AFTER_UNKNOWN_S
     load = ", ".join(
-        f"{i.address} {decode_load_pages(i)}/{i.stats.pages_total if i.stats else 0} pages" for i in candidates
+        f"{i.address} {decode_load_pages(i)}/{decode_budget_pages(i):.0f} pages"
+        + (f" (SLO factor {i.tpot_factor:.2f})" if i.tpot_factor < 1 else "")
+        for i in candidates
     )
     raise Rejected(
         f"no decode instance's KV pool can hold this request too ({need_pages} pages; load/pool: {load})",
         clamp_retry(retry),
     )
+
+
+# ---- colocated: both on one instance ----------------------------------------------------------------------------
+def admit_colocated(
+    candidates: list[Instance],
+    prompt_len: int,
+    need_pages: int,
+    ttft_budget_s: float,
+    floor_tokens: float,
+    drain_pages: DrainRate,
+) -> Instance:
+    """The colocated instance to reserve the request on: among those whose prefill budget and KV pool both fit
+    it, the one whose prefill queue drains first (then most pool left); else Rejected with the reason of the
+    instances' binding constraint."""
+    fits_p = [i for i in candidates if prefill_fits(i, prefill_load_tokens(i), prompt_len, ttft_budget_s, floor_tokens)]
+    fits_both = [i for i in fits_p if decode_fits(i, decode_load_pages(i), need_pages)]
+    if fits_both:
+        return admit_prefill(fits_both, prompt_len, ttft_budget_s, floor_tokens)
+    if not fits_p:
+        return admit_prefill(candidates, prompt_len, ttft_budget_s, floor_tokens)  # raises: the prefill reason
+    return admit_decode(fits_p, need_pages, drain_pages)  # raises: none of them has KV pool left

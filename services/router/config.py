@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.router.limits import RouterLimits  # limits: request size bounds, prompt-cache sharing
 from pdserve.server.service_config import ServerOptions, opt
 
 POLICIES = ("pcs", "round_robin", "least_requests")
@@ -15,11 +16,15 @@ DECODE_CHOICES = ("least", "p2c")
 
 
 @dataclass
-class RouterConfig(ServerOptions):
+class RouterConfig(RouterLimits, ServerOptions):
     config: str = opt("", "TOML file with any of these settings (flags and PDSERVE_ROUTER_* override it)")
     model: str = opt("", "HF model directory (the router loads its tokenizer and config only)")
     prefill: list[str] = field(default_factory=list, metadata={"help": "static prefill instances host:port (repeat)"})
     decode: list[str] = field(default_factory=list, metadata={"help": "static decode instances host:port (repeat)"})
+    colocated: list[str] = field(
+        default_factory=list,
+        metadata={"help": "static colocated instances host:port (repeat; they prefill and decode themselves)"},
+    )
     default_timeout_s: float = opt(600.0, "deadline applied when the client sets none")
     policy: str = opt("pcs", "assignment policy: pcs | round_robin | least_requests (baselines)")
     # PCS = w_in·input_len + w_out·estimated_output_len + w_special·num_special_tokens
@@ -49,6 +54,19 @@ class RouterConfig(ServerOptions):
     prefill_floor_tokens: int = opt(
         4096, "prompt tokens a prefill instance may always have queued (all it gets before it measured its rate)"
     )
+    # SLO-aware admission (docs/router.md, pdserve.router.slo): per instance, the budgets above are scaled down
+    # while the observed percentile of TTFT / TPOT over the window exceeds the target, and back up when below
+    slo_ttft_ms: float = opt(350.0, "TTFT target (router arrival to first token), ms")
+    slo_tpot_ms: float = opt(15.0, "TPOT target ((last - first token time) / (tokens - 1)), ms")
+    slo_percentile: float = opt(90.0, "percentile of the window's samples held to the targets")
+    slo_window_s: float = opt(30.0, "sliding window of TTFT / TPOT samples per instance, seconds")
+    slo_min_samples: int = opt(10, "samples since the last change before the controller acts on them")
+    slo_interval_s: float = opt(1.0, "shortest time between two controller updates, seconds")
+    slo_decrease: float = opt(0.7, "budget factor multiplier when the observed percentile exceeds the target")
+    slo_increase: float = opt(0.05, "budget factor step back up when it is below target × slo_relax_below")
+    slo_relax_below: float = opt(0.8, "relax only when the observed percentile is below target × this (hysteresis)")
+    slo_min_factor: float = opt(0.05, "lowest budget factor")
+    slo_control: bool = opt(True, "adjust the admission budgets (false: observe and export the metrics only)")
     # relative load of the assignment policy (PCS units)
     prefill_capacity_pcs: float = opt(8192.0, "PCS that count as a fully loaded prefill instance (policy)")
     decode_capacity_pcs: float = opt(0.0, "PCS that count as a fully loaded decode instance (0 = from its KV pool)")
@@ -83,6 +101,18 @@ class RouterConfig(ServerOptions):
     heartbeat_interval_s: float = opt(1.0, "heartbeat period asked of registered instances")
     lease_s: float = opt(5.0, "a registered instance silent for this long is marked down")
     remove_after_s: float = opt(30.0, "a registered instance down for this long is forgotten")
+    # security (docs/security.md): the public port serves Generation, the internal port the Registry
+    internal_port: int = opt(0, "port of the internal Registry service (engines' --router points here; 0 = any free)")
+    auth_tokens_file: str = opt(
+        "",
+        "bearer tokens of the public API: lines `token tenant` or JSON {token: tenant} ($PDSERVE_AUTH_TOKENS; "
+        "none: auth off, every caller is tenant default)",
+    )
+    max_receive_mb: float = opt(4.0, "largest request message on the public port, MiB (larger: RESOURCE_EXHAUSTED)")
+    internal_max_receive_mb: float = opt(4.0, "largest message on the internal port, MiB")
+
+    def default_max_streams(self) -> int:  # security: the queue plus the running requests, so admission decides
+        return self.max_queue + 512
 
     def validate(self) -> None:
         problems = []
@@ -121,8 +151,39 @@ class RouterConfig(ServerOptions):
         ):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "slo_window_s", "slo_interval_s", "slo_min_samples"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0")
+        if not 0 < self.slo_percentile <= 100:
+            problems.append(f"slo_percentile must be in (0, 100], got {self.slo_percentile}")
+        if not (0 < self.slo_decrease < 1 and 0 < self.slo_min_factor <= 1 and self.slo_increase > 0):
+            problems.append("slo_decrease must be in (0, 1), slo_min_factor in (0, 1], slo_increase > 0")
+        if not 0 < self.slo_relax_below <= 1:
+            problems.append(f"slo_relax_below must be in (0, 1], got {self.slo_relax_below}")
+        problems += self.limit_problems()  # limits
+        problems += self.server_problems()  # security
+        if not self.internal_max_receive_mb > 0:  # security
+            problems.append("internal_max_receive_mb must be > 0")
         if problems:
             raise SystemExit("router config: " + "; ".join(problems))
+
+    def slo_settings(self):
+        """The SLO controller's settings (pdserve.router.slo.SloSettings)."""
+        from pdserve.router.slo import SloSettings
+
+        return SloSettings(
+            ttft_s=self.slo_ttft_ms / 1e3,
+            tpot_s=self.slo_tpot_ms / 1e3,
+            percentile=self.slo_percentile,
+            window_s=self.slo_window_s,
+            min_samples=self.slo_min_samples,
+            interval_s=self.slo_interval_s,
+            decrease=self.slo_decrease,
+            increase=self.slo_increase,
+            relax_below=self.slo_relax_below,
+            min_factor=self.slo_min_factor,
+            control=self.slo_control,
+        )
 
 
 ENV_PREFIX = "PDSERVE_ROUTER_"

@@ -1,4 +1,8 @@
-"""What the router knows about one prefill or decode instance: health state, load it accounts, last Stats.
+"""What the router knows about one prefill, decode or colocated instance: health state, load it accounts, last
+Stats, and the SLO controller's budget factors (`pdserve.router.slo`).
+
+A colocated instance (prefills and decodes itself) carries both kinds of load: prompt tokens until the first
+token (as a prefill instance) and KV pages until the request finishes (as a decode instance).
 
 All fields are guarded by the scheduler's lock (pdserve.router.scheduler.Scheduler.lock).
 """
@@ -9,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+ROLES = (PREFILL, DECODE, COLOCATED)
 
 
 class State(str, Enum):
@@ -47,8 +52,11 @@ class Instance:
     queued_tokens: int = 0  # prefill: prompt tokens of queued requests bound here (admission)
     pages: int = 0  # decode: KV pages the router's in-flight requests need (estimate)
     queued_pages: int = 0  # decode: KV pages of queued requests bound here (admission)
-    prefill_tokens_per_s: float = 0.0  # prefill: measured by the instance (Stats; 0 = not yet)
-    stats: DecodeStats | None = None
+    prefill_tokens_per_s: float = 0.0  # prefill, colocated: measured by the instance (Stats; 0 = not yet)
+    stats: DecodeStats | None = None  # decode, colocated
+    # SLO controller (pdserve.router.slo): scales the TTFT budget (prefill work) and the KV pool share (decode)
+    ttft_factor: float = 1.0
+    tpot_factor: float = 1.0
     # counters
     assigned: int = 0
     affinity_hits: int = 0

@@ -7,8 +7,9 @@ One background thread, every `health_interval_s`:
   - registered instances: no heartbeat for `lease_s` → down; down for `remove_after_s` → forgotten
     (they register again when they come back); deregistered ones are forgotten once idle.
   - every `stats_interval_s`: Stats of every instance: its KV page size (the first one reported is the cluster's;
-    an instance reporting another is refused: up, but given no request), and for decode the free KV pages and
-    active sequences the decode policy uses. Also once at start and when an instance registers.
+    an instance reporting another is refused: up, but given no request), for decode and colocated instances the
+    free KV pages and active sequences the decode policy uses, for prefill and colocated ones the measured prefill
+    rate. Also once at start and when an instance registers. (A colocated instance serves the Decode service.)
 Static instances are never forgotten: a static instance that recovers (restarted on its address) comes back up.
 A request that fails UNAVAILABLE makes the router check both of its instances at once (`blame`): the one that
 fails is marked down immediately and the retry avoids it.
@@ -24,9 +25,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.instances import DECODE, PREFILL, Instance, State
+from pdserve.router.instances import COLOCATED, DECODE, PREFILL, Instance, State
 from pdserve.router.scheduler import Scheduler
-from pdserve.server.grpc_util import CHANNEL_OPTIONS
+from pdserve.server.grpc_util import CHANNEL_OPTIONS, channel
+from pdserve.server.security import ServiceSecurity
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.router.membership")
@@ -44,12 +46,14 @@ class Membership:
     def __init__(self, cfg: RouterConfig, scheduler: Scheduler):
         self.cfg = cfg
         self.scheduler = scheduler
+        self.security = ServiceSecurity.of(cfg).channel()  # the router's internal identity (token, client cert)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()  # channels
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.static = {(PREFILL, a) for a in cfg.prefill} | {(DECODE, a) for a in cfg.decode}
+        self.static |= {(COLOCATED, a) for a in cfg.colocated}
         for role, addr in sorted(self.static):
             scheduler.add(role, addr)
 
@@ -58,7 +62,7 @@ class Membership:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address, options=ROUTER_CHANNEL_OPTIONS)
+                ch = self._channels[address] = channel(address, self.security, ROUTER_CHANNEL_OPTIONS)
             return ch
 
     def decode_stub(self, address: str) -> internal_pb2_grpc.DecodeStub:
@@ -116,7 +120,7 @@ class Membership:
                     req, timeout=self.cfg.health_timeout_s
                 ),
             )
-            for i in insts
+            for i in dict.fromkeys(insts)  # a colocated request blames one instance, named twice
         ]
         failed = []
         for inst, fut in futures:
@@ -162,6 +166,7 @@ class Membership:
                 next_health = time.monotonic() + self.cfg.health_interval_s
             if now >= next_stats:
                 self.poll_stats()
+                self.scheduler.update_slo()
                 next_stats = time.monotonic() + self.cfg.stats_interval_s
             self._wake.wait(max(0.0, min(next_health, next_stats) - time.monotonic()))
 
@@ -234,7 +239,7 @@ class Membership:
         for i in self._all() if insts is None else insts:
             if i.state == State.DOWN:
                 continue
-            stub = (internal_pb2_grpc.DecodeStub if i.role == DECODE else internal_pb2_grpc.PrefillStub)(
+            stub = (internal_pb2_grpc.PrefillStub if i.role == PREFILL else internal_pb2_grpc.DecodeStub)(
                 self.channel(i.address)
             )
             futures.append((i, stub.Stats.future(internal_pb2.StatsRequest(), timeout=self.cfg.health_timeout_s)))
@@ -243,7 +248,9 @@ class Membership:
                 s = fut.result()
             except grpc.RpcError:
                 continue  # health checks decide about failures
-            if inst.role == DECODE:
-                self.scheduler.update_stats(inst, s.kv_pages_free, s.kv_pages_total, s.active_requests, s.page_size)
+            if inst.role != PREFILL:
+                self.scheduler.update_stats(
+                    inst, s.kv_pages_free, s.kv_pages_total, s.active_requests, s.page_size, s.prefill_tokens_per_s
+                )
             else:
                 self.scheduler.observe_page_size(inst, s.page_size, s.prefill_tokens_per_s)

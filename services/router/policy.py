@@ -7,6 +7,8 @@
   - decode: least `(1 − free_pages_after/total) + active/decode_active_norm`, from the instance's last Stats
     corrected by what the router dispatched since; `decode_choice = p2c` compares two random candidates
     instead of all (for several routers sharing instances, where the full scan would herd).
+  - colocated (an instance that prefills and decodes): the decode cost plus its prompt tokens awaiting their
+    first token relative to `prefill_max_inflight_tokens` (a long prompt prefilling there delays the next one).
 Baselines for the benchmark: `round_robin` (rotate), `least_requests` (fewest requests in flight).
 
 Candidates passed in are already eligible (up, not excluded by a retry) and have room (the dispatch gate).
@@ -37,6 +39,8 @@ class Policy(Protocol):
 
     def pick_decode(self, job: Job, candidates: list[Instance]) -> Instance: ...
 
+    def pick_colocated(self, job: Job, candidates: list[Instance]) -> Instance: ...
+
 
 def decode_cost(inst: Instance, need_pages: int, active_norm: float) -> float:
     free = inst.pages_free_estimate()
@@ -54,6 +58,7 @@ class PCSPolicy:
         self.threshold = cfg.batch_utilization_threshold
         self.active_norm = cfg.decode_active_norm
         self.p2c = cfg.decode_choice == "p2c"
+        self.prefill_norm = float(cfg.prefill_max_inflight_tokens or cfg.prefill_floor_tokens)
         self._rng = random.Random(cfg.seed)
         self._table: OrderedDict[bytes, str] = OrderedDict()  # leading page hash -> prefill address
 
@@ -84,10 +89,19 @@ class PCSPolicy:
             candidates = self._rng.sample(candidates, 2)
         return min(candidates, key=lambda i: (decode_cost(i, job.need_pages, self.active_norm), i.assigned))
 
+    def pick_colocated(self, job: Job, candidates: list[Instance]) -> Instance:
+        if self.p2c and len(candidates) > 2:
+            candidates = self._rng.sample(candidates, 2)
+
+        def cost(i: Instance) -> float:
+            return decode_cost(i, job.need_pages, self.active_norm) + i.inflight_tokens / self.prefill_norm
+
+        return min(candidates, key=lambda i: (cost(i), i.assigned))
+
 
 class RoundRobinPolicy:
     def __init__(self, cfg: RouterConfig):
-        self._next = {"prefill": 0, "decode": 0}
+        self._next = {"prefill": 0, "decode": 0, "colocated": 0}
 
     def _pick(self, role: str, candidates: list[Instance]) -> Instance:
         i = self._next[role]
@@ -100,6 +114,9 @@ class RoundRobinPolicy:
     def pick_decode(self, job: Job, candidates: list[Instance]) -> Instance:
         return self._pick("decode", candidates)
 
+    def pick_colocated(self, job: Job, candidates: list[Instance]) -> Instance:
+        return self._pick("colocated", candidates)
+
 
 class LeastRequestsPolicy:
     def __init__(self, cfg: RouterConfig):
@@ -109,6 +126,9 @@ class LeastRequestsPolicy:
         return min(candidates, key=lambda i: (i.in_flight, i.assigned))
 
     def pick_decode(self, job: Job, candidates: list[Instance]) -> Instance:
+        return min(candidates, key=lambda i: (i.in_flight, i.assigned))
+
+    def pick_colocated(self, job: Job, candidates: list[Instance]) -> Instance:
         return min(candidates, key=lambda i: (i.in_flight, i.assigned))
 
 

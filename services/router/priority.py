@@ -38,9 +38,12 @@ METADATA_KEY = "x-priority"
 
 def resolve(field_value: int, metadata: Iterable[tuple[str, Any]]) -> Priority:
     """The request field wins when set; else `x-priority: high|normal|low`; else normal.
-    Raises ValueError with a reason for an unknown metadata value."""
+    Raises ValueError with a reason for a field value outside the enum (proto3 keeps unknown numbers) or an unknown
+    metadata value."""
     if field_value in _FROM_FIELD:
         return _FROM_FIELD[field_value]
+    if field_value != generate_pb2.PRIORITY_UNSPECIFIED:
+        raise ValueError(f"priority {field_value} is not a Priority value (0..{max(_FROM_FIELD)})")
     for key, value in metadata:
         if key == METADATA_KEY:
             v = value.decode() if isinstance(value, bytes) else str(value)

@@ -5,19 +5,22 @@ from __future__ import annotations
 import grpc
 
 from pdserve.router.estimator import OutputLengthEstimator
-from pdserve.router.instances import DECODE, PREFILL
+from pdserve.router.instances import COLOCATED, DECODE, PREFILL
 from pdserve.router.membership import Membership
 from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
 
-ROLES = {pb.INSTANCE_ROLE_PREFILL: PREFILL, pb.INSTANCE_ROLE_DECODE: DECODE}
+ROLES = {pb.INSTANCE_ROLE_PREFILL: PREFILL, pb.INSTANCE_ROLE_DECODE: DECODE, pb.INSTANCE_ROLE_COLOCATED: COLOCATED}
 ROLE_ENUM = {v: k for k, v in ROLES.items()}
 
 
 def _role_and_address(request, context: grpc.ServicerContext) -> tuple[str, str]:
     role = ROLES.get(request.role)
     if role is None:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be INSTANCE_ROLE_PREFILL or INSTANCE_ROLE_DECODE")
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "role must be INSTANCE_ROLE_PREFILL, INSTANCE_ROLE_DECODE or INSTANCE_ROLE_COLOCATED",
+        )
     host, sep, port = request.address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address must be host:port, got {request.address!r}")
@@ -52,7 +55,7 @@ class RegistryServicer(router_admin_pb2_grpc.RegistryServicer):
         sched = self.membership.scheduler
         resp = pb.ListInstancesResponse()
         with sched.lock:
-            for role in (PREFILL, DECODE):
+            for role in (PREFILL, DECODE, COLOCATED):
                 for i in sched.instances[role].values():
                     s = i.stats
                     resp.instances.add(

@@ -4,16 +4,23 @@ the instance table that membership keeps up to date. One lock guards all of it; 
 Request life cycle (calls made by the servicer's RPC thread):
     submit(job)       admission (Rejected → RESOURCE_EXHAUSTED), queue, dispatch if something has room
     wait(job, t)      until dispatched: (prefill, decode); QueueTimeout / Unavailable when it cannot be
-    first_token(job)  prefill work done: its PCS and tokens leave the prefill instance
+    first_token(job)  prefill work done: its PCS and tokens leave the prefill instance (TTFT sample)
     retry(job)        UNAVAILABLE before the first token: back into the queue at its old place, those
                       instances excluded for this job
-    finish(job)       always (finally): releases whatever the job still holds; idempotent
+    finish(job)       always (finally): releases whatever the job still holds; idempotent (TPOT sample)
 
 Dispatch gate (what "has room" means): a prefill instance takes another request while fewer than
 `prefill_max_inflight_tokens` prompt tokens sent to it await their first token (so a 4k-token prompt fills it
 and the next request waits for whichever instance frees first, instead of queueing behind that prefill); a
 decode instance while its estimated free KV pages cover the request (an idle one always takes one). The gate is
 what makes the queue — and with it the priority order — matter: instances are given work as they free up.
+
+Colocated instances (prefill and decode in one engine): while the router has any that is up, every request goes
+to one of them; the job's prefill and decode are that one instance, which carries the prompt tokens until the
+first token and the KV pages until the end, and must pass both gates and both admission budgets.
+
+SLO (`pdserve.router.slo`): first_token / finish feed each instance's TTFT / TPOT window; submit runs the
+controllers (at most every `slo_interval_s`) and stores their factors on the instances, which admission applies.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 from pdserve.router.admission import (
     DrainRate,
     Rejected,
+    admit_colocated,
     admit_decode,
     admit_prefill,
     decode_fits,
@@ -35,9 +43,10 @@ from pdserve.router.admission import (
     prefill_load_tokens,
 )
 from pdserve.router.config import RouterConfig
-from pdserve.router.instances import DECODE, PREFILL, DecodeStats, Instance, State
+from pdserve.router.instances import COLOCATED, DECODE, PREFILL, ROLES, DecodeStats, Instance, State
 from pdserve.router.policy import Policy, make_policy
 from pdserve.router.priority import PriorityQueue
+from pdserve.router.slo import TPOT, TTFT, SloTracker
 
 log = logging.getLogger("pdserve.router.scheduler")
 
@@ -73,6 +82,7 @@ class Job:
     decode: Instance | None = None
     prefill_open: bool = False  # prefill accounting held (no first token yet)
     decode_open: bool = False
+    first_token_at: float | None = None  # monotonic time the caller's first token was streamed (TTFT, TPOT)
     cancelled: bool = False
     event: threading.Event = field(default_factory=threading.Event)
 
@@ -92,13 +102,14 @@ class Scheduler:
     def __init__(self, cfg: RouterConfig, policy: Policy | None = None):
         self.cfg = cfg
         self.lock = threading.Lock()
-        self.instances: dict[str, dict[str, Instance]] = {PREFILL: {}, DECODE: {}}
+        self.instances: dict[str, dict[str, Instance]] = {role: {} for role in ROLES}
         self.queue = PriorityQueue(cfg.priority_aging_pcs_per_s)
         self.policy = policy or make_policy(cfg)
         self.drain_pages = DrainRate()  # KV pages of finished decode requests per second (retry hints)
         self.rejected = 0
         self.retries = 0
         self.page_size: int | None = None  # tokens per KV page, learned from instances' Stats
+        self.slo = SloTracker(cfg.slo_settings())
 
     # ---- membership side -----------------------------------------------------------------------------------
     def add(self, role: str, address: str, registered: bool = False, capacity_pcs: float = 0.0) -> Instance:
@@ -130,12 +141,23 @@ class Scheduler:
                 if state == State.UP:
                     self._dispatch()
 
-    def update_stats(self, inst: Instance, pages_free: int, pages_total: int, active: int, page_size: int = 0) -> None:
-        """A decode instance's Stats (page_size 0: not reported)."""
+    def update_stats(
+        self,
+        inst: Instance,
+        pages_free: int,
+        pages_total: int,
+        active: int,
+        page_size: int = 0,
+        prefill_tokens_per_s: float = 0.0,
+    ) -> None:
+        """A decode or colocated instance's Stats (page_size 0: not reported; prefill_tokens_per_s: a colocated
+        instance's measured prefill rate, 0 = none yet, the last measurement is kept)."""
         with self.lock:
             self._observe_page_size(inst, page_size)
             inst.stats = DecodeStats(pages_free, pages_total, active, inst.in_flight, inst.pages)
-            if inst.role == DECODE and not self.cfg.decode_capacity_pcs and pages_total and self.page_size:
+            if prefill_tokens_per_s > 0:
+                inst.prefill_tokens_per_s = prefill_tokens_per_s
+            if inst.role != PREFILL and not self.cfg.decode_capacity_pcs and pages_total and self.page_size:
                 w = max(self.cfg.pcs_w_in, self.cfg.pcs_w_out)
                 inst.capacity_pcs = w * self.page_size * pages_total  # PCS of prompts+outputs filling the pool
             self._dispatch()
@@ -182,20 +204,44 @@ class Scheduler:
         up = [i for i in self.instances[role].values() if i.state == State.UP and not i.refused]
         return [i for i in up if i.address not in exclude] or up
 
+    def _colocated_mode(self) -> bool:
+        """Requests go to colocated instances while any is up (else to prefill/decode pairs)."""
+        return bool(self._eligible(COLOCATED))
+
+    def _roles(self) -> tuple[str, ...]:
+        return (COLOCATED,) if self._colocated_mode() else (PREFILL, DECODE)
+
+    def update_slo(self) -> None:
+        """Run the SLO controllers now (membership calls it every Stats poll, so an idle router relaxes too)."""
+        with self.lock:
+            self._update_slo(time.monotonic())
+
+    def _update_slo(self, now: float) -> None:
+        """Run the SLO controllers (each at most every slo_interval_s) and store their factors."""
+        insts = [i for role in ROLES for i in self.instances[role].values()]
+        factors = self.slo.update([i.address for i in insts], now)
+        for i in insts:
+            i.ttft_factor, i.tpot_factor = factors[i.address]
+
     # ---- request side ---------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
         """Admit and queue (dispatching at once when there is room). Raises Rejected or Unavailable."""
         with self.lock:
-            pre, dec = self._eligible(PREFILL), self._eligible(DECODE)
-            for role, cands in ((PREFILL, pre), (DECODE, dec)):
-                if not cands:
+            self._update_slo(time.monotonic())
+            cands = {role: self._eligible(role) for role in self._roles()}
+            for role, insts in cands.items():
+                if not insts:
                     raise Unavailable(f"no healthy {role} instance")
             try:
                 budget_s, floor = self.cfg.ttft_budget_ms / 1e3, self.cfg.prefill_floor_tokens
-                targets = [
-                    admit_prefill(pre, job.prompt_len, budget_s, floor),
-                    admit_decode(dec, job.need_pages, self.drain_pages),
-                ]
+                if COLOCATED in cands:
+                    c = cands[COLOCATED]
+                    targets = [admit_colocated(c, job.prompt_len, job.need_pages, budget_s, floor, self.drain_pages)]
+                else:
+                    targets = [
+                        admit_prefill(cands[PREFILL], job.prompt_len, budget_s, floor),
+                        admit_decode(cands[DECODE], job.need_pages, self.drain_pages),
+                    ]
             except Rejected:
                 self.rejected += 1
                 raise
@@ -216,7 +262,7 @@ class Scheduler:
             with self.lock:
                 if self.queue.remove(job):
                     self._unreserve(job)
-                    for role in (PREFILL, DECODE):
+                    for role in self._roles():
                         if not any(i.state == State.UP for i in self.instances[role].values()):
                             raise Unavailable(f"no healthy {role} instance")
                     waited = time.monotonic() - job.arrival
@@ -234,6 +280,9 @@ class Scheduler:
 
     def first_token(self, job: Job) -> None:
         with self.lock:
+            if job.first_token_at is None and job.prefill is not None:  # the caller's first token: TTFT
+                job.first_token_at = now = time.monotonic()
+                self.slo.observe(job.prefill.address, TTFT, now - job.arrival, now)
             self._release_prefill(job, done=True)
             self._dispatch()
 
@@ -249,14 +298,22 @@ class Scheduler:
                 job.excluded.add(inst.address)
             self.retries += 1
             job.event.clear()
-            cands = [self._eligible(r, job.excluded) for r in (PREFILL, DECODE)]
+            cands = [self._eligible(r, job.excluded) for r in self._roles()]
             self._reserve(job, [min(c, key=lambda i: i.load_pcs / i.capacity_pcs) for c in cands if c])
             self.queue.requeue(job)
             self._dispatch()
 
-    def finish(self, job: Job, completed: bool = False) -> None:
-        """Release everything `job` holds (idempotent); `completed` counts its PCS as drained by decode."""
+    def finish(self, job: Job, completed: bool = False, completion_tokens: int = 0) -> None:
+        """Release everything `job` holds (idempotent); `completed` counts its PCS as drained by decode and, with
+        `completion_tokens`, gives the decode instance a TPOT sample and the SLO tally the request."""
         with self.lock:
+            if completed and job.decode_open and job.decode is not None and job.first_token_at is not None:
+                now = time.monotonic()
+                tpot = None
+                if completion_tokens > 1:
+                    tpot = (now - job.first_token_at) / (completion_tokens - 1)
+                    self.slo.observe(job.decode.address, TPOT, tpot, now)
+                self.slo.finished(job.first_token_at - job.arrival, tpot)
             if self.queue.remove(job):
                 self._unreserve(job)
             self._release_prefill(job, done=False)
@@ -267,41 +324,44 @@ class Scheduler:
     def _reserve(self, job: Job, targets: list[Instance]) -> None:
         for inst in targets:
             inst.reserved_pcs += job.pcs
-            if inst.role == PREFILL:
+            if inst.role != DECODE:
                 inst.queued_tokens += job.prompt_len
-            else:
+            if inst.role != PREFILL:
                 inst.queued_pages += job.need_pages
         job.reserved = targets
 
     def _unreserve(self, job: Job) -> None:
         for inst in job.reserved:
             inst.reserved_pcs = max(0.0, inst.reserved_pcs - job.pcs)
-            if inst.role == PREFILL:
+            if inst.role != DECODE:
                 inst.queued_tokens = max(0, inst.queued_tokens - job.prompt_len)
-            else:
+            if inst.role != PREFILL:
                 inst.queued_pages = max(0, inst.queued_pages - job.need_pages)
         job.reserved = []
 
     @staticmethod
-    def _charge(inst: Instance, job: Job, sign: int) -> None:
-        """Add (+1, at dispatch) or remove (-1, at release) `job`'s load on `inst`."""
-        inst.running_pcs = max(0.0, inst.running_pcs + sign * job.pcs)
-        inst.in_flight += sign
-        if inst.role == PREFILL:
+    def _charge(inst: Instance, job: Job, sign: int, part: str) -> None:
+        """Add (+1, at dispatch) or remove (-1, at release) `job`'s `part` (PREFILL: until the first token,
+        DECODE: until the end) on `inst`. A colocated instance carries both parts: its PCS and in-flight count
+        with the decode part, its prompt tokens with the prefill part."""
+        if part == PREFILL:
             inst.inflight_tokens += sign * job.prompt_len
         else:
             inst.pages += sign * job.need_pages
+        if inst.role != COLOCATED or part == DECODE:
+            inst.running_pcs = max(0.0, inst.running_pcs + sign * job.pcs)
+            inst.in_flight += sign
 
     def _release_prefill(self, job: Job, done: bool) -> None:
         if job.prefill_open:
             assert job.prefill is not None
-            self._charge(job.prefill, job, -1)
+            self._charge(job.prefill, job, -1, PREFILL)
             job.prefill_open = False
 
     def _release_decode(self, job: Job, done: bool) -> None:
         if job.decode_open:
             assert job.decode is not None
-            self._charge(job.decode, job, -1)
+            self._charge(job.decode, job, -1, DECODE)
             job.decode_open = False
             if done:
                 self.drain_pages.add(job.need_pages)
@@ -310,10 +370,13 @@ class Scheduler:
         """Dispatching `job` keeps `inst` within its admission budget (its own reservation not counted twice):
         the policy may prefer another instance than the one admission reserved on, never an overloaded one."""
         own = inst in job.reserved
-        if inst.role == PREFILL:
+        if inst.role != DECODE:
             load = prefill_load_tokens(inst) - (job.prompt_len if own else 0)
             cfg = self.cfg
-            return prefill_fits(inst, load, job.prompt_len, cfg.ttft_budget_ms / 1e3, cfg.prefill_floor_tokens)
+            if not prefill_fits(inst, load, job.prompt_len, cfg.ttft_budget_ms / 1e3, cfg.prefill_floor_tokens):
+                return False
+        if inst.role == PREFILL:
+            return True
         return decode_fits(inst, decode_load_pages(inst) - (job.need_pages if own else 0), job.need_pages)
 
     def _prefill_room(self, inst: Instance) -> bool:
@@ -328,6 +391,23 @@ class Scheduler:
     def _dispatch(self) -> None:
         """Start queued jobs in priority order while the head one finds room (strict order: no overtaking)."""
         while (job := self.queue.peek()) is not None:
+            if self._colocated_mode():
+                cs = [
+                    i
+                    for i in self._eligible(COLOCATED, job.excluded)
+                    if self._prefill_room(i) and self._decode_room(i, job) and self._in_budget(i, job)
+                ]
+                if not cs:
+                    return
+                self.queue.pop()
+                self._unreserve(job)
+                c = self.policy.pick_colocated(job, cs)
+                self._charge(c, job, +1, PREFILL)
+                self._charge(c, job, +1, DECODE)
+                c.assigned += 1
+                job.prefill, job.decode, job.prefill_open, job.decode_open = c, c, True, True
+                job.event.set()
+                continue
             ps = [i for i in self._eligible(PREFILL, job.excluded) if self._prefill_room(i) and self._in_budget(i, job)]
             ds = [
                 i for i in self._eligible(DECODE, job.excluded) if self._decode_room(i, job) and self._in_budget(i, job)
@@ -337,8 +417,8 @@ class Scheduler:
             self.queue.pop()
             self._unreserve(job)  # before picking: its own reservation must not count against an instance
             p, d = self.policy.pick_prefill(job, ps), self.policy.pick_decode(job, ds)
-            for inst in (p, d):
-                self._charge(inst, job, +1)
+            for inst, part in ((p, PREFILL), (d, DECODE)):
+                self._charge(inst, job, +1, part)
                 inst.assigned += 1
             job.prefill, job.decode, job.prefill_open, job.decode_open = p, d, True, True
             job.event.set()

@@ -1,15 +1,18 @@
-"""`pdserve serve router`: the public Generation endpoint plus the Registry instances announce themselves to."""
+"""`pdserve serve router`: the public Generation endpoint (`--port`, bearer tokens → tenants) and, on the internal
+port (`--internal-port`, internal identity required), the Registry instances announce themselves to."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from pdserve.router.config import RouterConfig
+from pdserve.server.auth import Authenticator
 from pdserve.server.runner import run_service
 from pdserve.telemetry.metrics import watch_pools
-from pdserve.v1 import generate_pb2, generate_pb2_grpc, router_admin_pb2, router_admin_pb2_grpc
+from pdserve.v1 import generate_pb2, router_admin_pb2, router_admin_pb2_grpc
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 REGISTRY = router_admin_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
@@ -28,13 +31,16 @@ def model_id(model_dir: str | Path) -> str:
 def serve(cfg: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
+    from pdserve.router.instances import COLOCATED
     from pdserve.router.registry import RegistryServicer
-    from pdserve.router.servicer import RouterServicer
+    from pdserve.router.servicer import RouterServicer, add_generation_servicer
+    from pdserve.router.slo import register_metrics as register_slo_metrics
 
+    auth = Authenticator.from_config(cfg.auth_tokens_file, os.environ)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model_cfg = json.loads((Path(cfg.model) / "config.json").read_text())
 
-    def register(server, telemetry):
+    def register(server, telemetry, internal):
         servicer = RouterServicer(
             cfg,
             tokenizer,
@@ -42,16 +48,18 @@ def serve(cfg: RouterConfig) -> None:
             vocab_size=int(model_cfg["vocab_size"]),
             telemetry=telemetry,
             model_id=model_id(cfg.model),
+            tenant_of=auth.tenant_of,
         )
-        watch_pools(telemetry.metrics, servicer.prefill, servicer.decode)
+        watch_pools(telemetry.metrics, servicer.prefill, servicer.decode, servicer.scheduler.view(COLOCATED))
+        register_slo_metrics(telemetry.metrics, servicer.scheduler)
         telemetry.metrics.gauge(
             "queue_depth", "Requests in the router's priority queue", lambda: len(servicer.scheduler.queue)
         )
-        generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        add_generation_servicer(servicer, server)  # malformed requests (bad UTF-8): INVALID_ARGUMENT
         router_admin_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(servicer.membership, servicer.estimator, cfg.pcs_fallback_mode), server
+            RegistryServicer(servicer.membership, servicer.estimator, cfg.pcs_fallback_mode), internal
         )
         servicer.start()
         return servicer.close
 
-    run_service("router", cfg, [SERVICE, REGISTRY], register)
+    run_service("router", cfg, [SERVICE], register, public=auth, internal_services=[REGISTRY])

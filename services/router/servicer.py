@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +22,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.estimator import Features, OutputLengthEstimator, features
 from pdserve.router.estimator_store import Persistence, open_store
 from pdserve.router.instances import DECODE, PREFILL, Instance
+from pdserve.router.limits import DEFAULT_TENANT
 from pdserve.router.membership import Membership
 from pdserve.router.pcs import (
     PCS,
@@ -36,7 +38,7 @@ from pdserve.router.reasoning import ReasoningSplitter, reasoning_tags
 from pdserve.router.retry_policy import Action, Decision, after_failure
 from pdserve.router.scheduler import Cancelled, Job, Scheduler, Unavailable
 from pdserve.router.shaping import ChunkShaper, merge_chunks
-from pdserve.server.proto_convert import sampling_from_proto
+from pdserve.server.proto_convert import MalformedMessage, lenient_parser, sampling_from_proto
 from pdserve.telemetry.service import Telemetry
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2
 
@@ -67,8 +69,12 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         vocab_size: int,
         telemetry: Telemetry | None = None,
         model_id: str = "",
+        tenant_of: Callable[[grpc.ServicerContext], str] | None = None,
     ):
+        """`tenant_of(context)`: the authenticated caller's tenant (it may abort the RPC, e.g. UNAUTHENTICATED);
+        None: every caller is tenant "default". The tenant scopes the prompt cache (docs/router.md)."""
         self.cfg = cfg
+        self.tenant_of = tenant_of
         self.telemetry = telemetry or Telemetry.off("router")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -105,12 +111,13 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
     def _prompt_ids(self, request: generate_pb2.GenerateRequest, context) -> list[int]:
         which = request.WhichOneof("input")
         if request.messages:  # a conversation, rendered with the model's chat template
-            from pdserve.router.chat import chat_prompt_ids
+            from pdserve.router.chat import ChatLimits, chat_prompt_ids
 
             if which is not None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set one of prompt, token_ids or messages")
             try:
-                ids = chat_prompt_ids(self.tokenizer, request.messages)
+                limits = ChatLimits(max_messages=self.cfg.max_messages, max_bytes=self.cfg.max_prompt_bytes)
+                ids = chat_prompt_ids(self.tokenizer, request.messages, limits)
             except InvalidRequest as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         elif which == "prompt":
@@ -118,6 +125,11 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
             ids = list(self.tokenizer(request.prompt).input_ids)
         elif which == "token_ids":
+            if len(request.token_ids.ids) >= self.max_model_len:  # before copying them
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"prompt has {len(request.token_ids.ids)} tokens; the model context is {self.max_model_len}",
+                )
             ids = list(request.token_ids.ids)
             if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                 context.abort(
@@ -204,19 +216,29 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
     # ---- RPCs -------------------------------------------------------------------------------------------
     def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         t0 = time.perf_counter()
-        rid = request.request_id or uuid.uuid4().hex
-        req = self.telemetry.request(
-            "router.generate",
-            context,
-            {"pdserve.request_id": rid, "pdserve.priority": generate_pb2.Priority.Name(request.priority)},
+        # The id on every internal hop and in every engine: unique per request, whatever the caller sends. The
+        # caller's request_id is only a label echoed back (reusing one in flight is allowed and touches nothing).
+        rid = uuid.uuid4().hex
+        req = self.telemetry.request("router.generate", context, {"pdserve.request_id": rid})
+        if isinstance(request, MalformedMessage):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        tenant = self.tenant_of(context) if self.tenant_of is not None else DEFAULT_TENANT
+        try:
+            self.cfg.check_request(request)  # sizes, before any tokenizing
+            priority = resolve(request.priority, context.invocation_metadata())
+        except (InvalidRequest, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        label = request.request_id or rid
+        req.set(
+            {
+                "pdserve.request_label": label,
+                "pdserve.tenant": tenant,
+                "pdserve.priority": generate_pb2.Priority.Name(request.priority),  # a valid value by now
+            }
         )
         ids = self._prompt_ids(request, context)
         max_tokens = self._max_tokens(request.sampling, len(ids), context, chat=bool(request.messages))
         shaper = ChunkShaper(self.tokenizer, ids, self._splitter(request, ids, context))
-        try:
-            priority = resolve(request.priority, context.invocation_metadata())
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         page_size = self.scheduler.page_size
         if page_size is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no instance has reported its KV page size yet (Stats)")
@@ -240,7 +262,9 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         sampling = generate_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         sampling.max_tokens = max_tokens
-        decode_req = internal_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling)
+        decode_req = internal_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=sampling, cache_scope=self.cfg.cache_scope(tenant)
+        )
         metadata = req.outgoing_metadata()  # decode.request continues this trace
 
         try:
@@ -259,7 +283,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 if pair is None:  # cancelled while queued
                     return
                 p, d = pair
-                decode_req.prefill_target = p.address
+                decode_req.prefill_target = "" if p is d else p.address  # a colocated instance prefills itself
                 req.set(
                     {
                         "pdserve.prefill": p.address,
@@ -274,7 +298,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 if not context.add_callback(call.cancel):  # the RPC already ended
                     call.cancel()
                 try:
-                    yield from shaper.shape(relay(call, rid, progress, self._hooks(job, plan, req)))
+                    yield from shaper.shape(relay(call, label, progress, self._hooks(job, plan, req)))
                     return
                 except grpc.RpcError as e:
                     decision = after_failure(
@@ -295,9 +319,11 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             self.scheduler.finish(job)
             ttft_ms = progress.ttft_ms
             log.info(
-                "router rid=%s prompt_tokens=%d completion_tokens=%d pcs=%.1f est_out=%d (%s) priority=%s "
-                "prefill=%s decode=%s finish=%s ttft_ms=%s total_ms=%.1f",
+                "router rid=%s tenant=%s label=%r prompt_tokens=%d completion_tokens=%d pcs=%.1f est_out=%d (%s) "
+                "priority=%s prefill=%s decode=%s finish=%s ttft_ms=%s total_ms=%.1f",
                 rid,
+                tenant,
+                label,
                 len(ids),
                 len(progress.tokens),
                 pcs.score,
@@ -330,7 +356,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             reason = generate_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
             req.finish(msg.usage.completion_tokens, reason)
             self.estimator.observe(plan.features, msg.usage.completion_tokens, plan.predicted)
-            self.scheduler.finish(job, completed=True)
+            self.scheduler.finish(job, completed=True, completion_tokens=msg.usage.completion_tokens)
 
         return AttemptHooks(
             attempt_first_token=lambda: self.scheduler.first_token(job), first_token=req.first_token, finished=finished
@@ -381,3 +407,22 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
 
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         return merge_chunks(self.GenerateStream(request, context))
+
+
+def add_generation_servicer(servicer: RouterServicer, server: grpc.Server) -> None:
+    """Register the Generation service like the generated helper, but with a request parser that hands the servicer
+    unparseable bytes (e.g. invalid UTF-8 in a string) as a `MalformedMessage`: INVALID_ARGUMENT, not INTERNAL."""
+    parse = lenient_parser(generate_pb2.GenerateRequest)
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=parse,
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString,
+        ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream,
+            request_deserializer=parse,
+            response_serializer=generate_pb2.GenerateStreamResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Generation", handlers),))

@@ -1,11 +1,13 @@
 """Content-addressed page keys: a chained sha256 over full pages of token ids, inside a namespace.
 
-    root  = sha256("pdserve-prompt-cache" | cache format | KV format | fingerprint | layout fields)
+    root  = sha256("pdserve-prompt-cache" | cache format | KV format | fingerprint | layout fields | scope)
     h_0   = root
     h_k   = sha256(h_{k-1} || token ids of page k as little-endian int32)      (k = 1 .. full pages)
 
 h_k identifies the KV of page k: causal attention makes it a function of tokens 0 .. k*page_size only, and the
-namespace pins everything else (model weights, KV dtype, group size, symmetry, page size, formats). Only full
+namespace pins everything else (model weights, KV dtype, group size, symmetry, page size, formats) and the scope:
+who may share the pages (the router sends each tenant's requests with the tenant's own scope unless its config names
+a shared one), so a prompt cached for one tenant is never a hit, or a `cached_tokens` count, for another. Only full
 pages get keys: a partial page is never shared. Deterministic across processes and hosts (never Python's
 salted `hash()`).
 """
@@ -20,15 +22,17 @@ from functools import cached_property
 from pdserve.kv.codec import FORMAT_VERSION as KV_FORMAT_VERSION
 from pdserve.kv.codec import KVLayoutSpec
 
-CACHE_FORMAT_VERSION = 2  # bump with any change to keys.py or value.py (2: values are KVPage messages)
+CACHE_FORMAT_VERSION = 3  # bump with any change to keys.py or value.py (2: values are KVPage messages; 3: scope)
 
 
 @dataclass(frozen=True)
 class CacheNamespace:
-    """What a cached page must match besides its tokens: the model and the KV layout it is stored in."""
+    """What a cached page must match besides its tokens: the model, the KV layout it is stored in, and the scope
+    (prompt-cache namespace of the tenant or shared group; "" = unscoped, for callers without a router)."""
 
     fingerprint: str
     layout: KVLayoutSpec
+    scope: str = ""
 
     @cached_property
     def root(self) -> bytes:
@@ -45,6 +49,7 @@ class CacheNamespace:
             str(lay.head_dim).encode(),
             str(lay.group_size).encode(),
             b"asym" if lay.asymmetric else b"sym",
+            self.scope.encode(),
         )
         h = hashlib.sha256()
         for f in fields:  # length-prefixed: no two field lists serialize alike

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import TextIO
 
+from pdserve.cli.client_args import add_client_args, client_options
+
 DEFAULT_TARGET = "localhost:50051"
 
 
@@ -29,6 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-reasoning-tokens", type=int, default=None, help="reasoning models: thinking budget")
     p.add_argument("--hide-reasoning", action="store_true", help="do not print a reasoning model's thinking")
     p.add_argument("--timeout", type=float, default=600.0)
+    add_client_args(p)  # --token, --tls-ca, --tls
     return p.parse_args(argv)
 
 
@@ -59,7 +62,7 @@ def run_chat(
         seed=args.seed,
         max_reasoning_tokens=args.max_reasoning_tokens,
     )
-    with Client(args.target, timeout=args.timeout) as client:
+    with Client(args.target, timeout=args.timeout, **client_options(args)) as client:
         while True:
             try:
                 line = _read_line(stdin, stderr, interactive)

@@ -12,7 +12,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.server.auth import new_token
+
 PREFILL, DECODE = "prefill", "decode"
+
+
+class Address(str):
+    """A service's host:port as its ready file gives it; `.internal`: the router's internal (Registry) port, which
+    engines' `--router` and Registry calls use (the address itself for other services)."""
+
+    internal: str
+
+    def __new__(cls, address: str, internal: str = "") -> Address:
+        self = super().__new__(cls, address)
+        self.internal = internal or address
+        return self
 
 
 @dataclass
@@ -23,6 +37,8 @@ class Stack:
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     gateway: str = ""  # the OpenAI-compatible HTTP gateway's host:port, when started
+    internal_token: str = ""  # the stack's internal token (its processes got it as $PDSERVE_INTERNAL_TOKEN)
+    colocated: list[str] = field(default_factory=list)  # colocated instances (instead of prefill + decode)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -110,8 +126,8 @@ def start_service(
     return proc, ready, log
 
 
-def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 300.0) -> str:
-    """Block until the service wrote its ready file; returns its host:port."""
+def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 300.0) -> Address:
+    """Block until the service wrote its ready file; returns its host:port (the router's: `.internal` too)."""
     deadline = time.monotonic() + timeout
     tail = lambda: log.read_text()[-4000:] if log.exists() else ""  # noqa: E731
     while not ready.exists():
@@ -120,7 +136,8 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 
         if time.monotonic() > deadline:
             raise RuntimeError(f"{ready.stem} not ready after {timeout:.0f}s\n{tail()}")
         time.sleep(0.05)
-    return json.loads(ready.read_text())["address"]
+    info = json.loads(ready.read_text())
+    return Address(info["address"], info.get("internal_address", ""))
 
 
 def start_stack(
@@ -142,14 +159,23 @@ def start_stack(
     model_name: str = "pdserve",
     gpus: list[int] | None = None,
     gpu_memory_utilization: float = 0.85,
+    num_colocated: int = 0,
+    gateway_extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
     `router_extra` adds router flags, e.g. `--config FILE`). The router's output-length estimator is kept in
     `workdir` (each stack starts cold) unless `persist_estimator` (`pdserve up`: its config or the cache dir).
     With `gateway_port` (0 = any free port) an OpenAI-compatible gateway serving `model_name` starts last.
     `gpus` places the engine instances (`plan_placement`: `--device cuda:N`, each GPU's memory fraction split
-    among its instances); None or [] leaves the device to each engine."""
+    among its instances); None or [] leaves the device to each engine. `num_colocated` > 0: that many colocated
+    instances (`pdserve serve colocated`, each prefills and decodes) instead of the prefill and decode ones.
+    Security: every process gets `env` and the stack's internal token ($PDSERVE_INTERNAL_TOKEN: the caller's
+    environment's, else a new random one); TLS / auth flags go in `extra`, `router_extra`, `gateway_extra`."""
     workdir.mkdir(parents=True, exist_ok=True)
+    env = dict(env or {})
+    token = env.get("PDSERVE_INTERNAL_TOKEN") or os.environ.get("PDSERVE_INTERNAL_TOKEN") or new_token()
+    env["PDSERVE_INTERNAL_TOKEN"] = token
     common = [
         "--model",
         str(model),
@@ -161,20 +187,27 @@ def start_stack(
         kv_dtype,
         *extra,
     ]
+    if num_colocated:  # placed like decode instances: one per GPU, round-robin
+        num_prefill, num_decode = 0, num_colocated
     plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization)
-    started = [start_service(p.role, [*common, *p.args()], workdir, to_terminal=to_terminal) for p in plan]
+    started = [
+        start_service(
+            "colocated" if num_colocated else p.role, [*common, *p.args()], workdir, env=env, to_terminal=to_terminal
+        )
+        for p in plan
+    ]
     procs = [s[0] for s in started]
     logs = [s[2] for s in started]
     try:
-        addrs = [wait_ready(*s, timeout=timeout) for s in started]
+        addrs: list[str] = [wait_ready(*s, timeout=timeout) for s in started]
         pre, dec = addrs[:num_prefill], addrs[num_prefill:]
         store = [] if persist_estimator else ["--estimator-store", str(workdir / "router-estimator.json")]
         rargs = ["--model", str(model), "--host", router_host, "--port", str(router_port), *store, *router_extra]
         for a in pre:
             rargs += ["--prefill", a]
         for a in dec:
-            rargs += ["--decode", a]
-        r = start_service("router", rargs, workdir, to_terminal=to_terminal)
+            rargs += ["--colocated" if num_colocated else "--decode", a]
+        r = start_service("router", rargs, workdir, env=env, to_terminal=to_terminal)
         procs.append(r[0])
         logs.append(r[2])
         router = wait_ready(*r, timeout=timeout)
@@ -182,8 +215,12 @@ def start_stack(
         if gateway_port is not None:
             g = start_service(
                 "gateway",
-                ["--router", router, "--host", router_host, "--port", str(gateway_port), "--model-name", model_name],
+                [
+                    *("--router", router, "--host", router_host, "--port", str(gateway_port)),
+                    *("--model-name", model_name, *gateway_extra),
+                ],
                 workdir,
+                env=env,
                 to_terminal=to_terminal,
             )
             procs.append(g[0])
@@ -192,4 +229,6 @@ def start_stack(
     except BaseException:  # also KeyboardInterrupt: never leave half a stack running
         Stack("", [], [], procs, logs).stop()
         raise
-    return Stack(router, pre, dec, procs, logs, gateway)
+    if num_colocated:
+        return Stack(router, [], [], procs, logs, gateway, token, colocated=dec)
+    return Stack(router, pre, dec, procs, logs, gateway, token)

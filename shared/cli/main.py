@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.cli.client_args import add_client_args, client_options
 from pdserve.config import add_dataclass_args, config_from
 
 DEFAULT_TARGET = "localhost:50051"
@@ -33,6 +34,10 @@ def _service(name: str) -> tuple[type, str]:
         from pdserve.router.gateway import config as gateway_cfg
 
         return gateway_cfg.GatewayConfig, gateway_cfg.ENV_PREFIX
+    if name == "colocated":
+        from pdserve.decode import colocated_config
+
+        return colocated_config.ColocatedConfig, colocated_config.ENV_PREFIX
     from pdserve.decode import config as decode_cfg
 
     return decode_cfg.DecodeConfig, decode_cfg.ENV_PREFIX
@@ -52,12 +57,34 @@ def _server_main(name: str) -> Callable[[Any], None]:
         from pdserve.router.gateway.server import serve as serve_gateway
 
         return serve_gateway
+    if name == "colocated":
+        from pdserve.decode.colocated import serve as serve_colocated
+
+        return serve_colocated
     from pdserve.decode.server import serve as serve_decode
 
     return serve_decode
 
 
+def _preflight(name: str, cfg: Any) -> None:
+    """Refuse an unsafe configuration before any slow startup (pdserve.server.security)."""
+    if name == "gateway":
+        return
+    from pdserve.server.security import ServiceSecurity
+
+    security = ServiceSecurity.of(cfg)
+    ports = [("router", False), ("router internal port", True)] if name == "router" else [(name, True)]
+    for what, internal in ports:
+        why = security.refusal(what, cfg.host, internal)
+        if why:
+            raise SystemExit(why)
+
+
 def cmd_serve(name: str, argv: list[str]) -> int:
+    if name != "gateway":  # first thing: a SIGTERM during a slow startup ends the process (pdserve.server.shutdown)
+        from pdserve.server.shutdown import Shutdown
+
+        Shutdown.install(name)
     cls, prefix = _service(name)
     parser = argparse.ArgumentParser(
         prog=f"pdserve serve {name}", description=f"Run one {name} instance (flags override {prefix}* env vars)."
@@ -67,6 +94,7 @@ def cmd_serve(name: str, argv: list[str]) -> int:
     from pdserve.server.runner import setup_logging
 
     setup_logging(cfg.log_level)
+    _preflight(name, cfg)
     _server_main(name)(cfg)
     return 0
 
@@ -93,12 +121,22 @@ def cmd_up(argv: list[str]) -> int:
         default=int(os.environ.get("PDSERVE_GATEWAY_PORT", "8000")),
         help="OpenAI-compatible HTTP gateway port (0 = any free port, -1 = no gateway)",
     )
-    p.add_argument("--kv-dtype", choices=["int8", "auto"], default="int8")
+    p.add_argument("--kv-dtype", choices=["int8", "fp8", "auto"], default="int8")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=2048)
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default 2048; colocated: 512)")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    p.add_argument(
+        "--colocated",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="instead of prefill + decode: N colocated instances (default 1), each one engine that prefills in "
+        "chunks between decode steps (--chunk-size: the prefill tokens per step, default 512 in this mode)",
+    )
     p.add_argument(
         "--gpus",
         default=os.environ.get("PDSERVE_GPUS", ""),
@@ -112,6 +150,12 @@ def cmd_up(argv: list[str]) -> int:
         help="fraction of each GPU's total memory its instances may fill together (split evenly among them)",
     )
     p.add_argument("--router-config", default="", help="router TOML config file (see docs/router.md)")
+    # security (docs/security.md): without TLS the stack is plaintext on loopback; internal calls need its token
+    p.add_argument("--tls-cert", default=os.environ.get("PDSERVE_TLS_CERT", ""), help="PEM cert of every service")
+    p.add_argument("--tls-key", default=os.environ.get("PDSERVE_TLS_KEY", ""), help="PEM key of --tls-cert")
+    p.add_argument("--tls-ca", default=os.environ.get("PDSERVE_TLS_CA", ""), help="PEM internal CA (mTLS)")
+    p.add_argument("--auth-tokens-file", default="", help="public API bearer tokens (`token tenant` lines)")
+    p.add_argument("--insecure", action="store_true", help="allow plaintext on a non-loopback --host")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
@@ -121,8 +165,12 @@ def cmd_up(argv: list[str]) -> int:
         help="CPU threads per engine process (default: the cores shared among the engine processes)",
     )
     args = p.parse_args(argv)
-    if args.prefill < 1 or args.decode < 1:
-        p.error("--prefill and --decode must be >= 1")
+    if args.prefill < 1 or args.decode < 1 or args.colocated < 0:
+        p.error("--prefill and --decode must be >= 1 (--colocated >= 0)")
+    if args.colocated:  # one colocated instance per engine: the placement treats them as decode instances
+        args.prefill, args.decode = 0, args.colocated
+    if args.chunk_size is None:
+        args.chunk_size = 512 if args.colocated else 2048
     args.torch_threads = args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
 
     from pdserve.cli.launch import plan_placement, start_stack, visible_gpus
@@ -134,7 +182,8 @@ def cmd_up(argv: list[str]) -> int:
         p.error(str(e))
     for pl in plan:
         if pl.gpu is not None:
-            print(f"{pl.role} {pl.index}: cuda:{pl.gpu}, {pl.memory_fraction:.0%} of its memory", flush=True)
+            role = "colocated" if args.colocated else pl.role
+            print(f"{role} {pl.index}: cuda:{pl.gpu}, {pl.memory_fraction:.0%} of its memory", flush=True)
 
     model = args.model
     if not model:
@@ -145,6 +194,18 @@ def cmd_up(argv: list[str]) -> int:
         print(f"error: {model} is not a model directory (no config.json)", file=sys.stderr)
         return 2
 
+    tls = [f for flag, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca))
+           if v for f in (flag, v)]  # fmt: skip
+    insecure = ["--insecure"] if args.insecure else []
+    auth = ["--auth-tokens-file", args.auth_tokens_file] if args.auth_tokens_file else []
+    if not args.tls_cert:
+        print(
+            "pdserve up: PLAINTEXT (no TLS): fine on loopback only. Internal ports accept only this stack's random "
+            "internal token; --tls-cert/--tls-key/--tls-ca for TLS and mTLS (docs/security.md)",
+            flush=True,
+        )
+    if not auth:
+        print('pdserve up: public API auth off (no --auth-tokens-file): every caller is tenant "default"', flush=True)
     signal.signal(signal.SIGTERM, _interrupt)
     stack = None
     try:
@@ -154,24 +215,33 @@ def cmd_up(argv: list[str]) -> int:
             kv_dtype=args.kv_dtype,
             page_size=args.page_size,
             chunk_size=args.chunk_size,
-            extra=["--dtype", args.dtype, "--log-level", args.log_level, "--torch-threads", str(args.torch_threads)],
+            extra=[
+                *("--dtype", args.dtype, "--log-level", args.log_level, "--torch-threads", str(args.torch_threads)),
+                *tls,
+            ],
             router_port=args.port,
             router_host=args.host,
             to_terminal=True,
             timeout=args.ready_timeout,
             num_prefill=args.prefill,
             num_decode=args.decode,
-            router_extra=["--config", args.router_config] if args.router_config else [],
+            router_extra=[*(["--config", args.router_config] if args.router_config else []), *tls, *auth, *insecure],
+            gateway_extra=[*(["--tls-ca", args.tls_ca] if args.tls_ca else []), *insecure],
             persist_estimator=True,
             gateway_port=None if args.gateway_port < 0 else args.gateway_port,
             model_name=Path(model).name,
             gpus=gpus,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            num_colocated=args.colocated,
         )
+        engines = (
+            f"colocated {', '.join(stack.colocated)}"
+            if args.colocated
+            else f"prefill {', '.join(stack.prefill)}, decode {', '.join(stack.decode)}"
+        )
+        internal = getattr(stack.router, "internal", stack.router)
         print(
-            f"pdserve is up: router at {stack.router}  (prefill {', '.join(stack.prefill)}, "
-            f"decode {', '.join(stack.decode)}, kv {args.kv_dtype})",
-            flush=True,
+            f"pdserve is up: router at {stack.router}  (internal {internal}; {engines}, kv {args.kv_dtype})", flush=True
         )
         if stack.gateway:
             print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {Path(model).name!r})", flush=True)
@@ -216,11 +286,18 @@ def cmd_health(argv: list[str]) -> int:
     )
     p.add_argument("--service", default="", help="health service name ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.add_argument("--tls-ca", default="", help="PEM CA to verify the service with (default: $PDSERVE_TLS_CA)")
+    p.add_argument("--tls-cert", default="", help="client certificate (mTLS ports; default: $PDSERVE_TLS_CERT)")
+    p.add_argument("--tls-key", default="", help="key of --tls-cert (default: $PDSERVE_TLS_KEY)")
     args = p.parse_args(argv)
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.target) as ch:
+    from pdserve.server.grpc_util import channel
+    from pdserve.server.security import ChannelSecurity, tls_from
+
+    security = ChannelSecurity(tls_from(args.tls_cert, args.tls_key, args.tls_ca, os.environ))  # health needs no token
+    with channel(args.target, security) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
@@ -245,12 +322,13 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--timeout", type=float, default=120.0)
+    add_client_args(p)  # --token, --tls-ca, --tls
     args = p.parse_args(argv)
     import grpc
 
     from pdserve.client import Client
 
-    with Client(args.target, timeout=args.timeout) as c:
+    with Client(args.target, timeout=args.timeout, **client_options(args)) as c:
         try:
             last = None
             for chunk in c.stream(
@@ -281,10 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = (
         "usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|auto] ...\n"
-        "       pdserve serve router|prefill|decode|gateway [flags]   (--help for flags)\n"
+        "       pdserve up --colocated [N] ...   (N engines that prefill and decode, behind the router)\n"
+        "       pdserve serve router|prefill|decode|colocated|gateway [flags]   (--help for flags)\n"
         "       pdserve generate [--target HOST:PORT] PROMPT\n"
         "       pdserve health [HOST:PORT] [--service NAME]   (exit 0 when SERVING)\n"
-        "       pdserve chat [--target HOST:PORT] [--system TEXT]   (interactive; /reset, /exit, Ctrl-D)"
+        "       pdserve chat [--target HOST:PORT] [--system TEXT]   (interactive; /reset, /exit, Ctrl-D)\n"
+        "       pdserve bench --target HOST:PORT --tokenizer MODEL_DIR --rates 1,2,4 ...   (load, latency, goodput)"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -292,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
         return cmd_up(rest)
-    if cmd == "serve" and rest and rest[0] in ("router", "prefill", "decode", "gateway"):
+    if cmd == "serve" and rest and rest[0] in ("router", "prefill", "decode", "colocated", "gateway"):
         return cmd_serve(rest[0], rest[1:])
     if cmd == "generate":
         return cmd_generate(rest)
@@ -302,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.cli.chat import cmd_chat
 
         return cmd_chat(rest)
+    if cmd == "bench":  # pdserve.bench.cli: load generator, latency / goodput report, plots
+        from pdserve.bench.cli import cmd_bench
+
+        return cmd_bench(rest)
     print(usage, file=sys.stderr)
     return 2
 

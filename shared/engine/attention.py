@@ -102,9 +102,17 @@ class AttentionMetadata:
 
 
 class SdpaBackend:
-    """torch scaled_dot_product_attention, one sequence at a time over its gathered pages (CPU, any GPU)."""
+    """torch scaled_dot_product_attention, one sequence at a time over its gathered pages (CPU, any GPU).
+
+    `row_wise` (EngineConfig.batch_invariant): a prefill chunk attends one query row at a time, each over exactly
+    its keys 0..p without a mask, the very call a decode step at position p makes; so a token's attention output
+    does not depend on how its prompt was chunked (batch mates' share of the chunk budget, prompt-cache hits) or on
+    whether it was prefilled or decoded."""
 
     name = "sdpa"
+
+    def __init__(self, row_wise: bool = False):
+        self.row_wise = row_wise
 
     def attend(
         self, layer: int, q: torch.Tensor, meta: AttentionMetadata, cache: KVCache, scale: float
@@ -119,6 +127,14 @@ class SdpaBackend:
             if n_rep > 1:
                 ks, vs = ks.repeat_interleave(n_rep, dim=1), vs.repeat_interleave(n_rep, dim=1)
             qi = q[qs : qs + n].transpose(0, 1)  # [H, n, D]
+            if self.row_wise and n > 1:
+                kt, vt = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)  # [H, kv_len, D]
+                for j in range(n):
+                    kv = start + j + 1
+                    o = F.scaled_dot_product_attention(qi[:, j : j + 1], kt[:, :kv], vt[:, :kv], scale=scale)
+                    out[qs + j] = o[:, 0]
+                qs += n
+                continue
             mask = None
             if n > 1:  # query j (position start+j) sees keys 0..start+j
                 mask = (
@@ -138,10 +154,11 @@ class FA3Backend:
     decode (one query per sequence) and prefill chunks (varlen queries, causal mask aligned bottom-right, which
     is exactly "query i attends to keys 0..start+i").
 
-    int8 pool: prefill chunks dequantize the batch's pages into a dense scratch (one Triton pass) that FA3 then
-    reads. Decode has two kernels (`KernelChoice.int8_decode`): "triton" reads the int8 pages directly,
-    dequantizing in registers (pdserve.engine.kernels.int8_decode_attention); "dequant" dequantizes to a scratch,
-    then FA3. Dense pool decode (`dense_decode`): FA3's paged kernel or the same Triton kernel reading bf16 pages.
+    Quantized pools (int8, fp8): prefill chunks dequantize the batch's pages into a dense scratch (one Triton pass)
+    that FA3 then reads. Decode has two kernels (`KernelChoice.int8_decode`, for both formats): "triton" reads the
+    quantized pages directly, dequantizing in registers (pdserve.engine.kernels.int8_decode_attention, and
+    fp8_decode_attention for an fp8 pool); "dequant" dequantizes to a scratch, then FA3. Dense pool decode
+    (`dense_decode`): FA3's paged kernel or the same Triton kernel reading bf16 pages.
     bench/gpu_engine.py measures all of them on an H200; the defaults ("triton" for both) are the faster ones
     there (docs/benchmarks.md)."""
 
@@ -211,7 +228,7 @@ class FA3Backend:
     def _dense_scratch(
         layer: int, cache, table: torch.Tensor, seqlens: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """The batch's pages as dense K/V [2, B, W * ps, KVH, D]: int8 pools dequantized by one Triton pass
+        """The batch's pages as dense K/V [2, B, W * ps, KVH, D]: quantized pools dequantized by one Triton pass
         (tokens past seqlens[b] unwritten), dense pools gathered (tokens past seqlens[b] are other pages)."""
         if cache.quantized:
             from pdserve.engine.kernels.kv_gather import dequant_pages
@@ -232,6 +249,8 @@ class FA3Backend:
 
         if not self._num_sms:
             self._num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        if cache.quantized and cache.data.dtype == torch.float8_e4m3fn:
+            return self._fp8_decode(layer, q, cache, table, seqlens, scale)
         kc = self.kernels
         cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **kc.decode_config}
         splits = kd.default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
@@ -242,6 +261,7 @@ class FA3Backend:
             scale_expand=cfg["scale_expand"],
             fold_scales=cfg.get("fold_scales", False),
             byte_convert=cfg.get("byte_convert", False),
+            word_loads=cfg.get("word_loads", False),
             pdl=kc.pdl,
         )
         if not cache.quantized:
@@ -265,6 +285,34 @@ class FA3Backend:
             **kw,
         )
 
+    def _fp8_decode(
+        self, layer: int, q: torch.Tensor, cache, table: torch.Tensor, seqlens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Decode over an fp8 pool with the Triton kernel that reads its pages (kernels/fp8_decode_attention.py);
+        `decode_kernel_config` overrides block_n / num_warps / num_stages / split_mult as for int8."""
+        from pdserve.engine.kernels import fp8_decode_attention as kf
+        from pdserve.engine.kernels.int8_decode_attention import default_num_splits
+
+        kc = self.kernels
+        cfg = {**kf.FP8_CONFIG, **{k: v for k, v in kc.decode_config.items() if k in kf.FP8_CONFIG}}
+        splits = default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
+        data, scales, _ = cache.layer_views(layer)
+        return kf.fp8_paged_decode(
+            q,
+            data[0],
+            data[1],
+            scales[0],
+            scales[1],
+            table,
+            seqlens,
+            scale,
+            splits,
+            block_n=cfg["block_n"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            pdl=kc.pdl,
+        )
+
 
 def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None, str]:
     if device.type != "cuda":
@@ -284,8 +332,9 @@ def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None,
 def select_backend(requested: str, device: torch.device, dtype: torch.dtype, kernels: KernelChoice):
     """Return (backend, reason). `requested` is auto|fa3|sdpa; an explicit fa3 that cannot run raises.
     `kernels`: FA3's kernel choices (see FA3Backend)."""
-    if requested == "sdpa":
-        return SdpaBackend(), "requested"
+    row_wise = kernels.invariant_rows > 0  # batch_invariant (CPU only, KernelChoice.select enforces it)
+    if requested == "sdpa" or row_wise:
+        return SdpaBackend(row_wise), "requested" if requested == "sdpa" else "batch_invariant"
     fa, reason = _probe_fa3(device, dtype)
     if fa is not None:
         return FA3Backend(fa, kernels), reason

@@ -21,7 +21,7 @@ class EngineConfig:
     chunk_size: int = 2048  # prefill tokens per step (across sequences)
     num_pages: int = 0  # 0: auto (see engine._auto_num_pages)
     max_num_seqs: int = 64  # largest decode batch / sequences admitted at once
-    kv_dtype: str = "auto"  # auto: model dtype | int8
+    kv_dtype: str = "auto"  # auto: model dtype | int8 | fp8 (e4m3fn, one fp16 scale per token and KV head)
     kv_group_size: int = 64  # int8 group size along head_dim (clamped to head_dim)
     kv_asymmetric: bool = False  # int8 with zero points
     attention_backend: str = "auto"  # auto | fa3 | sdpa
@@ -38,6 +38,9 @@ class EngineConfig:
     cuda_graph_max_context: int = 0  # context the decode graphs cover (0: the model's whole context); longer: eager
     gpu_memory_utilization: float = 0.85  # GPU: fraction of the device's total memory this instance may fill
     seed: int = 0  # engine RNG: seeds generators of requests without a seed
+    # CPU: a request's tokens independent of its batch mates and chunking (linear layers in fixed row blocks,
+    # prefill attention one query row at a time); see KernelChoice.invariant_rows and SdpaBackend
+    batch_invariant: bool = False
 
     def validate(self) -> None:
         if self.page_size <= 0:
@@ -48,8 +51,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 0, got {self.num_pages}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
-        if self.kv_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
+        if self.kv_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"kv_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_dtype!r}")
         if self.kv_group_size <= 0:
             raise ValueError(f"kv_group_size must be > 0, got {self.kv_group_size}")
         if self.int8_decode_kernel not in ("triton", "dequant"):

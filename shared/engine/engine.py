@@ -25,6 +25,7 @@ from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
 from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
 from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.dtypes import DTYPES, QUANTIZED
 from pdserve.kv.payload import PagePayload
 from pdserve.kv.transfer.base import ExportedPages
 from pdserve.kv.transfer.page_format import PageFormat
@@ -70,6 +71,7 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
         self._arrival = itertools.count()
         self.last_step_scheduled = False  # whether the last step() ran a forward pass
+        self.last_step_prefill_tokens = 0  # tokens the last step prefilled (0: a decode step or none)
         log.info(
             "engine ready: arch=%s dtype=%s device=%s pages=%d page_size=%d chunk_size=%d max_num_seqs=%d "
             "kv=%s backend=%s",
@@ -141,6 +143,8 @@ class LLMEngine:
         forced_token_ids: list[int] | None = None,
         cached_pages: list[PagePayload] | None = None,
         sampled_before: int = 0,
+        resumed_tokens: int = 0,
+        resumed_text_chars: int = 0,
     ) -> None:
         """Queue a request. Raises ValueError (bad input, duplicate id) or OutOfPages (prompt larger than the
         whole pool). `forced_token_ids`: teacher forcing, the i-th sampled token is replaced by the i-th forced
@@ -150,7 +154,10 @@ class LLMEngine:
         N*page_size.. are computed. At least the last prompt token must be left to compute (it samples the first
         token). Cached pages never appear in `ready_pages` (the caller already has them).
         `sampled_before`: tokens this request already sampled elsewhere (a failover resume: the prompt ends with
-        them); a seeded request skips their draws, so it samples as if it had never moved."""
+        them); a seeded request skips their draws, so it samples as if it had never moved.
+        `resumed_tokens`, `resumed_text_chars`: a failover resume on an engine that prefills itself (colocated
+        mode): as in `begin_import`, the last `resumed_tokens` prompt tokens count as completion tokens and their
+        first `resumed_text_chars` characters were delivered already; the sequence is prefilled like a preempted one."""
         seq = self._new_sequence(
             request_id,
             prompt_token_ids,
@@ -162,6 +169,12 @@ class LLMEngine:
             if sampled_before < 0 or sampled_before >= seq.num_prompt_tokens:
                 raise InvalidRequest(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
             self.runner.skip_draws(request_id, sampled_before)
+            if resumed_tokens:
+                if sampled_before or cached_pages or prefill_only:
+                    raise InvalidRequest("resumed_tokens excludes sampled_before, cached_pages and prefill_only")
+                self._resume(seq, resumed_tokens, resumed_text_chars)
+            elif resumed_text_chars:
+                raise InvalidRequest(f"resumed_text_chars {resumed_text_chars} given without resumed_tokens")
             if cached_pages:
                 if sampling.prompt_logprobs:
                     raise InvalidRequest("prompt_logprobs needs every prompt token computed: no cached pages")
@@ -261,10 +274,10 @@ class LLMEngine:
         asymmetric: bool | None = None,
     ) -> list[PagePayload]:
         """PagePayloads (all layers, CPU tensors) for logical pages of a request whose KV is computed.
-        kv_dtype: "int8" (quantized with group_size/asymmetric, default: this engine's settings), "auto" (the
-        model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
-        as_int8 = kv_dtype == "int8"
-        dense_dtype = None if as_int8 or kv_dtype == "auto" else parse_dtype(kv_dtype)
+        kv_dtype: "int8" | "fp8" (quantized with group_size/asymmetric, default: this engine's settings), "auto"
+        (the model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
+        as_int8 = kv_dtype in QUANTIZED  # int8 or fp8
+        dense_dtype = DTYPES[kv_dtype].torch_dtype if as_int8 else None if kv_dtype == "auto" else parse_dtype(kv_dtype)
         g = self.kv_group_size if group_size is None else group_size
         asym = self.kv_asymmetric if asymmetric is None else asymmetric
         seq, num_tokens = self._computed_pages(request_id, page_indexes)
@@ -284,7 +297,7 @@ class LLMEngine:
             layout.quantized,
             layout.group_size,
             layout.asymmetric,
-            None if layout.quantized else layout.torch_dtype,
+            layout.torch_dtype,
         )
         rows = PageFormat(layout).pack(data, scales, zeros)
         return ExportedPages(list(page_indexes), num_tokens, rows, self.runner.record_event())
@@ -413,6 +426,7 @@ class LLMEngine:
         self._pending = []
         batch = self.scheduler.schedule()
         self.last_step_scheduled = batch is not None
+        self.last_step_prefill_tokens = sum(batch.num_new_tokens) if batch is not None and batch.is_prefill else 0
         if batch is not None:
             for o in self._run(batch, return_logits):
                 self._merge(outputs, o)

@@ -30,20 +30,24 @@ def fusable(mc: ModelConfig) -> bool:
 @dataclass(frozen=True)
 class KernelChoice:
     fused: bool = False  # Triton model kernels (fused path); False: torch ops
-    triton_kv_quant: bool = False  # int8 KV quantize/dequantize through Triton (bit-identical to torch)
+    triton_kv_quant: bool = False  # int8 / fp8 KV quantize/dequantize through Triton (bit-identical to torch)
     pdl: bool = False  # Triton kernels launched as programmatic dependent launches
     gemv: dict[str, dict | None] = field(default_factory=dict)  # fused path, <= 4 rows: projection -> config
-    int8_decode: str = "triton"  # FA3 backend, int8 pool, decode: triton | dequant
+    int8_decode: str = "triton"  # FA3 backend, quantized pool (int8 | fp8), decode: triton | dequant
     dense_decode: str = "triton"  # FA3 backend, dense pool, decode: triton | fa3
     dense_prefill: str = "paged"  # FA3 backend, dense pool, prefill: paged | gather
     fa3_num_splits: int = 4
     decode_config: dict = field(default_factory=dict)  # Triton decode-attention config overrides
+    invariant_rows: int = 0  # > 0 (batch_invariant, CPU path): linear layers run in blocks of exactly this many rows
 
     @classmethod
     def select(cls, cfg: EngineConfig, device: torch.device, mc: ModelConfig) -> KernelChoice:
         triton = cfg.triton and kernels.enabled(device)
         fused = triton and device.type == "cuda" and fusable(mc)
+        if cfg.batch_invariant and device.type != "cpu":
+            raise ValueError("batch_invariant is implemented on the CPU path only (device cpu)")
         return cls(
+            invariant_rows=cfg.max_num_seqs if cfg.batch_invariant else 0,
             fused=fused,
             triton_kv_quant=triton,
             pdl=fused and cfg.pdl and kernels.pdl_supported(device),
@@ -57,7 +61,10 @@ class KernelChoice:
 
     # ---- model ops ---------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, proj: str) -> torch.Tensor:
-        """x [T, in] -> [T, out]: F.linear, or the Triton GEMV of `proj`'s plan for a few rows."""
+        """x [T, in] -> [T, out]: F.linear, or the Triton GEMV of `proj`'s plan for a few rows; with
+        `invariant_rows`, F.linear over zero-padded blocks of exactly that many rows (see `invariant_linear`)."""
+        if self.invariant_rows:
+            return invariant_linear(x, w, b, self.invariant_rows)
         cfg = self.gemv.get(proj)
         if cfg is not None and x.shape[0] <= GEMV_MAX_ROWS:
             from pdserve.engine.kernels.gemv import gemv
@@ -87,7 +94,7 @@ class KernelChoice:
         few rows, SwiGLU runs inside it (one kernel less)."""
         if not self.fused:
             gate, up = gate_up.chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, w, b)
+            return self.linear(F.silu(gate) * up, w, b, "down")
         cfg = self.gemv.get("down")
         if cfg is not None and gate_up.shape[0] <= GEMV_MAX_ROWS:
             from pdserve.engine.kernels.gemv import gemv
@@ -121,7 +128,7 @@ class KernelChoice:
         cache.write(layer, meta.slot_mapping, k, v)
         return q
 
-    # ---- int8 KV (the KV pool's quantizer) --------------------------------------------------------------
+    # ---- quantized KV (the KV pool's quantizer) ---------------------------------------------------------
     def _triton_quant(self, t: torch.Tensor, group_size: int) -> bool:
         if not self.triton_kv_quant or not kernels.enabled(t.device):
             return False
@@ -130,14 +137,18 @@ class KernelChoice:
         return kv_quant.supported(t.shape[-1], group_size)
 
     def quantize(
-        self, x: torch.Tensor, group_size: int, asymmetric: bool
+        self, x: torch.Tensor, group_size: int, asymmetric: bool, dtype: torch.dtype = torch.int8
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """pdserve.kv.quant.quantize, through Triton where chosen and the shape allows."""
-        if self._triton_quant(x, group_size) and x.shape[-1] % group_size == 0:
+        """pdserve.kv.quant.quantize (int8 or float8_e4m3fn), through Triton where chosen and the shape allows."""
+        if (
+            self._triton_quant(x, group_size)
+            and x.shape[-1] % group_size == 0
+            and (dtype == torch.int8 or (dtype == quant.FP8 and not asymmetric))
+        ):
             from pdserve.engine.kernels import kv_quant
 
-            return kv_quant.quantize(x, group_size, asymmetric)
-        return quant.quantize(x, group_size, asymmetric)
+            return kv_quant.quantize(x, group_size, asymmetric, fp8=dtype == quant.FP8)
+        return quant.quantize(x, group_size, asymmetric, dtype)
 
     def dequantize(
         self,
@@ -147,10 +158,11 @@ class KernelChoice:
         group_size: int,
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """pdserve.kv.quant.dequantize, through Triton where chosen and the shape allows."""
+        """pdserve.kv.quant.dequantize (int8 or float8_e4m3fn), through Triton where chosen and the shape allows."""
         if (
             self._triton_quant(q, group_size)
-            and q.dtype == torch.int8
+            and q.dtype in (torch.int8, quant.FP8)
+            and (zeros is None or q.dtype == torch.int8)
             and scales.dtype == torch.float16
             and scales.shape == (*q.shape[:-1], q.shape[-1] // group_size)
             and (zeros is None or zeros.dtype == torch.float16)
@@ -159,6 +171,18 @@ class KernelChoice:
 
             return kv_quant.dequantize(q, scales, zeros, group_size, dtype)
         return quant.dequantize(q, scales, zeros, group_size, dtype)
+
+
+def invariant_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """F.linear of x [T, in] computed in zero-padded blocks of exactly `rows` rows: a GEMM's kernel (and so the
+    summation order of each output) depends on its shapes, so with one shape every row's result depends only on
+    that row, never on how many rows share the call (batch mates, chunking). Costs nothing when T is a multiple of
+    `rows`; a lone decode row pays for a block of `rows` (docs/benchmarks.md, batch-invariant KV)."""
+    t = x.shape[0]
+    pad = -t % rows
+    xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+    out = torch.cat([F.linear(xp[i : i + rows], w, b) for i in range(0, t + pad, rows)]) if t else F.linear(x, w, b)
+    return out[:t]
 
 
 def _gemv_plan(cfg: EngineConfig) -> dict[str, dict | None]:

@@ -1,12 +1,17 @@
-"""Paged KV pools: dense (model dtype) and int8 (group-wise scales, optional zero points).
+"""Paged KV pools: dense (model dtype) and quantized (int8 or fp8 e4m3fn, group-wise fp16 scales, int8 optionally
+with zero points).
 
 Both store K and V together, index 0 = K, 1 = V:
-    data   [2, num_layers, num_pages, page_size, kv_heads, head_dim]          model dtype | int8
-    scales [2, num_layers, num_pages, page_size, kv_heads, head_dim // group]  float16 (int8 pool only)
-    zeros  same as scales                                                       float16 (asymmetric only)
+    data   [2, num_layers, num_pages, page_size, kv_heads, head_dim]          model dtype | int8 | float8_e4m3fn
+    scales [2, num_layers, num_pages, page_size, kv_heads, head_dim // group]  float16 (quantized pools only)
+    zeros  same as scales                                                       float16 (asymmetric int8 only)
 A token's "slot" is `page * page_size + offset`; attention reads a sequence's pages through its page table.
-int8 (de)quantization goes through `quant` (`pdserve.kv.quant`, or the engine's KernelChoice, which runs the
+(De)quantization goes through `quant` (`pdserve.kv.quant`, or the engine's KernelChoice, which runs the
 bit-identical Triton kernels on CUDA).
+
+Exports and imports name the payload's format by (`quantized`, group_size, asymmetric, dtype): quantized with
+dtype int8 (the default) or float8_e4m3fn, or dense in dtype (default: the model dtype). A payload in the pool's
+own format is copied straight; any other is converted through float32.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import torch
 
 from pdserve.errors import InvalidRequest
 from pdserve.kv import quant as torch_quant
+from pdserve.kv.dtypes import DTYPES, QUANTIZED
 from pdserve.kv.payload import PagePayload
+
+QUANTIZED_DTYPES = tuple(DTYPES[n].torch_dtype for n in QUANTIZED)  # torch.int8, torch.float8_e4m3fn
 
 
 def _ids(ids, device: torch.device) -> torch.Tensor:
@@ -92,22 +100,21 @@ class KVCache:
         physical_page: int,
         logical_index: int,
         num_tokens: int,
-        as_int8: bool,
+        quantized: bool,
         group_size: int = 0,
         asymmetric: bool = False,
-        dense_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
     ) -> PagePayload:
-        """One page, all layers, as a PagePayload on CPU (int8-quantized if `as_int8`)."""
+        """One page, all layers, as a PagePayload on CPU: quantized (`dtype` int8 by default, or float8_e4m3fn)
+        with `group_size` / `asymmetric`, else dense in `dtype` (default: the model dtype)."""
         self._check_page(physical_page, num_tokens)
         dense = self._page_dense(physical_page, num_tokens)
-        if as_int8:
-            q, s, z = self.quant.quantize(dense, group_size, asymmetric)
+        if quantized:
+            q, s, z = self.quant.quantize(dense, group_size, asymmetric, dtype or torch.int8)
             return PagePayload(
                 logical_index, num_tokens, 0, q.cpu(), s.cpu(), None if z is None else z.cpu(), group_size
             )
-        return PagePayload(
-            logical_index, num_tokens, 0, dense.to("cpu", dense_dtype or self.dtype, copy=True), None, None, 0
-        )
+        return PagePayload(logical_index, num_tokens, 0, dense.to("cpu", dtype or self.dtype, copy=True), None, None, 0)
 
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         """Write a payload (dense or int8) into `physical_page`; int8 payloads are dequantized."""
@@ -117,7 +124,7 @@ class KVCache:
         self.data[:, ls : ls + dense.shape[1], physical_page, :n] = dense
 
     def _payload_dense(self, payload: PagePayload, dtype: torch.dtype, cast_dense: bool = True) -> torch.Tensor:
-        """A checked payload's data on the pool's device: int8 dequantized to `dtype`, dense cast to `dtype`
+        """A checked payload's data on the pool's device: quantized dequantized to `dtype`, dense cast to `dtype`
         (or kept in its own dtype unless `cast_dense`)."""
         if payload.group_size == 0:
             return payload.data.to(self.device, dtype) if cast_dense else payload.data.to(self.device)
@@ -136,20 +143,20 @@ class KVCache:
         self,
         page_ids: list[int],
         num_tokens: list[int],
-        as_int8: bool,
+        quantized: bool,
         group_size: int = 0,
         asymmetric: bool = False,
-        dense_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Whole pages, page-major, on the pool's device: data [N, 2, L, ps, kvh, d] (int8 if `as_int8`, else
-        `dense_dtype` or the model dtype), scales / zeros [N, 2, L, ps, kvh, d // group] float16 or None.
-        Tokens past each page's `num_tokens` are zero."""
+        """Whole pages, page-major, on the pool's device: data [N, 2, L, ps, kvh, d] (quantized: `dtype` int8 by
+        default or float8_e4m3fn; dense: `dtype` or the model dtype), scales / zeros [N, 2, L, ps, kvh, d // group]
+        float16 or None. Tokens past each page's `num_tokens` are zero."""
         self._check_pages(page_ids, num_tokens)
         dense = self._gather_dense(_ids(page_ids, self.device))
         _zero_tails(dense, num_tokens, self.page_size)
-        if as_int8:
-            return self.quant.quantize(dense, group_size, asymmetric)
-        return dense.to(dense_dtype or self.dtype), None, None
+        if quantized:
+            return self.quant.quantize(dense, group_size, asymmetric, dtype or torch.int8)
+        return dense.to(dtype or self.dtype), None, None
 
     def scatter_pages(
         self,
@@ -159,7 +166,8 @@ class KVCache:
         zeros: torch.Tensor | None,
         group_size: int,
     ) -> None:
-        """Write whole pages (the layout of `gather_pages`, all layers) into `page_ids`; int8 is dequantized."""
+        """Write whole pages (the layout of `gather_pages`, all layers) into `page_ids`; quantized data (int8 or
+        fp8, by its dtype) is dequantized."""
         self._check_batch(page_ids, data, scales, group_size)
         if group_size > 0:
             dense = self.quant.dequantize(data, scales, zeros, group_size, self.dtype)
@@ -188,7 +196,7 @@ class KVCache:
             raise InvalidRequest(f"num_tokens {num_tokens} not in 1..{self.page_size}")
 
     def check_payload(self, p: PagePayload) -> None:
-        """Raise ValueError unless `p` (dense or int8, any group size) can be imported into this pool."""
+        """Raise InvalidRequest unless `p` (dense, int8 or fp8, any group size) can be imported into this pool."""
         self._check_payload(0, p)
 
     def _check_payload(self, page: int, p: PagePayload) -> None:
@@ -204,8 +212,10 @@ class KVCache:
                 f"payload layers [{p.layer_start}, {p.layer_start + d.shape[1]}) outside [0, {self.num_layers})"
             )
         if p.group_size > 0:
-            if d.dtype != torch.int8:
-                raise InvalidRequest(f"quantized payload data must be int8, got {d.dtype}")
+            if d.dtype not in QUANTIZED_DTYPES:
+                raise InvalidRequest(f"quantized payload data must be int8 or float8_e4m3fn, got {d.dtype}")
+            if d.dtype != torch.int8 and p.zeros is not None:
+                raise InvalidRequest(f"{d.dtype} payload has zero points (symmetric only)")
             if self.head_dim % p.group_size:
                 raise InvalidRequest(f"payload group_size {p.group_size} does not divide head_dim {self.head_dim}")
             want = (*d.shape[:-1], self.head_dim // p.group_size)
@@ -215,12 +225,13 @@ class KVCache:
                 )
             if p.zeros is not None and tuple(p.zeros.shape) != want:
                 raise InvalidRequest(f"payload zeros shape {tuple(p.zeros.shape)} != {want}")
-        elif not d.is_floating_point():
-            raise InvalidRequest(f"unquantized payload must be floating point, got {d.dtype}")
+        elif not d.is_floating_point() or d.dtype in QUANTIZED_DTYPES:
+            raise InvalidRequest(f"unquantized payload must be a dense floating point dtype, got {d.dtype}")
 
 
-class Int8KVCache(KVCache):
-    """int8 pool with per-group fp16 scales (+ fp16 zero points if asymmetric); dequantizes on read."""
+class QuantizedKVCache(KVCache):
+    """Quantized pool: `storage` int8 (per-group fp16 scales, + fp16 zero points if asymmetric) or float8_e4m3fn
+    (per-group fp16 scales, symmetric); dequantizes on read."""
 
     quantized = True
 
@@ -236,16 +247,21 @@ class Int8KVCache(KVCache):
         group_size: int,
         asymmetric: bool,
         quant=torch_quant,
+        storage: torch.dtype = torch.int8,
     ):
         if head_dim % group_size:
             raise ValueError(f"kv group_size {group_size} does not divide head_dim {head_dim}")
+        if storage not in QUANTIZED_DTYPES:
+            raise ValueError(f"quantized pool storage must be int8 or float8_e4m3fn, got {storage}")
+        if asymmetric and storage != torch.int8:
+            raise ValueError(f"{storage} KV is symmetric only")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, device  # dtype: what reads dequantize to (the model dtype)
         self.quant = quant
-        self.group_size, self.asymmetric = group_size, asymmetric
+        self.group_size, self.asymmetric, self.storage = group_size, asymmetric, storage
         shape = (2, num_layers, num_pages, page_size, num_kv_heads)
-        self.data = torch.zeros(*shape, head_dim, dtype=torch.int8, device=device)
+        self.data = torch.zeros(*shape, head_dim, dtype=storage, device=device)
         self.scales = torch.ones(*shape, head_dim // group_size, dtype=torch.float16, device=device)
         self.zeros = torch.zeros_like(self.scales) if asymmetric else None
 
@@ -253,29 +269,40 @@ class Int8KVCache(KVCache):
     def int8_bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, group_size: int, asymmetric: bool
     ) -> int:
-        """Bytes of one int8 page: data, scales and (asymmetric) zero points, all layers, K and V."""
+        """Bytes of one int8 (or fp8: also one byte per value) page: data, scales and (asymmetric) zero points, all
+        layers, K and V."""
         per_token = head_dim + (2 if asymmetric else 1) * 2 * (head_dim // group_size)
         return 2 * num_layers * page_size * num_kv_heads * per_token
 
     def layer_tensors(self, layer: int):
-        raise NotImplementedError("int8 pool has no dense per-layer view; use gather()/read()")
+        raise NotImplementedError("quantized pool has no dense per-layer view; use gather()/read()")
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One layer: data [2, P, ps, kvh, d] int8, scales (and zeros or None) [2, P, ps, kvh, d // g] fp16."""
+        """One layer: data [2, P, ps, kvh, d] int8 | fp8, scales (and zeros or None) [2, P, ps, kvh, d // g] fp16."""
         return self.data[:, layer], self.scales[:, layer], None if self.zeros is None else self.zeros[:, layer]
 
     def layer_pool(self, layer: int) -> tuple:
-        """(K, V, K scales, V scales, K zeros | None, V zeros | None) of one layer, for kernels/rope_kv_write.py."""
+        """(K, V, K scales, V scales, K zeros | None, V zeros | None) of one layer, for kernels/rope_kv_write.py
+        (K, V int8 or float8_e4m3fn: the kernel quantizes to their dtype)."""
         d, s, z = self.layer_views(layer)
         return d[0], d[1], s[0], s[1], None if z is None else z[0], None if z is None else z[1]
 
     def _dequant(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
         return self.quant.dequantize(q, s, z, self.group_size, self.dtype)
 
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.quant.quantize(x, self.group_size, self.asymmetric, self.storage)
+
+    def same_format(self, group_size: int, asymmetric: bool, dtype: torch.dtype | None) -> bool:
+        """Whether quantized data of this format is the pool's own (copied straight, no requantization)."""
+        return group_size == self.group_size and asymmetric == self.asymmetric and (dtype or torch.int8) == self.storage
+
     def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        q, s, z = self.quant.quantize(torch.stack([k, v]), self.group_size, self.asymmetric)  # [2, T, kvh, d|G]
+        q, s, z = self._quantize(torch.stack([k, v]))  # [2, T, kvh, d|G]
         for dst, src in ((self.data, q), (self.scales, s), (self.zeros, z)):
-            if dst is not None:
+            if dst is not None and src is not None:
+                if dst.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
+                    dst, src = dst.view(torch.uint8), src.view(torch.uint8)
                 dst[:, layer].view(2, -1, *dst.shape[-2:]).index_copy_(1, slot_ids, src)
 
     def _select(
@@ -298,7 +325,7 @@ class Int8KVCache(KVCache):
         kv = self._dequant(*self._select(layer, slot_ids, by_page=False))
         return kv[0], kv[1]
 
-    def _gather_int8(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _gather_quantized(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q [N, 2, L, ps, kvh, d], scales / zeros (or None) [N, 2, L, ps, kvh, d // g] of the pages `ids`."""
 
         def pages(t: torch.Tensor) -> torch.Tensor:
@@ -307,21 +334,21 @@ class Int8KVCache(KVCache):
         return pages(self.data), pages(self.scales), None if self.zeros is None else pages(self.zeros)
 
     def _gather_dense(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._dequant(*self._gather_int8(ids))
+        return self._dequant(*self._gather_quantized(ids))
 
     def gather_pages(
         self,
         page_ids: list[int],
         num_tokens: list[int],
-        as_int8: bool,
+        quantized: bool,
         group_size: int = 0,
         asymmetric: bool = False,
-        dense_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        if not (as_int8 and group_size == self.group_size and asymmetric == self.asymmetric):
-            return super().gather_pages(page_ids, num_tokens, as_int8, group_size, asymmetric, dense_dtype)
+        if not (quantized and self.same_format(group_size, asymmetric, dtype)):
+            return super().gather_pages(page_ids, num_tokens, quantized, group_size, asymmetric, dtype)
         self._check_pages(page_ids, num_tokens)
-        q, s, z = self._gather_int8(_ids(page_ids, self.device))  # straight copy
+        q, s, z = self._gather_quantized(_ids(page_ids, self.device))  # straight copy
         for t in (q, s, z):
             if t is not None:
                 _zero_tails(t, num_tokens, self.page_size)
@@ -337,11 +364,11 @@ class Int8KVCache(KVCache):
     ) -> None:
         self._check_batch(page_ids, data, scales, group_size)
         ids = _ids(page_ids, self.device)
-        if group_size == self.group_size and (zeros is not None) == self.asymmetric:  # straight copy
+        if group_size > 0 and self.same_format(group_size, zeros is not None, data.dtype):  # straight copy
             q, s, z = data, scales, zeros
         else:
             dense = self.quant.dequantize(data, scales, zeros, group_size, torch.float32) if group_size > 0 else data
-            q, s, z = self.quant.quantize(dense, self.group_size, self.asymmetric)
+            q, s, z = self._quantize(dense.to(self.device))
         for dst, src in ((self.data, q), (self.scales, s), (self.zeros, z)):
             if dst is not None:
                 assert src is not None  # _check_batch: int8 input has scales; zeros present iff the pool's are
@@ -356,33 +383,33 @@ class Int8KVCache(KVCache):
         physical_page: int,
         logical_index: int,
         num_tokens: int,
-        as_int8: bool,
+        quantized: bool,
         group_size: int = 0,
         asymmetric: bool = False,
-        dense_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
     ) -> PagePayload:
         self._check_page(physical_page, num_tokens)
-        if as_int8 and group_size == self.group_size and asymmetric == self.asymmetric:  # straight copy
+        if quantized and self.same_format(group_size, asymmetric, dtype):  # straight copy
             sl = (slice(None), slice(None), physical_page, slice(0, num_tokens))
             z = None if self.zeros is None else self.zeros[sl].cpu()
             return PagePayload(logical_index, num_tokens, 0, self.data[sl].cpu(), self.scales[sl].cpu(), z, group_size)
-        return super().export_page(
-            physical_page, logical_index, num_tokens, as_int8, group_size, asymmetric, dense_dtype
-        )
+        return super().export_page(physical_page, logical_index, num_tokens, quantized, group_size, asymmetric, dtype)
 
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         self._check_payload(physical_page, payload)
         ls, n, nl = payload.layer_start, payload.num_tokens, payload.data.shape[1]
         sl = (slice(None), slice(ls, ls + nl), physical_page, slice(0, n))
-        same_format = payload.group_size == self.group_size and (payload.zeros is not None) == self.asymmetric
-        if same_format:  # straight copy
-            q, s, z = payload.data, payload.scales, payload.zeros
+        if payload.quantized and self.same_format(payload.group_size, payload.zeros is not None, payload.data.dtype):
+            q, s, z = payload.data, payload.scales, payload.zeros  # straight copy
         else:
             dense = self._payload_dense(payload, torch.float32, cast_dense=False)
-            q, s, z = self.quant.quantize(dense, self.group_size, self.asymmetric)
-        assert s is not None  # same format: the pool's int8 layout, scales included
+            q, s, z = self._quantize(dense)
+        assert s is not None  # same format: the pool's quantized layout, scales included
         self.data[sl] = q.to(self.device)
         self.scales[sl] = s.to(self.device)
         if self.zeros is not None:
             assert z is not None  # same format means zeros present iff the pool is asymmetric
             self.zeros[sl] = z.to(self.device)
+
+
+Int8KVCache = QuantizedKVCache  # the int8 pool (storage=torch.int8, the default); fp8: storage=torch.float8_e4m3fn

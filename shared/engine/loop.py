@@ -37,6 +37,8 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}  # engine thread only
         self._stopping = False
         self.step_started_ns = 0  # epoch ns when the current/last step began (callbacks: their step's start)
+        # called on the engine thread after each step with (engine, start ns, end ns), before its outputs go out
+        self.step_listener: Callable[[LLMEngine, int, int], None] | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -66,6 +68,8 @@ class EngineLoop:
         forced_token_ids: list[int] | None = None,
         cached_pages: list[PagePayload] | None = None,
         sampled_before: int = 0,
+        resumed_tokens: int = 0,
+        resumed_text_chars: int = 0,
     ) -> None:
         def fn(engine: LLMEngine) -> None:
             engine.add_request(
@@ -76,6 +80,8 @@ class EngineLoop:
                 forced_token_ids=forced_token_ids,
                 cached_pages=cached_pages,
                 sampled_before=sampled_before,
+                resumed_tokens=resumed_tokens,
+                resumed_text_chars=resumed_text_chars,
             )
             self._callbacks[request_id] = callback
 
@@ -156,6 +162,8 @@ class EngineLoop:
                 try:
                     self.step_started_ns = time.time_ns()
                     outputs = self.engine.step()
+                    if self.step_listener is not None:
+                        self.step_listener(self.engine, self.step_started_ns, time.time_ns())
                 except Exception as e:
                     log.exception("engine step failed; aborting %d requests", len(self._callbacks))
                     self._fail_all(e)

@@ -182,7 +182,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        return self.kernels.linear(hidden, self.lm_head.weight, self.lm_head.bias, "lm_head").float()
 
 
 _CONCATENATED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

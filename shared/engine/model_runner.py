@@ -26,7 +26,7 @@ from pdserve.engine.config import (
 )
 from pdserve.engine.cuda_graphs import graph_context, make_decode_graph_runner
 from pdserve.engine.kernel_choice import KernelChoice
-from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.model import load_model
 from pdserve.engine.sampling import (
@@ -39,6 +39,7 @@ from pdserve.engine.sampling import (
     token_logprobs,
 )
 from pdserve.engine.sequence import Sequence
+from pdserve.kv.dtypes import DTYPES
 from pdserve.kv.payload import PagePayload
 
 log = logging.getLogger("pdserve.engine")
@@ -65,15 +66,23 @@ class ModelRunner:
         )
         self.model = load_model(cfg.model_dir, mc, self.device, self.dtype, self.kernels)
 
-        self.kv_group_size = min(cfg.kv_group_size, mc.head_dim)
+        # fp8: one scale per (token, KV head) (group = head_dim): e4m3's error is relative, so finer groups buy
+        # little, and the fp8 decode kernel folds that one scale into the scores / probabilities
+        self.kv_group_size = mc.head_dim if cfg.kv_dtype == "fp8" else min(cfg.kv_group_size, mc.head_dim)
         if mc.head_dim % self.kv_group_size:
             raise ValueError(f"kv_group_size {cfg.kv_group_size} does not divide head_dim {mc.head_dim}")
-        self.kv_asymmetric = cfg.kv_asymmetric
+        self.kv_asymmetric = cfg.kv_asymmetric and cfg.kv_dtype == "int8"
         self.num_pages = cfg.num_pages or self._auto_num_pages()
         shape = (mc.num_layers, self.num_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.kv_cache: KVCache = (
-            Int8KVCache(*shape, self.kv_group_size, cfg.kv_asymmetric, quant=self.kernels)
-            if cfg.kv_dtype == "int8"
+            QuantizedKVCache(
+                *shape,
+                self.kv_group_size,
+                self.kv_asymmetric,
+                quant=self.kernels,
+                storage=DTYPES[cfg.kv_dtype].torch_dtype,
+            )
+            if self.kv_quantized
             else KVCache(*shape, quant=self.kernels)
         )
         self.graph_runner = make_decode_graph_runner(
@@ -90,12 +99,17 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}  # sampled (non-greedy) live requests
 
     # ---- sizing ------------------------------------------------------------------------------------------
+    @property
+    def kv_quantized(self) -> bool:
+        """Whether the pool stores quantized KV (kv_dtype int8 or fp8)."""
+        return self.cfg.kv_dtype in ("int8", "fp8")
+
     def page_bytes(self) -> int:
         """Bytes of one KV page (all layers, K and V, scales included)."""
         mc, cfg = self.model_config, self.cfg
-        if cfg.kv_dtype == "int8":
-            return Int8KVCache.int8_bytes_per_page(
-                mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.kv_group_size, cfg.kv_asymmetric
+        if self.kv_quantized:  # int8 and fp8 both hold one byte per value
+            return QuantizedKVCache.int8_bytes_per_page(
+                mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.kv_group_size, self.kv_asymmetric
             )
         return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
 
@@ -133,6 +147,8 @@ class ModelRunner:
     def kv_description(self) -> str:
         if self.cfg.kv_dtype == "int8":
             return f"int8(g={self.kv_group_size},{'asym' if self.kv_asymmetric else 'sym'})"
+        if self.cfg.kv_dtype == "fp8":
+            return f"fp8_e4m3(g={self.kv_group_size})"
         return dtype_name(self.dtype)
 
     # ---- kernels -----------------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ import torch
 from pdserve.errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
+# Ceilings on the stop conditions every decode step checks (the router's configurable limits stay within them)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -58,8 +62,15 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
             raise InvalidRequest(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                f"{len(self.stop)} stop strings and {len(self.stop_token_ids)} stop_token_ids: at most "
+                f"{MAX_STOP_STRINGS} and {MAX_STOP_TOKEN_IDS}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequest(f"stop strings may have at most {MAX_STOP_CHARS} characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -10,7 +10,9 @@ prompt cache (`page_to_bytes` / `page_from_bytes`, the message as one byte strin
 
 Errors: a payload or layout that does not fit (a caller's mistake) raises `InvalidRequest`; `decode_page` never
 returns a tensor it could not fully verify: any damaged byte or disagreement with what the reader expects
-raises `CorruptPage`.
+raises `CorruptPage`, and so do NaN or infinite scales / zero points (a checksum only proves the sender meant them;
+dequantized, they would poison attention and every token after). `check_scales` is the same check for a batch of
+pages on any device (the KV receivers call it before a page reaches the pool).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from pdserve.errors import CorruptPage, InvalidRequest
-from pdserve.kv.dtypes import DTYPES, by_wire
+from pdserve.kv.dtypes import DTYPES, QUANTIZED, by_wire
 from pdserve.kv.payload import PagePayload
 from pdserve.v1 import kv_pb2
 
@@ -39,7 +41,7 @@ if sys.byteorder != "little":  # the wire is little-endian and we copy native by
 class KVLayoutSpec:
     """How a KVPage's bytes are laid out (mirrors pdserve.v1.KVLayout)."""
 
-    dtype: str  # a name of pdserve.kv.dtypes.DTYPES: "int8" | "float32" | "bfloat16" | "float16"
+    dtype: str  # a name of pdserve.kv.dtypes.DTYPES: "int8" | "fp8" | "float32" | "bfloat16" | "float16"
     page_size: int
     num_layers: int  # of the model
     num_kv_heads: int
@@ -54,7 +56,7 @@ class KVLayoutSpec:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype == "int8"
+        return self.dtype in QUANTIZED  # int8 | fp8: values + per-group fp16 scales
 
     def validate(self) -> None:
         """Raise InvalidRequest if the layout is not self-consistent or not supported."""
@@ -67,6 +69,8 @@ class KVLayoutSpec:
         if self.quantized:
             if self.group_size <= 0 or self.head_dim % self.group_size != 0:
                 raise InvalidRequest(f"group_size {self.group_size} does not divide head_dim {self.head_dim}")
+            if self.asymmetric and self.dtype != "int8":
+                raise InvalidRequest(f"{self.dtype} KV is symmetric only (asymmetric must be false)")
         elif self.group_size != 0 or self.asymmetric:
             raise InvalidRequest(f"unquantized layout ({self.dtype}) must have group_size 0 and asymmetric false")
 
@@ -248,6 +252,7 @@ def decode_page(
     data = _from_bytes(msg.data, layout.torch_dtype, data_shape)
     scales = _from_bytes(msg.scales, torch.float16, scales_shape) if layout.quantized else None
     zeros = _from_bytes(msg.zero_points, torch.float16, scales_shape) if want["zero_points"] else None
+    check_scales(scales, zeros)
     return PagePayload(
         page_index=msg.page_index,
         num_tokens=msg.num_tokens,
@@ -257,6 +262,22 @@ def decode_page(
         zeros=zeros,
         group_size=layout.group_size,
     )
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    if t.device.type != "cuda":
+        return bool(torch.isfinite(t).all())
+    side = torch.cuda.Stream(device=t.device)  # not the engine's stream: waiting here never waits for its steps
+    side.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(side):
+        return bool(torch.isfinite(t).all().item())
+
+
+def check_scales(scales: torch.Tensor | None, zeros: torch.Tensor | None) -> None:
+    """Raise CorruptPage unless every scale and zero point (float16, any shape, any device) is finite."""
+    for name, t in (("scales", scales), ("zero points", zeros)):
+        if t is not None and t.numel() and not _all_finite(t):
+            raise CorruptPage(f"KV page {name} contain NaN or infinity")
 
 
 def page_to_bytes(payload: PagePayload, *, owner: str, layout: KVLayoutSpec, fingerprint: str) -> bytes:

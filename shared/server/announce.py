@@ -1,6 +1,7 @@
-"""Instance side of router membership: `--router HOST:PORT` makes a prefill/decode instance Register with the
-router once it serves, Heartbeat at the interval the router asks for (registering again when the router
-forgot it, e.g. after a router restart), and Deregister when it shuts down so the router drains it first."""
+"""Instance side of router membership: `--router HOST:PORT` (the router's internal port) makes a prefill/decode
+instance Register with the router once it serves, Heartbeat at the interval the router asks for (registering again
+when the router forgot it, e.g. after a router restart), and Deregister when it shuts down so the router drains it
+first. Its calls carry the instance's internal identity (token, client certificate)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import threading
 import grpc
 
 from pdserve.server.grpc_util import channel
+from pdserve.server.security import ChannelSecurity
 from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
 
 log = logging.getLogger("pdserve.server.announce")
 
-ROLES = {"prefill": pb.INSTANCE_ROLE_PREFILL, "decode": pb.INSTANCE_ROLE_DECODE}
+ROLES = {
+    "prefill": pb.INSTANCE_ROLE_PREFILL,
+    "decode": pb.INSTANCE_ROLE_DECODE,
+    "colocated": pb.INSTANCE_ROLE_COLOCATED,
+}
 RPC_TIMEOUT_S = 2.0
 RETRY_MAX_S = 5.0
 
@@ -29,11 +35,20 @@ def advertised(host: str, port: int) -> str:
 
 
 class Announcer:
-    def __init__(self, router: str, role: str, address: str, capacity_pcs: float = 0.0):
+    def __init__(
+        self,
+        router: str,
+        role: str,
+        address: str,
+        capacity_pcs: float = 0.0,
+        security: ChannelSecurity | None = None,
+    ):
+        """`router`: the router's internal (Registry) port; `security`: this instance's internal identity (None:
+        the environment's, `pdserve.server.grpc_util.channel`)."""
         self.router, self.address = router, address
         self.role = ROLES[role]
         self.capacity_pcs = capacity_pcs
-        self._channel = channel(router)
+        self._channel = channel(router, security)
         self._stub = router_admin_pb2_grpc.RegistryStub(self._channel)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="announce", daemon=True)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdserve.server.security import ChannelSecurity
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +27,19 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def make_server(max_workers: int, max_concurrent_rpcs: int) -> grpc.Server:
-    """A threaded server; RPCs beyond `max_concurrent_rpcs` get RESOURCE_EXHAUSTED instead of queueing."""
+def make_server(
+    max_workers: int,
+    max_concurrent_rpcs: int,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+) -> grpc.Server:
+    """A threaded server; RPCs beyond `max_concurrent_rpcs` get RESOURCE_EXHAUSTED instead of queueing, a message
+    over `max_receive_bytes` RESOURCE_EXHAUSTED before it is parsed."""
+    options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"]
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        options=CHANNEL_OPTIONS,
+        options=[*options, ("grpc.max_receive_message_length", max_receive_bytes)],
+        interceptors=list(interceptors),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
 
@@ -48,30 +60,40 @@ def set_serving(hs: health.HealthServicer, service_full_names: list[str], servin
         hs.set(name, status)
 
 
-def bind(server: grpc.Server, host: str, port: int) -> int:
-    """Bind insecure; port 0 picks a free port. Returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind (TLS with `credentials`, else plaintext); port 0 picks a free port. Returns the bound port."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise SystemExit(f"could not bind {host}:{port}")
     return bound
 
 
-def announce_ready(service: str, address: str, ready_file: str | None, metrics: str | None = None) -> None:
-    """Tell a supervisor (`pdserve up`, tests) where this service listens (and serves /metrics), once it can serve."""
-    line = f"PDSERVE_READY {service} {address}" + (f" metrics={metrics}" if metrics else "")
-    print(line, flush=True)
-    log.info("%s ready on %s", service, address)
+def announce_ready(
+    service: str, address: str, ready_file: str | None, metrics: str | None = None, internal: str | None = None
+) -> None:
+    """Tell a supervisor (`pdserve up`, tests) where this service listens (and serves /metrics, and, for the router,
+    its internal port), once it can serve: `PDSERVE_READY <service> <host:port> [internal=..] [metrics=..]`."""
+    extra = (f" internal={internal}" if internal else "") + (f" metrics={metrics}" if metrics else "")
+    print(f"PDSERVE_READY {service} {address}{extra}", flush=True)
+    log.info("%s ready on %s%s", service, address, f" (internal {internal})" if internal else "")
     if ready_file:
         tmp = Path(ready_file + ".tmp")
         info = {"service": service, "address": address, "pid": os.getpid()}
         if metrics:
             info["metrics"] = metrics
+        if internal:
+            info["internal_address"] = internal
         tmp.write_text(json.dumps(info))
         tmp.replace(ready_file)
 
 
-def channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+def channel(
+    target: str, security: ChannelSecurity | None = None, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS
+) -> grpc.Channel:
+    """A channel to an internal service. `security` None: the stack-wide identity of this process's environment
+    (`ChannelSecurity.from_env`: $PDSERVE_INTERNAL_TOKEN, $PDSERVE_TLS_*); services pass their own."""
+    return (security or ChannelSecurity.from_env()).open(target, options)
 
 
 def remaining(context: grpc.ServicerContext) -> float | None:

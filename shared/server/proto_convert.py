@@ -6,6 +6,12 @@ router calls it where a request enters; the engine calls it again when the reque
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
 from pdserve.engine.sampling import SamplingParams, TokenLogprob
 from pdserve.v1 import generate_pb2
 
@@ -43,3 +49,27 @@ def logprob_to_proto(lp: TokenLogprob) -> generate_pb2.TokenLogprob:
         logprob=lp.logprob,
         top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
     )
+
+
+@dataclass(frozen=True)
+class MalformedMessage:
+    """What `lenient_parser` hands the servicer for bytes that do not parse (e.g. a string field with invalid
+    UTF-8): the servicer answers INVALID_ARGUMENT with `reason` (gRPC itself would answer INTERNAL)."""
+
+    type_name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"malformed {self.type_name}: {self.reason} (string fields must be valid UTF-8)"
+
+
+def lenient_parser(message_type: Any) -> Callable[[bytes], Any]:
+    """A request deserializer for a gRPC method handler: the parsed message, or a `MalformedMessage`."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return MalformedMessage(message_type.DESCRIPTOR.full_name, str(e))
+
+    return parse

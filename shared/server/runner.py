@@ -1,19 +1,21 @@
-"""Run one gRPC service until SIGTERM/SIGINT: bind, serve health + reflection, announce readiness, drain."""
+"""Run one gRPC service until SIGTERM/SIGINT: security checks, bind, serve health + reflection, announce readiness,
+drain."""
 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-import grpc
-
+from pdserve.server.auth import Authenticator
 from pdserve.server.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
+from pdserve.server.security import ServiceSecurity
 from pdserve.server.service_config import EngineOptions, ServerOptions
+from pdserve.server.shutdown import Shutdown
+from pdserve.server.stream_gate import StreamGate
 from pdserve.telemetry.service import Telemetry
 
 log = logging.getLogger("pdserve")
+MIB = 1 << 20
 
 
 def setup_logging(level: str) -> None:
@@ -33,44 +35,105 @@ def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
     return EngineLoop(engine)
 
 
+DRAIN_END_MARGIN_S = 2.0  # after the drain grace: time for ended streams to send their status before the cut
+
+
 def run_service(
     name: str,
     cfg: ServerOptions,
     service_names: list[str],
-    register: Callable[[grpc.Server, Telemetry], Callable[[], None]],
+    register: Callable[..., Callable[[], None]],
+    *,
+    public: Authenticator | None = None,
+    internal_services: Sequence[str] = (),
 ) -> None:
-    """`register(server, telemetry)` adds the servicer(s) and returns a cleanup callable run after the server stops.
-    Telemetry: tracing from the OTEL_* environment, /metrics on `cfg.metrics_port`; spans flushed at shutdown."""
+    """Serve until SIGTERM/SIGINT, then drain. `register(server, telemetry)` adds the servicer(s) and returns a
+    cleanup callable run after the server stopped. Telemetry: tracing from the OTEL_* environment, /metrics on
+    `cfg.metrics_port`; spans flushed at shutdown.
+
+    Ports (docs/security.md): the main port (`cfg.port`) is internal (internal identity required: token and/or
+    client certificate) unless `public` is given, the authenticator of a public port. With `internal_services` a
+    second, internal port (`cfg.internal_port`) serves those and `register` is called with `internal=` its server.
+    Thread budget: long RPCs pass a `StreamGate` of `cfg.stream_limit()`; the pool has that many threads plus
+    `cfg.control_threads`. Drain: deregister, NOT_SERVING, refuse new calls, let streams run up to
+    `cfg.drain_grace_s`, end the rest with UNAVAILABLE."""
+    shutdown = Shutdown.install(name)
+    security = ServiceSecurity.of(cfg)
+    security.check_port(name, cfg.host, internal=public is None)
     telemetry = Telemetry(name)
-    server = make_server(cfg.max_workers, cfg.max_concurrent_rpcs)
-    cleanup = register(server, telemetry)
+    gate = StreamGate(name, cfg.stream_limit())
+    workers = gate.limit + cfg.control_threads
+    server = make_server(
+        workers,
+        2 * workers,
+        [public if public is not None else security.internal_auth(), gate],
+        int(cfg.max_receive_mb * MIB),
+    )
+    internal_server = None
+    if internal_services:
+        internal_server = make_server(
+            cfg.control_threads,
+            4 * cfg.control_threads,
+            [security.internal_auth()],
+            int(getattr(cfg, "internal_max_receive_mb", cfg.max_receive_mb) * MIB),
+        )
+        cleanup = register(server, telemetry, internal=internal_server)
+    else:
+        cleanup = register(server, telemetry)
     hs = add_health_and_reflection(server, service_names)
-    port = bind(server, cfg.host, cfg.port)
+    port = bind(server, cfg.host, cfg.port, security.server_credentials(internal=public is None))
+    internal_address = None
+    internal_hs = None
+    if internal_server is not None:
+        internal_hs = add_health_and_reflection(internal_server, list(internal_services))
+        internal_port = getattr(cfg, "internal_port", 0)
+        security.check_port(f"{name} internal port", cfg.host, internal=True)
+        bound = bind(internal_server, cfg.host, internal_port, security.server_credentials(internal=True))
+        internal_address = f"{cfg.host}:{bound}"
     metrics_port = telemetry.metrics.serve(cfg.host, cfg.metrics_port)
+    shutdown.serving()
     server.start()
+    if internal_server is not None:
+        internal_server.start()
     set_serving(hs, service_names, True)
+    if internal_hs is not None:
+        set_serving(internal_hs, list(internal_services), True)
+    if public is not None:
+        log.info(
+            "%s: public API auth %s",
+            name,
+            f"on ({len(public.tenants)} tenants)"
+            if public.enabled
+            else 'OFF (no token list): every caller is tenant "default"',
+        )
+    log.info("%s: up to %d concurrent streams, %d control threads", name, gate.limit, cfg.control_threads)
     announce_ready(
         name,
         f"{cfg.host}:{port}",
         cfg.ready_file or None,
         metrics=f"{cfg.host}:{metrics_port}" if metrics_port is not None else None,
+        internal=internal_address,
     )
     announcer = None
     router = getattr(cfg, "router", "")  # only services that register with a router have this field
     if router:  # register with the router and heartbeat (pdserve.server.announce)
         from pdserve.server.announce import Announcer, advertised
 
-        announcer = Announcer(router, name, advertised(cfg.host, port)).start()
+        announcer = Announcer(router, name, advertised(cfg.host, port), security=security.channel()).start()
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("%s draining", name)
+    shutdown.wait()
+    log.info("%s draining (grace %.1fs)", name, cfg.drain_grace_s)
     if announcer is not None:
         announcer.stop()  # the router stops sending new work before we stop serving
     set_serving(hs, service_names, False)
-    server.stop(grace=5).wait()
+    gate.close()
+    server.stop(grace=cfg.drain_grace_s + DRAIN_END_MARGIN_S)  # new calls refused now; whatever is left cut then
+    if not gate.wait_idle(cfg.drain_grace_s):
+        log.warning("%s: drain grace over: ending %d streams (UNAVAILABLE)", name, gate.end_all())
+        gate.wait_idle(DRAIN_END_MARGIN_S)
+    server.stop(0).wait()
+    if internal_server is not None:
+        internal_server.stop(0).wait()
     cleanup()
     telemetry.shutdown()  # flushes batched spans
     log.info("%s stopped", name)

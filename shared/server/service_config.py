@@ -15,10 +15,55 @@ class ServerOptions:
     host: str = opt("127.0.0.1", "interface to bind")
     port: int = opt(0, "port to bind (0 = any free port)")
     ready_file: str = opt("", "write {service, address, pid} JSON here once serving")
-    max_workers: int = opt(64, "RPC worker threads")
-    max_concurrent_rpcs: int = opt(256, "RPCs beyond this get RESOURCE_EXHAUSTED")
     log_level: str = opt("INFO", "logging level")
     metrics_port: int = opt(0, "Prometheus /metrics HTTP port on --host (0 = any free port, -1 = off)")
+    # thread budget (pdserve.server.stream_gate): worker threads = max_streams + control_threads
+    max_streams: int = opt(
+        0,
+        "long RPCs (generation / KV streams) in progress at once, each holding a thread; beyond: RESOURCE_EXHAUSTED "
+        "at once (0 = the service's default, tied to its admission limits)",
+    )
+    control_threads: int = opt(16, "threads reserved for health checks, Stats and Registry calls (never streams)")
+    max_receive_mb: float = opt(64.0, "largest message this service's port accepts, MiB (larger: RESOURCE_EXHAUSTED)")
+    drain_grace_s: float = opt(
+        15.0, "on SIGTERM: how long in-flight streams may run on; then they end with UNAVAILABLE (shutting down)"
+    )
+    # security (docs/security.md)
+    tls_cert: str = opt("", "PEM certificate (chain) this service presents; TLS on when set ($PDSERVE_TLS_CERT)")
+    tls_key: str = opt("", "PEM private key of --tls-cert ($PDSERVE_TLS_KEY)")
+    tls_ca: str = opt(
+        "",
+        "PEM internal CA: internal callers need a client certificate from it, peers are verified with it "
+        "($PDSERVE_TLS_CA)",
+    )
+    tls_server_name: str = opt(
+        "",
+        "name internal peers' certificates are verified against instead of the host dialed, e.g. one SAN for "
+        "pods dialed by IP ($PDSERVE_TLS_SERVER_NAME)",
+    )
+    internal_token_file: str = opt(
+        "",
+        "file with the internal token internal RPCs must carry ($PDSERVE_INTERNAL_TOKEN_FILE or the token in "
+        "$PDSERVE_INTERNAL_TOKEN)",
+    )
+    insecure: bool = opt(
+        False, "allow plaintext on a non-loopback address and internal ports without any internal identity"
+    )
+
+    def default_max_streams(self) -> int:
+        """`max_streams` when 0 (services override: the limit follows their admission)."""
+        return 64
+
+    def stream_limit(self) -> int:
+        return self.max_streams if self.max_streams > 0 else self.default_max_streams()
+
+    def server_problems(self) -> list[str]:
+        problems = []
+        if self.max_streams < 0 or self.control_threads < 1:
+            problems.append("--max-streams must be >= 0 and --control-threads >= 1")
+        if not self.max_receive_mb > 0 or self.drain_grace_s < 0:
+            problems.append("--max-receive-mb must be > 0 and --drain-grace-s >= 0")
+        return problems
 
 
 @dataclass
@@ -30,7 +75,9 @@ class EngineOptions(ServerOptions):
     chunk_size: int = opt(2048, "prefill chunk size in tokens")
     num_pages: int = opt(0, "KV pool pages (0 = auto)")
     max_num_seqs: int = opt(64, "largest decode batch")
-    kv_dtype: str = opt("int8", "int8|auto: KV page format shipped prefill→decode and stored by decode")
+    kv_dtype: str = opt(
+        "int8", "int8|fp8|auto: KV page format shipped prefill→decode and stored by decode (fp8: e4m3, scale per head)"
+    )
     kv_group_size: int = opt(64, "int8 KV quantization group size along head_dim")
     attention_backend: str = opt("auto", "auto|fa3|sdpa")
     # GPU engine knobs (EngineConfig fields of the same names; CPU ignores them)
@@ -48,6 +95,11 @@ class EngineOptions(ServerOptions):
         0.85, "GPU: fraction of the device's total memory this instance may fill (weights + KV pool)"
     )
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
+    batch_invariant: bool = opt(
+        False,
+        "CPU: a request's tokens independent of batch mates, chunking and prompt-cache hits with quantized KV "
+        "(fixed-size GEMM row blocks, row-wise prefill attention, prefill pool in the shipped KV format); slower",
+    )
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
     router: str = opt("", "router host:port to register with and heartbeat to (empty: the router's static list)")
 
@@ -78,10 +130,18 @@ class EngineOptions(ServerOptions):
             cuda_graphs=self.cuda_graphs,
             cuda_graph_max_context=self.cuda_graph_max_context,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            batch_invariant=self.batch_invariant,
         )
 
+    def default_max_streams(self) -> int:
+        """Decode (and colocated): a running batch plus as many waiting (the router admits by KV pages)."""
+        return 2 * self.max_num_seqs
+
     def validate(self) -> None:
+        problems = self.server_problems()
+        if problems:
+            raise SystemExit("; ".join(problems))
         if not self.model:
             raise SystemExit("--model is required (a local HF model directory)")
-        if self.kv_dtype not in ("int8", "auto"):
-            raise SystemExit(f"--kv-dtype must be int8 or auto, not {self.kv_dtype!r}")
+        if self.kv_dtype not in ("int8", "fp8", "auto"):
+            raise SystemExit(f"--kv-dtype must be int8, fp8 or auto, not {self.kv_dtype!r}")

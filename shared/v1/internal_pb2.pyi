@@ -9,13 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_layout", "model_fingerprint", "sampled_before", "kv_transport")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_layout", "model_fingerprint", "sampled_before", "cache_scope", "kv_transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,8 +24,9 @@ class PrefillRequest(_message.Message):
     kv_layout: _kv_pb2.KVLayout
     model_fingerprint: str
     sampled_before: int
+    cache_scope: str
     kv_transport: _kv_pb2.KVTransportOffer
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampled_before: _Optional[int] = ..., kv_transport: _Optional[_Union[_kv_pb2.KVTransportOffer, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampled_before: _Optional[int] = ..., cache_scope: _Optional[str] = ..., kv_transport: _Optional[_Union[_kv_pb2.KVTransportOffer, _Mapping]] = ...) -> None: ...
 
 class KVAck(_message.Message):
     __slots__ = ("seq_no",)
@@ -71,20 +73,22 @@ class PrefillServerMessage(_message.Message):
     def __init__(self, done: _Optional[_Union[PrefillDone, _Mapping]] = ..., batch: _Optional[_Union[_kv_pb2.KVPageBatch, _Mapping]] = ..., ipc_batch: _Optional[_Union[_kv_pb2.KVIpcBatch, _Mapping]] = ..., transport: _Optional[_Union[_kv_pb2.KVTransportChoice, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_target", "resumed_tokens", "resumed_text_chars")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_target", "resumed_tokens", "resumed_text_chars", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TARGET_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     prefill_target: str
     resumed_tokens: int
     resumed_text_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_target: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_target: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage", "logprobs", "prompt_logprobs")

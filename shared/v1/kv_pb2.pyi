@@ -14,11 +14,13 @@ class KVDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_DTYPE_FLOAT32: _ClassVar[KVDType]
     KV_DTYPE_BFLOAT16: _ClassVar[KVDType]
     KV_DTYPE_FLOAT16: _ClassVar[KVDType]
+    KV_DTYPE_FP8_E4M3: _ClassVar[KVDType]
 KV_DTYPE_UNSPECIFIED: KVDType
 KV_DTYPE_INT8: KVDType
 KV_DTYPE_FLOAT32: KVDType
 KV_DTYPE_BFLOAT16: KVDType
 KV_DTYPE_FLOAT16: KVDType
+KV_DTYPE_FP8_E4M3: KVDType
 
 class KVLayout(_message.Message):
     __slots__ = ("format_version", "dtype", "page_size", "num_layers", "num_kv_heads", "head_dim", "group_size", "asymmetric")

@@ -12,9 +12,11 @@ class InstanceRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INSTANCE_ROLE_UNSPECIFIED: _ClassVar[InstanceRole]
     INSTANCE_ROLE_PREFILL: _ClassVar[InstanceRole]
     INSTANCE_ROLE_DECODE: _ClassVar[InstanceRole]
+    INSTANCE_ROLE_COLOCATED: _ClassVar[InstanceRole]
 INSTANCE_ROLE_UNSPECIFIED: InstanceRole
 INSTANCE_ROLE_PREFILL: InstanceRole
 INSTANCE_ROLE_DECODE: InstanceRole
+INSTANCE_ROLE_COLOCATED: InstanceRole
 
 class RegisterRequest(_message.Message):
     __slots__ = ("role", "address", "capacity_pcs")

@@ -19,6 +19,9 @@ DEPLOY = ROOT / "deploy"
 SERVICES = ("router", "prefill", "decode", "gateway")
 # read by code outside the config dataclasses: the health command, the demo-model step, the prompt cache, tracing
 OTHER_ENV = {"PDSERVE_HEALTH_TARGET", "PDSERVE_MODEL_DIR", "PDSERVE_CACHE_DIR", "REDIS_URL"}
+# the stack-wide security settings (pdserve.server.security) and the certificate step's output folder
+OTHER_ENV |= {"PDSERVE_TLS_CERT", "PDSERVE_TLS_KEY", "PDSERVE_TLS_CA", "PDSERVE_TLS_SERVER_NAME"}
+OTHER_ENV |= {"PDSERVE_INTERNAL_TOKEN_FILE", "PDSERVE_CERTS_DIR"}
 
 
 @pytest.fixture(scope="session")

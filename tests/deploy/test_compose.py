@@ -80,8 +80,8 @@ def test_every_command_and_setting_exists(files):
         assert any(v.endswith(":/models/model:ro") for v in services[name]["volumes"])
         hostname = services.get(services[name].get("network_mode", "").removeprefix("service:"), services[name])
         assert env["PDSERVE_HEALTH_TARGET"] == f"localhost:{cfg.port}"
-        if role != "router":
-            assert cfg.host == "0.0.0.0" and cfg.router == f"router:{router.port}"
+        if role != "router":  # engines register on the router's internal port
+            assert cfg.host == "0.0.0.0" and cfg.router == f"router:{router.internal_port}"
             assert hostname["hostname"] in services  # what the engine advertises (its host name) resolves
     gateway, _ = parsed(files, compose, "gateway")
     assert (
@@ -182,3 +182,47 @@ def test_unknown_settings_are_caught(files):
         files.check_env_names("prefill", {"PDSERVE_PREFILL_KV_DTYP": "int8"})
     with pytest.raises(SystemExit):
         files.service_config("decode", ["--kv-format", "int8"], {"PDSERVE_DECODE_MODEL": "/m"})
+
+
+def test_every_hop_is_tls_with_the_stack_certificates(files, tmp_path):
+    """Every gRPC service serves TLS with client-certificate checks on its internal ports and holds the internal
+    token; the gateway serves HTTPS and verifies the router; the files they name are what the `certs` step writes
+    (run here), into the volume they mount, with SANs for every host name the services dial."""
+    import importlib.util
+
+    from cryptography import x509
+
+    from pdserve.server.security import ServiceSecurity
+
+    compose = files.load_compose()
+    services = compose["services"]
+    certs = services["certs"]
+    assert certs["entrypoint"] == ["python", "/opt/pdserve/make_certs.py"] and "certs:/certs" in certs["volumes"]
+    assert "certs" in compose["volumes"]
+    spec = importlib.util.spec_from_file_location("make_certs", files.DEPLOY / "make_certs.py")
+    make_certs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_certs)
+    made = tmp_path / "certs"
+    make_certs.make(made)
+    written = {p.name for p in made.iterdir()}
+    for name in PDSERVE:
+        cfg, env = parsed(files, compose, name)
+        for path in (env["PDSERVE_TLS_CERT"], env["PDSERVE_TLS_KEY"], env["PDSERVE_TLS_CA"]):
+            assert path.startswith("/certs/") and path.removeprefix("/certs/") in written, (name, path)
+        here = {k: v.replace("/certs/", f"{made}/") for k, v in env.items()}  # the volume's files, made here
+        sec = ServiceSecurity.of(cfg, environ=here)  # reads the token file
+        assert sec.tls.on and sec.client_certs and sec.token, name
+        assert "certs:/certs:ro" in services[name]["volumes"]
+        assert services[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        assert sec.refusal(name, cfg.host, internal=True) is None  # would start: TLS + identity
+    gateway, env = parsed(files, compose, "gateway")
+    assert gateway.tls_cert == "/certs/stack.pem" and gateway.router_tls_ca() == "/certs/ca.pem"
+    assert "https://localhost:8000/health" in " ".join(services["gateway"]["healthcheck"]["test"])
+    cert = x509.load_pem_x509_certificate((made / "stack.pem").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    sans = set(san.get_values_for_type(x509.DNSName))
+    hostnames = {services[n].get("hostname") for n in PDSERVE if services[n].get("hostname")} | {"router", "localhost"}
+    assert hostnames <= sans, hostnames - sans
+    before = (made / "stack.pem").read_bytes()
+    make_certs.make(made)  # a second run keeps what is there
+    assert (made / "stack.pem").read_bytes() == before

@@ -4,8 +4,6 @@ termination and autoscaling agree with the code they configure."""
 
 from __future__ import annotations
 
-import ast
-
 import kubernetes_validate
 import pytest
 import yaml
@@ -31,7 +29,7 @@ def test_every_object_matches_the_api_schema(rendered):
 
 def test_schema_check_catches_mistakes(files):
     deployment = yaml.safe_load((files.DEPLOY / "k8s/base/router.yaml").read_text().split("---")[0])
-    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"] = "pdserve health"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
@@ -63,24 +61,52 @@ def test_commands_settings_and_probes(files, rendered):
                 "/ready",
                 "/health",
             }
+            assert c["readinessProbe"]["httpGet"]["scheme"] == c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+            assert cfg.tls_cert.startswith("/etc/pdserve/tls/")  # HTTPS; the router is verified with the CA below
+            assert env["PDSERVE_TLS_CA"] == "/etc/pdserve/tls/ca.crt"
             continue
-        assert ports == {"grpc": cfg.port, "metrics": cfg.metrics_port}
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == cfg.port, (name, probe)
+        want_ports = {"grpc": cfg.port, "metrics": cfg.metrics_port}
+        if name == "router":
+            want_ports["internal"] = cfg.internal_port
+        assert ports == want_ports
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # TLS: `pdserve health`, not the kubelet's
+            assert c[probe]["exec"]["command"] == ["pdserve", "health"], (name, probe)
+        assert env["PDSERVE_HEALTH_TARGET"].rsplit(":", 1)[1] == str(cfg.port)
         assert pod["securityContext"]["runAsNonRoot"] is True
         (init,) = pod["initContainers"]
         assert init["command"] == ["python", "/opt/pdserve/prepare_model.py"]
         model_dir = env_of(objs, init)["PDSERVE_MODEL_DIR"]
         assert cfg.model == model_dir
-        assert {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]} == {model_dir: True}
+        mounts = {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]}
+        assert mounts == {model_dir: True, "/etc/pdserve/tls": True, "/etc/pdserve/token": True}
+        check_security(objs, pod, c, env, cfg)
         assert init["volumeMounts"][0]["mountPath"] == model_dir
         if name == "router":
-            router_port = cfg.port
-            service = objs[("Service", "router")]["spec"]["ports"]
-            assert {p["name"]: p["port"] for p in service}["grpc"] == cfg.port
-        else:
-            assert cfg.router == f"router:{router_port}"
+            router_port, router_internal = cfg.port, cfg.internal_port
+            service = {p["name"]: p["port"] for p in objs[("Service", "router")]["spec"]["ports"]}
+            assert service["grpc"] == cfg.port and service["internal"] == cfg.internal_port
+        else:  # engines register on the router's internal port
+            assert cfg.router == f"router:{router_internal}"
             assert c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"  # advertised address
+
+
+def check_security(objs: dict, pod: dict, c: dict, env: dict, cfg) -> None:
+    """TLS with client certificates and the internal token, from the mounted Secrets; the pods dialed by IP are
+    verified against one shared SAN; the service would start (no refusal)."""
+    from pdserve.server.security import ServiceSecurity, tls_from
+
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert secrets == {"tls": "pdserve-tls", "internal-token": "pdserve-internal-token"}
+    tls = tls_from("", "", "", env)
+    assert (tls.cert, tls.key, tls.ca) == (
+        "/etc/pdserve/tls/tls.crt",
+        "/etc/pdserve/tls/tls.key",
+        "/etc/pdserve/tls/ca.crt",
+    )
+    assert tls.server_name == "pdserve-internal" and env["PDSERVE_INTERNAL_TOKEN_FILE"] == "/etc/pdserve/token/token"
+    sec = ServiceSecurity(tls, "token-from-the-secret-0123", insecure=cfg.insecure)
+    assert sec.client_certs and not cfg.insecure
+    assert sec.refusal("svc", "0.0.0.0", internal=True) is None
 
 
 def test_gpu_overlay_places_engines_on_gpus(rendered):
@@ -96,20 +122,14 @@ def test_gpu_overlay_places_engines_on_gpus(rendered):
 
 
 def drain_seconds(files) -> float:
-    """The longest a service takes from SIGTERM to exit: deregistering (the announcer's join and its RPC timeout)
-    plus the gRPC server's stop grace, read from the code."""
-    from pdserve.server import announce
+    """The longest a service takes from SIGTERM to exit: deregistering (the announcer's join and its RPC timeout),
+    the drain grace (--drain-grace-s, its default: no manifest sets another) and the margin for ended streams."""
+    from pdserve.server import announce, runner
+    from pdserve.server.service_config import ServerOptions
 
-    tree = ast.parse((files.ROOT / "shared/server/runner.py").read_text())
-    graces = [
-        kw.value.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "stop"
-        for kw in node.keywords
-        if kw.arg == "grace"
-    ]
-    assert len(graces) == 1, "expected one server.stop(grace=N) in runner.py"
-    return graces[0] + (announce.RPC_TIMEOUT_S + 1) + 1.0  # join(timeout=RPC_TIMEOUT_S + 1), Deregister(timeout=1)
+    assert "DRAIN_GRACE_S" not in (files.DEPLOY / "k8s/base/config.yaml").read_text()
+    grace = ServerOptions().drain_grace_s + runner.DRAIN_END_MARGIN_S
+    return grace + (announce.RPC_TIMEOUT_S + 1) + 1.0  # join(timeout=RPC_TIMEOUT_S + 1), Deregister(timeout=1)
 
 
 def test_graceful_termination_covers_the_drain(files, rendered):

@@ -36,7 +36,7 @@ def test_delay_follows_pushback_within_bounds():
     assert pol.delay(err, 2, 0.8, None) is None  # would wait past max_wait_s in total
     assert pol.delay(err, 1, 0.0, time.monotonic() + 0.2) is None  # would sleep past the call's deadline
     assert pol.delay(Err(trailers=[("grpc-retry-pushback-ms", "-1")]), 1, 0.0, None) is None
-    assert pol.delay(Err(), 1, 0.0, None) == pol.default_delay_s
+    assert pol.delay(Err(), 1, 0.0, None) is None  # no pushback: gRPC's own (message too large), not retried
     for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
         assert pol.delay(Err(code, [("grpc-retry-pushback-ms", "10")]), 1, 0.0, None) is None
 

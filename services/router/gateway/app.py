@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +22,8 @@ from pdserve.router.gateway.config import GatewayConfig
 from pdserve.router.gateway.errors import APIError, api_error_response, error_body, rpc_error_response, rpc_error_status
 
 GENERATION_SERVICE = "pdserve.v1.Generation"
-FORWARDED_HEADERS = ("traceparent", "tracestate", "x-priority")  # passed on to the router as gRPC metadata
+# passed on to the router as gRPC metadata (authorization: the caller's bearer token, which the router checks)
+FORWARDED_HEADERS = ("traceparent", "tracestate", "x-priority", "authorization")
 
 
 def _metadata(request: Request) -> list[tuple[str, str]]:
@@ -95,9 +97,15 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with AsyncClient(cfg.router, timeout=cfg.request_timeout_s) as client:
+        ca = cfg.router_tls_ca()
+        tls = bool(ca) or cfg.router_tls
+        async with AsyncClient(cfg.router, timeout=cfg.request_timeout_s, tls=tls, tls_ca=ca or None) as client:
             app.state.client = client
-            app.state.health_channel = grpc.aio.insecure_channel(cfg.router)
+            app.state.health_channel = (
+                grpc.aio.secure_channel(cfg.router, grpc.ssl_channel_credentials(Path(ca).read_bytes() if ca else None))
+                if tls
+                else grpc.aio.insecure_channel(cfg.router)
+            )
             try:
                 yield
             finally:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pdserve.server.service_config import opt
+from pdserve.server.tls import is_loopback
 
 ENV_PREFIX = "PDSERVE_GATEWAY_"
 
@@ -19,6 +21,12 @@ class GatewayConfig:
     max_body_mb: float = opt(8.0, "largest request body accepted, MiB (larger: 413 at once, before parsing)")
     ready_file: str = opt("", "write {service, address, pid} JSON here once serving")
     log_level: str = opt("INFO", "logging level")
+    # security (docs/security.md): callers' `Authorization: Bearer` goes on to the router, which authenticates it
+    tls_cert: str = opt("", "PEM certificate: serve HTTPS (needed on a non-loopback --host unless --insecure)")
+    tls_key: str = opt("", "PEM key of --tls-cert")
+    tls_ca: str = opt("", "PEM CA of the router's certificate: TLS to the router ($PDSERVE_TLS_CA)")
+    router_tls: bool = opt(False, "TLS to the router verified against the system roots (without --tls-ca)")
+    insecure: bool = opt(False, "allow plain HTTP on a non-loopback --host")
 
     def validate(self) -> None:
         if not self.router:
@@ -29,3 +37,13 @@ class GatewayConfig:
             raise SystemExit(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.request_timeout_s <= 0:
             raise SystemExit(f"--request-timeout-s must be > 0, got {self.request_timeout_s}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        if not self.tls_cert and not self.insecure and not is_loopback(self.host):
+            raise SystemExit(
+                f"gateway on {self.host}: refusing plain HTTP on a non-loopback address; give --tls-cert/--tls-key "
+                "or --insecure"
+            )
+
+    def router_tls_ca(self) -> str:
+        return self.tls_ca or os.environ.get("PDSERVE_TLS_CA", "")

@@ -13,6 +13,8 @@ HTTP_OF: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
 }
 
 

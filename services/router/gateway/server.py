@@ -21,7 +21,10 @@ async def _serve(cfg: GatewayConfig) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.host, cfg.port))  # bound here so that port 0 is known before announcing it
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), log_level=cfg.log_level.lower(), access_log=False))
+    tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key} if cfg.tls_cert else {}
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(cfg), log_level=cfg.log_level.lower(), access_log=False, **tls)  # type: ignore[arg-type]
+    )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

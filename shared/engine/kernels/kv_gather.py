@@ -1,5 +1,5 @@
-"""Dequantize the int8 KV pages of a batch into a dense scratch laid out page-contiguously per sequence, so that
-FlashAttention-3's paged kernel can read it (int8 prefill chunks; the "dequant" int8 decode path).
+"""Dequantize the quantized (int8 or fp8) KV pages of a batch into a dense scratch laid out page-contiguously per
+sequence, so that FlashAttention-3's paged kernel can read it (int8 prefill chunks; the "dequant" int8 decode path).
 
 Pool layer views (see kv_cache.py): data [2, P, ps, H, D] int8, scales/zeros [2, P, ps, H, G] fp16 (index 0 = K,
 1 = V). Output [2, B, W * ps, H, D]: sequence b's token t at [:, b, t]. Tokens in [seqlens[b], seqlens[b] + PAD)
@@ -78,7 +78,7 @@ def dequant_pages(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """data [2, P, ps, H, D] int8 (one layer), page_table [B, W] int32, seqlens [B] int32
+    """data [2, P, ps, H, D] int8 | float8_e4m3fn (one layer), page_table [B, W] int32, seqlens [B] int32
     -> out [2, B, W * ps, H, D] of `dtype` (valid up to seqlens[b], then PAD zeros). Graph-safe: the grid
     depends on B and W."""
     _, _, ps, h, d = data.shape

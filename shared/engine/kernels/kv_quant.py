@@ -1,6 +1,7 @@
-"""Group-wise int8 quantize / dequantize of KV rows in Triton, bit-identical to `pdserve.kv.quant` (the torch
-path): scales and zero points rounded to fp16 outward (scale up, zero down), IEEE division (`div_rn`),
-round-half-to-even, and dequantization as (q [+ 128]) * s [+ z] in float32, whose products are exact.
+"""Group-wise int8 and fp8 (e4m3fn) quantize / dequantize of KV rows in Triton, bit-identical to `pdserve.kv.quant`
+(the torch path): scales and zero points rounded to fp16 outward (scale up, zero down), IEEE division (`div_rn`),
+round-half-to-even (int8: by the 1.5 * 2**23 trick; fp8: the hardware conversion, `cvt.rn.satfinite`), and
+dequantization as (q [+ 128]) * s [+ z] in float32, whose products are exact.
 
 Rows are the last dim (head_dim D, a power of two); a program handles BLOCK_R rows. Optional row indirection
 (`slots`) lets the same code scatter into / gather from a paged pool: row r of the input is token r // H, head
@@ -56,13 +57,23 @@ def _div(a, b, FAST: tl.constexpr):
 
 
 @triton.jit
-def quantize_tile(x, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr, FAST: tl.constexpr = False):
-    """x float32 [R, G * GS] -> (q int8 [R, G*GS], scale fp16 [R, G], zero fp16 [R, G] (zeros if symmetric))."""
+def quantize_tile(
+    x, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr, FAST: tl.constexpr = False, FP8: tl.constexpr = False
+):
+    """x float32 [R, G * GS] -> (q int8 [R, G*GS], scale fp16 [R, G], zero fp16 [R, G] (zeros if symmetric)).
+    FP8 (symmetric only): q float8_e4m3fn, scale = absmax / 448 rounded up to fp16, q = RNE(x / scale)."""
     R: tl.constexpr = x.shape[0]
     g = tl.reshape(x, (R, G, GS))
     lo = tl.min(g, axis=2)
     hi = tl.max(g, axis=2)
-    if ASYM:
+    if FP8:
+        absmax = tl.maximum(hi, -lo)
+        scale = fp16_round_up(tl.minimum(tl.math.div_rn(absmax, 448.0), 65504.0))
+        scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
+        zero = tl.zeros_like(scale)
+        y = _div(g, scale.to(tl.float32)[:, :, None], FAST)
+        q = tl.minimum(tl.maximum(y, -448.0), 448.0)  # |y| <= 448 already; the conversion saturates anyway
+    elif ASYM:
         zero = fp16_round_down(tl.minimum(tl.maximum(lo, -65504.0), 65504.0))
         zf = zero.to(tl.float32)
         scale = fp16_round_up(tl.minimum(tl.math.div_rn(hi - zf, 255.0), 65504.0))
@@ -76,12 +87,17 @@ def quantize_tile(x, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr, FAST
         zero = tl.zeros_like(scale)
         y = _div(g, scale.to(tl.float32)[:, :, None], FAST)
         q = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
-    return tl.reshape(q, (R, G * GS)).to(tl.int8), scale, zero
+    q = tl.reshape(q, (R, G * GS))
+    if FP8:
+        out = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        out = q.to(tl.int8)
+    return out, scale, zero
 
 
 @triton.jit
 def dequantize_tile(q, s, z, G: tl.constexpr, GS: tl.constexpr, ASYM: tl.constexpr):
-    """q int8 [R, G*GS], s/z fp16 [R, G] -> float32 [R, G*GS]: q*s, or (z + 128 s) + q*s (products exact)."""
+    """q int8 | fp8 [R, G*GS], s/z fp16 [R, G] -> float32 [R, G*GS]: q*s, or (z + 128 s) + q*s (products exact)."""
     R: tl.constexpr = q.shape[0]
     qf = tl.reshape(q.to(tl.float32), (R, G, GS))
     sf = s.to(tl.float32)[:, :, None]
@@ -108,6 +124,7 @@ def _quantize_kernel(
     HAS_SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """x rows [n_rows, D] (row r at x_ptr + (r // H) * x_stride + (r % H) * D) -> pool rows (see module doc)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -124,7 +141,7 @@ def _quantize_kernel(
         dst = slot.to(tl.int64) * H + head
     else:
         dst = rows.to(tl.int64)
-    q, s, z = quantize_tile(x, G, D // G, ASYM, FAST)
+    q, s, z = quantize_tile(x, G, D // G, ASYM, FAST, FP8)
     tl.store(q_ptr + dst[:, None] * D + d[None, :], q, mask=ok[:, None])
     tl.store(s_ptr + dst[:, None] * G + gi[None, :], s, mask=ok[:, None])
     if ASYM:
@@ -162,12 +179,15 @@ def quantize(
     block_rows: int = BLOCK_R,
     num_warps: int = NUM_WARPS,
     fast_div: bool = FAST_DIV,
+    fp8: bool = False,
 ):
-    """x [..., D] float -> q int8 [..., D], scales fp16 [..., D/g], zeros fp16 [..., D/g] | None."""
+    """x [..., D] float -> q int8 (float8_e4m3fn if `fp8`, symmetric only) [..., D], scales fp16 [..., D/g],
+    zeros fp16 [..., D/g] | None."""
+    assert not (fp8 and asymmetric), "fp8 KV is symmetric only"
     d = x.shape[-1]
     xc = x.contiguous()
     n = xc.numel() // d
-    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
     s = torch.empty(*x.shape[:-1], d // group_size, dtype=torch.float16, device=x.device)
     z = torch.empty_like(s) if asymmetric else None
     if n:
@@ -186,6 +206,7 @@ def quantize(
             HAS_SLOTS=False,
             BLOCK=block_rows,
             FAST=fast_div,
+            FP8=fp8,
             num_warps=num_warps,
         )
     return q, s, z

@@ -1,6 +1,6 @@
 """Rotary embedding (rotate-half) applied in place to q and k, fused with the write of k and v into the paged
-KV pool (dense: a cast; int8: group-wise quantization with the numerics of pdserve.kv.quant, from k/v rounded
-to the activation dtype, exactly as the unfused path quantizes them). One program per token; tokens whose slot
+KV pool (dense: a cast; int8 or fp8 e4m3fn: group-wise quantization with the numerics of pdserve.kv.quant, from k/v
+rounded to the activation dtype, exactly as the unfused path quantizes them). One program per token; tokens whose slot
 is < 0 (padded rows of a CUDA-graph batch) are rotated but not written.
 
 cos/sin come from a float32 table [max_positions, D/2] built once (`RotaryEmbedding`), the same values HF
@@ -56,6 +56,7 @@ def _rope_kv_write_kernel(
     INT8: tl.constexpr,
     G: tl.constexpr,
     ASYM: tl.constexpr,
+    FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel's writes, let the next launch
@@ -77,10 +78,10 @@ def _rope_kv_write_kernel(
         k = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), (KVH, D))  # [KVH, D] = [k1 | k2]
         v = tl.load(v_ptr + t * v_st + hk[:, None] * D + d[None, :])
         row = slot.to(tl.int64) * KVH + hk  # [KVH] pool rows
-        if INT8:
+        if INT8:  # a quantized pool: int8, or fp8 (FP8)
             gi = tl.arange(0, G)
-            kq, ks, kz = quantize_tile(k.to(tl.float32), G, D // G, ASYM)
-            vq, vs, vz = quantize_tile(v.to(tl.float32), G, D // G, ASYM)
+            kq, ks, kz = quantize_tile(k.to(tl.float32), G, D // G, ASYM, False, FP8)
+            vq, vs, vz = quantize_tile(v.to(tl.float32), G, D // G, ASYM, False, FP8)
             tl.store(kc_ptr + row[:, None] * D + d[None, :], kq)
             tl.store(vc_ptr + row[:, None] * D + d[None, :], vq)
             tl.store(ks_ptr + row[:, None] * G + gi[None, :], ks)
@@ -106,7 +107,7 @@ def rope_kv_write(
 ) -> None:
     """positions [T] (int), q [T, H, D], k/v [T, KVH, D] (heads contiguous, any token stride): q, k rotated in
     place; k, v written at `slots` [T] of `pool`: (k [P, ps, KVH, D], v) dense, or
-    (k int8, v int8, k_scales, v_scales, k_zeros | None, v_zeros | None) for an int8 pool."""
+    (k, v, k_scales, v_scales, k_zeros | None, v_zeros | None) for a quantized pool (k, v int8 or float8_e4m3fn)."""
     t, h, d = q.shape
     kvh = k.shape[1]
     for x in (q, k, v):
@@ -146,6 +147,7 @@ def rope_kv_write(
             INT8=int8,
             G=g,
             ASYM=asym,
+            FP8=kc.dtype == torch.float8_e4m3fn,
             USE_PDL=pdl,
             num_warps=4,
             **(dict(launch_pdl=True) if pdl else {}),

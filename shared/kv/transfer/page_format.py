@@ -2,7 +2,7 @@
 
 A batch of N pages is a uint8 buffer [N, page_bytes]; row i holds page i as
     data   [2, num_layers, page_size, kv_heads, head_dim]           layout dtype (K = 0, V = 1)
-    scales [2, num_layers, page_size, kv_heads, head_dim // group]  float16 (int8 only)
+    scales [2, num_layers, page_size, kv_heads, head_dim // group]  float16 (int8 and fp8 only)
     zeros  same as scales                                            float16 (asymmetric int8 only)
 in C order, little-endian. Tokens past a page's `num_tokens` are zero. Rows are contiguous, so any run of
 pages is one contiguous byte range (a message, a staging region) and one device copy.

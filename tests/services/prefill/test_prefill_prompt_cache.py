@@ -49,14 +49,18 @@ class Cluster:
         self.prefill, (self.decode_auto, self.decode_int8) = addrs[:3], addrs[3:]
         self.channels = {a: channel(a) for a in addrs}
 
-    def generate(self, prefill: int, ids: list[int], max_tokens: int = 8, int8: bool = False) -> tuple[list[int], int]:
-        """(completion token ids, cached_tokens) of a greedy request through decode -> prefill[prefill]."""
+    def generate(
+        self, prefill: int, ids: list[int], max_tokens: int = 8, int8: bool = False, scope: str = ""
+    ) -> tuple[list[int], int]:
+        """(completion token ids, cached_tokens) of a greedy request through decode -> prefill[prefill], its pages
+        cached in `scope` (DecodeRequest.cache_scope, what the router sets per tenant)."""
         decode = self.decode_int8 if int8 else self.decode_auto
         req = internal_pb2.DecodeRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=ids,
             prefill_target=self.prefill[prefill],
             sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            cache_scope=scope,
         )
         tokens, cached = [], None
         for msg in internal_pb2_grpc.DecodeStub(self.channels[decode]).Generate(req, timeout=60):
@@ -121,6 +125,21 @@ def test_hits_shared_across_instances_output_identical(cluster, rds, n):
     rds.flushall()
     assert cluster.generate(1, ids) == (cold, want)  # the local tier outlives Redis' copy
     assert cluster.generate(0, ids) == (cold, 0)  # p0 has no local tier: a miss, same output
+
+
+def test_scopes_never_share_pages(cluster, rds):
+    """A prompt cached in one scope (a tenant's) is a miss, cached_tokens 0, in every other, through the local tier
+    and through Redis alike, and a hit in its own. Each other scope is asked once: its own write-back would make it
+    a hit later."""
+    ids = prompt(8 * PAGE + 1, seed=11)
+    cold, cached = cluster.generate(1, ids, scope="tenant:alice")
+    assert cached == 0
+    wait_keys(rds, 8)
+    assert cluster.generate(1, ids, scope="tenant:bob") == (cold, 0)  # p1's local tier holds alice's pages
+    assert cluster.generate(0, ids, scope="tenant:carol") == (cold, 0)  # p0 reads Redis only
+    assert cluster.generate(0, ids, scope="") == (cold, 0)  # unscoped (no router) is a scope of its own
+    assert cluster.generate(0, ids, scope="tenant:alice") == (cold, 8 * PAGE)
+    assert cluster.generate(1, ids, scope="tenant:alice") == (cold, 8 * PAGE)
 
 
 def test_partial_prefix_hit_at_page_boundary(cluster, rds):

@@ -107,6 +107,37 @@ def test_pages_stream_while_prefill_runs_and_ack_frees(prefill):
     assert wait_all_free(stub)
 
 
+def test_duplicate_id_in_flight_is_refused_and_leaves_the_first_alone(prefill):
+    """A second stream with the id of one still prefilling fails ALREADY_EXISTS, and the first is untouched: it
+    streams every page and finishes at once (the rejected duplicate once freed the first one's engine request)."""
+    stub, fp = prefill
+    acks: queue.Queue = queue.Queue()
+
+    def client():
+        yield request(fp, 1000, rid="twice")  # 125 chunks: still prefilling when the duplicate arrives
+        while (item := acks.get()) is not None:
+            yield item
+
+    call = stub.Prefill(client(), timeout=20)
+    try:
+        assert next(call).HasField("transport")  # sent once the request is in the engine
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Prefill(iter([request(fp, 12, rid="twice")]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS, err.value
+        pages, done = 0, None
+        for msg in call:
+            if msg.HasField("batch"):
+                pages += len(msg.batch.header.page_indexes)
+                last = msg.batch.header.first_seq_no + len(msg.batch.header.page_indexes) - 1
+                acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=last)))
+            elif msg.HasField("done"):
+                done = msg.done
+    finally:
+        acks.put(None)
+    assert done is not None and done.num_pages == pages == 250
+    assert wait_all_free(stub)
+
+
 def test_abandoned_stream_frees_pages(prefill):
     stub, fp = prefill
     call = stub.Prefill(iter([request(fp, 1000, rid="gone")]), timeout=120)

@@ -43,7 +43,7 @@ class Cluster:
         port = self.p[2].rsplit(":", 1)[1] if len(self.p) > 2 else "0"
         proc, ready, log = start_service(
             "prefill",
-            ["--model", str(self.model), "--port", port, "--router", self.routers["A"], *ENGINE_FLAGS],
+            ["--model", str(self.model), "--port", port, "--router", self.routers["A"].internal, *ENGINE_FLAGS],
             self.work,
         )
         self.stack.procs.append(proc)

@@ -10,7 +10,8 @@ from pdserve.v1 import router_admin_pb2_grpc
 
 
 def listing(router: str) -> pb.ListInstancesResponse:
-    with channel(router) as ch:
+    """The Registry's listing, from the router's internal port (`launch.Address.internal`; a plain address: as is)."""
+    with channel(getattr(router, "internal", router)) as ch:
         return router_admin_pb2_grpc.RegistryStub(ch).ListInstances(pb.ListInstancesRequest(), timeout=10)
 
 

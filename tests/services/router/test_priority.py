@@ -14,6 +14,8 @@ def test_resolve_field_metadata_default():
     assert resolve(generate_pb2.PRIORITY_UNSPECIFIED, [("other", "x")]) is Priority.NORMAL
     with pytest.raises(ValueError, match="x-priority must be high, normal or low"):
         resolve(generate_pb2.PRIORITY_UNSPECIFIED, [("x-priority", "urgent")])
+    with pytest.raises(ValueError, match="priority 7 is not a Priority value"):  # proto3 keeps unknown numbers
+        resolve(7, [("x-priority", "high")])
 
 
 class Item:

@@ -20,7 +20,7 @@ def make_page(layout: KVLayoutSpec, index: int, seed: int = 0) -> PagePayload:
     dense = torch.randn(2, layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, generator=g)
     if not layout.quantized:
         return PagePayload(index, layout.page_size, 0, dense.to(layout.torch_dtype), None, None, 0)
-    q, s, z = quantize(dense, layout.group_size, layout.asymmetric)
+    q, s, z = quantize(dense, layout.group_size, layout.asymmetric, layout.torch_dtype)
     return PagePayload(index, layout.page_size, 0, q, s, z, layout.group_size)
 
 

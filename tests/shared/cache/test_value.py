@@ -17,6 +17,7 @@ LAYOUTS = {
     "int8-asym": dataclasses.replace(INT8, asymmetric=True),
     "float32": DENSE,
     "bfloat16": dataclasses.replace(DENSE, dtype="bfloat16"),
+    "fp8": dataclasses.replace(INT8, dtype="fp8", group_size=8),
 }
 NS = namespace(INT8)
 
@@ -32,7 +33,9 @@ def test_round_trip(name):
         assert got.page_index == index and got.num_tokens == ns.layout.page_size
         assert got.group_size == ns.layout.group_size
         for a, b in ((got.data, page.data), (got.scales, page.scales), (got.zeros, page.zeros)):
-            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+            assert (a is None and b is None) or (
+                a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            )
 
 
 def test_int8_value_overhead_is_small():

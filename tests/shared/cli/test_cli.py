@@ -8,12 +8,18 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import grpc
 import pytest
 
 import pdserve
+from pdserve.cli.launch import Address
 from pdserve.models.checkpoints import build_checkpoint
+from pdserve.server.auth import new_token
+
+TOKEN = new_token()  # the stack's internal token: `pdserve up` takes it from the environment
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +45,7 @@ def up_and_gateway(tmp_path_factory):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))},
+        env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache")), "PDSERVE_INTERNAL_TOKEN": TOKEN},
     )
     lines = []
     deadline = time.monotonic() + 180
@@ -48,14 +54,17 @@ def up_and_gateway(tmp_path_factory):
         line = proc.stdout.readline()
         assert line or proc.poll() is None, "".join(lines)
         lines.append(line)
-        m = re.search(r"router at (\S+)", line)
+        m = re.search(r"router at (\S+)\s+\(internal ([^;]+);", line)
         if m:
-            target = m.group(1)
+            target, internal = m.group(1), m.group(2)
         m = re.search(r"gateway at (http://\S+/v1)\s+\(model '([^']+)'\)", line)
         if m:
             gateway = m.group(1), m.group(2)
         assert time.monotonic() < deadline, "".join(lines)
-    yield target, gateway
+    assert any("PLAINTEXT" in line for line in lines)  # `pdserve up` says what it does not protect
+    # keep reading: the services log to this pipe, and a full pipe would block them
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    yield Address(target, internal), gateway
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=30)
@@ -105,11 +114,15 @@ def test_async_client(up):
 
 def test_up_runs_the_requested_instances(up):
     from pdserve.server.grpc_util import channel
+    from pdserve.server.security import ChannelSecurity
     from pdserve.v1 import router_admin_pb2 as pb
     from pdserve.v1 import router_admin_pb2_grpc
 
-    with channel(up) as ch:
+    with channel(up.internal, ChannelSecurity(token=TOKEN)) as ch:  # the Registry: internal port, internal token
         r = router_admin_pb2_grpc.RegistryStub(ch).ListInstances(pb.ListInstancesRequest(), timeout=10)
+    with channel(up.internal, ChannelSecurity()) as ch, pytest.raises(grpc.RpcError) as e:
+        router_admin_pb2_grpc.RegistryStub(ch).ListInstances(pb.ListInstancesRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     roles = sorted(pb.InstanceRole.Name(i.role) for i in r.instances if i.state == "up")
     assert roles == ["INSTANCE_ROLE_DECODE", "INSTANCE_ROLE_PREFILL", "INSTANCE_ROLE_PREFILL"]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig, resolve_dtype
-from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import model_fingerprint, parse_model_config
 from pdserve.engine.model import rope_inv_freq
 
@@ -99,7 +99,7 @@ def test_llama3_inv_freq_matches_transformers():
 
 
 def test_engine_config_validation_and_dtype():
-    for bad in (dict(page_size=0), dict(kv_dtype="fp8"), dict(attention_backend="xformers"), dict(num_pages=-1)):
+    for bad in (dict(page_size=0), dict(kv_dtype="fp4"), dict(attention_backend="xformers"), dict(num_pages=-1)):
         with pytest.raises(ValueError):
             EngineConfig(model_dir="x", **bad).validate()
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -108,29 +108,41 @@ def test_engine_config_validation_and_dtype():
     assert resolve_dtype("float16", cpu, None) == torch.float16
 
 
-@pytest.mark.parametrize("int8, asym", [(False, False), (True, False), (True, True)])
-def test_kv_pool_write_read_export_import(int8, asym):
+@pytest.mark.parametrize(
+    "storage, asym", [(None, False), (torch.int8, False), (torch.int8, True), (torch.float8_e4m3fn, False)]
+)
+def test_kv_pool_write_read_export_import(storage, asym):
     L, P, ps, H, D = 2, 6, 4, 2, 16
+    cpu = torch.device("cpu")
     pool = (
-        Int8KVCache(L, P, ps, H, D, torch.float32, torch.device("cpu"), 8, asym)
-        if int8
-        else KVCache(L, P, ps, H, D, torch.float32, torch.device("cpu"))
+        QuantizedKVCache(L, P, ps, H, D, torch.float32, cpu, 8, asym, storage=storage)
+        if storage is not None
+        else KVCache(L, P, ps, H, D, torch.float32, cpu)
     )
     k, v = torch.randn(6, H, D), torch.randn(6, H, D)
     table = [4, 1]  # logical pages 0, 1 -> physical 4, 1
     slots = torch.tensor([4 * ps + i for i in range(4)] + [1 * ps + i for i in range(2)])
     pool.write(1, slots, k, v)
     rk, rv = pool.read(1, table, 6)
-    tol = 0.05 if int8 else 0.0
+    # int8: |err| <= scale / 2 = absmax / 254; fp8 e4m3: relative 2**-4 (+ subnormals near 0)
+    tol = {None: 0.0, torch.int8: 0.05, torch.float8_e4m3fn: 0.07 * max(k.abs().max(), v.abs().max())}[storage]
     assert (rk - k).abs().max() <= tol and (rv - v).abs().max() <= tol
     gk, _ = pool.gather(1, slots[[5, 0]])
     assert torch.equal(gk, rk[[5, 0]])
-    for as_int8 in (False, True):
-        p = pool.export_page(1, logical_index=1, num_tokens=2, as_int8=as_int8, group_size=8, asymmetric=False)
+    for quantized, dtype in ((False, None), (True, None), (True, torch.float8_e4m3fn)):
+        p = pool.export_page(1, 1, 2, quantized, group_size=8, asymmetric=False, dtype=dtype)
         assert p.data.shape == (2, L, 2, H, D) and p.page_index == 1
+        assert p.data.dtype == (dtype or torch.int8 if quantized else torch.float32)
         pool.import_page(3, p)
         k3, v3 = pool.read(1, [3], 2)
-        assert (k3 - k[4:6]).abs().max() <= 0.1 and (v3 - v[4:6]).abs().max() <= 0.1
+        assert (k3 - k[4:6]).abs().max() <= 0.25 and (v3 - v[4:6]).abs().max() <= 0.25
+        if storage is not None and quantized and (dtype or torch.int8) == storage:  # own format: straight copies
+            assert (
+                torch.equal(
+                    pool.export_page(3, 1, 2, True, 8, asym, dtype).data.view(torch.uint8), p.data.view(torch.uint8)
+                )
+                or asym
+            )
     with pytest.raises(ValueError):
         pool.export_page(P, 0, 2, False)
     with pytest.raises(ValueError):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_testutil import random_prompt, run_to_completion
 
-from pdserve.engine.sampling import SamplingParams, sample
+from pdserve.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, sample
 from pdserve.engine.sequence import IncrementalDetokenizer
 
 RANDOM = dict(temperature=0.9, top_p=0.9, top_k=50)
@@ -32,6 +32,9 @@ def text_prompt(engine, text: str = "The quick brown fox jumps over the lazy dog
         (dict(seed=-1), "seed"),
         (dict(stop=[""]), "stop"),
         (dict(stop_token_ids=[-2]), "stop_token_ids"),
+        (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), "stop strings"),  # every decode step scans them
+        (dict(stop=["x" * (MAX_STOP_CHARS + 1)]), "characters"),
+        (dict(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
     ],
 )
 def test_validate_rejects_with_reason(bad, reason):
@@ -42,6 +45,8 @@ def test_validate_rejects_with_reason(bad, reason):
 def test_validate_accepts_defaults_and_edges():
     SamplingParams().validate()
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=["x"], stop_token_ids=[0]).validate(16)
+    at_ceiling = dict(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    SamplingParams(**at_ceiling).validate(16)
 
 
 def test_sampler_top_k_one_is_argmax_and_top_p_keeps_head():

@@ -1,11 +1,11 @@
-"""End-to-end quality of int8 KV pages on the disaggregated path, without gRPC.
+"""End-to-end quality of quantized (int8, fp8) KV pages on the disaggregated path, without gRPC.
 
 prefill-role LLMEngine (kv auto, float32 on CPU) --add_request(prefill_only)--> export_pages(kv_dtype) as
 ready_pages arrive --> encode_page --> protobuf bytes --> decode_page --> decode-role LLMEngine
 begin_import / import_page / finish_import --> teacher-forced continuation (forced_token_ids) with
-step(return_logits=True). The int8 run (decode pool int8: imported pages *and* the KV of decoded tokens are
-int8) is compared with the same path unquantized (float32 pages, kv auto on both sides), which in turn must
-match a single monolithic engine.
+step(return_logits=True). The quantized run (decode pool int8 | fp8: imported pages *and* the KV of decoded
+tokens are quantized) is compared with the same path unquantized (float32 pages, kv auto on both sides), which
+in turn must match a single monolithic engine.
 
 Trained tiny llama (head_dim 64, 2 layers, 2 kv heads), 8 held-out prompts of 70-128 tokens x 64 forced tokens
 (the 63 positions predicted by the decode engine are scored: 504 in all), measured on CPU:
@@ -13,6 +13,8 @@ Trained tiny llama (head_dim 64, 2 layers, 2 kv heads), 8 held-out prompts of 70
     int8 g=64 sym:   top-1 agreement 0.9940, perplexity ratio 1.00062, max |dlogit| 0.044, wire 0.260x float32
     int8 g=64 asym:  top-1 agreement 0.9980, perplexity ratio 0.99984, max |dlogit| 0.058, wire 0.268x
     int8 g=32 sym:   top-1 agreement 0.9921, perplexity ratio 1.00044, max |dlogit| 0.046, wire 0.267x
+    fp8 e4m3 (one scale per token and head): top-1 0.9841, perplexity ratio 0.99999, max |dlogit| 0.276,
+                     wire 0.260x (e4m3's 3 mantissa bits: larger per-logit error than int8, unbiased on average)
 (disagreements are 2-4 near-tie positions out of 504; run with -s for the numbers of a run).
 NOTE: begin_import has no forced_token_ids; the test sets it on the importing sequence (engine internals)
 unless a later engine adds the keyword (detected via inspect.signature).
@@ -39,8 +41,8 @@ FORCED = 64
 PROMPT_LENS = [70, 77, 85, 96, 101, 112, 119, 128]  # full and partial last pages
 
 # Asserted bounds (measured values in the module docstring, margin for other seeds / platforms).
-MIN_TOP1 = 0.97
-MAX_PPL_RATIO = 1.01
+MIN_TOP1 = {"int8": 0.97, "fp8": 0.95}
+MAX_PPL_RATIO = {"int8": 1.01, "fp8": 1.02}
 
 
 @dataclass
@@ -161,7 +163,7 @@ def layout_for(pe: LLMEngine, dtype: str, group_size: int = 0, asymmetric: bool 
 def disaggregated(model_dir, pe: LLMEngine, cases: list[Case], layout: KVLayoutSpec, tag: str):
     wire = prefill_and_ship(pe, cases, layout, tag)
     kw = (
-        dict(kv_dtype="int8", kv_group_size=layout.group_size, kv_asymmetric=layout.asymmetric)
+        dict(kv_dtype=layout.dtype, kv_group_size=layout.group_size, kv_asymmetric=layout.asymmetric)
         if layout.quantized
         else dict(kv_dtype="auto")
     )
@@ -196,15 +198,17 @@ def baseline(trained_model_dir, prefill_engine, cases):
 
 
 @pytest.mark.parametrize(
-    "group_size,asymmetric", [(64, False), (64, True), (32, False)], ids=["g64-sym", "g64-asym", "g32-sym"]
+    "dtype,group_size,asymmetric",
+    [("int8", 64, False), ("int8", 64, True), ("int8", 32, False), ("fp8", 64, False)],
+    ids=["g64-sym", "g64-asym", "g32-sym", "fp8"],
 )
-def test_int8_pages_match_unquantized_quality(
-    trained_model_dir, prefill_engine, cases, baseline, group_size, asymmetric
+def test_quantized_pages_match_unquantized_quality(
+    trained_model_dir, prefill_engine, cases, baseline, dtype, group_size, asymmetric
 ):
     base_logits, base_wire = baseline
-    layout = layout_for(prefill_engine, "int8", group_size, asymmetric)
+    layout = layout_for(prefill_engine, dtype, group_size, asymmetric)
     q_logits, q_wire = disaggregated(
-        trained_model_dir, prefill_engine, cases, layout, f"g{group_size}{'a' if asymmetric else 's'}-"
+        trained_model_dir, prefill_engine, cases, layout, f"{dtype}{group_size}{'a' if asymmetric else 's'}-"
     )
     nll_b, top_b = scores(base_logits, cases)
     nll_q, top_q = scores(q_logits, cases)
@@ -214,10 +218,10 @@ def test_int8_pages_match_unquantized_quality(
     bytes_b = sum(len(m) for ms in base_wire.values() for m in ms)
     bytes_q = sum(len(m) for ms in q_wire.values() for m in ms)
     print(
-        f"\nint8 g={group_size} {'asym' if asymmetric else 'sym'}: positions={top_b.numel()} "
-        f"top1_agreement={agree:.4f} ppl_base={ppl_b:.4f} ppl_int8={ppl_q:.4f} ratio={ppl_q / ppl_b:.5f} "
-        f"max|dlogit|={dlogit:.4f} wire_bytes int8/float32={bytes_q}/{bytes_b}={bytes_q / bytes_b:.3f}"
+        f"\n{dtype} g={group_size} {'asym' if asymmetric else 'sym'}: positions={top_b.numel()} "
+        f"top1_agreement={agree:.4f} ppl_base={ppl_b:.4f} ppl_q={ppl_q:.4f} ratio={ppl_q / ppl_b:.5f} "
+        f"max|dlogit|={dlogit:.4f} wire_bytes {dtype}/float32={bytes_q}/{bytes_b}={bytes_q / bytes_b:.3f}"
     )
-    assert agree >= MIN_TOP1
-    assert ppl_q / ppl_b <= MAX_PPL_RATIO
+    assert agree >= MIN_TOP1[dtype]
+    assert ppl_q / ppl_b <= MAX_PPL_RATIO[dtype]
     assert ppl_b < 40  # the model is trained: held-out continuation is far from uniform (512)

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from pdserve.errors import CorruptPage, InvalidRequest
-from pdserve.kv.codec import KVLayoutSpec, checksum, decode_page, encode_page, page_from_bytes, page_to_bytes
+from pdserve.kv.codec import (
+    KVLayoutSpec,
+    check_scales,
+    checksum,
+    decode_page,
+    encode_page,
+    page_from_bytes,
+    page_to_bytes,
+)
 from pdserve.kv.payload import PagePayload, quantize_payload
 from pdserve.v1 import kv_pb2
 
@@ -25,7 +33,7 @@ def layout(dtype: str = "int8", asymmetric: bool = False, group_size: int = 32) 
         num_layers=4,
         num_kv_heads=2,
         head_dim=64,
-        group_size=group_size if dtype == "int8" else 0,
+        group_size=group_size if dtype in ("int8", "fp8") else 0,
         asymmetric=asymmetric,
     )
 
@@ -40,8 +48,8 @@ def payload(lay: KVLayoutSpec, num_tokens: int = 11, layer_start: int = 1, layer
         zeros=None,
         data=torch.randn(2, layers, num_tokens, lay.num_kv_heads, lay.head_dim, generator=g) * 3,
     )
-    if lay.dtype == "int8":
-        return quantize_payload(dense, lay.group_size, lay.asymmetric)
+    if lay.quantized:
+        return quantize_payload(dense, lay.group_size, lay.asymmetric, lay.torch_dtype)
     dense.data = dense.data.to(lay.torch_dtype)
     return dense
 
@@ -70,7 +78,8 @@ def wire(msg: kv_pb2.KVPage) -> kv_pb2.KVPage:
 
 
 @pytest.mark.parametrize(
-    "dtype,asym", [("int8", False), ("int8", True), ("float32", False), ("bfloat16", False), ("float16", False)]
+    "dtype,asym",
+    [("int8", False), ("int8", True), ("fp8", False), ("float32", False), ("bfloat16", False), ("float16", False)],
 )
 def test_roundtrip_exact(dtype, asym):
     lay = layout(dtype, asym)
@@ -84,11 +93,11 @@ def test_roundtrip_exact(dtype, asym):
         p.layer_start,
         p.group_size,
     )
-    assert out.data.dtype == p.data.dtype and torch.equal(out.data, p.data)
+    assert out.data.dtype == p.data.dtype and torch.equal(out.data.view(torch.uint8), p.data.view(torch.uint8))
     for a, b in ((out.scales, p.scales), (out.zeros, p.zeros)):
         assert (a is None and b is None) or torch.equal(a, b)
     assert out.nbytes == p.nbytes == len(msg.data) + len(msg.scales) + len(msg.zero_points)
-    out.data.add_(1) if out.data.is_floating_point() else out.data.fill_(0)  # own, writable memory
+    out.data.view(torch.uint8).add_(1)  # own, writable memory
 
 
 def test_layout_proto_roundtrip():
@@ -273,3 +282,41 @@ def test_bytes_form_roundtrip_and_every_damage_detected():
         page_from_bytes(buf, **read | dict(expected_layout=dataclasses.replace(lay, asymmetric=False)))
     with pytest.raises(CorruptPage, match="seq_no"):
         page_from_bytes(encode(p, lay, request_id="key-a", seq_no=1).SerializeToString(), **read)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["scales", "zeros"])
+def test_non_finite_scales_with_a_valid_checksum_raise(bad, where):
+    """A sender can checksum garbage: NaN / inf scales or zero points are refused (CorruptPage → DATA_LOSS), on a
+    single page, through the bytes form (the prompt cache) and by `check_scales` (the KV receivers' batch check)."""
+    lay = layout("int8", asymmetric=True)
+    p = payload(lay)
+    t = p.scales if where == "scales" else p.zeros
+    assert t is not None
+    t[1, 0, 5, 1, 0] = bad  # one value of one group, V of the second layer
+    with pytest.raises(CorruptPage, match="NaN or infinity"):
+        decode(wire(encode(p, lay)), lay)  # encode checksums it faithfully
+    with pytest.raises(CorruptPage, match="NaN or infinity"):
+        page_from_bytes(
+            page_to_bytes(p, owner=RID, layout=lay, fingerprint=FP),
+            expected_layout=lay,
+            expected_fingerprint=FP,
+            expected_owner=RID,
+        )
+    with pytest.raises(CorruptPage, match="NaN or infinity"):
+        check_scales(p.scales, p.zeros)
+    good = payload(lay)
+    check_scales(good.scales, good.zeros)  # finite: passes, also with no zero points
+    check_scales(good.scales, None)
+
+
+def test_fp8_layout_is_symmetric_only_and_on_the_wire():
+    lay = layout("fp8")
+    assert lay.quantized and lay.to_proto().dtype == kv_pb2.KV_DTYPE_FP8_E4M3
+    assert KVLayoutSpec.from_proto(lay.to_proto()) == lay
+    with raises_invalid("symmetric"):
+        dataclasses.replace(lay, asymmetric=True).validate()
+    with raises_invalid("group_size"):
+        dataclasses.replace(lay, group_size=0).validate()
+    with raises_invalid():  # an int8 payload is not an fp8 page
+        encode(payload(layout("int8")), lay)

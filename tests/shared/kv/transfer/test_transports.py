@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import Int8KVCache, KVCache
+from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import ExportedPages, ReceiverPages, SenderPages
 from pdserve.kv.transfer.cuda_ipc import IpcBufferCache, IpcReceiver, IpcSender, IpcStaging, ShmCopier
@@ -23,6 +23,7 @@ from pdserve.kv.transfer.wire import BatchExpectation, parse_server_message
 
 L, P, PS, H, D, G = 2, 8, 4, 2, 16, 8
 INT8 = KVLayoutSpec("int8", page_size=PS, num_layers=L, num_kv_heads=H, head_dim=D, group_size=G)
+FP8 = KVLayoutSpec("fp8", page_size=PS, num_layers=L, num_kv_heads=H, head_dim=D, group_size=D)
 F32 = KVLayoutSpec("float32", page_size=PS, num_layers=L, num_kv_heads=H, head_dim=D)
 CPU = torch.device("cpu")
 
@@ -33,27 +34,28 @@ def dense_pool(seed: int = 0) -> KVCache:
     return pool
 
 
-@pytest.mark.parametrize("layout", [INT8, F32], ids=["int8", "float32"])
+@pytest.mark.parametrize("layout", [INT8, FP8, F32], ids=["int8", "fp8", "float32"])
 def test_batch_gather_scatter_equals_per_page_path(layout):
     src = dense_pool()
     pages, tokens = [5, 2, 7], [4, 4, 3]
-    as_int8 = layout.quantized
-    rows = PageFormat(layout).pack(*src.gather_pages(pages, tokens, as_int8, G, False))
+    quantized, g, dt = layout.quantized, layout.group_size, layout.torch_dtype
+    rows = PageFormat(layout).pack(*src.gather_pages(pages, tokens, quantized, g, False, dt))
 
     def new_pool():
         return (
-            Int8KVCache(L, P, PS, H, D, torch.float32, CPU, G, False)
-            if as_int8
+            QuantizedKVCache(L, P, PS, H, D, torch.float32, CPU, g, False, storage=dt)
+            if quantized
             else KVCache(L, P, PS, H, D, torch.float32, CPU)
         )
 
     batch, per_page = new_pool(), new_pool()
     batch.scatter_pages([0, 1, 2], *PageFormat(layout).unpack(rows), layout.group_size)
     for dst, (p, n) in enumerate(zip(pages, tokens)):
-        per_page.import_page(dst, src.export_page(p, dst, n, as_int8, G, False))
+        per_page.import_page(dst, src.export_page(p, dst, n, quantized, g, False, dt))
     for a, b, n in zip(batch.data.unbind(2), per_page.data.unbind(2), [4, 4, 3, 0, 0, 0, 0, 0]):
-        assert torch.equal(a[:, :, :n], b[:, :, :n])
-    if as_int8:
+        assert torch.equal(a[:, :, :n].view(torch.uint8), b[:, :, :n].view(torch.uint8))
+    if quantized:
+        assert batch.data.dtype == dt
         assert torch.equal(batch.scales[:, :, :2], per_page.scales[:, :, :2])
 
 
@@ -82,13 +84,15 @@ def importer(imported: list):
     return import_rows
 
 
-def test_grpc_pair_batches_verifies_and_frees_on_ack():
-    fmt = PageFormat(INT8)
-    rows = PageFormat(INT8).pack(*dense_pool().gather_pages([0, 1, 2, 3, 4], [4] * 4 + [1], True, G, False))
+@pytest.mark.parametrize("layout", [INT8, FP8], ids=["int8", "fp8"])
+def test_grpc_pair_batches_verifies_and_frees_on_ack(layout):
+    fmt = PageFormat(layout)
+    g, dt = layout.group_size, layout.torch_dtype
+    rows = fmt.pack(*dense_pool().gather_pages([0, 1, 2, 3, 4], [4] * 4 + [1], True, g, False, dt))
     freed, stats_s, stats_r, imported = [], TransferStats(), TransferStats(), []
     pages = SenderPages("r", 5, free=lambda: freed.append(1))
-    sender = GrpcSender(pages, INT8, "fp", stats_s, max_batch_bytes=2 * fmt.page_bytes)
-    recv = GrpcReceiver(ReceiverPages("r", 5), BatchExpectation(INT8, "fp", "r"), stats_r, CPU, importer(imported))
+    sender = GrpcSender(pages, layout, "fp", stats_s, max_batch_bytes=2 * fmt.page_bytes)
+    recv = GrpcReceiver(ReceiverPages("r", 5), BatchExpectation(layout, "fp", "r"), stats_r, CPU, importer(imported))
     ex = ExportedPages([0, 1, 2, 3, 4], [4, 4, 4, 4, 1], rows)
     acks = run_pair(sender, recv, ex, imported)
     assert acks == [1, 3, 4]  # 2 pages a message

@@ -1,0 +1,282 @@
+"""Colocated mode: one engine that prefills and decodes, behind the same router and API (`pdserve serve colocated`).
+
+It serves the Decode service: `Decode.Generate` without a prefill target. Instead of importing KV pages from a
+prefill instance, the engine computes the prompt itself in chunks of at most `--chunk-size` tokens per step,
+alternating with decode steps of the running batch (`pdserve.engine.scheduler`: a prefill step is always followed
+by a decode step while sequences run, so a long prompt delays the others' next token by at most one chunk). The
+prompt cache works as on a prefill instance: the longest cached prefix of full pages is loaded instead of
+computed, and the newly computed full pages are written back after the first token. `Stats` reports the KV pool
+and the measured prefill rate (prompt tokens per second of prefill steps), which the router's admission uses as it
+does for a prefill instance. A failover resume (`resumed_tokens`) re-prefills prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.prompt_cache import CacheLookup, PromptCache
+from pdserve.decode.colocated_config import ColocatedConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.loop import EngineLoop
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer import ExportedPages
+from pdserve.kv.transfer.grpc_transport import to_host
+from pdserve.kv.transfer.page_format import PageFormat
+from pdserve.kv.transfer.stats import TransferStats
+from pdserve.server.grpc_util import remaining
+from pdserve.server.instance_stats import instance_stats
+from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
+from pdserve.server.status import engine_error_code
+from pdserve.telemetry.rates import WorkRate
+from pdserve.telemetry.service import Telemetry
+from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger("pdserve.colocated")
+
+FINISH = {
+    "stop": generate_pb2.FINISH_REASON_STOP,
+    "length": generate_pb2.FINISH_REASON_LENGTH,
+    "abort": generate_pb2.FINISH_REASON_ABORT,
+}
+
+
+class PrefillRateMeter:
+    """Prompt tokens per second of the engine's prefill steps (a step listener on the engine thread). On CUDA a
+    prefill step without a sampled token returns before the device finished it; the meter waits for the device
+    after such a step, so the time counted is the chunk's and not the next decode step's."""
+
+    def __init__(self, engine: LLMEngine):
+        self.rate = WorkRate()
+        self._device = engine.runner.device
+
+    def __call__(self, engine: LLMEngine, start_ns: int, end_ns: int) -> None:
+        n = engine.last_step_prefill_tokens
+        if not n:
+            return
+        if self._device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(self._device).synchronize()
+            end_ns = time.time_ns()
+        self.rate.add(n, (end_ns - start_ns) / 1e9)
+
+
+class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
+    def __init__(
+        self,
+        cfg: ColocatedConfig,
+        loop: EngineLoop,
+        telemetry: Telemetry | None = None,
+        cache: PromptCache | None = None,
+    ):
+        self.cfg = cfg
+        self.loop = loop
+        self.cache = cache
+        self.telemetry = telemetry or Telemetry.off("colocated")
+        engine = loop.engine
+        mc = engine.model_config
+        self.fingerprint: str = engine.fingerprint
+        self.max_model_len: int = mc.max_position_embeddings
+        self.page_size: int = engine.page_size
+        int8 = cfg.kv_dtype == "int8"
+        self.layout = KVLayoutSpec(  # the pool's page format: what the prompt cache stores and serves here
+            dtype="int8" if int8 else engine.kv_storage_dtype_name,
+            page_size=engine.page_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            group_size=engine.kv_group_size if int8 else 0,
+            asymmetric=engine.kv_asymmetric if int8 else False,
+        )
+        self.namespace = CacheNamespace(self.fingerprint, self.layout)
+        self.meter = PrefillRateMeter(engine)
+        loop.step_listener = self.meter
+        self._active = 0
+        self._lock = threading.Lock()
+
+    # ---- RPC ------------------------------------------------------------------------------------------
+    def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):
+        t0 = time.perf_counter()
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        req = self.telemetry.request(
+            "colocated.request", context, {"pdserve.request_id": rid, "pdserve.prompt_tokens": len(prompt)}
+        )
+        if request.prefill_target:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this instance is colocated (it prefills itself); got prefill_target {request.prefill_target!r}",
+            )
+        resumed = request.resumed_tokens
+        if resumed:
+            req.set({"pdserve.resumed_tokens": resumed})
+        sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
+        # prompt_logprobs score every prompt token, and a resume recomputes: neither takes pages from the cache
+        ns = dataclasses.replace(self.namespace, scope=request.cache_scope)  # the router's scope: tenant or shared
+        hit = CacheLookup([], []) if sampling.prompt_logprobs or resumed else self._cache_lookup(prompt, ns)
+        outputs: queue.Queue = queue.Queue()
+        admitted_ns = time.time_ns()
+
+        def on_output(out) -> None:  # engine thread
+            if not isinstance(out, BaseException) and out.new_token_ids and out.num_completion_tokens == resumed + 1:
+                req.record("colocated.prefill", admitted_ns, {"pdserve.cached_tokens": hit.num_pages * self.page_size})
+                if not out.finished:  # its pages are still held: copy the new full pages out for the cache
+                    try:
+                        exported = self._export_for_cache(rid, hit)
+                        if exported is not None:
+                            outputs.put(exported)
+                    except Exception as e:  # the cache is an optimisation: never fail the request over it
+                        log.warning("rid=%s prompt cache write-back skipped: %s", rid, e)
+            outputs.put(out)
+
+        try:
+            self.loop.add_request(
+                rid,
+                prompt,
+                sampling,
+                on_output,
+                cached_pages=hit.pages or None,
+                resumed_tokens=resumed,
+                resumed_text_chars=request.resumed_text_chars,
+            )
+        except Exception as e:
+            context.abort(engine_error_code(e), f"colocated instance could not admit request: {e}")
+        with self._lock:
+            self._active += 1
+        finished, n_out, finish = False, 0, "abort"
+        to_cache: ExportedPages | None = None
+        prompt_logprobs: list[float] = []  # gathered chunk by chunk; they lead the first token's message
+        try:
+            deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
+            while True:
+                try:
+                    out = outputs.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    if time.monotonic() > deadline:
+                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "colocated request exceeded its deadline")
+                    continue
+                if isinstance(out, ExportedPages):
+                    to_cache = out
+                    continue
+                if isinstance(out, BaseException):
+                    context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {out}")
+                prompt_logprobs.extend(out.prompt_logprobs)
+                if not out.new_token_ids and not out.finished:
+                    continue  # a prompt chunk before the last: its prompt logprobs wait for the first token
+                n_out = out.num_completion_tokens
+                msg = internal_pb2.DecodeResponse(
+                    token_ids=out.new_token_ids,
+                    text=out.text_delta,
+                    logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
+                    prompt_logprobs=prompt_logprobs,
+                )
+                prompt_logprobs = []
+                req.first_token()
+                cached = hit.num_pages * self.page_size
+                if out.finished:
+                    finished, finish = True, out.finish_reason
+                    req.finish(out.num_completion_tokens, out.finish_reason, {"pdserve.cached_tokens": cached})
+                    msg.finish_reason = FINISH.get(out.finish_reason, generate_pb2.FINISH_REASON_ABORT)
+                    msg.stop_reason = out.stop_reason or ""
+                    msg.usage.CopyFrom(
+                        generate_pb2.Usage(
+                            prompt_tokens=out.num_prompt_tokens,
+                            cached_tokens=cached,
+                            completion_tokens=out.num_completion_tokens,
+                        )
+                    )
+                yield msg
+                if to_cache is not None:  # after the first token went out: off its path
+                    self._cache_pages(to_cache, hit, ns)
+                    to_cache = None
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.loop.abort(rid)
+            with self._lock:
+                self._active -= 1
+            log.info(
+                "colocated rid=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s ms=%.1f",
+                rid,
+                len(prompt),
+                hit.num_pages * self.page_size,
+                n_out,
+                finish,
+                (time.perf_counter() - t0) * 1e3,
+            )
+
+    # ---- prompt cache ---------------------------------------------------------------------------------
+    def _cache_lookup(self, prompt: list[int], ns: CacheNamespace) -> CacheLookup:
+        """Longest cached prefix of full pages, leaving at least the last prompt token to compute (it samples the
+        first token). Store trouble is a miss, never an error."""
+        if self.cache is None:
+            return CacheLookup([], [])
+        return self.cache.lookup(
+            ns,
+            prompt,
+            max_pages=(len(prompt) - 1) // self.page_size,
+            prefill_tokens_per_s=self.meter.rate.rate(),
+        )
+
+    def _export_for_cache(self, rid: str, hit: CacheLookup) -> ExportedPages | None:
+        """Engine thread, right after the prompt's last chunk: the full prompt pages not from the cache, gathered
+        on the device in the pool's format (None: nothing to write)."""
+        if self.cache is None or len(hit.keys) <= hit.num_pages:
+            return None
+        return self.loop.engine.export_batch(rid, list(range(hit.num_pages, len(hit.keys))), self.layout)
+
+    def _cache_pages(self, item: ExportedPages, hit: CacheLookup, ns: CacheNamespace) -> None:
+        assert self.cache is not None
+        rows = item.host if item.host is not None else to_host(item)
+        for p in PageFormat(self.layout).payloads(rows, item.page_indexes, item.num_tokens):
+            self.cache.put(ns, hit.keys[p.page_index], p)
+
+    def Stats(self, request, context):
+        with self._lock:
+            active = self._active
+        return instance_stats(
+            self.loop,
+            active,
+            self.fingerprint,
+            self.layout.dtype,
+            self.page_size,
+            TransferStats(),
+            prefill_tokens_per_s=self.meter.rate.rate() or 0.0,
+        )
+
+
+def serve(cfg: ColocatedConfig) -> None:
+    """`pdserve serve colocated`: one colocated instance (Decode service; registers as role colocated)."""
+    from pdserve.cache.prompt_cache import build_prompt_cache
+    from pdserve.server.runner import build_engine, run_service
+    from pdserve.telemetry.metrics import watch_engine, watch_prompt_cache
+
+    service = internal_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+    loop = build_engine(cfg, pool_kv_dtype=cfg.kv_dtype)
+    cache = build_prompt_cache(cfg)
+
+    def register(server, telemetry):
+        watch_engine(telemetry.metrics, loop)
+        if cache is not None:
+            watch_prompt_cache(telemetry.metrics, cache)
+        servicer = ColocatedServicer(cfg, loop, telemetry, cache)
+        internal_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+
+        def cleanup() -> None:
+            loop.stop()
+            if cache is not None:
+                cache.close()
+
+        return cleanup
+
+    run_service("colocated", cfg, [service], register)

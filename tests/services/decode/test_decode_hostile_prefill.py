@@ -1,0 +1,167 @@
+"""An int8 decode service against a scripted prefill instance that answers each request as a test tells it to: a
+batch with NaN / inf scales under a valid checksum and a first token outside the vocabulary are refused DATA_LOSS
+with every page freed; a caller that cancels while pages arrive is logged as a cancellation (INFO), never as an
+error with a traceback."""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from services_testutil import running_service
+
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer.page_format import PageFormat
+from pdserve.kv.transfer.wire import batch_message_bytes, make_header
+from pdserve.models.checkpoints import build_checkpoint
+from pdserve.prefill.servicer import add_prefill_servicer
+from pdserve.server.grpc_util import channel
+from pdserve.testing.wait import wait_until
+from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc, kv_pb2
+
+PAGE, PROMPT = 4, 8  # two pages
+
+
+class ScriptedPrefill:
+    """Sends the transport choice, then what `script[request_id]` says: ("scale", value) one batch of every page
+    with one scale set to value, then PrefillDone; ("first", token_id) finite pages, then PrefillDone with that first
+    token; ("stall", None) one page, then nothing until the stream ends."""
+
+    def __init__(self):
+        self.script: dict[str, tuple[str, float | int | None]] = {}
+        self.stalled = threading.Event()  # the stalled stream's page went out
+        self.ended = threading.Event()  # ... and its stream ended
+
+    def Prefill(self, request_iterator, context):
+        req = next(request_iterator).request
+        kind, value = self.script[req.request_id]
+        lay = KVLayoutSpec.from_proto(req.kv_layout)
+        fmt = PageFormat(lay)
+        n = -(-len(req.prompt_token_ids) // lay.page_size)
+        data = torch.zeros(n, *fmt.data_shape, dtype=lay.torch_dtype)
+        scales = torch.full((n, *fmt.scales_shape), 0.01, dtype=torch.float16)
+        if kind == "scale":
+            scales[n - 1, 1, 0, 0, 0, 0] = value
+        tokens = [min(lay.page_size, len(req.prompt_token_ids) - i * lay.page_size) for i in range(n)]
+        pages = list(range(n)) if kind != "stall" else [0]
+        rows = fmt.pack(data, scales, None)[: len(pages)].contiguous()
+        payload = rows.numpy().tobytes()
+        header = make_header(
+            request_id=req.request_id,
+            fingerprint=req.model_fingerprint,
+            layout=lay,
+            first_seq_no=0,
+            page_indexes=pages,
+            num_tokens=tokens[: len(pages)],
+            payload=payload,
+        )
+        yield internal_pb2.PrefillServerMessage(transport=kv_pb2.KVTransportChoice(transport="grpc"))
+        yield batch_message_bytes(header, payload)
+        if kind == "stall":
+            self.stalled.set()
+            ended = threading.Event()
+            context.add_callback(ended.set)
+            ended.wait(60)
+            self.ended.set()
+            return
+        first = int(value) if kind == "first" else 7
+        yield internal_pb2.PrefillServerMessage(done=internal_pb2.PrefillDone(first_token_id=first, num_pages=n))
+
+    def Stats(self, request, context):
+        return internal_pb2.InstanceStats()
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    servicer = ScriptedPrefill()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    add_prefill_servicer(servicer, server)  # type: ignore[arg-type]  # duck-typed: Prefill and Stats
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory):
+    work = tmp_path_factory.mktemp("decode-hostile")
+    model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
+    args = ["--model", str(model), "--page-size", str(PAGE), "--num-pages", "64", "--kv-dtype", "int8"]
+    args += ["--torch-threads", "1", "--log-level", "INFO"]
+    with running_service("decode", args, work) as addr, channel(addr) as ch:
+        yield internal_pb2_grpc.DecodeStub(ch), next(Path(work).glob("decode*.log"))
+
+
+def generate(stub, target: str, rid: str):
+    req = internal_pb2.DecodeRequest(
+        request_id=rid,
+        prompt_token_ids=[5 + i for i in range(PROMPT)],
+        prefill_target=target,
+        sampling=generate_pb2.SamplingParams(max_tokens=4, temperature=0.0),
+    )
+    return stub.Generate(req, timeout=30)
+
+
+def all_free(stub) -> bool:
+    s = stub.Stats(internal_pb2.StatsRequest(), timeout=5)
+    return s.kv_pages_free == s.kv_pages_total
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_scales_are_data_loss(decode, scripted, value):
+    stub, _ = decode
+    target, prefill = scripted
+    rid = f"scale-{value}"
+    prefill.script[rid] = ("scale", value)
+    with pytest.raises(grpc.RpcError) as err:
+        list(generate(stub, target, rid))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value
+    assert "NaN or infinity" in err.value.details()
+    wait_until(lambda: all_free(stub), what="decode pages freed")
+
+
+def test_the_same_pages_with_finite_scales_generate(decode, scripted):
+    """The control: the scripted pages themselves are acceptable (so the refusals above are the scales')."""
+    stub, _ = decode
+    target, prefill = scripted
+    prefill.script["finite"] = ("scale", 0.02)
+    out = list(generate(stub, target, "finite"))
+    assert out[-1].finish_reason and sum(len(m.token_ids) for m in out) == 4
+    wait_until(lambda: all_free(stub), what="decode pages freed")
+
+
+@pytest.mark.parametrize("token", [10**6, -1])
+def test_first_token_outside_the_vocabulary_is_data_loss(decode, scripted, token):
+    stub, _ = decode
+    target, prefill = scripted
+    rid = f"first-{token}"
+    prefill.script[rid] = ("first", token)
+    with pytest.raises(grpc.RpcError) as err:
+        list(generate(stub, target, rid))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value
+    assert "outside the vocabulary" in err.value.details()
+    wait_until(lambda: all_free(stub), what="decode pages freed")
+
+
+def test_cancel_during_the_transfer_is_info_not_an_error(decode, scripted):
+    stub, log = decode
+    target, prefill = scripted
+    prefill.script["cancelled"] = ("stall", None)
+    call = generate(stub, target, "cancelled")
+    assert prefill.stalled.wait(10)
+    call.cancel()
+    assert prefill.ended.wait(10), "decode did not end the prefill stream after its caller cancelled"
+    line = wait_until(
+        lambda: next((x for x in log.read_text().splitlines() if "rid=cancelled caller went away" in x), None),
+        what="the cancellation logged",
+    )
+    assert " INFO " in line
+    wait_until(lambda: "decode rid=cancelled" in log.read_text(), what="the request's summary line")
+    text = log.read_text()
+    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+    wait_until(lambda: all_free(stub), what="decode pages freed")

@@ -1,0 +1,8 @@
+"""Makes pace_server importable from the tests beside it (pytest runs with --import-mode=importlib)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
