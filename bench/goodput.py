@@ -66,8 +66,16 @@ def where_time_goes(sink: OTLPSink) -> dict:
     rows: dict[str, list[float]] = {"queue": [], "prefill": [], "kv_transfer": [], "kv_ship": [], "decode": []}
     for spans in traces.values():
         by = lambda name: [s for s in spans if s.name == name]
-        root, dec, recv, chunks = (
-            by("router.generate"),
+        root = by("router.generate")
+        if by("colocated.request"):  # colocated: one span for the request, one for its prompt's chunks
+            dec, pre = by("colocated.request"), by("colocated.prefill")
+            if root:
+                rows["queue"].append((dec[0].start_ns - root[0].start_ns) / 1e6)
+            if pre:
+                rows["prefill"].append((pre[0].end_ns - pre[0].start_ns) / 1e6)
+                rows["decode"].append((dec[0].end_ns - pre[0].end_ns) / 1e6)
+            continue
+        dec, recv, chunks = (
             by("decode.request"),
             by("decode.kv_receive"),
             by("prefill.chunk"),
@@ -80,8 +88,6 @@ def where_time_goes(sink: OTLPSink) -> dict:
         if recv and chunks:
             rows["kv_transfer"].append(max(0, recv[0].end_ns - max(c.end_ns for c in chunks)) / 1e6)
             rows["decode"].append((dec[0].end_ns - recv[0].end_ns) / 1e6)
-        elif chunks:  # colocated: prefill chunks run inside the decode span
-            rows["decode"].append((dec[0].end_ns - max(c.end_ns for c in chunks)) / 1e6)
         ship = by("prefill.kv_ship")
         if ship:
             rows["kv_ship"].append((ship[0].end_ns - ship[0].start_ns) / 1e6)
