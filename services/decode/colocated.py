@@ -22,29 +22,22 @@ import grpc
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
+from pdserve.cache.serving import lookup_prefix, write_back
 from pdserve.decode.colocated_config import ColocatedConfig
+from pdserve.decode.token_stream import decode_response, next_output
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
-from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import ExportedPages
-from pdserve.kv.transfer.grpc_transport import to_host
-from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.server.grpc_util import remaining
 from pdserve.server.instance_stats import instance_stats
-from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
+from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.rates import WorkRate
 from pdserve.telemetry.service import Telemetry
-from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
+from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.colocated")
-
-FINISH = {
-    "stop": generate_pb2.FINISH_REASON_STOP,
-    "length": generate_pb2.FINISH_REASON_LENGTH,
-    "abort": generate_pb2.FINISH_REASON_ABORT,
-}
 
 
 class PrefillRateMeter:
@@ -81,20 +74,10 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         self.cache = cache
         self.telemetry = telemetry or Telemetry.off("colocated")
         engine = loop.engine
-        mc = engine.model_config
         self.fingerprint: str = engine.fingerprint
-        self.max_model_len: int = mc.max_position_embeddings
+        self.max_model_len: int = engine.model_config.max_position_embeddings
         self.page_size: int = engine.page_size
-        int8 = cfg.kv_dtype == "int8"
-        self.layout = KVLayoutSpec(  # the pool's page format: what the prompt cache stores and serves here
-            dtype="int8" if int8 else engine.kv_storage_dtype_name,
-            page_size=engine.page_size,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            group_size=engine.kv_group_size if int8 else 0,
-            asymmetric=engine.kv_asymmetric if int8 else False,
-        )
+        self.layout = engine.pool_layout  # what the prompt cache stores and serves here
         self.namespace = CacheNamespace(self.fingerprint, self.layout)
         self.meter = PrefillRateMeter(engine)
         loop.step_listener = self.meter
@@ -120,7 +103,11 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
         # prompt_logprobs score every prompt token, and a resume recomputes: neither takes pages from the cache
         ns = dataclasses.replace(self.namespace, scope=request.cache_scope)  # the router's scope: tenant or shared
-        hit = CacheLookup([], []) if sampling.prompt_logprobs or resumed else self._cache_lookup(prompt, ns)
+        hit = (
+            CacheLookup([], [])
+            if sampling.prompt_logprobs or resumed
+            else lookup_prefix(self.cache, ns, prompt, self.page_size, self.meter.rate.rate())
+        )
         outputs: queue.Queue = queue.Queue()
         admitted_ns = time.time_ns()
 
@@ -156,14 +143,9 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         try:
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
             while True:
-                try:
-                    out = outputs.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    if not context.is_active():
-                        return
-                    if time.monotonic() > deadline:
-                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "colocated request exceeded its deadline")
-                    continue
+                out = next_output(outputs, deadline, context, "colocated request")
+                if out is None:
+                    return
                 if isinstance(out, ExportedPages):
                     to_cache = out
                     continue
@@ -173,30 +155,13 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
                 if not out.new_token_ids and not out.finished:
                     continue  # a prompt chunk before the last: its prompt logprobs wait for the first token
                 n_out = out.num_completion_tokens
-                msg = internal_pb2.DecodeResponse(
-                    token_ids=out.new_token_ids,
-                    text=out.text_delta,
-                    logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
-                    prompt_logprobs=prompt_logprobs,
-                )
+                msg = decode_response(out, req, hit.num_pages * self.page_size, [], prompt_logprobs)
                 prompt_logprobs = []
-                req.first_token()
-                cached = hit.num_pages * self.page_size
                 if out.finished:
                     finished, finish = True, out.finish_reason
-                    req.finish(out.num_completion_tokens, out.finish_reason, {"pdserve.cached_tokens": cached})
-                    msg.finish_reason = FINISH.get(out.finish_reason, generate_pb2.FINISH_REASON_ABORT)
-                    msg.stop_reason = out.stop_reason or ""
-                    msg.usage.CopyFrom(
-                        generate_pb2.Usage(
-                            prompt_tokens=out.num_prompt_tokens,
-                            cached_tokens=cached,
-                            completion_tokens=out.num_completion_tokens,
-                        )
-                    )
                 yield msg
-                if to_cache is not None:  # after the first token went out: off its path
-                    self._cache_pages(to_cache, hit, ns)
+                if to_cache is not None and self.cache is not None:  # after the first token went out: off its path
+                    write_back(self.cache, ns, hit, to_cache, self.layout)
                     to_cache = None
                 if finished:
                     return
@@ -216,30 +181,12 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
             )
 
     # ---- prompt cache ---------------------------------------------------------------------------------
-    def _cache_lookup(self, prompt: list[int], ns: CacheNamespace) -> CacheLookup:
-        """Longest cached prefix of full pages, leaving at least the last prompt token to compute (it samples the
-        first token). Store trouble is a miss, never an error."""
-        if self.cache is None:
-            return CacheLookup([], [])
-        return self.cache.lookup(
-            ns,
-            prompt,
-            max_pages=(len(prompt) - 1) // self.page_size,
-            prefill_tokens_per_s=self.meter.rate.rate(),
-        )
-
     def _export_for_cache(self, rid: str, hit: CacheLookup) -> ExportedPages | None:
         """Engine thread, right after the prompt's last chunk: the full prompt pages not from the cache, gathered
         on the device in the pool's format (None: nothing to write)."""
         if self.cache is None or len(hit.keys) <= hit.num_pages:
             return None
         return self.loop.engine.export_batch(rid, list(range(hit.num_pages, len(hit.keys))), self.layout)
-
-    def _cache_pages(self, item: ExportedPages, hit: CacheLookup, ns: CacheNamespace) -> None:
-        assert self.cache is not None
-        rows = item.host if item.host is not None else to_host(item)
-        for p in PageFormat(self.layout).payloads(rows, item.page_indexes, item.num_tokens):
-            self.cache.put(ns, hit.keys[p.page_index], p)
 
     def Stats(self, request, context):
         with self._lock:

@@ -20,7 +20,7 @@ class ColocatedConfig(CacheOptions, EngineOptions):
         "tokens and is always followed by a decode step while sequences run, so a long prompt stalls decoding by "
         "at most one such step",
     )
-    kv_dtype: str = opt("int8", "int8|auto: what the KV pool stores (and the prompt cache pages' format)")
+    kv_dtype: str = opt("int8", "int8|fp8|auto: what the KV pool stores (and the prompt cache pages' format)")
     kv_asymmetric: bool = opt(False, "asymmetric int8 (scale + zero point) instead of symmetric")
 
     def validate(self) -> None:

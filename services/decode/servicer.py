@@ -10,10 +10,10 @@ import time
 import grpc
 
 from pdserve.decode.config import DecodeConfig
+from pdserve.decode.token_stream import decode_response, next_output
 from pdserve.decode.watchdog import Watchdog
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import CorruptPage, InvalidRequest
-from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import KVReceiver, ReceiverPages, TransferError
 from pdserve.kv.transfer.cuda_ipc import IpcBufferCache, IpcReceiver, copier_for
 from pdserve.kv.transfer.grpc_transport import GrpcReceiver
@@ -22,19 +22,14 @@ from pdserve.kv.transfer.stats import TransferStats
 from pdserve.kv.transfer.wire import BatchExpectation, parse_server_message
 from pdserve.server.grpc_util import channel, remaining
 from pdserve.server.instance_stats import instance_stats
-from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
+from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.server.security import ChannelSecurity, ServiceSecurity
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.service import RequestScope, Telemetry
-from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc, kv_pb2
+from pdserve.v1 import internal_pb2, internal_pb2_grpc, kv_pb2
 
 log = logging.getLogger("pdserve.decode")
 
-FINISH = {
-    "stop": generate_pb2.FINISH_REASON_STOP,
-    "length": generate_pb2.FINISH_REASON_LENGTH,
-    "abort": generate_pb2.FINISH_REASON_ABORT,
-}
 _END = object()
 
 
@@ -86,15 +81,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         mc = engine.model_config
         self.fingerprint: str = engine.fingerprint
         self.max_model_len: int = mc.max_position_embeddings
-        self.layout = KVLayoutSpec(
-            dtype=cfg.kv_dtype if cfg.kv_dtype in ("int8", "fp8") else engine.kv_storage_dtype_name,
-            page_size=engine.page_size,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            group_size=engine.kv_group_size if cfg.kv_dtype in ("int8", "fp8") else 0,
-            asymmetric=engine.kv_asymmetric if cfg.kv_dtype == "int8" else False,
-        )
+        self.layout = engine.pool_layout  # what this instance asks prefill instances to ship
         self.prefill = PrefillChannels(ServiceSecurity.of(cfg).channel())
         self.device = engine.runner.device
         self.transfer_stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
@@ -153,37 +140,16 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             prompt_logprobs = list(done.prompt_logprobs)
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
             while True:
-                try:
-                    out = outputs.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    if not context.is_active():
-                        return
-                    if time.monotonic() > deadline:
-                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "decode exceeded its deadline")
-                    continue
+                out = next_output(outputs, deadline, context, "decode")
+                if out is None:
+                    return
                 if isinstance(out, Exception):
                     context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
                 n_out = out.num_completion_tokens
-                msg = internal_pb2.DecodeResponse(
-                    token_ids=out.new_token_ids,
-                    text=out.text_delta,
-                    logprobs=[*lead_logprobs, *map(logprob_to_proto, out.logprobs)],
-                    prompt_logprobs=prompt_logprobs,
-                )
+                msg = decode_response(out, req, cached, lead_logprobs, prompt_logprobs)
                 lead_logprobs, prompt_logprobs = [], []
-                req.first_token()
                 if out.finished:
                     finished, finish = True, out.finish_reason
-                    req.finish(out.num_completion_tokens, out.finish_reason, {"pdserve.cached_tokens": cached})
-                    msg.finish_reason = FINISH.get(out.finish_reason, generate_pb2.FINISH_REASON_ABORT)
-                    msg.stop_reason = out.stop_reason or ""
-                    msg.usage.CopyFrom(
-                        generate_pb2.Usage(
-                            prompt_tokens=out.num_prompt_tokens,
-                            cached_tokens=cached,
-                            completion_tokens=out.num_completion_tokens,
-                        )
-                    )
                 yield msg
                 if finished:
                     return

@@ -11,12 +11,13 @@ import grpc
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
+from pdserve.cache.serving import lookup_prefix, write_back
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import InvalidRequest
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import ExportedPages, SenderPages, TransferError
 from pdserve.kv.transfer.cuda_ipc import IpcSender, IpcStaging, copier_for
-from pdserve.kv.transfer.grpc_transport import GrpcSender, to_host
+from pdserve.kv.transfer.grpc_transport import GrpcSender
 from pdserve.kv.transfer.handshake import CUDA_IPC, GRPC, choose, host_id
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.kv.transfer.stats import TransferStats
@@ -109,7 +110,11 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         ns = CacheNamespace(self.fingerprint, layout, req.cache_scope)  # the router's scope: tenant or shared
         lookup_ns = time.time_ns()
         # prompt_logprobs score every prompt token: nothing may come from the cache
-        hit = CacheLookup([], []) if sampling.prompt_logprobs else self._cache_lookup(ns, prompt)
+        hit = (
+            CacheLookup([], [])
+            if sampling.prompt_logprobs
+            else lookup_prefix(self.cache, ns, prompt, self.page_size, self.prefill_rate.rate())
+        )
         prompt_lps: list[float] = []  # sampling.prompt_logprobs, gathered chunk by chunk (engine thread)
         scope.record(
             "prefill.cache_lookup",
@@ -229,8 +234,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                         done.first_token_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
                     self._record_done(scope, ship, pages, len(prompt), done)
                     yield internal_pb2.PrefillServerMessage(done=done)
-                    for shipped in to_cache:  # off the first token's path: decode has every page already
-                        self._cache_pages(shipped, hit, ns, layout)
+                    if self.cache is not None:  # off the first token's path: decode has every page already
+                        for shipped in to_cache:
+                            write_back(self.cache, ns, hit, shipped, layout)
                     log.info(
                         "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s ms=%.1f",
                         rid,
@@ -281,15 +287,6 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             1,
             "prefill_done",
             {**kv, "pdserve.cached_tokens": done.cached_tokens, "pdserve.first_token_id": done.first_token_id},
-        )
-
-    def _cache_lookup(self, ns: CacheNamespace, prompt: list[int]) -> CacheLookup:
-        """Longest cached prefix of full pages, leaving at least the last prompt token to compute (it samples the
-        first token). Store trouble is a miss, never an error."""
-        if self.cache is None:
-            return CacheLookup([], [])
-        return self.cache.lookup(
-            ns, prompt, max_pages=(len(prompt) - 1) // self.page_size, prefill_tokens_per_s=self.prefill_rate.rate()
         )
 
     def _read_acks(self, request_iterator, link: SendLink, clock: AckClock) -> None:
@@ -372,20 +369,6 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.transfer_stats.add(CUDA_IPC, fallbacks=1)
         log.warning("rid=%s kv transport: grpc instead of cuda-ipc (decode: %s)", link.pages.request_id, ready.reason)
         link.sender = self._new_sender(GRPC, link.pages, layout)
-
-    def _cache_pages(self, item: ExportedPages, hit: CacheLookup, ns: CacheNamespace, layout: KVLayoutSpec) -> None:
-        """Write newly computed full pages of a shipped batch back to the prompt cache (CPU copies)."""
-        if self.cache is None:
-            return
-        want = [i for i, idx in enumerate(item.page_indexes) if hit.num_pages <= idx < len(hit.keys)]
-        if not want:
-            return
-        rows = item.host if item.host is not None else to_host(item)
-        payloads = PageFormat(layout).payloads(
-            rows[want], [item.page_indexes[i] for i in want], [item.num_tokens[i] for i in want]
-        )
-        for p in payloads:
-            self.cache.put(ns, hit.keys[p.page_index], p)
 
     def close(self) -> None:
         """Service shutdown: release the staging buffer (its shared-memory file on CPU)."""

@@ -100,6 +100,21 @@ class LLMEngine:
     def kv_asymmetric(self) -> bool:
         return self.runner.kv_asymmetric
 
+    @property
+    def pool_layout(self) -> KVLayoutSpec:
+        """The page format of this engine's pool: what a decode instance asks prefill to ship and what the prompt
+        cache stores for it (int8/fp8 with the pool's group size, else the model dtype)."""
+        mc, quantized = self.model_config, self.runner.kv_quantized
+        return KVLayoutSpec(
+            dtype=self.cfg.kv_dtype if quantized else self.kv_storage_dtype_name,
+            page_size=self.page_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            group_size=self.kv_group_size if quantized else 0,
+            asymmetric=self.kv_asymmetric,  # False unless the pool is int8
+        )
+
     # ---- requests ----------------------------------------------------------------------------------------
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kw) -> Sequence:
         if request_id in self._seqs:

@@ -39,6 +39,7 @@ class Outcome:
     text: str = ""
     finish: int = 0  # generate_pb2.FinishReason of the last chunk (0: none arrived)
     usage_completion: int | None = None
+    cached_tokens: int = 0  # usage.cached_tokens of the finish chunk (prompt tokens served from the prompt cache)
     code: str = OK
     details: str = ""
     chunks: int = 0
@@ -88,6 +89,7 @@ async def stream_once(
             if msg.finish_reason:
                 out.finish = msg.finish_reason
                 out.usage_completion = msg.usage.completion_tokens
+                out.cached_tokens = msg.usage.cached_tokens
             if cancel_after_tokens is not None and len(out.tokens) >= cancel_after_tokens and not out.finish:
                 call.cancel()
                 break

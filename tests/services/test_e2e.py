@@ -72,6 +72,13 @@ def int8_stack(model_dir, tmp_path_factory):
         yield stack
 
 
+@pytest.fixture(scope="module")
+def fp8_stack(model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("stack-fp8")
+    with tiny_stack(model_dir, work, kv_dtype="fp8", page_size=PAGE, chunk_size=CHUNK, num_pages=512) as stack:
+        yield stack
+
+
 def test_auto_kv_token_identical_to_hf(auto_stack, hf_model):
     with pdserve.Client(auto_stack.router, timeout=120) as c:
         for n in LENGTHS:
@@ -172,11 +179,13 @@ def test_cancel_during_prefill_frees_every_page(auto_stack):
     assert all(free == total for free, total in usage), usage
 
 
-def test_int8_kv_end_to_end(int8_stack, auto_stack):
-    """int8 KV pages through the real P→D path: greedy agreement with unquantized KV, measured."""
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_kv_end_to_end(kv, auto_stack, request):
+    """int8 / fp8 KV pages through the real P→D path: greedy agreement with unquantized KV, measured."""
+    quant_stack = request.getfixturevalue(f"{kv}_stack")
     agree = total = 0
     first_diff = []
-    with pdserve.Client(int8_stack.router, timeout=120) as q, pdserve.Client(auto_stack.router, timeout=120) as a:
+    with pdserve.Client(quant_stack.router, timeout=120) as q, pdserve.Client(auto_stack.router, timeout=120) as a:
         for n in LENGTHS:
             ids = prompts(n, seed=3)
             ref = a.generate(token_ids=ids, max_tokens=16, temperature=0, ignore_eos=True).token_ids
@@ -185,11 +194,11 @@ def test_int8_kv_end_to_end(int8_stack, auto_stack):
             first_diff.append(same.index(False) if False in same else len(same))
             agree += sum(same)
             total += len(same)
-    print(f"int8 vs auto greedy token agreement {agree}/{total}, first divergence per prompt {first_diff}")
+    print(f"{kv} vs auto greedy token agreement {agree}/{total}, first divergence per prompt {first_diff}")
     # Random-weight model: a divergence compounds; the first token (prefill exact) must always agree.
     assert min(first_diff) >= 1
     assert agree / total >= 0.6
-    usage = wait_pools_empty(int8_stack)
+    usage = wait_pools_empty(quant_stack)
     assert all(free == total for free, total in usage), usage
 
 

@@ -2,17 +2,17 @@
 
 The experiment: CPU GEMMs are not batch invariant (a row's result depends on how many rows share the call: MKL
 picks its kernel by shape), and quantization turns those last-bit differences into whole rounding steps of the
-int8 grid. So with int8 KV a request's greedy tokens change with
-  - its batch mates (decode batch size, its prefill chunk's size and split), and
+int8 grid, which greedy decoding turns into other tokens on near-ties. Two causes, each measured on its own, in
+bits (teacher-forced logits and shipped pages), since token flips need a near-tie to show:
+  - batch mates: a prompt's logits alone vs together with others (decode batch size, its prefill chunk's size);
   - prompt-cache hits: a cached prefix arrives as int8 pages, while a fresh prefill attends over its own
-    full-precision KV (the disaggregated prefill pool) or over KV computed in a different chunk.
+    full-precision KV (the disaggregated prefill pool).
 `batch_invariant` removes both: linear layers in zero-padded blocks of exactly max_num_seqs rows
 (`KernelChoice.invariant_rows`), prefill attention one query row at a time (`SdpaBackend.row_wise`), and the
 prefill side storing the shipped format (a cached page is then bit-identical to a freshly computed one).
 
 Model: a random llama of SmolLM2-135M's widths (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, 2 layers): its
-GEMMs take the shape-dependent MKL paths (tiny widths do not), and random weights put greedy choices on near-ties
-(the sensitive case). torch runs 2 threads here, as the services do.
+GEMMs take the shape-dependent MKL paths (tiny widths do not). torch runs 2 threads here, as the services do.
 """
 
 from __future__ import annotations

@@ -120,10 +120,13 @@ def test_reflection_lists_and_resolves_the_api(stack):
     with channel(stack.router) as ch:
         db = ProtoReflectionDescriptorDatabase(ch)
         services = set(db.get_services())
-        assert {"pdserve.v1.Generation", "pdserve.v1.Registry", "grpc.health.v1.Health"} <= services
+        assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= services
+        assert "pdserve.v1.Registry" not in services  # internal: served on the router's internal port only
         pool = DescriptorPool(db)
         req = pool.FindMessageTypeByName("pdserve.v1.GenerateRequest")
         assert {"prompt", "token_ids", "messages", "sampling"} <= set(req.fields_by_name)
         assert req.fields_by_name["messages"].message_type.full_name == "pdserve.v1.ChatMessage"
         rpc = pool.FindServiceByName("pdserve.v1.Generation").methods_by_name["GenerateStream"]
         assert rpc.output_type.full_name == "pdserve.v1.GenerateStreamResponse"
+    with channel(stack.router.internal) as ch:
+        assert "pdserve.v1.Registry" in set(ProtoReflectionDescriptorDatabase(ch).get_services())

@@ -1,0 +1,48 @@
+"""The prompt cache around one request on an instance that computes prompts (prefill, colocated): look the prompt's
+prefix up before it is queued, write the newly computed full pages back after it.
+
+    lookup_prefix(cache, ns, prompt, page_size, rate)   longest cached prefix of full pages (no cache: a miss)
+    write_back(cache, ns, hit, batch, layout)           the batch's pages the lookup missed, as host copies
+"""
+
+from __future__ import annotations
+
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.prompt_cache import CacheLookup, PromptCache
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer import ExportedPages
+from pdserve.kv.transfer.grpc_transport import to_host
+from pdserve.kv.transfer.page_format import PageFormat
+
+
+def lookup_prefix(
+    cache: PromptCache | None,
+    ns: CacheNamespace,
+    prompt: list[int],
+    page_size: int,
+    prefill_tokens_per_s: float | None,
+) -> CacheLookup:
+    """Longest cached prefix of full pages, leaving at least the last prompt token to compute (it samples the
+    first token). Store trouble is a miss, never an error; `prefill_tokens_per_s`: the instance's measured rate
+    (whether fetching beats computing)."""
+    if cache is None:
+        return CacheLookup([], [])
+    return cache.lookup(ns, prompt, max_pages=(len(prompt) - 1) // page_size, prefill_tokens_per_s=prefill_tokens_per_s)
+
+
+def write_back(
+    cache: PromptCache, ns: CacheNamespace, hit: CacheLookup, batch: ExportedPages, layout: KVLayoutSpec
+) -> None:
+    """Put the pages of `batch` (in `layout`) that `hit` missed, full pages past the cached prefix, into the cache
+    (CPU copies; the store write is asynchronous)."""
+    want = [i for i, idx in enumerate(batch.page_indexes) if hit.num_pages <= idx < len(hit.keys)]
+    if not want:
+        return
+    rows = batch.host if batch.host is not None else to_host(batch)  # uint8 [pages, page_bytes]
+    if len(want) < len(batch.page_indexes):
+        rows = rows[want]
+    payloads = PageFormat(layout).payloads(
+        rows, [batch.page_indexes[i] for i in want], [batch.num_tokens[i] for i in want]
+    )
+    for p in payloads:
+        cache.put(ns, hit.keys[p.page_index], p)
