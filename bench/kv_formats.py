@@ -75,6 +75,20 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
             except Exception as exc:  # a variant that does not compile/run is reported, not fatal
                 ge.log(f"{key} {name}: {type(exc).__name__}: {str(exc)[:300]}")
                 res[name] = {"ms": float("inf"), "rel_err": float("nan"), "error": str(exc)[:300]}
+        try:  # the fp8 pool (one scale per token and KV head) through its own kernel
+            from pdserve.engine.kernels.fp8_decode_attention import fp8_paged_decode
+
+            f8, fs, _ = Q.quantize(kv, D, False, torch.float8_e4m3fn)
+            fp8_fn = lambda: fp8_paged_decode(qq, f8[0], f8[1], fs[0], fs[1], table, lens, D**-0.5, splits)
+            fp8_err = ge.rel_err(fp8_fn()[:nb], ge.paged_attention_ref(
+                qq[:nb], Q.dequantize(f8[:, sub], fs[:, sub], None, D, torch.float32).view(2, -1, KVH, D),
+                torch.arange(nb * W, device=DEV).int().view(nb, W), PS))  # fmt: skip
+            fp8_ms = ge.graph_ms(fp8_fn)
+            fp8_bytes = 2 * B * ctx * KVH * (D + 2)
+            res["fp8"] = {"ms": fp8_ms, "rel_err": fp8_err, "bw_fraction": fp8_bytes / (fp8_ms * 1e-3) / copy_bw}
+            del f8, fs
+        except Exception as exc:
+            ge.log(f"{key} fp8: {type(exc).__name__}: {str(exc)[:300]}")
         dense_cfg = {k: v for k, v in kd.DENSE_CONFIG.items() if k != "split_mult"}
         dense_ms = ge.graph_ms(
             lambda: kd.int8_paged_decode(
@@ -86,7 +100,7 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
         best = {
             cv: min((k for k in variants if k.startswith(cv)), key=lambda k: res[k]["ms"]) for cv in ("bytes", "cvt")
         }
-        for k in res:
+        for k in variants:
             res[k]["bw_fraction"] = int8_bytes / (res[k]["ms"] * 1e-3) / copy_bw
         res["dense_bf16"] = {"ms": dense_ms, "bw_fraction": bf16_bytes / (dense_ms * 1e-3) / copy_bw}
         res["best"] = best
@@ -97,7 +111,8 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
             + f" / bf16 {dense_ms * 1e3:.1f}",
             "of copy BW: "
             + ", ".join(f"int8-{cv} {res[b]['bw_fraction']:.0%}" for cv, b in best.items())
-            + f", bf16 {res['dense_bf16']['bw_fraction']:.0%}; best {', '.join(best.values())}",
+            + f", bf16 {res['dense_bf16']['bw_fraction']:.0%}; best {', '.join(best.values())}"
+            + (f"; fp8 {res['fp8']['ms'] * 1e3:.1f} us ({res['fp8']['bw_fraction']:.0%})" if "fp8" in res else ""),
         )
         del kv, q8, s8
         ge.free_memory()
@@ -181,11 +196,7 @@ def kv_formats_available() -> list[str]:
     """Engine KV formats to compare: bf16 ("auto" on a bf16 model), int8, and fp8 where the engine has it."""
     from pdserve.kv import dtypes
 
-    names = ["auto", "int8"]
-    known = getattr(dtypes, "KV_FORMATS", None) or getattr(dtypes, "POOL_DTYPES", None) or {}
-    if "fp8" in known:
-        names.append("fp8")
-    return names
+    return ["auto", *dtypes.QUANTIZED]
 
 
 def main() -> None:
@@ -202,12 +213,17 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(sweep, indent=1))
         return
     sweep = int8_kernel_sweep(copy_bw, [(64, 2048), (128, 2048), (64, 8192), (128, 8192)])
+    if "fp8" in sweep["b128_ctx2048"]:
+        result_fp8 = {"fp8_attn_bw_fraction_b128": sweep["b128_ctx2048"]["fp8"]["bw_fraction"]}
+    else:
+        result_fp8 = {}
     b128 = sweep["b128_ctx2048"]
     result: dict = {
         "int8_attn_bw_fraction_b128": b128[b128["best"]["bytes"]]["bw_fraction"],
         "bf16_attn_bw_fraction_b128": b128["dense_bf16"]["bw_fraction"],
         "copy_bw": copy_bw,
         "attention_per_layer": sweep,
+        **result_fp8,
     }
     if not args.skip_engine:
         n_params = ge.write_checkpoint(Path(args.model_dir), 32)

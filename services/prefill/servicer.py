@@ -196,8 +196,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         ack_timeout = self.cfg.ack_timeout_s
         ship = None  # prefill.kv_ship span: first page shipped → PrefillDone
         to_cache: list[ExportedPages] = []  # shipped batches, written to the prompt cache after PrefillDone
-        yield internal_pb2.PrefillServerMessage(transport=link.choice)
         try:
+            # Inside the try: a stream cancelled at its first message still gives back its `_active` count.
+            yield internal_pb2.PrefillServerMessage(transport=link.choice)
             while True:
                 try:
                     item = outbox.get(timeout=max(0.01, min(1.0, ack_timeout, deadline - time.monotonic())))

@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 
 import crc32c
+from google.protobuf.message import DecodeError
 
 from pdserve.errors import CorruptPage
 from pdserve.kv.codec import KVLayoutSpec, pack_layout, pack_str
@@ -155,7 +156,10 @@ def parse_server_message(
     CorruptPage for a malformed batch."""
     buf = memoryview(raw)
     if not raw.startswith(_OUTER_TAG):
-        return internal_pb2.PrefillServerMessage.FromString(raw), None, None
+        try:
+            return internal_pb2.PrefillServerMessage.FromString(raw), None, None
+        except DecodeError as e:
+            raise CorruptPage(f"prefill message does not parse: {e}") from None
     inner_len, pos = _read_varint(buf, 1)
     if pos + inner_len != len(buf):
         raise CorruptPage("KV batch message has trailing or missing bytes")
@@ -167,7 +171,10 @@ def parse_server_message(
         if end > len(buf):
             raise CorruptPage("KV batch field runs past the message")
         if tag == _HEADER_TAG and header is None:
-            header = kv_pb2.KVBatchHeader.FromString(buf[start:end].tobytes())
+            try:
+                header = kv_pb2.KVBatchHeader.FromString(buf[start:end].tobytes())
+            except DecodeError as e:
+                raise CorruptPage(f"KV batch header does not parse: {e}") from None
         elif tag == _PAYLOAD_TAG and payload is None:
             payload = buf[start:end]
         else:

@@ -1,6 +1,6 @@
 """The fault suite's harness: its counters on hand-made outcomes (lost, duplicated, wrong tokens; unexpected
 statuses), and `bench/reliability.py` itself run as its one command on a small stack with tiny counts: anonymous
-internal calls, malformed requests and a cancel storm, each with its record in the JSON and at its targets."""
+internal calls, malformed requests and duplicate request ids, each with its record in the JSON and at its targets."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_a_scenario_passes_only_at_its_targets_and_when_exercised():
 def test_the_suite_command_on_a_small_stack(tmp_path):
     """The one command, end to end: a router, one prefill and one decode as processes, a private Redis."""
     out = tmp_path / "reliability.json"
-    scenarios = ["anonymous_internal", "malformed_inputs", "cancel_storm"]
+    scenarios = ["anonymous_internal", "malformed_inputs", "duplicate_ids"]
     cmd = [sys.executable, str(ROOT / "bench" / "reliability.py"), "--json", str(out), "--instances", "1,1"]
     cmd += ["--scenarios", ",".join(scenarios), "--scale", "0.02", "--work", str(tmp_path / "work")]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
@@ -75,7 +75,8 @@ def test_the_suite_command_on_a_small_stack(tmp_path):
         assert "error" not in rec, (name, rec.get("traceback"))
         assert all(isinstance(rec[k], int) for k in COUNTERS), (name, rec)
         assert sum(rec["statuses"].values()) == rec["requests"] > 0, (name, rec)
-        assert rec["passed"], (name, {k: rec[k] for k in (*COUNTERS, "checks", "examples")})
+        assert rec["passed"], (name, {k: v for k, v in rec.items() if k not in ("expected_statuses", "commit")})
     anon = doc["scenarios"]["anonymous_internal"]
     assert anon["completed"] == 0 and anon["impostor_prefill_calls"] == 0  # every anonymous call refused
-    assert doc["scenarios"]["cancel_storm"]["cancelled"] > 0
+    dup = doc["scenarios"]["duplicate_ids"]
+    assert dup["completed"] >= dup["requests"] // 2  # every first request of a pair, exact

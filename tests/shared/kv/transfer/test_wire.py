@@ -118,3 +118,15 @@ def test_malformed_batch_message_is_corrupt():
         parse_server_message(raw[:-3])  # truncated
     with pytest.raises(CorruptPage):
         parse_server_message(raw + b"\x00")  # trailing byte
+
+
+@pytest.mark.parametrize("raw", [b"\x0a\xff\xff", b"\x12\x05abc", b"\xff\xff\xff\xff"])
+def test_unparseable_prefill_message_is_a_corrupt_page(raw):
+    """Bytes that are no PrefillServerMessage (or a batch whose header is no KVBatchHeader) raise CorruptPage
+    (DATA_LOSS at decode), not protobuf's DecodeError (which surfaced as UNKNOWN)."""
+    with pytest.raises(CorruptPage):
+        parse_server_message(raw)
+    header = b"\x0a\x03\xff\xff\xff"  # batch field 1 (header) holding 3 bytes that are no KVBatchHeader
+    inner = header + b"\x12\x01x"
+    with pytest.raises(CorruptPage):
+        parse_server_message(b"\x52" + bytes([len(inner)]) + inner)
