@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import grpc
+
 from pdserve.v1 import generate_pb2, internal_pb2
 
 
@@ -33,11 +35,28 @@ class AttemptHooks:
     finished: Callable[[internal_pb2.DecodeResponse], None]  # the final chunk (usage, finish reason)
 
 
+class AttemptAborted(grpc.RpcError):
+    """A decode stream that ended OK but with finish reason ABORT: the engine dropped the request (it was cancelled
+    or failed underneath this call). Never relayed as the caller's finish; the router retries or resumes it like
+    an UNAVAILABLE instance."""
+
+    def __init__(self, details: str):
+        super().__init__(details)
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
 def relay(
     call: Iterable[internal_pb2.DecodeResponse], rid: str, progress: Progress, hooks: AttemptHooks
 ) -> Iterator[generate_pb2.GenerateStreamResponse]:
     """Yield the caller's chunks for one attempt's DecodeResponses, updating `progress`. The call's
-    grpc.RpcError propagates (with `progress` telling how far the caller got)."""
+    grpc.RpcError propagates (with `progress` telling how far the caller got); an ABORT finish raises
+    AttemptAborted."""
     first_of_attempt = True
     for msg in call:
         out = generate_pb2.GenerateStreamResponse(
@@ -55,6 +74,10 @@ def relay(
             out.timing.ttft_ms = now_ms
         progress.tokens.extend(msg.token_ids)
         progress.chars += len(msg.text)
+        if msg.finish_reason == generate_pb2.FINISH_REASON_ABORT:
+            if msg.token_ids or msg.text:  # what came with it is the caller's; the resume continues after it
+                yield out
+            raise AttemptAborted("decode ended the stream with finish reason ABORT (request dropped by its engine)")
         if msg.finish_reason:
             progress.finish = generate_pb2.FinishReason.Name(msg.finish_reason)
             out.finish_reason = msg.finish_reason

@@ -284,6 +284,9 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                     return
                 p, d = pair
                 decode_req.prefill_target = "" if p is d else p.address  # a colocated instance prefills itself
+                # Each attempt has its own internal id: the cleanup of a failed attempt on an instance can never
+                # touch the retry of the same request on that instance.
+                decode_req.request_id = rid if attempt == 0 else f"{rid}.{attempt}"
                 req.set(
                     {
                         "pdserve.prefill": p.address,

@@ -76,3 +76,21 @@ def test_attempt_failing_before_any_chunk_leaves_no_progress():
     with pytest.raises(Broken):
         list(relay(chunks(then_fail=True), "r", progress, hooks))
     assert progress.tokens == [] and progress.ttft_ms is None and events == []
+
+
+def test_abort_finish_is_never_relayed_as_the_callers_finish():
+    """A decode stream ending OK with finish reason ABORT (its engine dropped the request) raises an UNAVAILABLE
+    AttemptAborted after relaying what came with it: the router resumes instead of ending the caller's stream with
+    an empty ABORT (the silent loss the prefill-kill scenario found)."""
+    from pdserve.router.attempt import AttemptAborted
+
+    events, hooks = recorder()
+    progress = Progress(time.perf_counter())
+    got = []
+    with pytest.raises(AttemptAborted) as err:
+        for out in relay(chunks([1, 2], [3], finish=generate_pb2.FINISH_REASON_ABORT), "r", progress, hooks):
+            got.append(out)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [list(o.token_ids) for o in got] == [[1, 2], [3]] and not any(o.finish_reason for o in got)
+    assert progress.tokens == [1, 2, 3] and progress.finish == "abort"
+    assert not any(isinstance(e, tuple) for e in events)  # `finished` never called

@@ -32,7 +32,8 @@ def test_grpc_transport_device_to_pinned_to_device():
     layout = KVLayoutSpec("int8", page_size=16, num_layers=4, num_kv_heads=8, head_dim=128, group_size=64)
     fmt = PageFormat(layout)
     dev = torch.device("cuda:0")
-    rows = torch.randint(0, 256, (64, fmt.page_bytes), dtype=torch.uint8, device=dev)
+    # random page bytes whose every fp16 pair is finite: the receiver rejects NaN/inf scales (DATA_LOSS)
+    rows = torch.randn(64, fmt.page_bytes // 2, dtype=torch.float16, device=dev).view(torch.uint8)
     ready = torch.cuda.Event()
     ready.record()
     imported = []
