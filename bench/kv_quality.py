@@ -200,7 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-prompt", type=int, default=4096, help="long set: context before the scored tokens")
     ap.add_argument("--long-forced", type=int, default=256, help="long set: forced (scored) tokens (0: none)")
     ap.add_argument("--json", type=Path, default=None, help="merge the quality keys into this JSON file")
+    ap.add_argument(
+        "--rows-from",
+        type=Path,
+        default=None,
+        help="no measuring: merge the rows (JSON lines, as this script prints them) of an earlier run's log",
+    )
     args = ap.parse_args(argv)
+    if args.rows_from is not None:  # rows measured by an earlier run (e.g. one stopped before its last rows)
+        lines = args.rows_from.read_text().splitlines()
+        logged = {(r.model, r.set, r.format): r for r in (Row(**json.loads(x)) for x in lines if x.startswith("{"))}
+        rows_in = list(logged.values())
+        names = {r.model for r in rows_in}
+        real = "smol" if "smol" in names and sum(r.model == "smol" for r in rows_in) >= 4 else "tiny"
+        if args.json is None:
+            raise SystemExit("--rows-from needs --json")
+        merge_json(args.json, rows_in, real, model_text(real)[2], args.device)
+        print(f"merged {len(rows_in)} logged rows ({real}) into {args.json}")
+        return 0
     formats = args.formats.split(",")
     unknown = set(formats) - set(FORMATS)
     if unknown:
