@@ -27,19 +27,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.instances import COLOCATED, DECODE, PREFILL, Instance, State
 from pdserve.router.scheduler import Scheduler
-from pdserve.server.grpc_util import CHANNEL_OPTIONS, channel
+from pdserve.server.grpc_util import channel
 from pdserve.server.security import ServiceSecurity
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.router.membership")
-
-# Reconnect quickly to an instance that restarts on its address (gRPC's default backoff grows to 120 s).
-ROUTER_CHANNEL_OPTIONS = [
-    *CHANNEL_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 class Membership:
@@ -62,7 +54,7 @@ class Membership:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = channel(address, self.security, ROUTER_CHANNEL_OPTIONS)
+                ch = self._channels[address] = channel(address, self.security)
             return ch
 
     def decode_stub(self, address: str) -> internal_pb2_grpc.DecodeStub:

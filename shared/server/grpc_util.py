@@ -25,6 +25,14 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
+# Channels to other pdserve instances reconnect quickly to one that restarts on its address (gRPC's default
+# backoff grows to 120 s: a restarted prefill would fail every stream a decode opens to it meanwhile).
+INTERNAL_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def make_server(
@@ -89,7 +97,7 @@ def announce_ready(
 
 
 def channel(
-    target: str, security: ChannelSecurity | None = None, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS
+    target: str, security: ChannelSecurity | None = None, options: Sequence[tuple[str, Any]] = INTERNAL_CHANNEL_OPTIONS
 ) -> grpc.Channel:
     """A channel to an internal service. `security` None: the stack-wide identity of this process's environment
     (`ChannelSecurity.from_env`: $PDSERVE_INTERNAL_TOKEN, $PDSERVE_TLS_*); services pass their own."""

@@ -131,7 +131,9 @@ def run_service(
     if not gate.wait_idle(cfg.drain_grace_s):
         log.warning("%s: drain grace over: ending %d streams (UNAVAILABLE)", name, gate.end_all())
         gate.wait_idle(DRAIN_END_MARGIN_S)
-    server.stop(0).wait()
+    # Idle means every stream's handler returned; its last messages and status may still be on their way. A short
+    # grace (not 0, which cancels them) lets gRPC send them; the wait returns as soon as every call is done.
+    server.stop(DRAIN_END_MARGIN_S).wait()
     if internal_server is not None:
         internal_server.stop(0).wait()
     cleanup()
