@@ -33,9 +33,11 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from benchutil import log, print_rows, row  # bench/ is on sys.path: the script's folder (also ge.log, ge.row)
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -48,16 +50,6 @@ from pdserve.testing.teacher_forcing import forced_logits as teacher_forced_logi
 SHAPE = LLAMA3_8B_SHAPE
 DEV = torch.device("cuda")
 RESULTS: dict = {}
-ROWS: list[tuple[str, str, str]] = []  # (figure, value, note) for the final table
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def row(name: str, value: str, note: str = "") -> None:
-    ROWS.append((name, value, note))
-    log(f"{name}: {value} {note}")
 
 
 def cuda_ms(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -202,6 +194,27 @@ def first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def fa3_paged(fa, q: torch.Tensor, kv, lens: torch.Tensor, table: torch.Tensor, **kw) -> torch.Tensor:
+    """FA3's paged attention of q over the bf16 pages kv[0] / kv[1] [P, ps, KVH, D] (its output, not the LSE)."""
+    return first(fa.flash_attn_with_kvcache(q, kv[0], kv[1], cache_seqlens=lens, page_table=table, **kw))
+
+
+def paged_decode_inputs(B: int, ctx: int, g: torch.Generator, ps: int = 16, kvh: int = 8, d: int = 128, hq: int = 32):
+    """Random inputs of one layer's decode attention at batch B, context ctx (Llama-3-8B heads by default): a bf16
+    pool kv [2, P, ps, KVH, D] (P = B * ctx / ps pages), its int8 quantization q8 / s8 (group 64), a shuffled page
+    table [B, ctx / ps] int32, seqlens [B] int32 (all ctx) and queries qq [B, HQ, D] bf16."""
+    from pdserve.kv import quant as Q
+
+    W = ctx // ps
+    P = B * W
+    kv = torch.randn(2, P, ps, kvh, d, device=DEV, generator=g).bfloat16()
+    q8, s8, _ = Q.quantize(kv, 64, False)
+    table = torch.randperm(P, device=DEV, generator=g).int().view(B, W)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    qq = torch.randn(B, hq, d, device=DEV, generator=g).bfloat16()
+    return kv, q8, s8, table, lens, qq
+
+
 def paged_attention_ref(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, ps: int) -> torch.Tensor:
     """fp64 decode attention of q [n, HQ, D] (sequence i: every slot of its page-table row table[i]) over a dense
     pool [2, slots, KVH, D] -> [n, HQ, D]."""
@@ -295,11 +308,7 @@ def kernel_section(copy_bw: float) -> dict:
         W = ctx // ps
         P = B * W
         key = f"b{B}_ctx{ctx}"
-        kv = torch.randn(2, P, ps, KVH, D, device=DEV, generator=g).bfloat16()
-        q8, s8, _ = Q.quantize(kv, 64, False)
-        table = torch.randperm(P, device=DEV, generator=g).int().view(B, W)
-        lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
-        qq = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
+        kv, q8, s8, table, lens, qq = paged_decode_inputs(B, ctx, g, ps, KVH, D, HQ)
         # fp32 references (dequantized pages for int8; the bf16 pages for dense) on the first sequences
         nb = min(B, 4)
         ref8 = Q.dequantize(q8, s8, None, 64, torch.float32).view(2, P * ps, KVH, D)
@@ -326,17 +335,7 @@ def kernel_section(copy_bw: float) -> dict:
                     res = (float("inf"), float("nan"))
                 times[mode].setdefault(ck, {})[key] = res
         for ns in (0, 4):
-            fn = lambda: first(
-                fa.flash_attn_with_kvcache(
-                    qq.unsqueeze(1),
-                    kv[0],
-                    kv[1],
-                    cache_seqlens=lens,
-                    page_table=table,
-                    causal=True,
-                    num_splits=ns,
-                )
-            )
+            fn = lambda: fa3_paged(fa, qq.unsqueeze(1), kv, lens, table, causal=True, num_splits=ns)
             times["fa3"].setdefault(f"splits{ns}", {})[key] = (
                 graph_ms(fn),
                 rel_err(fn().squeeze(1)[:nb], refs["dense"]),
@@ -345,16 +344,8 @@ def kernel_section(copy_bw: float) -> dict:
         def deq():
             sc = dequant_pages(q8, s8, None, table, lens, torch.bfloat16)
             t2 = torch.arange(B * W, dtype=torch.int32, device=DEV).view(B, W)
-            return first(
-                fa.flash_attn_with_kvcache(
-                    qq.unsqueeze(1),
-                    sc[0].view(P, ps, KVH, D),
-                    sc[1].view(P, ps, KVH, D),
-                    cache_seqlens=lens,
-                    page_table=t2,
-                    causal=True,
-                )
-            )
+            pages = (sc[0].view(P, ps, KVH, D), sc[1].view(P, ps, KVH, D))
+            return fa3_paged(fa, qq.unsqueeze(1), pages, lens, t2, causal=True)
 
         times["dequant_fa3"].setdefault("default", {})[key] = (
             graph_ms(deq),
@@ -396,18 +387,7 @@ def kernel_section(copy_bw: float) -> dict:
     lens = torch.tensor([K], dtype=torch.int32, device=DEV)
     cu_q = torch.tensor([0, T], dtype=torch.int32, device=DEV)
     cu_k = torch.tensor([0, K], dtype=torch.int32, device=DEV)
-    paged = lambda: first(
-        fa.flash_attn_with_kvcache(
-            qq,
-            kv[0],
-            kv[1],
-            cache_seqlens=lens,
-            page_table=table,
-            cu_seqlens_q=cu_q,
-            max_seqlen_q=T,
-            causal=True,
-        )
-    )
+    paged = lambda: fa3_paged(fa, qq, kv, lens, table, cu_seqlens_q=cu_q, max_seqlen_q=T, causal=True)
     flat = lambda: first(
         fa.flash_attn_varlen_func(
             qq,
@@ -543,19 +523,31 @@ def forced_logits(e: LLMEngine, prompts: list[list[int]], forced: list[list[int]
     return torch.stack(teacher_forced_logits(e, prompts, forced))
 
 
-def time_prefill(e: LLMEngine, ids: list[int], reps: int = 3) -> float:
-    """Median wall ms from add_request to the first token (4 chunked steps of 2048 for 8192 tokens)."""
+def time_prefill(e: LLMEngine, ids: list[int] | Callable[[], list[int]], reps: int = 3) -> float:
+    """Median wall ms from add_request to the first token (4 chunked steps of 2048 for 8192 tokens) over `reps`
+    runs after a warm-up run; `ids`: the prompt, or a function making a fresh one for each run."""
     times = []
     for r in range(reps + 1):
+        prompt = ids() if callable(ids) else ids
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        e.add_request(f"pf{r}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+        e.add_request(f"pf{r}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0.0))
         while e.has_unfinished_requests():
             e.step()
         torch.cuda.synchronize()
         if r:  # the first run warms up
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def fill_decode_batch(e: LLMEngine, batch: int, ctx: int, g: torch.Generator) -> None:
+    """`batch` greedy requests of `ctx` random prompt tokens ("d0".. ; at most 4000 new tokens each), stepped until
+    every one is prefilled and decoding."""
+    sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        e.add_request(f"d{i}", torch.randint(5, SHAPE["vocab_size"], (ctx,), generator=g).tolist(), sp)
+    while len(e.scheduler.running) < batch or e.scheduler.waiting:
+        e.step()
 
 
 def time_decode_steps(e: LLMEngine, n: int) -> list[float]:
@@ -620,11 +612,8 @@ def decode_section(e: LLMEngine, tag: str, copy_bw: float, weight_bytes: int, kv
         )
     e.abort("itl")
     e.step()
-    for i in range(128):
-        e.add_request(f"d{i}", torch.randint(5, V, (2048,), generator=g).tolist(), sp)
     t0 = time.perf_counter()
-    while len(e.scheduler.running) < 128 or e.scheduler.waiting:
-        e.step()
+    fill_decode_batch(e, 128, 2048, g)
     log(f"[{tag}] 128 x 2048 prefilled in {time.perf_counter() - t0:.1f}s")
     for B in (128, 64):
         if B == 64:
@@ -868,9 +857,7 @@ def main() -> None:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({**summary, "details": details}, indent=1, default=str))
-    print("\n| figure | value | note |\n|---|---|---|")
-    for name, value, note in ROWS:
-        print(f"| {name} | {value} | {note} |")
+    print_rows()
     print("\n" + json.dumps(summary, indent=1))
 
 

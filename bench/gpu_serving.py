@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from benchutil import log, print_rows, row, ttft_ms
 
 import pdserve
 from pdserve.cli.launch import Stack, start_service, wait_ready
@@ -33,16 +34,6 @@ from pdserve.testing.provenance import git_commit
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 VOCAB = 128256
-ROWS: list[tuple[str, str, str]] = []
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def row(name: str, value: str, note: str = "") -> None:
-    ROWS.append((name, value, note))
-    log(f"{name}: {value} {note}")
 
 
 def fresh(n: int, rng: torch.Generator) -> list[int]:
@@ -56,9 +47,10 @@ def median(xs: list[float]) -> float:
 # ---- the in-process engine ------------------------------------------------------------------------------
 def engine_ttft(model: Path, reps: int = 5) -> dict:
     """In-process engine on cuda:0, same settings as the served prefill: add_request → first token, median."""
+    from gpu_engine import time_prefill
+
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling import SamplingParams
 
     cfg = EngineConfig(
         model_dir=str(model), dtype="bfloat16", device="cuda:0", page_size=16, chunk_size=2048, kv_dtype="int8",
@@ -66,23 +58,10 @@ def engine_ttft(model: Path, reps: int = 5) -> dict:
     )  # fmt: skip
     e = LLMEngine(cfg)
     rng = torch.Generator().manual_seed(1)
-    out = {}
-    for n in (2048,):
-        times = []
-        for r in range(reps + 1):
-            ids = fresh(n, rng)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            e.add_request(f"e{n}-{r}", ids, SamplingParams(max_tokens=1, temperature=0.0))
-            while e.has_unfinished_requests():
-                e.step()
-            torch.cuda.synchronize()
-            if r:
-                times.append((time.perf_counter() - t0) * 1e3)
-        out[n] = median(times)
+    ttft = time_prefill(e, lambda: fresh(2048, rng), reps)  # a fresh prompt per run
     del e
     torch.cuda.empty_cache()
-    return {"engine_ttft_ms_2k": out[2048]}
+    return {"engine_ttft_ms_2k": ttft}
 
 
 # ---- raw gRPC ceiling -----------------------------------------------------------------------------------
@@ -179,14 +158,6 @@ def kv_gbps(before: dict, after: dict, transport: str) -> float:
     return (b1 - b0) / max(s1 - s0, 1e-9) / 1e9 if b1 > b0 else float("nan")
 
 
-def ttft_once(c: pdserve.Client, ids: list[int]) -> float:
-    t0 = time.perf_counter()
-    for ch in c.stream(token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True):
-        if ch.token_ids:
-            return (time.perf_counter() - t0) * 1e3
-    raise RuntimeError("stream ended without a token")
-
-
 def itl(c: pdserve.Client, ids: list[int], n: int = 128) -> float:
     """Median gap per token between chunks after the first, batch 1."""
     stamps: list[tuple[float, int]] = []
@@ -199,9 +170,9 @@ def itl(c: pdserve.Client, ids: list[int], n: int = 128) -> float:
 
 def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 7) -> dict:
     with pdserve.Client(stack.router, timeout=120) as c:
-        ttft_once(c, fresh(2048, rng))  # warm-up (and the transport's first handshake)
+        ttft_ms(c, fresh(2048, rng))  # warm-up (and the transport's first handshake)
         before = kv_counters(stack)
-        times = [ttft_once(c, fresh(2048, rng)) for _ in range(reps)]
+        times = [ttft_ms(c, fresh(2048, rng)) for _ in range(reps)]
         after = kv_counters(stack)
     key = "ipc" if transport == "cuda-ipc" else "grpc"
     return {
@@ -253,13 +224,13 @@ def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -
     """4096-token prompts: cold (fresh) and 90% cached (a 3680-token prefix sent once before, then fresh tails)."""
     cold, warm = [], []
     with pdserve.Client(stack.router, timeout=120) as c:
-        ttft_once(c, fresh(4096, rng))  # warm-up
+        ttft_ms(c, fresh(4096, rng))  # warm-up
         for _ in range(reps):
-            cold.append(ttft_once(c, fresh(4096, rng)))
+            cold.append(ttft_ms(c, fresh(4096, rng)))
             prefix = fresh(3680, rng)
-            ttft_once(c, prefix + fresh(416, rng))  # writes the prefix's pages to the cache
+            ttft_ms(c, prefix + fresh(416, rng))  # writes the prefix's pages to the cache
             time.sleep(1.0)  # the write-back is asynchronous (Redis tier)
-            warm.append(ttft_once(c, prefix + fresh(416, rng)))
+            warm.append(ttft_ms(c, prefix + fresh(416, rng)))
     return {f"served_ttft_ms_4k_cold_{tag}": median(cold), f"served_ttft_ms_4k_90pct_{tag}": median(warm)}
 
 
@@ -269,7 +240,7 @@ def ttft_breakdown(stack: Stack, sink, rng: torch.Generator, reps: int = 5) -> d
     sink.clear()
     with pdserve.Client(stack.router, timeout=120) as c:
         for _ in range(reps):
-            ttft_once(c, fresh(2048, rng))
+            ttft_ms(c, fresh(2048, rng))
     time.sleep(2.0)  # the batch span processors export every 200 ms
     traces: dict[str, list] = {}
     for sp in sink.spans():
@@ -398,9 +369,7 @@ def main() -> None:
     finally:
         if redis is not None:
             redis.stop()
-    print("\n| figure | value | note |\n|---|---|---|")
-    for r in ROWS:
-        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    print_rows()
 
 
 if __name__ == "__main__":

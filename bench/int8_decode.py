@@ -49,13 +49,8 @@ def kernel_sweep(copy_bw: float) -> dict:
     }
     out: dict = {}
     for B, ctx in ((1, 512), (64, 2048), (128, 2048)):
-        W, key = ctx // ps, f"b{B}_ctx{ctx}"
-        P = B * W
-        kv = torch.randn(2, P, ps, KVH, D, device=DEV, generator=g).bfloat16()
-        q8, s8, _ = Q.quantize(kv, 64, False)
-        table = torch.randperm(P, device=DEV, generator=g).int().view(B, W)
-        lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
-        qq = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
+        key, P = f"b{B}_ctx{ctx}", B * (ctx // ps)
+        kv, q8, s8, table, lens, qq = ge.paged_decode_inputs(B, ctx, g, ps, KVH, D, HQ)
         pool = Q.dequantize(q8, s8, None, 64, torch.float32).view(2, P * ps, KVH, D)
         nb = min(B, 4)
         ref = ge.paged_attention_ref(qq[:nb], pool, table, ps)
@@ -115,17 +110,10 @@ def kernel_sweep(copy_bw: float) -> dict:
 
 
 def engine_ab(model_dir: Path, fold_cfg: dict, copy_bw: float, weight_bytes: int) -> dict:
-    from pdserve.engine.sampling import SamplingParams
 
     e = ge.make_engine(model_dir, "int8", num_pages=18400)
     tile_cfg = {**e.runner.kernels.decode_config, "fold_scales": False}
-    g = torch.Generator().manual_seed(9)
-    V = ge.SHAPE["vocab_size"]
-    sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-    for i in range(128):
-        e.add_request(f"d{i}", torch.randint(5, V, (2048,), generator=g).tolist(), sp)
-    while len(e.scheduler.running) < 128 or e.scheduler.waiting:
-        e.step()
+    ge.fill_decode_batch(e, 128, 2048, torch.Generator().manual_seed(9))
     kv_token_bytes = e.runner.page_bytes() // e.page_size
     times: dict[str, list[float]] = {"tile": [], "fold": []}
     graph: dict[str, list[float]] = {"tile": [], "fold": []}
@@ -173,9 +161,7 @@ def main() -> None:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print("\n| figure | value | note |\n|---|---|---|")
-    for name, value, note in ge.ROWS:
-        print(f"| {name} | {value} | {note} |")
+    ge.print_rows()
 
 
 if __name__ == "__main__":

@@ -49,12 +49,7 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
     out: dict = {}
     for B, ctx in shapes:
         W, key = ctx // PS, f"b{B}_ctx{ctx}"
-        P = B * W
-        kv = torch.randn(2, P, PS, KVH, D, device=DEV, generator=g).bfloat16()
-        q8, s8, _ = Q.quantize(kv, 64, False)
-        table = torch.randperm(P, device=DEV, generator=g).int().view(B, W)
-        lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
-        qq = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
+        kv, q8, s8, table, lens, qq = ge.paged_decode_inputs(B, ctx, g, PS, KVH, D, HQ)
         nb = 2
         sub = table[:nb].flatten().long()
         pool = Q.dequantize(q8[:, sub], s8[:, sub], None, 64, torch.float32).view(2, -1, KVH, D)
@@ -124,16 +119,12 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
     import itertools
 
     from pdserve.engine.kernels import int8_decode_attention as kd
-    from pdserve.kv import quant as Q
 
     g = torch.Generator(device=DEV).manual_seed(15)
     out: dict = {}
     for B, ctx in shapes:
-        W, P = ctx // PS, B * (ctx // PS)
-        q8, s8, _ = Q.quantize(torch.randn(2, P, PS, KVH, D, device=DEV, generator=g).bfloat16(), 64, False)
-        table = torch.randperm(P, device=DEV, generator=g).int().view(B, W)
-        lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
-        qq = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
+        kv, q8, s8, table, lens, qq = ge.paged_decode_inputs(B, ctx, g, PS, KVH, D, HQ)
+        del kv  # the int8 pool is what this sweep reads
         base = kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, 1)
         nbytes = 2 * B * ctx * KVH * (D + 2 * 2)
         res = {}
@@ -166,16 +157,9 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
 def engine_steps(
     model_dir: Path, kv: str, copy_bw: float, weight_bytes: int, batch: int = 128, ctx: int = 2048
 ) -> dict:
-    from pdserve.engine.sampling import SamplingParams
 
     e = ge.make_engine(model_dir, kv, num_pages=batch * (ctx // PS + 8) + 64)
-    g = torch.Generator().manual_seed(9)
-    V = ge.SHAPE["vocab_size"]
-    sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        e.add_request(f"d{i}", torch.randint(5, V, (ctx,), generator=g).tolist(), sp)
-    while len(e.scheduler.running) < batch or e.scheduler.waiting:
-        e.step()
+    ge.fill_decode_batch(e, batch, ctx, torch.Generator().manual_seed(9))
     steps = ge.time_decode_steps(e, 34)[4:]
     mean_ctx = sum(s.num_tokens for s in e.scheduler.running) / batch
     kv_token_bytes = e.runner.page_bytes() // e.page_size
@@ -199,6 +183,36 @@ def kv_formats_available() -> list[str]:
     return ["auto", *dtypes.QUANTIZED]
 
 
+def keys_from_log(log: Path, out: Path) -> None:
+    """Write the speed keys from the lines a run printed (a run cut short before it wrote its JSON)."""
+    import re
+
+    text = log.read_text()
+    head = text.splitlines()[0]
+    copy_bw = float(re.search(r"copy bandwidth \(read\+write\): ([\d.]+) TB/s", text).group(1)) * 1e12
+    m = re.search(r"b128_ctx2048 \(us\): int8-bytes ([\d.]+) .* bf16 ([\d.]+) .*fp8 ([\d.]+) us", text)
+    int8_us, bf16_us, fp8_us = (float(x) for x in m.groups())
+    b, ctx = 128, 2048
+    steps = dict(re.findall(r"engine decode b128 ctx2k, (\w+) KV: ([\d.]+) ms/step", text))
+    result = {
+        "int8_attn_bw_fraction_b128": 2 * b * ctx * KVH * (D + 2 * 2) / (int8_us * 1e-6) / copy_bw,
+        "fp8_attn_bw_fraction_b128": 2 * b * ctx * KVH * (D + 2) / (fp8_us * 1e-6) / copy_bw,
+        "bf16_attn_bw_fraction_b128": 2 * b * ctx * KVH * D * 2 / (bf16_us * 1e-6) / copy_bw,
+        "bf16_step_ms_b128": float(steps["auto"]) if "auto" in steps else None,
+        "int8_step_ms_b128": float(steps["int8"]) if "int8" in steps else None,
+        "fp8_step_ms_b128": float(steps["fp8"]) if "fp8" in steps else None,
+        "copy_bw": copy_bw,
+        "commit": re.search(r"commit (\w+)", head).group(1),
+        "device": "NVIDIA H200",
+        "date": re.search(r"(\d{4}-\d\d-\d\d)", head).group(1),
+        "speed_source": str(log),
+    }
+    merged = json.loads(out.read_text()) if out.exists() else {}
+    merged.update(result)
+    out.write_text(json.dumps(merged, indent=1))
+    print(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="docs/bench/kv_formats.json")
@@ -206,7 +220,11 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--formats", default="", help="engine KV formats (default: auto,int8[,fp8])")
     ap.add_argument("--sweep", action="store_true", help="only the int8 kernel config sweep")
+    ap.add_argument("--from-log", default="", help="no measuring: the speed keys from an earlier run's printed lines")
     args = ap.parse_args()
+    if args.from_log:
+        keys_from_log(Path(args.from_log), Path(args.json))
+        return
     copy_bw, _ = ge.ceilings()
     if args.sweep:
         sweep = config_sweep(copy_bw, [(128, 2048), (64, 8192)])
@@ -243,9 +261,7 @@ def main() -> None:
     merged.update(result)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=1))
-    print("\n| figure | value | note |\n|---|---|---|")
-    for name, value, note in ge.ROWS:
-        print(f"| {name} | {value} | {note} |")
+    ge.print_rows()
 
 
 if __name__ == "__main__":

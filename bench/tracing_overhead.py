@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from benchutil import ttft_ms
 
 import pdserve
 from pdserve.cli.launch import start_stack
@@ -52,14 +53,6 @@ def environ(**values: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def ttft_ms(client: pdserve.Client, ids: list[int]) -> float:
-    t0 = time.perf_counter()
-    for ch in client.stream(token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True):
-        if ch.token_ids:
-            return (time.perf_counter() - t0) * 1e3
-    raise RuntimeError("no token")
 
 
 def span_cost_us(tracing: Tracing, n: int) -> float:

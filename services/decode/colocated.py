@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import threading
 import time
 
 import grpc
@@ -24,7 +23,7 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
 from pdserve.cache.serving import lookup_prefix, write_back
 from pdserve.decode.colocated_config import ColocatedConfig
-from pdserve.decode.token_stream import decode_response, next_output
+from pdserve.decode.token_stream import ActiveCalls, StreamEnd, generate_call, relay
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.kv.transfer import ExportedPages
@@ -81,8 +80,7 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         self.namespace = CacheNamespace(self.fingerprint, self.layout)
         self.meter = PrefillRateMeter(engine)
         loop.step_listener = self.meter
-        self._active = 0
-        self._lock = threading.Lock()
+        self.active = ActiveCalls()
 
     # ---- RPC ------------------------------------------------------------------------------------------
     def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):
@@ -109,6 +107,7 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
             else lookup_prefix(self.cache, ns, prompt, self.page_size, self.meter.rate.rate())
         )
         outputs: queue.Queue = queue.Queue()
+        to_cache: list[ExportedPages] = []  # filled on the engine thread before the first token's output is queued
         admitted_ns = time.time_ns()
 
         def on_output(out) -> None:  # engine thread
@@ -118,7 +117,7 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
                     try:
                         exported = self._export_for_cache(rid, hit)
                         if exported is not None:
-                            outputs.put(exported)
+                            to_cache.append(exported)
                     except Exception as e:  # the cache is an optimisation: never fail the request over it
                         log.warning("rid=%s prompt cache write-back skipped: %s", rid, e)
             outputs.put(out)
@@ -135,50 +134,19 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
             )
         except Exception as e:
             context.abort(engine_error_code(e), f"colocated instance could not admit request: {e}")
-        with self._lock:
-            self._active += 1
-        finished, n_out, finish = False, 0, "abort"
-        to_cache: ExportedPages | None = None
-        prompt_logprobs: list[float] = []  # gathered chunk by chunk; they lead the first token's message
-        try:
+        cached = hit.num_pages * self.page_size
+
+        def summary(end: StreamEnd) -> None:
+            fmt = "colocated rid=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s ms=%.1f"
+            ms = (time.perf_counter() - t0) * 1e3
+            log.info(fmt, rid, len(prompt), cached, end.completion_tokens, end.finish, ms)
+
+        with generate_call(self.loop, rid, self.active, summary) as end:
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
-            while True:
-                out = next_output(outputs, deadline, context, "colocated request")
-                if out is None:
-                    return
-                if isinstance(out, ExportedPages):
-                    to_cache = out
-                    continue
-                if isinstance(out, BaseException):
-                    context.abort(grpc.StatusCode.INTERNAL, f"colocated engine failed: {out}")
-                prompt_logprobs.extend(out.prompt_logprobs)
-                if not out.new_token_ids and not out.finished:
-                    continue  # a prompt chunk before the last: its prompt logprobs wait for the first token
-                n_out = out.num_completion_tokens
-                msg = decode_response(out, req, hit.num_pages * self.page_size, [], prompt_logprobs)
-                prompt_logprobs = []
-                if out.finished:
-                    finished, finish = True, out.finish_reason
+            for msg in relay(outputs, context, deadline, "colocated request", req, cached, end):
                 yield msg
-                if to_cache is not None and self.cache is not None:  # after the first token went out: off its path
-                    write_back(self.cache, ns, hit, to_cache, self.layout)
-                    to_cache = None
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.loop.abort(rid)
-            with self._lock:
-                self._active -= 1
-            log.info(
-                "colocated rid=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s ms=%.1f",
-                rid,
-                len(prompt),
-                hit.num_pages * self.page_size,
-                n_out,
-                finish,
-                (time.perf_counter() - t0) * 1e3,
-            )
+                if to_cache and self.cache is not None:  # after the first token went out: off its path
+                    write_back(self.cache, ns, hit, to_cache.pop(), self.layout)
 
     # ---- prompt cache ---------------------------------------------------------------------------------
     def _export_for_cache(self, rid: str, hit: CacheLookup) -> ExportedPages | None:
@@ -189,11 +157,9 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         return self.loop.engine.export_batch(rid, list(range(hit.num_pages, len(hit.keys))), self.layout)
 
     def Stats(self, request, context):
-        with self._lock:
-            active = self._active
         return instance_stats(
             self.loop,
-            active,
+            self.active.count,
             self.fingerprint,
             self.layout.dtype,
             self.page_size,

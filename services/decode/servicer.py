@@ -10,7 +10,7 @@ import time
 import grpc
 
 from pdserve.decode.config import DecodeConfig
-from pdserve.decode.token_stream import decode_response, next_output
+from pdserve.decode.token_stream import ActiveCalls, StreamEnd, generate_call, relay
 from pdserve.decode.watchdog import Watchdog
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import CorruptPage, InvalidRequest
@@ -87,8 +87,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.transfer_stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
         self.kv_offer = make_offer(cfg.kv_transport, self.device)  # what this instance can receive
         self.ipc_buffers = IpcBufferCache(copier_for(self.device))  # prefill staging buffers, opened once each
-        self._active = 0
-        self._lock = threading.Lock()
+        self.active = ActiveCalls()
 
     def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):
         t0 = time.perf_counter()
@@ -121,12 +120,12 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             self.loop.begin_import(rid, prompt, sampling, outputs.put, resumed, request.resumed_text_chars)
         except Exception as e:
             context.abort(engine_error_code(e), f"decode could not admit request: {e}")
-        with self._lock:
-            self._active += 1
-        finished = False
-        n_out = 0
-        finish = "abort"
-        try:
+
+        def summary(end: StreamEnd) -> None:
+            fmt = "decode rid=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.1f"
+            log.info(fmt, rid, len(prompt), end.completion_tokens, end.finish, (time.perf_counter() - t0) * 1e3)
+
+        with generate_call(self.loop, rid, self.active, summary) as end:
             try:
                 first, cached, done = self._receive_kv(request, prompt, context, req)
             except CallerGone:
@@ -136,36 +135,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             except InvalidRequest as e:  # the prompt was checked at begin_import: prefill's answer is at fault
                 context.abort(grpc.StatusCode.DATA_LOSS, f"bad PrefillDone from {request.prefill_target}: {e}")
             # the first token's logprob and the prompt's came from prefill: they lead the first message
-            lead_logprobs = [done.first_token_logprob] if done.HasField("first_token_logprob") else []
-            prompt_logprobs = list(done.prompt_logprobs)
+            lead = [done.first_token_logprob] if done.HasField("first_token_logprob") else []
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
-            while True:
-                out = next_output(outputs, deadline, context, "decode")
-                if out is None:
-                    return
-                if isinstance(out, Exception):
-                    context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
-                n_out = out.num_completion_tokens
-                msg = decode_response(out, req, cached, lead_logprobs, prompt_logprobs)
-                lead_logprobs, prompt_logprobs = [], []
-                if out.finished:
-                    finished, finish = True, out.finish_reason
-                yield msg
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.loop.abort(rid)
-            with self._lock:
-                self._active -= 1
-            log.info(
-                "decode rid=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.1f",
-                rid,
-                len(prompt),
-                n_out,
-                finish,
-                (time.perf_counter() - t0) * 1e3,
-            )
+            yield from relay(outputs, context, deadline, "decode", req, cached, end, lead, done.prompt_logprobs)
 
     def _receive_kv(
         self, request: internal_pb2.DecodeRequest, prompt: list[int], context: grpc.ServicerContext, req: RequestScope
@@ -317,8 +289,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return IpcReceiver(*args, buffers=self.ipc_buffers, buffer_id=choice.ipc_buffer.buffer_id)
 
     def Stats(self, request, context):
-        with self._lock:
-            active = self._active
         return instance_stats(
-            self.loop, active, self.fingerprint, self.layout.dtype, self.layout.page_size, self.transfer_stats
+            self.loop,
+            self.active.count,
+            self.fingerprint,
+            self.layout.dtype,
+            self.layout.page_size,
+            self.transfer_stats,
         )

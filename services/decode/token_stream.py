@@ -1,15 +1,26 @@
 """The token stream of `Decode.Generate`, shared by the disaggregated (`servicer.py`) and colocated
-(`colocated.py`) servicers: waiting for the engine thread's outputs and turning them into `DecodeResponse`s."""
+(`colocated.py`) servicers: the engine thread's outputs, taken from a queue, relayed as `DecodeResponse`s.
+
+    generate_call(loop, rid, active, summary)    a call from admission on: counted, its engine request freed
+    relay(outputs, context, deadline, what, req, cached_tokens, end, ...)   the messages, up to the finished one
+    next_output(outputs, deadline, context, what)                          one item, or None: the caller left
+    decode_response(out, req, cached_tokens, lead_logprobs, prompt_logprobs)   the message of one output
+"""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from pdserve.engine.engine import StepOutput
+from pdserve.engine.loop import EngineLoop
 from pdserve.server.proto_convert import logprob_to_proto
 from pdserve.telemetry.service import RequestScope
 from pdserve.v1 import generate_pb2, internal_pb2
@@ -64,3 +75,83 @@ def decode_response(
             )
         )
     return msg
+
+
+@dataclass
+class StreamEnd:
+    """Where a relayed stream got to: whether its last output finished it, the finish reason ("abort" until then)
+    and the completion tokens so far (for the call's summary line; unfinished: the engine request is aborted)."""
+
+    finished: bool = False
+    finish: str = "abort"
+    completion_tokens: int = 0
+
+
+def relay(
+    outputs: queue.Queue,
+    context: grpc.ServicerContext,
+    deadline: float,
+    what: str,
+    req: RequestScope,
+    cached_tokens: int,
+    end: StreamEnd,
+    lead_logprobs: Sequence[generate_pb2.TokenLogprob] = (),
+    prompt_logprobs: Sequence[float] = (),
+) -> Iterator[internal_pb2.DecodeResponse]:
+    """One message per engine output in `outputs` (StepOutputs, or the exception that failed the request: INTERNAL
+    "<what> failed"), up to the finished one; nothing more once the caller went away (`next_output`). An output
+    without tokens that does not finish (a prompt chunk) only adds its prompt logprobs: they lead the next message,
+    after `prompt_logprobs`, as `lead_logprobs` (the first token's, from prefill) lead its logprobs. `end` follows
+    the stream."""
+    lead, prompt_lps = list(lead_logprobs), list(prompt_logprobs)
+    while True:
+        out = next_output(outputs, deadline, context, what)
+        if out is None:
+            return
+        if isinstance(out, BaseException):
+            context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {out}")
+        prompt_lps.extend(out.prompt_logprobs)
+        if not out.new_token_ids and not out.finished:
+            continue  # a prompt chunk before the last: its prompt logprobs wait for the first token
+        end.completion_tokens = out.num_completion_tokens
+        msg = decode_response(out, req, cached_tokens, lead, prompt_lps)
+        lead, prompt_lps = [], []
+        if out.finished:
+            end.finished, end.finish = True, out.finish_reason or "abort"
+        yield msg
+        if end.finished:
+            return
+
+
+class ActiveCalls:
+    """How many Generate calls a servicer is serving (its Stats' active_requests); thread-safe."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._count += n
+
+
+@contextmanager
+def generate_call(
+    loop: EngineLoop, rid: str, active: ActiveCalls, summary: Callable[[StreamEnd], None]
+) -> Iterator[StreamEnd]:
+    """A Generate call from the admission of its engine request `rid` on, counted in `active`. However it ends,
+    an engine request left unfinished is aborted (its pages freed) and `summary(end)` logs the call."""
+    end = StreamEnd()
+    active.add(1)
+    try:
+        yield end
+    finally:
+        if not end.finished:
+            loop.abort(rid)
+        active.add(-1)
+        summary(end)

@@ -3,7 +3,8 @@
 keys.py (chained page keys + namespace), value.py (one value per page: a KVPage message), store.py /
 redis_store.py (byte stores), local_tier.py (in-memory LRU in front of Redis), writer.py (async write-back),
 breaker.py (circuit breaker), stats.py (counters), prompt_cache.py (PromptCache, build_prompt_cache), config.py
-(CacheOptions), (the private redis-server launcher for tests lives in pdserve.testing).
+(CacheOptions), serving.py (lookup and write-back around one request on a prefill or colocated instance); the
+private redis-server launcher for tests lives in pdserve.testing.
 """
 
 from pdserve.cache.keys import CacheNamespace

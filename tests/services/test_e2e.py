@@ -2,81 +2,46 @@
 
 from __future__ import annotations
 
-import time
+from contextlib import ExitStack
 
 import grpc
 import pytest
-import torch
-from services_testutil import tiny_stack
+from services_testutil import greedy_agreement, prompts, stack_pools_empty, tiny_stack
 
 import pdserve
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
-from pdserve.testing.hf_reference import hf_greedy, load_hf_model
-from pdserve.v1 import internal_pb2, internal_pb2_grpc
+from pdserve.testing.hf_reference import hf_greedy
+from pdserve.testing.wait import wait_until
 
 PAGE, CHUNK = 4, 8
 # Prompt lengths at page and chunk edges, length 1 and a prompt spanning several chunks.
 LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("e2e-llama") / "ckpt", arch="llama", seed=1)
+def wait_pools_empty(stack) -> None:
+    wait_until(lambda: stack_pools_empty(stack), what="every KV pool of the stack empty")
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return load_hf_model(model_dir)
+def stack_of(model_dir, tmp_path_factory):
+    """stack_of(kv_dtype): this module's stack whose KV pools hold `kv_dtype`, started on first use."""
+    with ExitStack() as running:
+        stacks: dict = {}
 
+        def get(kv_dtype: str):
+            if kv_dtype not in stacks:
+                work = tmp_path_factory.mktemp(f"stack-{kv_dtype}")
+                stacks[kv_dtype] = running.enter_context(
+                    tiny_stack(model_dir, work, kv_dtype=kv_dtype, page_size=PAGE, chunk_size=CHUNK, num_pages=512)
+                )
+            return stacks[kv_dtype]
 
-def prompts(n_tokens: int, vocab: int = 512, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1000 + n_tokens)
-    return torch.randint(5, vocab, (n_tokens,), generator=g).tolist()
-
-
-def pool_usage(stack) -> list[tuple[int, int]]:
-    """(free, total) KV pages of every prefill and decode instance."""
-    out = []
-    for addr in stack.prefill:
-        with channel(addr) as ch:
-            s = internal_pb2_grpc.PrefillStub(ch).Stats(internal_pb2.StatsRequest(), timeout=5)
-            out.append((s.kv_pages_free, s.kv_pages_total))
-    for addr in stack.decode:
-        with channel(addr) as ch:
-            s = internal_pb2_grpc.DecodeStub(ch).Stats(internal_pb2.StatsRequest(), timeout=5)
-            out.append((s.kv_pages_free, s.kv_pages_total))
-    return out
-
-
-def wait_pools_empty(stack, timeout: float = 10.0) -> list[tuple[int, int]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        usage = pool_usage(stack)
-        if all(free == total for free, total in usage) or time.monotonic() > deadline:
-            return usage
-        time.sleep(0.1)
+        yield get
 
 
 @pytest.fixture(scope="module")
-def auto_stack(model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("stack-auto")
-    with tiny_stack(model_dir, work, kv_dtype="auto", page_size=PAGE, chunk_size=CHUNK, num_pages=512) as stack:
-        yield stack
-
-
-@pytest.fixture(scope="module")
-def int8_stack(model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("stack-int8")
-    with tiny_stack(model_dir, work, kv_dtype="int8", page_size=PAGE, chunk_size=CHUNK, num_pages=512) as stack:
-        yield stack
-
-
-@pytest.fixture(scope="module")
-def fp8_stack(model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("stack-fp8")
-    with tiny_stack(model_dir, work, kv_dtype="fp8", page_size=PAGE, chunk_size=CHUNK, num_pages=512) as stack:
-        yield stack
+def auto_stack(stack_of):
+    return stack_of("auto")
 
 
 def test_auto_kv_token_identical_to_hf(auto_stack, hf_model):
@@ -87,7 +52,7 @@ def test_auto_kv_token_identical_to_hf(auto_stack, hf_model):
             assert out.token_ids == hf_greedy(hf_model, ids, 12), f"prompt length {n}"
             assert out.finish_reason == "length"
             assert out.usage.prompt_tokens == n and out.usage.completion_tokens == 12
-    assert wait_pools_empty(auto_stack) == [(t, t) for _, t in pool_usage(auto_stack)]
+    wait_pools_empty(auto_stack)
 
 
 def test_concurrent_requests_match_hf(auto_stack, hf_model):
@@ -165,8 +130,7 @@ def test_cancel_mid_stream_frees_every_page(auto_stack):
             if i == 3:
                 break
         stream.close()  # cancels the RPC
-        usage = wait_pools_empty(auto_stack)
-    assert all(free == total for free, total in usage), usage
+        wait_pools_empty(auto_stack)
 
 
 def test_cancel_during_prefill_frees_every_page(auto_stack):
@@ -175,31 +139,20 @@ def test_cancel_during_prefill_frees_every_page(auto_stack):
         with pytest.raises(grpc.RpcError) as err:
             c.generate(token_ids=prompts(900), max_tokens=50, timeout=0.05)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    usage = wait_pools_empty(auto_stack)
-    assert all(free == total for free, total in usage), usage
+    wait_pools_empty(auto_stack)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
-def test_quantized_kv_end_to_end(kv, auto_stack, request):
+def test_quantized_kv_end_to_end(kv, auto_stack, stack_of):
     """int8 / fp8 KV pages through the real P→D path: greedy agreement with unquantized KV, measured."""
-    quant_stack = request.getfixturevalue(f"{kv}_stack")
-    agree = total = 0
-    first_diff = []
+    quant_stack = stack_of(kv)
     with pdserve.Client(quant_stack.router, timeout=120) as q, pdserve.Client(auto_stack.router, timeout=120) as a:
-        for n in LENGTHS:
-            ids = prompts(n, seed=3)
-            ref = a.generate(token_ids=ids, max_tokens=16, temperature=0, ignore_eos=True).token_ids
-            got = q.generate(token_ids=ids, max_tokens=16, temperature=0, ignore_eos=True).token_ids
-            same = [x == y for x, y in zip(ref, got)]
-            first_diff.append(same.index(False) if False in same else len(same))
-            agree += sum(same)
-            total += len(same)
+        agree, total, first_diff = greedy_agreement(a, q, [prompts(n, seed=3) for n in LENGTHS])
     print(f"{kv} vs auto greedy token agreement {agree}/{total}, first divergence per prompt {first_diff}")
     # Random-weight model: a divergence compounds; the first token (prefill exact) must always agree.
     assert min(first_diff) >= 1
     assert agree / total >= 0.6
-    usage = wait_pools_empty(quant_stack)
-    assert all(free == total for free, total in usage), usage
+    wait_pools_empty(quant_stack)
 
 
 def test_health_and_reflection(auto_stack):

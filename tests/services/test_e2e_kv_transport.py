@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from services_testutil import tiny_stack
 
 import pdserve
-from pdserve.cli.launch import start_stack
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
-from pdserve.testing.hf_reference import hf_greedy, load_hf_model
+from pdserve.testing.hf_reference import hf_greedy
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 8
 LENGTHS = [1, PAGE + 1, 3 * CHUNK + 5, 61]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("kvt-llama") / "ckpt", arch="llama", seed=1)
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return load_hf_model(model_dir)
 
 
 def transports(addr: str, stub_cls) -> tuple[dict, tuple[int, int]]:
@@ -36,15 +25,10 @@ def transports(addr: str, stub_cls) -> tuple[dict, tuple[int, int]]:
 @pytest.mark.parametrize("transport", ["grpc", "cuda-ipc"])
 def test_forced_transport_token_identical_and_taken(transport, model_dir, hf_model, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_PREFILL_KV_BATCH_MB", "0.001")  # grpc: one page per message
-    stack = start_stack(
-        model_dir,
-        tmp_path / "stack",
-        kv_dtype="auto",
-        page_size=PAGE,
-        chunk_size=CHUNK,
-        extra=["--num-pages", "256", "--torch-threads", "1", "--kv-transport", transport],
-    )
-    try:
+    extra = ["--kv-transport", transport]
+    with tiny_stack(
+        model_dir, tmp_path / "stack", kv_dtype="auto", page_size=PAGE, chunk_size=CHUNK, extra=extra
+    ) as stack:
         with pdserve.Client(stack.router, timeout=120) as c:
             for n in LENGTHS:
                 ids = torch.randint(5, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -62,5 +46,3 @@ def test_forced_transport_token_identical_and_taken(transport, model_dir, hf_mod
         if transport == "grpc":  # --kv-batch-mb 0.001: one page per message
             assert sent[transport].batches == pages
         assert free_p == total_p
-    finally:
-        stack.stop()

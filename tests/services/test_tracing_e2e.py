@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pdserve
 from pdserve.cli.launch import start_stack
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.testing.otlp_sink import OTLPSink
 
 PAGE, CHUNK = 4, 8
@@ -47,10 +46,9 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory):
+def traced(tmp_path_factory, model_dir):
     """Run the requests, scrape metrics, stop the stack (spans are only flushed at shutdown: the batch delay
     is a minute), and hand back what the sink received."""
-    model = build_checkpoint(tmp_path_factory.mktemp("trace-llama") / "ckpt", arch="llama", seed=1)
     workdir = tmp_path_factory.mktemp("stack-traced")
     with OTLPSink() as sink, pytest.MonkeyPatch.context() as mp:
         mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
@@ -60,7 +58,7 @@ def traced(tmp_path_factory):
         mp.delenv("OTEL_TRACES_SAMPLER", raising=False)
         mp.delenv("REDIS_URL", raising=False)  # the prefill's prompt cache is in-process
         stack = start_stack(
-            model,
+            model_dir,
             workdir,
             kv_dtype="int8",
             page_size=PAGE,

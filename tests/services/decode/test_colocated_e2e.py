@@ -11,13 +11,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from services_testutil import tiny_stack
+from services_testutil import greedy_agreement, prompts, stack_pools_empty, tiny_stack
 
 import pdserve
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
-from pdserve.testing.hf_reference import hf_greedy, load_hf_model
+from pdserve.testing.hf_reference import hf_greedy
 from pdserve.testing.wait import wait_until
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 from pdserve.v1 import router_admin_pb2 as pb
@@ -28,21 +26,6 @@ from router_testutil import instances
 pytestmark = pytest.mark.timeout(600)
 PAGE, CHUNK = 4, 8
 LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("colocated-llama") / "ckpt", arch="llama", seed=1)
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    return load_hf_model(model_dir)
-
-
-def prompts(n_tokens: int, seed: int = 0, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1000 + n_tokens)
-    return torch.randint(5, vocab, (n_tokens,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +41,6 @@ def stats(addr: str) -> internal_pb2.InstanceStats:
         return internal_pb2_grpc.DecodeStub(ch).Stats(internal_pb2.StatsRequest(), timeout=5)
 
 
-def pools_empty(stack) -> bool:
-    return all(s.kv_pages_free == s.kv_pages_total for s in map(stats, stack.colocated))
-
-
 def test_auto_kv_token_identical_to_hf(auto_stack, hf_model):
     assert auto_stack.colocated and not auto_stack.prefill and not auto_stack.decode
     with pdserve.Client(auto_stack.router, timeout=120) as c:
@@ -70,7 +49,7 @@ def test_auto_kv_token_identical_to_hf(auto_stack, hf_model):
             out = c.generate(token_ids=ids, max_tokens=12, temperature=0, ignore_eos=True)
             assert out.token_ids == hf_greedy(hf_model, ids, 12), f"prompt length {n}"
             assert out.usage.prompt_tokens == n and out.usage.completion_tokens == 12
-    wait_until(lambda: pools_empty(auto_stack), timeout=10, what="colocated KV pool empty")
+    wait_until(lambda: stack_pools_empty(auto_stack), timeout=10, what="colocated KV pool empty")
 
 
 def test_concurrent_requests_interleave_prefill_chunks_with_decode(auto_stack, hf_model):
@@ -85,7 +64,7 @@ def test_concurrent_requests_interleave_prefill_chunks_with_decode(auto_stack, h
         got = list(ex.map(run, reqs))
     for ids, toks in zip(reqs, got):
         assert toks == hf_greedy(hf_model, ids, 10), len(ids)
-    wait_until(lambda: pools_empty(auto_stack), timeout=10, what="colocated KV pool empty")
+    wait_until(lambda: stack_pools_empty(auto_stack), timeout=10, what="colocated KV pool empty")
 
 
 def test_prompt_cache_serves_the_prefix_and_output_is_unchanged(auto_stack):
@@ -140,15 +119,13 @@ def test_bad_input(auto_stack):
                 list(stub.Generate(req, timeout=10))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (kw, e.value.details())
             assert reason in e.value.details(), e.value.details()
-    assert pools_empty(auto_stack)
+    assert stack_pools_empty(auto_stack)
 
 
 def test_int8_colocated_against_disaggregated_int8(model_dir, tmp_path_factory):
     """int8 KV: a colocated engine attends to int8 K/V already inside the prompt (its pool is int8), where a
     prefill instance computes the prompt in full precision and ships int8 pages. Greedy agreement, measured."""
     work = tmp_path_factory.mktemp("colocated-int8")
-    agree = total = 0
-    first_diff = []
     with (
         tiny_stack(model_dir, work / "c", kv_dtype="int8", page_size=PAGE, chunk_size=CHUNK, num_colocated=2) as col,
         tiny_stack(model_dir, work / "d", kv_dtype="int8", page_size=PAGE, chunk_size=CHUNK) as dis,
@@ -156,15 +133,8 @@ def test_int8_colocated_against_disaggregated_int8(model_dir, tmp_path_factory):
         pdserve.Client(dis.router, timeout=120) as a,
     ):
         assert len(col.colocated) == 2
-        for n in LENGTHS:
-            ids = prompts(n, seed=3)
-            ref = a.generate(token_ids=ids, max_tokens=16, temperature=0, ignore_eos=True).token_ids
-            got = q.generate(token_ids=ids, max_tokens=16, temperature=0, ignore_eos=True).token_ids
-            same = [x == y for x, y in zip(ref, got)]
-            first_diff.append(same.index(False) if False in same else len(same))
-            agree += sum(same)
-            total += len(same)
+        agree, total, first_diff = greedy_agreement(a, q, [prompts(n, seed=3) for n in LENGTHS])
         print(f"colocated int8 vs disaggregated int8: agreement {agree}/{total}, first divergence {first_diff}")
         assert agree / total >= 0.6
         assert sum(i.assigned for i in instances(col.router).values()) == len(LENGTHS)
-        wait_until(lambda: pools_empty(col), timeout=10, what="colocated KV pools empty")
+        wait_until(lambda: stack_pools_empty(col), timeout=10, what="colocated KV pools empty")

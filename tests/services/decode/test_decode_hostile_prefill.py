@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import math
 import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from services_testutil import running_service
+from services_testutil import pool_empty, tiny_decode
 
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.kv.transfer.wire import batch_message_bytes, make_header
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.prefill.servicer import add_prefill_servicer
-from pdserve.server.grpc_util import channel
+from pdserve.testing.impostors import serve
 from pdserve.testing.wait import wait_until
-from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc, kv_pb2
+from pdserve.v1 import generate_pb2, internal_pb2, kv_pb2
 
 PAGE, PROMPT = 4, 8  # two pages
 
@@ -79,22 +77,16 @@ class ScriptedPrefill:
 @pytest.fixture(scope="module")
 def scripted():
     servicer = ScriptedPrefill()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    add_prefill_servicer(servicer, server)  # type: ignore[arg-type]  # duck-typed: Prefill and Stats
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", servicer
+    addr, server = serve(lambda s: add_prefill_servicer(servicer, s))  # type: ignore[arg-type]  # Prefill, Stats
+    yield addr, servicer
     server.stop(0)
 
 
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory):
     work = tmp_path_factory.mktemp("decode-hostile")
-    model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
-    args = ["--model", str(model), "--page-size", str(PAGE), "--num-pages", "64", "--kv-dtype", "int8"]
-    args += ["--torch-threads", "1", "--log-level", "INFO"]
-    with running_service("decode", args, work) as addr, channel(addr) as ch:
-        yield internal_pb2_grpc.DecodeStub(ch), next(Path(work).glob("decode*.log"))
+    with tiny_decode(work, page_size=PAGE, kv_dtype="int8", extra=["--log-level", "INFO"]) as stub:
+        yield stub, next(Path(work).glob("decode*.log"))
 
 
 def generate(stub, target: str, rid: str):
@@ -107,22 +99,26 @@ def generate(stub, target: str, rid: str):
     return stub.Generate(req, timeout=30)
 
 
-def all_free(stub) -> bool:
-    s = stub.Stats(internal_pb2.StatsRequest(), timeout=5)
-    return s.kv_pages_free == s.kv_pages_total
-
-
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_non_finite_scales_are_data_loss(decode, scripted, value):
+@pytest.mark.parametrize(
+    "kind, value, reason",
+    [
+        ("scale", math.nan, "NaN or infinity"),  # a batch with a non-finite scale under a valid checksum
+        ("scale", math.inf, "NaN or infinity"),
+        ("scale", -math.inf, "NaN or infinity"),
+        ("first", 10**6, "outside the vocabulary"),  # PrefillDone's first token
+        ("first", -1, "outside the vocabulary"),
+    ],
+)
+def test_damaged_prefill_answers_are_data_loss(decode, scripted, kind, value, reason):
     stub, _ = decode
     target, prefill = scripted
-    rid = f"scale-{value}"
-    prefill.script[rid] = ("scale", value)
+    rid = f"{kind}-{value}"
+    prefill.script[rid] = (kind, value)
     with pytest.raises(grpc.RpcError) as err:
         list(generate(stub, target, rid))
     assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value
-    assert "NaN or infinity" in err.value.details()
-    wait_until(lambda: all_free(stub), what="decode pages freed")
+    assert reason in err.value.details()
+    wait_until(lambda: pool_empty(stub), what="decode pages freed")
 
 
 def test_the_same_pages_with_finite_scales_generate(decode, scripted):
@@ -132,20 +128,7 @@ def test_the_same_pages_with_finite_scales_generate(decode, scripted):
     prefill.script["finite"] = ("scale", 0.02)
     out = list(generate(stub, target, "finite"))
     assert out[-1].finish_reason and sum(len(m.token_ids) for m in out) == 4
-    wait_until(lambda: all_free(stub), what="decode pages freed")
-
-
-@pytest.mark.parametrize("token", [10**6, -1])
-def test_first_token_outside_the_vocabulary_is_data_loss(decode, scripted, token):
-    stub, _ = decode
-    target, prefill = scripted
-    rid = f"first-{token}"
-    prefill.script[rid] = ("first", token)
-    with pytest.raises(grpc.RpcError) as err:
-        list(generate(stub, target, rid))
-    assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value
-    assert "outside the vocabulary" in err.value.details()
-    wait_until(lambda: all_free(stub), what="decode pages freed")
+    wait_until(lambda: pool_empty(stub), what="decode pages freed")
 
 
 def test_cancel_during_the_transfer_is_info_not_an_error(decode, scripted):
@@ -164,4 +147,4 @@ def test_cancel_during_the_transfer_is_info_not_an_error(decode, scripted):
     wait_until(lambda: "decode rid=cancelled" in log.read_text(), what="the request's summary line")
     text = log.read_text()
     assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
-    wait_until(lambda: all_free(stub), what="decode pages freed")
+    wait_until(lambda: pool_empty(stub), what="decode pages freed")

@@ -5,15 +5,13 @@ its pages freed."""
 from __future__ import annotations
 
 import threading
-import time
-from concurrent import futures
 
 import grpc
 import pytest
-from services_testutil import running_service
+from services_testutil import pool_empty, tiny_decode
 
-from pdserve.models.checkpoints import build_checkpoint
-from pdserve.server.grpc_util import channel
+from pdserve.testing.impostors import serve
+from pdserve.testing.wait import wait_until
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 PAGE, PAGE_TIMEOUT_S = 4, 0.5
@@ -36,32 +34,16 @@ class SilentPrefill(internal_pb2_grpc.PrefillServicer):
 @pytest.fixture(scope="module")
 def silent_prefill():
     servicer = SilentPrefill()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    internal_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", servicer
+    addr, server = serve(lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(servicer, s))
+    yield addr, servicer
     server.stop(0)
 
 
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory):
     work = tmp_path_factory.mktemp("decode")
-    model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
-    args = ["--model", str(model), "--page-size", str(PAGE), "--num-pages", "64", "--kv-dtype", "auto"]
-    args += ["--torch-threads", "1", "--page-timeout-s", str(PAGE_TIMEOUT_S)]
-    with running_service("decode", args, work) as addr, channel(addr) as ch:
-        yield internal_pb2_grpc.DecodeStub(ch)
-
-
-def all_free(stub, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = stub.Stats(internal_pb2.StatsRequest(), timeout=5)
-        if s.kv_pages_free == s.kv_pages_total:
-            return True
-        time.sleep(0.05)
-    return False
+    with tiny_decode(work, page_size=PAGE, kv_dtype="auto", extra=["--page-timeout-s", str(PAGE_TIMEOUT_S)]) as stub:
+        yield stub
 
 
 def decode_request(
@@ -102,7 +84,7 @@ def test_bad_resume_fields_invalid_argument_and_no_pages_held(
     with pytest.raises(grpc.RpcError) as err:
         list(decode.Generate(req, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
-    assert all_free(decode)
+    wait_until(lambda: pool_empty(decode), what="decode pages freed")
 
 
 @pytest.mark.parametrize(
@@ -120,7 +102,7 @@ def test_bad_requests_invalid_argument(decode, silent_prefill, mutate, reason):
     with pytest.raises(grpc.RpcError) as err:
         list(decode.Generate(req, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
-    assert all_free(decode)
+    wait_until(lambda: pool_empty(decode), what="decode pages freed")
 
 
 def test_silent_prefill_fails_after_page_timeout_and_frees_pages(decode, silent_prefill):
@@ -130,4 +112,4 @@ def test_silent_prefill_fails_after_page_timeout_and_frees_pages(decode, silent_
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
     assert "page_timeout_s" in err.value.details()  # decode's own bound, not the caller's 30 s deadline
     assert any(r.request_id == "stuck" for r in servicer.requests)  # the request did reach prefill
-    assert all_free(decode)
+    wait_until(lambda: pool_empty(decode), what="decode pages freed")

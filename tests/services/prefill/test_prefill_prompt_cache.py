@@ -16,7 +16,6 @@ from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cli.launch import start_service, wait_ready
 from pdserve.kv.codec import KVLayoutSpec
-from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
 from pdserve.testing.redis_server import RedisServer
 from pdserve.testing.wait import wait_until
@@ -80,15 +79,10 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("cache-model") / "ckpt", arch="llama", seed=1)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model):
+def cluster(tmp_path_factory, model_dir):
     work = tmp_path_factory.mktemp("cache-cluster")
     redis = RedisServer(work / "redis").start()
-    c = Cluster(work, model, redis)
+    c = Cluster(work, model_dir, redis)
     yield c
     c.stop()
     redis.stop()
@@ -162,7 +156,7 @@ def test_in_process_cache_without_redis(cluster, rds):
     assert rds.dbsize() == 0  # nothing went to Redis
 
 
-def test_corrupt_value_in_redis_is_a_miss_from_there(cluster, rds, model):
+def test_corrupt_value_in_redis_is_a_miss_from_there(cluster, rds, model_dir):
     ids = prompt(8 * PAGE + 1, seed=4)
     cold, _ = cluster.generate(0, ids)
     wait_keys(rds, 8)
@@ -170,7 +164,7 @@ def test_corrupt_value_in_redis_is_a_miss_from_there(cluster, rds, model):
     from pdserve.engine.loader import model_fingerprint
 
     layout = KVLayoutSpec(dtype="float32", page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16)
-    ns = CacheNamespace(model_fingerprint(str(model)), layout)
+    ns = CacheNamespace(model_fingerprint(str(model_dir)), layout)
     naming = PromptCache(RedisStore(cluster.redis.url))  # only to name the keys the way the service does
     page3 = naming.store_key(ns, ns.page_keys(ids)[3])
     naming.close()

@@ -45,13 +45,19 @@ def prompt(seed: int, n: int = 12 * PAGE + 3) -> list[int]:
     return [5 + (seed * 31 + i * 7) % 400 for i in range(n)]
 
 
+def cold_then_cached(router, tenant: str, ids: list[int]) -> tuple[list[int], int]:
+    """`tenant`'s first request of `ids` (nothing cached), then the same until the asynchronous write-back landed
+    and it sees its own prompt cached; returns (the tokens, the cached tokens of a full hit)."""
+    cold, cached = generate(router, tenant, ids)
+    assert cached == 0
+    full = (len(ids) - 1) // PAGE * PAGE
+    wait_until(lambda: generate(router, tenant, ids)[1] == full, timeout=30, what=f"{tenant}'s prompt cached")
+    return cold, full
+
+
 def test_a_tenants_cached_prompt_is_invisible_to_another(router):
     ids = prompt(1)
-    cold, cached = generate(router, "alice", ids)
-    assert cached == 0
-    # the write-back is asynchronous: alice sees her own prompt cached once it lands
-    full = (len(ids) - 1) // PAGE * PAGE
-    wait_until(lambda: generate(router, "alice", ids)[1] == full, timeout=30, what="alice's prompt cached")
+    cold, full = cold_then_cached(router, "alice", ids)
     assert generate(router, "bob", ids) == (cold, 0)  # the guess is right, and reveals nothing
     assert generate(router, "carol", ids) == (cold, 0)  # a shared namespace is not alice's either
     assert generate(router, "alice", ids) == (cold, full)
@@ -59,10 +65,7 @@ def test_a_tenants_cached_prompt_is_invisible_to_another(router):
 
 def test_tenants_named_in_cache_share_share_cached_prefixes(router):
     ids = prompt(2)
-    cold, cached = generate(router, "carol", ids)
-    assert cached == 0
-    full = (len(ids) - 1) // PAGE * PAGE
-    wait_until(lambda: generate(router, "carol", ids)[1] == full, timeout=30, what="carol's prompt cached")
+    cold, full = cold_then_cached(router, "carol", ids)
     assert generate(router, "dave", ids) == (cold, full)  # dave's first request: carol's pages
 
 

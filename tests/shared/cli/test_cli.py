@@ -127,35 +127,26 @@ def test_up_runs_the_requested_instances(up):
     assert roles == ["INSTANCE_ROLE_DECODE", "INSTANCE_ROLE_PREFILL", "INSTANCE_ROLE_PREFILL"]
 
 
-def test_generate_command(up):
-    res = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "generate", "--target", up, "--max-tokens", "6", "hello"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+def _cli(*args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`pdserve ARGS...` in a subprocess, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args], input=stdin, capture_output=True, text=True, timeout=timeout
     )
+
+
+def test_generate_command(up):
+    res = _cli("generate", "--target", up, "--max-tokens", "6", "hello")
     assert res.returncode == 0, res.stderr
     assert "finish=" in res.stderr and "completion_tokens=6" in res.stderr
 
 
 def test_generate_command_reports_bad_input(up):
-    res = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "generate", "--target", up, "--max-tokens", "0", "hello"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = _cli("generate", "--target", up, "--max-tokens", "0", "hello")
     assert res.returncode == 1 and "INVALID_ARGUMENT" in res.stderr and "max_tokens" in res.stderr
 
 
 def _chat(up: str, stdin: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "chat", "--target", up, "--temperature", "0", *flags],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return _cli("chat", "--target", up, "--temperature", "0", *flags, stdin=stdin, timeout=120)
 
 
 def test_chat_command_keeps_history_resets_and_ends_at_eof(up):
