@@ -29,7 +29,7 @@ def test_lists_and_bools():
 
 def test_invalid_values_exit_with_reason():
     with pytest.raises(SystemExit, match="kv-dtype"):
-        parse(DecodeConfig, ["--model", "m", "--kv-dtype", "fp8"], {})
+        parse(DecodeConfig, ["--model", "m", "--kv-dtype", "fp4"], {})
     with pytest.raises(SystemExit, match="page_size"):
         parse(DecodeConfig, ["--model", "m", "--page-size", "x"], {})
     with pytest.raises(SystemExit, match="--model"):
