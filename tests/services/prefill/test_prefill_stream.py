@@ -108,27 +108,37 @@ def test_pages_stream_while_prefill_runs_and_ack_frees(prefill):
 
 
 def test_duplicate_id_in_flight_is_refused_and_leaves_the_first_alone(prefill):
-    """A second stream with the id of one still prefilling fails ALREADY_EXISTS, and the first is untouched: it
-    streams every page and finishes at once (the rejected duplicate once freed the first one's engine request)."""
+    """A second stream with the id of one still in flight fails ALREADY_EXISTS, and the first is untouched: it
+    streams every page and finishes at once (the rejected duplicate once freed the first one's engine request).
+
+    The first stream is held in flight deterministically: it asks for cuda-ipc (a shared-memory staging buffer on
+    CPU), so prefill waits for decode's readiness answer before shipping anything and the request stays in the
+    engine however fast its prefill computes. The test answers "ready" only after the duplicate was refused."""
     stub, fp = prefill
     acks: queue.Queue = queue.Queue()
+    first = request(fp, 1000, rid="twice")
+    first.request.kv_transport.CopyFrom(make_offer("cuda-ipc", torch.device("cpu")))
 
     def client():
-        yield request(fp, 1000, rid="twice")  # 125 chunks: still prefilling when the duplicate arrives
+        yield first
         while (item := acks.get()) is not None:
             yield item
 
-    call = stub.Prefill(client(), timeout=20)
+    call = stub.Prefill(client(), timeout=30)
     try:
-        assert next(call).HasField("transport")  # sent once the request is in the engine
+        choice = next(call)  # sent once the request is in the engine
+        assert choice.HasField("transport") and choice.transport.transport == "cuda-ipc", choice
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Prefill(iter([request(fp, 12, rid="twice")]), timeout=10))
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS, err.value
+        ready = kv_pb2.KVTransportReady(ok=True)  # pages are counted and acked, not read
+        acks.put(internal_pb2.PrefillClientMessage(transport_ready=ready))
         pages, done = 0, None
         for msg in call:
-            if msg.HasField("batch"):
-                pages += len(msg.batch.header.page_indexes)
-                last = msg.batch.header.first_seq_no + len(msg.batch.header.page_indexes) - 1
+            if msg.HasField("ipc_batch"):
+                header = msg.ipc_batch.header
+                pages += len(header.page_indexes)
+                last = header.first_seq_no + len(header.page_indexes) - 1
                 acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=last)))
             elif msg.HasField("done"):
                 done = msg.done
