@@ -245,10 +245,11 @@ def test_full_write_queue_drops_and_counts(redis):
     cache = make_cache(redis.url, write_queue=2, timeout_s=3.0)
     prompt = tokens(20 * PAGE, seed=9)
     keys = NS.page_keys(prompt)
-    redis.client().execute_command("CLIENT", "PAUSE", 500, "WRITE")  # the writer's SETs block for 0.5 s
+    pages = [make_page(INT8, i) for i in range(len(keys))]
+    redis.client().execute_command("CLIENT", "PAUSE", 2000, "WRITE")  # the writer's SETs block for 2 s
     t0 = time.monotonic()
-    accepted = [cache.put(NS, k, make_page(INT8, i)) for i, k in enumerate(keys)]
-    assert time.monotonic() - t0 < 0.2  # put() never waits for Redis
+    accepted = [cache.put(NS, k, page) for k, page in zip(keys, pages)]
+    assert time.monotonic() - t0 < 1.0  # put() never waits for Redis (one blocked SET would take 2 s)
     assert cache.flush(10)
     assert cache.write_drops == accepted.count(False) >= 16
     assert cache.stats.writes == accepted.count(True)
