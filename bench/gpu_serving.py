@@ -6,8 +6,9 @@ the in-process engine's figures from the same run.
 8B Llama-shaped random bf16 checkpoint, int8 KV, FA3, chunk 2048. Prefill on cuda:0, decode on cuda:1 when two GPUs
 are visible, else both on cuda:0 (each with its own memory share). Every prompt is fresh random tokens (no cache
 flattery) except where a cached prefix is the point. Prints a table; writes the issue's JSON keys (+ details).
-Parts (`--part`, comma-separated; `all` = every part): engine, raw, grpc, ipc, cache. The JSON is merged, so parts may
-run in separate calls.
+Parts (`--part`, comma-separated; `all` = every part): engine, raw, grpc and ipc (served 2k TTFT with that transport
+forced, KV GB/s, and where the TTFT goes, span by span: `ttft_breakdown_2k_<part>`), load (ITL, 32 concurrent, local
+cache tier), cache (Redis tier). The JSON is merged, so parts may run in separate calls.
 """
 
 from __future__ import annotations
@@ -234,32 +235,20 @@ def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -
     return {f"served_ttft_ms_4k_cold_{tag}": median(cold), f"served_ttft_ms_4k_90pct_{tag}": median(warm)}
 
 
-def ttft_breakdown(stack: Stack, sink, rng: torch.Generator, reps: int = 5) -> dict:
+def ttft_breakdown(stack: Stack, sink, rng: torch.Generator, key: str, reps: int = 5) -> dict:
     """Where a 2048-token request's time to first token goes, from the services' own spans (OTLP to an in-process
     receiver): per span, the median start offset from the router's span and the median duration."""
+    from pdserve.testing.span_breakdown import as_json, breakdown, format_breakdown
+
     sink.clear()
     with pdserve.Client(stack.router, timeout=120) as c:
         for _ in range(reps):
             ttft_ms(c, fresh(2048, rng))
     time.sleep(2.0)  # the batch span processors export every 200 ms
-    traces: dict[str, list] = {}
-    for sp in sink.spans():
-        traces.setdefault(sp.trace_id, []).append(sp)
-    rows: dict[str, tuple[list[float], list[float]]] = {}
-    for spans in traces.values():
-        roots = [sp for sp in spans if sp.name == "router.generate"]
-        if not roots:
-            continue
-        t0 = roots[0].start_ns
-        for sp in spans:
-            off, dur = rows.setdefault(f"{sp.service}/{sp.name}", ([], []))
-            off.append((sp.start_ns - t0) / 1e6)
-            dur.append((sp.end_ns - sp.start_ns) / 1e6)
-    table = {k: {"start_ms": median(o), "dur_ms": median(d), "n": len(d)} for k, (o, d) in rows.items()}
-    print("\nwhere a 2048-token request's time goes (median over requests; ms from the router span's start)")
-    for k, v in sorted(table.items(), key=lambda kv: kv[1]["start_ms"]):
-        print(f"  {k:40s} start {v['start_ms']:8.1f}  duration {v['dur_ms']:8.1f}  (n={v['n']})")
-    return {"ttft_breakdown_2k": table}
+    table = breakdown(sink.spans())
+    print(f"\n{key}: where a 2048-token request's time goes (median; ms from the router span's start)")
+    print(format_breakdown(table))
+    return {key: as_json(table)}
 
 
 def main() -> None:
@@ -275,7 +264,7 @@ def main() -> None:
     if args.raw_server:
         raw_server(args.raw_server, args.raw_msg_mb)
         return
-    parts = {"engine", "raw", "grpc", "ipc", "cache"} if args.part == "all" else set(args.part.split(","))
+    parts = {"engine", "raw", "grpc", "ipc", "load", "cache"} if args.part == "all" else set(args.part.split(","))
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / f"llama8b-{args.layers}l"
@@ -307,25 +296,36 @@ def main() -> None:
         res.update(raw_grpc(workdir))
         row("raw gRPC stream", f"{res['raw_grpc_gbps']:.2f} GB/s", f"{res['raw_grpc_msg_mb']} MiB messages")
         save()
+    from pdserve.testing.otlp_sink import OTLPSink
     from pdserve.testing.redis_server import RedisServer
 
-    redis = RedisServer(workdir / "redis").start() if parts & {"cache", "ipc"} else None
+    redis = RedisServer(workdir / "redis").start() if parts & {"grpc", "ipc", "load", "cache"} else None
+    sink = OTLPSink().start()  # the grpc and ipc stacks' spans: a TTFT breakdown per transport
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    try:  # the services' exporter (the device image's OTel wheels may lack a part of it)
+        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
+    except ImportError as e:
+        log(f"no TTFT breakdown: the OTLP exporter does not import here ({e})")
+        env = {}
     try:
-        if "grpc" in parts:
-            stack = start(model, workdir / "grpc", "grpc", "")
+        for part, transport in (("grpc", "grpc"), ("ipc", "cuda-ipc")):
+            if part not in parts:
+                continue
+            # each transport forced; the prompt cache on (Redis) as served, its lookups miss (fresh prompts)
+            stack = start(model, workdir / part, transport, redis.url if redis else "", env=env)
             try:
-                res.update(served_ttft(stack, "grpc", rng))
+                res.update(served_ttft(stack, transport, rng))
+                save()
+                if env:
+                    res.update(ttft_breakdown(stack, sink, rng, key=f"ttft_breakdown_2k_{part}"))
+                    save()
             finally:
                 stack.stop()
-            row("served TTFT 2k, grpc", f"{res['served_ttft_ms_2k_grpc']:.1f} ms", f"kv {res['kv_gbps_grpc']:.2f} GB/s")
-            save()
-        if "ipc" in parts:
-            stack = start(model, workdir / "ipc", "auto", redis.url if redis else "")
+            row(f"served TTFT 2k, {transport}", f"{res[f'served_ttft_ms_2k_{part}']:.1f} ms",
+                f"kv {res[f'kv_gbps_{part}']:.2f} GB/s")  # fmt: skip
+        if "load" in parts:
+            stack = start(model, workdir / "load", "auto", redis.url if redis else "")
             try:
-                res.update(served_ttft(stack, "cuda-ipc", rng))
-                row("served TTFT 2k, cuda-ipc", f"{res['served_ttft_ms_2k_ipc']:.1f} ms",
-                    f"kv {res['kv_gbps_ipc']:.1f} GB/s")  # fmt: skip
-                save()
                 res.update(decode_figures(stack, rng))
                 row("ITL b1 ctx512 / ctx8k", f"{res['itl_ms_b1_ctx512']:.2f} / {res['itl_ms_b1_ctx8k']:.2f} ms")
                 save()
@@ -345,28 +345,17 @@ def main() -> None:
                 stack.stop()
         if "cache" in parts and redis is not None:
             # local tier off: every hit is a Redis hit (what another prefill instance wrote)
-            from pdserve.testing.otlp_sink import OTLPSink
-
-            sink = OTLPSink().start()
-            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
-            try:  # the services' exporter (the device image's OTel wheels may lack a part of it)
-                import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
-            except ImportError as e:
-                log(f"no TTFT breakdown: the OTLP exporter does not import here ({e})")
-                env = {}
-            stack = start(model, workdir / "redis-only", "auto", redis.url, ["--cache-local-mb", "0"], env)
+            stack = start(model, workdir / "redis-only", "auto", redis.url, ["--cache-local-mb", "0"])
             try:
                 res.update(cache_figures(stack, rng, "redis"))
                 save()
-                if env:
-                    res.update(ttft_breakdown(stack, sink, rng))
             finally:
                 stack.stop()
-                sink.stop()
             row("TTFT 4k cold / 90% in Redis only", f"{res['served_ttft_ms_4k_cold_redis']:.0f} / "
                 f"{res['served_ttft_ms_4k_90pct_redis']:.0f} ms")  # fmt: skip
             save()
     finally:
+        sink.stop()
         if redis is not None:
             redis.stop()
     print_rows()

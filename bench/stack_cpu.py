@@ -1,8 +1,12 @@
 """CPU figures of the whole stack (router + prefill + decode as real processes, tiny model).
 
     python bench/stack_cpu.py [--model DIR] [--requests 20] [--prompt-len 128] [--max-tokens 64]
+    python bench/stack_cpu.py --breakdown [--prompt-len 1024] [--transport grpc|cuda-ipc]
 
 Prints TTFT (median, p90) and decode tokens/s at concurrency 1 and 8, for --kv-dtype int8 and auto.
+`--breakdown`: one int8 stack exporting its spans to an in-process OTLP receiver; the served TTFT at concurrency 1
+beside the in-process engine's for prompts of the same length, and where the served time goes, span by span
+(`pdserve.testing.span_breakdown`). On CPU the fixed cost of the hops is visible next to a small model's compute.
 """
 
 from __future__ import annotations
@@ -51,16 +55,61 @@ def run(router: str, requests: int, concurrency: int, prompt_len: int, max_token
     )
 
 
+def breakdown_run(model: str, work: Path, requests: int, prompt_len: int, vocab: int, transport: str) -> None:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.testing.otlp_sink import OTLPSink
+    from pdserve.testing.span_breakdown import breakdown, format_breakdown
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(requests + 1)]
+    torch.set_num_threads(1)  # as each service below (--torch-threads 1)
+    engine = LLMEngine(EngineConfig(model_dir=model, device="cpu", kv_dtype="int8", chunk_size=2048))
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    engine_ms = []
+    for ids in prompts:  # the first one warms up
+        t0 = time.perf_counter()
+        engine.generate([ids], greedy)
+        engine_ms.append((time.perf_counter() - t0) * 1e3)
+    del engine
+    with OTLPSink() as sink:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        extra = ["--torch-threads", "1", "--kv-transport", transport]
+        stack = start_stack(model, work / "stack-breakdown", kv_dtype="int8", extra=extra, env=env)
+        try:
+            with pdserve.Client(stack.router, timeout=300) as c:
+                one(c, prompts[0], 1)  # warm-up
+                time.sleep(1.0)
+                sink.clear()
+                served_ms = [one(c, ids, 1)[0] * 1e3 for ids in prompts[1:]]
+            time.sleep(1.0)  # the services' span processors export every 200 ms
+            table = breakdown(sink.spans())
+        finally:
+            stack.stop()
+    e, s = statistics.median(engine_ms[1:]), statistics.median(served_ms)
+    print(f"prompt {prompt_len} tokens, {requests} requests, transport {transport}")
+    print(f"TTFT median: in-process engine {e:.1f} ms, served {s:.1f} ms ({s / e:.2f}x, +{s - e:.1f} ms)")
+    print("where the served TTFT goes (median; ms from the router span's start):")
+    print(format_breakdown(table))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--breakdown", action="store_true", help="served vs in-process TTFT and the span breakdown")
+    ap.add_argument("--transport", default="grpc", help="--breakdown: the stack's --kv-transport")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
-    model = args.model or str(build_checkpoint(work / "model", arch="llama", seed=0))
+    shapes = {"max_position_embeddings": 4096} if args.prompt_len >= 1024 else {}
+    model = args.model or str(build_checkpoint(work / "model", arch="llama", seed=0, **shapes))
     vocab = 512 if not args.model else 1000
+    if args.breakdown:
+        breakdown_run(model, work, args.requests, args.prompt_len, vocab, args.transport)
+        return
     print(f"{'kv':6s} {'conc':>4s} {'ttft p50 ms':>12s} {'ttft p90 ms':>12s} {'ITL ms':>8s} {'tokens/s':>9s}")
     for kv in ("int8", "auto"):
         stack = start_stack(model, work / f"stack-{kv}", kv_dtype=kv, extra=["--torch-threads", "1"])
