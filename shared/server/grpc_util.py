@@ -19,16 +19,17 @@ from pdserve.server.security import ChannelSecurity
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
+SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
-# Channels to other pdserve instances reconnect quickly to one that restarts on its address (gRPC's default
-# backoff grows to 120 s: a restarted prefill would fail every stream a decode opens to it meanwhile).
-INTERNAL_CHANNEL_OPTIONS = [
-    *CHANNEL_OPTIONS,
+# Every channel (the SDK's to a router, pdserve's own between instances) reconnects quickly to a peer that restarts
+# on its address: gRPC's default backoff grows by 1.6x per failed attempt up to 120 s, so a client whose router or a
+# decode whose prefill was down for ten seconds would keep failing UNAVAILABLE for ~5 s more after it is back.
+CHANNEL_OPTIONS = [
+    *SERVER_OPTIONS,
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -43,10 +44,9 @@ def make_server(
 ) -> grpc.Server:
     """A threaded server; RPCs beyond `max_concurrent_rpcs` get RESOURCE_EXHAUSTED instead of queueing, a message
     over `max_receive_bytes` RESOURCE_EXHAUSTED before it is parsed."""
-    options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"]
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        options=[*options, ("grpc.max_receive_message_length", max_receive_bytes)],
+        options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_receive_bytes)],
         interceptors=list(interceptors),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
@@ -97,7 +97,7 @@ def announce_ready(
 
 
 def channel(
-    target: str, security: ChannelSecurity | None = None, options: Sequence[tuple[str, Any]] = INTERNAL_CHANNEL_OPTIONS
+    target: str, security: ChannelSecurity | None = None, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS
 ) -> grpc.Channel:
     """A channel to an internal service. `security` None: the stack-wide identity of this process's environment
     (`ChannelSecurity.from_env`: $PDSERVE_INTERNAL_TOKEN, $PDSERVE_TLS_*); services pass their own."""

@@ -25,13 +25,7 @@ from pdserve.server.tls import TlsConfig
 from pdserve.v1 import internal_pb2, internal_pb2_grpc, router_admin_pb2, router_admin_pb2_grpc
 
 PREFILL, DECODE, ROUTER = "prefill", "decode", "router"
-HARNESS_CHANNEL_OPTIONS = [
-    *CHANNEL_OPTIONS,
-    ("grpc.use_local_subchannel_pool", 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+HARNESS_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
 
 @dataclass
