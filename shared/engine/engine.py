@@ -12,6 +12,7 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 
@@ -48,6 +49,17 @@ class StepOutput:
     token_range: tuple[int, int] | None = None  # prefill-only: prompt tokens [start, end) this step computed
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token id (sampling.logprobs)
     prompt_logprobs: list[float] = field(default_factory=list)  # next prompt-token logprobs computed this step
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keyword options of `LLMEngine.add_request`, for callers that pass them through (`EngineLoop`)."""
+
+    prefill_only: bool
+    forced_token_ids: list[int] | None
+    cached_pages: list[PagePayload] | None
+    sampled_before: int
+    resumed_tokens: int
+    resumed_text_chars: int
 
 
 class LLMEngine:

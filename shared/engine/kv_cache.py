@@ -391,8 +391,12 @@ class QuantizedKVCache(KVCache):
         self._check_page(physical_page, num_tokens)
         if quantized and self.same_format(group_size, asymmetric, dtype):  # straight copy
             sl = (slice(None), slice(None), physical_page, slice(0, num_tokens))
-            z = None if self.zeros is None else self.zeros[sl].cpu()
-            return PagePayload(logical_index, num_tokens, 0, self.data[sl].cpu(), self.scales[sl].cpu(), z, group_size)
+
+            def copy(t: torch.Tensor) -> torch.Tensor:  # a CPU pool's `.cpu()` would be a view of the pool
+                return t.to("cpu", copy=True)
+
+            z = None if self.zeros is None else copy(self.zeros[sl])
+            return PagePayload(logical_index, num_tokens, 0, copy(self.data[sl]), copy(self.scales[sl]), z, group_size)
         return super().export_page(physical_page, logical_index, num_tokens, quantized, group_size, asymmetric, dtype)
 
     def import_page(self, physical_page: int, payload: PagePayload) -> None:

@@ -17,9 +17,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
-from pdserve.engine.engine import LLMEngine, StepOutput
+from pdserve.engine.engine import LLMEngine, RequestOptions, StepOutput
 from pdserve.engine.page_table import PageAllocator
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.payload import PagePayload
@@ -64,25 +64,12 @@ class EngineLoop:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         callback: OutputCallback,
-        prefill_only: bool = False,
-        forced_token_ids: list[int] | None = None,
-        cached_pages: list[PagePayload] | None = None,
-        sampled_before: int = 0,
-        resumed_tokens: int = 0,
-        resumed_text_chars: int = 0,
+        **options: Unpack[RequestOptions],
     ) -> None:
+        """`LLMEngine.add_request` with its keyword `options`; `callback` gets the request's outputs."""
+
         def fn(engine: LLMEngine) -> None:
-            engine.add_request(
-                request_id,
-                prompt_token_ids,
-                sampling,
-                prefill_only=prefill_only,
-                forced_token_ids=forced_token_ids,
-                cached_pages=cached_pages,
-                sampled_before=sampled_before,
-                resumed_tokens=resumed_tokens,
-                resumed_text_chars=resumed_text_chars,
-            )
+            engine.add_request(request_id, prompt_token_ids, sampling, **options)
             self._callbacks[request_id] = callback
 
         self.call(fn)

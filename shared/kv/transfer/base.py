@@ -29,7 +29,7 @@ from pdserve.kv.codec import KVLayoutSpec, check_scales
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.kv.transfer.pages import ReceiverPages, SenderPages, TransferError
 from pdserve.kv.transfer.stats import BusyClock, TransferStats
-from pdserve.kv.transfer.wire import BatchExpectation, verify_header
+from pdserve.kv.transfer.wire import BatchExpectation, make_header, verify_header
 from pdserve.v1 import kv_pb2
 
 
@@ -88,6 +88,20 @@ class KVSender(ABC):
             self._spans.append((first + len(page_indexes) - 1, span))
         self.stats.add(self.transport, pages=len(page_indexes), bytes=nbytes, batches=1)
         return first
+
+    def _header(
+        self, first_seq_no: int, page_indexes: list[int], num_tokens: list[int], payload=None
+    ) -> kv_pb2.KVBatchHeader:
+        """The header of a batch of this request (`wire.make_header`; with `payload`, its checksum)."""
+        return make_header(
+            request_id=self.pages.request_id,
+            fingerprint=self.fingerprint,
+            layout=self.layout,
+            first_seq_no=first_seq_no,
+            page_indexes=page_indexes,
+            num_tokens=num_tokens,
+            payload=payload,
+        )
 
     def ack(self, seq_no: int) -> bool:
         """Cumulative ack from the receiver; returns True when it freed the request's pages (all acked)."""

@@ -27,7 +27,6 @@ import torch
 from pdserve.errors import CorruptPage
 from pdserve.kv.transfer.base import ExportedPages, KVReceiver, KVSender
 from pdserve.kv.transfer.handshake import CUDA_IPC
-from pdserve.kv.transfer.wire import make_header
 from pdserve.v1 import internal_pb2, kv_pb2
 
 ALIGN = 512  # region offsets (bytes)
@@ -244,14 +243,7 @@ class IpcSender(KVSender):
                 raise
             with self._cv:
                 self._regions.append((first + len(idx) - 1, offset, nbytes))
-            header = make_header(
-                request_id=self.pages.request_id,
-                fingerprint=self.fingerprint,
-                layout=self.layout,
-                first_seq_no=first,
-                page_indexes=idx,
-                num_tokens=tok,
-            )
+            header = self._header(first, idx, tok)
             batch = kv_pb2.KVIpcBatch(header=header, offset=offset, buffer_id=self.staging.desc.buffer_id)
             msgs.append(internal_pb2.PrefillServerMessage(ipc_batch=batch))
         return msgs

@@ -17,7 +17,7 @@ import torch
 from pdserve.errors import CorruptPage
 from pdserve.kv.transfer.base import ExportedPages, KVReceiver, KVSender
 from pdserve.kv.transfer.handshake import GRPC
-from pdserve.kv.transfer.wire import batch_message_bytes, make_header, verify_header
+from pdserve.kv.transfer.wire import batch_message_bytes, verify_header
 from pdserve.v1 import kv_pb2
 
 
@@ -58,16 +58,7 @@ class GrpcSender(KVSender):
             payload = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
             idx, tok = exported.page_indexes[i : i + k], exported.num_tokens[i : i + k]
             first = self._shipped(idx, payload.nbytes, span)
-            header = make_header(
-                request_id=self.pages.request_id,
-                fingerprint=self.fingerprint,
-                layout=self.layout,
-                first_seq_no=first,
-                page_indexes=idx,
-                num_tokens=tok,
-                payload=payload,
-            )
-            msgs.append(batch_message_bytes(header, payload))
+            msgs.append(batch_message_bytes(self._header(first, idx, tok, payload), payload))
         return msgs
 
 

@@ -111,7 +111,12 @@ def test_int8_pool_export_is_copy(make_engine):
     (a,) = e.export_pages("x", [0], "int8", group_size=16, asymmetric=False)
     (b,) = e.export_pages("x", [0], "int8", group_size=16, asymmetric=False)
     table = e._seqs["x"].page_table
-    assert torch.equal(a.data, e.runner.kv_cache.data[:, :, table[0], :4].cpu()) and torch.equal(a.data, b.data)
+    pool = e.runner.kv_cache
+    assert torch.equal(a.data, pool.data[:, :, table[0], :4].cpu()) and torch.equal(a.data, b.data)
+    kept = (a.data.clone(), a.scales.clone())
+    pool.data[:, :, table[0]] += 1  # the physical page is reused by another request: the export must not change
+    pool.scales[:, :, table[0]] *= 2
+    assert torch.equal(a.data, kept[0]) and torch.equal(a.scales, kept[1])
     (dense,) = e.export_pages("x", [1], "float32")
     assert dense.data.shape == (2, 2, 2, 2, 16) and dense.data.dtype == torch.float32
     e.release("x")
