@@ -27,7 +27,6 @@ from pdserve.decode.token_stream import ActiveCalls, StreamEnd, generate_call, r
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.kv.transfer import ExportedPages
-from pdserve.kv.transfer.stats import TransferStats
 from pdserve.server.grpc_util import remaining
 from pdserve.server.instance_stats import instance_stats
 from pdserve.server.proto_convert import sampling_from_proto
@@ -157,15 +156,8 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         return self.loop.engine.export_batch(rid, list(range(hit.num_pages, len(hit.keys))), self.layout)
 
     def Stats(self, request, context):
-        return instance_stats(
-            self.loop,
-            self.active.count,
-            self.fingerprint,
-            self.layout.dtype,
-            self.page_size,
-            TransferStats(),
-            prefill_tokens_per_s=self.meter.rate.rate() or 0.0,
-        )
+        rate = self.meter.rate.rate() or 0.0
+        return instance_stats(self.loop, self.active.count, prefill_tokens_per_s=rate)
 
 
 def serve(cfg: ColocatedConfig) -> None:

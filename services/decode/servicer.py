@@ -289,11 +289,4 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return IpcReceiver(*args, buffers=self.ipc_buffers, buffer_id=choice.ipc_buffer.buffer_id)
 
     def Stats(self, request, context):
-        return instance_stats(
-            self.loop,
-            self.active.count,
-            self.fingerprint,
-            self.layout.dtype,
-            self.layout.page_size,
-            self.transfer_stats,
-        )
+        return instance_stats(self.loop, self.active.count, self.transfer_stats)

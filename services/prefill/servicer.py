@@ -379,15 +379,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     def Stats(self, request, context):
         with self._lock:
             active = self._active
-        return instance_stats(
-            self.loop,
-            active,
-            self.fingerprint,
-            "auto",
-            self.page_size,
-            self.transfer_stats,
-            prefill_tokens_per_s=self.prefill_rate.rate() or 0.0,
-        )
+        rate = self.prefill_rate.rate() or 0.0
+        return instance_stats(self.loop, active, self.transfer_stats, prefill_tokens_per_s=rate)
 
 
 def _serialize_server_message(msg) -> bytes:

@@ -10,23 +10,19 @@ from pdserve.v1 import internal_pb2
 
 
 def instance_stats(
-    loop: EngineLoop,
-    active: int,
-    fingerprint: str,
-    kv_dtype: str,
-    page_size: int,
-    transfers: TransferStats,
-    **extra: Any,
+    loop: EngineLoop, active: int, transfers: TransferStats | None = None, **extra: Any
 ) -> internal_pb2.InstanceStats:
-    """KV pool occupancy, active requests, identity and KV transfer counters; `extra`: role-specific fields."""
+    """KV pool occupancy, active requests, identity (the engine's model fingerprint, pool format and page size) and
+    KV transfer counters (None: this instance moves no KV between instances); `extra`: role-specific fields."""
+    engine = loop.engine
     used, total = loop.allocator.num_used, loop.allocator.num_pages
     return internal_pb2.InstanceStats(
         kv_pages_total=total,
         kv_pages_free=total - used,
         active_requests=active,
-        model_fingerprint=fingerprint,
-        kv_dtype=kv_dtype,
-        page_size=page_size,
-        kv_transports=transfers.to_proto(),
+        model_fingerprint=engine.fingerprint,
+        kv_dtype=engine.pool_layout.dtype,
+        page_size=engine.page_size,
+        kv_transports=(transfers or TransferStats()).to_proto(),
         **extra,
     )
