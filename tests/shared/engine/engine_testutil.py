@@ -30,3 +30,31 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
 def forced_logits(engine: LLMEngine, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
     """Teacher-forced per-step logits [sum of steps, V] (float32), prompts in order."""
     return torch.cat(teacher_forced_logits(engine, prompts, forced))
+
+
+def page_slots(table_row: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
+    """The flat KV slots (page * page_size + offset) of a sequence's first `n` tokens through its page-table row."""
+    offsets = torch.arange(page_size, device=table_row.device)
+    return (table_row.long()[:, None] * page_size + offsets).flatten()[:n]
+
+
+def ref_paged_decode(q, kv, table, lens, page_size: int, scale: float) -> torch.Tensor:
+    """fp64 attention of q [B, HQ, D] over dense kv [2, P*page_size, KVH, D] through the page table (the decode
+    kernels' reference; grouped-query heads share their KV head)."""
+    b, hq, d = q.shape
+    kvh = kv.shape[2]
+    out = torch.empty(b, hq, d, dtype=torch.float64, device=q.device)
+    for i in range(b):
+        slots = page_slots(table[i], int(lens[i]), page_size)
+        k = kv[0, slots].double().repeat_interleave(hq // kvh, 1)
+        v = kv[1, slots].double().repeat_interleave(hq // kvh, 1)
+        a = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), v)
+    return out
+
+
+def assert_gathered(out, full, table, lens, page_size: int) -> None:
+    """`out` [2, B, T, ...] holds, for each sequence, its first lens[b] tokens of `full` [2, P*page_size, ...]."""
+    for b in range(len(lens)):
+        n = int(lens[b])
+        assert torch.equal(out[:, b, :n], full[:, page_slots(table[b], n, page_size)])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_testutil import forced_logits, random_prompt
+from engine_testutil import assert_gathered, forced_logits, random_prompt, ref_paged_decode
 
 from pdserve.engine import kernels
 from pdserve.engine.kernel_choice import KernelChoice
@@ -108,25 +108,7 @@ def test_dequant_pages_fp8_matches_pool_read():
     lens = torch.tensor([1, 17, 160, 77], device=DEV, dtype=torch.int32)
     out = dequant_pages(q, s, None, table, lens, torch.bfloat16)
     full = Q.dequantize(q, s, None, D, torch.bfloat16).view(2, P * ps, H, D)
-    for b in range(4):
-        n = int(lens[b])
-        slots = (table[b].long()[:, None] * ps + torch.arange(ps, device=DEV)).flatten()[:n]
-        assert torch.equal(out[:, b, :n], full[:, slots])
-
-
-def _ref_decode(q, kv, table, lens, ps, scale):
-    """fp64 attention of q [B, HQ, D] over dense kv [2, P*ps, KVH, D] through the page table."""
-    b, hq, d = q.shape
-    kvh = kv.shape[2]
-    out = torch.empty(b, hq, d, dtype=torch.float64, device=q.device)
-    for i in range(b):
-        n = int(lens[i])
-        slots = (table[i].long()[:, None] * ps + torch.arange(ps, device=q.device)).flatten()[:n]
-        k = kv[0, slots].double().repeat_interleave(hq // kvh, 1)
-        v = kv[1, slots].double().repeat_interleave(hq // kvh, 1)
-        a = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), v)
-    return out
+    assert_gathered(out, full, table, lens, ps)
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -146,7 +128,7 @@ def test_fp8_decode_attention_vs_fp64(splits, pdl, hq):
     q = torch.randn(B, hq, D, device=DEV, generator=g).bfloat16()
     out = fp8_paged_decode(q, q8[0], q8[1], s[0], s[1], table, lens, D**-0.5, splits, pdl=pdl)
     assert out.dtype == torch.bfloat16 and out.isfinite().all()
-    assert rel(out, _ref_decode(q, kv, table, lens, ps, D**-0.5)) < 1e-2
+    assert rel(out, ref_paged_decode(q, kv, table, lens, ps, D**-0.5)) < 1e-2
 
 
 # ---- the engine --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_testutil import assert_gathered, ref_paged_decode
 
 from pdserve.engine import kernels
 from pdserve.engine.kernel_choice import KernelChoice
@@ -144,25 +145,7 @@ def test_dequant_pages_matches_pool_read():
         lens = torch.tensor([1, 17, 160, 77], device=DEV, dtype=torch.int32)
         out = dequant_pages(q, s, z, table, lens, torch.bfloat16)
         full = Q.dequantize(q, s, z, 64, torch.bfloat16).view(2, P * ps, H, D)
-        for b in range(4):
-            n = int(lens[b])
-            slots = (table[b].long()[:, None] * ps + torch.arange(ps, device=DEV)).flatten()[:n]
-            assert torch.equal(out[:, b, :n], full[:, slots])
-
-
-def _ref_decode(q, kv, table, lens, ps, scale):
-    """fp32 attention of q [B, HQ, D] over dense kv [2, P*ps, KVH, D] through the page table."""
-    b, hq, d = q.shape
-    kvh = kv.shape[2]
-    out = torch.empty(b, hq, d, dtype=torch.float64, device=q.device)
-    for i in range(b):
-        n = int(lens[i])
-        slots = (table[i].long()[:, None] * ps + torch.arange(ps, device=q.device)).flatten()[:n]
-        k = kv[0, slots].double().repeat_interleave(hq // kvh, 1)
-        v = kv[1, slots].double().repeat_interleave(hq // kvh, 1)
-        a = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", a.softmax(-1), v)
-    return out
+        assert_gathered(out, full, table, lens, ps)
 
 
 def test_s8_to_f16_exact():
@@ -217,7 +200,7 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
         pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV),
     )
     assert out.isfinite().all()
-    assert rel(out, _ref_decode(q, kv, table, lens, ps, D**-0.5)) < 1e-2
+    assert rel(out, ref_paged_decode(q, kv, table, lens, ps, D**-0.5)) < 1e-2
 
 
 def test_rmsnorm_silu_vs_fp32():
