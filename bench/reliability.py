@@ -324,19 +324,13 @@ async def _controls(suite: Suite, tally: Tally, name: str) -> None:
         tally.add(o, ["OK"], refs[i], must_complete=True, label=f"control {i}")
 
 
-async def cancel_storm(suite: Suite) -> Result:
-    """1,000 streams cancelled by their callers at random points (before the first token, mid-stream), 20% left
-    to finish; then controls."""
-    n = suite.count(1000, 20)
-    prompts = suite.prompts("cancel", 40, 12, 48)
+async def _storm(
+    suite: Suite, name: str, prompts: list[list[int]], plan: list[tuple[int, dict]], code: str, count: str, least: int
+) -> Result:
+    """A storm: `plan`'s streams ((prompt index, `suite.stream` keywords)), 48 at once and never retried, each
+    ending OK, overloaded or with `code` (counted as extras[`count`], at least `least` to have exercised it);
+    then controls."""
     refs = await suite.reference(prompts, 32)
-    rng = random.Random("cancel")
-    plan = []
-    for k in range(n):
-        r = rng.random()
-        plan.append((k % 40, dict(cancel_after_s=rng.uniform(0.0, 0.25)) if r < 0.4 else {}))
-        if 0.4 <= r < 0.8:
-            plan[-1] = (k % 40, dict(cancel_after_tokens=rng.randint(1, 24)))
     sem = asyncio.Semaphore(48)
 
     async def one(i, kw):
@@ -346,44 +340,35 @@ async def cancel_storm(suite: Suite) -> Result:
     outs = await asyncio.gather(*(one(i, kw) for i, kw in plan))
     tally, extras = Tally(), {}
     for (i, _kw), o in zip(plan, outs):
-        tally.add(o, [*STORM_OK, "CANCELLED"], refs[i], must_complete=False, label=f"cancel {i}")
-    extras["cancelled"] = sum(o.code == "CANCELLED" for o in outs)
+        tally.add(o, [*STORM_OK, code], refs[i], must_complete=False, label=f"{name} {i}")
+    extras[count] = sum(o.code == code for o in outs)
     suite.leaked(tally, extras)
-    await _controls(suite, tally, "cancel")
-    return Result(
-        tally,
-        {"storm": [*STORM_OK, "CANCELLED"], "control": ["OK"]},
-        extras,
-        exercised=extras["cancelled"] >= n // 2,
-    )
+    await _controls(suite, tally, name)
+    return Result(tally, {"storm": [*STORM_OK, code], "control": ["OK"]}, extras, exercised=extras[count] >= least)
+
+
+async def cancel_storm(suite: Suite) -> Result:
+    """1,000 streams cancelled by their callers at random points (before the first token, mid-stream), 20% left
+    to finish; then controls."""
+    n = suite.count(1000, 20)
+    prompts = suite.prompts("cancel", 40, 12, 48)
+    rng = random.Random("cancel")
+    plan = []
+    for k in range(n):
+        r = rng.random()
+        plan.append((k % 40, dict(cancel_after_s=rng.uniform(0.0, 0.25)) if r < 0.4 else {}))
+        if 0.4 <= r < 0.8:
+            plan[-1] = (k % 40, dict(cancel_after_tokens=rng.randint(1, 24)))
+    return await _storm(suite, "cancel", prompts, plan, "CANCELLED", "cancelled", n // 2)
 
 
 async def deadline_storm(suite: Suite) -> Result:
     """300 streams with deadlines from 5 ms to 1 s (most expire mid-prefill, mid-transfer or mid-stream)."""
     n = suite.count(300, 10)
     prompts = suite.prompts("deadline", 30, 12, 120)
-    refs = await suite.reference(prompts, 32)
     rng = random.Random("deadline")
-    plan = [(k % 30, rng.uniform(0.005, 1.0)) for k in range(n)]
-    sem = asyncio.Semaphore(48)
-
-    async def one(i, t):
-        async with sem:
-            return await suite.stream(token_request(prompts[i], 32), retry=False, timeout=t)
-
-    outs = await asyncio.gather(*(one(i, t) for i, t in plan))
-    tally, extras = Tally(), {}
-    for (i, _), o in zip(plan, outs):
-        tally.add(o, [*STORM_OK, "DEADLINE_EXCEEDED"], refs[i], must_complete=False, label=f"deadline {i}")
-    extras["expired"] = sum(o.code == "DEADLINE_EXCEEDED" for o in outs)
-    suite.leaked(tally, extras)
-    await _controls(suite, tally, "deadline")
-    return Result(
-        tally,
-        {"storm": [*STORM_OK, "DEADLINE_EXCEEDED"], "control": ["OK"]},
-        extras,
-        exercised=extras["expired"] >= n // 4,
-    )
+    plan = [(k % 30, dict(timeout=rng.uniform(0.005, 1.0))) for k in range(n)]
+    return await _storm(suite, "deadline", prompts, plan, "DEADLINE_EXCEEDED", "expired", n // 4)
 
 
 async def duplicate_ids(suite: Suite) -> Result:

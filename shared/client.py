@@ -32,7 +32,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import grpc
 
@@ -256,9 +256,10 @@ def _retry_policy(retry: RetryPolicy | bool) -> RetryPolicy:
     return RetryPolicy() if retry else RetryPolicy(max_attempts=1)
 
 
-class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of each call (retries included); `retry`: how
-    RESOURCE_EXHAUSTED is retried (True: `RetryPolicy()`, False: never); `token`, `tls*`: see the module docstring."""
+class _ClientBase:
+    """The constructor `Client` and `AsyncClient` share; `_grpc` (`grpc` or `grpc.aio`) opens the channel."""
+
+    _grpc: Any
 
     def __init__(
         self,
@@ -275,15 +276,22 @@ class Client:
     ):
         creds = _credentials(tls, tls_ca, tls_cert, tls_key)
         self._channel = (
-            grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+            self._grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
             if creds is not None
-            else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            else self._grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         )
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self.timeout = timeout
         self.metadata = _call_metadata(metadata, token)
         self.retry = _retry_policy(retry)
         self.retries = 0  # RESOURCE_EXHAUSTED retried so far (all calls)
+
+
+class Client(_ClientBase):
+    """Blocking client. `timeout` (seconds) is the default deadline of each call (retries included); `retry`: how
+    RESOURCE_EXHAUSTED is retried (True: `RetryPolicy()`, False: never); `token`, `tls*`: see the module docstring."""
+
+    _grpc = grpc
 
     def _backoff(self, err: grpc.RpcError, attempt: int, waited: float, deadline: float | None) -> float:
         """Sleep before the next attempt and return the seconds slept; re-raise `err` when the policy gives up."""
@@ -349,33 +357,10 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client with the same methods as `Client`."""
 
-    def __init__(
-        self,
-        target: str = "localhost:50051",
-        *,
-        timeout: float | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        retry: RetryPolicy | bool = True,
-        token: str | None = None,
-        tls: bool = False,
-        tls_ca: str | bytes | None = None,
-        tls_cert: str | bytes | None = None,
-        tls_key: str | bytes | None = None,
-    ):
-        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
-        self._channel = (
-            grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
-            if creds is not None
-            else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        )
-        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
-        self.timeout = timeout
-        self.metadata = _call_metadata(metadata, token)
-        self.retry = _retry_policy(retry)
-        self.retries = 0
+    _grpc = grpc.aio
 
     async def _backoff(self, err: grpc.RpcError, attempt: int, waited: float, deadline: float | None) -> float:
         d = self.retry.delay(err, attempt, waited, deadline)

@@ -9,6 +9,7 @@ scrape time. Each service owns its registry (no process-global state).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -60,21 +61,12 @@ class ServiceMetrics:
         r = self.registry
         self.requests = Counter("pdserve_requests", "Requests by final gRPC status", ["status"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)
-        self.ttft = Histogram(
-            "pdserve_request_ttft_seconds",
-            "Time to first token (prefill: time to the prefill result)",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+        latency = functools.partial(Histogram, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = latency("pdserve_request_ttft_seconds", "Time to first token (prefill: time to the prefill result)")
         self.tpot = Histogram(
             "pdserve_request_tpot_seconds", "Time per output token after the first", buckets=TPOT_BUCKETS, registry=r
         )
-        self.e2e = Histogram(
-            "pdserve_request_e2e_seconds",
-            "Request latency, start to end of the RPC",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.e2e = latency("pdserve_request_e2e_seconds", "Request latency, start to end of the RPC")
         self.awaiting_first = Gauge(
             "pdserve_requests_awaiting_first_token",
             "Requests without their first token yet (queued or prefilling)",

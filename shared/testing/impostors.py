@@ -65,6 +65,30 @@ def serve(
     return f"127.0.0.1:{port}", server
 
 
+def kv_batch(
+    req: internal_pb2.PrefillRequest,
+    fmt: PageFormat,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    zeros: torch.Tensor | None,
+    pages: list[int],
+) -> tuple[kv_pb2.KVBatchHeader, bytes]:
+    """The header and payload of one KV batch answering prefill request `req` with `pages`: those rows of data /
+    scales / zeros packed with `fmt`, each page holding its share of the prompt's tokens."""
+    size = fmt.layout.page_size
+    payload = fmt.pack(data, scales, zeros)[pages].contiguous().numpy().tobytes()
+    header = make_header(
+        request_id=req.request_id,
+        fingerprint=req.model_fingerprint,
+        layout=fmt.layout,
+        first_seq_no=0,
+        page_indexes=pages,
+        num_tokens=[min(size, len(req.prompt_token_ids) - i * size) for i in pages],
+        payload=payload,
+    )
+    return header, payload
+
+
 class ImpostorPrefill:
     """A Prefill service sending the pages `variant_of(prompt_token_ids)` names (one of VARIANTS)."""
 
@@ -102,18 +126,7 @@ class ImpostorPrefill:
         if bad is not None and scales is not None:
             scales[n - 1].view(-1)[0] = bad
         pages = list(range(n - 1)) if variant == "missing_pages" and n > 1 else list(range(n))
-        tokens = [min(lay.page_size, len(req.prompt_token_ids) - i * lay.page_size) for i in pages]
-        payload = fmt.pack(data, scales, zeros)[pages].contiguous().numpy().tobytes()
-        header = make_header(
-            request_id=req.request_id,
-            fingerprint=req.model_fingerprint,
-            layout=lay,
-            first_seq_no=0,
-            page_indexes=pages,
-            num_tokens=tokens,
-            payload=payload,
-        )
-        header, payload = _damage(variant, header, payload, lay, n)
+        header, payload = _damage(variant, *kv_batch(req, fmt, data, scales, zeros, pages), lay, n)
         yield internal_pb2.PrefillServerMessage(transport=kv_pb2.KVTransportChoice(transport="grpc"))
         if variant == "garbage_message":
             yield b"\xff\xfe\x00 not a protobuf message \x01" * 4

@@ -16,9 +16,9 @@ from services_testutil import pool_empty, tiny_decode
 
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.page_format import PageFormat
-from pdserve.kv.transfer.wire import batch_message_bytes, make_header
+from pdserve.kv.transfer.wire import batch_message_bytes
 from pdserve.prefill.servicer import add_prefill_servicer
-from pdserve.testing.impostors import serve
+from pdserve.testing.impostors import kv_batch, serve
 from pdserve.testing.wait import wait_until
 from pdserve.v1 import generate_pb2, internal_pb2, kv_pb2
 
@@ -45,19 +45,7 @@ class ScriptedPrefill:
         scales = torch.full((n, *fmt.scales_shape), 0.01, dtype=torch.float16)
         if kind == "scale":
             scales[n - 1, 1, 0, 0, 0, 0] = value
-        tokens = [min(lay.page_size, len(req.prompt_token_ids) - i * lay.page_size) for i in range(n)]
-        pages = list(range(n)) if kind != "stall" else [0]
-        rows = fmt.pack(data, scales, None)[: len(pages)].contiguous()
-        payload = rows.numpy().tobytes()
-        header = make_header(
-            request_id=req.request_id,
-            fingerprint=req.model_fingerprint,
-            layout=lay,
-            first_seq_no=0,
-            page_indexes=pages,
-            num_tokens=tokens[: len(pages)],
-            payload=payload,
-        )
+        header, payload = kv_batch(req, fmt, data, scales, None, list(range(n)) if kind != "stall" else [0])
         yield internal_pb2.PrefillServerMessage(transport=kv_pb2.KVTransportChoice(transport="grpc"))
         yield batch_message_bytes(header, payload)
         if kind == "stall":

@@ -1,9 +1,5 @@
 """PCS formula, special-token counting with a real tokenizer, and the process-stable leading-page hash."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from pdserve.router.pcs import (
@@ -14,6 +10,7 @@ from pdserve.router.pcs import (
     score,
     special_token_ids,
 )
+from pdserve.testing.hash_seed import outputs_under_hash_seeds
 
 
 def test_pcs_formula_default_and_custom_weights():
@@ -62,12 +59,4 @@ def test_leading_page_hash_is_stable_across_processes():
     assert h != leading_page_hash([101] + ids[1:], 16)
     assert leading_page_hash(ids[:15], 16) is None  # no full page: no affinity key
     code = "from pdserve.router.pcs import leading_page_hash; print(leading_page_hash(list(range(100, 140)), 16).hex())"
-    for seed in ("1", "2"):
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, "PYTHONHASHSEED": seed},
-        ).stdout.strip()
-        assert out == h.hex()
+    assert outputs_under_hash_seeds(code) == [h.hex(), h.hex()]

@@ -151,7 +151,7 @@ def run_one(s: Scheduler, j: Job, tokens: int = 2) -> None:
 
 
 def test_slow_ttft_tightens_the_prefill_budget_of_that_instance():
-    s = sched(slo_ttft_ms=1e-3)  # nothing meets a 1 µs TTFT
+    s = sched(slo_ttft_ms=1e-6)  # nothing meets a 1 ns TTFT
     p = s.add(PREFILL, "p:1")
     d = s.add(DECODE, "d:1")
     s.update_stats(d, 1000, 1000, 0)
@@ -167,7 +167,7 @@ def test_slow_ttft_tightens_the_prefill_budget_of_that_instance():
 
 
 def test_slow_tpot_shrinks_the_decode_pool_share():
-    s = sched(slo_tpot_ms=1e-3)
+    s = sched(slo_tpot_ms=1e-6)  # 1 ns: any two clock reads are further apart (1 µs was met at times)
     s.add(PREFILL, "p:1")
     d = s.add(DECODE, "d:1")
     s.update_stats(d, 100, 100, 0)
@@ -181,7 +181,7 @@ def test_slow_tpot_shrinks_the_decode_pool_share():
 
 
 def test_colocated_instance_gets_both_samples_and_both_factors():
-    s = sched(slo_ttft_ms=1e-3, slo_tpot_ms=1e-3)
+    s = sched(slo_ttft_ms=1e-6, slo_tpot_ms=1e-6)
     c = s.add(COLOCATED, "c:1")
     s.update_stats(c, 1000, 1000, 0, prefill_tokens_per_s=1000.0)
     for i in range(3):

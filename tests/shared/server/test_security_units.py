@@ -3,7 +3,9 @@ handshakes with a private CA, the internal-token check and the stream gate on a 
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -66,16 +68,29 @@ class _Decode(internal_pb2_grpc.DecodeServicer):
         self.release.wait(30)
 
 
-def _serve(interceptors, credentials=None, limit=None):
+@contextlib.contextmanager
+def _serving(interceptors, credentials=None, limit=None) -> Iterator[tuple[str, StreamGate | None]]:
+    """A `_Decode` server (and health) on a free loopback port, behind a StreamGate of `limit` streams when given:
+    its target and gate; stopped on exit."""
     gate = StreamGate("test", limit) if limit else None
     server = make_server(8, 32, [*interceptors, *([gate] if gate else [])], max_receive_bytes=1 << 16)
-    servicer = _Decode()
-    internal_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    internal_pb2_grpc.add_DecodeServicer_to_server(_Decode(), server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     port = bind(server, "127.0.0.1", 0, credentials)
     server.start()
-    return server, f"127.0.0.1:{port}", gate, servicer
+    try:
+        yield f"127.0.0.1:{port}", gate
+    finally:
+        server.stop(0)
+
+
+@contextlib.contextmanager
+def _gated(limit: int) -> Iterator[tuple[internal_pb2_grpc.DecodeStub, StreamGate]]:
+    """A plaintext Decode stub to a `_serving` server of `limit` streams at once, and its gate."""
+    with _serving([], limit=limit) as (target, gate), channel(target, ChannelSecurity()) as ch:
+        assert gate is not None
+        yield internal_pb2_grpc.DecodeStub(ch), gate
 
 
 def _stats_code(target: str, security: ChannelSecurity) -> grpc.StatusCode:
@@ -88,8 +103,7 @@ def _stats_code(target: str, security: ChannelSecurity) -> grpc.StatusCode:
 
 
 def test_internal_token_and_message_size():
-    server, target, _, _ = _serve([InternalAuth(TOKEN)])
-    try:
+    with _serving([InternalAuth(TOKEN)]) as (target, _):
         assert _stats_code(target, ChannelSecurity()) == grpc.StatusCode.UNAUTHENTICATED
         assert _stats_code(target, ChannelSecurity(token="x" * 20)) == grpc.StatusCode.PERMISSION_DENIED
         assert _stats_code(target, ChannelSecurity(token=TOKEN)) == grpc.StatusCode.OK
@@ -100,8 +114,6 @@ def test_internal_token_and_message_size():
         with channel(target, ChannelSecurity(token=TOKEN)) as ch, pytest.raises(grpc.RpcError) as e:
             list(internal_pb2_grpc.DecodeStub(ch).Generate(big, timeout=5))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    finally:
-        server.stop(0)
 
 
 def test_mutual_tls_handshake(tmp_path):
@@ -109,8 +121,7 @@ def test_mutual_tls_handshake(tmp_path):
     server_tls, client_tls = ca.issue("server"), ca.issue("client")
     rogue = CertAuthority.create(tmp_path / "rogue").issue("rogue")
     sec = ServiceSecurity(server_tls, None, False)
-    server, target, _, _ = _serve([InternalAuth(None)], sec.server_credentials(internal=True))
-    try:
+    with _serving([InternalAuth(None)], sec.server_credentials(internal=True)) as (target, _):
         assert _stats_code(target, ChannelSecurity(client_tls)) == grpc.StatusCode.OK
         assert _stats_code(target, ChannelSecurity(TlsConfig(ca=server_tls.ca))) == grpc.StatusCode.UNAVAILABLE
         forged = TlsConfig(rogue.cert, rogue.key, server_tls.ca)
@@ -118,47 +129,35 @@ def test_mutual_tls_handshake(tmp_path):
         assert _stats_code(target, ChannelSecurity()) == grpc.StatusCode.UNAVAILABLE
         other_ca = TlsConfig(client_tls.cert, client_tls.key, str(tmp_path / "rogue" / "ca.pem"))
         assert _stats_code(target, ChannelSecurity(other_ca)) == grpc.StatusCode.UNAVAILABLE  # server not trusted
-    finally:
-        server.stop(0)
 
 
 def test_stream_gate_limits_and_drains():
-    server, target, gate, servicer = _serve([], limit=2)
-    try:
-        with channel(target, ChannelSecurity()) as ch:
-            stub = internal_pb2_grpc.DecodeStub(ch)
-            held = [stub.Generate(internal_pb2.DecodeRequest(), timeout=30) for _ in range(2)]
-            for call in held:
+    with _gated(2) as (stub, gate):
+        held = [stub.Generate(internal_pb2.DecodeRequest(), timeout=30) for _ in range(2)]
+        for call in held:
+            next(call)
+        with pytest.raises(grpc.RpcError) as e:
+            next(stub.Generate(internal_pb2.DecodeRequest(), timeout=5))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(e.value.trailing_metadata())["grpc-retry-pushback-ms"] == "500"
+        gate.close()
+        with pytest.raises(grpc.RpcError) as e:
+            next(stub.Generate(internal_pb2.DecodeRequest(), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not gate.wait_idle(0.2)
+        assert gate.end_all() == 2  # runs the servicer's callback: its wait ends, the gate sends the status
+        for call in held:
+            with pytest.raises(grpc.RpcError) as e:
                 next(call)
-            with pytest.raises(grpc.RpcError) as e:
-                next(stub.Generate(internal_pb2.DecodeRequest(), timeout=5))
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert dict(e.value.trailing_metadata())["grpc-retry-pushback-ms"] == "500"
-            gate.close()
-            with pytest.raises(grpc.RpcError) as e:
-                next(stub.Generate(internal_pb2.DecodeRequest(), timeout=5))
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert not gate.wait_idle(0.2)
-            assert gate.end_all() == 2  # runs the servicer's callback: its wait ends, the gate sends the status
-            for call in held:
-                with pytest.raises(grpc.RpcError) as e:
-                    next(call)
-                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == "test shutting down"
-            assert gate.wait_idle(5)
-            wait_until(lambda: gate.active == 0)
-    finally:
-        server.stop(0)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == "test shutting down"
+        assert gate.wait_idle(5)
+        wait_until(lambda: gate.active == 0)
 
 
 def test_gate_releases_slots_of_cancelled_calls():
-    server, target, gate, _ = _serve([], limit=1)
-    try:
-        with channel(target, ChannelSecurity()) as ch:
-            stub = internal_pb2_grpc.DecodeStub(ch)
-            for _ in range(3):
-                call = stub.Generate(internal_pb2.DecodeRequest(), timeout=30)
-                next(call)
-                call.cancel()
-                wait_until(lambda: gate.active == 0, timeout=5)
-    finally:
-        server.stop(0)
+    with _gated(1) as (stub, gate):
+        for _ in range(3):
+            call = stub.Generate(internal_pb2.DecodeRequest(), timeout=30)
+            next(call)
+            call.cancel()
+            wait_until(lambda: gate.active == 0, timeout=5)
