@@ -169,8 +169,11 @@ def table(rows: list[Row]) -> str:
 
 
 def merge_json(path: Path, rows: list[Row], model: str, desc: str, device: str) -> None:
-    """Merge the quality keys into `path`, keeping every other key."""
+    """Merge the quality keys into `path`, keeping every other key; `quality_rows` keeps the earlier rows this run
+    did not measure (e.g. the tiny model's when only smol ran)."""
     data = json.loads(path.read_text()) if path.exists() else {}
+    new = {(r.model, r.set, r.format) for r in rows}
+    kept = [Row(**r) for r in data.get("quality_rows", []) if (r["model"], r["set"], r["format"]) not in new]
     short = {r.format: r for r in rows if r.model == model and r.set == "short"}
     data.update(
         ppl_fp32_kv=short["fp32"].ppl,
@@ -183,7 +186,7 @@ def merge_json(path: Path, rows: list[Row], model: str, desc: str, device: str) 
         quality_device=device,
         quality_date=datetime.date.today().isoformat(),
         quality_commit=git_commit(),
-        quality_rows=[asdict(r) for r in rows],
+        quality_rows=[asdict(r) for r in kept + rows],
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
