@@ -143,7 +143,7 @@ def watch_pools(metrics: ServiceMetrics, *pools) -> None:
         return {(p.role, i.address): i.outstanding_pcs for p in pools for i in p.snapshot()}
 
     metrics.gauge(
-        "outstanding_pcs", "Outstanding prompt complexity score per instance", outstanding, ["role", "instance"]
+        "outstanding_pcs", "Outstanding prompt complexity score per instance", outstanding, ["role", "address"]
     )
 
 

@@ -248,8 +248,8 @@ def test_metrics_scraped_and_parsed(traced):
         assert svc[("pdserve_requests_in_flight", ())] == 0
     assert prefill[("pdserve_request_ttft_seconds_count", ())] == 3
     stack = traced["stack"]
-    assert router[("pdserve_outstanding_pcs", (("instance", stack.prefill[0]), ("role", "prefill")))] == 0
-    assert router[("pdserve_outstanding_pcs", (("instance", stack.decode[0]), ("role", "decode")))] == 0
+    assert router[("pdserve_outstanding_pcs", (("address", stack.prefill[0]), ("role", "prefill")))] == 0
+    assert router[("pdserve_outstanding_pcs", (("address", stack.decode[0]), ("role", "decode")))] == 0
     assert router[("pdserve_requests_awaiting_first_token", ())] == 0 and router[("pdserve_queue_depth", ())] == 0
     for svc in (prefill, decode):
         free, used = svc[("pdserve_kv_pages", (("state", "free"),))], svc[("pdserve_kv_pages", (("state", "used"),))]
