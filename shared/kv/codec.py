@@ -10,9 +10,10 @@ prompt cache (`page_to_bytes` / `page_from_bytes`, the message as one byte strin
 
 Errors: a payload or layout that does not fit (a caller's mistake) raises `InvalidRequest`; `decode_page` never
 returns a tensor it could not fully verify: any damaged byte or disagreement with what the reader expects
-raises `CorruptPage`, and so do NaN or infinite scales / zero points (a checksum only proves the sender meant them;
-dequantized, they would poison attention and every token after). `check_scales` is the same check for a batch of
-pages on any device (the KV receivers call it before a page reaches the pool).
+raises `CorruptPage`, and so do values attention cannot use: NaN or infinite scales / zero points, NaN or infinite
+dense (bf16/fp16/fp32) data and fp8 e4m3 NaN encodings (a checksum only proves the sender meant them; in the pool
+they would poison attention and every token after). `check_values` is the same check for a batch of pages on any
+device (the KV receivers call it before a page reaches the pool).
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def decode_page(
     data = _from_bytes(msg.data, layout.torch_dtype, data_shape)
     scales = _from_bytes(msg.scales, torch.float16, scales_shape) if layout.quantized else None
     zeros = _from_bytes(msg.zero_points, torch.float16, scales_shape) if want["zero_points"] else None
-    check_scales(scales, zeros)
+    check_values(data, scales, zeros)
     return PagePayload(
         page_index=msg.page_index,
         num_tokens=msg.num_tokens,
@@ -264,13 +265,24 @@ def decode_page(
     )
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def _on_side_stream(test, t: torch.Tensor) -> bool:
+    """`bool(test(t))` for a reduction `test`; on CUDA on a side stream (waiting here never waits for the engine
+    stream's later steps)."""
     if t.device.type != "cuda":
-        return bool(torch.isfinite(t).all())
-    side = torch.cuda.Stream(device=t.device)  # not the engine's stream: waiting here never waits for its steps
+        return bool(test(t))
+    side = torch.cuda.Stream(device=t.device)
     side.wait_stream(torch.cuda.current_stream(t.device))
     with torch.cuda.stream(side):
-        return bool(torch.isfinite(t).all().item())
+        return bool(test(t).item())
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    return _on_side_stream(lambda x: torch.isfinite(x).all(), t)
+
+
+def _no_fp8_nan(t: torch.Tensor) -> bool:
+    """float8_e4m3fn has no infinities; its NaNs are the bytes 0x7F and 0xFF."""
+    return _on_side_stream(lambda x: ((x.view(torch.uint8) & 0x7F) != 0x7F).all(), t)
 
 
 def check_scales(scales: torch.Tensor | None, zeros: torch.Tensor | None) -> None:
@@ -278,6 +290,19 @@ def check_scales(scales: torch.Tensor | None, zeros: torch.Tensor | None) -> Non
     for name, t in (("scales", scales), ("zero points", zeros)):
         if t is not None and t.numel() and not _all_finite(t):
             raise CorruptPage(f"KV page {name} contain NaN or infinity")
+
+
+def check_values(data: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None) -> None:
+    """Raise CorruptPage unless attention can use the page(s): finite scales and zero points (`check_scales`), no
+    NaN / infinity in dense float data, no NaN encoding in fp8 data (int8 data: every value is a value)."""
+    check_scales(scales, zeros)
+    if not data.numel():
+        return
+    if data.dtype == torch.float8_e4m3fn:
+        if not _no_fp8_nan(data):
+            raise CorruptPage("KV page data contain fp8 NaN encodings")
+    elif data.dtype.is_floating_point and not _all_finite(data):
+        raise CorruptPage("KV page data contain NaN or infinity")
 
 
 def page_to_bytes(payload: PagePayload, *, owner: str, layout: KVLayoutSpec, fingerprint: str) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kv.codec import KVLayoutSpec, check_scales
+from pdserve.kv.codec import KVLayoutSpec, check_values
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.kv.transfer.pages import ReceiverPages, SenderPages, TransferError
 from pdserve.kv.transfer.stats import BusyClock, TransferStats
@@ -173,7 +173,7 @@ class KVReceiver(ABC):
         self.pages.check(header.first_seq_no, indexes)
         span = self.clock.start()
         rows = self._fetch(header, source)
-        check_scales(*self.fmt.unpack(rows)[1:])  # NaN / inf scales pass a checksum: CorruptPage (DATA_LOSS)
+        check_values(*self.fmt.unpack(rows))  # NaN / inf pass a checksum: CorruptPage (DATA_LOSS)
         self.clock.end(span)
         seq = self.pages.filled(indexes, header.nbytes)
         self._writes.append(self.import_rows(indexes, tokens, rows))

@@ -1,7 +1,7 @@
 """An int8 decode service against a scripted prefill instance that answers each request as a test tells it to: a
 batch with NaN / inf scales under a valid checksum and a first token outside the vocabulary are refused DATA_LOSS
-with every page freed; a caller that cancels while pages arrive is logged as a cancellation (INFO), never as an
-error with a traceback."""
+with every page freed (fp8 and dense decodes too, for NaN / inf page data); a caller that cancels while pages
+arrive is logged as a cancellation (INFO), never as an error with a traceback."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ PAGE, PROMPT = 4, 8  # two pages
 
 class ScriptedPrefill:
     """Sends the transport choice, then what `script[request_id]` says: ("scale", value) one batch of every page
-    with one scale set to value, then PrefillDone; ("first", token_id) finite pages, then PrefillDone with that first
+    with one scale set to value, then PrefillDone; ("data", value) the same with one data value set to value (fp8:
+    the byte `value`); ("first", token_id) finite pages, then PrefillDone with that first
     token; ("stall", None) one page, then nothing until the stream ends."""
 
     def __init__(self):
@@ -42,9 +43,14 @@ class ScriptedPrefill:
         fmt = PageFormat(lay)
         n = -(-len(req.prompt_token_ids) // lay.page_size)
         data = torch.zeros(n, *fmt.data_shape, dtype=lay.torch_dtype)
-        scales = torch.full((n, *fmt.scales_shape), 0.01, dtype=torch.float16)
+        scales = torch.full((n, *fmt.scales_shape), 0.01, dtype=torch.float16) if lay.quantized else None
         if kind == "scale":
+            assert scales is not None
             scales[n - 1, 1, 0, 0, 0, 0] = value
+        if kind == "data" and lay.dtype == "fp8":
+            data.view(torch.uint8)[n - 1, 1, 0, 0, 0, 0] = int(value)
+        elif kind == "data":
+            data[n - 1, 1, 0, 0, 0, 0] = value
         header, payload = kv_batch(req, fmt, data, scales, None, list(range(n)) if kind != "stall" else [0])
         yield internal_pb2.PrefillServerMessage(transport=kv_pb2.KVTransportChoice(transport="grpc"))
         yield batch_message_bytes(header, payload)
@@ -77,6 +83,14 @@ def decode(tmp_path_factory):
         yield stub, next(Path(work).glob("decode*.log"))
 
 
+@pytest.fixture(scope="module", params=["fp8", "auto"])
+def float_decode(request, tmp_path_factory):
+    """A decode whose pool holds float values: fp8 e4m3 or the model dtype (float32 on CPU)."""
+    work = tmp_path_factory.mktemp(f"decode-hostile-{request.param}")
+    with tiny_decode(work, page_size=PAGE, kv_dtype=request.param) as stub:
+        yield stub, request.param
+
+
 def generate(stub, target: str, rid: str):
     req = internal_pb2.DecodeRequest(
         request_id=rid,
@@ -106,6 +120,25 @@ def test_damaged_prefill_answers_are_data_loss(decode, scripted, kind, value, re
         list(generate(stub, target, rid))
     assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value
     assert reason in err.value.details()
+    wait_until(lambda: pool_empty(stub), what="decode pages freed")
+
+
+def test_unusable_page_data_is_data_loss_on_fp8_and_dense_decodes(float_decode, scripted):
+    """NaN / inf in dense pages, a NaN encoding in fp8 pages: under a valid checksum, refused DATA_LOSS, pages freed;
+    the same pages with finite data generate."""
+    stub, kv_dtype = float_decode
+    target, prefill = scripted
+    bad = [0x7F, 0xFF] if kv_dtype == "fp8" else [math.nan, math.inf, -math.inf]
+    for i, value in enumerate(bad):
+        rid = f"data-{kv_dtype}-{i}"
+        prefill.script[rid] = ("data", value)
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(stub, target, rid))
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and "NaN" in err.value.details(), err.value
+        wait_until(lambda: pool_empty(stub), what="decode pages freed")
+    prefill.script[f"data-{kv_dtype}-ok"] = ("data", 0x7E if kv_dtype == "fp8" else 1.5)  # fp8 0x7E: 448, a value
+    out = list(generate(stub, target, f"data-{kv_dtype}-ok"))
+    assert sum(len(m.token_ids) for m in out) == 4
     wait_until(lambda: pool_empty(stub), what="decode pages freed")
 
 

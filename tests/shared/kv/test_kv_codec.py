@@ -13,6 +13,7 @@ from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.codec import (
     KVLayoutSpec,
     check_scales,
+    check_values,
     checksum,
     decode_page,
     encode_page,
@@ -308,6 +309,50 @@ def test_non_finite_scales_with_a_valid_checksum_raise(bad, where):
     good = payload(lay)
     check_scales(good.scales, good.zeros)  # finite: passes, also with no zero points
     check_scales(good.scales, None)
+
+
+def _poison(p: PagePayload, how: str) -> None:
+    """One value of V of the second layer made unusable: NaN / inf for float data, a NaN byte for fp8."""
+    if p.data.dtype == torch.float8_e4m3fn:
+        p.data.view(torch.uint8)[1, 0, 5, 1, 3] = {"nan": 0x7F, "-nan": 0xFF}[how]
+    else:
+        p.data[1, 0, 5, 1, 3] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}[how]
+
+
+@pytest.mark.parametrize(
+    "dtype, how",
+    [("float32", "nan"), ("float32", "inf"), ("bfloat16", "-inf"), ("float16", "nan"), ("fp8", "nan"), ("fp8", "-nan")],
+)
+def test_unusable_data_with_a_valid_checksum_raises(dtype, how):
+    """Dense pages with NaN / inf values and fp8 pages with a NaN encoding (e4m3 has no infinity) are refused like
+    non-finite scales: on a single page, through the bytes form and by `check_values` (the receivers' batch check).
+    int8 data has no such values; the largest fp8 values (0x7E / 0xFE, +-448) are values."""
+    lay = layout(dtype)
+    p = payload(lay)
+    _poison(p, how)
+    with pytest.raises(CorruptPage, match="NaN"):
+        decode(wire(encode(p, lay)), lay)
+    with pytest.raises(CorruptPage, match="NaN"):
+        page_from_bytes(
+            page_to_bytes(p, owner=RID, layout=lay, fingerprint=FP),
+            expected_layout=lay,
+            expected_fingerprint=FP,
+            expected_owner=RID,
+        )
+    with pytest.raises(CorruptPage, match="NaN"):
+        check_values(p.data, p.scales, p.zeros)
+    good = payload(lay)
+    if dtype == "fp8":
+        good.data.view(torch.uint8)[0, 0, 0, 0, :2] = torch.tensor([0x7E, 0xFE], dtype=torch.uint8)
+    check_values(good.data, good.scales, good.zeros)
+    assert decode(wire(encode(good, lay)), lay).data.view(torch.uint8).equal(good.data.view(torch.uint8))
+
+
+def test_int8_data_is_never_refused_for_its_values():
+    lay = layout("int8")
+    p = payload(lay)
+    p.data.view(torch.uint8)[1, 0, 5, 1, :3] = torch.tensor([0x7F, 0xFF, 0x80], dtype=torch.uint8)
+    check_values(p.data, p.scales, p.zeros)
 
 
 def test_fp8_layout_is_symmetric_only_and_on_the_wire():
