@@ -285,6 +285,22 @@ def test_bytes_form_roundtrip_and_every_damage_detected():
         page_from_bytes(encode(p, lay, request_id="key-a", seq_no=1).SerializeToString(), **read)
 
 
+def refused_everywhere(p: PagePayload, lay: KVLayoutSpec, match: str) -> None:
+    """A faithfully checksummed page `p` is CorruptPage on the wire, in the bytes form (the prompt cache) and by
+    `check_values` (the KV receivers' batch check)."""
+    with pytest.raises(CorruptPage, match=match):
+        decode(wire(encode(p, lay)), lay)
+    with pytest.raises(CorruptPage, match=match):
+        page_from_bytes(
+            page_to_bytes(p, owner=RID, layout=lay, fingerprint=FP),
+            expected_layout=lay,
+            expected_fingerprint=FP,
+            expected_owner=RID,
+        )
+    with pytest.raises(CorruptPage, match=match):
+        check_values(p.data, p.scales, p.zeros)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("where", ["scales", "zeros"])
 def test_non_finite_scales_with_a_valid_checksum_raise(bad, where):
@@ -295,15 +311,7 @@ def test_non_finite_scales_with_a_valid_checksum_raise(bad, where):
     t = p.scales if where == "scales" else p.zeros
     assert t is not None
     t[1, 0, 5, 1, 0] = bad  # one value of one group, V of the second layer
-    with pytest.raises(CorruptPage, match="NaN or infinity"):
-        decode(wire(encode(p, lay)), lay)  # encode checksums it faithfully
-    with pytest.raises(CorruptPage, match="NaN or infinity"):
-        page_from_bytes(
-            page_to_bytes(p, owner=RID, layout=lay, fingerprint=FP),
-            expected_layout=lay,
-            expected_fingerprint=FP,
-            expected_owner=RID,
-        )
+    refused_everywhere(p, lay, "NaN or infinity")
     with pytest.raises(CorruptPage, match="NaN or infinity"):
         check_scales(p.scales, p.zeros)
     good = payload(lay)
@@ -330,17 +338,7 @@ def test_unusable_data_with_a_valid_checksum_raises(dtype, how):
     lay = layout(dtype)
     p = payload(lay)
     _poison(p, how)
-    with pytest.raises(CorruptPage, match="NaN"):
-        decode(wire(encode(p, lay)), lay)
-    with pytest.raises(CorruptPage, match="NaN"):
-        page_from_bytes(
-            page_to_bytes(p, owner=RID, layout=lay, fingerprint=FP),
-            expected_layout=lay,
-            expected_fingerprint=FP,
-            expected_owner=RID,
-        )
-    with pytest.raises(CorruptPage, match="NaN"):
-        check_values(p.data, p.scales, p.zeros)
+    refused_everywhere(p, lay, "NaN")
     good = payload(lay)
     if dtype == "fp8":
         good.data.view(torch.uint8)[0, 0, 0, 0, :2] = torch.tensor([0x7E, 0xFE], dtype=torch.uint8)
