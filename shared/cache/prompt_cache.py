@@ -191,6 +191,7 @@ class PromptCache:
             skipped=skipped,
             store_slower=slow,
         )
+        self.stats.add_scope(ns.scope, len(want), len(pages))
         return CacheLookup(keys, pages, n_local, decision)
 
     # ---- write-back --------------------------------------------------------------------------------------

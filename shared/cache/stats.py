@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, fields
 
+MAX_SCOPES = 256  # distinct scopes counted by name (tenants of one router config); the rest share OTHER_SCOPE
+OTHER_SCOPE = "(other)"
+
 
 @dataclass
 class CacheStats:
@@ -20,12 +23,28 @@ class CacheStats:
     write_bytes: int = 0
     write_drops: int = 0  # pages not written: write-back queue full or breaker open
     too_large: int = 0  # pages not written: value above the size cap
+    # per prompt-cache scope (the router's tenant or shared namespace; "" unscoped): [pages asked for, pages found]
+    _scopes: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
         with self._lock:
             for k, v in deltas.items():
                 setattr(self, k, getattr(self, k) + v)
+
+    def add_scope(self, scope: str, lookup_pages: int, hits: int) -> None:
+        """One lookup's pages for `scope`. Scopes past MAX_SCOPES are counted under OTHER_SCOPE (bounded labels)."""
+        with self._lock:
+            if scope not in self._scopes and len(self._scopes) >= MAX_SCOPES:
+                scope = OTHER_SCOPE
+            row = self._scopes.setdefault(scope, [0, 0])
+            row[0] += lookup_pages
+            row[1] += hits
+
+    def scopes(self) -> dict[str, tuple[int, int]]:
+        """scope -> (pages asked for, pages found), read consistently."""
+        with self._lock:
+            return {k: (v[0], v[1]) for k, v in self._scopes.items()}
 
     @property
     def misses(self) -> int:

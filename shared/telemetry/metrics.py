@@ -165,7 +165,8 @@ PROMPT_CACHE_EVENTS = (
 
 def watch_prompt_cache(metrics: ServiceMetrics, cache) -> None:
     """Prefill's prompt cache (`pdserve.cache.prompt_cache.PromptCache`): `pdserve_cache_hit_ratio` (pages found /
-    full pages asked for) and its counters as `pdserve_prompt_cache_total{event}` (pages unless named otherwise)."""
+    full pages asked for), its counters as `pdserve_prompt_cache_total{event}` (pages unless named otherwise) and
+    per scope `pdserve_prompt_cache_scope_pages_total{scope, event=lookup_pages|hits}`."""
     metrics.gauge("cache_hit_ratio", "Prompt cache: pages found / full prompt pages looked up", cache.hit_ratio)
 
     def events() -> dict[tuple[str, ...], float]:
@@ -173,3 +174,16 @@ def watch_prompt_cache(metrics: ServiceMetrics, cache) -> None:
         return {(k,): snap[k] for k in PROMPT_CACHE_EVENTS if k in snap}
 
     metrics.counter("prompt_cache", "Prompt cache events (pages; write_bytes in bytes)", events, ["event"])
+
+    def scopes() -> dict[tuple[str, ...], float]:
+        out: dict[tuple[str, ...], float] = {}
+        for scope, (asked, found) in cache.stats.scopes().items():
+            out[(scope, "lookup_pages")], out[(scope, "hits")] = asked, found
+        return out
+
+    metrics.counter(
+        "prompt_cache_scope_pages",
+        "Prompt cache pages asked for / found per scope (the router's tenant or shared namespace)",
+        scopes,
+        ["scope", "event"],
+    )

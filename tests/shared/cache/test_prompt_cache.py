@@ -280,3 +280,24 @@ def test_build_prompt_cache_from_options(redis):
     assert build_prompt_cache(CacheOptions(prompt_cache=False)) is None
     with pytest.raises(SystemExit):
         CacheOptions(redis_url="http://x").validate_cache()
+
+
+def test_pages_are_counted_per_scope_and_scopes_are_bounded():
+    """Each lookup's pages are counted under its namespace's scope (the router's tenant / shared group), so an
+    operator sees which tenant's prompts hit; past MAX_SCOPES distinct scopes the rest share one label."""
+    from pdserve.cache import stats as cache_stats
+
+    cache = PromptCache(MemoryStore(1 << 22))
+    try:
+        alice, bob = dataclasses.replace(NS, scope="tenant:alice"), dataclasses.replace(NS, scope="tenant:bob")
+        prompt = tokens(3 * PAGE + 1, seed=4)
+        fill(cache, prompt, alice)
+        assert cache.lookup(alice, prompt, 3).num_pages == 3
+        assert cache.lookup(bob, prompt, 3).num_pages == 0  # another tenant's scope never sees alice's pages
+        assert cache.stats.scopes() == {"tenant:alice": (3, 3), "tenant:bob": (3, 0)}
+        for i in range(cache_stats.MAX_SCOPES):
+            cache.stats.add_scope(f"tenant:t{i}", 1, 0)
+        scopes = cache.stats.scopes()
+        assert len(scopes) == cache_stats.MAX_SCOPES + 1 and scopes[cache_stats.OTHER_SCOPE] == (2, 0)
+    finally:
+        cache.close()

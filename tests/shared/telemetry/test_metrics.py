@@ -105,5 +105,8 @@ def test_watch_prompt_cache(metrics):
         assert val("pdserve_prompt_cache_total", {"event": "misses"}) == 4
         assert val("pdserve_prompt_cache_total", {"event": "hits"}) == 0
         assert val("pdserve_cache_hit_ratio", {}) == 0.0
+        scope = {"scope": "", "event": "lookup_pages"}  # an unscoped namespace (no router in front)
+        assert val("pdserve_prompt_cache_scope_pages_total", scope) == 4
+        assert val("pdserve_prompt_cache_scope_pages_total", scope | {"event": "hits"}) == 0
     finally:
         cache.close()
