@@ -1,6 +1,10 @@
 """Static checks of deploy/docker-compose.yml (no container engine here): what `docker compose config` checks
 (the compose-spec JSON schema after variable substitution, references between services per profile), and that
-every service runs a real `pdserve` command with settings its config knows."""
+every service runs a real `pdserve` command with settings its config knows.
+
+tests/deploy/compose-spec.json is the Compose Specification's JSON schema as published in
+github.com/compose-spec/compose-spec (schema/compose-spec.json, Apache License 2.0), vendored unmodified so the check
+runs offline; refresh it from there when compose gains fields the stack uses."""
 
 from __future__ import annotations
 
