@@ -80,11 +80,13 @@ class TokenLogprob:
 
 @dataclass
 class PromptLogprobs:
-    """The prompt scored by the model: logprobs[i] = log P(token_ids[i + 1] | token_ids[: i + 1])."""
+    """The prompt scored by the model: logprobs[i] = log P(token_ids[i + 1] | token_ids[: i + 1]); with
+    `top_logprobs=N`, top[i] holds the N most likely tokens at that position (most likely first)."""
 
     token_ids: list[int]
     tokens: list[str]
     logprobs: list[float]
+    top: list[list[TopLogprob]] = field(default_factory=list)
 
 
 @dataclass
@@ -184,7 +186,8 @@ def _prompt_logprobs(msg) -> PromptLogprobs | None:
     if not msg.HasField("prompt_logprobs"):
         return None
     p = msg.prompt_logprobs
-    return PromptLogprobs(list(p.token_ids), list(p.tokens), list(p.logprobs))
+    top = [[TopLogprob(t.token_id, t.token, t.logprob) for t in pos.top] for pos in p.top]
+    return PromptLogprobs(list(p.token_ids), list(p.tokens), list(p.logprobs), top)
 
 
 def _chunk(msg: generate_pb2.GenerateStreamResponse) -> CompletionChunk:

@@ -10,7 +10,7 @@ import time
 import grpc
 
 from pdserve.decode.config import DecodeConfig
-from pdserve.decode.token_stream import ActiveCalls, StreamEnd, generate_call, relay
+from pdserve.decode.token_stream import ActiveCalls, PromptScores, StreamEnd, generate_call, relay
 from pdserve.decode.watchdog import Watchdog
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import CorruptPage, InvalidRequest
@@ -137,7 +137,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             # the first token's logprob and the prompt's came from prefill: they lead the first message
             lead = [done.first_token_logprob] if done.HasField("first_token_logprob") else []
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
-            yield from relay(outputs, context, deadline, "decode", req, cached, end, lead, done.prompt_logprobs)
+            scores = PromptScores(list(done.prompt_logprobs), list(done.prompt_top_logprobs))
+            yield from relay(outputs, context, deadline, "decode", req, cached, end, lead, scores)
 
     def _receive_kv(
         self, request: internal_pb2.DecodeRequest, prompt: list[int], context: grpc.ServicerContext, req: RequestScope

@@ -4,7 +4,7 @@
     generate_call(loop, rid, active, summary)    a call from admission on: counted, its engine request freed
     relay(outputs, context, deadline, what, req, cached_tokens, end, ...)   the messages, up to the finished one
     next_output(outputs, deadline, context, what)                          one item, or None: the caller left
-    decode_response(out, req, cached_tokens, lead_logprobs, prompt_logprobs)   the message of one output
+    decode_response(out, req, cached_tokens, lead_logprobs, prompt)   the message of one output
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from pdserve.engine.engine import StepOutput
 from pdserve.engine.loop import EngineLoop
-from pdserve.server.proto_convert import logprob_to_proto
+from pdserve.server.proto_convert import logprob_to_proto, prompt_logprobs_to_proto
 from pdserve.telemetry.service import RequestScope
 from pdserve.v1 import generate_pb2, internal_pb2
 
@@ -50,7 +50,7 @@ def decode_response(
     req: RequestScope,
     cached_tokens: int,
     lead_logprobs: list[generate_pb2.TokenLogprob],
-    prompt_logprobs: list[float],
+    prompt: PromptScores,
 ) -> internal_pb2.DecodeResponse:
     """The message for one engine output: its tokens and text, `lead_logprobs` (already protos, e.g. the first
     token's from prefill) before its own, and the prompt's logprobs. A finished output also carries the finish and
@@ -59,7 +59,8 @@ def decode_response(
         token_ids=out.new_token_ids,
         text=out.text_delta,
         logprobs=[*lead_logprobs, *map(logprob_to_proto, out.logprobs)],
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt.values,
+        prompt_top_logprobs=prompt.tops,
     )
     req.first_token()
     if out.finished:
@@ -75,6 +76,19 @@ def decode_response(
             )
         )
     return msg
+
+
+@dataclass
+class PromptScores:
+    """Prompt logprobs on their way to the caller, as the wire carries them: the values and, when the request asked
+    for top_logprobs, their alternatives (from PrefillDone, or from the engine's outputs in colocated mode)."""
+
+    values: list[float] = field(default_factory=list)
+    tops: list[generate_pb2.TopLogprobs] = field(default_factory=list)
+
+    def extend(self, values: Sequence[float], tops: Sequence[generate_pb2.TopLogprobs]) -> None:
+        self.values.extend(values)
+        self.tops.extend(tops)
 
 
 @dataclass
@@ -96,26 +110,26 @@ def relay(
     cached_tokens: int,
     end: StreamEnd,
     lead_logprobs: Sequence[generate_pb2.TokenLogprob] = (),
-    prompt_logprobs: Sequence[float] = (),
+    prompt: PromptScores | None = None,
 ) -> Iterator[internal_pb2.DecodeResponse]:
     """One message per engine output in `outputs` (StepOutputs, or the exception that failed the request: INTERNAL
     "<what> failed"), up to the finished one; nothing more once the caller went away (`next_output`). An output
     without tokens that does not finish (a prompt chunk) only adds its prompt logprobs: they lead the next message,
-    after `prompt_logprobs`, as `lead_logprobs` (the first token's, from prefill) lead its logprobs. `end` follows
+    after `prompt` (prefill's), as `lead_logprobs` (the first token's, from prefill) lead its logprobs. `end` follows
     the stream."""
-    lead, prompt_lps = list(lead_logprobs), list(prompt_logprobs)
+    lead, prompt_lps = list(lead_logprobs), prompt or PromptScores()
     while True:
         out = next_output(outputs, deadline, context, what)
         if out is None:
             return
         if isinstance(out, BaseException):
             context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {out}")
-        prompt_lps.extend(out.prompt_logprobs)
+        prompt_lps.extend(*prompt_logprobs_to_proto(out.prompt_logprobs))
         if not out.new_token_ids and not out.finished:
             continue  # a prompt chunk before the last: its prompt logprobs wait for the first token
         end.completion_tokens = out.num_completion_tokens
         msg = decode_response(out, req, cached_tokens, lead, prompt_lps)
-        lead, prompt_lps = [], []
+        lead, prompt_lps = [], PromptScores()
         if out.finished:
             end.finished, end.finish = True, out.finish_reason or "abort"
         yield msg

@@ -13,6 +13,7 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
 from pdserve.cache.serving import lookup_prefix, write_back
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampling import TokenLogprob
 from pdserve.errors import InvalidRequest
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import ExportedPages, SenderPages, TransferError
@@ -25,7 +26,7 @@ from pdserve.prefill.ack_clock import AckClock
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.kv_link import SendLink
 from pdserve.server.instance_stats import instance_stats
-from pdserve.server.proto_convert import logprob_to_proto, sampling_from_proto
+from pdserve.server.proto_convert import logprob_to_proto, prompt_logprobs_to_proto, sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.rates import WorkRate
 from pdserve.telemetry.service import RequestScope, Telemetry
@@ -115,7 +116,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             if sampling.prompt_logprobs
             else lookup_prefix(self.cache, ns, prompt, self.page_size, self.prefill_rate.rate())
         )
-        prompt_lps: list[float] = []  # sampling.prompt_logprobs, gathered chunk by chunk (engine thread)
+        prompt_lps: list[TokenLogprob] = []  # sampling.prompt_logprobs, gathered chunk by chunk (engine thread)
         scope.record(
             "prefill.cache_lookup",
             lookup_ns,
@@ -224,12 +225,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                         link.sender.drain(max(0.0, min(ack_timeout, deadline - time.monotonic())))
                     except TimeoutError as e:
                         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode did not acknowledge KV: {e}")
+                    prompt_values, prompt_tops = prompt_logprobs_to_proto(prompt_lps)
                     done = internal_pb2.PrefillDone(
                         first_token_id=out.new_token_ids[0],
                         num_pages=pages.num_shipped,
                         cached_tokens=hit.num_pages * self.page_size,
                         prefill_ms=(time.perf_counter() - t0) * 1e3,
-                        prompt_logprobs=prompt_lps,
+                        prompt_logprobs=prompt_values,
+                        prompt_top_logprobs=prompt_tops,
                     )
                     if out.logprobs:  # the first token's (sampling.logprobs / top_logprobs)
                         done.first_token_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))

@@ -64,6 +64,7 @@ def relay(
         )
         if msg.prompt_logprobs:
             out.prompt_logprobs.logprobs.extend(msg.prompt_logprobs)
+            out.prompt_logprobs.top.extend(msg.prompt_top_logprobs)
         now_ms = progress.elapsed_ms()
         if first_of_attempt:
             first_of_attempt = False

@@ -34,6 +34,9 @@ class ChunkShaper:
             if out.prompt_logprobs.logprobs:
                 out.prompt_logprobs.token_ids.extend(self.prompt_ids)
                 out.prompt_logprobs.tokens.extend(self._text(t) for t in self.prompt_ids)
+                for position in out.prompt_logprobs.top:
+                    for alt in position.top:
+                        alt.token = self._text(alt.token_id)
             if self.splitter is not None:
                 reasoning, answer = self.splitter.feed(out.text)
                 if out.finish_reason:

@@ -48,7 +48,8 @@ class StepOutput:
     stop_reason: str | None = None  # "eos", "token:<id>" or the matched stop string (finish_reason "stop")
     token_range: tuple[int, int] | None = None  # prefill-only: prompt tokens [start, end) this step computed
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token id (sampling.logprobs)
-    prompt_logprobs: list[float] = field(default_factory=list)  # next prompt-token logprobs computed this step
+    # next prompt-token logprobs computed this step (token_id: the prompt token scored; `top` with top_logprobs)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class RequestOptions(TypedDict, total=False):
@@ -526,7 +527,7 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _new_prompt_logprobs(seq: Sequence, start: int, values: list[float] | None) -> list[float]:
+    def _new_prompt_logprobs(seq: Sequence, start: int, values: list[TokenLogprob] | None) -> list[TokenLogprob]:
         """The part of a chunk's prompt logprobs not reported before (a preempted request recomputes its prompt)."""
         if not values:
             return []

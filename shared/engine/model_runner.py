@@ -33,7 +33,6 @@ from pdserve.engine.sampling import (
     SamplingParams,
     TokenLogprob,
     make_generator,
-    next_token_logprobs,
     sample,
     skip_draws,
     token_logprobs,
@@ -237,12 +236,13 @@ class ModelRunner:
         sample_rows: list[int],
         is_prefill: bool,
         return_logits: bool,
-    ) -> tuple[dict[int, int], dict[int, torch.Tensor], dict[int, TokenLogprob], dict[int, list[float]]]:
+    ) -> tuple[dict[int, int], dict[int, torch.Tensor], dict[int, TokenLogprob], dict[int, list[TokenLogprob]]]:
         """Compute `num_new_tokens[i]` tokens of each sequence from its `num_computed_tokens` on (its pages are
         allocated); sample one token for each row in `sample_rows` (a forced token, `Sequence.forced_token`,
         replaces the draw; the generator still advances). Returns (row -> token, row -> float32 logits [V] when
-        `return_logits`, row -> the token's logprob when its sampling asks, row -> log P(prompt[p + 1]) for the
-        prompt positions p this step computed, when its sampling asks for prompt_logprobs)."""
+        `return_logits`, row -> the token's logprob when its sampling asks, row -> log P(prompt[p + 1]) (with
+        `top_logprobs` alternatives) for the prompt positions p this step computed, when its sampling asks for
+        prompt_logprobs)."""
         ids: list[int] = []
         for seq, n in zip(seqs, num_new_tokens):
             ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
@@ -295,20 +295,22 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, seqs: list[Sequence], num_new_tokens: list[int], hidden: torch.Tensor
-    ) -> dict[int, list[float]]:
-        """Per row asking for prompt_logprobs: log P(prompt[p + 1]) for each prompt position p of this chunk
-        (hidden [T, hidden]: the chunk rows of every sequence, in order). Logits are built block by block."""
-        out: dict[int, list[float]] = {}
+    ) -> dict[int, list[TokenLogprob]]:
+        """Per row asking for prompt_logprobs: log P(prompt[p + 1]) for each prompt position p of this chunk, with
+        the sampling's `top_logprobs` alternatives (hidden [T, hidden]: the chunk rows of every sequence, in order).
+        Logits are built block by block."""
+        out: dict[int, list[TokenLogprob]] = {}
         offset = 0
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             start = seq.num_computed_tokens
             end = min(start + n, seq.num_prompt_tokens - 1)  # positions with a next prompt token
             if seq.sampling.prompt_logprobs and end > start:
                 targets = seq.prompt_token_ids[start + 1 : end + 1]
-                vals: list[float] = []
+                k = seq.sampling.top_logprobs
+                vals: list[TokenLogprob] = []
                 for b in range(0, len(targets), PROMPT_LOGPROB_BLOCK):
                     h = hidden[offset + b : offset + min(b + PROMPT_LOGPROB_BLOCK, len(targets))]  # [<=B, hidden]
-                    vals.extend(next_token_logprobs(self.model.compute_logits(h), targets[b : b + len(h)]))
+                    vals.extend(token_logprobs(self.model.compute_logits(h), targets[b : b + len(h)], k))
                 out[i] = vals
             offset += n
         return out

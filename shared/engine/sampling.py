@@ -129,14 +129,3 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[T
         ids, vals = top.indices.tolist(), top.values.tolist()
         return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(token_ids, chosen, ids, vals)]
     return [TokenLogprob(t, lp) for t, lp in zip(token_ids, chosen)]
-
-
-def next_token_logprobs(logits: torch.Tensor, next_ids: list[int], block: int = 256) -> list[float]:
-    """log P(next_ids[i]) under the logits rows [T, V] (T = len(next_ids)): a prompt's scores, in row blocks so a
-    long chunk never holds a [T, V] float32 softmax at once."""
-    out: list[float] = []
-    for s in range(0, len(next_ids), block):
-        logp = torch.log_softmax(logits[s : s + block].float(), dim=-1)
-        idx = torch.tensor(next_ids[s : s + block], device=logp.device).unsqueeze(-1)
-        out.extend(logp.gather(-1, idx).squeeze(-1).tolist())
-    return out

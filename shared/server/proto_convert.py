@@ -73,3 +73,17 @@ def lenient_parser(message_type: Any) -> Callable[[bytes], Any]:
             return MalformedMessage(message_type.DESCRIPTOR.full_name, str(e))
 
     return parse
+
+
+def prompt_logprobs_to_proto(
+    lps: list[TokenLogprob],
+) -> tuple[list[float], list[generate_pb2.TopLogprobs]]:
+    """The engine's prompt logprobs as the wire carries them: the values, and their alternatives (empty unless the
+    request asked for top_logprobs)."""
+    values = [lp.logprob for lp in lps]
+    if not any(lp.top for lp in lps):
+        return values, []
+    tops = [
+        generate_pb2.TopLogprobs(top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in lps
+    ]
+    return values, tops

@@ -45,20 +45,22 @@ class PrefillClientMessage(_message.Message):
     def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., ack: _Optional[_Union[KVAck, _Mapping]] = ..., transport_ready: _Optional[_Union[_kv_pb2.KVTransportReady, _Mapping]] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "num_pages", "cached_tokens", "prefill_ms", "first_token_logprob", "prompt_logprobs")
+    __slots__ = ("first_token_id", "num_pages", "cached_tokens", "prefill_ms", "first_token_logprob", "prompt_logprobs", "prompt_top_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     num_pages: int
     cached_tokens: int
     prefill_ms: float
     first_token_logprob: _generate_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, first_token_id: _Optional[int] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillServerMessage(_message.Message):
     __slots__ = ("done", "batch", "ipc_batch", "transport")
@@ -91,7 +93,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_target: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage", "logprobs", "prompt_logprobs", "prompt_top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,7 @@ class DecodeResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _generate_pb2.FinishReason
@@ -106,7 +109,8 @@ class DecodeResponse(_message.Message):
     usage: _generate_pb2.Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class InstanceStats(_message.Message):
     __slots__ = ("kv_pages_total", "kv_pages_free", "active_requests", "model_fingerprint", "kv_dtype", "page_size", "prefill_tokens_per_s", "kv_transports")

@@ -2,8 +2,9 @@
 
 Chat (`logprobs: true`, `top_logprobs: 0..20`): `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`.
 Completions (`logprobs: N`, N alternatives, 0..20; `echo: true` adds the prompt, scored by `prompt_logprobs`):
-`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; the prompt's first token has no logprob (null) and
-prompt tokens have no alternatives (null). Values are the model's distribution before temperature (docs).
+`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; the prompt's first token has no logprob nor
+alternatives (null), every other prompt token has its N alternatives like a generated one. Values are the model's
+distribution before temperature (docs).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def completion_logprobs_json(lps: list[TokenLogprob], prompt: PromptLogprobs | N
     if prompt is not None:
         tokens += prompt.tokens
         values += [None, *prompt.logprobs]
-        tops += [None] + [{}] * (len(prompt.tokens) - 1)
+        alternatives = prompt.top or [[] for _ in prompt.logprobs]
+        tops += [None] + [{t.token: t.logprob for t in pos} for pos in alternatives]
     for lp in lps:
         tokens.append(lp.token)
         values.append(lp.logprob)

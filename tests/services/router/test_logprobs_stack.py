@@ -79,6 +79,12 @@ def test_logprobs_equal_hf(stack, hf):
     p = out.prompt_logprobs
     assert p.token_ids == PROMPT and p.tokens == [tok.decode([t]) for t in PROMPT]
     assert p.logprobs == pytest.approx([ref[i, PROMPT[i + 1]].item() for i in range(n - 1)], abs=1e-4)
+    assert len(p.top) == n - 1  # top_logprobs=4 gives the prompt positions their alternatives too
+    for i, alts in enumerate(p.top):
+        top = torch.topk(ref[i], 4)
+        assert [t.token_id for t in alts] == top.indices.tolist()
+        assert [t.logprob for t in alts] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [t.token for t in alts] == [tok.decode([t]) for t in top.indices.tolist()]
 
 
 def test_stream_carries_the_same_logprobs(stack):
@@ -176,6 +182,8 @@ def test_gateway_completion_logprobs_and_echo(stack, oai):
     assert out.choices[0].text == "".join(ref.prompt_logprobs.tokens) + ref.text
     assert lp.text_offset[1] == len(lp.tokens[0])
     assert list(lp.top_logprobs[-1].values()) == pytest.approx([t.logprob for t in ref.logprobs[-1].top])
+    assert lp.top_logprobs[0] is None  # the prompt's first token has no context; the others their alternatives
+    assert lp.top_logprobs[1] == pytest.approx({t.token: t.logprob for t in ref.prompt_logprobs.top[0]})
     no_echo = oai.completions.create(model=MODEL, prompt="The assert", temperature=0, max_tokens=3, logprobs=0)
     assert len(no_echo.choices[0].logprobs.token_logprobs) == no_echo.usage.completion_tokens
     echoed = oai.completions.create(model=MODEL, prompt="The assert", temperature=0, max_tokens=3, echo=True)

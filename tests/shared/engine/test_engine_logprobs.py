@@ -1,5 +1,5 @@
-"""Logprobs in the engine: generated tokens (with top alternatives) and prompt tokens (every chunk of a chunked
-prefill) equal HF transformers' log_softmax on the same fp32 weights; forced tokens are scored as forced; the
+"""Logprobs in the engine: generated tokens and prompt tokens (every chunk of a chunked prefill), both with top
+alternatives, equal HF transformers' log_softmax on the same fp32 weights; forced tokens are scored as forced; the
 decode CUDA graph path reports the same values as the eager path (GPU only)."""
 
 from __future__ import annotations
@@ -51,7 +51,12 @@ def test_token_and_prompt_logprobs_equal_hf(make_engine, hf_model, temperature):
         top = torch.topk(row, 5)
         assert [t for t, _ in lp.top] == top.indices.tolist()
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-5)
-    assert plps == pytest.approx([ref[i, PROMPT[i + 1]].item() for i in range(n - 1)], abs=1e-5)
+    assert [lp.token_id for lp in plps] == PROMPT[1:]  # each prompt position scores the next prompt token
+    assert [lp.logprob for lp in plps] == pytest.approx([ref[i, PROMPT[i + 1]].item() for i in range(n - 1)], abs=1e-5)
+    for i, lp in enumerate(plps):  # and the same top_logprobs alternatives as a generated token
+        top = torch.topk(ref[i], 5)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-5)
 
 
 def test_no_logprobs_unless_asked(llama_engine):
