@@ -176,17 +176,18 @@ def build_request(
 def _logprobs(msg) -> list[TokenLogprob] | None:
     if not msg.logprobs:
         return None
-    return [
-        TokenLogprob(lp.token_id, lp.token, lp.logprob, [TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top])
-        for lp in msg.logprobs
-    ]
+    return [TokenLogprob(lp.token_id, lp.token, lp.logprob, [_top_logprob(t) for t in lp.top]) for lp in msg.logprobs]
+
+
+def _top_logprob(t: generate_pb2.TopLogprob) -> TopLogprob:
+    return TopLogprob(t.token_id, t.token, t.logprob)
 
 
 def _prompt_logprobs(msg) -> PromptLogprobs | None:
     if not msg.HasField("prompt_logprobs"):
         return None
     p = msg.prompt_logprobs
-    top = [[TopLogprob(t.token_id, t.token, t.logprob) for t in pos.top] for pos in p.top]
+    top = [[_top_logprob(t) for t in pos.top] for pos in p.top]
     return PromptLogprobs(list(p.token_ids), list(p.tokens), list(p.logprobs), top)
 
 

@@ -124,7 +124,8 @@ def relay(
             return
         if isinstance(out, BaseException):
             context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {out}")
-        prompt_lps.extend(*prompt_logprobs_to_proto(out.prompt_logprobs))
+        if out.prompt_logprobs:  # colocated: the engine scored prompt positions this step
+            prompt_lps.extend(*prompt_logprobs_to_proto(out.prompt_logprobs))
         if not out.new_token_ids and not out.finished:
             continue  # a prompt chunk before the last: its prompt logprobs wait for the first token
         end.completion_tokens = out.num_completion_tokens

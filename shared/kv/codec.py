@@ -265,44 +265,46 @@ def decode_page(
     )
 
 
-def _on_side_stream(test, t: torch.Tensor) -> bool:
-    """`bool(test(t))` for a reduction `test`; on CUDA on a side stream (waiting here never waits for the engine
-    stream's later steps)."""
-    if t.device.type != "cuda":
-        return bool(test(t))
-    side = torch.cuda.Stream(device=t.device)
-    side.wait_stream(torch.cuda.current_stream(t.device))
+def _usable(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: every value of `t` is one attention can use (float: finite; fp8 e4m3, which has no infinities:
+    not the NaN bytes 0x7F / 0xFF; integers: always)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return ((t.view(torch.uint8) & 0x7F) != 0x7F).all()
+    if t.dtype.is_floating_point:
+        return torch.isfinite(t).all()
+    return torch.ones((), dtype=torch.bool, device=t.device)
+
+
+def _all_usable(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor passes `_usable`: one reduction each and one host sync in all; on CUDA on a side stream
+    (waiting here never waits for the engine stream's later steps)."""
+    if not tensors:
+        return True
+    if tensors[0].device.type != "cuda":
+        return all(bool(_usable(t)) for t in tensors)
+    side = torch.cuda.Stream(device=tensors[0].device)
+    side.wait_stream(torch.cuda.current_stream(tensors[0].device))
     with torch.cuda.stream(side):
-        return bool(test(t).item())
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    return _on_side_stream(lambda x: torch.isfinite(x).all(), t)
-
-
-def _no_fp8_nan(t: torch.Tensor) -> bool:
-    """float8_e4m3fn has no infinities; its NaNs are the bytes 0x7F and 0xFF."""
-    return _on_side_stream(lambda x: ((x.view(torch.uint8) & 0x7F) != 0x7F).all(), t)
+        return bool(torch.stack([_usable(t) for t in tensors]).all().item())
 
 
 def check_scales(scales: torch.Tensor | None, zeros: torch.Tensor | None) -> None:
     """Raise CorruptPage unless every scale and zero point (float16, any shape, any device) is finite."""
     for name, t in (("scales", scales), ("zero points", zeros)):
-        if t is not None and t.numel() and not _all_finite(t):
+        if t is not None and t.numel() and not _all_usable([t]):
             raise CorruptPage(f"KV page {name} contain NaN or infinity")
 
 
 def check_values(data: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None) -> None:
-    """Raise CorruptPage unless attention can use the page(s): finite scales and zero points (`check_scales`), no
-    NaN / infinity in dense float data, no NaN encoding in fp8 data (int8 data: every value is a value)."""
-    check_scales(scales, zeros)
-    if not data.numel():
+    """Raise CorruptPage unless attention can use the page(s): finite scales and zero points, no NaN / infinity in
+    dense float data, no NaN encoding in fp8 data (int8 data: every value is a value). One pass and one sync when
+    all is well; only a failure looks again to name the culprit."""
+    if _all_usable([t for t in (data, scales, zeros) if t is not None and t.numel()]):
         return
+    check_scales(scales, zeros)
     if data.dtype == torch.float8_e4m3fn:
-        if not _no_fp8_nan(data):
-            raise CorruptPage("KV page data contain fp8 NaN encodings")
-    elif data.dtype.is_floating_point and not _all_finite(data):
-        raise CorruptPage("KV page data contain NaN or infinity")
+        raise CorruptPage("KV page data contain fp8 NaN encodings")
+    raise CorruptPage("KV page data contain NaN or infinity")
 
 
 def page_to_bytes(payload: PagePayload, *, owner: str, layout: KVLayoutSpec, fingerprint: str) -> bytes:
