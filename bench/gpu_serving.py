@@ -235,15 +235,50 @@ def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -
     return {f"served_ttft_ms_4k_cold_{tag}": median(cold), f"served_ttft_ms_4k_90pct_{tag}": median(warm)}
 
 
-def ttft_breakdown(stack: Stack, sink, rng: torch.Generator, key: str, reps: int = 5) -> dict:
+def start_profilers(stack: Stack, out_dir: str, key: str, seconds: float) -> list[subprocess.Popen]:
+    """py-spy (sampling, non-blocking: the services keep their timing) on prefill, decode and router for `seconds`;
+    collapsed stacks per process in out_dir/<key>_<name>.txt, with GIL holders marked (--gil: only samples of the
+    thread holding the GIL, i.e. what serialises the Python threads)."""
+    import shutil
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        log("no py-spy: no profiles")
+        return []
+    names = ["prefill", "decode", "router"]
+    procs = []
+    for name, proc in zip(names, stack.procs):
+        for mode in ("all", "gil"):
+            out = Path(out_dir) / f"{key}_{name}_{mode}.txt"
+            cmd = [exe, "record", "--pid", str(proc.pid), "--duration", str(int(seconds)), "--rate", "250",
+                   "--nonblocking", "--format", "raw", "--output", str(out)]  # fmt: skip
+            if mode == "gil":
+                cmd.append("--gil")
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    time.sleep(1.0)  # py-spy attaches
+    return procs
+
+
+def ttft_breakdown(
+    stack: Stack, sink, rng: torch.Generator, key: str, reps: int = 5, profile_dir: str = "", profile_s: float = 8.0
+) -> dict:
     """Where a 2048-token request's time to first token goes, from the services' own spans (OTLP to an in-process
     receiver): per span, the median start offset from the router's span and the median duration."""
     from pdserve.testing.span_breakdown import as_json, breakdown, format_breakdown
 
     sink.clear()
+    spies = start_profilers(stack, profile_dir, key, seconds=profile_s) if profile_dir else []
     with pdserve.Client(stack.router, timeout=120) as c:
-        for _ in range(reps):
+        t_end = time.monotonic() + (profile_s if spies else 0.0)
+        n = 0
+        while n < reps or time.monotonic() < t_end:  # while profiling: requests for the whole sampled window
             ttft_ms(c, fresh(2048, rng))
+            n += 1
+    for p in spies:
+        try:
+            p.wait(timeout=profile_s + 30)
+        except subprocess.TimeoutExpired:
+            p.kill()
     time.sleep(2.0)  # the batch span processors export every 200 ms
     table = breakdown(sink.spans())
     print(f"\n{key}: where a 2048-token request's time goes (median; ms from the router span's start)")
@@ -258,6 +293,7 @@ def main() -> None:
     ap.add_argument("--json", default="docs/bench/gpu_serving.json")
     ap.add_argument("--part", default="all")
     ap.add_argument("--commit", default="", help="commit measured (a device copy of the tree may lack git)")
+    ap.add_argument("--profile-dir", default="", help="py-spy profiles of the services during the breakdown")
     ap.add_argument("--raw-server", default="")
     ap.add_argument("--raw-msg-mb", type=int, default=4)
     args = ap.parse_args()
@@ -317,7 +353,9 @@ def main() -> None:
                 res.update(served_ttft(stack, transport, rng))
                 save()
                 if env:
-                    res.update(ttft_breakdown(stack, sink, rng, key=f"ttft_breakdown_2k_{part}"))
+                    res.update(
+                        ttft_breakdown(stack, sink, rng, key=f"ttft_breakdown_2k_{part}", profile_dir=args.profile_dir)
+                    )
                     save()
             finally:
                 stack.stop()
