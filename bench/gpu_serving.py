@@ -31,6 +31,9 @@ from benchutil import log, print_rows, row, ttft_ms
 
 import pdserve
 from pdserve.cli.launch import Stack, start_service, wait_ready
+from pdserve.server.auth import new_token
+from pdserve.server.grpc_util import channel
+from pdserve.server.security import ChannelSecurity
 from pdserve.testing.provenance import git_commit
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
@@ -117,6 +120,7 @@ def start(
 ) -> Stack:
     """prefill on cuda:0, decode on cuda:1 (or cuda:0 when one GPU: each takes a share of its memory)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    env = {**(env or {}), "PDSERVE_INTERNAL_TOKEN": new_token()}  # internal ports refuse callers without it
     two = torch.cuda.device_count() >= 2
     share = "0.85" if two else "0.40"
     common = [
@@ -138,18 +142,18 @@ def start(
     except BaseException:
         Stack("", [], [], procs, logs).stop()
         raise
-    return Stack(router, [pre], [dec], procs, logs)
+    return Stack(router, [pre], [dec], procs, logs, internal_token=env["PDSERVE_INTERNAL_TOKEN"])
 
 
-def stats(addr: str, stub_cls) -> internal_pb2.InstanceStats:
-    with grpc.insecure_channel(addr) as ch:
+def stats(stack: Stack, addr: str, stub_cls) -> internal_pb2.InstanceStats:
+    with channel(addr, ChannelSecurity(token=stack.internal_token)) as ch:
         return stub_cls(ch).Stats(internal_pb2.StatsRequest(), timeout=10)
 
 
 def kv_counters(stack: Stack) -> dict[str, tuple[int, float, int]]:
     """Per transport: (page bytes, transfer seconds, fallbacks) as the prefill instance measured them (from the
     staging copy to decode's ack)."""
-    s = stats(stack.prefill[0], internal_pb2_grpc.PrefillStub)
+    s = stats(stack, stack.prefill[0], internal_pb2_grpc.PrefillStub)
     return {t.transport: (t.bytes, t.transfer_seconds, t.fallbacks) for t in s.kv_transports}
 
 

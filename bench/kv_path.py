@@ -18,6 +18,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from benchutil import log, print_rows, row
@@ -34,6 +35,7 @@ from pdserve.kv.transfer.wire import (
     parse_server_message,
     verify_header,
 )
+from pdserve.server.host_memory import tune_malloc
 
 
 def timed(fn: Callable[[], object], reps: int, sync: bool = True) -> float:
@@ -96,6 +98,16 @@ def main() -> None:
         "grpc.sender.message_bytes",
         timed(lambda: [batch_message_bytes(h, v) for h, v in zip(hdrs, views)], args.reps, False),
     )
+    tune_malloc()  # as the services do (pdserve.server.host_memory)
+    record(
+        "grpc.sender.message_bytes_tuned_malloc",
+        timed(lambda: [batch_message_bytes(h, v) for h, v in zip(hdrs, views)], args.reps, False),
+    )
+    with ThreadPoolExecutor(4) as pool:  # GrpcSender's builders: CRC32C + serialization, 4 threads
+        record(
+            "grpc.sender.build_4_threads",
+            timed(lambda: list(pool.map(lambda hv: batch_message_bytes(*hv), zip(hdrs, views))), args.reps, False),
+        )
     msgs = [batch_message_bytes(h, v) for h, v in zip(hdrs, views)]
     record("grpc.receiver.parse", timed(lambda: [parse_server_message(m) for m in msgs], args.reps, False))
     parsed = [parse_server_message(m) for m in msgs]

@@ -20,9 +20,14 @@ class DecodeConfig(EngineOptions):
         "auto|grpc|cuda-ipc: how KV pages arrive from prefill (offered in each request; auto: cuda-ipc when "
         "prefill is on this host with CUDA, else grpc; a forced transport that cannot work fails the request)",
     )
+    kv_copy_threads: int = opt(
+        4, "grpc transport: threads copying KV batches to the device beside their checksum check; 0: none"
+    )
 
     def validate(self) -> None:
         super().validate()
+        if self.kv_copy_threads < 0:
+            raise SystemExit(f"--kv-copy-threads must be >= 0, got {self.kv_copy_threads}")
         if not self.page_timeout_s > 0:
             raise SystemExit(f"--page-timeout-s must be > 0, got {self.page_timeout_s}")
         if self.kv_transport not in ("auto", "grpc", "cuda-ipc"):

@@ -22,6 +22,8 @@ def serve(cfg: DecodeConfig) -> None:
 
         def cleanup():
             servicer.prefill.close()
+            if servicer.kv_copy_pool is not None:
+                servicer.kv_copy_pool.shutdown(wait=False, cancel_futures=True)
             loop.stop()
 
         return cleanup

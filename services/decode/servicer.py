@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -87,6 +88,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.transfer_stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
         self.kv_offer = make_offer(cfg.kv_transport, self.device)  # what this instance can receive
         self.ipc_buffers = IpcBufferCache(copier_for(self.device))  # prefill staging buffers, opened once each
+        # grpc transport: host -> device copies beside the checksum check (GrpcReceiver)
+        self.kv_copy_pool = (
+            ThreadPoolExecutor(cfg.kv_copy_threads, thread_name_prefix="kv-copy") if cfg.kv_copy_threads else None
+        )
         self.active = ActiveCalls()
 
     def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):
@@ -271,7 +276,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 
         args = (pages, BatchExpectation(layout, self.fingerprint, rid), self.transfer_stats, self.device, import_rows)
         if choice.transport == GRPC:
-            return GrpcReceiver(*args)
+            return GrpcReceiver(*args, pool=self.kv_copy_pool)
         if choice.transport != CUDA_IPC:
             raise TransferError(f"prefill chose unknown kv transport {choice.transport!r}")
         try:
@@ -285,7 +290,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             acks.put(
                 internal_pb2.PrefillClientMessage(transport_ready=kv_pb2.KVTransportReady(ok=False, reason=reason))
             )
-            return GrpcReceiver(*args)
+            return GrpcReceiver(*args, pool=self.kv_copy_pool)
         acks.put(internal_pb2.PrefillClientMessage(transport_ready=kv_pb2.KVTransportReady(ok=True)))
         return IpcReceiver(*args, buffers=self.ipc_buffers, buffer_id=choice.ipc_buffer.buffer_id)
 

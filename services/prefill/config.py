@@ -27,8 +27,14 @@ class PrefillConfig(CacheOptions, EngineOptions):
         """KV streams at once: every decode instance's requests in prefill (several decode instances per prefill)."""
         return 4 * self.max_num_seqs
 
+    kv_copy_threads: int = opt(
+        4, "grpc transport: threads building KV batch messages (checksum, serialization) ahead of the stream; 0: none"
+    )
+
     def validate(self) -> None:
         super().validate()
+        if self.kv_copy_threads < 0:
+            raise SystemExit(f"--kv-copy-threads must be >= 0, got {self.kv_copy_threads}")
         if not self.ack_timeout_s > 0:
             raise SystemExit(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         if self.kv_transport not in ("auto", "grpc", "cuda-ipc"):

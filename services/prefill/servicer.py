@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -64,6 +65,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self._host_id = host_id()
         self._staging: IpcStaging | None = None  # cuda-ipc: registered on the first request that may use it
         self._staging_error = ""
+        # grpc transport: batch messages built ahead of the stream writer (GrpcSender)
+        self.kv_build_pool = (
+            ThreadPoolExecutor(cfg.kv_copy_threads, thread_name_prefix="kv-build") if cfg.kv_copy_threads else None
+        )
         self.prefill_rate = WorkRate()  # prompt tokens per busy second of the engine (Stats; cache decisions)
 
     # ---- validation -------------------------------------------------------------------------------------
@@ -352,7 +357,12 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 staging=self._staging,
                 reserve_timeout=self.cfg.ack_timeout_s,
             )
-        return GrpcSender(*args, max_batch_bytes=int(self.cfg.kv_batch_mb * 2**20))
+        return GrpcSender(
+            *args,
+            max_batch_bytes=int(self.cfg.kv_batch_mb * 2**20),
+            pool=self.kv_build_pool,
+            lookahead=self.cfg.kv_copy_threads,
+        )
 
     def _await_transport(self, link: SendLink, context, layout: KVLayoutSpec) -> None:
         """Before the first batch on cuda-ipc: decode must have opened the buffer; if it could not, this request
@@ -378,6 +388,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         """Service shutdown: release the staging buffer (its shared-memory file on CPU)."""
         if self._staging is not None:
             self._staging.close()
+        if self.kv_build_pool is not None:
+            self.kv_build_pool.shutdown(wait=False, cancel_futures=True)
 
     def Stats(self, request, context):
         with self._lock:

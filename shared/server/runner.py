@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from pdserve.server.auth import Authenticator
 from pdserve.server.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
+from pdserve.server.host_memory import tune_malloc
 from pdserve.server.security import ServiceSecurity
 from pdserve.server.service_config import EngineOptions, ServerOptions
 from pdserve.server.shutdown import Shutdown
@@ -27,6 +28,7 @@ def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.loop import EngineLoop
 
+    tune_malloc()  # KV batches are multi-MB host buffers: reuse faulted-in memory (pdserve.server.host_memory)
     if cfg.torch_threads > 0:
         import torch
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -78,8 +78,9 @@ class KVSender(ABC):
         self._closed = False
 
     @abstractmethod
-    def send(self, exported: ExportedPages) -> list[Any]:
-        """Ship the pages; returns the stream messages to yield (protobuf messages or pre-serialized bytes)."""
+    def send(self, exported: ExportedPages) -> Iterable[Any]:
+        """Ship the pages; returns the stream messages to yield (protobuf messages or pre-serialized bytes). Every
+        batch is booked (seq_nos, page states) before this returns; the messages may be built as they are taken."""
 
     def _shipped(self, page_indexes: list[int], nbytes: int, span: int) -> int:
         """Book a batch: page states, counters, its clock span. Returns its first seq_no."""

@@ -2,14 +2,22 @@
 
 Sender: a chunk's rows (gathered on the device by the engine) are copied device -> host in one copy into a
 pinned buffer on a side CUDA stream; each message carries up to `max_batch_bytes` of rows, checksummed with
-hardware CRC32C and serialized with the payload copied once (`wire.batch_message_bytes`).
+hardware CRC32C and serialized with the payload copied once (`wire.batch_message_bytes`). With a `pool`, the
+messages are built by its threads, a few ahead of the stream writer (CRC32C and the copy release the GIL), so
+building message i+1 overlaps gRPC sending message i instead of preceding the chunk's first message.
 Receiver: the payload is a view of the received bytes (no copy), verified (sizes, ids, seq, CRC32C), copied
-host -> device in one copy, and written into the pool by one scatter on the engine thread.
+host -> device in one copy, and written into the pool by one scatter on the engine thread. With a `pool`, the
+host -> device copy runs beside the CRC32C check (both read the received bytes; the rows reach the pool only
+once the check passed).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Executor, Future
+from itertools import islice
 from typing import Any
 
 import torch
@@ -44,35 +52,82 @@ def host_view(buf: Any) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
+_Job = tuple[int, list[int], list[int], memoryview]  # (first seq_no, page indexes, num_tokens, payload)
+
+
 class GrpcSender(KVSender):
     transport = GRPC
 
-    def send(self, exported: ExportedPages) -> list[Any]:
+    def __init__(self, *args, pool: Executor | None = None, lookahead: int = 4, **kw):
+        super().__init__(*args, **kw)
+        self.pool = pool  # builds messages ahead of the writer (None: each when the writer asks for it)
+        self.lookahead = max(1, lookahead)
+
+    def send(self, exported: ExportedPages) -> Iterator[bytes]:
+        """Books every batch of the chunk now (seq_nos, page states), copies the rows to the host now, and returns
+        the messages as an iterator that builds them (checksum + serialization) as the writer takes them."""
         span = self.clock.start()
         host = to_host(exported)  # [N, page_bytes]
         exported.host = host
-        msgs: list[Any] = []
+        jobs: list[_Job] = []
         n, k = len(exported.page_indexes), self.rows_per_batch
         for i in range(0, n, k):
-            rows = host[i : i + k]
-            payload = memoryview(rows.numpy()).cast("B")  # type: ignore[arg-type]
+            payload = memoryview(host[i : i + k].numpy()).cast("B")  # type: ignore[arg-type]
             idx, tok = exported.page_indexes[i : i + k], exported.num_tokens[i : i + k]
-            first = self._shipped(idx, payload.nbytes, span)
-            msgs.append(batch_message_bytes(self._header(first, idx, tok, payload), payload))
-        return msgs
+            jobs.append((self._shipped(idx, payload.nbytes, span), idx, tok, payload))
+        return self._messages(jobs)
+
+    def _message(self, job: _Job) -> bytes:
+        first, idx, tok, payload = job
+        return batch_message_bytes(self._header(first, idx, tok, payload), payload)
+
+    def _messages(self, jobs: list[_Job]) -> Iterator[bytes]:
+        """The first `lookahead` messages start building now; each one taken starts the next."""
+        if self.pool is None:
+            return map(self._message, jobs)
+        pool = self.pool
+        pending = iter(jobs)
+        ahead: deque[Future] = deque(pool.submit(self._message, j) for j in islice(pending, self.lookahead))
+
+        def taken() -> Iterator[bytes]:
+            while ahead:
+                msg = ahead.popleft().result()
+                for j in islice(pending, 1):
+                    ahead.append(pool.submit(self._message, j))
+                yield msg
+
+        return taken()
 
 
 class GrpcReceiver(KVReceiver):
     transport = GRPC
 
+    def __init__(self, *args, pool: Executor | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.pool = pool  # copies host -> device beside the checksum check (None: after it)
+
     def _fetch(self, header: kv_pb2.KVBatchHeader, source: Any) -> torch.Tensor:
         if not isinstance(source, memoryview):
             raise CorruptPage(f"{type(source).__name__} received on the grpc transport")
-        verify_header(header, self.expect, source)  # sizes and CRC32C before any use of the bytes
-        rows = host_view(source).view(len(header.page_indexes), self.fmt.page_bytes)
         if self.device.type != "cuda":
-            return rows
-        dst = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)  # on the engine's stream's pool
+            verify_header(header, self.expect, source)  # sizes and CRC32C before any use of the bytes
+            return host_view(source).view(len(header.page_indexes), self.fmt.page_bytes)
+        verify_header(header, self.expect)  # sizes first: the copy below reads exactly nbytes
+        if len(source) != header.nbytes:
+            raise CorruptPage(f"batch payload has {len(source)} bytes, header requires {header.nbytes}")
+        rows = host_view(source).view(len(header.page_indexes), self.fmt.page_bytes)
+        if self.pool is None:
+            verify_header(header, self.expect, source)
+            return self._to_device(rows)
+        copy = self.pool.submit(self._to_device, rows)  # lands in memory of its own, not in the pool
+        try:
+            verify_header(header, self.expect, source)  # CRC32C while the bytes cross to the device
+        finally:
+            dst = copy.result()
+        return dst
+
+    def _to_device(self, rows: torch.Tensor) -> torch.Tensor:
+        dst = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
         stream = torch.cuda.Stream(device=self.device)
         with torch.cuda.stream(stream):
             dst.copy_(rows, non_blocking=True)

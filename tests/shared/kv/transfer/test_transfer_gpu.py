@@ -25,7 +25,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 MiB = 1 << 20
 
 
-def test_grpc_transport_device_to_pinned_to_device():
+@pytest.mark.parametrize("threads", [0, 3], ids=["inline", "pool"])
+def test_grpc_transport_device_to_pinned_to_device(threads):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.errors import CorruptPage
     from pdserve.kv.codec import KVLayoutSpec
     from pdserve.kv.transfer.page_format import PageFormat
 
@@ -47,14 +51,29 @@ def test_grpc_transport_device_to_pinned_to_device():
         f.set_result(None)
         return f
 
-    sender = GrpcSender(SenderPages("r", 64), layout, "fp", TransferStats(), max_batch_bytes=8 * MiB)
-    recv = GrpcReceiver(ReceiverPages("r", 64), BatchExpectation(layout, "fp", "r"), TransferStats(), dev, import_rows)
+    pool = ThreadPoolExecutor(threads) if threads else None
+    sender = GrpcSender(
+        SenderPages("r", 64), layout, "fp", TransferStats(), max_batch_bytes=8 * MiB, pool=pool, lookahead=threads
+    )
+    expect = BatchExpectation(layout, "fp", "r")
+    recv = GrpcReceiver(ReceiverPages("r", 64), expect, TransferStats(), dev, import_rows, pool=pool)
     ex = ExportedPages(list(range(64)), [16] * 64, rows, ready)
-    for raw in sender.send(ex):
+    raws = list(sender.send(ex))
+    assert len(raws) > 1  # several batches: the pool builds them ahead
+    for raw in raws:
         _, header, payload = parse_server_message(raw)
         recv.receive(header, payload)
     assert ex.host is not None and ex.host.is_pinned()
     assert torch.equal(torch.cat(imported), rows)
+    # a flipped payload byte: refused (the device copy beside the check never reaches the pool)
+    bad = bytearray(raws[0])
+    bad[-1] ^= 0x01
+    _, header, payload = parse_server_message(bytes(bad))
+    other = GrpcReceiver(ReceiverPages("r", 64), expect, TransferStats(), dev, import_rows, pool=pool)
+    n = len(imported)
+    with pytest.raises(CorruptPage, match="checksum"):
+        other.receive(header, payload)
+    assert len(imported) == n
 
 
 def _consumer(desc_bytes: bytes, device: int, offset: int, nbytes: int, out: mp.Queue) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -84,14 +84,16 @@ def importer(imported: list):
     return import_rows
 
 
+@pytest.mark.parametrize("threads", [0, 2], ids=["inline", "pool"])
 @pytest.mark.parametrize("layout", [INT8, FP8], ids=["int8", "fp8"])
-def test_grpc_pair_batches_verifies_and_frees_on_ack(layout):
+def test_grpc_pair_batches_verifies_and_frees_on_ack(layout, threads):
     fmt = PageFormat(layout)
     g, dt = layout.group_size, layout.torch_dtype
     rows = fmt.pack(*dense_pool().gather_pages([0, 1, 2, 3, 4], [4] * 4 + [1], True, g, False, dt))
     freed, stats_s, stats_r, imported = [], TransferStats(), TransferStats(), []
     pages = SenderPages("r", 5, free=lambda: freed.append(1))
-    sender = GrpcSender(pages, layout, "fp", stats_s, max_batch_bytes=2 * fmt.page_bytes)
+    pool = ThreadPoolExecutor(threads) if threads else None
+    sender = GrpcSender(pages, layout, "fp", stats_s, max_batch_bytes=2 * fmt.page_bytes, pool=pool, lookahead=threads)
     recv = GrpcReceiver(ReceiverPages("r", 5), BatchExpectation(layout, "fp", "r"), stats_r, CPU, importer(imported))
     ex = ExportedPages([0, 1, 2, 3, 4], [4, 4, 4, 4, 1], rows)
     acks = run_pair(sender, recv, ex, imported)
@@ -109,6 +111,32 @@ def test_grpc_pair_batches_verifies_and_frees_on_ack(layout):
         == (r.requests, r.pages, r.batches, r.bytes)
     )
     assert s.transfer_seconds > 0 and r.transfer_seconds > 0
+
+
+def test_grpc_sender_books_every_batch_at_once_and_builds_a_bounded_few_ahead():
+    fmt = PageFormat(INT8)
+    n = 12
+    rows = torch.randint(0, 255, (n, fmt.page_bytes), dtype=torch.uint8)
+    built: list[int] = []
+    gate = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        pages = SenderPages("r", n)
+        sender = GrpcSender(pages, INT8, "fp", TransferStats(), max_batch_bytes=fmt.page_bytes, pool=pool, lookahead=3)
+        build = sender._message
+
+        def slow_build(job):
+            built.append(job[0])
+            gate.wait(5)
+            return build(job)
+
+        sender._message = slow_build  # type: ignore[method-assign]
+        msgs = iter(sender.send(ExportedPages(list(range(n)), [PS] * n, rows)))
+        assert pages.num_shipped == n  # booked before any message is built
+        time.sleep(0.2)
+        assert sorted(built) == [0, 1, 2]  # the lookahead, started before the writer asked
+        gate.set()
+        got = [parse_server_message(m)[1].first_seq_no for m in msgs]
+    assert got == list(range(n)) and sorted(built) == list(range(n))  # in order, each built once
 
 
 def test_ipc_pair_reuses_staging_only_after_acks(tmp_path):
