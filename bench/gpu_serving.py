@@ -239,6 +239,54 @@ def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -
     return {f"served_ttft_ms_4k_cold_{tag}": median(cold), f"served_ttft_ms_4k_90pct_{tag}": median(warm)}
 
 
+def _sink_main(conn) -> None:
+    """Child process: an OTLP receiver answering the parent's "spans" / "clear" / "stop" over a pipe."""
+    from pdserve.testing.otlp_sink import OTLPSink
+
+    sink = OTLPSink().start()
+    conn.send(sink.endpoint)
+    while True:
+        cmd = conn.recv()
+        if cmd == "spans":
+            conn.send(sink.spans())
+        elif cmd == "clear":
+            sink.clear()
+            conn.send(None)
+        else:
+            sink.stop()
+            conn.send(None)
+            return
+
+
+class SinkProcess:
+    """The OTLP receiver in its own process: decoding the services' span exports in this one would compete for the
+    GIL with the client whose TTFT is being measured."""
+
+    def start(self) -> SinkProcess:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_sink_main, args=(child,), daemon=True)
+        self._proc.start()
+        self.endpoint: str = self._conn.recv()
+        return self
+
+    def _ask(self, cmd: str):
+        self._conn.send(cmd)
+        return self._conn.recv()
+
+    def spans(self) -> list:
+        return self._ask("spans")
+
+    def clear(self) -> None:
+        self._ask("clear")
+
+    def stop(self) -> None:
+        self._ask("stop")
+        self._proc.join(10)
+
+
 def start_profilers(stack: Stack, out_dir: str, key: str, seconds: float) -> list[subprocess.Popen]:
     """py-spy (sampling, non-blocking: the services keep their timing) on prefill, decode and router for `seconds`;
     collapsed stacks per process in out_dir/<key>_<name>.txt, with GIL holders marked (--gil: only samples of the
@@ -336,11 +384,10 @@ def main() -> None:
         res.update(raw_grpc(workdir))
         row("raw gRPC stream", f"{res['raw_grpc_gbps']:.2f} GB/s", f"{res['raw_grpc_msg_mb']} MiB messages")
         save()
-    from pdserve.testing.otlp_sink import OTLPSink
     from pdserve.testing.redis_server import RedisServer
 
     redis = RedisServer(workdir / "redis").start() if parts & {"grpc", "ipc", "load", "cache"} else None
-    sink = OTLPSink().start()  # the grpc and ipc stacks' spans: a TTFT breakdown per transport
+    sink = SinkProcess().start()  # the grpc and ipc stacks' spans (a TTFT breakdown per transport), off this process
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     try:  # the services' exporter (the device image's OTel wheels may lack a part of it)
         import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401

@@ -226,10 +226,6 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
                 if isinstance(item, tuple) and item[0] is _DONE:
                     out = item[1]
-                    try:
-                        link.sender.drain(max(0.0, min(ack_timeout, deadline - time.monotonic())))
-                    except TimeoutError as e:
-                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode did not acknowledge KV: {e}")
                     prompt_values, prompt_tops = prompt_logprobs_to_proto(prompt_lps)
                     done = internal_pb2.PrefillDone(
                         first_token_id=out.new_token_ids[0],
@@ -242,7 +238,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     if out.logprobs:  # the first token's (sampling.logprobs / top_logprobs)
                         done.first_token_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
                     self._record_done(scope, ship, pages, len(prompt), done)
+                    # Decode reads the stream in order: every batch before PrefillDone is fetched and acked before
+                    # decode acts on it. So PrefillDone goes now, and the RPC stays open until what the sender still
+                    # holds for decode is acked (cuda-ipc: staging regions; grpc: nothing).
                     yield internal_pb2.PrefillServerMessage(done=done)
+                    try:
+                        link.sender.drain(max(0.0, min(ack_timeout, deadline - time.monotonic())))
+                    except TimeoutError as e:
+                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode did not acknowledge KV: {e}")
                     if self.cache is not None:  # off the first token's path: decode has every page already
                         for shipped in to_cache:
                             write_back(self.cache, ns, hit, shipped, layout)

@@ -22,7 +22,7 @@ from functools import cached_property
 from pdserve.kv.codec import FORMAT_VERSION as KV_FORMAT_VERSION
 from pdserve.kv.codec import KVLayoutSpec
 
-CACHE_FORMAT_VERSION = 3  # bump with any change to keys.py or value.py (2: values are KVPage messages; 3: scope)
+CACHE_FORMAT_VERSION = 4  # bump with any change to keys.py or value.py (2: KVPage values; 3: scope; 4: raw + CRC32C)
 
 
 @dataclass(frozen=True)

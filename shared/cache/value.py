@@ -1,76 +1,156 @@
 """One cached KV page as one self-contained binary value (one atomic Redis value per page).
 
-A value is the page's `pdserve.v1.KVPage` message as bytes (`pdserve.kv.codec.page_to_bytes`: the same
-serialisation and CRC32 as the prefill -> decode stream), bound to its key: `request_id` holds the owner string
-of the page's chain hash and `model_fingerprint` the namespace's model. Only full pages of all layers are stored.
+A value is a fixed header bound to its key, a CRC32C, then the page's raw bytes:
 
-`decode_value` parses strictly: the checksum, every length against the layout, and every field against what
-the caller expects (layout, model, chain hash, page index, full page, all layers); any damage or mismatch
-raises CorruptPage and the caller treats the page as a miss. No pickle anywhere.
+    "PDKC" | u32 value version | chain hash (32 B) | u32 page index | u32 tokens | u32 layers
+    | layout (`codec.pack_layout`) | model fingerprint (`codec.pack_str`) | u64 x3 data / scales / zeros bytes
+    | u32 CRC32C over everything before it and the three byte blocks | data | scales | zeros
+
+Encoding is one copy of the page bytes (a join that releases the GIL) and a hardware CRC32C (GIL released too):
+the write-back of a 2k-token prompt of an 8B model is 128 such values, and it runs beside the next request's
+prefill in the same process, so it must hold the GIL for microseconds, not milliseconds (the protobuf KVPage
+encoding with zlib's CRC it replaces held it for about half of the prefill process's samples on the H200 host).
+
+`decode_value` parses strictly: every header field against what the caller expects (key, page, full page of all
+layers, layout, model), every length against the layout, the checksum, and the values (`check_values`: NaN or
+infinite scales, dense NaN / inf, fp8 NaN encodings); any damage or mismatch raises CorruptPage and the caller
+treats the page as a miss. The tensors it returns are read-only views of the value.
+No pickle anywhere.
 """
 
 from __future__ import annotations
 
+import struct
+import warnings
+
+import crc32c
 import torch
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.errors import CorruptPage, InvalidRequest
-from pdserve.kv.codec import encode_page, page_from_bytes, page_to_bytes
+from pdserve.kv.codec import KVLayoutSpec, check_values, pack_layout, pack_str
 from pdserve.kv.payload import PagePayload
 
 CHAIN_BYTES = 32  # a chain hash (sha256 digest), see keys.py
+MAGIC = b"PDKC"
+VALUE_VERSION = 1
+_FIXED = struct.Struct(f"<4sI{CHAIN_BYTES}sIII")  # magic, version, chain, page index, tokens, layers
+_LENGTHS = struct.Struct("<QQQ")
+_CRC = struct.Struct("<I")
 
 
-def owner(chain: bytes) -> str:
-    """What a cached page belongs to (the KVPage's request_id): its key's chain hash."""
-    if len(chain) != CHAIN_BYTES:
-        raise InvalidRequest(f"chain hash must be {CHAIN_BYTES} bytes, got {len(chain)}")
-    return "prompt-cache:" + chain.hex()
+def _shapes(layout: KVLayoutSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    data = (2, layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim)
+    return data, (*data[:-1], layout.head_dim // max(layout.group_size, 1))
+
+
+def _block_bytes(layout: KVLayoutSpec) -> tuple[int, int, int]:
+    """(data, scales, zeros) bytes of a full page of all layers in `layout`."""
+    data, groups = _shapes(layout)
+    n_data = torch.Size(data).numel() * torch.empty(0, dtype=layout.torch_dtype).element_size()
+    n_scales = torch.Size(groups).numel() * 2 if layout.quantized else 0  # float16
+    return n_data, n_scales, n_scales if layout.quantized and layout.asymmetric else 0
+
+
+def _header(ns: CacheNamespace, chain: bytes, page_index: int) -> bytes:
+    lay = ns.layout
+    fixed = _FIXED.pack(MAGIC, VALUE_VERSION, chain, page_index, lay.page_size, lay.num_layers)
+    return b"".join([fixed, pack_layout(lay.to_proto()), pack_str(ns.fingerprint), _LENGTHS.pack(*_block_bytes(lay))])
+
+
+def _bytes_of(t: torch.Tensor | None) -> memoryview:
+    if t is None:
+        return memoryview(b"")
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def encode_value(payload: PagePayload, ns: CacheNamespace, chain: bytes) -> bytes:
-    """Serialize a full page (all layers) stored under key digest `chain`. Raises InvalidRequest if the
-    payload does not fit `ns.layout` or is not a full page of all layers."""
+    """Serialize a full page (all layers, CPU tensors) stored under key digest `chain`. Raises InvalidRequest if
+    the payload does not fit `ns.layout` or is not a full page of all layers."""
+    if len(chain) != CHAIN_BYTES:
+        raise InvalidRequest(f"chain hash must be {CHAIN_BYTES} bytes, got {len(chain)}")
+    lay = ns.layout
     if (
         payload.layer_start != 0
-        or payload.num_tokens != ns.layout.page_size
+        or payload.num_tokens != lay.page_size
         or payload.data.dim() != 5
-        or payload.layer_count != ns.layout.num_layers
+        or payload.layer_count != lay.num_layers
     ):
         raise InvalidRequest("only full pages of all layers are cached")
-    return page_to_bytes(payload, owner=owner(chain), layout=ns.layout, fingerprint=ns.fingerprint)
+    data_shape, scales_shape = _shapes(lay)
+    if tuple(payload.data.shape) != data_shape or payload.data.dtype != lay.torch_dtype:
+        raise InvalidRequest(f"payload data {tuple(payload.data.shape)} {payload.data.dtype} does not fit {lay}")
+    if lay.quantized:
+        if payload.group_size != lay.group_size or (payload.zeros is not None) != lay.asymmetric:
+            raise InvalidRequest(f"payload quantization does not fit {lay}")
+        for t in (payload.scales, payload.zeros):
+            if t is not None and (tuple(t.shape) != scales_shape or t.dtype != torch.float16):
+                raise InvalidRequest(f"payload scales / zeros do not fit {lay}: want {scales_shape} float16")
+        if payload.scales is None:
+            raise InvalidRequest(f"payload has no scales for {lay}")
+    elif payload.group_size or payload.scales is not None or payload.zeros is not None:
+        raise InvalidRequest("quantized payload for an unquantized layout")
+    header = _header(ns, chain, payload.page_index)
+    blocks = [_bytes_of(payload.data), _bytes_of(payload.scales), _bytes_of(payload.zeros)]
+    crc = crc32c.crc32c(header)
+    for b in blocks:
+        crc = crc32c.crc32c(b, crc)
+    return b"".join([header, _CRC.pack(crc), *blocks])
 
 
 def decode_value(buf: bytes, ns: CacheNamespace, chain: bytes, page_index: int) -> PagePayload:
     """Verify and parse a value expected to hold page `page_index` under key digest `chain` in `ns`.
-    Returns a PagePayload of CPU tensors; raises CorruptPage on any damage or mismatch."""
-    p = page_from_bytes(
-        buf, expected_layout=ns.layout, expected_fingerprint=ns.fingerprint, expected_owner=owner(chain)
-    )
-    if (
-        p.page_index != page_index
-        or p.num_tokens != ns.layout.page_size
-        or p.layer_start != 0
-        or p.layer_count != ns.layout.num_layers
-    ):
+    Returns a PagePayload of read-only CPU views of `buf`; raises CorruptPage on any damage or mismatch."""
+    lay = ns.layout
+    view = memoryview(buf)
+    if len(view) < _FIXED.size or bytes(view[:4]) != MAGIC:
+        raise CorruptPage(f"not a KV page value ({len(view)} bytes)")
+    _, version, got_chain, got_index, tokens, layers = _FIXED.unpack_from(view)
+    if version != VALUE_VERSION:
+        raise CorruptPage(f"value version {version}, this build reads {VALUE_VERSION}")
+    if got_chain != chain:
+        raise CorruptPage("value belongs to another key (chain hash differs)")
+    if got_index != page_index or tokens != lay.page_size or layers != lay.num_layers:
         raise CorruptPage(
-            f"value holds page {p.page_index} ({p.num_tokens} tokens, layers "
-            f"[{p.layer_start}, {p.layer_start + p.layer_count})), expected full page {page_index}"
+            f"value holds page {got_index} ({tokens} tokens, {layers} layers), expected full page {page_index}"
         )
-    return p
+    want = _header(ns, chain, page_index)
+    n = len(want)
+    if len(view) < n + _CRC.size:
+        raise CorruptPage(f"value truncated in its header ({len(view)} bytes)")
+    if view[:n] != want:  # the fixed part matched: what differs is the layout, the model or the lengths
+        lay_at = _FIXED.size
+        lay_end = lay_at + len(pack_layout(lay.to_proto()))
+        if view[lay_at:lay_end] != want[lay_at:lay_end]:
+            raise CorruptPage(f"value layout differs from {lay}")
+        fp_end = lay_end + len(pack_str(ns.fingerprint))
+        if view[lay_end:fp_end] != want[lay_end:fp_end]:
+            raise CorruptPage(f"value model fingerprint differs from {ns.fingerprint!r}")
+        raise CorruptPage("value block lengths differ from the layout's")
+    sizes = _block_bytes(lay)
+    if len(view) != n + _CRC.size + sum(sizes):
+        raise CorruptPage(f"value has {len(view)} bytes, its header requires {n + _CRC.size + sum(sizes)}")
+    (crc,) = _CRC.unpack_from(view, n)
+    at = n + _CRC.size
+    blocks = []
+    for size in sizes:
+        blocks.append(view[at : at + size])
+        at += size
+    got = crc32c.crc32c(view[:n])
+    for b in blocks:
+        got = crc32c.crc32c(b, got)
+    if got != crc:
+        raise CorruptPage(f"value checksum mismatch (page {page_index})")
+    data_shape, scales_shape = _shapes(lay)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": readers only (pool imports copy)
+        data = torch.frombuffer(blocks[0], dtype=lay.torch_dtype).view(data_shape)
+        scales = torch.frombuffer(blocks[1], dtype=torch.float16).view(scales_shape) if sizes[1] else None
+        zeros = torch.frombuffer(blocks[2], dtype=torch.float16).view(scales_shape) if sizes[2] else None
+    check_values(data, scales, zeros)  # a checksum proves only that the writer meant these values
+    return PagePayload(page_index, lay.page_size, 0, data, scales, zeros, lay.group_size)
 
 
 def value_bytes(ns: CacheNamespace, page_index: int) -> int:
-    """Size of the encoded value of page `page_index` in `ns` (a varint's size varies with its value): the
-    message of an all-zero page, measured."""
-    lay = ns.layout
-    shape = (2, lay.num_layers, lay.page_size, lay.num_kv_heads, lay.head_dim)
-    groups = (*shape[:-1], lay.head_dim // max(lay.group_size, 1))
-    scales = torch.zeros(groups, dtype=torch.float16) if lay.quantized else None
-    zeros = torch.zeros(groups, dtype=torch.float16) if lay.quantized and lay.asymmetric else None
-    page = PagePayload(
-        page_index, lay.page_size, 0, torch.zeros(shape, dtype=lay.torch_dtype), scales, zeros, lay.group_size
-    )
-    msg = encode_page(page, request_id=owner(bytes(CHAIN_BYTES)), seq_no=0, layout=lay, fingerprint=ns.fingerprint)
-    msg.checksum = 0xFFFFFFFF  # a checksum of 0 is not serialized: count the common case
-    return msg.ByteSize()
+    """Size of the encoded value of a page in `ns` (the same for every page index)."""
+    return len(_header(ns, bytes(CHAIN_BYTES), page_index)) + _CRC.size + sum(_block_bytes(ns.layout))

@@ -1,12 +1,12 @@
-"""PagePayload <-> checksummed bytes: the one page serialisation, for the KV wire and the prompt cache.
+"""PagePayload <-> checksummed KVPage messages (one page on the wire), and the page checks every KV path shares.
 
 A page is a `pdserve.v1.KVPage` message. Bytes are C-order, little-endian: data [2, layer_count, num_tokens,
 kv_heads, head_dim] of the layout's dtype, scales / zero_points [2, layer_count, num_tokens, kv_heads,
 head_dim // group_size] float16. The checksum is zlib.crc32 over a canonical header (every field of the message
 except the byte fields and the checksum, plus the byte lengths) followed by data, scales and zero_points.
 
-`request_id` names what the page belongs to: the request on the prefill -> decode stream, the cache key in the
-prompt cache (`page_to_bytes` / `page_from_bytes`, the message as one byte string).
+`request_id` names the request the page belongs to. (Batches of pages travel as `pdserve.kv.transfer.wire`
+messages and prompt-cache values as `pdserve.cache.value`; both check values with `check_values`.)
 
 Errors: a payload or layout that does not fit (a caller's mistake) raises `InvalidRequest`; `decode_page` never
 returns a tensor it could not fully verify: any damaged byte or disagreement with what the reader expects
@@ -25,7 +25,6 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-from google.protobuf.message import DecodeError
 
 from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.dtypes import DTYPES, QUANTIZED, by_wire
@@ -305,29 +304,3 @@ def check_values(data: torch.Tensor, scales: torch.Tensor | None, zeros: torch.T
     if data.dtype == torch.float8_e4m3fn:
         raise CorruptPage("KV page data contain fp8 NaN encodings")
     raise CorruptPage("KV page data contain NaN or infinity")
-
-
-def page_to_bytes(payload: PagePayload, *, owner: str, layout: KVLayoutSpec, fingerprint: str) -> bytes:
-    """One page as one self-contained byte string (the serialized KVPage, `request_id` = `owner`)."""
-    return encode_page(payload, request_id=owner, seq_no=0, layout=layout, fingerprint=fingerprint).SerializeToString()
-
-
-def page_from_bytes(
-    buf: bytes, *, expected_layout: KVLayoutSpec, expected_fingerprint: str, expected_owner: str
-) -> PagePayload:
-    """Inverse of page_to_bytes, as strict as decode_page, and `buf` must be exactly what page_to_bytes writes
-    (any flipped byte is detected); raises CorruptPage on any damage or mismatch."""
-    try:
-        msg = kv_pb2.KVPage.FromString(buf)
-    except DecodeError as e:
-        raise CorruptPage(f"not a KV page message ({len(buf)} bytes): {e}") from None
-    if msg.seq_no != 0:
-        raise CorruptPage(f"stored page has seq_no {msg.seq_no}, want 0")
-    if msg.SerializeToString() != buf:  # e.g. a bool's varint 0x01 -> 0x5b parses alike: only page_to_bytes' bytes
-        raise CorruptPage("not the canonical encoding of the page it parses to")
-    return decode_page(
-        msg,
-        expected_layout=expected_layout,
-        expected_fingerprint=expected_fingerprint,
-        expected_request_id=expected_owner,
-    )

@@ -3,8 +3,8 @@
 The servicers only wire a request to them:
 - prefill: the engine thread exports a chunk's ready pages as one `ExportedPages` (page-major rows on the
   device, `page_format`), the stream writer calls `sender.send(exported)` and yields what it returns on the
-  Prefill stream; the ack reader calls `sender.ack(seq_no)`; before PrefillDone the writer calls
-  `sender.drain(timeout)`; when the RPC ends, `sender.close()`.
+  Prefill stream; the ack reader calls `sender.ack(seq_no)`; after PrefillDone the writer calls
+  `sender.drain(timeout)` (the RPC stays open until it returns); when the RPC ends, `sender.close()`.
 - decode: each batch message goes to `receiver.receive(header, source)`, which returns the seq_no to ack;
   `receiver.finish()` waits for the pool writes before the request joins the batch; `receiver.fail()` on any
   error frees the reserved pages.
@@ -120,8 +120,8 @@ class KVSender(ABC):
         return None
 
     def drain(self, timeout: float) -> None:
-        """Before PrefillDone: return once the receiver no longer needs anything the sender holds (grpc: at
-        once; cuda-ipc: every batch acked). Raises TimeoutError."""
+        """After PrefillDone, before the RPC ends: return once the receiver no longer needs anything the sender
+        holds (grpc: at once; cuda-ipc: every batch acked). Raises TimeoutError."""
         return None
 
     def close(self) -> None:

@@ -5,7 +5,8 @@ every cuda-ipc `KVTransportChoice`). Per chunk it reserves a region of the buffe
 it on a side stream, waits for the copy, and sends one `KVIpcBatch` descriptor (offset, header) per region.
 Decode opens the buffer once (cached by `buffer_id` in `IpcBufferCache`), copies the region into its own memory
 (peer to peer), acks, and scatters the rows into its pool on the engine thread. An ack gives the region back;
-PrefillDone is sent only after every region is acked (`drain`), so no region is reused while decode reads it.
+decode reads the stream in order, so PrefillDone follows the last descriptor at once, and the Prefill RPC stays
+open until every region is acked (`drain`): no region is reused while decode reads it.
 
 The copier is injected: `CudaIpcCopier` on CUDA (torch's `_share_cuda_` / `_new_shared_cuda`, no pickle);
 `ShmCopier` on CPU moves the bytes through a shared-memory file, so the whole protocol runs in CPU tests.

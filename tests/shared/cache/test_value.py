@@ -1,4 +1,5 @@
-"""Cached page values (KVPage messages bound to their key): round trip, and every kind of damage is detected."""
+"""Cached page values (raw page bytes behind a header bound to their key, CRC32C): round trip, and every kind of
+damage is detected."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_every_flipped_byte_and_truncation_detected():
 
 def test_mismatches_rejected():
     buf = encode_value(make_page(INT8, 2), NS, CHAIN)
-    with pytest.raises(CorruptPage, match="request id"):  # the value of another key
+    with pytest.raises(CorruptPage, match="another key"):  # the value of another key
         decode_value(buf, NS, bytes(32), 2)
     with pytest.raises(CorruptPage, match="page"):
         decode_value(buf, NS, CHAIN, 1)
@@ -67,7 +68,7 @@ def test_mismatches_rejected():
         decode_value(buf, namespace(dataclasses.replace(INT8, group_size=8)), CHAIN, 2)
     with pytest.raises(CorruptPage, match="fingerprint"):
         decode_value(buf, namespace(INT8, fingerprint="fp-other"), CHAIN, 2)
-    with pytest.raises(CorruptPage, match="not a KV page"):
+    with pytest.raises(CorruptPage, match="not a KV page value"):
         decode_value(b"PICKLE" + buf[6:], NS, CHAIN, 2)
 
 

@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 import torch
 
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.value import decode_value, encode_value
 from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.codec import (
     KVLayoutSpec,
@@ -17,8 +19,6 @@ from pdserve.kv.codec import (
     checksum,
     decode_page,
     encode_page,
-    page_from_bytes,
-    page_to_bytes,
 )
 from pdserve.kv.payload import PagePayload, quantize_payload
 from pdserve.v1 import kv_pb2
@@ -255,48 +255,24 @@ def test_encode_rejects_payload_not_matching_layout():
         encode(p, dataclasses.replace(lay, group_size=48))  # does not divide head_dim
 
 
-def test_bytes_form_roundtrip_and_every_damage_detected():
-    """page_to_bytes / page_from_bytes (the prompt cache's values): one flipped byte anywhere, a truncation or
-    a trailing byte is CorruptPage, and so is a value of another owner, model or layout."""
-    lay = layout("int8", asymmetric=True, group_size=16)
-    p = payload(lay, num_tokens=3, layers=2)
-    buf = page_to_bytes(p, owner="key-a", layout=lay, fingerprint=FP)
-    assert buf == encode(p, lay, request_id="key-a", seq_no=0).SerializeToString()
-    read = dict(expected_layout=lay, expected_fingerprint=FP, expected_owner="key-a")
-    out = page_from_bytes(buf, **read)
-    assert torch.equal(out.data, p.data) and torch.equal(out.scales, p.scales) and torch.equal(out.zeros, p.zeros)
-    for i in range(len(buf)):
-        bad = bytearray(buf)
-        bad[i] ^= 0x5A
-        with pytest.raises(CorruptPage):
-            page_from_bytes(bytes(bad), **read)
-    for n in (0, 1, 10, len(buf) // 2, len(buf) - 1):
-        with pytest.raises(CorruptPage):
-            page_from_bytes(buf[:n], **read)
-    with pytest.raises(CorruptPage):
-        page_from_bytes(buf + b"\0", **read)
-    with pytest.raises(CorruptPage, match="request id"):
-        page_from_bytes(buf, **read | dict(expected_owner="key-b"))
-    with pytest.raises(CorruptPage, match="fingerprint"):
-        page_from_bytes(buf, **read | dict(expected_fingerprint="sha256:model-b"))
-    with pytest.raises(CorruptPage, match="layout"):
-        page_from_bytes(buf, **read | dict(expected_layout=dataclasses.replace(lay, asymmetric=False)))
-    with pytest.raises(CorruptPage, match="seq_no"):
-        page_from_bytes(encode(p, lay, request_id="key-a", seq_no=1).SerializeToString(), **read)
-
-
 def refused_everywhere(p: PagePayload, lay: KVLayoutSpec, match: str) -> None:
-    """A faithfully checksummed page `p` is CorruptPage on the wire, in the bytes form (the prompt cache) and by
+    """A faithfully checksummed page `p` is CorruptPage on the wire, as a prompt-cache value and by
     `check_values` (the KV receivers' batch check)."""
     with pytest.raises(CorruptPage, match=match):
         decode(wire(encode(p, lay)), lay)
+
+    # the prompt cache stores full pages of all layers: `p` placed inside one, its bad value included
+    def full(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = torch.zeros(2, lay.num_layers, lay.page_size, *t.shape[3:], dtype=t.dtype)
+        out[:, p.layer_start : p.layer_start + p.layer_count, : p.num_tokens] = t
+        return out
+
+    page = PagePayload(p.page_index, lay.page_size, 0, full(p.data), full(p.scales), full(p.zeros), p.group_size)
+    ns, chain = CacheNamespace(FP, lay), bytes(32)
     with pytest.raises(CorruptPage, match=match):
-        page_from_bytes(
-            page_to_bytes(p, owner=RID, layout=lay, fingerprint=FP),
-            expected_layout=lay,
-            expected_fingerprint=FP,
-            expected_owner=RID,
-        )
+        decode_value(encode_value(page, ns, chain), ns, chain, p.page_index)
     with pytest.raises(CorruptPage, match=match):
         check_values(p.data, p.scales, p.zeros)
 
