@@ -115,7 +115,8 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
 
 
 def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
-    """The byte-convert int8 kernel over split count x block x stages x warps; prints the five fastest per shape."""
+    """The byte-convert int8 kernel over split count x block x stages x warps (word or byte loads); prints the five
+    fastest per shape. One wave of (sequence, head) programs leaves a tail: the split count sets how many waves."""
     import itertools
 
     from pdserve.engine.kernels import int8_decode_attention as kd
@@ -128,7 +129,7 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
         base = kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, 1)
         nbytes = 2 * B * ctx * KVH * (D + 2 * 2)
         res = {}
-        for wl, sp, bn, st, nw in itertools.product((False, True), (1, 2), (32, 64, 128), (2, 3), (2, 4)):
+        for wl, sp, bn, st, nw in itertools.product((False, True), (1, 2, 3, 4, 6, 8), (64, 128), (2, 3), (4, 8)):
             c = dict(block_n=bn, num_stages=st, num_warps=nw, fold_scales=True, byte_convert=True, word_loads=wl)
 
             def fn(c=c, sp=sp):
@@ -227,7 +228,7 @@ def main() -> None:
         return
     copy_bw, _ = ge.ceilings()
     if args.sweep:
-        sweep = config_sweep(copy_bw, [(128, 2048), (64, 8192)])
+        sweep = config_sweep(copy_bw, [(128, 2048), (64, 2048), (128, 8192), (64, 8192)])
         Path(args.json).write_text(json.dumps(sweep, indent=1))
         return
     sweep = int8_kernel_sweep(copy_bw, [(64, 2048), (128, 2048), (64, 8192), (128, 8192)])

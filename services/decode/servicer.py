@@ -6,7 +6,8 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
@@ -190,6 +191,26 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             call.cancel()
             context.abort(code, message)
 
+        pending: deque[Future] = deque()  # batches being checked and copied, in stream order
+
+        def batch_done(f: Future) -> None:
+            """A batch is in the pool's queue: acknowledge it now (cumulative acks: their order does not matter),
+            so prefill may reuse what it held even while no message arrives here. A failed batch cancels the
+            call, which wakes the reader below to report it."""
+            if f.exception() is None:
+                acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=f.result())))
+                pages.acked()
+            else:
+                call.cancel()
+
+        def check_batches(block: bool) -> None:
+            """Drop the leading finished batches (wait for all with `block`); raises the first one's error."""
+            while pending and (block or pending[0].done()):
+                pending.popleft().result(self.cfg.page_timeout_s)
+
+        def batch_error() -> BaseException | None:
+            return next((f.exception() for f in pending if f.done() and f.exception() is not None), None)
+
         try:
             for raw in call:
                 watchdog.feed()
@@ -205,17 +226,18 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     if receiver is None:
                         raise TransferError("KV batch before the transport choice")
                     if header is not None:
-                        seq = receiver.receive(header, payload)
+                        batch = receiver.receive_async(header, payload)
                     elif msg is not None and msg.HasField("ipc_batch"):
-                        seq = receiver.receive(msg.ipc_batch.header, msg.ipc_batch)
+                        batch = receiver.receive_async(msg.ipc_batch.header, msg.ipc_batch)
                     else:
                         raise TransferError(
                             f"unexpected message from prefill: {msg.WhichOneof('msg') if msg else None}"
                         )
+                    pending.append(batch)
+                    batch.add_done_callback(batch_done)
+                    check_batches(block=False)
                 except (TransferError, CorruptPage, InvalidRequest) as e:  # damaged, out of order or not ours
                     fail(grpc.StatusCode.DATA_LOSS, f"bad KV batch from prefill: {e}")
-                acks.put(internal_pb2.PrefillClientMessage(ack=internal_pb2.KVAck(seq_no=seq)))
-                pages.acked()
             else:
                 fail(grpc.StatusCode.UNAVAILABLE, f"prefill {request.prefill_target} ended without finishing")
             assert msg is not None  # the loop broke on PrefillDone
@@ -223,6 +245,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             if receiver is None:
                 fail(grpc.StatusCode.DATA_LOSS, "PrefillDone before the transport choice")
                 raise AssertionError("unreachable: abort raises")
+            try:
+                check_batches(block=True)  # every batch before PrefillDone: checked and in the pool's queue
+            except (TransferError, CorruptPage, InvalidRequest) as e:
+                fail(grpc.StatusCode.DATA_LOSS, f"bad KV batch from prefill: {e}")
             try:
                 receiver.finish(done.num_pages, self.cfg.page_timeout_s)
             except (TransferError, InvalidRequest) as e:
@@ -242,6 +268,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             return done.first_token_id, done.cached_tokens, done
         except grpc.RpcError as e:
             pages.fail()
+            bad = batch_error()
+            if bad is not None:  # a batch failed its checks and cancelled the call
+                context.abort(grpc.StatusCode.DATA_LOSS, f"bad KV batch from prefill: {bad}")
             if not context.is_active():  # a cancellation, not an error: no traceback
                 log.info(
                     "rid=%s caller went away during the KV transfer (%d pages received): %s",
@@ -276,7 +305,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
 
         args = (pages, BatchExpectation(layout, self.fingerprint, rid), self.transfer_stats, self.device, import_rows)
         if choice.transport == GRPC:
-            return GrpcReceiver(*args, pool=self.kv_copy_pool)
+            return self._with_pool(GrpcReceiver(*args))
         if choice.transport != CUDA_IPC:
             raise TransferError(f"prefill chose unknown kv transport {choice.transport!r}")
         try:
@@ -290,9 +319,13 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             acks.put(
                 internal_pb2.PrefillClientMessage(transport_ready=kv_pb2.KVTransportReady(ok=False, reason=reason))
             )
-            return GrpcReceiver(*args, pool=self.kv_copy_pool)
+            return self._with_pool(GrpcReceiver(*args))
         acks.put(internal_pb2.PrefillClientMessage(transport_ready=kv_pb2.KVTransportReady(ok=True)))
-        return IpcReceiver(*args, buffers=self.ipc_buffers, buffer_id=choice.ipc_buffer.buffer_id)
+        return self._with_pool(IpcReceiver(*args, buffers=self.ipc_buffers, buffer_id=choice.ipc_buffer.buffer_id))
+
+    def _with_pool(self, receiver: KVReceiver) -> KVReceiver:
+        receiver.pool = self.kv_copy_pool  # batches checked and copied while the stream's reader takes the next
+        return receiver
 
     def Stats(self, request, context):
         return instance_stats(self.loop, self.active.count, self.transfer_stats)

@@ -316,6 +316,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             log.exception("ack reader failed")
         finally:
             link.set_ready(None)  # a writer still waiting for readiness stops waiting
+            link.sender.acks_ended()  # ... and one draining stops waiting for acks
 
     # ---- KV transport -----------------------------------------------------------------------------------
     def _staging_unavailable(self) -> str:

@@ -17,9 +17,10 @@ descriptor message and its offer/choice fields (`handshake.py`).
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,8 +74,10 @@ class KVSender(ABC):
         self.stats = stats
         self.rows_per_batch = max(1, max_batch_bytes // self.fmt.page_bytes)
         self.clock = BusyClock()
-        self._spans: list[tuple[int, int]] = []  # (last seq_no of a batch, its clock span), in seq order
+        self._spans: list[tuple[int, int]] = []  # unacked batches: (last seq_no, its clock span), in seq order
         self._lock = threading.Lock()
+        self._acked_cv = threading.Condition(self._lock)
+        self._acks_ended = False
         self._closed = False
 
     @abstractmethod
@@ -105,24 +108,40 @@ class KVSender(ABC):
         )
 
     def ack(self, seq_no: int) -> bool:
-        """Cumulative ack from the receiver; returns True when it freed the request's pages (all acked)."""
+        """Cumulative ack from the receiver; returns True when it freed the request's pages (all acked). A clock
+        span (one `send` call: several batches) ends when its last batch is acked."""
         freed = self.pages.ack(seq_no)
-        with self._lock:
-            done = [span for last, span in self._spans if last <= seq_no]
+        with self._acked_cv:
+            done = {span for last, span in self._spans if last <= seq_no}
             self._spans = [(last, span) for last, span in self._spans if last > seq_no]
-        if done:
-            self.clock.end_upto(max(done))
+            finished = done - {span for _, span in self._spans}
+            self._acked_cv.notify_all()
+        for span in finished:
+            self.clock.end(span)
         self._acked(seq_no)
         return freed
+
+    def acks_ended(self) -> None:
+        """The receiver closed its side of the stream: no ack will come (`drain` stops waiting)."""
+        with self._acked_cv:
+            self._acks_ended = True
+            self._acked_cv.notify_all()
 
     def _acked(self, seq_no: int) -> None:
         """Transport hook: release what batches up to seq_no held (staging regions)."""
         return None
 
     def drain(self, timeout: float) -> None:
-        """After PrefillDone, before the RPC ends: return once the receiver no longer needs anything the sender
-        holds (grpc: at once; cuda-ipc: every batch acked). Raises TimeoutError."""
-        return None
+        """After PrefillDone, before the RPC ends: return once every shipped batch is acked (cuda-ipc: decode no
+        longer reads the staging regions; both: the transfer clock covers every batch) or the receiver closed its
+        side (`acks_ended`). Raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        with self._acked_cv:
+            while self._spans and not self._acks_ended:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self._spans)} shipped batches unacknowledged after {timeout}s")
+                self._acked_cv.wait(left)
 
     def close(self) -> None:
         """The RPC ended: free the pages if not all acked, release transport resources, book the time."""
@@ -159,6 +178,8 @@ class KVReceiver(ABC):
         self.device = device
         self.import_rows = import_rows
         self.clock = BusyClock()
+        self.pool: Executor | None = None  # fetches and checks batches off the stream's reader (receive_async)
+        self._last: Future[int] | None = None  # the latest batch's completion (the next one waits for it)
         self._writes: list[Future] = []
 
     @abstractmethod
@@ -167,23 +188,47 @@ class KVReceiver(ABC):
         on `self.device`, complete (no pending copy)."""
 
     def receive(self, header: kv_pb2.KVBatchHeader, source: Any) -> int:
-        """One batch: verified before any byte reaches the pool. Returns the seq_no to acknowledge. Raises
-        CorruptPage or TransferError."""
+        """One batch, on this thread: verified before any byte reaches the pool. Returns the seq_no to
+        acknowledge. Raises CorruptPage or TransferError."""
+        return self.receive_async(header, source).result()
+
+    def receive_async(self, header: kv_pb2.KVBatchHeader, source: Any) -> Future[int]:
+        """One batch: its header is verified and its pages claimed now (in arrival order); its bytes are fetched
+        and checked on `self.pool` (on this thread without one), so the stream's reader can take the next
+        message meanwhile. Batches reach the pool and are acknowledged in order: the Future holds the seq_no to
+        acknowledge, or the CorruptPage / TransferError (this batch's or an earlier one's)."""
         verify_header(header, self.expect)
         indexes, tokens = list(header.page_indexes), list(header.num_tokens)
         self.pages.check(header.first_seq_no, indexes)
         span = self.clock.start()
-        rows = self._fetch(header, source)
-        check_values(*self.fmt.unpack(rows))  # NaN / inf pass a checksum: CorruptPage (DATA_LOSS)
-        self.clock.end(span)
-        seq = self.pages.filled(indexes, header.nbytes)
-        self._writes.append(self.import_rows(indexes, tokens, rows))
-        self.stats.add(self.transport, pages=len(indexes), bytes=header.nbytes, batches=1)
-        return seq
+        earlier, done = self._last, Future[int]()
+        self._last = done
+
+        def complete() -> None:
+            try:
+                rows = self._fetch(header, source)
+                check_values(*self.fmt.unpack(rows))  # NaN / inf pass a checksum: CorruptPage (DATA_LOSS)
+                self.clock.end(span)
+                if earlier is not None:
+                    earlier.result()  # submitted (so started) before this one: in order, and its error is ours
+                seq = self.pages.filled(indexes, header.nbytes)
+                self._writes.append(self.import_rows(indexes, tokens, rows))
+                self.stats.add(self.transport, pages=len(indexes), bytes=header.nbytes, batches=1)
+                done.set_result(seq)
+            except BaseException as e:
+                done.set_exception(e)
+
+        if self.pool is None:
+            complete()
+        else:
+            self.pool.submit(complete)
+        return done
 
     def finish(self, num_pages: int, timeout: float) -> None:
         """At PrefillDone: every page arrived and every pool write is done. Raises TransferError / the write's
         error."""
+        if self._last is not None:
+            self._last.result(timeout)
         for f in self._writes:
             f.result(timeout)
         self.pages.complete(num_pages)

@@ -257,15 +257,6 @@ class IpcSender(KVSender):
         for _, offset, nbytes in done:
             self.staging.release(offset, nbytes)
 
-    def drain(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._regions:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{len(self._regions)} staged batches unacknowledged after {timeout}s")
-                self._cv.wait(left)
-
     def _release_all(self) -> None:
         # The stream is over: decode gets no PrefillDone, so whatever it copied from these regions is discarded.
         with self._cv:

@@ -6,9 +6,9 @@ hardware CRC32C and serialized with the payload copied once (`wire.batch_message
 messages are built by its threads, a few ahead of the stream writer (CRC32C and the copy release the GIL), so
 building message i+1 overlaps gRPC sending message i instead of preceding the chunk's first message.
 Receiver: the payload is a view of the received bytes (no copy), verified (sizes, ids, seq, CRC32C), copied
-host -> device in one copy, and written into the pool by one scatter on the engine thread. With a `pool`, the
-host -> device copy runs beside the CRC32C check (both read the received bytes; the rows reach the pool only
-once the check passed).
+host -> device in one copy, and written into the pool by one scatter on the engine thread. With the receiver's
+`pool` (`KVReceiver.receive_async`), batches are checked and copied on its threads while the stream's reader
+takes the next message: batch i's CRC32C overlaps batch i+1's copy.
 """
 
 from __future__ import annotations
@@ -102,31 +102,13 @@ class GrpcSender(KVSender):
 class GrpcReceiver(KVReceiver):
     transport = GRPC
 
-    def __init__(self, *args, pool: Executor | None = None, **kw):
-        super().__init__(*args, **kw)
-        self.pool = pool  # copies host -> device beside the checksum check (None: after it)
-
     def _fetch(self, header: kv_pb2.KVBatchHeader, source: Any) -> torch.Tensor:
         if not isinstance(source, memoryview):
             raise CorruptPage(f"{type(source).__name__} received on the grpc transport")
-        if self.device.type != "cuda":
-            verify_header(header, self.expect, source)  # sizes and CRC32C before any use of the bytes
-            return host_view(source).view(len(header.page_indexes), self.fmt.page_bytes)
-        verify_header(header, self.expect)  # sizes first: the copy below reads exactly nbytes
-        if len(source) != header.nbytes:
-            raise CorruptPage(f"batch payload has {len(source)} bytes, header requires {header.nbytes}")
+        verify_header(header, self.expect, source)  # sizes and CRC32C before any use of the bytes
         rows = host_view(source).view(len(header.page_indexes), self.fmt.page_bytes)
-        if self.pool is None:
-            verify_header(header, self.expect, source)
-            return self._to_device(rows)
-        copy = self.pool.submit(self._to_device, rows)  # lands in memory of its own, not in the pool
-        try:
-            verify_header(header, self.expect, source)  # CRC32C while the bytes cross to the device
-        finally:
-            dst = copy.result()
-        return dst
-
-    def _to_device(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return rows
         dst = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
         stream = torch.cuda.Stream(device=self.device)
         with torch.cuda.stream(stream):

@@ -2,7 +2,8 @@
 object holds the callback that gives the request's pages back to its engine and calls it exactly once.
 
 Sender (prefill):   FILLING → SHIPPED → ACKED → FREED   (FILLING: allocated, being computed or exported)
-Receiver (decode):  ALLOCATED → FILLED → ACKED → (handed to the engine's sequence) | FREED on failure
+Receiver (decode):  ALLOCATED → FILLING → FILLED → ACKED → (handed to the engine's sequence) | FREED on failure
+                    (FILLING: a batch claimed the page, its bytes are being fetched and checked)
 
 The sender frees its pages only when every page is acknowledged or the transfer is abandoned (cancel,
 deadline, error): never while the receiver may still be reading them. The receiver's pages are allocated when
@@ -114,44 +115,56 @@ class SenderPages:
 
 
 class ReceiverPages:
-    """Decode-side state of one request's incoming pages (one receiving thread). `free` gives the pages
+    """Decode-side state of one request's incoming pages (thread-safe). `free` gives the pages
     reserved at begin back to the engine; it runs once, on `fail`, unless the transfer completed."""
 
     def __init__(self, request_id: str, num_pages: int, free: Callable[[], object] | None = None):
         self.request_id = request_id
         self.states = [PageState.ALLOCATED] * num_pages
-        self.next_seq_no = 0
+        self._lock = threading.Lock()  # the stream's reader claims batches; fetch workers fill them
+        self.next_claim = 0  # seq_no the next arriving batch must start at
+        self.next_seq_no = 0  # seq_no after the last filled page
         self.bytes_received = 0
         self._free = _FreeOnce(free)
         self.completed = False
 
     def check(self, first_seq_no: int, page_indexes: Sequence[int]) -> None:
-        """Validate an arriving batch before any byte of it is written; raises TransferError."""
-        if first_seq_no != self.next_seq_no:
-            raise TransferError(f"expected page seq_no {self.next_seq_no}, got {first_seq_no}")
-        seen = set()
-        for p in page_indexes:
-            if not 0 <= p < len(self.states):
-                raise TransferError(f"page index {p} outside the {len(self.states)} reserved pages")
-            if self.states[p] is not PageState.ALLOCATED or p in seen:
-                raise TransferError(f"page {p} received twice")
-            seen.add(p)
+        """Validate an arriving batch before any byte of it is written and claim its pages (FILLING); raises
+        TransferError. Batches are claimed in arrival order; their bytes may be fetched concurrently."""
+        with self._lock:
+            if first_seq_no != self.next_claim:
+                raise TransferError(f"expected page seq_no {self.next_claim}, got {first_seq_no}")
+            seen = set()
+            for p in page_indexes:
+                if not 0 <= p < len(self.states):
+                    raise TransferError(f"page index {p} outside the {len(self.states)} reserved pages")
+                if self.states[p] is not PageState.ALLOCATED or p in seen:
+                    raise TransferError(f"page {p} received twice")
+                seen.add(p)
+            for p in page_indexes:
+                self.states[p] = PageState.FILLING
+            self.next_claim += len(page_indexes)
 
     def filled(self, page_indexes: Sequence[int], nbytes: int) -> int:
-        """The batch's bytes are held here; returns the seq_no to acknowledge (cumulative)."""
-        for p in page_indexes:
-            self.states[p] = PageState.FILLED
-        self.next_seq_no += len(page_indexes)
-        self.bytes_received += nbytes
-        return self.next_seq_no - 1
+        """The batch's bytes are held here (batches in claim order); returns the seq_no to acknowledge
+        (cumulative)."""
+        with self._lock:
+            for p in page_indexes:
+                if self.states[p] is not PageState.FILLING:
+                    raise TransferError(f"page {p} filled while {self.states[p].value}")
+                self.states[p] = PageState.FILLED
+            self.next_seq_no += len(page_indexes)
+            self.bytes_received += nbytes
+            return self.next_seq_no - 1
 
     def acked(self) -> None:
-        self.states = [PageState.ACKED if s is PageState.FILLED else s for s in self.states]
+        with self._lock:
+            self.states = [PageState.ACKED if s is PageState.FILLED else s for s in self.states]
 
     def complete(self, num_pages_announced: int) -> None:
         """At PrefillDone: every reserved page must have arrived exactly once. Then the engine's sequence owns
         the pages (freed when it finishes); `fail` no longer frees them."""
-        missing = [i for i, s in enumerate(self.states) if s is PageState.ALLOCATED]
+        missing = [i for i, s in enumerate(self.states) if s in (PageState.ALLOCATED, PageState.FILLING)]
         if missing or num_pages_announced != self.next_seq_no:
             raise TransferError(
                 f"transfer incomplete: {len(missing)} pages missing, announced "
@@ -161,10 +174,11 @@ class ReceiverPages:
 
     def fail(self) -> bool:
         """The transfer failed: free the reserved pages (once). True if this call freed them."""
-        if self.completed:
-            return False
-        self.states = [PageState.FREED] * len(self.states)
-        return self._free()
+        with self._lock:
+            if self.completed:
+                return False
+            self.states = [PageState.FREED] * len(self.states)
+            return self._free()
 
     @property
     def freed(self) -> bool:

@@ -56,23 +56,24 @@ def test_grpc_transport_device_to_pinned_to_device(threads):
         SenderPages("r", 64), layout, "fp", TransferStats(), max_batch_bytes=8 * MiB, pool=pool, lookahead=threads
     )
     expect = BatchExpectation(layout, "fp", "r")
-    recv = GrpcReceiver(ReceiverPages("r", 64), expect, TransferStats(), dev, import_rows, pool=pool)
+    recv = GrpcReceiver(ReceiverPages("r", 64), expect, TransferStats(), dev, import_rows)
+    recv.pool = pool  # batches checked and copied on the pool, in order
     ex = ExportedPages(list(range(64)), [16] * 64, rows, ready)
     raws = list(sender.send(ex))
     assert len(raws) > 1  # several batches: the pool builds them ahead
-    for raw in raws:
-        _, header, payload = parse_server_message(raw)
-        recv.receive(header, payload)
+    done = [recv.receive_async(*parse_server_message(raw)[1:]) for raw in raws]
+    assert [f.result(30) for f in done] == sorted(f.result() for f in done)  # acks in stream order
     assert ex.host is not None and ex.host.is_pinned()
     assert torch.equal(torch.cat(imported), rows)
     # a flipped payload byte: refused (the device copy beside the check never reaches the pool)
     bad = bytearray(raws[0])
     bad[-1] ^= 0x01
     _, header, payload = parse_server_message(bytes(bad))
-    other = GrpcReceiver(ReceiverPages("r", 64), expect, TransferStats(), dev, import_rows, pool=pool)
+    other = GrpcReceiver(ReceiverPages("r", 64), expect, TransferStats(), dev, import_rows)
+    other.pool = pool
     n = len(imported)
     with pytest.raises(CorruptPage, match="checksum"):
-        other.receive(header, payload)
+        other.receive_async(header, payload).result(30)
     assert len(imported) == n
 
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
+from pdserve.errors import CorruptPage
 from pdserve.kv.codec import KVLayoutSpec
-from pdserve.kv.transfer import ExportedPages, ReceiverPages, SenderPages
+from pdserve.kv.transfer import ExportedPages, ReceiverPages, SenderPages, TransferError
 from pdserve.kv.transfer.cuda_ipc import IpcBufferCache, IpcReceiver, IpcSender, IpcStaging, ShmCopier
 from pdserve.kv.transfer.grpc_transport import GrpcReceiver, GrpcSender
 from pdserve.kv.transfer.handshake import choose, make_offer
@@ -137,6 +138,54 @@ def test_grpc_sender_books_every_batch_at_once_and_builds_a_bounded_few_ahead():
         gate.set()
         got = [parse_server_message(m)[1].first_seq_no for m in msgs]
     assert got == list(range(n)) and sorted(built) == list(range(n))  # in order, each built once
+
+
+def test_grpc_receiver_pool_fills_and_acks_in_order_and_a_bad_batch_fails_the_rest():
+    fmt = PageFormat(INT8)
+    rows = fmt.pack(*dense_pool().gather_pages(list(range(6)), [PS] * 6, True, G, False, torch.int8))
+    sender = GrpcSender(SenderPages("r", 6), INT8, "fp", TransferStats(), max_batch_bytes=fmt.page_bytes)
+    msgs = [parse_server_message(m)[1:] for m in sender.send(ExportedPages(list(range(6)), [PS] * 6, rows))]
+    imported: list = []
+    pages = ReceiverPages("r", 6, free=lambda: None)
+    recv = GrpcReceiver(pages, BatchExpectation(INT8, "fp", "r"), TransferStats(), CPU, importer(imported))
+    with ThreadPoolExecutor(3) as pool:
+        recv.pool = pool
+        good = [recv.receive_async(h, p) for h, p in msgs[:3]]
+        assert [f.result(5) for f in good] == [0, 1, 2]
+        assert [idx for idx, _, _ in imported] == [[0], [1], [2]]  # into the pool in stream order
+        header, payload = msgs[3]
+        bad = bytearray(payload)
+        bad[0] ^= 1
+        failed = recv.receive_async(header, memoryview(bytes(bad)))
+        later = recv.receive_async(*msgs[4])  # claimed in order, but an earlier batch failed: so does this one
+        with pytest.raises(CorruptPage, match="checksum"):
+            failed.result(5)
+        with pytest.raises(CorruptPage, match="checksum"):
+            later.result(5)
+    assert len(imported) == 3 and pages.next_seq_no == 3
+    with pytest.raises(TransferError):
+        recv.receive_async(*msgs[2])  # a repeat: refused before any fetch
+
+
+def test_sender_clock_spans_a_whole_send_and_drain_waits_for_the_last_ack():
+    fmt = PageFormat(INT8)
+    rows = torch.randint(0, 255, (3, fmt.page_bytes), dtype=torch.uint8)
+    sender = GrpcSender(SenderPages("r", 3), INT8, "fp", TransferStats(), max_batch_bytes=fmt.page_bytes)
+    assert len(list(sender.send(ExportedPages([0, 1, 2], [PS] * 3, rows)))) == 3
+    with pytest.raises(TimeoutError):
+        sender.drain(0.05)
+    sender.ack(0)
+    assert sender.clock.seconds() == 0  # one send, one span: open until its last batch is acked
+    waiter = threading.Thread(target=sender.drain, args=(5,))
+    waiter.start()
+    time.sleep(0.05)
+    sender.ack(2)
+    waiter.join(5)
+    assert not waiter.is_alive() and sender.clock.seconds() > 0.05
+    other = GrpcSender(SenderPages("s", 1), INT8, "fp", TransferStats(), max_batch_bytes=fmt.page_bytes)
+    list(other.send(ExportedPages([0], [PS], rows[:1])))
+    other.acks_ended()  # decode closed its side: nothing left to wait for
+    other.drain(0.05)
 
 
 def test_ipc_pair_reuses_staging_only_after_acks(tmp_path):
