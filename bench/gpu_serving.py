@@ -150,10 +150,13 @@ def stats(stack: Stack, addr: str, stub_cls) -> internal_pb2.InstanceStats:
         return stub_cls(ch).Stats(internal_pb2.StatsRequest(), timeout=10)
 
 
-def kv_counters(stack: Stack) -> dict[str, tuple[int, float, int]]:
-    """Per transport: (page bytes, transfer seconds, fallbacks) as the prefill instance measured them (from the
-    staging copy to decode's ack)."""
-    s = stats(stack, stack.prefill[0], internal_pb2_grpc.PrefillStub)
+def kv_counters(stack: Stack, side: str = "prefill") -> dict[str, tuple[int, float, int]]:
+    """Per transport: (page bytes, transfer seconds, fallbacks) as one end measured them. Prefill: from a chunk's
+    send (device -> host or staging copy) to decode's ack of its last batch; decode: from a batch's arrival to its
+    bytes checked in decode's memory."""
+    addr, stub = (stack.prefill[0], internal_pb2_grpc.PrefillStub) if side == "prefill" else (
+        stack.decode[0], internal_pb2_grpc.DecodeStub)  # fmt: skip
+    s = stats(stack, addr, stub)
     return {t.transport: (t.bytes, t.transfer_seconds, t.fallbacks) for t in s.kv_transports}
 
 
@@ -176,13 +179,15 @@ def itl(c: pdserve.Client, ids: list[int], n: int = 128) -> float:
 def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 7) -> dict:
     with pdserve.Client(stack.router, timeout=120) as c:
         ttft_ms(c, fresh(2048, rng))  # warm-up (and the transport's first handshake)
-        before = kv_counters(stack)
+        before, before_r = kv_counters(stack), kv_counters(stack, "decode")
         times = [ttft_ms(c, fresh(2048, rng)) for _ in range(reps)]
-        after = kv_counters(stack)
+        time.sleep(0.5)  # the last request's acks reach prefill after its first token
+        after, after_r = kv_counters(stack), kv_counters(stack, "decode")
     key = "ipc" if transport == "cuda-ipc" else "grpc"
     return {
         f"served_ttft_ms_2k_{key}": median(times),
         f"kv_gbps_{key}": kv_gbps(before, after, transport),
+        f"kv_gbps_{key}_receiver": kv_gbps(before_r, after_r, transport),
         f"served_ttft_ms_2k_{key}_all": times,
         f"kv_counters_{key}": {t: list(v) for t, v in after.items()},
     }
