@@ -55,7 +55,7 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
         pool = Q.dequantize(q8[:, sub], s8[:, sub], None, 64, torch.float32).view(2, -1, KVH, D)
         ref = ge.paged_attention_ref(qq[:nb], pool, torch.arange(nb * W, device=DEV).int().view(nb, W), PS)
         del pool
-        splits = kd.default_num_splits(B, KVH, sms, 2)
+        splits = kd.default_num_splits(B, KVH, sms, kd.DEFAULT_CONFIG["split_mult"])  # what the engine launches
         res: dict = {}
         for name, c in variants.items():
 
