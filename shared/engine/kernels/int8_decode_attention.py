@@ -32,9 +32,8 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # (`_load_words_f16`), so tiles reach the tensor-core operand layout as fp16 through ldmatrix instead of one
 # 8-bit shared-memory load per element.
 # split_mult 5 (about one wave of resident programs: ~5 per SM at this kernel's occupancy): the split sweep of
-# bench/kv_formats.py --sweep on an H200 (2026-12-01) at ctx 2k / 8k: batch 64 119 / 405 us with 3 splits and
-# 124 / 416 with 2, against 138 / 521 with the 1 that split_mult 2 gave; batch 128 keeps 1 split (214 / 808 us,
-# its best).
+# bench/kv_formats.py --sweep on an H200 (2026-12-01) at ctx 2k / 8k: batch 64 gets 2 splits, 123 / 416 us (3: 119 /
+# 405), against 138 / 521 with the 1 split of split_mult 2; batch 128 keeps 1 split (214 / 808 us, its best).
 DEFAULT_CONFIG = dict(
     block_n=128,
     num_warps=4,
