@@ -156,6 +156,12 @@ def reference(make_engine):
     return forced, forced_logits(ref, PROMPTS, forced)
 
 
+@pytest.mark.xfail(
+    raises=ValueError,
+    strict=True,
+    reason="the engine refuses --kv-dtype fp8 on CUDA (kernel_choice) until its quantize path is bit-exact there "
+    "(issue 14); once the refusal goes, this test must pass",
+)
 @pytest.mark.parametrize("decode_kernel", ["triton", "dequant"])
 def test_fp8_engine_graph_matches_eager_and_fp32(make_engine, reference, decode_kernel):
     forced, base = reference
