@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,33 @@ def timed(fn: Callable[[], object], reps: int, sync: bool = True) -> float:
             torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
+
+
+def other_thread_progress(fn: Callable[[], object], seconds: float = 0.5) -> float:
+    """How far a pure-Python thread gets while `fn` runs in a loop, as a fraction of how far it gets alone in the
+    same time: 1.0 means `fn` never holds the GIL, ~0.5 means it holds it all the time (they take turns)."""
+
+    def spin(stop: threading.Event, out: list[int]) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+        out.append(n)
+
+    def run(busy: bool) -> float:
+        stop, out = threading.Event(), []
+        t = threading.Thread(target=spin, args=(stop, out))
+        t0 = time.perf_counter()
+        t.start()
+        while time.perf_counter() - t0 < seconds:
+            if busy:
+                fn()
+            else:
+                time.sleep(0.001)
+        stop.set()
+        t.join()
+        return out[0] / (time.perf_counter() - t0)
+
+    return run(True) / run(False)
 
 
 def main() -> None:
@@ -103,6 +131,14 @@ def main() -> None:
         "grpc.sender.message_bytes_tuned_malloc",
         timed(lambda: [batch_message_bytes(h, v) for h, v in zip(hdrs, views)], args.reps, False),
     )
+    joined = [b"".join([h.SerializeToString(), v]) for h, v in zip(hdrs, views)]  # noqa: F841 (warm the heap)
+    record("grpc.sender.join_reference", timed(lambda: [b"".join([b"h", v]) for v in views], args.reps, False))
+    for name, build in (
+        ("join", lambda: [b"".join([b"h", v]) for v in views]),
+        ("message_bytes", lambda: [batch_message_bytes(h, v) for h, v in zip(hdrs, views)]),
+    ):
+        res[f"gil.{name}_other_thread_progress"] = other_thread_progress(build)
+        row(f"gil: a Python thread's progress during {name}", f"{res[f'gil.{name}_other_thread_progress']:.0%}")
     with ThreadPoolExecutor(4) as pool:  # GrpcSender's builders: CRC32C + serialization, 4 threads
         record(
             "grpc.sender.build_4_threads",

@@ -6,8 +6,8 @@ A value is a fixed header bound to its key, a CRC32C, then the page's raw bytes:
     | layout (`codec.pack_layout`) | model fingerprint (`codec.pack_str`) | u64 x3 data / scales / zeros bytes
     | u32 CRC32C over everything before it and the three byte blocks | data | scales | zeros
 
-Encoding is one copy of the page bytes (a join that releases the GIL) and a hardware CRC32C (GIL released too):
-the write-back of a 2k-token prompt of an 8B model is 128 such values, and it runs beside the next request's
+Encoding is one copy of the page bytes (`pdserve.kv.bytes_out.concat`, outside the GIL) and a hardware CRC32C
+(outside the GIL too): the write-back of a 2k-token prompt of an 8B model is 128 such values, and it runs beside the next request's
 prefill in the same process, so it must hold the GIL for microseconds, not milliseconds (the protobuf KVPage
 encoding with zlib's CRC it replaces held it for about half of the prefill process's samples on the H200 host).
 
@@ -28,6 +28,7 @@ import torch
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.errors import CorruptPage, InvalidRequest
+from pdserve.kv.bytes_out import concat
 from pdserve.kv.codec import KVLayoutSpec, check_values, pack_layout, pack_str
 from pdserve.kv.payload import PagePayload
 
@@ -95,7 +96,7 @@ def encode_value(payload: PagePayload, ns: CacheNamespace, chain: bytes) -> byte
     crc = crc32c.crc32c(header)
     for b in blocks:
         crc = crc32c.crc32c(b, crc)
-    return b"".join([header, _CRC.pack(crc), *blocks])
+    return concat([header, _CRC.pack(crc), *blocks])  # the page bytes copied outside the GIL
 
 
 def decode_value(buf: bytes, ns: CacheNamespace, chain: bytes, page_index: int) -> PagePayload:

@@ -16,6 +16,7 @@ import crc32c
 from google.protobuf.message import DecodeError
 
 from pdserve.errors import CorruptPage
+from pdserve.kv.bytes_out import concat
 from pdserve.kv.codec import KVLayoutSpec, pack_layout, pack_str
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.v1 import internal_pb2, kv_pb2
@@ -146,7 +147,7 @@ def batch_message_bytes(header: kv_pb2.KVBatchHeader, payload) -> bytes:
     n = memoryview(payload).nbytes
     inner = [bytes([_HEADER_TAG]), _varint(len(hb)), hb, bytes([_PAYLOAD_TAG]), _varint(n)]
     inner_len = sum(len(x) for x in inner) + n
-    return b"".join([_OUTER_TAG, _varint(inner_len), *inner, payload])
+    return concat([_OUTER_TAG, _varint(inner_len), *inner, payload])  # the payload copied outside the GIL
 
 
 def parse_server_message(

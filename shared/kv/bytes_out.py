@@ -1,0 +1,51 @@
+"""Large `bytes` objects built without holding the GIL for the copy.
+
+gRPC's Python API takes a message as `bytes`, and so does redis-py. A KV batch or a cached page is several MB
+copied from a pinned host tensor. `b"".join` does that copy with the GIL held unless every part is an exact `bytes`
+object, and a tensor's memory never is. Meanwhile the stream writer (gRPC's own copy of each message), the
+engine thread and the ack reader all wait for the GIL.
+
+`concat` allocates the result uninitialized (`PyBytes_FromStringAndSize(NULL, n)`, the C API's way to build a bytes
+object), fills it before any other code can see it, and copies each large part with a torch copy, which releases
+the GIL. The small parts (headers) are copied directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+LARGE = 1 << 16  # parts from this size are copied with the GIL released; smaller results are a plain join
+
+
+def _as_tensor(buf) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": read, or written before it is shared
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def concat(parts: Sequence) -> bytes:
+    """The concatenation of `parts` (any contiguous buffers) as one new `bytes` object."""
+    views = [memoryview(p).cast("B") for p in parts]
+    total = sum(v.nbytes for v in views)
+    if total < LARGE:
+        return b"".join(views)
+    out = _new_bytes(None, total)  # uninitialized; nothing else holds it until this returns
+    dst = _as_tensor(out)
+    small = memoryview(dst.numpy())  # type: ignore[arg-type]
+    at = 0
+    for v in views:
+        n = v.nbytes
+        if n >= LARGE:
+            dst[at : at + n].copy_(_as_tensor(v))  # outside the GIL
+        elif n:
+            small[at : at + n] = v
+        at += n
+    return out
