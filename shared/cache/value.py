@@ -7,9 +7,10 @@ A value is a fixed header bound to its key, a CRC32C, then the page's raw bytes:
     | u32 CRC32C over everything before it and the three byte blocks | data | scales | zeros
 
 Encoding is one copy of the page bytes (`pdserve.kv.bytes_out.concat`, outside the GIL) and a hardware CRC32C
-(outside the GIL too): the write-back of a 2k-token prompt of an 8B model is 128 such values, and it runs beside the next request's
-prefill in the same process, so it must hold the GIL for microseconds, not milliseconds (the protobuf KVPage
-encoding with zlib's CRC it replaces held it for about half of the prefill process's samples on the H200 host).
+(outside the GIL too): the write-back of a 2k-token prompt of an 8B model is 128 such values, and it runs beside
+the next request's prefill in the same process, so it must hold the GIL for microseconds, not milliseconds (the
+protobuf KVPage encoding with zlib's CRC it replaces held it for about half of the prefill process's samples on the
+H200 host).
 
 `decode_value` parses strictly: every header field against what the caller expects (key, page, full page of all
 layers, layout, model), every length against the layout, the checksum, and the values (`check_values`: NaN or

@@ -6,8 +6,8 @@ object, and a tensor's memory never is. Meanwhile the stream writer (gRPC's own 
 engine thread and the ack reader all wait for the GIL.
 
 `concat` allocates the result uninitialized (`PyBytes_FromStringAndSize(NULL, n)`, the C API's way to build a bytes
-object), fills it before any other code can see it, and copies each large part with a torch copy, which releases
-the GIL. The small parts (headers) are copied directly.
+object), fills it before any other code can see it, and copies each large part with `ctypes.memmove` (a foreign
+call: the GIL is released, and the copy stays on this thread). The small parts (headers) are copied directly.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def concat(parts: Sequence) -> bytes:
         return b"".join(views)
     out = _new_bytes(None, total)  # uninitialized; nothing else holds it until this returns
     dst = _as_tensor(out)
+    base = dst.data_ptr()
     small = memoryview(dst.numpy())  # type: ignore[arg-type]
     at = 0
     for v in views:
         n = v.nbytes
-        if n >= LARGE:
-            dst[at : at + n].copy_(_as_tensor(v))  # outside the GIL
+        if n >= LARGE:  # a plain memcpy; a ctypes call releases the GIL (a torch copy would fan out to OpenMP)
+            ctypes.memmove(base + at, _as_tensor(v).data_ptr(), n)
         elif n:
             small[at : at + n] = v
         at += n
