@@ -21,7 +21,7 @@ class DecodeConfig(EngineOptions):
         "prefill is on this host with CUDA, else grpc; a forced transport that cannot work fails the request)",
     )
     kv_copy_threads: int = opt(
-        4, "grpc transport: threads copying KV batches to the device beside their checksum check; 0: none"
+        4, "threads checking and copying arriving KV batches while the stream's reader takes the next; 0: none"
     )
 
     def validate(self) -> None:

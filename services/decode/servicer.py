@@ -89,7 +89,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.transfer_stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
         self.kv_offer = make_offer(cfg.kv_transport, self.device)  # what this instance can receive
         self.ipc_buffers = IpcBufferCache(copier_for(self.device))  # prefill staging buffers, opened once each
-        # grpc transport: host -> device copies beside the checksum check (GrpcReceiver)
+        # arriving KV batches are checked and copied here while the stream's reader takes the next one
         self.kv_copy_pool = (
             ThreadPoolExecutor(cfg.kv_copy_threads, thread_name_prefix="kv-copy") if cfg.kv_copy_threads else None
         )
@@ -249,6 +249,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 check_batches(block=True)  # every batch before PrefillDone: checked and in the pool's queue
             except (TransferError, CorruptPage, InvalidRequest) as e:
                 fail(grpc.StatusCode.DATA_LOSS, f"bad KV batch from prefill: {e}")
+            except TimeoutError:
+                fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV batches not stored within {self.cfg.page_timeout_s}s")
             try:
                 receiver.finish(done.num_pages, self.cfg.page_timeout_s)
             except (TransferError, InvalidRequest) as e:
