@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -27,14 +28,16 @@ PAGE, PROMPT = 4, 8  # two pages
 
 class ScriptedPrefill:
     """Sends the transport choice, then what `script[request_id]` says: ("scale", value) one batch of every page
-    with one scale set to value, then PrefillDone; ("data", value) the same with one data value set to value (fp8:
-    the byte `value`); ("first", token_id) finite pages, then PrefillDone with that first
-    token; ("stall", None) one page, then nothing until the stream ends."""
+        with one scale set to value, then PrefillDone; ("data", value) the same with one data value set to value (fp8:
+        the byte `value`); ("first", token_id) finite pages, then PrefillDone with that first
+        token; ("stall", None) one page, then nothing until the stream ends; ("scale-stall", value) the "scale" batch,
+    then nothing until the stream ends."""
 
     def __init__(self):
         self.script: dict[str, tuple[str, float | int | None]] = {}
         self.stalled = threading.Event()  # the stalled stream's page went out
         self.ended = threading.Event()  # ... and its stream ended
+        self.ended_rids: set[str] = set()  # "scale-stall" streams that decode ended
 
     def Prefill(self, request_iterator, context):
         req = next(request_iterator).request
@@ -44,7 +47,7 @@ class ScriptedPrefill:
         n = -(-len(req.prompt_token_ids) // lay.page_size)
         data = torch.zeros(n, *fmt.data_shape, dtype=lay.torch_dtype)
         scales = torch.full((n, *fmt.scales_shape), 0.01, dtype=torch.float16) if lay.quantized else None
-        if kind == "scale":
+        if kind in ("scale", "scale-stall"):
             assert scales is not None
             scales[n - 1, 1, 0, 0, 0, 0] = value
         if kind == "data" and lay.dtype == "fp8":
@@ -60,6 +63,12 @@ class ScriptedPrefill:
             context.add_callback(ended.set)
             ended.wait(60)
             self.ended.set()
+            return
+        if kind == "scale-stall":  # the bad batch, then silence: only decode can end the stream
+            ended = threading.Event()
+            context.add_callback(ended.set)
+            ended.wait(60)
+            self.ended_rids.add(req.request_id)
             return
         first = int(value) if kind == "first" else 7
         yield internal_pb2.PrefillServerMessage(done=internal_pb2.PrefillDone(first_token_id=first, num_pages=n))
@@ -120,6 +129,21 @@ def test_damaged_prefill_answers_are_data_loss(decode, scripted, kind, value, re
         list(generate(stub, target, rid))
     assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value
     assert reason in err.value.details()
+    wait_until(lambda: pool_empty(stub), what="decode pages freed")
+
+
+def test_a_bad_batch_is_data_loss_at_once_even_when_prefill_goes_silent(decode, scripted):
+    """Batches are checked off the stream's reader: a bad one cancels the Prefill call, so decode answers DATA_LOSS
+    without waiting for another message (here none comes) or for page_timeout_s."""
+    stub, _ = decode
+    target, prefill = scripted
+    prefill.script["bad-then-silent"] = ("scale-stall", math.nan)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(generate(stub, target, "bad-then-silent"))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "NaN or infinity" in err.value.details(), err.value
+    assert time.monotonic() - t0 < 10  # page_timeout_s is 30
+    wait_until(lambda: "bad-then-silent" in prefill.ended_rids, what="decode ended the Prefill stream")
     wait_until(lambda: pool_empty(stub), what="decode pages freed")
 
 
