@@ -24,9 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from benchutil import log, print_rows, row
 
+from pdserve.kv.bytes_out import tensor_view
 from pdserve.kv.codec import KVLayoutSpec, check_values
 from pdserve.kv.transfer.base import ExportedPages
-from pdserve.kv.transfer.grpc_transport import host_view, to_host
+from pdserve.kv.transfer.grpc_transport import to_host
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.kv.transfer.wire import (
     BatchExpectation,
@@ -148,7 +149,7 @@ def main() -> None:
     record("grpc.receiver.parse", timed(lambda: [parse_server_message(m) for m in msgs], args.reps, False))
     parsed = [parse_server_message(m) for m in msgs]
     record("grpc.receiver.verify", timed(lambda: [verify_header(h, exp, p) for _, h, p in parsed], args.reps, False))
-    hviews = [host_view(p).view(-1, fmt.page_bytes) for _, _, p in parsed]
+    hviews = [tensor_view(p).view(-1, fmt.page_bytes) for _, _, p in parsed]
 
     def h2d() -> list[torch.Tensor]:
         return [v.to(dst_dev, non_blocking=False) for v in hviews]

@@ -22,14 +22,13 @@ No pickle anywhere.
 from __future__ import annotations
 
 import struct
-import warnings
 
 import crc32c
 import torch
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.errors import CorruptPage, InvalidRequest
-from pdserve.kv.bytes_out import concat
+from pdserve.kv.bytes_out import concat, tensor_view
 from pdserve.kv.codec import KVLayoutSpec, check_values, pack_layout, pack_str
 from pdserve.kv.payload import PagePayload
 
@@ -144,11 +143,9 @@ def decode_value(buf: bytes, ns: CacheNamespace, chain: bytes, page_index: int) 
     if got != crc:
         raise CorruptPage(f"value checksum mismatch (page {page_index})")
     data_shape, scales_shape = _shapes(lay)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": readers only (pool imports copy)
-        data = torch.frombuffer(blocks[0], dtype=lay.torch_dtype).view(data_shape)
-        scales = torch.frombuffer(blocks[1], dtype=torch.float16).view(scales_shape) if sizes[1] else None
-        zeros = torch.frombuffer(blocks[2], dtype=torch.float16).view(scales_shape) if sizes[2] else None
+    data = tensor_view(blocks[0], lay.torch_dtype).view(data_shape)  # readers only: pool imports copy
+    scales = tensor_view(blocks[1], torch.float16).view(scales_shape) if sizes[1] else None
+    zeros = tensor_view(blocks[2], torch.float16).view(scales_shape) if sizes[2] else None
     check_values(data, scales, zeros)  # a checksum proves only that the writer meant these values
     return PagePayload(page_index, lay.page_size, 0, data, scales, zeros, lay.group_size)
 

@@ -25,10 +25,12 @@ _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 LARGE = 1 << 16  # parts from this size are copied with the GIL released; smaller results are a plain join
 
 
-def _as_tensor(buf) -> torch.Tensor:
+def tensor_view(buf, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A CPU tensor over `buf` (any buffer, read-only ones too) without copying it: for readers, or for a new object
+    filled before anything else sees it."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": read, or written before it is shared
-        return torch.frombuffer(buf, dtype=torch.uint8)
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+        return torch.frombuffer(buf, dtype=dtype)
 
 
 def concat(parts: Sequence) -> bytes:
@@ -38,14 +40,14 @@ def concat(parts: Sequence) -> bytes:
     if total < LARGE:
         return b"".join(views)
     out = _new_bytes(None, total)  # uninitialized; nothing else holds it until this returns
-    dst = _as_tensor(out)
+    dst = tensor_view(out)
     base = dst.data_ptr()
     small = memoryview(dst.numpy())  # type: ignore[arg-type]
     at = 0
     for v in views:
         n = v.nbytes
         if n >= LARGE:  # a plain memcpy; a ctypes call releases the GIL (a torch copy would fan out to OpenMP)
-            ctypes.memmove(base + at, _as_tensor(v).data_ptr(), n)
+            ctypes.memmove(base + at, tensor_view(v).data_ptr(), n)
         elif n:
             small[at : at + n] = v
         at += n

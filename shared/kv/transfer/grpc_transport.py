@@ -13,7 +13,6 @@ takes the next message: batch i's CRC32C overlaps batch i+1's copy.
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from pdserve.errors import CorruptPage
+from pdserve.kv.bytes_out import tensor_view
 from pdserve.kv.transfer.base import ExportedPages, KVReceiver, KVSender
 from pdserve.kv.transfer.handshake import GRPC
 from pdserve.kv.transfer.wire import batch_message_bytes, verify_header
@@ -43,13 +43,6 @@ def to_host(exported: ExportedPages) -> torch.Tensor:
         rows.record_stream(stream)
     stream.synchronize()
     return host
-
-
-def host_view(buf: Any) -> torch.Tensor:
-    """A uint8 CPU tensor over a (read-only) buffer, without copying it. Readers only."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": nothing writes to it
-        return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 _Job = tuple[int, list[int], list[int], memoryview]  # (first seq_no, page indexes, num_tokens, payload)
@@ -106,7 +99,7 @@ class GrpcReceiver(KVReceiver):
         if not isinstance(source, memoryview):
             raise CorruptPage(f"{type(source).__name__} received on the grpc transport")
         verify_header(header, self.expect, source)  # sizes and CRC32C before any use of the bytes
-        rows = host_view(source).view(len(header.page_indexes), self.fmt.page_bytes)
+        rows = tensor_view(source).view(len(header.page_indexes), self.fmt.page_bytes)
         if self.device.type != "cuda":
             return rows
         dst = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)

@@ -55,8 +55,8 @@ class TransferStats:
 
 
 class BusyClock:
-    """Union of [start, end] intervals of one request's batches (starts come in order from one thread; ends
-    from another). `seconds()` is the time at least one batch was in flight."""
+    """Union of [start, end] intervals of one request's batches (started and ended from any thread).
+    `seconds()` is the time at least one batch was in flight."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -71,14 +71,6 @@ class BusyClock:
         with self._lock:
             if not self._spans[span][1]:
                 self._spans[span][1] = time.perf_counter()
-
-    def end_upto(self, span: int) -> None:
-        """End every span up to and including `span` (a cumulative ack)."""
-        now = time.perf_counter()
-        with self._lock:
-            for s in self._spans[: span + 1]:
-                if not s[1]:
-                    s[1] = now
 
     def seconds(self) -> float:
         with self._lock:
