@@ -262,6 +262,7 @@ class FA3Backend:
             fold_scales=cfg.get("fold_scales", False),
             byte_convert=cfg.get("byte_convert", False),
             word_loads=cfg.get("word_loads", False),
+            k_planes=cfg.get("k_planes", False),
             pdl=kc.pdl,
         )
         if not cache.quantized:

@@ -31,6 +31,10 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # word_loads (fold_scales kernel only): read the int8 pool as int32 words and convert them in the load layout
 # (`_load_words_f16`), so tiles reach the tensor-core operand layout as fp16 through ldmatrix instead of one
 # 8-bit shared-memory load per element.
+# k_planes (word_loads kernel only): QK^T over K's four byte planes (`_plane_scores`): K converts straight into the
+# tensor-core operand layout with two words per conversion (no repacking moves, no shared-memory round trip for K):
+# 38.7 -> 37.0 warp instructions per key (SASS), 5-6% faster at batch 64/128 x context 2k/8k on an H200 (2026-12-01,
+# bench/kv_formats.py; docs/benchmarks.md).
 # split_mult 5 (about one wave of resident programs: ~5 per SM at this kernel's occupancy): the split sweep of
 # bench/kv_formats.py --sweep on an H200 (2026-12-01) at ctx 2k / 8k: batch 64 gets 2 splits, 123 / 416 us (3: 119 /
 # 405), against 138 / 521 with the 1 split of split_mult 2; batch 128 keeps 1 split (214 / 808 us, its best).
@@ -43,6 +47,7 @@ DEFAULT_CONFIG = dict(
     fold_scales=True,
     byte_convert=True,
     word_loads=True,
+    k_planes=True,
 )
 DENSE_CONFIG = dict(
     block_n=64,
@@ -53,6 +58,7 @@ DENSE_CONFIG = dict(
     fold_scales=False,
     byte_convert=False,
     word_loads=False,
+    k_planes=False,
 )
 
 
@@ -270,6 +276,59 @@ def _load_words_f16(wptrs, ok, BLOCK: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
+def _words_to_planes(w):
+    """int32 words [.., N] (four int8 each) -> byte planes 0..3 as fp16 [.., N] (plane r: byte r of each word),
+    exactly; two words per asm instance so that each output register holds one plane's pair of neighbouring words
+    (the tensor-core operand layout wants plane-major pairs, no repacking)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 x0, x1, t01, t23, hi, off;
+        mov.b32 hi, 0x64646464;
+        mov.b32 off, 0x64806480;
+        xor.b32 x0, $4, 0x80808080;
+        xor.b32 x1, $5, 0x80808080;
+        prmt.b32 t01, x0, x1, 0x5140;
+        prmt.b32 t23, x0, x1, 0x7362;
+        prmt.b32 $0, t01, hi, 0x4140;
+        prmt.b32 $1, t01, hi, 0x4342;
+        prmt.b32 $2, t23, hi, 0x4140;
+        prmt.b32 $3, t23, hi, 0x4342;
+        sub.f16x2 $0, $0, off;
+        sub.f16x2 $1, $1, off;
+        sub.f16x2 $2, $2, off;
+        sub.f16x2 $3, $3, off;
+        }""",
+        constraints="=r,=r,=r,=r,r,r",
+        args=[w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _plane_scores(q_a, q_b, q_c, q_d, wptrs, ok):
+    """Scores [QP, BLOCK] of one half: q's byte-plane columns (q_r [QP, J] = q[:, 4j + r]) against the K words at
+    `wptrs` [BLOCK, J], one K=J dot per plane; the conversion lands in the dot operand layout (no shared-memory
+    round trip for K)."""
+    k_a, k_b, k_c, k_d = _words_to_planes(tl.load(wptrs, mask=ok[:, None], other=0))
+    s = tl.dot(q_a, tl.trans(k_a))
+    s = tl.dot(q_b, tl.trans(k_b), s)
+    s = tl.dot(q_c, tl.trans(k_c), s)
+    return tl.dot(q_d, tl.trans(k_d), s)
+
+
+@triton.jit
+def _load_q_planes(qrow, qmask):
+    """q columns 4j + r (r = 0..3) at `qrow` [QP, J] (column 4j of the half) as fp16 [QP, J] each."""
+    a = tl.load(qrow, mask=qmask[:, None], other=0.0).to(tl.float16)
+    b = tl.load(qrow + 1, mask=qmask[:, None], other=0.0).to(tl.float16)
+    c = tl.load(qrow + 2, mask=qmask[:, None], other=0.0).to(tl.float16)
+    d = tl.load(qrow + 3, mask=qmask[:, None], other=0.0).to(tl.float16)
+    return a, b, c, d
+
+
+@triton.jit
 def _load_halves(ptrs, ok, H: tl.constexpr, dt, BYTES: tl.constexpr):
     """Both halves [BLOCK, H] of int8 rows at `ptrs` [BLOCK, H] (first half) as `dt` values."""
     x0 = tl.load(ptrs, mask=ok[:, None], other=0)
@@ -317,12 +376,15 @@ def _decode_kernel_fold2(
     USE_PDL: tl.constexpr,
     BYTES: tl.constexpr,
     WORDS: tl.constexpr,
+    KPLANES: tl.constexpr = False,
 ):
     """`_decode_kernel` for a symmetric int8 pool with two scale groups per head (group = head_dim / 2, the
     default 64 at head_dim 128), scales folded out of the tiles: each half of K and V is read as its own
     [BLOCK, D/2] tile and converted int8 -> q's dtype exactly (no multiply, no reshape); QK^T is the sum of two
     dots, each scaled per key on the [QP, BLOCK] scores; P is scaled per value before each half's PV dot.
-    BYTES: the dots run in fp16 on tiles converted by `_s8_to_f16` (q and P rounded to fp16 instead of q's dtype)."""
+    BYTES: the dots run in fp16 on tiles converted by `_s8_to_f16` (q and P rounded to fp16 instead of q's dtype).
+    KPLANES (with WORDS): QK^T as four dots per half over K's byte planes (`_plane_scores`) with q's columns
+    permuted to match (a dot product does not depend on the order of its terms)."""
     H: tl.constexpr = D // 2
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -336,6 +398,11 @@ def _decode_kernel_fold2(
     qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + c[None, :]
     q0 = tl.load(qrow, mask=qmask[:, None], other=0.0)  # [QP, H]
     q1 = tl.load(qrow + H, mask=qmask[:, None], other=0.0)
+    if KPLANES:  # [QP, H/4] planes of each half (column 4j + r), and each half's sum
+        jw = tl.arange(0, H // 4)
+        qw = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + 4 * jw[None, :]
+        q0a, q0b, q0c, q0d = _load_q_planes(qw, qmask)
+        q1a, q1b, q1c, q1d = _load_q_planes(qw + H, qmask)
     if BYTES or WORDS:
         q0 = q0.to(tl.float16)
         q1 = q1.to(tl.float16)
@@ -350,12 +417,18 @@ def _decode_kernel_fold2(
         kv_off = row[:, None] * D + c[None, :]  # [BLOCK, H]
         if WORDS:  # k_ptr/v_ptr: the pool as int32 words [rows, D/4]
             w_off = row[:, None] * (D // 4) + tl.arange(0, H // 4)[None, :]  # [BLOCK, H/4]
-            k0 = _load_words_f16(k_ptr + w_off, ok, BLOCK, H)  # [BLOCK, H]
-            k1 = _load_words_f16(k_ptr + w_off + H // 4, ok, BLOCK, H)
-        else:
-            k0, k1 = _load_halves(k_ptr + kv_off, ok, H, dt, BYTES)  # [BLOCK, H] each
         ks0, ks1 = _load_scale_pair(ks_ptr, row, ok)  # [BLOCK] each
-        qk = tl.dot(q0, tl.trans(k0)) * ks0[None, :] + tl.dot(q1, tl.trans(k1)) * ks1[None, :]
+        if KPLANES:
+            s0 = _plane_scores(q0a, q0b, q0c, q0d, k_ptr + w_off, ok)  # [QP, BLOCK]
+            s1 = _plane_scores(q1a, q1b, q1c, q1d, k_ptr + w_off + H // 4, ok)
+            qk = s0 * ks0[None, :] + s1 * ks1[None, :]
+        else:
+            if WORDS:
+                k0 = _load_words_f16(k_ptr + w_off, ok, BLOCK, H)  # [BLOCK, H]
+                k1 = _load_words_f16(k_ptr + w_off + H // 4, ok, BLOCK, H)
+            else:
+                k0, k1 = _load_halves(k_ptr + kv_off, ok, H, dt, BYTES)  # [BLOCK, H] each
+            qk = tl.dot(q0, tl.trans(k0)) * ks0[None, :] + tl.dot(q1, tl.trans(k1)) * ks1[None, :]
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [QP, BLOCK] (log2)
         p, alpha, m, l = _online_softmax(qk, m, l)
         if WORDS:
@@ -433,6 +506,7 @@ def int8_paged_decode(
     fold_scales: bool = bool(DEFAULT_CONFIG["fold_scales"]),
     byte_convert: bool = bool(DEFAULT_CONFIG["byte_convert"]),
     word_loads: bool = bool(DEFAULT_CONFIG["word_loads"]),
+    k_planes: bool = bool(DEFAULT_CONFIG["k_planes"]),
     pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
@@ -488,6 +562,7 @@ def int8_paged_decode(
             USE_PDL=pdl,
             BYTES=byte_convert,
             WORDS=words,
+            KPLANES=words and k_planes and d >= 128,  # planes of D/8 >= 16 columns (a dot's K)
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,

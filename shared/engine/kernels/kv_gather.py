@@ -56,7 +56,7 @@ def _dequant_pages_kernel(
         dst = (b.to(tl.int64) * W_TOKENS + t) * H + h
         d = tl.arange(0, D)
         gi = tl.arange(0, G)
-        q = tl.load(data_ptr + kv * data_kv_stride + src[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+        q = tl.load(data_ptr + kv * data_kv_stride + src[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         s = tl.load(s_ptr + kv * s_kv_stride + src[:, None] * G + gi[None, :], mask=ok[:, None], other=1.0)
         z = s
         if ASYM:

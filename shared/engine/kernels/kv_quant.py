@@ -1,6 +1,6 @@
 """Group-wise int8 and fp8 (e4m3fn) quantize / dequantize of KV rows in Triton, bit-identical to `pdserve.kv.quant`
 (the torch path): scales and zero points rounded to fp16 outward (scale up, zero down), IEEE division (`div_rn`),
-round-half-to-even (int8: by the 1.5 * 2**23 trick; fp8: the hardware conversion, `cvt.rn.satfinite`), and
+round-half-to-even (int8: by the 1.5 * 2**23 trick; fp8: in integer ops, `fp8_e4m3_bits`), and
 dequantization as (q [+ 128]) * s [+ z] in float32, whose products are exact.
 
 Rows are the last dim (head_dim D, a power of two); a program handles BLOCK_R rows. Optional row indirection
@@ -42,6 +42,22 @@ def fp16_round_down(v):
     bits = h.to(tl.int16, bitcast=True)
     down = tl.where(bits < 0, bits + 1, bits - 1).to(tl.int16).to(tl.float16, bitcast=True)
     return tl.where(h.to(tl.float32) > v, down, h)
+
+
+@triton.jit
+def fp8_e4m3_bits(y):
+    """float32 y (|y| <= 448) -> the float8_e4m3fn bits [uint8] of y rounded to nearest, ties to even, with integer
+    ops only (no hardware conversion, whose rounding of some inputs did not match torch's on an H200): subnormals
+    (|y| < 2**-6) count steps of 2**-9; normals keep 3 of fp32's 23 mantissa bits, the carry moving into the exponent
+    as in IEEE rounding, then the exponent is re-biased (127 -> 7). The sign bit is y's (so -0.0 -> 0x80, as torch)."""
+    bits = y.to(tl.int32, bitcast=True)
+    a = tl.abs(y)
+    sub = round_half_even(a * 512.0).to(tl.int32)  # 0..8 (8 = 2**-6, the smallest normal's bits)
+    ab = a.to(tl.int32, bitcast=True)
+    rounded = (ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20  # [E32 | m3] after round-half-even
+    normal = rounded - (120 << 3)  # E8 = E32 - 127 + 7
+    mag = tl.where(a < 0.015625, sub, normal)
+    return (mag | ((bits >> 24) & 0x80)).to(tl.uint8)
 
 
 @triton.jit
@@ -89,7 +105,7 @@ def quantize_tile(
         q = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
     q = tl.reshape(q, (R, G * GS))
     if FP8:
-        out = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        out = fp8_e4m3_bits(q).to(tl.float8e4nv, bitcast=True)
     else:
         out = q.to(tl.int8)
     return out, scale, zero
@@ -157,7 +173,7 @@ def _dequantize_kernel(
     gi = tl.arange(0, G)
     ok = rows < n_rows
     r = rows.to(tl.int64)
-    q = tl.load(q_ptr + r[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+    q = tl.load(q_ptr + r[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # 0.0: no int 0 -> fp8 cast
     s = tl.load(s_ptr + r[:, None] * G + gi[None, :], mask=ok[:, None], other=1.0)
     z = s
     if ASYM:

@@ -140,14 +140,3 @@ def test_batch_invariant_is_cpu_only_and_a_service_option():
         KernelChoice.select(cfg, torch.device("cuda"), ModelConfig.__new__(ModelConfig))
     opts = EngineOptions(model="m", batch_invariant=True)
     assert opts.engine_config("int8").batch_invariant
-
-
-def test_fp8_kv_is_refused_on_cuda_until_validated():
-    """fp8 KV runs on CPU; on CUDA its quantize path failed its GPU tests, so an engine refuses it with a reason."""
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.kernel_choice import KernelChoice
-    from pdserve.engine.model import ModelConfig
-
-    cfg = EngineConfig(model_dir="unused", kv_dtype="fp8")
-    with pytest.raises(ValueError, match="fp8 is not validated on CUDA"):
-        KernelChoice.select(cfg, torch.device("cuda"), ModelConfig.__new__(ModelConfig))

@@ -168,7 +168,7 @@ def test_s8_to_f16_exact():
         assert torch.equal(y, x.half())
 
 
-@pytest.mark.parametrize("variant", ["tile", "expand", "fold", "fold-pdl", "fold-cvt", "fold-words"])
+@pytest.mark.parametrize("variant", ["tile", "expand", "fold", "fold-pdl", "fold-cvt", "fold-words", "fold-planes"])
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 def test_int8_decode_attention_vs_fp32(asym, splits, variant):
@@ -196,7 +196,8 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
         scale_expand=variant == "expand",
         fold_scales=variant.startswith("fold"),  # sym only: asym falls back to the tile kernel
         byte_convert=variant != "fold-cvt",  # fold kernel: int8 -> fp16 by byte permutes, or by conversions
-        word_loads=variant == "fold-words",  # ... of tiles read as int32 words
+        word_loads=variant in ("fold-words", "fold-planes"),  # ... of tiles read as int32 words
+        k_planes=variant == "fold-planes",  # ... K as byte planes, converted in the dot operand layout
         pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV),
     )
     assert out.isfinite().all()
