@@ -33,8 +33,8 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # 8-bit shared-memory load per element.
 # k_planes (word_loads kernel only): QK^T over K's four byte planes (`_plane_scores`): K converts straight into the
 # tensor-core operand layout with two words per conversion (no repacking moves, no shared-memory round trip for K):
-# 38.7 -> 37.0 warp instructions per key (SASS), 5-6% faster at batch 64/128 x context 2k/8k on an H200 (2026-12-01,
-# bench/kv_formats.py; docs/benchmarks.md).
+# 38.7 -> 37.0 warp instructions per key (SASS); on an H200 0-2.5% faster per layer at batch 64/128 x context 2k/8k
+# and 4% of the kernel's time in an engine step (2026-12-01, bench/kv_formats.py; docs/benchmarks.md).
 # split_mult 5 (about one wave of resident programs: ~5 per SM at this kernel's occupancy): the split sweep of
 # bench/kv_formats.py --sweep on an H200 (2026-12-01) at ctx 2k / 8k: batch 64 gets 2 splits, 123 / 416 us (3: 119 /
 # 405), against 138 / 521 with the 1 split of split_mult 2; batch 128 keeps 1 split (214 / 808 us, its best).
@@ -398,7 +398,7 @@ def _decode_kernel_fold2(
     qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + c[None, :]
     q0 = tl.load(qrow, mask=qmask[:, None], other=0.0)  # [QP, H]
     q1 = tl.load(qrow + H, mask=qmask[:, None], other=0.0)
-    if KPLANES:  # [QP, H/4] planes of each half (column 4j + r), and each half's sum
+    if KPLANES:  # [QP, H/4] planes of each half (column 4j + r)
         jw = tl.arange(0, H // 4)
         qw = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + 4 * jw[None, :]
         q0a, q0b, q0c, q0d = _load_q_planes(qw, qmask)

@@ -47,7 +47,7 @@ def fp16_round_down(v):
 @triton.jit
 def fp8_e4m3_bits(y):
     """float32 y (|y| <= 448) -> the float8_e4m3fn bits [uint8] of y rounded to nearest, ties to even, with integer
-    ops only (no hardware conversion, whose rounding of some inputs did not match torch's on an H200): subnormals
+    ops only (exact by construction, whatever a converter does with ties and subnormals): subnormals
     (|y| < 2**-6) count steps of 2**-9; normals keep 3 of fp32's 23 mantissa bits, the carry moving into the exponent
     as in IEEE rounding, then the exponent is re-biased (127 -> 7). The sign bit is y's (so -0.0 -> 0x80, as torch)."""
     bits = y.to(tl.int32, bitcast=True)
