@@ -445,7 +445,10 @@ def main() -> None:
                 res.update(decode_figures(stack, rng))
                 row("ITL b1 ctx512 / ctx8k", f"{res['itl_ms_b1_ctx512']:.2f} / {res['itl_ms_b1_ctx8k']:.2f} ms")
                 save()
+                spies = start_profilers(stack, args.profile_dir, "c32", seconds=8.0) if args.profile_dir else []
                 res.update(throughput_c32(stack, rng))
+                for p in spies:
+                    p.wait(timeout=60)
                 row(
                     "64 x 2048→128, 32 concurrent",
                     f"{res['out_tok_s_c32']:.0f} tok/s",

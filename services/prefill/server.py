@@ -16,7 +16,11 @@ def serve(cfg: PrefillConfig) -> None:
 
     # prefill keeps full precision and quantizes when shipping; batch-invariant: it stores the shipped format, so
     # its chunks attend over the same dequantized KV that a prompt-cache hit or the decode instance sees
-    loop = build_engine(cfg, pool_kv_dtype=cfg.kv_dtype if cfg.batch_invariant else "auto")
+    loop = build_engine(
+        cfg,
+        pool_kv_dtype=cfg.kv_dtype if cfg.batch_invariant else "auto",
+        ship_formats=[(cfg.kv_dtype, cfg.kv_group_size)],
+    )
     cache = build_prompt_cache(cfg)  # Redis (--redis-url / $REDIS_URL), in-process, or None (--prompt-cache false)
 
     def register(server, telemetry):

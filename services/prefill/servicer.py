@@ -133,8 +133,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 **(hit.decision.attributes() if hit.decision is not None else {}),
             },
         )
-        if hit.pages:  # shipped first, as stored (already in the layout decode asked for)
-            rows = PageFormat(layout).rows_from_payloads(hit.pages)
+        if hit.pages:  # shipped first, beside the compute, as stored: the exact cached bytes (the pool may hold
+            # them at another precision). A device-to-device transport stages them from pinned memory (one DMA).
+            pin = link.sender.device_to_device and self.device.type == "cuda"
+            rows = PageFormat(layout).rows_from_payloads(hit.pages, pin_memory=pin)
             outbox.put(ExportedPages(list(range(hit.num_pages)), [p.num_tokens for p in hit.pages], rows))
 
         def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
@@ -247,8 +249,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     except TimeoutError as e:
                         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode did not acknowledge KV: {e}")
                     if self.cache is not None:  # off the first token's path: decode has every page already
-                        for shipped in to_cache:
-                            write_back(self.cache, ns, hit, shipped, layout)
+                        write_back(self.cache, ns, hit, to_cache, layout)
                     log.info(
                         "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s ms=%.1f",
                         rid,

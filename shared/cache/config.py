@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.server.available_memory import available_memory_bytes
 from pdserve.server.service_config import opt
 
 MiB = 1 << 20
+AUTO = -1.0
+AUTO_LOCAL_SHARE = 1 / 8  # of the available host memory, for `--cache-local-mb -1`
+AUTO_LOCAL_MIN_MB, AUTO_LOCAL_MAX_MB = 256.0, 64 * 1024.0
 
 
 @dataclass
@@ -22,7 +26,11 @@ class CacheOptions:
     cache_timeout_ms: float = opt(250.0, "Redis socket timeout; a slower answer counts as an error (a miss)")
     cache_breaker_failures: int = opt(3, "consecutive Redis errors that open the circuit breaker")
     cache_breaker_cooldown_s: float = opt(5.0, "how long an open breaker skips Redis before one probe")
-    cache_local_mb: float = opt(256.0, "in-memory LRU tier in front of Redis, MiB (0 = off)")
+    cache_local_mb: float = opt(
+        -1.0,
+        "in-memory LRU tier in front of Redis, MiB (0 = off; -1 = auto: 1/8 of the host memory available at start, "
+        "the cgroup limit included, between 256 MiB and 64 GiB)",
+    )
     cache_memory_mb: float = opt(1024.0, "size of the in-process cache used without Redis, MiB")
     cache_max_value_mb: float = opt(32.0, "pages whose value is larger than this are not cached, MiB")
     cache_write_queue: int = opt(1024, "pages waiting for asynchronous write-back; beyond it they are dropped")
@@ -36,9 +44,22 @@ class CacheOptions:
             raise SystemExit(f"--cache-timeout-ms must be > 0, got {self.cache_timeout_ms}")
         if self.cache_breaker_failures < 1 or self.cache_breaker_cooldown_s < 0:
             raise SystemExit("--cache-breaker-failures must be >= 1 and --cache-breaker-cooldown-s >= 0")
-        if min(self.cache_local_mb, self.cache_max_value_mb) < 0 or self.cache_memory_mb <= 0:
+        if self.cache_local_mb < 0 and self.cache_local_mb != AUTO:
+            raise SystemExit(f"--cache-local-mb must be >= 0 or -1 (auto), got {self.cache_local_mb}")
+        if self.cache_max_value_mb < 0 or self.cache_memory_mb <= 0:
             raise SystemExit("cache sizes must be >= 0 (--cache-memory-mb > 0)")
         if self.cache_write_queue < 1 or self.cache_lookup_batch < 1:
             raise SystemExit("--cache-write-queue and --cache-lookup-batch must be >= 1")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SystemExit(f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+
+    def local_tier_mb(self, available_bytes: int | None = None) -> float:
+        """The local tier's size in MiB: as given, or for auto (-1) a share of `available_bytes` (default: what
+        this host / cgroup has available now), clamped to [AUTO_LOCAL_MIN_MB, AUTO_LOCAL_MAX_MB]."""
+        if self.cache_local_mb != AUTO:
+            return self.cache_local_mb
+        if available_bytes is None:
+            available_bytes = available_memory_bytes()
+        if available_bytes is None:
+            return AUTO_LOCAL_MIN_MB
+        return min(AUTO_LOCAL_MAX_MB, max(AUTO_LOCAL_MIN_MB, available_bytes * AUTO_LOCAL_SHARE / MiB))

@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,13 +125,9 @@ class PromptCache:
         store is asked only when fetching beats computing at `prefill_tokens_per_s` (None: unmeasured)."""
         keys = ns.page_keys(token_ids)
         want = keys[: max(0, max_pages)]
-        pages: list[PagePayload] = []
-        while self.local is not None and len(pages) < len(want):
-            p = self.local.get(want[len(pages)])
-            if p is None:
-                break
-            pages.append(p)
+        pages: list[PagePayload] = self.local.get_prefix(want) if self.local is not None else []
         n_local = len(pages)
+        fetched: list[tuple[bytes, PagePayload]] = []  # store hits, into the local tier as one chain
         corrupt = errors = skipped = slow = 0
         decision = None
         if len(pages) < len(want):
@@ -175,10 +171,12 @@ class PromptCache:
                     stop = True
                     break
                 pages.append(p)
-                if self.local is not None:
-                    self.local.put(k, p)
+                fetched.append((k, p))
             if stop:
                 break
+        if self.local is not None and fetched:
+            self.local.put_chain(fetched)
+            self.local.get_prefix(want[:n_local])  # the head stays the most recent
         if n_local and self.store.remote:  # keep the shared copy alive while this instance serves it locally
             self._writer.submit(_Touch([self.store_key(ns, k) for k in want[:n_local]]))
         self.stats.add(
@@ -197,14 +195,22 @@ class PromptCache:
     # ---- write-back --------------------------------------------------------------------------------------
     def put(self, ns: CacheNamespace, key: bytes, payload: PagePayload) -> bool:
         """Cache a newly computed full page (asynchronously). Never blocks; False if it was dropped."""
-        if payload.num_tokens != ns.layout.page_size:
-            return False
+        return self.put_many(ns, [(key, payload)]) == 1
+
+    def put_many(self, ns: CacheNamespace, items: Sequence[tuple[bytes, PagePayload]]) -> int:
+        """Cache newly computed full pages of one prompt, in prompt order (asynchronously; the local tier keeps
+        them as one chain). Never blocks; returns how many were accepted (the rest were dropped)."""
+        full = [(k, p) for k, p in items if p.num_tokens == ns.layout.page_size]
         if self.local is not None:
-            self.local.put(key, payload)
-        if self._writer.submit(_Write(ns, key, payload)):
-            return True
-        self.stats.add(write_drops=1)
-        return False
+            self.local.put_chain(full)
+        accepted = 0
+        for k, p in full:  # head first; after a drop the rest would sit behind a hole: not sent
+            if not self._writer.submit(_Write(ns, k, p)):
+                break
+            accepted += 1
+        if accepted < len(full):
+            self.stats.add(write_drops=len(full) - accepted)
+        return accepted
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued writes reached the store (tests, benchmarks); False on timeout."""
@@ -297,11 +303,13 @@ def build_prompt_cache(opts: CacheOptions, environ: Mapping[str, str] | None = N
             "instead of writes failing when memory is full",
             policy,
         )
+    local_mb = opts.local_tier_mb()
     log.info(
-        "prompt cache: Redis%s %s, ttl %.0fs, local tier %.0f MiB",
+        "prompt cache: Redis%s %s, ttl %.0fs, local tier %.0f MiB%s",
         " Cluster" if opts.redis_cluster else "",
         redact(url),
         opts.cache_ttl_s,
-        opts.cache_local_mb,
+        local_mb,
+        " (auto)" if local_mb != opts.cache_local_mb else "",
     )
-    return PromptCache(store, local_bytes=int(opts.cache_local_mb * MiB), **common)
+    return PromptCache(store, local_bytes=int(local_mb * MiB), **common)

@@ -2,7 +2,7 @@
 prefix up before it is queued, write the newly computed full pages back after it.
 
     lookup_prefix(cache, ns, prompt, page_size, rate)   longest cached prefix of full pages (no cache: a miss)
-    write_back(cache, ns, hit, batch, layout)           the batch's pages the lookup missed, as host copies
+    write_back(cache, ns, hit, batches, layout)         the batches' pages the lookup missed, as host copies
 """
 
 from __future__ import annotations
@@ -31,18 +31,21 @@ def lookup_prefix(
 
 
 def write_back(
-    cache: PromptCache, ns: CacheNamespace, hit: CacheLookup, batch: ExportedPages, layout: KVLayoutSpec
+    cache: PromptCache, ns: CacheNamespace, hit: CacheLookup, batches: list[ExportedPages], layout: KVLayoutSpec
 ) -> None:
-    """Put the pages of `batch` (in `layout`) that `hit` missed, full pages past the cached prefix, into the cache
-    (CPU copies; the store write is asynchronous)."""
-    want = [i for i, idx in enumerate(batch.page_indexes) if hit.num_pages <= idx < len(hit.keys)]
-    if not want:
-        return
-    rows = batch.host if batch.host is not None else to_host(batch)  # uint8 [pages, page_bytes]
-    if len(want) < len(batch.page_indexes):
-        rows = rows[want]
-    payloads = PageFormat(layout).payloads(
-        rows, [batch.page_indexes[i] for i in want], [batch.num_tokens[i] for i in want]
-    )
-    for p in payloads:
-        cache.put(ns, hit.keys[p.page_index], p)
+    """Put the pages of `batches` (one request's, in prompt order, in `layout`) that `hit` missed, full pages past
+    the cached prefix, into the cache as one chain (CPU copies; the store write is asynchronous)."""
+    items = []
+    for batch in batches:
+        want = [i for i, idx in enumerate(batch.page_indexes) if hit.num_pages <= idx < len(hit.keys)]
+        if not want:
+            continue
+        rows = batch.host if batch.host is not None else to_host(batch)  # uint8 [pages, page_bytes]
+        if len(want) < len(batch.page_indexes):
+            rows = rows[want]
+        payloads = PageFormat(layout).payloads(
+            rows, [batch.page_indexes[i] for i in want], [batch.num_tokens[i] for i in want]
+        )
+        items += [(hit.keys[p.page_index], p) for p in payloads]
+    items.sort(key=lambda kp: kp[1].page_index)
+    cache.put_many(ns, items)

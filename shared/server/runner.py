@@ -23,10 +23,12 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
-    """The engine of a prefill or decode instance; `pool_kv_dtype` is what its KV pool stores."""
+def build_engine(cfg: EngineOptions, pool_kv_dtype: str, ship_formats: Sequence[tuple[str, int]] = ()):
+    """The engine of a prefill or decode instance, warmed up (`--warmup`); `pool_kv_dtype` is what its KV pool
+    stores, `ship_formats` the (kv dtype, group size) of pages it exports and imports from a prompt cache."""
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.loop import EngineLoop
+    from pdserve.engine.warmup import warm_up
 
     tune_malloc()  # KV batches are multi-MB host buffers: reuse faulted-in memory (pdserve.server.host_memory)
     if cfg.torch_threads > 0:
@@ -34,6 +36,8 @@ def build_engine(cfg: EngineOptions, pool_kv_dtype: str):
 
         torch.set_num_threads(cfg.torch_threads)
     engine = LLMEngine(cfg.engine_config(pool_kv_dtype))
+    if cfg.warmup:
+        warm_up(engine, ship_formats)
     return EngineLoop(engine)
 
 

@@ -101,6 +101,11 @@ class EngineOptions(ServerOptions):
         "(fixed-size GEMM row blocks, row-wise prefill attention, prefill pool in the shipped KV format); slower",
     )
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
+    warmup: bool = opt(
+        True,
+        "run throwaway requests through the engine before reporting ready, so that no request pays first-use "
+        "costs (kernel compiles, library handles)",
+    )
     router: str = opt("", "router host:port to register with and heartbeat to (empty: the router's static list)")
 
     def engine_config(self, pool_kv_dtype: str):

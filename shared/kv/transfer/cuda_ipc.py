@@ -218,6 +218,7 @@ class IpcStaging:
 
 class IpcSender(KVSender):
     transport = CUDA_IPC
+    device_to_device = True
 
     def __init__(self, *args, staging: IpcStaging, reserve_timeout: float, **kw):
         super().__init__(*args, **kw)

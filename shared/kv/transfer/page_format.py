@@ -84,23 +84,26 @@ class PageFormat:
         zeros = rows[:, b:].view(torch.float16).view(n, *self.scales_shape) if self.zeros_bytes else None
         return data, scales, zeros
 
-    def rows_from_payloads(self, payloads: list[PagePayload]) -> torch.Tensor:
-        """CPU PagePayloads (all layers, this layout) -> uint8 [N, page_bytes] CPU (prompt-cache hits)."""
-        n = len(payloads)
-        data = torch.zeros(n, *self.data_shape, dtype=self.layout.torch_dtype)
-        scales = torch.zeros(n, *self.scales_shape, dtype=torch.float16) if self.layout.quantized else None
-        zeros = torch.zeros(n, *self.scales_shape, dtype=torch.float16) if self.layout.asymmetric else None
+    def rows_from_payloads(self, payloads: list[PagePayload], pin_memory: bool = False) -> torch.Tensor:
+        """CPU PagePayloads (all layers, this layout) -> uint8 [N, page_bytes] CPU (prompt-cache hits): one copy
+        per page into its row; only the tokens past a partial page's end are zeroed. `pin_memory`: page-locked
+        rows (needs CUDA), so that a copy to the device is one DMA."""
+        rows = torch.empty(len(payloads), self.page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        data, scales, zeros = self.unpack(rows)
+        ps = self.layout.page_size
         for i, p in enumerate(payloads):
             if p.layer_start != 0 or p.layer_count != self.layout.num_layers:
                 raise InvalidRequest(f"page {p.page_index}: batches carry all layers")
             k = p.num_tokens
-            data[i, :, :, :k] = p.data
-            for dst, src in ((scales, p.scales), (zeros, p.zeros)):
-                if dst is not None:
-                    if src is None:
-                        raise InvalidRequest(f"page {p.page_index}: scales / zeros missing for {self.layout}")
-                    dst[i, :, :, :k] = src
-        return self.pack(data, scales, zeros)
+            for dst, src in ((data, p.data), (scales, p.scales), (zeros, p.zeros)):
+                if dst is None:
+                    continue
+                if src is None:
+                    raise InvalidRequest(f"page {p.page_index}: scales / zeros missing for {self.layout}")
+                dst[i, :, :, :k] = src
+                if k < ps:
+                    dst[i, :, :, k:] = 0
+        return rows
 
     def payloads(self, rows: torch.Tensor, page_indexes: list[int], num_tokens: list[int]) -> list[PagePayload]:
         """uint8 [N, page_bytes] -> PagePayloads (own CPU copies, first num_tokens tokens of each page)."""

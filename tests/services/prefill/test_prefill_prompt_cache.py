@@ -35,6 +35,7 @@ class Cluster:
             ("prefill", [], {"REDIS_URL": ""}),  # p2: in-process cache
             ("decode", ["--kv-dtype", "auto"], {}),
             ("decode", ["--kv-dtype", "int8"], {}),
+            ("decode", ["--kv-dtype", "auto", "--kv-transport", "cuda-ipc"], {}),  # shared memory on CPU
         ]
         started = [
             start_service(name, ["--model", str(model), *ENGINE, *args], work, env=env) for name, args, env in specs
@@ -45,15 +46,16 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        self.prefill, (self.decode_auto, self.decode_int8) = addrs[:3], addrs[3:]
+        self.prefill, (self.decode_auto, self.decode_int8, self.decode_ipc) = addrs[:3], addrs[3:]
         self.channels = {a: channel(a) for a in addrs}
 
     def generate(
-        self, prefill: int, ids: list[int], max_tokens: int = 8, int8: bool = False, scope: str = ""
+        self, prefill: int, ids: list[int], max_tokens: int = 8, int8: bool = False, scope: str = "", ipc: bool = False
     ) -> tuple[list[int], int]:
         """(completion token ids, cached_tokens) of a greedy request through decode -> prefill[prefill], its pages
-        cached in `scope` (DecodeRequest.cache_scope, what the router sets per tenant)."""
-        decode = self.decode_int8 if int8 else self.decode_auto
+        cached in `scope` (DecodeRequest.cache_scope, what the router sets per tenant); `ipc`: the decode instance
+        that forces the cuda-ipc transport."""
+        decode = self.decode_ipc if ipc else self.decode_int8 if int8 else self.decode_auto
         req = internal_pb2.DecodeRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=ids,
@@ -232,3 +234,28 @@ def test_int8_cache_hits_through_the_real_path(cluster, rds):
         total += len(cold)
     print(f"int8 cold vs warm greedy agreement {agree}/{total}")
     assert agree / total >= 0.6, (agree, total)
+
+
+def sent(cluster, prefill: int, transport: str) -> tuple[int, int, int]:
+    """(requests, pages, batches) prefill[prefill] has sent over `transport`."""
+    with channel(cluster.prefill[prefill]) as ch:
+        st = internal_pb2_grpc.PrefillStub(ch).Stats(internal_pb2.StatsRequest(), timeout=10)
+    return next(((t.requests, t.pages, t.batches) for t in st.kv_transports if t.transport == transport), (0, 0, 0))
+
+
+@pytest.mark.parametrize("n", [6 * PAGE + 1, 2 * CHUNK + 3 * PAGE])
+def test_cached_prefix_over_cuda_ipc(cluster, rds, n):
+    """A cached prefix over cuda-ipc: every page of the prompt crosses exactly once, over cuda-ipc (the prefix as
+    its own batch, before the computed ones), and the output equals the uncached one over grpc."""
+    ids = prompt(n, seed=40 + n)
+    cold, cached = cluster.generate(1, ids)  # over grpc: the reference, and it writes the pages
+    assert cached == 0
+    want = (n - 1) // PAGE * PAGE
+    r0, p0, b0 = sent(cluster, 1, "cuda-ipc")
+    assert cluster.generate(1, ids, ipc=True) == (cold, want)  # p1's local tier
+    rds.flushall()
+    r1, p1, b1 = sent(cluster, 1, "cuda-ipc")
+    assert (r1 - r0, p1 - p0) == (1, -(-n // PAGE))
+    assert b1 - b0 == 1 + -(-(n - want) // CHUNK)  # the cached rows, then one batch per computed chunk
+    cold_ipc, cached = cluster.generate(0, ids, ipc=True)  # p0 (Redis only, now empty): a miss over cuda-ipc
+    assert (cold_ipc, cached) == (cold, 0)
