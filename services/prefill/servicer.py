@@ -133,11 +133,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 **(hit.decision.attributes() if hit.decision is not None else {}),
             },
         )
-        if hit.pages:  # shipped first, beside the compute, as stored: the exact cached bytes (the pool may hold
-            # them at another precision). A device-to-device transport stages them from pinned memory (one DMA).
-            pin = link.sender.device_to_device and self.device.type == "cuda"
-            rows = PageFormat(layout).rows_from_payloads(hit.pages, pin_memory=pin)
+        # The cached prefix ships as stored: the exact cached bytes (the pool may hold them at another precision).
+        # A host transport sends the host copies now, beside the compute. A device-to-device one sends the device
+        # copy the engine's import makes (one host pass in all), with the first chunk.
+        upload_first = bool(hit.pages) and link.sender.device_to_device
+        if hit.pages and not upload_first:
+            rows = PageFormat(layout).rows_from_payloads(hit.pages)
             outbox.put(ExportedPages(list(range(hit.num_pages)), [p.num_tokens for p in hit.pages], rows))
+        upload_pending = [True] if upload_first else []  # engine thread: the upload is still to be shipped
 
         def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
             if isinstance(out, BaseException):
@@ -162,6 +165,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                             "pdserve.chunk.ready_pages": len(out.ready_pages),
                         },
                     )
+                if upload_pending and out.token_range:  # the step that imported the prefix ran its first chunk
+                    upload_pending.clear()
+                    if out.token_range[0] > 0:  # else preempted before the import: recomputed, in ready_pages
+                        outbox.put(self._cached_batch(rid, hit, layout))
                 if out.ready_pages:  # one device gather per chunk; the writer ships it
                     outbox.put(self.loop.engine.export_batch(rid, out.ready_pages, layout))
                 if out.finished:
@@ -185,6 +192,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 prefill_only=True,
                 cached_pages=hit.pages or None,
                 sampled_before=req.sampled_before,
+                keep_cached_upload=upload_first,
             )
         except Exception as e:
             with self._lock:
@@ -283,6 +291,17 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             if ship is not None:
                 scope.end_child(ship)  # no-op after PrefillDone; else the status the RPC ends with
             # Pages stay allocated until decode acks them all or the RPC ends (callback above).
+
+    def _cached_batch(self, rid: str, hit: CacheLookup, layout: KVLayoutSpec) -> ExportedPages:
+        """Engine thread, after the prefix's import: the cached prefix as one batch, packed on the device from the
+        engine's upload (host rows if the import kept none: pages of mixed formats)."""
+        engine, fmt = self.loop.engine, PageFormat(layout)
+        up = engine.take_cached_upload(rid)
+        indexes, num_tokens = list(range(hit.num_pages)), [p.num_tokens for p in hit.pages]
+        if up is None:
+            return ExportedPages(indexes, num_tokens, fmt.rows_from_payloads(hit.pages))
+        rows = fmt.pack(up.data, up.scales, up.zeros)  # uint8 [N, page_bytes] on the device
+        return ExportedPages(indexes, num_tokens, rows, engine.runner.record_event())
 
     def _record_done(
         self, scope: RequestScope, ship, pages: SenderPages, prompt_tokens: int, done: internal_pb2.PrefillDone

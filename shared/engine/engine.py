@@ -27,7 +27,7 @@ from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceSt
 from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.dtypes import DTYPES, QUANTIZED
-from pdserve.kv.payload import PagePayload
+from pdserve.kv.payload import CachedUpload, PagePayload
 from pdserve.kv.transfer.base import ExportedPages
 from pdserve.kv.transfer.page_format import PageFormat
 
@@ -81,6 +81,8 @@ class LLMEngine:
 
         self._seqs: dict[str, Sequence] = {}  # live requests, incl. finished prefill-only ones holding pages
         self._cached_pages: dict[str, list[PagePayload]] = {}  # prompt-cache prefixes, written on first schedule
+        self._cached_uploads: dict[str, CachedUpload] = {}  # keep_cached_upload: a prefix's device copy
+        self._keep_upload: set[str] = set()
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
         self._arrival = itertools.count()
         self.last_step_scheduled = False  # whether the last step() ran a forward pass
@@ -173,6 +175,7 @@ class LLMEngine:
         sampled_before: int = 0,
         resumed_tokens: int = 0,
         resumed_text_chars: int = 0,
+        keep_cached_upload: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError (bad input, duplicate id) or OutOfPages (prompt larger than the
         whole pool). `forced_token_ids`: teacher forcing, the i-th sampled token is replaced by the i-th forced
@@ -180,7 +183,8 @@ class LLMEngine:
         `cached_pages`: KV of the prompt's first N full pages (page_index 0..N-1, all layers, dense or int8) from
         a prompt cache; they are written into the pool when the request is first scheduled and only tokens
         N*page_size.. are computed. At least the last prompt token must be left to compute (it samples the first
-        token). Cached pages never appear in `ready_pages` (the caller already has them).
+        token). Cached pages never appear in `ready_pages` (the caller already has them). `keep_cached_upload`:
+        keep the device copy the import made of them, exact bytes in their own format, for `take_cached_upload`.
         `sampled_before`: tokens this request already sampled elsewhere (a failover resume: the prompt ends with
         them); a seeded request skips their draws, so it samples as if it had never moved.
         `resumed_tokens`, `resumed_text_chars`: a failover resume on an engine that prefills itself (colocated
@@ -212,6 +216,8 @@ class LLMEngine:
             raise
         if cached_pages:
             self._cached_pages[request_id] = list(cached_pages)
+            if keep_cached_upload:
+                self._keep_upload.add(request_id)
             seq.num_computed_tokens = len(cached_pages) * self.page_size
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -242,7 +248,17 @@ class LLMEngine:
         if seq.num_computed_tokens < len(pages) * self.page_size:  # preempted before it ran: recomputed instead
             return
         # _check_cached_pages: full pages 0..N-1 of all layers, each checked against the pool
-        self.runner.import_full_pages([seq.page_table[p.page_index] for p in pages], pages)
+        upload = self.runner.import_full_pages([seq.page_table[p.page_index] for p in pages], pages)
+        if upload is not None and seq.request_id in self._keep_upload:
+            self._cached_uploads[seq.request_id] = upload
+
+    def take_cached_upload(self, request_id: str) -> CachedUpload | None:
+        """The device copy of a request's cached prefix (`keep_cached_upload`), once it was imported; None if it
+        was not kept or not imported yet (or preempted first: recomputed instead). Taking it releases it."""
+        up = self._cached_uploads.pop(request_id, None)
+        if up is not None:
+            self._keep_upload.discard(request_id)
+        return up
 
     def abort(self, request_id: str) -> bool:
         """Drop a request in any state and free its pages. If it had not finished, the next `step()` returns a
@@ -266,6 +282,8 @@ class LLMEngine:
             self.scheduler.remove(seq)
             self.scheduler.free_pages(seq)
             self._cached_pages.pop(request_id, None)
+            self._cached_uploads.pop(request_id, None)
+            self._keep_upload.discard(request_id)
             self.runner.drop_request(request_id)
         return seq
 

@@ -39,7 +39,7 @@ from pdserve.engine.sampling import (
 )
 from pdserve.engine.sequence import Sequence
 from pdserve.kv.dtypes import DTYPES
-from pdserve.kv.payload import PagePayload
+from pdserve.kv.payload import CachedUpload, PagePayload
 
 log = logging.getLogger("pdserve.engine")
 
@@ -197,16 +197,17 @@ class ModelRunner:
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         self.kv_cache.import_page(physical_page, payload)
 
-    def import_full_pages(self, physical_pages: list[int], payloads: list[PagePayload]) -> None:
+    def import_full_pages(self, physical_pages: list[int], payloads: list[PagePayload]) -> CachedUpload | None:
         """Write whole pages (all layers, `page_size` tokens, one format) in one host -> device copy per tensor and
-        one scatter, instead of a handful of copies and kernels per page (a cached prefix of hundreds of pages)."""
+        one scatter, instead of a handful of copies and kernels per page (a cached prefix of hundreds of pages).
+        Returns that device copy, in the payloads' own format (None for mixed formats, imported page by page)."""
         if not payloads:
-            return
+            return None
         first = payloads[0]
         if any(p.group_size != first.group_size or (p.zeros is None) != (first.zeros is None) for p in payloads):
             for page, p in zip(physical_pages, payloads):
                 self.import_page(page, p)
-            return
+            return None
 
         def stacked(ts: list[torch.Tensor]) -> torch.Tensor:  # [N, 2, L, page_size, kv_heads, d or d/g]
             if self.device.type != "cuda":
@@ -219,6 +220,7 @@ class ModelRunner:
         scales = stacked([p.scales for p in payloads]) if first.scales is not None else None  # type: ignore[misc]
         zeros = stacked([p.zeros for p in payloads]) if first.zeros is not None else None  # type: ignore[misc]
         self.kv_cache.scatter_pages(physical_pages, data, scales, zeros, first.group_size)
+        return CachedUpload(data, scales, zeros)
 
     def record_event(self):
         """A CUDA event marking the work queued so far on this runner's stream (None on CPU: done already)."""

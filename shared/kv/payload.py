@@ -11,6 +11,7 @@ e.g. D=128, g=64 vs bf16 (256 B): sym 132 B (ratio 0.516), asym 136 B (ratio 0.5
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -64,3 +65,13 @@ def dequantize_payload(p: PagePayload, dtype: torch.dtype) -> PagePayload:
             raise ValueError("quantized payload has no scales")
         data = dequantize(p.data, p.scales, p.zeros, p.group_size, dtype)
     return replace(p, data=data, scales=None, zeros=None, group_size=0)
+
+
+class CachedUpload(NamedTuple):
+    """Whole pages stacked page-major in one format, on the engine's device: the copy a cached prefix's import
+    made, in its own (stored) format. data [N, 2, layers, page_size, kv_heads, head_dim], scales / zeros
+    [N, 2, layers, page_size, kv_heads, head_dim // group] float16 or None."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    zeros: torch.Tensor | None

@@ -246,7 +246,7 @@ def sent(cluster, prefill: int, transport: str) -> tuple[int, int, int]:
 @pytest.mark.parametrize("n", [6 * PAGE + 1, 2 * CHUNK + 3 * PAGE])
 def test_cached_prefix_over_cuda_ipc(cluster, rds, n):
     """A cached prefix over cuda-ipc: every page of the prompt crosses exactly once, over cuda-ipc (the prefix as
-    its own batch, before the computed ones), and the output equals the uncached one over grpc."""
+    its own batch from the engine's upload, after its import), and the output equals the uncached one over grpc."""
     ids = prompt(n, seed=40 + n)
     cold, cached = cluster.generate(1, ids)  # over grpc: the reference, and it writes the pages
     assert cached == 0

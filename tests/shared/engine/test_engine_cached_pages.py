@@ -137,3 +137,30 @@ def engine_partial_page(engine, prompt: list[int]) -> PagePayload:
     (p,) = engine.export_pages("part", [0], "auto")
     engine.release("part")
     return p
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_keep_cached_upload_is_the_exact_stored_bytes_and_is_released(engine, kv_dtype):
+    """keep_cached_upload: after the import, take_cached_upload returns the prefix as stacked (the payloads' own
+    format, exact), once; without the flag, or after abort, nothing is kept."""
+    prompt = random_prompt(4 * PAGE + 1, seed=9)
+    pages, _ = prefill_pages(engine, prompt, kv_dtype)
+    engine.add_request("u", prompt, GREEDY, prefill_only=True, cached_pages=pages, keep_cached_upload=True)
+    assert engine.take_cached_upload("u") is None  # not imported before its first step
+    engine.add_request("k", prompt, GREEDY, prefill_only=True, cached_pages=pages)
+    engine.step()
+    up = engine.take_cached_upload("u")
+    assert up is not None and engine.take_cached_upload("u") is None
+    assert torch.equal(up.data, torch.stack([p.data for p in pages]))
+    if kv_dtype == "int8":
+        assert torch.equal(up.scales, torch.stack([p.scales for p in pages]))
+    else:
+        assert up.scales is None
+    assert engine.take_cached_upload("k") is None  # not asked for
+    engine.add_request("a", prompt, GREEDY, prefill_only=True, cached_pages=pages, keep_cached_upload=True)
+    run_to_completion(engine)
+    engine.abort("a")
+    assert engine.take_cached_upload("a") is None and not engine._cached_uploads
+    for rid in ("u", "k"):
+        engine.release(rid)
+    assert engine.allocator.num_used == 0
