@@ -61,6 +61,7 @@ class RequestOptions(TypedDict, total=False):
     sampled_before: int
     resumed_tokens: int
     resumed_text_chars: int
+    keep_cached_upload: bool
 
 
 class LLMEngine:
