@@ -34,13 +34,6 @@ class LocalTier:
         with self._lock:
             return key in self._items
 
-    def get(self, key: bytes) -> PagePayload | None:
-        with self._lock:
-            p = self._items.get(key)
-            if p is not None:
-                self._items.move_to_end(key)
-            return p
-
     def get_prefix(self, keys: Sequence[bytes]) -> list[PagePayload]:
         """The payloads of the longest run of `keys` from the first that are all held, refreshed tail first."""
         with self._lock:

@@ -58,7 +58,7 @@ class KVSender(ABC):
     """Sending side of one request. `send` runs on the stream writer thread, `ack` on the ack reader."""
 
     transport: str = ""
-    device_to_device = False  # bytes move between device memories (host rows it sends are best pinned)
+    device_to_device = False  # bytes move device to device: a cached prefix goes from the engine's device copy
 
     def __init__(
         self,

@@ -84,11 +84,10 @@ class PageFormat:
         zeros = rows[:, b:].view(torch.float16).view(n, *self.scales_shape) if self.zeros_bytes else None
         return data, scales, zeros
 
-    def rows_from_payloads(self, payloads: list[PagePayload], pin_memory: bool = False) -> torch.Tensor:
+    def rows_from_payloads(self, payloads: list[PagePayload]) -> torch.Tensor:
         """CPU PagePayloads (all layers, this layout) -> uint8 [N, page_bytes] CPU (prompt-cache hits): one copy
-        per page into its row; only the tokens past a partial page's end are zeroed. `pin_memory`: page-locked
-        rows (needs CUDA), so that a copy to the device is one DMA."""
-        rows = torch.empty(len(payloads), self.page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        per page into its row; only the tokens past a partial page's end are zeroed."""
+        rows = torch.empty(len(payloads), self.page_bytes, dtype=torch.uint8)
         data, scales, zeros = self.unpack(rows)
         ps = self.layout.page_size
         for i, p in enumerate(payloads):
