@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -373,6 +374,7 @@ def main() -> None:
     ap.add_argument("--part", default="all")
     ap.add_argument("--commit", default="", help="commit measured (a device copy of the tree may lack git)")
     ap.add_argument("--profile-dir", default="", help="py-spy profiles of the services during the breakdown")
+    ap.add_argument("--prefill-args", default="", help="extra prefill flags, grpc / ipc parts ('--chunk-size 512')")
     ap.add_argument("--raw-server", default="")
     ap.add_argument("--raw-msg-mb", type=int, default=4)
     args = ap.parse_args()
@@ -426,7 +428,8 @@ def main() -> None:
             if part not in parts:
                 continue
             # each transport forced; the prompt cache on (Redis) as served, its lookups miss (fresh prompts)
-            stack = start(model, workdir / part, transport, redis.url if redis else "", env=env)
+            extra = shlex.split(args.prefill_args)
+            stack = start(model, workdir / part, transport, redis.url if redis else "", extra, env=env)
             try:
                 res.update(served_ttft(stack, transport, rng))
                 save()
