@@ -59,6 +59,7 @@ class _Write:
     ns: CacheNamespace
     key: bytes
     payload: PagePayload
+    value: bytes | None = None  # encoded already (`value.encode_row`), else encoded by the writer
 
 
 @dataclass
@@ -197,15 +198,21 @@ class PromptCache:
         """Cache a newly computed full page (asynchronously). Never blocks; False if it was dropped."""
         return self.put_many(ns, [(key, payload)]) == 1
 
-    def put_many(self, ns: CacheNamespace, items: Sequence[tuple[bytes, PagePayload]]) -> int:
+    def put_many(
+        self, ns: CacheNamespace, items: Sequence[tuple[bytes, PagePayload]], values: Sequence[bytes] | None = None
+    ) -> int:
         """Cache newly computed full pages of one prompt, in prompt order (asynchronously; the local tier keeps
-        them as one chain). Never blocks; returns how many were accepted (the rest were dropped)."""
-        full = [(k, p) for k, p in items if p.num_tokens == ns.layout.page_size]
+        them as one chain). `values`: their encoded values when the caller made them (`value.encode_row`). Never
+        blocks; returns how many were accepted (the rest were dropped)."""
+        encoded: Sequence[bytes | None] = values if values is not None else [None] * len(items)
+        if len(encoded) != len(items):
+            raise ValueError(f"{len(items)} pages but {len(encoded)} values")
+        full = [(k, p, v) for (k, p), v in zip(items, encoded) if p.num_tokens == ns.layout.page_size]
         if self.local is not None:
-            self.local.put_chain(full)
+            self.local.put_chain([(k, p) for k, p, _ in full])
         accepted = 0
-        for k, p in full:  # head first; after a drop the rest would sit behind a hole: not sent
-            if not self._writer.submit(_Write(ns, k, p)):
+        for k, p, v in full:  # head first; after a drop the rest would sit behind a hole: not sent
+            if not self._writer.submit(_Write(ns, k, p, v)):
                 break
             accepted += 1
         if accepted < len(full):
@@ -225,7 +232,7 @@ class PromptCache:
                 touch += it.store_keys
                 continue
             try:
-                value = encode_value(it.payload, it.ns, it.key)
+                value = it.value if it.value is not None else encode_value(it.payload, it.ns, it.key)
             except InvalidRequest as e:
                 bad += 1
                 log.error("prompt cache: page not cacheable: %s", e)

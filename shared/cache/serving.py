@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
+from pdserve.cache.value import encode_row
 from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.payload import PagePayload
 from pdserve.kv.transfer import ExportedPages
 from pdserve.kv.transfer.grpc_transport import to_host
-from pdserve.kv.transfer.page_format import PageFormat
 
 
 def lookup_prefix(
@@ -35,17 +36,17 @@ def write_back(
 ) -> None:
     """Put the pages of `batches` (one request's, in prompt order, in `layout`) that `hit` missed, full pages past
     the cached prefix, into the cache as one chain (CPU copies; the store write is asynchronous)."""
-    items = []
+    items: list[tuple[int, bytes, bytes, PagePayload]] = []  # (page index, key, value, page as views of it)
     for batch in batches:
         want = [i for i, idx in enumerate(batch.page_indexes) if hit.num_pages <= idx < len(hit.keys)]
         if not want:
             continue
         rows = batch.host if batch.host is not None else to_host(batch)  # uint8 [pages, page_bytes]
-        if len(want) < len(batch.page_indexes):
-            rows = rows[want]
-        payloads = PageFormat(layout).payloads(
-            rows, [batch.page_indexes[i] for i in want], [batch.num_tokens[i] for i in want]
-        )
-        items += [(hit.keys[p.page_index], p) for p in payloads]
-    items.sort(key=lambda kp: kp[1].page_index)
-    cache.put_many(ns, items)
+        for i in want:
+            idx = batch.page_indexes[i]
+            if batch.num_tokens[i] != layout.page_size:  # only full pages have keys; kept as a guard
+                continue
+            value, page = encode_row(rows[i], ns, hit.keys[idx], idx)  # one copy of the page in all
+            items.append((idx, hit.keys[idx], value, page))
+    items.sort(key=lambda it: it[0])
+    cache.put_many(ns, [(k, p) for _, k, _, p in items], [v for _, _, v, _ in items])

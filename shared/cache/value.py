@@ -21,6 +21,8 @@ No pickle anywhere.
 
 from __future__ import annotations
 
+import functools
+import math
 import struct
 
 import crc32c
@@ -30,6 +32,7 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.bytes_out import concat, tensor_view
 from pdserve.kv.codec import KVLayoutSpec, check_values, pack_layout, pack_str
+from pdserve.kv.dtypes import DTYPES
 from pdserve.kv.payload import PagePayload
 
 CHAIN_BYTES = 32  # a chain hash (sha256 digest), see keys.py
@@ -45,18 +48,25 @@ def _shapes(layout: KVLayoutSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return data, (*data[:-1], layout.head_dim // max(layout.group_size, 1))
 
 
+@functools.lru_cache(maxsize=64)
 def _block_bytes(layout: KVLayoutSpec) -> tuple[int, int, int]:
     """(data, scales, zeros) bytes of a full page of all layers in `layout`."""
     data, groups = _shapes(layout)
-    n_data = torch.Size(data).numel() * torch.empty(0, dtype=layout.torch_dtype).element_size()
-    n_scales = torch.Size(groups).numel() * 2 if layout.quantized else 0  # float16
+    n_data = math.prod(data) * DTYPES[layout.dtype].itemsize
+    n_scales = math.prod(groups) * 2 if layout.quantized else 0  # float16
     return n_data, n_scales, n_scales if layout.quantized and layout.asymmetric else 0
+
+
+@functools.lru_cache(maxsize=64)
+def _header_tail(layout: KVLayoutSpec, fingerprint: str) -> bytes:
+    """The header after its fixed part: the same for every page of a namespace (built once, not per page)."""
+    return pack_layout(layout.to_proto()) + pack_str(fingerprint) + _LENGTHS.pack(*_block_bytes(layout))
 
 
 def _header(ns: CacheNamespace, chain: bytes, page_index: int) -> bytes:
     lay = ns.layout
     fixed = _FIXED.pack(MAGIC, VALUE_VERSION, chain, page_index, lay.page_size, lay.num_layers)
-    return b"".join([fixed, pack_layout(lay.to_proto()), pack_str(ns.fingerprint), _LENGTHS.pack(*_block_bytes(lay))])
+    return fixed + _header_tail(lay, ns.fingerprint)
 
 
 def _bytes_of(t: torch.Tensor | None) -> memoryview:
@@ -97,6 +107,32 @@ def encode_value(payload: PagePayload, ns: CacheNamespace, chain: bytes) -> byte
     for b in blocks:
         crc = crc32c.crc32c(b, crc)
     return concat([header, _CRC.pack(crc), *blocks])  # the page bytes copied outside the GIL
+
+
+def encode_row(row: torch.Tensor, ns: CacheNamespace, chain: bytes, page_index: int) -> tuple[bytes, PagePayload]:
+    """The value of a full page given as its transfer row (uint8 [page_bytes], `page_format`: data | scales | zeros,
+    the same bytes in the same order as a value's blocks), and the page as read-only views of that value: one
+    copy of the page in all, where `encode_value` of a payload split from the row makes two."""
+    if len(chain) != CHAIN_BYTES:
+        raise InvalidRequest(f"chain hash must be {CHAIN_BYTES} bytes, got {len(chain)}")
+    sizes = _block_bytes(ns.layout)
+    if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != sum(sizes) or row.device.type != "cpu":
+        raise InvalidRequest(f"page row {tuple(row.shape)} {row.dtype} != [{sum(sizes)}] uint8 on the CPU")
+    header = _header(ns, chain, page_index)
+    body = _bytes_of(row)
+    value = concat([header, _CRC.pack(crc32c.crc32c(body, crc32c.crc32c(header))), body])
+    return value, _payload_views(memoryview(value)[len(header) + _CRC.size :], ns.layout, page_index)
+
+
+def _payload_views(blocks: memoryview, lay: KVLayoutSpec, page_index: int) -> PagePayload:
+    """A full page as read-only views of its value's blocks (data | scales | zeros)."""
+    n_data, n_scales, n_zeros = _block_bytes(lay)
+    data_shape, scales_shape = _shapes(lay)
+    data = tensor_view(blocks[:n_data], lay.torch_dtype).view(data_shape)  # readers only: pool imports copy
+    end = n_data + n_scales
+    scales = tensor_view(blocks[n_data:end], torch.float16).view(scales_shape) if n_scales else None
+    zeros = tensor_view(blocks[end : end + n_zeros], torch.float16).view(scales_shape) if n_zeros else None
+    return PagePayload(page_index, lay.page_size, 0, data, scales, zeros, lay.group_size)
 
 
 def decode_value(buf: bytes, ns: CacheNamespace, chain: bytes, page_index: int) -> PagePayload:
@@ -142,12 +178,9 @@ def decode_value(buf: bytes, ns: CacheNamespace, chain: bytes, page_index: int) 
         got = crc32c.crc32c(b, got)
     if got != crc:
         raise CorruptPage(f"value checksum mismatch (page {page_index})")
-    data_shape, scales_shape = _shapes(lay)
-    data = tensor_view(blocks[0], lay.torch_dtype).view(data_shape)  # readers only: pool imports copy
-    scales = tensor_view(blocks[1], torch.float16).view(scales_shape) if sizes[1] else None
-    zeros = tensor_view(blocks[2], torch.float16).view(scales_shape) if sizes[2] else None
-    check_values(data, scales, zeros)  # a checksum proves only that the writer meant these values
-    return PagePayload(page_index, lay.page_size, 0, data, scales, zeros, lay.group_size)
+    page = _payload_views(view[n + _CRC.size :], lay, page_index)
+    check_values(page.data, page.scales, page.zeros)  # a checksum proves only that the writer meant these values
+    return page
 
 
 def value_bytes(ns: CacheNamespace, page_index: int) -> int:

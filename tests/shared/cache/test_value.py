@@ -9,8 +9,9 @@ import pytest
 import torch
 from cache_testutil import DENSE, INT8, make_page, namespace
 
-from pdserve.cache.value import decode_value, encode_value, value_bytes
+from pdserve.cache.value import decode_value, encode_row, encode_value, value_bytes
 from pdserve.errors import CorruptPage, InvalidRequest
+from pdserve.kv.transfer.page_format import PageFormat
 
 CHAIN = bytes(range(32))
 LAYOUTS = {
@@ -87,3 +88,34 @@ def test_encode_refuses_pages_that_do_not_fit():
         encode_value(page, namespace(DENSE), CHAIN)
     with pytest.raises(InvalidRequest, match="chain"):
         encode_value(page, NS, CHAIN[:31])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_encode_row_is_encode_value_of_the_same_page(name):
+    """A page's transfer row encodes to the very value its payload does (one copy instead of two), and the page it
+    returns (views of that value) holds the same bytes."""
+    ns = namespace(LAYOUTS[name])
+    fmt = PageFormat(ns.layout)
+    pages = [make_page(ns.layout, i) for i in range(3)]
+    rows = fmt.pack(
+        torch.stack([p.data for p in pages]),
+        None if pages[0].scales is None else torch.stack([p.scales for p in pages]),
+        None if pages[0].zeros is None else torch.stack([p.zeros for p in pages]),
+    )
+    for i, page in enumerate(pages):
+        value, views = encode_row(rows[i], ns, CHAIN, i)
+        assert value == encode_value(page, ns, CHAIN)
+        for a, b in ((views.data, page.data), (views.scales, page.scales), (views.zeros, page.zeros)):
+            assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert views.page_index == i and views.group_size == ns.layout.group_size
+        assert decode_value(value, ns, CHAIN, i).data.data_ptr() != 0
+
+
+def test_encode_row_refuses_rows_that_do_not_fit():
+    row = PageFormat(NS.layout).pack(make_page(NS.layout, 0).data[None], make_page(NS.layout, 0).scales[None], None)[0]
+    with pytest.raises(InvalidRequest, match="page row"):
+        encode_row(row[:-1], NS, CHAIN, 0)
+    with pytest.raises(InvalidRequest, match="page row"):
+        encode_row(row.view(torch.int8), NS, CHAIN, 0)
+    with pytest.raises(InvalidRequest, match="chain hash"):
+        encode_row(row, NS, CHAIN[:5], 0)
