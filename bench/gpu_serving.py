@@ -374,7 +374,7 @@ def main() -> None:
     ap.add_argument("--part", default="all")
     ap.add_argument("--commit", default="", help="commit measured (a device copy of the tree may lack git)")
     ap.add_argument("--profile-dir", default="", help="py-spy profiles of the services during the breakdown")
-    ap.add_argument("--prefill-args", default="", help="extra prefill flags, grpc / ipc parts ('--chunk-size 512')")
+    ap.add_argument("--prefill-args", default="", help="extra prefill flags, grpc / ipc / load parts")
     ap.add_argument("--raw-server", default="")
     ap.add_argument("--raw-msg-mb", type=int, default=4)
     args = ap.parse_args()
@@ -443,7 +443,7 @@ def main() -> None:
             row(f"served TTFT 2k, {transport}", f"{res[f'served_ttft_ms_2k_{part}']:.1f} ms",
                 f"kv {res[f'kv_gbps_{part}']:.2f} GB/s")  # fmt: skip
         if "load" in parts:
-            stack = start(model, workdir / "load", "auto", redis.url if redis else "")
+            stack = start(model, workdir / "load", "auto", redis.url if redis else "", shlex.split(args.prefill_args))
             try:
                 res.update(decode_figures(stack, rng))
                 row("ITL b1 ctx512 / ctx8k", f"{res['itl_ms_b1_ctx512']:.2f} / {res['itl_ms_b1_ctx8k']:.2f} ms")

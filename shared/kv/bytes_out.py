@@ -25,12 +25,22 @@ _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 LARGE = 1 << 16  # parts from this size are copied with the GIL released; smaller results are a plain join
 
 
+def _silence_readonly_warning() -> None:
+    """torch warns once per process ("The given buffer is not writable") the first time `frombuffer` gets a
+    read-only buffer; take that one warning here, so that `tensor_view` runs without `warnings.catch_warnings`
+    (which is not thread-safe and costs more than the view itself on a per-page path)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+_silence_readonly_warning()
+
+
 def tensor_view(buf, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """A CPU tensor over `buf` (any buffer, read-only ones too) without copying it: for readers, or for a new object
     filled before anything else sees it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
-        return torch.frombuffer(buf, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype)
 
 
 def concat(parts: Sequence) -> bytes:
