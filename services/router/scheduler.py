@@ -38,9 +38,7 @@ from pdserve.router.admission import (
     admit_decode,
     admit_prefill,
     decode_fits,
-    decode_load_pages,
     prefill_fits,
-    prefill_load_tokens,
 )
 from pdserve.router.config import RouterConfig
 from pdserve.router.instances import COLOCATED, DECODE, PREFILL, ROLES, DecodeStats, Instance, State
@@ -367,17 +365,20 @@ class Scheduler:
                 self.drain_pages.add(job.need_pages)
 
     def _in_budget(self, inst: Instance, job: Job) -> bool:
-        """Dispatching `job` keeps `inst` within its admission budget (its own reservation not counted twice):
-        the policy may prefer another instance than the one admission reserved on, never an overloaded one."""
-        own = inst in job.reserved
+        """Dispatching `job`, the head of the queue, keeps `inst` within its admission budget: the policy may
+        prefer another instance than the one admission reserved on, never an overloaded one. Only what `inst`
+        already runs counts: every other queued job is behind `job` (strict order), so its reservation is not
+        work ahead of it. (Counting those reservations deadlocked a burst: once the SLO controller shrank the
+        budget below the queued reservations, the head never fit on idle instances, no request ran, no TTFT
+        sample came to relax the factor, and the router sat idle for its whole SLO window, 30 s.)"""
         if inst.role != DECODE:
-            load = prefill_load_tokens(inst) - (job.prompt_len if own else 0)
             cfg = self.cfg
-            if not prefill_fits(inst, load, job.prompt_len, cfg.ttft_budget_ms / 1e3, cfg.prefill_floor_tokens):
+            budget_s = cfg.ttft_budget_ms / 1e3
+            if not prefill_fits(inst, inst.inflight_tokens, job.prompt_len, budget_s, cfg.prefill_floor_tokens):
                 return False
         if inst.role == PREFILL:
             return True
-        return decode_fits(inst, decode_load_pages(inst) - (job.need_pages if own else 0), job.need_pages)
+        return decode_fits(inst, inst.pages, job.need_pages)
 
     def _prefill_room(self, inst: Instance) -> bool:
         limit = self.cfg.prefill_max_inflight_tokens

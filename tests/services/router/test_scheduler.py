@@ -334,3 +334,29 @@ def test_baselines_round_robin_and_least_requests():
     a = job(pcs=1000)
     run_one(s, a)
     assert run_one(s, job(pcs=1))[0] != a.prefill.address
+
+
+def test_a_shrunk_budget_never_stalls_the_queue_behind_its_own_reservations():
+    """Jobs admitted before the SLO controller shrank an instance's budget stay queued with their reservations.
+    The head of the queue must still go to an idle instance: the jobs behind it are not work ahead of it. (The
+    router once sat idle for a whole SLO window this way on the H200 c32 run.)"""
+    s = make(1, 1, prefill_floor_tokens=1000, prefill_max_inflight_tokens=1)
+    s.update_stats(s.instances[DECODE]["d0:1"], pages_free=1000, pages_total=1000, active=0)
+    p = s.instances[PREFILL]["p0:1"]
+    blocker = job(prompt_len=300, name="blocker")
+    s.submit(blocker)
+    s.wait(blocker, 1.0)
+    queued = [job(prompt_len=300, name=f"q{i}") for i in range(2)]
+    for j in queued:
+        s.submit(j)  # 900 of 1000 tokens: admitted, queued behind the gate
+    assert not any(j.event.is_set() for j in queued)
+    p.ttft_factor = 0.2  # the controller's cut: 200 tokens, less than the queued reservations
+    s.first_token(blocker)
+    s.finish(blocker, completed=True)
+    assert queued[0].event.is_set() and not queued[1].event.is_set()  # p0 idle: the head goes
+    s.first_token(queued[0])
+    s.finish(queued[0], completed=True)
+    assert queued[1].event.is_set()
+    s.first_token(queued[1])
+    s.finish(queued[1], completed=True)
+    assert idle(s)
