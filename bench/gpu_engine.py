@@ -40,6 +40,7 @@ import torch
 from benchutil import log, print_rows, row  # bench/ is on sys.path: the script's folder (also ge.log, ge.row)
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import GRAPH_BACKENDS
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_cache import Int8KVCache, KVCache
 from pdserve.engine.sampling import SamplingParams
@@ -513,7 +514,7 @@ def make_engine(model_dir: Path, kv: str, num_pages: int, **kw) -> LLMEngine:
         )
     )
     r = e.runner
-    assert r.kernels.fused and r.backend.name == "fa3" and r.graph_runner is not None
+    assert r.kernels.fused and r.backend.name in GRAPH_BACKENDS and r.graph_runner is not None
     log(f"engine kv={kv}: load + graph capture {time.perf_counter() - t0:.1f}s")
     return e
 

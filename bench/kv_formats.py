@@ -193,10 +193,17 @@ def engine_steps(
     ctx: int = 2048,
     profile: bool = False,
     decode_config: str = "",
+    batch_invariant: bool = False,
+    prefill: bool = False,
 ) -> dict:
-    tag = kv + (f" {decode_config}" if decode_config else "")
-    kw = dict(decode_kernel_config=decode_config) if decode_config else {}
-    e = ge.make_engine(model_dir, kv, num_pages=batch * (ctx // PS + 8) + 64, **kw)
+    tag = kv + (f" {decode_config}" if decode_config else "") + (" batch-invariant" if batch_invariant else "")
+    kw: dict = dict(decode_kernel_config=decode_config) if decode_config else {}
+    e = ge.make_engine(model_dir, kv, num_pages=batch * (ctx // PS + 8) + 64, batch_invariant=batch_invariant, **kw)
+    prefill_ms = None
+    if prefill:  # on the empty engine: a fresh 2k prompt to its first token, median of 3 after a warm-up
+        g = torch.Generator().manual_seed(11)
+        prefill_ms = ge.time_prefill(e, lambda: torch.randint(5, ge.SHAPE["vocab_size"], (ctx,), generator=g).tolist())
+        ge.row(f"engine prefill {ctx // 1024}k to first token, {tag} KV", f"{prefill_ms:.1f} ms", "")
     ge.fill_decode_batch(e, batch, ctx, torch.Generator().manual_seed(9))
     steps = ge.time_decode_steps(e, 34)[4:]
     mean_ctx = sum(s.num_tokens for s in e.scheduler.running) / batch
@@ -209,6 +216,8 @@ def engine_steps(
         f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {sorted(steps)[2]:.2f}-{sorted(steps)[-3]:.2f}",
     )
     out = {"step_ms": t, "roofline_ms": roof, "ratio": t / roof, "kv_token_bytes": kv_token_bytes, "steps_ms": steps}
+    if prefill_ms is not None:
+        out["prefill_ms_2k"] = prefill_ms
     if profile:
         out["kernels"] = profile_step(e, batch, tag)
         out["host_profile"] = ge.host_profile(e, 5)
@@ -254,6 +263,36 @@ def keys_from_log(log: Path, out: Path) -> None:
     print(json.dumps(result, indent=1))
 
 
+def batch_invariant_rows(model_dir: Path, out: Path, copy_bw: float) -> None:
+    """The price of `--batch-invariant` on the GPU (issue 14, item 5: default if it costs <= 5% at b64): int8 KV
+    decode steps at b64 and b128 (context 2k) and a 2k prefill, off and on, merged into `out` as batch_invariant."""
+    n_params = ge.write_checkpoint(model_dir, 32)
+    rows: dict = {}
+    for batch in (64, 128):
+        for inv in (False, True):
+            r = engine_steps(
+                model_dir, "int8", copy_bw, n_params * 2, batch=batch, batch_invariant=inv, prefill=batch == 64
+            )
+            rows[f"b{batch}_{'on' if inv else 'off'}"] = r
+    result = {
+        "batch_invariant": {
+            **rows,
+            "step_cost_b64": rows["b64_on"]["step_ms"] / rows["b64_off"]["step_ms"],
+            "step_cost_b128": rows["b128_on"]["step_ms"] / rows["b128_off"]["step_ms"],
+            "prefill_cost_2k": rows["b64_on"]["prefill_ms_2k"] / rows["b64_off"]["prefill_ms_2k"],
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "commit": ge.git_commit(),
+            "device": torch.cuda.get_device_name(DEV),
+            "command": "python bench/kv_formats.py --batch-invariant",
+        }
+    }
+    merged = json.loads(out.read_text()) if out.exists() else {}
+    merged.update(result)
+    out.write_text(json.dumps(merged, indent=1))
+    ge.print_rows()
+    print(json.dumps({k: v for k, v in result["batch_invariant"].items() if not isinstance(v, dict)}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="docs/bench/kv_formats.json")
@@ -266,12 +305,20 @@ def main() -> None:
     ap.add_argument(
         "--int8-configs", default="", help="';'-separated JSON decode-kernel configs: more int8 engine rows"
     )
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="only: int8 engine rows with --batch-invariant off and on (b64, b128 decode steps; 2k prefill)",
+    )
     ap.add_argument("--from-log", default="", help="no measuring: the speed keys from an earlier run's printed lines")
     args = ap.parse_args()
     if args.from_log:
         keys_from_log(Path(args.from_log), Path(args.json))
         return
     copy_bw, _ = ge.ceilings()
+    if args.batch_invariant:
+        batch_invariant_rows(Path(args.model_dir), Path(args.json), copy_bw)
+        return
     if args.sweep:
         sweep = config_sweep(copy_bw, [(128, 2048), (64, 2048), (128, 8192), (64, 8192)])
         Path(args.json).write_text(json.dumps(sweep, indent=1))

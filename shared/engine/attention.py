@@ -19,6 +19,8 @@ from pdserve.engine.kv_cache import KVCache
 
 log = logging.getLogger("pdserve.engine")
 
+INVARIANT_SPLITS = 4  # batch_invariant on CUDA: split-K count of every attention row (RowwiseTritonBackend)
+
 
 def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor; on CUDA through pinned memory, so the copy does not wait for the GPU."""
@@ -72,6 +74,15 @@ class AttentionMetadata:
 
     def kv_len(self, i: int) -> int:
         return self.starts[i] + self.q_lens[i]
+
+    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query row as a decode row: (seqlens [T] int32: position + 1, page_table [T, max_pages] int32: its
+        sequence's row of `fa3_tensors()["page_table"]`)."""
+        table = self.fa3_tensors()["page_table"]
+        seq_of_row = torch.repeat_interleave(
+            torch.arange(self.num_seqs, device=table.device), torch.tensor(self.q_lens, device=table.device)
+        )
+        return (self.positions + 1).to(torch.int32), table[seq_of_row]
 
     def fa3_tensors(self) -> dict:
         """cu_seqlens_q/k, cache_seqlens [B] (keys per sequence), page_table [B, max_pages], maxima."""
@@ -242,6 +253,15 @@ class FA3Backend:
         kv = torch.stack([k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]])
         return kv.view(2, b, w * ps, *kv.shape[-2:])
 
+    def _num_splits(self, batch: int, kv_heads: int, split_mult: int) -> int:
+        """Split-K count of the Triton decode kernel: about `split_mult` waves for this batch size; a constant under
+        batch_invariant (a row's split boundaries, and so its sums, then depend on its own length alone)."""
+        if self.kernels.invariant_gemm:
+            return INVARIANT_SPLITS
+        from pdserve.engine.kernels.int8_decode_attention import default_num_splits
+
+        return default_num_splits(batch, kv_heads, self._num_sms, split_mult)
+
     def _triton_decode(
         self, layer: int, q: torch.Tensor, cache, table: torch.Tensor, seqlens: torch.Tensor, scale: float
     ) -> torch.Tensor:
@@ -253,7 +273,7 @@ class FA3Backend:
             return self._fp8_decode(layer, q, cache, table, seqlens, scale)
         kc = self.kernels
         cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **kc.decode_config}
-        splits = kd.default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
+        splits = self._num_splits(q.shape[0], cache.num_kv_heads, cfg["split_mult"])
         kw = dict(
             block_n=cfg["block_n"],
             num_warps=cfg["num_warps"],
@@ -292,11 +312,10 @@ class FA3Backend:
         """Decode over an fp8 pool with the Triton kernel that reads its pages (kernels/fp8_decode_attention.py);
         `decode_kernel_config` overrides block_n / num_warps / num_stages / split_mult as for int8."""
         from pdserve.engine.kernels import fp8_decode_attention as kf
-        from pdserve.engine.kernels.int8_decode_attention import default_num_splits
 
         kc = self.kernels
         cfg = {**kf.FP8_CONFIG, **{k: v for k, v in kc.decode_config.items() if k in kf.FP8_CONFIG}}
-        splits = default_num_splits(q.shape[0], cache.num_kv_heads, self._num_sms, cfg["split_mult"])
+        splits = self._num_splits(q.shape[0], cache.num_kv_heads, cfg["split_mult"])
         data, scales, _ = cache.layer_views(layer)
         return kf.fp8_paged_decode(
             q,
@@ -313,6 +332,28 @@ class FA3Backend:
             num_stages=cfg["num_stages"],
             pdl=kc.pdl,
         )
+
+
+class RowwiseTritonBackend(FA3Backend):
+    """`batch_invariant` on CUDA: every query row, prefill or decode, attends through the Triton paged decode
+    kernel (the pool's format: int8, fp8 or dense) as one row over exactly its keys 0..p, with a fixed split
+    count. A prompt token's attention output is then the very call a decode step at that position makes, and
+    depends neither on its batch mates, nor on how its prompt was chunked, nor on whether its prefix came from
+    the prompt cache (the prefill then stores the shipped format: services/prefill/server.py). Prefill pays for
+    it: each row reads its whole prefix (docs/benchmarks.md, batch-invariant KV on the GPU). FA3 is not used."""
+
+    name = "triton-rows"
+
+    def __init__(self, kernels: KernelChoice):
+        super().__init__(None, kernels)
+
+    def attend(self, layer: int, q: torch.Tensor, meta, cache: KVCache, scale: float) -> torch.Tensor:
+        """q [T, H, D] -> out [T, H, D]; graph-safe for decode like FA3Backend.attend."""
+        t = meta.fa3_tensors()
+        if meta.is_decode:
+            return self._triton_decode(layer, q, cache, t["page_table"], t["cache_seqlens"], scale)
+        seqlens, table = meta.row_tensors()
+        return self._triton_decode(layer, q, cache, table, seqlens, scale)
 
 
 def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None, str]:
@@ -333,7 +374,9 @@ def _probe_fa3(device: torch.device, dtype: torch.dtype) -> tuple[object | None,
 def select_backend(requested: str, device: torch.device, dtype: torch.dtype, kernels: KernelChoice):
     """Return (backend, reason). `requested` is auto|fa3|sdpa; an explicit fa3 that cannot run raises.
     `kernels`: FA3's kernel choices (see FA3Backend)."""
-    row_wise = kernels.invariant_rows > 0  # batch_invariant (CPU only, KernelChoice.select enforces it)
+    if kernels.invariant_gemm:  # batch_invariant on CUDA
+        return RowwiseTritonBackend(kernels), "batch_invariant"
+    row_wise = kernels.invariant_rows > 0  # batch_invariant on CPU
     if requested == "sdpa" or row_wise:
         return SdpaBackend(row_wise), "requested" if requested == "sdpa" else "batch_invariant"
     fa, reason = _probe_fa3(device, dtype)

@@ -38,8 +38,10 @@ class EngineConfig:
     cuda_graph_max_context: int = 0  # context the decode graphs cover (0: the model's whole context); longer: eager
     gpu_memory_utilization: float = 0.85  # GPU: fraction of the device's total memory this instance may fill
     seed: int = 0  # engine RNG: seeds generators of requests without a seed
-    # CPU: a request's tokens independent of its batch mates and chunking (linear layers in fixed row blocks,
-    # prefill attention one query row at a time); see KernelChoice.invariant_rows and SdpaBackend
+    # a request's tokens independent of its batch mates, chunking and prompt-cache hits: CPU, linear layers in
+    # fixed row blocks and prefill attention one query row at a time (KernelChoice.invariant_rows, SdpaBackend);
+    # CUDA, a row-independent Triton GEMM and every attention row through the Triton decode kernel with fixed
+    # splits (KernelChoice.invariant_gemm, RowwiseTritonBackend)
     batch_invariant: bool = False
 
     def validate(self) -> None:

@@ -29,6 +29,7 @@ import torch
 
 log = logging.getLogger("pdserve.engine")
 
+GRAPH_BACKENDS = ("fa3", "triton-rows")  # attention backends whose decode call is graph-safe (attention.py)
 GRAPH_SCRATCH_BUDGET_BYTES = 2 << 30  # largest per-layer dense K/V scratch a captured graph may allocate
 
 
@@ -214,8 +215,8 @@ def make_decode_graph_runner(
     model, cache, backend, page_size: int, max_batch: int, max_context: int, device: torch.device, enabled: bool
 ) -> DecodeGraphRunner | None:
     """A captured runner when the engine can use one (CUDA, fused model, FA3 backend), else None (eager)."""
-    if not enabled or device.type != "cuda" or not model.kernels.fused or backend.name != "fa3":
-        why = "disabled" if not enabled else "needs CUDA, the fused model path and the FA3 backend"
+    if not enabled or device.type != "cuda" or not model.kernels.fused or backend.name not in GRAPH_BACKENDS:
+        why = "disabled" if not enabled else "needs CUDA, the fused model path and the FA3 (or triton-rows) backend"
         log.info("decode CUDA graphs off (%s)", why)
         return None
     runner = DecodeGraphRunner(model, cache, backend, page_size, max_batch, max_context, device)

@@ -39,19 +39,26 @@ class KernelChoice:
     fa3_num_splits: int = 4
     decode_config: dict = field(default_factory=dict)  # Triton decode-attention config overrides
     invariant_rows: int = 0  # > 0 (batch_invariant, CPU path): linear layers run in blocks of exactly this many rows
+    invariant_gemm: bool = False  # batch_invariant, CUDA: linear layers through kernels/invariant_matmul.py, and
+    # attention (prefill rows too) through the Triton decode kernel with INVARIANT_SPLITS splits (attention.py)
 
     @classmethod
     def select(cls, cfg: EngineConfig, device: torch.device, mc: ModelConfig) -> KernelChoice:
         triton = cfg.triton and kernels.enabled(device)
         fused = triton and device.type == "cuda" and fusable(mc)
-        if cfg.batch_invariant and device.type != "cpu":
-            raise ValueError("batch_invariant is implemented on the CPU path only (device cpu)")
+        gpu_invariant = cfg.batch_invariant and device.type != "cpu"
+        if gpu_invariant and not fused:
+            raise ValueError(
+                "batch_invariant on a GPU needs the Triton kernels (triton on, CUDA, power-of-two head_dim and KV "
+                "heads): the torch ops path picks reduction kernels by shape"
+            )
         return cls(
-            invariant_rows=cfg.max_num_seqs if cfg.batch_invariant else 0,
+            invariant_rows=cfg.max_num_seqs if cfg.batch_invariant and not gpu_invariant else 0,
+            invariant_gemm=gpu_invariant,
             fused=fused,
             triton_kv_quant=triton,
             pdl=fused and cfg.pdl and kernels.pdl_supported(device),
-            gemv=_gemv_plan(cfg) if fused else {},
+            gemv=_gemv_plan(cfg) if fused and not gpu_invariant else {},
             int8_decode=cfg.int8_decode_kernel,
             dense_decode=cfg.dense_decode_kernel,
             dense_prefill=cfg.dense_prefill_kernel,
@@ -62,7 +69,12 @@ class KernelChoice:
     # ---- model ops ---------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, proj: str) -> torch.Tensor:
         """x [T, in] -> [T, out]: F.linear, or the Triton GEMV of `proj`'s plan for a few rows; with
-        `invariant_rows`, F.linear over zero-padded blocks of exactly that many rows (see `invariant_linear`)."""
+        `invariant_rows`, F.linear over zero-padded blocks of exactly that many rows (see `invariant_linear`); with
+        `invariant_gemm`, the Triton GEMM whose rows never depend on each other."""
+        if self.invariant_gemm:
+            from pdserve.engine.kernels.invariant_matmul import invariant_matmul
+
+            return invariant_matmul(x, w, b)
         if self.invariant_rows:
             return invariant_linear(x, w, b, self.invariant_rows)
         cfg = self.gemv.get(proj)

@@ -24,7 +24,7 @@ from pdserve.engine.config import (
     resolve_device,
     resolve_dtype,
 )
-from pdserve.engine.cuda_graphs import graph_context, make_decode_graph_runner
+from pdserve.engine.cuda_graphs import GRAPH_BACKENDS, graph_context, make_decode_graph_runner
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import ModelConfig
@@ -161,7 +161,7 @@ class ModelRunner:
         self.cfg, self.kernels = cfg, kernels
         self.model.use_kernels(kernels)
         self.kv_cache.quant = kernels
-        if self.backend.name == "fa3":
+        if self.backend.name in GRAPH_BACKENDS:  # the Triton/FA3 backends hold their kernel choices
             self.backend.kernels = kernels
         if self.graph_runner is not None:
             self.graph_runner.capture()
