@@ -97,8 +97,9 @@ class EngineOptions(ServerOptions):
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
     batch_invariant: bool = opt(
         False,
-        "CPU: a request's tokens independent of batch mates, chunking and prompt-cache hits with quantized KV "
-        "(fixed-size GEMM row blocks, row-wise prefill attention, prefill pool in the shipped KV format); slower",
+        "a request's tokens independent of batch mates, chunking and prompt-cache hits with quantized KV (CPU: "
+        "fixed-size GEMM row blocks; CUDA: a row-independent Triton GEMM; both: row-wise prefill attention, prefill "
+        "pool in the shipped KV format); slower (H200, int8, 8B: decode b64 1.19x, 2k prefill 3.6x)",
     )
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
     warmup: bool = opt(
