@@ -125,12 +125,21 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
     return out
 
 
-def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
-    """The byte-convert int8 kernel over split count x block x stages x warps (word or byte loads); prints the five
-    fastest per shape. One wave of (sequence, head) programs leaves a tail: the split count sets how many waves."""
+SWEEP_GRID = dict(  # the grid of the first sweep (2026-12-01); --sweep-grid replaces any of these lists
+    word_loads=[False, True], splits=[1, 2, 3, 4, 6, 8], block_n=[64, 128], num_stages=[2, 3], num_warps=[4, 8]
+)
+
+
+def config_sweep(copy_bw: float, shapes: list[tuple[int, int]], grid: dict | None = None) -> dict:
+    """The int8 kernel (DEFAULT_CONFIG otherwise) over split count x word loads x block x stages x warps; prints
+    the five fastest per shape. One wave of (sequence, head) programs leaves a tail: the split count sets how many
+    waves."""
     import itertools
 
     from pdserve.engine.kernels import int8_decode_attention as kd
+
+    grid = {**SWEEP_GRID, **(grid or {})}
+    base_cfg = {k: v for k, v in kd.DEFAULT_CONFIG.items() if k != "split_mult"}
 
     g = torch.Generator(device=DEV).manual_seed(15)
     out: dict = {}
@@ -140,8 +149,8 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
         base = kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, 1)
         nbytes = 2 * B * ctx * KVH * (D + 2 * 2)
         res = {}
-        for wl, sp, bn, st, nw in itertools.product((False, True), (1, 2, 3, 4, 6, 8), (64, 128), (2, 3), (4, 8)):
-            c = dict(block_n=bn, num_stages=st, num_warps=nw, fold_scales=True, byte_convert=True, word_loads=wl)
+        for wl, sp, bn, st, nw in itertools.product(*(grid[k] for k in SWEEP_GRID)):
+            c = {**base_cfg, **dict(block_n=bn, num_stages=st, num_warps=nw, word_loads=wl)}
 
             def fn(c=c, sp=sp):
                 return kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, sp, **c)
@@ -154,7 +163,7 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
             except Exception as exc:
                 res[name] = float("inf")
                 ge.log(f"{name}: {type(exc).__name__} {str(exc)[:120]}")
-        top = sorted(res, key=res.get)[:5] + [min((k for k in res if k.startswith("bytes")), key=res.get)]
+        top = sorted(res, key=res.get)[:5]
         key = f"b{B}_ctx{ctx}"
         ge.row(
             f"int8 sweep {key} top5 (us, of copy BW)",
@@ -300,6 +309,8 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--formats", default="", help="engine KV formats (default: auto,int8[,fp8])")
     ap.add_argument("--sweep", action="store_true", help="only the int8 kernel config sweep")
+    ap.add_argument("--sweep-grid", default="", help='JSON: lists replacing SWEEP_GRID\'s (e.g. {"num_stages": [1]})')
+    ap.add_argument("--sweep-shapes", default="128x2048,64x2048,128x8192,64x8192", help="batch x context, ...")
     ap.add_argument("--skip-kernels", action="store_true", help="engine steps only (no per-layer kernel sweep)")
     ap.add_argument("--profile", action="store_true", help="CUDA time per kernel of one b128 engine step")
     ap.add_argument(
@@ -320,7 +331,8 @@ def main() -> None:
         batch_invariant_rows(Path(args.model_dir), Path(args.json), copy_bw)
         return
     if args.sweep:
-        sweep = config_sweep(copy_bw, [(128, 2048), (64, 2048), (128, 8192), (64, 8192)])
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.sweep_shapes.split(",")]
+        sweep = config_sweep(copy_bw, shapes, json.loads(args.sweep_grid) if args.sweep_grid else None)
         Path(args.json).write_text(json.dumps(sweep, indent=1))
         return
     result: dict = {"copy_bw": copy_bw}
