@@ -8,7 +8,9 @@ are visible, else both on cuda:0 (each with its own memory share). Every prompt 
 flattery) except where a cached prefix is the point. Prints a table; writes the issue's JSON keys (+ details).
 Parts (`--part`, comma-separated; `all` = every part): engine, raw, grpc and ipc (served 2k TTFT with that transport
 forced, KV GB/s, and where the TTFT goes, span by span: `ttft_breakdown_2k_<part>`), load (ITL, 32 concurrent, local
-cache tier), cache (Redis tier). The JSON is merged, so parts may run in separate calls.
+cache tier), cache (Redis tier), local (not in `all`: the local-tier rows again on a traced stack, with where a cold
+and a 90%-cached 4k request's time goes: `ttft_breakdown_4k_{cold,hit}_local`).
+The JSON is merged, so parts may run in separate calls.
 """
 
 from __future__ import annotations
@@ -231,20 +233,42 @@ def throughput_c32(stack: Stack, rng: torch.Generator, n: int = 64, conc: int = 
     return {"out_tok_s_c32": tokens / wall, "rejected_c32": rejected, "errors_c32": other_errors}
 
 
-def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -> dict:
-    """4096-token prompts: cold (fresh) and 90% cached (a 3680-token prefix sent once before, then fresh tails)."""
+def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5, sink=None) -> dict:
+    """4096-token prompts: cold (fresh) and 90% cached (a 3680-token prefix sent once before, then fresh tails).
+    With `sink` (the services export spans to it): where the cold and the cached requests' time goes."""
     cold, warm, cached = [], [], []
+    spans: dict[str, list] = {"cold": [], "hit": []}
+
+    def traced(kind: str, fn):
+        if sink is not None:
+            sink.clear()
+        out = fn()
+        if sink is not None:
+            time.sleep(0.6)  # the batch span processors export every 200 ms
+            spans[kind] += sink.spans()
+        return out
+
     with pdserve.Client(stack.router, timeout=120) as c:
         ttft_ms(c, fresh(4096, rng))  # warm-up
         for _ in range(reps):
-            cold.append(ttft_ms(c, fresh(4096, rng)))
+            cold.append(traced("cold", lambda: ttft_ms(c, fresh(4096, rng))))
             prefix = fresh(3680, rng)
             ttft_ms(c, prefix + fresh(416, rng))  # writes the prefix's pages to the cache
             time.sleep(1.0)  # the write-back is asynchronous (Redis tier)
-            ms, hit = ttft_and_cached(c, prefix + fresh(416, rng))
+            ms, hit = traced("hit", lambda: ttft_and_cached(c, prefix + fresh(416, rng)))
             warm.append(ms)
             cached.append(hit)
+    breakdowns = {}
+    if sink is not None:
+        from pdserve.testing.span_breakdown import as_json, breakdown, format_breakdown
+
+        for kind, got in spans.items():
+            table = breakdown(got)
+            print(f"\nttft_breakdown_4k_{kind}_{tag}: where a 4096-token request's time goes (median ms)")
+            print(format_breakdown(table))
+            breakdowns[f"ttft_breakdown_4k_{kind}_{tag}"] = as_json(table)
     return {
+        **breakdowns,
         f"served_ttft_ms_4k_cold_{tag}": median(cold),
         f"served_ttft_ms_4k_90pct_{tag}": median(warm),
         f"served_ttft_ms_4k_cold_{tag}_all": cold,
@@ -415,7 +439,7 @@ def main() -> None:
         save()
     from pdserve.testing.redis_server import RedisServer
 
-    redis = RedisServer(workdir / "redis").start() if parts & {"grpc", "ipc", "load", "cache"} else None
+    redis = RedisServer(workdir / "redis").start() if parts & {"grpc", "ipc", "load", "cache", "local"} else None
     sink = SinkProcess().start()  # the grpc and ipc stacks' spans (a TTFT breakdown per transport), off this process
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     try:  # the services' exporter (the device image's OTel wheels may lack a part of it)
@@ -462,6 +486,16 @@ def main() -> None:
                 res["served_ttft_ms_4k_cold"] = res.pop("served_ttft_ms_4k_cold_local")
                 row("TTFT 4k cold / 90% local", f"{res['served_ttft_ms_4k_cold']:.0f} / "
                     f"{res['served_ttft_ms_4k_90pct_local']:.0f} ms")  # fmt: skip
+                save()
+            finally:
+                stack.stop()
+        if "local" in parts and env:  # the local-tier rows again, traced: where a cached request's time goes
+            stack = start(model, workdir / "local", "auto", redis.url if redis else "", [], env=env)
+            try:
+                traced = cache_figures(stack, rng, "local", sink=sink)
+                res.update({k: v for k, v in traced.items() if k.startswith("ttft_breakdown")})
+                res["served_ttft_ms_4k_90pct_local_traced_all"] = traced["served_ttft_ms_4k_90pct_local_all"]
+                res["served_ttft_ms_4k_cold_local_traced_all"] = traced["served_ttft_ms_4k_cold_local_all"]
                 save()
             finally:
                 stack.stop()
