@@ -492,7 +492,10 @@ def main() -> None:
         if "local" in parts and env:  # the local-tier rows again, traced: where a cached request's time goes
             stack = start(model, workdir / "local", "auto", redis.url if redis else "", [], env=env)
             try:
+                spies = start_profilers(stack, args.profile_dir, "local", seconds=25.0) if args.profile_dir else []
                 traced = cache_figures(stack, rng, "local", sink=sink)
+                for p in spies:
+                    p.wait(timeout=60)
                 res.update({k: v for k, v in traced.items() if k.startswith("ttft_breakdown")})
                 res["served_ttft_ms_4k_90pct_local_traced_all"] = traced["served_ttft_ms_4k_90pct_local_all"]
                 res["served_ttft_ms_4k_cold_local_traced_all"] = traced["served_ttft_ms_4k_cold_local_all"]
