@@ -11,7 +11,7 @@ runs while the next is copied. The result is byte-identical to `torch.stack(page
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -40,20 +40,17 @@ def upload_stacked(
         return host.to(device)
     per = max(1, group_bytes // first.nbytes)
     spans = [(i, min(i + per, len(srcs))) for i in range(0, len(srcs), per)]
-    if pool is None:
-        jobs = [None] * len(spans)
-        for a, b in spans:
+    jobs: list[Future | None] = []
+    for a, b in spans:
+        if pool is None:
             _copy_into(host[a:b], srcs[a:b])
-    else:
-        jobs = [pool.submit(_copy_into, host[a:b], srcs[a:b]) for a, b in spans]
-    if not cuda:
-        for job in jobs:
-            if job is not None:
-                job.result()
-        return host
-    out = torch.empty(host.shape, dtype=host.dtype, device=device)
+            jobs.append(None)
+        else:
+            jobs.append(pool.submit(_copy_into, host[a:b], srcs[a:b]))
+    out = torch.empty(host.shape, dtype=host.dtype, device=device) if cuda else host
     for (a, b), job in zip(spans, jobs):
         if job is not None:
             job.result()
-        out[a:b].copy_(host[a:b], non_blocking=True)  # pinned source: the allocator keeps it until the copy ran
+        if cuda:  # pinned source: the allocator keeps it until the copy ran
+            out[a:b].copy_(host[a:b], non_blocking=True)
     return out
