@@ -11,7 +11,7 @@ runs while the next is copied. The result is byte-identical to `torch.stack(page
 from __future__ import annotations
 
 import ctypes
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 
 import torch
 
@@ -40,17 +40,20 @@ def upload_stacked(
         return host.to(device)
     per = max(1, group_bytes // first.nbytes)
     spans = [(i, min(i + per, len(srcs))) for i in range(0, len(srcs), per)]
-    jobs: list[Future | None] = []
-    for a, b in spans:
-        if pool is None:
+    if pool is None:
+        jobs = [None] * len(spans)
+        for a, b in spans:
             _copy_into(host[a:b], srcs[a:b])
-            jobs.append(None)
-        else:
-            jobs.append(pool.submit(_copy_into, host[a:b], srcs[a:b]))
-    out = torch.empty(host.shape, dtype=host.dtype, device=device) if cuda else host
+    else:
+        jobs = [pool.submit(_copy_into, host[a:b], srcs[a:b]) for a, b in spans]
+    if not cuda:
+        for job in jobs:
+            if job is not None:
+                job.result()
+        return host
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)
     for (a, b), job in zip(spans, jobs):
         if job is not None:
             job.result()
-        if cuda:  # pinned source: the allocator keeps it until the copy ran
-            out[a:b].copy_(host[a:b], non_blocking=True)
+        out[a:b].copy_(host[a:b], non_blocking=True)  # pinned source: the allocator keeps it until the copy ran
     return out
