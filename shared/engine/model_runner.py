@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -30,7 +29,6 @@ from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.model import load_model
-from pdserve.engine.page_upload import upload_stacked
 from pdserve.engine.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -45,7 +43,6 @@ from pdserve.kv.payload import CachedUpload, PagePayload
 
 log = logging.getLogger("pdserve.engine")
 
-UPLOAD_THREADS = 4  # host copy threads of a prompt-cache import (page_upload.py)
 PROMPT_LOGPROB_BLOCK = 256  # prompt rows per logits block (a [256, vocab] float32 at a time)
 
 
@@ -98,10 +95,6 @@ class ModelRunner:
             cfg.cuda_graphs,
         )
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)  # seeds of requests without one
-        # prompt-cache imports: host copies into pinned memory, GIL released (CUDA only; CPU stacks on this thread)
-        self._upload_pool = (
-            ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="page-upload") if self.device.type == "cuda" else None
-        )
         self._generators: dict[str, torch.Generator] = {}  # sampled (non-greedy) live requests
 
     # ---- sizing ------------------------------------------------------------------------------------------
@@ -207,8 +200,7 @@ class ModelRunner:
     def import_full_pages(self, physical_pages: list[int], payloads: list[PagePayload]) -> CachedUpload | None:
         """Write whole pages (all layers, `page_size` tokens, one format) in one host -> device copy per tensor and
         one scatter, instead of a handful of copies and kernels per page (a cached prefix of hundreds of pages).
-        Returns that device copy, in the payloads' own format (None for mixed formats, imported page by page).
-        On CUDA the host side runs on `_upload_pool`'s threads, group by group ahead of the DMA (page_upload.py)."""
+        Returns that device copy, in the payloads' own format (None for mixed formats, imported page by page)."""
         if not payloads:
             return None
         first = payloads[0]
@@ -218,7 +210,11 @@ class ModelRunner:
             return None
 
         def stacked(ts: list[torch.Tensor]) -> torch.Tensor:  # [N, 2, L, page_size, kv_heads, d or d/g]
-            return upload_stacked(ts, self.device, self._upload_pool)  # host copy on threads, overlapped with DMA
+            if self.device.type != "cuda":
+                return torch.stack(ts)
+            host = torch.empty((len(ts), *ts[0].shape), dtype=ts[0].dtype, pin_memory=True)
+            torch.stack(ts, out=host)  # one host copy, straight into pinned memory
+            return host.to(self.device, non_blocking=True)
 
         data = stacked([p.data for p in payloads])
         scales = stacked([p.scales for p in payloads]) if first.scales is not None else None  # type: ignore[misc]
