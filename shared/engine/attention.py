@@ -254,10 +254,7 @@ class FA3Backend:
         return kv.view(2, b, w * ps, *kv.shape[-2:])
 
     def _num_splits(self, batch: int, kv_heads: int, split_mult: int) -> int:
-        """Split-K count of the Triton decode kernel: about `split_mult` waves for this batch size; a constant under
-        batch_invariant (a row's split boundaries, and so its sums, then depend on its own length alone)."""
-        if self.kernels.invariant_gemm:
-            return INVARIANT_SPLITS
+        """Split-K count of the Triton decode kernel: about `split_mult` waves for this batch size."""
         from pdserve.engine.kernels.int8_decode_attention import default_num_splits
 
         return default_num_splits(batch, kv_heads, self._num_sms, split_mult)
@@ -346,6 +343,10 @@ class RowwiseTritonBackend(FA3Backend):
 
     def __init__(self, kernels: KernelChoice):
         super().__init__(None, kernels)
+
+    def _num_splits(self, batch: int, kv_heads: int, split_mult: int) -> int:
+        """A constant: a row's split boundaries, and so its sums, depend on its own length alone."""
+        return INVARIANT_SPLITS
 
     def attend(self, layer: int, q: torch.Tensor, meta, cache: KVCache, scale: float) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]; graph-safe for decode like FA3Backend.attend."""

@@ -214,7 +214,7 @@ class DecodeGraphRunner:
 def make_decode_graph_runner(
     model, cache, backend, page_size: int, max_batch: int, max_context: int, device: torch.device, enabled: bool
 ) -> DecodeGraphRunner | None:
-    """A captured runner when the engine can use one (CUDA, fused model, FA3 backend), else None (eager)."""
+    """A captured runner when the engine can use one (CUDA, fused model, a GRAPH_BACKENDS backend), else None."""
     if not enabled or device.type != "cuda" or not model.kernels.fused or backend.name not in GRAPH_BACKENDS:
         why = "disabled" if not enabled else "needs CUDA, the fused model path and the FA3 (or triton-rows) backend"
         log.info("decode CUDA graphs off (%s)", why)
