@@ -145,7 +145,7 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
             for msg in relay(outputs, context, deadline, "colocated request", req, cached, end):
                 yield msg
                 if to_cache and self.cache is not None:  # after the first token went out: off its path
-                    write_back(self.cache, ns, hit, [to_cache.pop()], self.layout)
+                    write_back(self.cache, ns, hit.keys, hit.num_pages, [to_cache.pop()], self.layout)
 
     # ---- prompt cache ---------------------------------------------------------------------------------
     def _export_for_cache(self, rid: str, hit: CacheLookup) -> ExportedPages | None:

@@ -27,6 +27,11 @@ class PrefillConfig(CacheOptions, EngineOptions):
         """KV streams at once: every decode instance's requests in prefill (several decode instances per prefill)."""
         return 4 * self.max_num_seqs
 
+    prefix_reuse: bool = opt(
+        True,
+        "keep the prompt pages this instance computed in its KV pool (evictable) and start a request with the "
+        "same prefix on them: no compute, no copy; checked before the prompt cache's local tier and store",
+    )
     kv_copy_threads: int = opt(
         4, "grpc transport: threads building KV batch messages (checksum, serialization) ahead of the stream; 0: none"
     )

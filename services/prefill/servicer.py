@@ -115,12 +115,19 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         scope.set({"pdserve.request_id": rid, "pdserve.prompt_tokens": len(prompt), "pdserve.kv.dtype": kv_dtype})
         ns = CacheNamespace(self.fingerprint, layout, req.cache_scope)  # the router's scope: tenant or shared
         lookup_ns = time.time_ns()
-        # prompt_logprobs score every prompt token: nothing may come from the cache
+        # prompt_logprobs score every prompt token: nothing may come from the pool's prefixes or the cache
+        reuse = self.cfg.prefix_reuse and not sampling.prompt_logprobs
+        prefix_keys = ns.page_keys(prompt) if reuse else []
+        max_reuse = (len(prompt) - 1) // self.page_size  # the last prompt token is always computed
+        in_pool = self.loop.engine.prefix_pages_held(prefix_keys[:max_reuse]) if prefix_keys else 0
         hit = (
             CacheLookup([], [])
-            if sampling.prompt_logprobs
-            else lookup_prefix(self.cache, ns, prompt, self.page_size, self.prefill_rate.rate())
+            if sampling.prompt_logprobs or (in_pool and in_pool == max_reuse)  # the pool holds all it may serve
+            else lookup_prefix(self.cache, ns, prompt, self.page_size, self.prefill_rate.rate(), prefix_keys or None)
         )
+        if in_pool and in_pool >= hit.num_pages:  # the pool's pages beat a copy of the same prefix
+            hit = CacheLookup(hit.keys, [], 0, hit.decision)
+        computed_from = [0]  # engine thread: the first prompt token this request computed (the rest was reused)
         prompt_lps: list[TokenLogprob] = []  # sampling.prompt_logprobs, gathered chunk by chunk (engine thread)
         scope.record(
             "prefill.cache_lookup",
@@ -128,6 +135,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             {
                 "pdserve.cache.enabled": self.cache is not None,
                 "pdserve.cache.pages_hit": hit.num_pages,
+                "pdserve.cache.pool_pages": in_pool,
                 "pdserve.cache.pages_miss": max(0, (len(prompt) - 1) // self.page_size - hit.num_pages),
                 "pdserve.cache.local_hits": hit.local_hits,
                 **(hit.decision.attributes() if hit.decision is not None else {}),
@@ -151,6 +159,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     outbox.put(RuntimeError("prefill aborted"))
                     return
                 prompt_lps.extend(out.prompt_logprobs)
+                if out.token_range and not computed_from[0]:
+                    computed_from[0] = out.token_range[0] or -1  # -1: computed from the start
                 if out.token_range:  # step start .. now (its outputs are dispatched right after it)
                     start = self.loop.step_started_ns
                     n = out.token_range[1] - out.token_range[0]
@@ -193,6 +203,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 cached_pages=hit.pages or None,
                 sampled_before=req.sampled_before,
                 keep_cached_upload=upload_first,
+                prefix_keys=prefix_keys or None,
             )
         except Exception as e:
             with self._lock:
@@ -240,7 +251,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     done = internal_pb2.PrefillDone(
                         first_token_id=out.new_token_ids[0],
                         num_pages=pages.num_shipped,
-                        cached_tokens=hit.num_pages * self.page_size,
+                        cached_tokens=max(0, computed_from[0]),  # from the prompt cache or the pool
                         prefill_ms=(time.perf_counter() - t0) * 1e3,
                         prompt_logprobs=prompt_values,
                         prompt_top_logprobs=prompt_tops,
@@ -257,7 +268,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     except TimeoutError as e:
                         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode did not acknowledge KV: {e}")
                     if self.cache is not None:  # off the first token's path: decode has every page already
-                        write_back(self.cache, ns, hit, to_cache, layout)
+                        keys = hit.keys or prefix_keys  # hit.keys: none when the pool made the lookup moot
+                        write_back(self.cache, ns, keys, max(0, computed_from[0]) // self.page_size, to_cache, layout)
                     log.info(
                         "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s ms=%.1f",
                         rid,

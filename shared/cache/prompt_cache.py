@@ -119,12 +119,17 @@ class PromptCache:
         return decide_fetch(self.fetch_rate.rate(), self.page_value_bytes, page_size, prefill_tokens_per_s)
 
     def lookup(
-        self, ns: CacheNamespace, token_ids: list[int], max_pages: int, prefill_tokens_per_s: float | None = None
+        self,
+        ns: CacheNamespace,
+        token_ids: list[int],
+        max_pages: int,
+        prefill_tokens_per_s: float | None = None,
+        keys: list[bytes] | None = None,
     ) -> CacheLookup:
         """Longest cached prefix of at most `max_pages` full pages of `token_ids`. Never raises for store
         trouble (that is a miss); returns within about one store timeout per batch. Past the local tier, the
         store is asked only when fetching beats computing at `prefill_tokens_per_s` (None: unmeasured)."""
-        keys = ns.page_keys(token_ids)
+        keys = ns.page_keys(token_ids) if keys is None else keys  # `keys`: the caller's ns.page_keys(token_ids)
         want = keys[: max(0, max_pages)]
         pages: list[PagePayload] = self.local.get_prefix(want) if self.local is not None else []
         n_local = len(pages)

@@ -2,7 +2,7 @@
 prefix up before it is queued, write the newly computed full pages back after it.
 
     lookup_prefix(cache, ns, prompt, page_size, rate)   longest cached prefix of full pages (no cache: a miss)
-    write_back(cache, ns, hit, batches, layout)         the batches' pages the lookup missed, as host copies
+    write_back(cache, ns, keys, first, batches, layout) the batches' pages from `first` on, as host copies
 """
 
 from __future__ import annotations
@@ -22,23 +22,36 @@ def lookup_prefix(
     prompt: list[int],
     page_size: int,
     prefill_tokens_per_s: float | None,
+    keys: list[bytes] | None = None,
 ) -> CacheLookup:
     """Longest cached prefix of full pages, leaving at least the last prompt token to compute (it samples the
     first token). Store trouble is a miss, never an error; `prefill_tokens_per_s`: the instance's measured rate
-    (whether fetching beats computing)."""
+    (whether fetching beats computing); `keys`: `ns.page_keys(prompt)` when the caller has them already."""
     if cache is None:
         return CacheLookup([], [])
-    return cache.lookup(ns, prompt, max_pages=(len(prompt) - 1) // page_size, prefill_tokens_per_s=prefill_tokens_per_s)
+    return cache.lookup(
+        ns,
+        prompt,
+        (len(prompt) - 1) // page_size,
+        prefill_tokens_per_s,
+        keys,  # keys: ns.page_keys(prompt), if made
+    )
 
 
 def write_back(
-    cache: PromptCache, ns: CacheNamespace, hit: CacheLookup, batches: list[ExportedPages], layout: KVLayoutSpec
+    cache: PromptCache,
+    ns: CacheNamespace,
+    keys: list[bytes],
+    first_page: int,
+    batches: list[ExportedPages],
+    layout: KVLayoutSpec,
 ) -> None:
-    """Put the pages of `batches` (one request's, in prompt order, in `layout`) that `hit` missed, full pages past
-    the cached prefix, into the cache as one chain (CPU copies; the store write is asynchronous)."""
+    """Put the pages of `batches` (one request's, in prompt order, in `layout`) from `first_page` on (the pages
+    before it came from a cache or the pool's prefixes), full pages with `keys` (every full page's), into the
+    cache as one chain (CPU copies; the store write is asynchronous)."""
     items: list[tuple[int, bytes, bytes, PagePayload]] = []  # (page index, key, value, page as views of it)
     for batch in batches:
-        want = [i for i, idx in enumerate(batch.page_indexes) if hit.num_pages <= idx < len(hit.keys)]
+        want = [i for i, idx in enumerate(batch.page_indexes) if first_page <= idx < len(keys)]
         if not want:
             continue
         rows = batch.host if batch.host is not None else to_host(batch)  # uint8 [pages, page_bytes]
@@ -46,7 +59,7 @@ def write_back(
             idx = batch.page_indexes[i]
             if batch.num_tokens[i] != layout.page_size:  # only full pages have keys; kept as a guard
                 continue
-            value, page = encode_row(rows[i], ns, hit.keys[idx], idx)  # one copy of the page in all
-            items.append((idx, hit.keys[idx], value, page))
+            value, page = encode_row(rows[i], ns, keys[idx], idx)  # one copy of the page in all
+            items.append((idx, keys[idx], value, page))
     items.sort(key=lambda it: it[0])
     cache.put_many(ns, [(k, p) for _, k, _, p in items], [v for _, _, v, _ in items])

@@ -62,6 +62,7 @@ class RequestOptions(TypedDict, total=False):
     resumed_tokens: int
     resumed_text_chars: int
     keep_cached_upload: bool
+    prefix_keys: list[bytes] | None
 
 
 class LLMEngine:
@@ -177,6 +178,7 @@ class LLMEngine:
         resumed_tokens: int = 0,
         resumed_text_chars: int = 0,
         keep_cached_upload: bool = False,
+        prefix_keys: list[bytes] | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (bad input, duplicate id) or OutOfPages (prompt larger than the
         whole pool). `forced_token_ids`: teacher forcing, the i-th sampled token is replaced by the i-th forced
@@ -190,7 +192,12 @@ class LLMEngine:
         them); a seeded request skips their draws, so it samples as if it had never moved.
         `resumed_tokens`, `resumed_text_chars`: a failover resume on an engine that prefills itself (colocated
         mode): as in `begin_import`, the last `resumed_tokens` prompt tokens count as completion tokens and their
-        first `resumed_text_chars` characters were delivered already; the sequence is prefilled like a preempted one."""
+        first `resumed_text_chars` characters were delivered already; the sequence is prefilled like a preempted one.
+        `prefix_keys`: keys of the prompt's full pages (`pdserve.cache.keys`: they pin the model, the namespace and
+        the tokens). At admission the request takes the pool pages that already hold its longest registered prefix
+        (unless `cached_pages` are given) and computes only after them; a prefill-only request reports those
+        pages in its first `ready_pages`. When the request ends, the full prompt pages it computed are
+        registered under their keys and stay in the pool, evictable, for the next request with that prefix."""
         seq = self._new_sequence(
             request_id,
             prompt_token_ids,
@@ -212,10 +219,21 @@ class LLMEngine:
                 if sampling.prompt_logprobs:
                     raise InvalidRequest("prompt_logprobs needs every prompt token computed: no cached pages")
                 self._check_cached_pages(seq.num_prompt_tokens, cached_pages)
+            if prefix_keys:
+                if sampling.prompt_logprobs or resumed_tokens:
+                    raise InvalidRequest("prefix_keys excludes prompt_logprobs and resumed_tokens")
+                if len(prefix_keys) > seq.num_prompt_tokens // self.page_size or not all(
+                    isinstance(k, bytes) and k for k in prefix_keys
+                ):
+                    raise InvalidRequest(
+                        f"prefix_keys: at most one non-empty key per full prompt page, got {len(prefix_keys)}"
+                    )
+                seq.prefix_keys = list(prefix_keys)
         except Exception:
             self.runner.drop_request(request_id)
             raise
         if cached_pages:
+            seq.num_imported_pages = len(cached_pages)
             self._cached_pages[request_id] = list(cached_pages)
             if keep_cached_upload:
                 self._keep_upload.add(request_id)
@@ -247,6 +265,7 @@ class LLMEngine:
         """Write a request's cached prefix into its (just allocated) pages, on its first scheduled step."""
         pages = self._cached_pages.pop(seq.request_id)
         if seq.num_computed_tokens < len(pages) * self.page_size:  # preempted before it ran: recomputed instead
+            seq.num_imported_pages = 0
             return
         # _check_cached_pages: full pages 0..N-1 of all layers, each checked against the pool
         upload = self.runner.import_full_pages([seq.page_table[p.page_index] for p in pages], pages)
@@ -277,10 +296,25 @@ class LLMEngine:
         any state like `abort`, but never produces an output. Returns False for unknown ids."""
         return self._drop(request_id) is not None
 
+    def prefix_pages_held(self, prefix_keys: list[bytes]) -> int:
+        """How many leading pages of `prefix_keys` the pool holds now (any thread; a later admission may find
+        fewer if they are evicted meanwhile)."""
+        return len(self.allocator.held_prefix(prefix_keys))
+
+    def _register_prefix(self, seq: Sequence) -> None:
+        """Register the full prompt pages `seq` computed here (not the imported ones) under their keys."""
+        keys = seq.prefix_keys
+        if not keys:
+            return
+        n = min(len(keys), seq.num_computed_tokens // self.page_size, len(seq.page_table))
+        for i in range(seq.num_imported_pages, n):
+            self.allocator.register(seq.page_table[i], keys[i])
+
     def _drop(self, request_id: str) -> Sequence | None:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
+            self._register_prefix(seq)
             self.scheduler.free_pages(seq)
             self._cached_pages.pop(request_id, None)
             self._cached_uploads.pop(request_id, None)
@@ -559,6 +593,9 @@ class LLMEngine:
     ) -> list[StepOutput]:
         ps, end = self.page_size, seq.num_computed_tokens
         ready = list(range(start // ps, end // ps))
+        if not seq.shared_pages_reported:  # the pool's prefix pages are ready from the start
+            ready = list(range(seq.num_shared_pages)) + ready
+            seq.shared_pages_reported = True
         if token is not None:
             if end % ps:
                 ready.append(end // ps)  # the last, partial page is final now

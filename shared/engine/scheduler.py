@@ -11,6 +11,8 @@ Policy (kept simple and correct):
 - A waiting sequence with exactly one uncomputed token (an imported request, or a one-token prompt) joins the
   running batch directly: its next step is a plain decode step.
 - At most `max_num_seqs` sequences are admitted (running + partially prefilled) at once.
+- A sequence with `prefix_keys` is admitted onto the pool pages that already hold its longest registered prefix
+  (PageAllocator prefix reuse); only the tokens after them are computed.
 """
 
 from __future__ import annotations
@@ -105,9 +107,16 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status == SequenceStatus.WAITING:  # not started: admit it with all its pages, or stop (FIFO)
-                need = self._pages_for(seq, seq.num_tokens)
-                if admitted >= self.max_num_seqs or need > self.allocator.num_free:
+                shared = self._reusable_prefix(seq)
+                need = self._pages_for(seq, seq.num_tokens) - len(shared)
+                free = self.allocator.num_free - self.allocator.num_evictable(shared)
+                if admitted >= self.max_num_seqs or need > free:
                     break
+                if shared:  # the prefix's KV is in the pool already: hold those pages, compute after them
+                    self.allocator.share(shared)
+                    seq.page_table = shared
+                    seq.num_computed_tokens = len(shared) * self.page_size
+                    seq.num_shared_pages, seq.shared_pages_reported = len(shared), False
                 seq.page_table.extend(self.allocator.allocate(need))
                 seq.status = SequenceStatus.PREFILLING
                 admitted += 1
@@ -116,6 +125,13 @@ class Scheduler:
             counts.append(n)
             budget -= n
         return ScheduledBatch(seqs, counts, True) if seqs else None
+
+    def _reusable_prefix(self, seq: Sequence) -> list[int]:
+        """Registered pool pages holding the longest prefix of `seq`'s full pages, leaving at least its last token
+        to compute; none for a sequence that has pages or computed tokens already (a prompt-cache import)."""
+        if not seq.prefix_keys or seq.page_table or seq.num_computed_tokens:
+            return []
+        return self.allocator.held_prefix(seq.prefix_keys[: (seq.num_tokens - 1) // self.page_size])
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         i = 0
@@ -137,6 +153,6 @@ class Scheduler:
         """Recompute preemption: free all pages; the sequence re-prefills prompt + completion later."""
         self.running.remove(seq)
         self.free_pages(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_imported_pages = seq.num_shared_pages = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -76,6 +76,10 @@ class Sequence:
     imported_layers: list[int] | None = None  # IMPORTING: per logical page, a bit mask of the layers received
     reasoning: ReasoningBudget | None = None  # sampling.max_reasoning_tokens: forces the think close tag
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprob was reported (prompt_logprobs)
+    prefix_keys: list[bytes] | None = None  # keys of the prompt's full pages (PageAllocator prefix reuse)
+    num_imported_pages: int = 0  # leading pages imported from a prompt cache (never registered: not computed here)
+    num_shared_pages: int = 0  # leading pages taken at admission from the pool's registered prefixes
+    shared_pages_reported: bool = True  # prefill-only: the shared pages went out in a `ready_pages` already
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property

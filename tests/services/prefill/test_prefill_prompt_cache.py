@@ -23,6 +23,8 @@ from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
 PAGE, CHUNK = 4, 16
 ENGINE = ["--page-size", str(PAGE), "--chunk-size", str(CHUNK), "--num-pages", "512", "--torch-threads", "1"]
+NO_REUSE = ["--prefix-reuse", "false"]
+POOL = 3  # the prefill instance whose only reuse is its own KV pool
 
 
 class Cluster:
@@ -30,12 +32,14 @@ class Cluster:
         self.redis = redis
         fast = ["--cache-timeout-ms", "300", "--cache-breaker-failures", "2", "--cache-breaker-cooldown-s", "0.3"]
         specs = [
-            ("prefill", [*fast, "--cache-local-mb", "0"], {"REDIS_URL": redis.url}),  # p0: Redis only
-            ("prefill", fast, {"REDIS_URL": redis.url}),  # p1: local tier + Redis
-            ("prefill", [], {"REDIS_URL": ""}),  # p2: in-process cache
+            # p0-p2 test the prompt cache's tiers: their pools keep no prefixes (--prefix-reuse false)
+            ("prefill", [*fast, "--cache-local-mb", "0", *NO_REUSE], {"REDIS_URL": redis.url}),  # p0: Redis only
+            ("prefill", [*fast, *NO_REUSE], {"REDIS_URL": redis.url}),  # p1: local tier + Redis
+            ("prefill", NO_REUSE, {"REDIS_URL": ""}),  # p2: in-process cache
             ("decode", ["--kv-dtype", "auto"], {}),
             ("decode", ["--kv-dtype", "int8"], {}),
             ("decode", ["--kv-dtype", "auto", "--kv-transport", "cuda-ipc"], {}),  # shared memory on CPU
+            ("prefill", ["--prompt-cache", "false"], {"REDIS_URL": ""}),  # p3: only its pool's prefixes (default on)
         ]
         started = [
             start_service(name, ["--model", str(model), *ENGINE, *args], work, env=env) for name, args, env in specs
@@ -46,7 +50,7 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        self.prefill, (self.decode_auto, self.decode_int8, self.decode_ipc) = addrs[:3], addrs[3:]
+        self.prefill, (self.decode_auto, self.decode_int8, self.decode_ipc) = addrs[:3] + addrs[6:], addrs[3:6]
         self.channels = {a: channel(a) for a in addrs}
 
     def generate(
@@ -259,3 +263,29 @@ def test_cached_prefix_over_cuda_ipc(cluster, rds, n):
     assert b1 - b0 == 1 + -(-(n - want) // CHUNK)  # the cached rows, then one batch per computed chunk
     cold_ipc, cached = cluster.generate(0, ids, ipc=True)  # p0 (Redis only, now empty): a miss over cuda-ipc
     assert (cold_ipc, cached) == (cold, 0)
+
+
+@pytest.mark.parametrize("n", [4 * PAGE, 4 * PAGE + 1, 2 * CHUNK + 3 * PAGE + 2])
+def test_pool_prefix_reuse_output_identical_on_every_transport(cluster, rds, n):
+    """p3 has no prompt cache: a hit can only be its pool's own pages. They start the request with no compute and
+    no copy, ship to decode with the computed ones (grpc, cuda-ipc, and quantized to int8), and every output equals
+    the cold one; nothing goes to Redis."""
+    ids = prompt(n, seed=300 + n)
+    want = (n - 1) // PAGE * PAGE
+    cold, cached = cluster.generate(POOL, ids)
+    assert cached == 0
+    assert cluster.generate(POOL, ids) == (cold, want)
+    assert cluster.generate(POOL, ids, ipc=True) == (cold, want)
+    cold8, cached8 = cluster.generate(POOL, ids, int8=True)  # another KV layout: another namespace, computed once
+    assert cached8 == 0
+    assert cluster.generate(POOL, ids, int8=True) == (cold8, want)
+    longer = ids[:want] + prompt(7, seed=400 + n)  # shares the full pages, then diverges
+    assert cluster.generate(POOL, longer)[1] == want
+    assert rds.dbsize() == 0
+
+
+def test_pool_prefixes_never_cross_scopes(cluster, rds):
+    ids = prompt(6 * PAGE + 1, seed=12)
+    cold, _ = cluster.generate(POOL, ids, scope="tenant:alice")
+    assert cluster.generate(POOL, ids, scope="tenant:bob") == (cold, 0)
+    assert cluster.generate(POOL, ids, scope="tenant:alice") == (cold, 6 * PAGE)
