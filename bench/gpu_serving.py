@@ -503,8 +503,9 @@ def main() -> None:
             finally:
                 stack.stop()
         if "cache" in parts and redis is not None:
-            # local tier off: every hit is a Redis hit (what another prefill instance wrote)
-            stack = start(model, workdir / "redis-only", "auto", redis.url, ["--cache-local-mb", "0"])
+            # no local tier and no pool prefixes: the prefix is where another instance's write left it, in Redis
+            no_local = ["--cache-local-mb", "0", "--prefix-reuse", "false"]
+            stack = start(model, workdir / "redis-only", "auto", redis.url, no_local)
             try:
                 res.update(cache_figures(stack, rng, "redis"))
                 save()
