@@ -125,7 +125,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             if sampling.prompt_logprobs or (in_pool and in_pool == max_reuse)  # the pool holds all it may serve
             else lookup_prefix(self.cache, ns, prompt, self.page_size, self.prefill_rate.rate(), prefix_keys or None)
         )
-        if in_pool and in_pool >= hit.num_pages:  # the pool's pages beat a copy of the same prefix
+        pool_pages = in_pool if in_pool and in_pool >= hit.num_pages else 0  # beats a copy of the same prefix
+        if pool_pages:
             hit = CacheLookup(hit.keys, [], 0, hit.decision)
         computed_from = [0]  # engine thread: the first prompt token this request computed (the rest was reused)
         prompt_lps: list[TokenLogprob] = []  # sampling.prompt_logprobs, gathered chunk by chunk (engine thread)
@@ -134,9 +135,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             lookup_ns,
             {
                 "pdserve.cache.enabled": self.cache is not None,
-                "pdserve.cache.pages_hit": hit.num_pages,
-                "pdserve.cache.pool_pages": in_pool,
-                "pdserve.cache.pages_miss": max(0, (len(prompt) - 1) // self.page_size - hit.num_pages),
+                "pdserve.cache.pages_hit": hit.num_pages,  # from the prompt cache's tiers
+                "pdserve.cache.pool_pages": pool_pages,  # the pool's own prefix (admission may find fewer)
+                "pdserve.cache.pages_miss": max(0, max_reuse - hit.num_pages - pool_pages),
                 "pdserve.cache.local_hits": hit.local_hits,
                 **(hit.decision.attributes() if hit.decision is not None else {}),
             },

@@ -57,6 +57,9 @@ def traced(tmp_path_factory, model_dir):
         mp.delenv("OTEL_TRACES_EXPORTER", raising=False)
         mp.delenv("OTEL_TRACES_SAMPLER", raising=False)
         mp.delenv("REDIS_URL", raising=False)  # the prefill's prompt cache is in-process
+        # the prompt cache's own spans and counters: the repeated prompt must reach its lookup, not the pool's
+        # prefixes (tests/services/prefill/test_prefill_prompt_cache.py covers those)
+        mp.setenv("PDSERVE_PREFILL_PREFIX_REUSE", "false")
         stack = start_stack(
             model_dir,
             workdir,
