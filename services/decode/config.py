@@ -20,6 +20,11 @@ class DecodeConfig(EngineOptions):
         "auto|grpc|cuda-ipc: how KV pages arrive from prefill (offered in each request; auto: cuda-ipc when "
         "prefill is on this host with CUDA, else grpc; a forced transport that cannot work fails the request)",
     )
+    first_token_early: bool = opt(
+        True,
+        "stream the first token to the caller as soon as prefill sampled it, while its KV pages are still on their "
+        "way (prefill sends it ahead of the pages); the second token follows once they are all in",
+    )
     kv_copy_threads: int = opt(
         4, "threads checking and copying arriving KV batches while the stream's reader takes the next; 0: none"
     )

@@ -7,12 +7,21 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
 from pdserve.decode.config import DecodeConfig
-from pdserve.decode.token_stream import ActiveCalls, PromptScores, StreamEnd, generate_call, relay
+from pdserve.decode.token_stream import (
+    ActiveCalls,
+    CallerGone,
+    EarlyFirst,
+    PromptScores,
+    StreamEnd,
+    generate_call,
+    relay,
+)
 from pdserve.decode.watchdog import Watchdog
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import CorruptPage, InvalidRequest
@@ -33,10 +42,6 @@ from pdserve.v1 import internal_pb2, internal_pb2_grpc, kv_pb2
 log = logging.getLogger("pdserve.decode")
 
 _END = object()
-
-
-class CallerGone(Exception):
-    """The caller cancelled (or its deadline passed) while KV pages were arriving: the request ends quietly."""
 
 
 class PrefillChannels:
@@ -131,26 +136,37 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             fmt = "decode rid=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.1f"
             log.info(fmt, rid, len(prompt), end.completion_tokens, end.finish, (time.perf_counter() - t0) * 1e3)
 
+        deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
         with generate_call(self.loop, rid, self.active, summary) as end:
+            early = EarlyFirst(outputs, context, deadline, req, end)
             try:
-                first, cached, done = self._receive_kv(request, prompt, context, req)
+                first, cached, done = yield from self._receive_kv(request, prompt, context, req, early)
             except CallerGone:
                 return
             try:
                 self.loop.finish_import(rid, first)
             except InvalidRequest as e:  # the prompt was checked at begin_import: prefill's answer is at fault
                 context.abort(grpc.StatusCode.DATA_LOSS, f"bad PrefillDone from {request.prefill_target}: {e}")
+            if early.sent:  # the first token went out ahead of the pages (its logprob with it)
+                if not end.finished:
+                    yield from relay(outputs, context, deadline, "decode", req, cached, end)
+                return
             # the first token's logprob and the prompt's came from prefill: they lead the first message
             lead = [done.first_token_logprob] if done.HasField("first_token_logprob") else []
-            deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
             scores = PromptScores(list(done.prompt_logprobs), list(done.prompt_top_logprobs))
             yield from relay(outputs, context, deadline, "decode", req, cached, end, lead, scores)
 
     def _receive_kv(
-        self, request: internal_pb2.DecodeRequest, prompt: list[int], context: grpc.ServicerContext, req: RequestScope
-    ) -> tuple[int, int, internal_pb2.PrefillDone]:
-        """Open the Prefill stream, agree on the transport, store batches as they arrive and ack them. Returns
-        (first token, cached tokens, PrefillDone)."""
+        self,
+        request: internal_pb2.DecodeRequest,
+        prompt: list[int],
+        context: grpc.ServicerContext,
+        req: RequestScope,
+        early: EarlyFirst,
+    ) -> Generator[internal_pb2.DecodeResponse, None, tuple[int, int, internal_pb2.PrefillDone]]:
+        """Open the Prefill stream, agree on the transport, store batches as they arrive and ack them; yields the
+        first token's response when prefill sends it ahead of the pages (`early`). Returns (first token, cached
+        tokens, PrefillDone)."""
         rid = request.request_id
         pages = ReceiverPages(rid, -(-len(prompt) // self.layout.page_size), free=lambda: self.loop.abort(rid))
         acks: queue.Queue = queue.Queue()
@@ -163,6 +179,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 model_fingerprint=self.fingerprint,
                 sampled_before=request.resumed_tokens,
                 cache_scope=request.cache_scope,
+                first_token_early=self.cfg.first_token_early,
                 kv_transport=self.kv_offer,
             )
         )
@@ -223,6 +240,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                         continue
                     if msg is not None and msg.HasField("done"):
                         break
+                    if msg is not None and msg.HasField("first_token"):
+                        if not self.cfg.first_token_early or early.sent:
+                            raise TransferError("first token sent early unasked, or twice")
+                        yield from early.send(self.loop, rid, msg.first_token)
+                        continue
                     if receiver is None:
                         raise TransferError("KV batch before the transport choice")
                     if header is not None:

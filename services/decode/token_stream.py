@@ -5,6 +5,7 @@
     relay(outputs, context, deadline, what, req, cached_tokens, end, ...)   the messages, up to the finished one
     next_output(outputs, deadline, context, what)                          one item, or None: the caller left
     decode_response(out, req, cached_tokens, lead_logprobs, prompt)   the message of one output
+    EarlyFirst(...).send(loop, rid, first)        the first token's message, ahead of its KV pages
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.server.proto_convert import logprob_to_proto, prompt_logprobs_to_proto
 from pdserve.telemetry.service import RequestScope
 from pdserve.v1 import generate_pb2, internal_pb2
+
+
+class CallerGone(Exception):
+    """The caller cancelled (or its deadline passed) while KV pages were arriving: the request ends quietly."""
+
 
 FINISH = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -136,6 +142,36 @@ def relay(
         yield msg
         if end.finished:
             return
+
+
+class EarlyFirst:
+    """The first token of a Generate call streamed ahead of its KV pages (PrefillFirstToken): `send` appends it
+    to the importing request and yields its response; afterwards `sent` is set and `end` follows it (a first token
+    that ends the request finishes the call's stream; its pages still arrive, so prefill ends normally)."""
+
+    def __init__(
+        self, outputs: queue.Queue, context: grpc.ServicerContext, deadline: float, req: RequestScope, end: StreamEnd
+    ):
+        self.outputs, self.context, self.deadline, self.req, self.end = outputs, context, deadline, req, end
+        self.sent = False
+
+    def send(
+        self, loop: EngineLoop, rid: str, first: internal_pb2.PrefillFirstToken
+    ) -> Iterator[internal_pb2.DecodeResponse]:
+        """Raises InvalidRequest for a token the request cannot take (outside the vocabulary, twice)."""
+        loop.emit_first_token(rid, first.token_id)
+        out = next_output(self.outputs, self.deadline, self.context, "decode")
+        if out is None:
+            raise CallerGone
+        if isinstance(out, BaseException):
+            self.context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {out}")
+        self.sent = True
+        self.end.completion_tokens = out.num_completion_tokens
+        lead = [first.logprob] if first.HasField("logprob") else []
+        msg = decode_response(out, self.req, first.cached_tokens, lead, PromptScores())
+        if out.finished:
+            self.end.finished, self.end.finish = True, out.finish_reason or "abort"
+        yield msg
 
 
 class ActiveCalls:

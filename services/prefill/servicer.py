@@ -36,6 +36,7 @@ from pdserve.v1 import internal_pb2, internal_pb2_grpc
 log = logging.getLogger("pdserve.prefill")
 
 _DONE = object()
+_FIRST = object()  # outbox: the first token, streamed ahead of the last chunk's pages (first_token_early)
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
@@ -150,6 +151,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             rows = PageFormat(layout).rows_from_payloads(hit.pages)
             outbox.put(ExportedPages(list(range(hit.num_pages)), [p.num_tokens for p in hit.pages], rows))
         upload_pending = [True] if upload_first else []  # engine thread: the upload is still to be shipped
+        # prompt logprobs lead decode's first response and come with PrefillDone: no early first token then
+        early_first = req.first_token_early and not sampling.prompt_logprobs
 
         def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
             if isinstance(out, BaseException):
@@ -180,6 +183,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     upload_pending.clear()
                     if out.token_range[0] > 0:  # else preempted before the import: recomputed, in ready_pages
                         outbox.put(self._cached_batch(rid, hit, layout))
+                if out.finished and early_first:  # decode streams it while the pages below are on their way
+                    outbox.put((_FIRST, out))
                 if out.ready_pages:  # one device gather per chunk; the writer ships it
                     outbox.put(self.loop.engine.export_batch(rid, out.ready_pages, layout))
                 if out.finished:
@@ -246,6 +251,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     continue
                 if isinstance(item, Exception):
                     context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
+                if isinstance(item, tuple) and item[0] is _FIRST:
+                    ft = internal_pb2.PrefillFirstToken(
+                        token_id=item[1].new_token_ids[0], cached_tokens=max(0, computed_from[0])
+                    )
+                    if item[1].logprobs:
+                        ft.logprob.CopyFrom(logprob_to_proto(item[1].logprobs[0]))
+                    yield internal_pb2.PrefillServerMessage(first_token=ft)
+                    continue
                 if isinstance(item, tuple) and item[0] is _DONE:
                     out = item[1]
                     prompt_values, prompt_tops = prompt_logprobs_to_proto(prompt_lps)

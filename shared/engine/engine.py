@@ -65,6 +65,11 @@ class RequestOptions(TypedDict, total=False):
     prefix_keys: list[bytes] | None
 
 
+def _kv_tokens(seq: Sequence) -> int:
+    """Tokens whose K/V an importing sequence receives: all but a first token streamed ahead of the pages."""
+    return seq.num_tokens - (seq.early_first_token is not None)
+
+
 class LLMEngine:
     """Sequences, the scheduler and page bookkeeping in integers; every tensor lives in `self.runner`."""
 
@@ -286,7 +291,7 @@ class LLMEngine:
         seq = self._drop(request_id)
         if seq is None:
             return False
-        if not seq.finished:
+        if not seq.finished and not seq.early_finished:  # an early-finished one's final output went out already
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
             self._pending.append(self._output(seq, [], ""))
         return True
@@ -438,7 +443,7 @@ class LLMEngine:
         idx = payload.page_index
         if not 0 <= idx < len(seq.page_table):
             raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
-        want = min(self.page_size, seq.num_tokens - idx * self.page_size)
+        want = min(self.page_size, _kv_tokens(seq) - idx * self.page_size)
         if payload.num_tokens != want:
             raise InvalidRequest(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
         self.runner.import_page(seq.page_table[idx], payload)
@@ -457,7 +462,7 @@ class LLMEngine:
         for idx, n in zip(page_indexes, num_tokens, strict=True):
             if not 0 <= idx < len(seq.page_table):
                 raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
-            want = min(self.page_size, seq.num_tokens - idx * self.page_size)
+            want = min(self.page_size, _kv_tokens(seq) - idx * self.page_size)
             if n != want:
                 raise InvalidRequest(f"page {idx} carries {n} tokens, expected {want}")
             if imported[idx]:
@@ -468,29 +473,56 @@ class LLMEngine:
         for idx in page_indexes:
             imported[idx] = all_layers
 
+    def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
+        """Before the pages are all in: append the first token (stop checks apply) and stream it now (the next
+        `take_pending` / `step`); the request keeps importing. `finish_import` then only checks the token and
+        joins the batch, or drops the request when this token ended it. Returns whether it ended the request."""
+        seq = self._importing(request_id)
+        if seq.early_first_token is not None:
+            raise InvalidRequest(f"request {request_id!r}: first token sent twice")
+        self._append_first(seq, first_token_id)
+        seq.early_first_token = int(first_token_id)
+        # the output says whether the token ended the request; the pages keep arriving until finish_import
+        seq.early_finished, seq.status = seq.finished, SequenceStatus.IMPORTING
+        return seq.early_finished
+
     def finish_import(self, request_id: str, first_token_id: int) -> None:
         """All pages are in: append the first token (stop checks apply) and join the running batch. The
-        StepOutput carrying the first token comes from the next `step()`."""
+        StepOutput carrying the first token comes from the next `step()`. After `emit_first_token` the token must
+        be the same one, and nothing more is output here."""
         seq = self._importing(request_id)
         all_layers = (1 << self.model_config.num_layers) - 1
         assert seq.imported_layers is not None  # set by begin_import while IMPORTING
         missing = [i for i, mask in enumerate(seq.imported_layers) if mask != all_layers]
         if missing:
             raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
-        if not 0 <= first_token_id < self.model_config.vocab_size:
-            raise InvalidRequest(f"first token {first_token_id} outside the vocabulary")
+        early = seq.early_first_token
+        if early is not None and early != first_token_id:
+            raise InvalidRequest(f"first token {first_token_id} differs from the one streamed early ({early})")
         seq.imported_layers = None
-        seq.num_computed_tokens = seq.num_tokens  # the prompt (+ resumed tokens)
-        # The prefill side drew once from the same seed for the first token; skip that draw so a seeded request
-        # samples exactly as it would on a single engine.
-        self.runner.skip_draws(request_id, 1)
-        seq.status = SequenceStatus.WAITING
-        text = seq.append_token(int(first_token_id), self.model_config.eos_token_ids)
-        self._pending.append(self._output(seq, [int(first_token_id)], text))
+        if early is None:
+            self._append_first(seq, first_token_id)
+        elif seq.early_finished:
+            seq.status = SequenceStatus.FINISHED
+        else:
+            seq.status = SequenceStatus.WAITING
         if seq.finished:
             self._drop(request_id)
         else:
             self.scheduler.add(seq)
+
+    def _append_first(self, seq: Sequence, first_token_id: int) -> None:
+        """The prefill side's first token into an importing sequence, its output pending (status: WAITING, or
+        FINISHED when the token ended the request)."""
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise InvalidRequest(f"first token {first_token_id} outside the vocabulary")
+        seq.num_computed_tokens = seq.num_tokens  # the prompt (+ resumed tokens)
+        # The prefill side drew once from the same seed for the first token; skip that draw so a seeded request
+        # samples exactly as it would on a single engine.
+        self.runner.skip_draws(seq.request_id, 1)
+        seq.status = SequenceStatus.WAITING
+        text = seq.append_token(int(first_token_id), self.model_config.eos_token_ids)
+        self._pending.append(self._output(seq, [int(first_token_id)], text))
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def take_pending(self) -> list[StepOutput]:

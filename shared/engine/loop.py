@@ -92,6 +92,10 @@ class EngineLoop:
     def import_page(self, request_id: str, payload: PagePayload) -> None:
         self.call(lambda e: e.import_page(request_id, payload))
 
+    def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
+        """`LLMEngine.emit_first_token`: its output reaches the callback right after (before any step)."""
+        return self.call(lambda e: e.emit_first_token(request_id, first_token_id))
+
     def finish_import(self, request_id: str, first_token_id: int) -> None:
         self.call(lambda e: e.finish_import(request_id, first_token_id))
 

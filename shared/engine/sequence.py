@@ -74,6 +74,8 @@ class Sequence:
     num_emitted_chars: int = 0
     max_model_len: int = 0
     imported_layers: list[int] | None = None  # IMPORTING: per logical page, a bit mask of the layers received
+    early_first_token: int | None = None  # IMPORTING: the first token, streamed before the pages were all in
+    early_finished: bool = False  # ... and it ended the request: `finish_import` drops the sequence
     reasoning: ReasoningBudget | None = None  # sampling.max_reasoning_tokens: forces the think close tag
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprob was reported (prompt_logprobs)
     prefix_keys: list[bytes] | None = None  # keys of the prompt's full pages (PageAllocator prefix reuse)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_layout", "model_fingerprint", "sampled_before", "cache_scope", "kv_transport")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_layout", "model_fingerprint", "sampled_before", "cache_scope", "first_token_early", "kv_transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_BEFORE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_EARLY_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,8 +26,9 @@ class PrefillRequest(_message.Message):
     model_fingerprint: str
     sampled_before: int
     cache_scope: str
+    first_token_early: bool
     kv_transport: _kv_pb2.KVTransportOffer
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampled_before: _Optional[int] = ..., cache_scope: _Optional[str] = ..., kv_transport: _Optional[_Union[_kv_pb2.KVTransportOffer, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampled_before: _Optional[int] = ..., cache_scope: _Optional[str] = ..., first_token_early: _Optional[bool] = ..., kv_transport: _Optional[_Union[_kv_pb2.KVTransportOffer, _Mapping]] = ...) -> None: ...
 
 class KVAck(_message.Message):
     __slots__ = ("seq_no",)
@@ -62,17 +64,29 @@ class PrefillDone(_message.Message):
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
     def __init__(self, first_token_id: _Optional[int] = ..., num_pages: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
+class PrefillFirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "cached_tokens")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: _generate_pb2.TokenLogprob
+    cached_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
 class PrefillServerMessage(_message.Message):
-    __slots__ = ("done", "batch", "ipc_batch", "transport")
+    __slots__ = ("done", "batch", "ipc_batch", "transport", "first_token")
     DONE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     IPC_BATCH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     done: PrefillDone
     batch: _kv_pb2.KVPageBatch
     ipc_batch: _kv_pb2.KVIpcBatch
     transport: _kv_pb2.KVTransportChoice
-    def __init__(self, done: _Optional[_Union[PrefillDone, _Mapping]] = ..., batch: _Optional[_Union[_kv_pb2.KVPageBatch, _Mapping]] = ..., ipc_batch: _Optional[_Union[_kv_pb2.KVIpcBatch, _Mapping]] = ..., transport: _Optional[_Union[_kv_pb2.KVTransportChoice, _Mapping]] = ...) -> None: ...
+    first_token: PrefillFirstToken
+    def __init__(self, done: _Optional[_Union[PrefillDone, _Mapping]] = ..., batch: _Optional[_Union[_kv_pb2.KVPageBatch, _Mapping]] = ..., ipc_batch: _Optional[_Union[_kv_pb2.KVIpcBatch, _Mapping]] = ..., transport: _Optional[_Union[_kv_pb2.KVTransportChoice, _Mapping]] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_target", "resumed_tokens", "resumed_text_chars", "cache_scope")
