@@ -27,10 +27,17 @@ def print_rows() -> None:
         print(f"| {name} | {value} | {note} |")
 
 
+def token_times_ms(client: pdserve.Client, ids: list[int], max_tokens: int = 2) -> list[float]:
+    """Milliseconds from sending a greedy stream of `ids` to each of its tokens; the stream is read to its end (a
+    caller that leaves after the first token would cancel the request's KV transfer)."""
+    t0, times = time.perf_counter(), []
+    for ch in client.stream(token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+        times += [(time.perf_counter() - t0) * 1e3] * len(ch.token_ids)
+    if not times:
+        raise RuntimeError("stream ended without a token")
+    return times
+
+
 def ttft_ms(client: pdserve.Client, ids: list[int]) -> float:
-    """Milliseconds from sending a greedy two-token stream of `ids` to its first token."""
-    t0 = time.perf_counter()
-    for ch in client.stream(token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True):
-        if ch.token_ids:
-            return (time.perf_counter() - t0) * 1e3
-    raise RuntimeError("stream ended without a token")
+    """Milliseconds from sending a greedy two-token stream of `ids` to its first token (read to its end)."""
+    return token_times_ms(client, ids)[0]

@@ -7,7 +7,8 @@ the in-process engine's figures from the same run.
 are visible, else both on cuda:0 (each with its own memory share). Every prompt is fresh random tokens (no cache
 flattery) except where a cached prefix is the point. Prints a table; writes the issue's JSON keys (+ details).
 Parts (`--part`, comma-separated; `all` = every part): engine, raw, grpc and ipc (served 2k TTFT with that transport
-forced, KV GB/s, and where the TTFT goes, span by span: `ttft_breakdown_2k_<part>`), load (ITL, 32 concurrent, local
+forced, the second token's time (`served_t2t_ms_2k_<part>`: the first leaves ahead of the KV pages, the second waits
+for them), KV GB/s, and where the TTFT goes, span by span: `ttft_breakdown_2k_<part>`), load (ITL, 32 concurrent, local
 cache tier), cache (Redis tier), local (not in `all`: the local-tier rows again on a traced stack, with where a cold
 and a 90%-cached 4k request's time goes: `ttft_breakdown_4k_{cold,hit}_local`).
 The JSON is merged, so parts may run in separate calls.
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from benchutil import log, print_rows, row, ttft_ms
+from benchutil import log, print_rows, row, token_times_ms, ttft_ms
 
 import pdserve
 from pdserve.cli.launch import Stack, start_service, wait_ready
@@ -183,12 +184,16 @@ def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 
     with pdserve.Client(stack.router, timeout=120) as c:
         ttft_ms(c, fresh(2048, rng))  # warm-up (and the transport's first handshake)
         before, before_r = kv_counters(stack), kv_counters(stack, "decode")
-        times = [ttft_ms(c, fresh(2048, rng)) for _ in range(reps)]
+        both = [token_times_ms(c, fresh(2048, rng)) for _ in range(reps)]  # first and second token
         time.sleep(0.5)  # the last request's acks reach prefill after its first token
         after, after_r = kv_counters(stack), kv_counters(stack, "decode")
     key = "ipc" if transport == "cuda-ipc" else "grpc"
+    times = [t[0] for t in both]
     return {
         f"served_ttft_ms_2k_{key}": median(times),
+        # the first token leaves ahead of the KV pages (decode --first-token-early): the second one waits for them
+        f"served_t2t_ms_2k_{key}": median([t[1] for t in both]),
+        f"served_t2t_ms_2k_{key}_all": [t[1] for t in both],
         f"kv_gbps_{key}": kv_gbps(before, after, transport),
         f"kv_gbps_{key}_receiver": kv_gbps(before_r, after_r, transport),
         f"served_ttft_ms_2k_{key}_all": times,
@@ -464,8 +469,8 @@ def main() -> None:
                     save()
             finally:
                 stack.stop()
-            row(f"served TTFT 2k, {transport}", f"{res[f'served_ttft_ms_2k_{part}']:.1f} ms",
-                f"kv {res[f'kv_gbps_{part}']:.2f} GB/s")  # fmt: skip
+            t1, t2, gbps = (res[f"{k}_{part}"] for k in ("served_ttft_ms_2k", "served_t2t_ms_2k", "kv_gbps"))
+            row(f"served TTFT 2k, {transport}", f"{t1:.1f} ms", f"second token {t2:.1f} ms, kv {gbps:.2f} GB/s")
         if "load" in parts:
             stack = start(model, workdir / "load", "auto", redis.url if redis else "", shlex.split(args.prefill_args))
             try:

@@ -31,13 +31,16 @@ class ScriptedPrefill:
         with one scale set to value, then PrefillDone; ("data", value) the same with one data value set to value (fp8:
         the byte `value`); ("first", token_id) finite pages, then PrefillDone with that first
         token; ("stall", None) one page, then nothing until the stream ends; ("scale-stall", value) the "scale" batch,
-    then nothing until the stream ends."""
+    then nothing until the stream ends; ("early", token_id) PrefillFirstToken, then the pages once `release_pages`
+    is set, then PrefillDone with that token ("early-other": another token; "early-twice": two first tokens)."""
 
     def __init__(self):
         self.script: dict[str, tuple[str, float | int | None]] = {}
         self.stalled = threading.Event()  # the stalled stream's page went out
         self.ended = threading.Event()  # ... and its stream ended
         self.ended_rids: set[str] = set()  # "scale-stall" streams that decode ended
+        self.early_sent = threading.Event()  # an "early*" stream's first token went out ...
+        self.release_pages = threading.Event()  # ... and its pages wait for this
 
     def Prefill(self, request_iterator, context):
         req = next(request_iterator).request
@@ -56,6 +59,15 @@ class ScriptedPrefill:
             data[n - 1, 1, 0, 0, 0, 0] = value
         header, payload = kv_batch(req, fmt, data, scales, None, list(range(n)) if kind != "stall" else [0])
         yield internal_pb2.PrefillServerMessage(transport=kv_pb2.KVTransportChoice(transport="grpc"))
+        if kind.startswith("early"):  # the first token ahead of the pages, which wait for the test's word
+            assert req.first_token_early
+            early = internal_pb2.PrefillFirstToken(token_id=int(value or 7), cached_tokens=3)
+            for _ in range(2 if kind == "early-twice" else 1):
+                yield internal_pb2.PrefillServerMessage(first_token=early)
+            self.early_sent.set()
+            assert self.release_pages.wait(30)
+            if kind == "early-other":
+                value = int(value or 7) + 1
         yield batch_message_bytes(header, payload)
         if kind == "stall":
             self.stalled.set()
@@ -70,7 +82,7 @@ class ScriptedPrefill:
             ended.wait(60)
             self.ended_rids.add(req.request_id)
             return
-        first = int(value) if kind == "first" else 7
+        first = int(value) if kind in ("first", "early", "early-other") and value is not None else 7
         yield internal_pb2.PrefillServerMessage(done=internal_pb2.PrefillDone(first_token_id=first, num_pages=n))
 
     def Stats(self, request, context):
@@ -100,12 +112,12 @@ def float_decode(request, tmp_path_factory):
         yield stub, request.param
 
 
-def generate(stub, target: str, rid: str):
+def generate(stub, target: str, rid: str, max_tokens: int = 4):
     req = internal_pb2.DecodeRequest(
         request_id=rid,
         prompt_token_ids=[5 + i for i in range(PROMPT)],
         prefill_target=target,
-        sampling=generate_pb2.SamplingParams(max_tokens=4, temperature=0.0),
+        sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
     )
     return stub.Generate(req, timeout=30)
 
@@ -192,4 +204,39 @@ def test_cancel_during_the_transfer_is_info_not_an_error(decode, scripted):
     wait_until(lambda: "decode rid=cancelled" in log.read_text(), what="the request's summary line")
     text = log.read_text()
     assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+    wait_until(lambda: pool_empty(stub), what="decode pages freed")
+
+
+@pytest.mark.parametrize("max_tokens", [4, 1])
+def test_first_token_streams_before_the_pages(decode, scripted, max_tokens):
+    """PrefillFirstToken reaches the caller while prefill still holds every page; the rest follows once they are
+    in. A first token that ends the request (max_tokens 1) is the final response at once, and its stream still
+    ends normally when the pages arrive (prefill finishes and may write its cache)."""
+    stub, _ = decode
+    target, prefill = scripted
+    prefill.early_sent.clear()
+    prefill.release_pages.clear()
+    rid = f"early-{max_tokens}"
+    prefill.script[rid] = ("early", 9)
+    call = generate(stub, target, rid, max_tokens=max_tokens)
+    first = next(call)  # prefill has sent no page yet: it waits for release_pages
+    assert not prefill.release_pages.is_set() and list(first.token_ids) == [9]
+    assert bool(first.finish_reason) == (max_tokens == 1)
+    if max_tokens == 1:
+        assert first.usage.completion_tokens == 1 and first.usage.cached_tokens == 3
+    prefill.release_pages.set()
+    rest = list(call)
+    assert sum(len(m.token_ids) for m in [first, *rest]) == max_tokens and [first, *rest][-1].finish_reason
+    wait_until(lambda: pool_empty(stub), what="decode pages freed")
+
+
+@pytest.mark.parametrize("kind, reason", [("early-other", "differs"), ("early-twice", "twice")])
+def test_inconsistent_early_first_token_is_data_loss(decode, scripted, kind, reason):
+    stub, _ = decode
+    target, prefill = scripted
+    prefill.release_pages.set()
+    prefill.script[kind] = (kind, 9)
+    with pytest.raises(grpc.RpcError) as err:
+        list(generate(stub, target, kind))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and reason in err.value.details(), err.value
     wait_until(lambda: pool_empty(stub), what="decode pages freed")

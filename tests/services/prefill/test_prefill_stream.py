@@ -231,3 +231,63 @@ def test_decode_that_cannot_open_a_forced_ipc_buffer_gets_an_error_and_pages_are
             assert m.HasField("transport") and m.transport.transport == "cuda-ipc"
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "test" in err.value.details()
     assert wait_all_free(stub)
+
+
+def _stream_kinds(stub, first: internal_pb2.PrefillClientMessage) -> tuple[list[str], list]:
+    """The kinds of the stream's messages in order (acking every batch), and its first_token / done messages."""
+    acks: queue.Queue = queue.Queue()
+
+    def client():
+        yield first
+        while (item := acks.get()) is not None:
+            yield item
+
+    kinds, ends = [], []
+    for msg in stub.Prefill(client(), timeout=60):
+        kind = msg.WhichOneof("msg")
+        kinds.append(kind)
+        if kind == "batch":
+            h = msg.batch.header
+            acks.put(
+                internal_pb2.PrefillClientMessage(
+                    ack=internal_pb2.KVAck(seq_no=h.first_seq_no + len(h.page_indexes) - 1)
+                )
+            )
+        elif kind in ("first_token", "done"):
+            ends.append(getattr(msg, kind))
+    acks.put(None)
+    return kinds, ends
+
+
+@pytest.mark.parametrize("n", [1, CHUNK, 3 * CHUNK + 1])
+def test_first_token_goes_ahead_of_the_last_chunks_pages(prefill, n):
+    """first_token_early: PrefillFirstToken once, right after the last chunk computed, before that chunk's batch
+    (the earlier chunks' batches went out as they finished), with PrefillDone's token."""
+    stub, fp = prefill
+    first = request(fp, n, rid=f"early{n}")
+    first.request.first_token_early = True
+    first.request.prompt_token_ids[:] = [7 + (13 * i + n) % 397 for i in range(n)]  # no prefix in the pool
+    kinds, (ft, done) = _stream_kinds(stub, first)
+    assert kinds[0] == "transport" and kinds[-3:] == ["first_token", "batch", "done"], kinds
+    assert set(kinds[1:-3]) <= {"batch"} and (n <= CHUNK) == (len(kinds) == 4), kinds
+    assert ft.token_id == done.first_token_id and ft.cached_tokens == done.cached_tokens == 0
+    # a prompt whose prefix the pool holds now: the shared pages go with the last chunk's, after the token
+    again = request(fp, n, rid=f"again{n}")
+    again.request.CopyFrom(first.request)
+    again.request.request_id = f"again{n}"
+    kinds, (ft, done) = _stream_kinds(stub, again)
+    assert kinds == ["transport", "first_token", "batch", "done"]
+    assert ft.cached_tokens == done.cached_tokens == (n - 1) // PAGE * PAGE
+    assert wait_all_free(stub)
+
+
+def test_no_early_first_token_unasked_or_with_prompt_logprobs(prefill):
+    stub, fp = prefill
+    kinds, _ = _stream_kinds(stub, request(fp, 9, rid="late"))
+    assert "first_token" not in kinds and kinds[-1] == "done"
+    asked = request(fp, 9, rid="late-lp")
+    asked.request.first_token_early = True
+    asked.request.sampling.prompt_logprobs = True  # those lead the first response: they come with PrefillDone
+    kinds, (done,) = _stream_kinds(stub, asked)
+    assert "first_token" not in kinds and len(done.prompt_logprobs) == 8
+    assert wait_all_free(stub)

@@ -167,3 +167,69 @@ def test_first_token_can_finish_immediately(decode_engine):
     assert d.allocator.num_used == 0  # finished at once: pages freed before the next step
     outs = d.step()
     assert [(o.new_token_ids, o.finish_reason, o.stop_reason) for o in outs] == [([eos], "stop", "eos")]
+
+
+@pytest.mark.parametrize("n", [1, PAGE, PAGE + 1, 29])
+def test_early_first_token_continues_identically(n, prefill_engine, decode_engine):
+    """The first token streamed before the pages arrive (emit_first_token), then the pages, then finish_import:
+    the same tokens as one engine, the first one output at once and never twice."""
+    d = decode_engine
+    prompt = random_prompt(n, seed=700 + n)
+    ref = d.generate([prompt], GREEDY)[0]
+    payloads, first = prefill(prefill_engine, "r", prompt, GREEDY)
+    d.begin_import("r", prompt, GREEDY)
+    assert d.emit_first_token("r", first) is False
+    (early,) = d.take_pending()
+    assert early.new_token_ids == [first] and not early.finished and early.num_completion_tokens == 1
+    for p in payloads:  # the pages carry the prompt only (the early token's K/V is decode's to compute)
+        d.import_page("r", p)
+    d.finish_import("r", first)
+    assert d.take_pending() == []  # no second output of the first token
+    rest = run_to_completion(d)["r"]["tokens"]
+    assert [first, *rest] == ref
+    assert d.allocator.num_used == 0
+
+
+def test_early_first_token_validation(prefill_engine, decode_engine):
+    d = decode_engine
+    prompt = random_prompt(6, seed=13)
+    payloads, first = prefill(prefill_engine, "v", prompt, GREEDY)
+    with pytest.raises(ValueError, match="not importing"):
+        d.emit_first_token("nope", first)
+    d.begin_import("v", prompt, GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        d.emit_first_token("v", d.model_config.vocab_size)
+    d.emit_first_token("v", first)
+    with pytest.raises(ValueError, match="twice"):
+        d.emit_first_token("v", first)
+    for p in payloads:
+        d.import_page("v", p)
+    with pytest.raises(ValueError, match="differs"):
+        d.finish_import("v", (first + 1) % d.model_config.vocab_size)
+    d.finish_import("v", first)
+    run_to_completion(d)
+    assert d.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("ending", ["eos", "max_tokens"])
+def test_early_first_token_that_ends_the_request(ending, decode_engine):
+    """A first token that ends the request: its output is final at once; the pages may still arrive (no second
+    output, freed at finish_import), or the transfer may fail (abort frees them without an output)."""
+    d = decode_engine
+    eos = d.model_config.eos_token_ids[0]
+    prompt = random_prompt(5, seed=12)
+    payloads, first = prefill(decode_engine, "e", prompt, GREEDY)
+    sp = SamplingParams(max_tokens=8, temperature=0.0) if ending == "eos" else SamplingParams(max_tokens=1)
+    token = eos if ending == "eos" else first
+    for rid in ("e1", "e2"):
+        d.begin_import(rid, prompt, sp)
+        assert d.emit_first_token(rid, token) is True
+        (out,) = d.take_pending()
+        assert out.finished and out.new_token_ids == [token]
+        assert out.finish_reason == ("stop" if ending == "eos" else "length")
+    for p in payloads:
+        d.import_page("e1", p)
+    d.finish_import("e1", token)
+    d.abort("e2")  # its transfer failed after the early finish
+    assert d.take_pending() == [] and d.step() == []
+    assert d.allocator.num_used == 0
