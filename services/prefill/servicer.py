@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -37,6 +38,14 @@ log = logging.getLogger("pdserve.prefill")
 
 _DONE = object()
 _FIRST = object()  # outbox: the first token, streamed ahead of the last chunk's pages (first_token_early)
+
+
+def _first_token_message(out, cached_tokens: int) -> internal_pb2.PrefillServerMessage:
+    """PrefillFirstToken of the prompt's last StepOutput (its one sampled token)."""
+    ft = internal_pb2.PrefillFirstToken(token_id=out.new_token_ids[0], cached_tokens=cached_tokens)
+    if out.logprobs:
+        ft.logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+    return internal_pb2.PrefillServerMessage(first_token=ft)
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillServicer):
@@ -153,6 +162,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         upload_pending = [True] if upload_first else []  # engine thread: the upload is still to be shipped
         # prompt logprobs lead decode's first response and come with PrefillDone: no early first token then
         early_first = req.first_token_early and not sampling.prompt_logprobs
+        first_ready: list = []  # engine thread -> writer: the prompt's last output, once (early_first)
+        first_sent = [False]
+
+        def first_token_now() -> Iterator[internal_pb2.PrefillServerMessage]:
+            """Writer: the early first token, if it is ready and not sent yet."""
+            if first_ready and not first_sent[0]:
+                first_sent[0] = True
+                yield _first_token_message(first_ready[0], max(0, computed_from[0]))
 
         def on_output(out) -> None:  # engine thread: export finished pages right after their chunk
             if isinstance(out, BaseException):
@@ -184,6 +201,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     if out.token_range[0] > 0:  # else preempted before the import: recomputed, in ready_pages
                         outbox.put(self._cached_batch(rid, hit, layout))
                 if out.finished and early_first:  # decode streams it while the pages below are on their way
+                    first_ready.append(out)  # the writer takes it between an earlier chunk's messages too
                     outbox.put((_FIRST, out))
                 if out.ready_pages:  # one device gather per chunk; the writer ships it
                     outbox.put(self.loop.engine.export_batch(rid, out.ready_pages, layout))
@@ -252,12 +270,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 if isinstance(item, Exception):
                     context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {item}")
                 if isinstance(item, tuple) and item[0] is _FIRST:
-                    ft = internal_pb2.PrefillFirstToken(
-                        token_id=item[1].new_token_ids[0], cached_tokens=max(0, computed_from[0])
-                    )
-                    if item[1].logprobs:
-                        ft.logprob.CopyFrom(logprob_to_proto(item[1].logprobs[0]))
-                    yield internal_pb2.PrefillServerMessage(first_token=ft)
+                    yield from first_token_now()  # unless it went out between an earlier chunk's batches
                     continue
                 if isinstance(item, tuple) and item[0] is _DONE:
                     out = item[1]
@@ -309,7 +322,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                     context.abort(grpc.StatusCode.INTERNAL, f"KV transfer failed ({link.sender.transport}): {e}")
                 for _ in item.page_indexes:
                     clock.shipped()
-                yield from msgs
+                for m in msgs:  # an earlier chunk's batches: the first token overtakes the rest of them
+                    yield m
+                    yield from first_token_now()
                 to_cache.append(item)
         finally:
             with self._lock:

@@ -261,15 +261,16 @@ def _stream_kinds(stub, first: internal_pb2.PrefillClientMessage) -> tuple[list[
 
 @pytest.mark.parametrize("n", [1, CHUNK, 3 * CHUNK + 1])
 def test_first_token_goes_ahead_of_the_last_chunks_pages(prefill, n):
-    """first_token_early: PrefillFirstToken once, right after the last chunk computed, before that chunk's batch
-    (the earlier chunks' batches went out as they finished), with PrefillDone's token."""
+    """first_token_early: PrefillFirstToken once, as soon as the last chunk computed: before that chunk's batch
+    (and before whatever is left of the earlier chunks' batches), with PrefillDone's token."""
     stub, fp = prefill
     first = request(fp, n, rid=f"early{n}")
     first.request.first_token_early = True
     first.request.prompt_token_ids[:] = [7 + (13 * i + n) % 397 for i in range(n)]  # no prefix in the pool
     kinds, (ft, done) = _stream_kinds(stub, first)
-    assert kinds[0] == "transport" and kinds[-3:] == ["first_token", "batch", "done"], kinds
-    assert set(kinds[1:-3]) <= {"batch"} and (n <= CHUNK) == (len(kinds) == 4), kinds
+    assert kinds[0] == "transport" and kinds[-2:] == ["batch", "done"] and kinds.count("first_token") == 1, kinds
+    assert set(kinds[1:-2]) == {"batch", "first_token"} or kinds == ["transport", "first_token", "batch", "done"]
+    assert (n <= CHUNK) == (len(kinds) == 4), kinds
     assert ft.token_id == done.first_token_id and ft.cached_tokens == done.cached_tokens == 0
     # a prompt whose prefix the pool holds now: the shared pages go with the last chunk's, after the token
     again = request(fp, n, rid=f"again{n}")
