@@ -13,7 +13,8 @@ import grpc
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
-from pdserve.cache.serving import lookup_prefix, write_back
+from pdserve.cache.serving import lookup_prefix, pages_to_write, write_back
+from pdserve.cache.write_behind import WriteBehind
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling import TokenLogprob
 from pdserve.errors import InvalidRequest
@@ -55,6 +56,17 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.cfg = cfg
         self.loop = loop
         self.cache = cache  # prompt cache (None: off); counters: cache.hits, .misses, .local_hits, .corrupt, ...
+        # a finished request's pages go to the cache from here, while this instance computes and ships nothing
+        self.write_behind = (
+            None
+            if cache is None
+            else WriteBehind(
+                self._busy,
+                int(cfg.cache_write_behind_mb * (1 << 20)),
+                cfg.cache_write_wait_s,
+                on_drop=lambda pages: cache.stats.add(write_drops=pages),
+            )
+        )
         self.telemetry = telemetry or Telemetry.off("prefill")
         self._tokens = [0, 0]  # prompt tokens, cached prompt tokens (for the cache hit ratio gauge)
         if cache is None:  # with a cache, its own page hit ratio (pdserve.telemetry.metrics.watch_prompt_cache)
@@ -294,9 +306,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                         link.sender.drain(max(0.0, min(ack_timeout, deadline - time.monotonic())))
                     except TimeoutError as e:
                         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"decode did not acknowledge KV: {e}")
-                    if self.cache is not None:  # off the first token's path: decode has every page already
+                    if self.write_behind is not None:  # off the first token's path: decode has every page already
                         keys = hit.keys or prefix_keys  # hit.keys: none when the pool made the lookup moot
-                        write_back(self.cache, ns, keys, max(0, computed_from[0]) // self.page_size, to_cache, layout)
+                        self._write_behind(ns, keys, max(0, computed_from[0]) // self.page_size, to_cache, layout)
                     log.info(
                         "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s ms=%.1f",
                         rid,
@@ -449,8 +461,28 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         log.warning("rid=%s kv transport: grpc instead of cuda-ipc (decode: %s)", link.pages.request_id, ready.reason)
         link.sender = self._new_sender(GRPC, link.pages, layout)
 
+    def _busy(self) -> bool:
+        """Whether this instance computes or ships anything now (any thread; the write-behind waits it out)."""
+        with self._lock:
+            active = self._active
+        return active > 0 or self.loop.engine.has_unfinished_requests()
+
+    def _write_behind(
+        self, ns: CacheNamespace, keys: list[bytes], first_page: int, batches: list[ExportedPages], layout
+    ) -> None:
+        """Queue the request's write-back (its batches' rows stay held until it ran)."""
+        assert self.cache is not None and self.write_behind is not None
+        cache = self.cache
+        pages, nbytes = pages_to_write(keys, first_page, batches)
+        if pages:
+            self.write_behind.submit(
+                lambda wait_idle: write_back(cache, ns, keys, first_page, batches, layout, wait_idle), pages, nbytes
+            )
+
     def close(self) -> None:
         """Service shutdown: release the staging buffer (its shared-memory file on CPU)."""
+        if self.write_behind is not None:
+            self.write_behind.close()
         if self._staging is not None:
             self._staging.close()
         if self.kv_build_pool is not None:

@@ -34,6 +34,14 @@ class CacheOptions:
     cache_memory_mb: float = opt(1024.0, "size of the in-process cache used without Redis, MiB")
     cache_max_value_mb: float = opt(32.0, "pages whose value is larger than this are not cached, MiB")
     cache_write_queue: int = opt(1024, "pages waiting for asynchronous write-back; beyond it they are dropped")
+    cache_write_behind_mb: float = opt(
+        1024.0,
+        "pages of finished requests waiting to be written to the prompt cache, MiB (device or pinned host rows); "
+        "they are written only while the instance is idle, and a request that does not fit is not cached",
+    )
+    cache_write_wait_s: float = opt(
+        2.0, "longest wait of a waiting write-back for an idle moment; then the rest of its pages are not cached"
+    )
     cache_lookup_batch: int = opt(32, "pages fetched per pipelined Redis round trip")
     cache_key_prefix: str = opt("pdserve:kv:", "prefix of every Redis key the cache writes")
 
@@ -48,6 +56,8 @@ class CacheOptions:
             raise SystemExit(f"--cache-local-mb must be >= 0 or -1 (auto), got {self.cache_local_mb}")
         if self.cache_max_value_mb < 0 or self.cache_memory_mb <= 0:
             raise SystemExit("cache sizes must be >= 0 (--cache-memory-mb > 0)")
+        if self.cache_write_behind_mb <= 0 or self.cache_write_wait_s <= 0:
+            raise SystemExit("--cache-write-behind-mb and --cache-write-wait-s must be > 0")
         if self.cache_write_queue < 1 or self.cache_lookup_batch < 1:
             raise SystemExit("--cache-write-queue and --cache-lookup-batch must be >= 1")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

@@ -2,10 +2,13 @@
 prefix up before it is queued, write the newly computed full pages back after it.
 
     lookup_prefix(cache, ns, prompt, page_size, rate)   longest cached prefix of full pages (no cache: a miss)
-    write_back(cache, ns, keys, first, batches, layout) the batches' pages from `first` on, as host copies
+    write_back(cache, ns, keys, first, batches, layout, wait_idle)  the batches' pages from `first` on, as host
+                                                                    copies (on a `WriteBehind` thread in services)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
@@ -38,6 +41,12 @@ def lookup_prefix(
     )
 
 
+def pages_to_write(keys: list[bytes], first_page: int, batches: list[ExportedPages]) -> tuple[int, int]:
+    """(pages, bytes) `write_back` would write of `batches`, and the bytes those batches hold."""
+    pages = sum(first_page <= idx < len(keys) for b in batches for idx in b.page_indexes)
+    return pages, sum(b.nbytes for b in batches)
+
+
 def write_back(
     cache: PromptCache,
     ns: CacheNamespace,
@@ -45,21 +54,28 @@ def write_back(
     first_page: int,
     batches: list[ExportedPages],
     layout: KVLayoutSpec,
-) -> None:
+    wait_idle: Callable[[], bool] = lambda: True,
+) -> int:
     """Put the pages of `batches` (one request's, in prompt order, in `layout`) from `first_page` on (the pages
     before it came from a cache or the pool's prefixes), full pages with `keys` (every full page's), into the
-    cache as one chain (CPU copies; the store write is asynchronous)."""
+    cache as one chain (CPU copies; the store write is asynchronous). `wait_idle` is called before each page
+    (`WriteBehind.wait_idle`); when it says False the chain ends there. Returns the pages handed to the cache."""
     items: list[tuple[int, bytes, bytes, PagePayload]] = []  # (page index, key, value, page as views of it)
-    for batch in batches:
+    stopped = False
+    for batch in sorted(batches, key=lambda b: b.page_indexes[0] if b.page_indexes else 0):
         want = [i for i, idx in enumerate(batch.page_indexes) if first_page <= idx < len(keys)]
-        if not want:
+        if not want or stopped:
             continue
         rows = batch.host if batch.host is not None else to_host(batch)  # uint8 [pages, page_bytes]
-        for i in want:
+        for i in sorted(want, key=lambda i: batch.page_indexes[i]):
             idx = batch.page_indexes[i]
             if batch.num_tokens[i] != layout.page_size:  # only full pages have keys; kept as a guard
                 continue
+            if not wait_idle():
+                stopped = True
+                break
             value, page = encode_row(rows[i], ns, keys[idx], idx)  # one copy of the page in all
             items.append((idx, keys[idx], value, page))
     items.sort(key=lambda it: it[0])
-    cache.put_many(ns, [(k, p) for _, k, _, p in items], [v for _, _, v, _ in items])
+    cache.put_many(ns, [(k, p) for _, k, _, p in items], [v for _, _, v, _ in items])  # counts its own drops
+    return len(items)

@@ -1,0 +1,121 @@
+"""Prompt-cache write-backs behind the engine: whole requests' write-backs (`serving.write_back`) run on one
+background thread, page by page, each page only while the instance has nothing else to do.
+
+A request's pages are copied, encoded and put in the local tier by this thread, not by the request's RPC thread,
+and never beside a prefill or a KV ship of this process: those share its GIL, and a 4k prompt of an 8B model is
+276 MB to encode (docs/benchmarks.md, eighth session: the write-back of one request slowed the next ones' prefill
+by up to 60%). Bounded: the jobs waiting hold at most `max_bytes` of pages (device or pinned host rows); a job that
+does not fit is dropped at once, and a job that waits more than `max_wait_s` for an idle moment drops the rest of
+its pages. Dropped pages are counted (`on_drop(pages)`); under sustained load most prompts are then not cached,
+which is the intent: the pool's own prefixes (`--prefix-reuse`) still serve the repeats on this instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("pdserve.cache")
+
+# A write-back: called on the writer thread with `wait_idle`, which it calls before each page (False: give up);
+# returns how many pages it wrote.
+Job = Callable[[Callable[[], bool]], int]
+
+
+@dataclass
+class _Queued:
+    job: Job
+    pages: int
+    nbytes: int
+
+
+class WriteBehind:
+    """`submit` never blocks (the RPC thread); `flush` waits until every submitted job ran (tests, benchmarks)."""
+
+    def __init__(
+        self,
+        busy: Callable[[], bool],
+        max_bytes: int,
+        max_wait_s: float = 2.0,
+        on_drop: Callable[[int], None] = lambda pages: None,
+        poll_s: float = 0.002,
+        name: str = "cache-write-behind",
+    ):
+        if max_bytes < 1 or not max_wait_s > 0:
+            raise ValueError(f"max_bytes must be >= 1 and max_wait_s > 0, got {max_bytes}, {max_wait_s}")
+        self.busy, self.max_bytes, self.max_wait_s, self.on_drop, self.poll_s = (
+            busy,
+            max_bytes,
+            max_wait_s,
+            on_drop,
+            poll_s,
+        )
+        self._cv = threading.Condition()
+        self._queue: deque[_Queued] = deque()
+        self._bytes = 0  # of the queued jobs and the one running
+        self._running = False
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job, pages: int, nbytes: int) -> bool:
+        """Queue a request's write-back of `pages` pages held in `nbytes`; False (dropped, counted) when they do
+        not fit in `max_bytes` beside the jobs waiting, or the writer is closed."""
+        with self._cv:
+            if self._closing or self._bytes + nbytes > self.max_bytes:
+                accepted = False
+            else:
+                self._queue.append(_Queued(job, pages, nbytes))
+                self._bytes += nbytes
+                self._cv.notify()
+                accepted = True
+        if not accepted:
+            self.on_drop(pages)
+        return accepted
+
+    def wait_idle(self) -> bool:
+        """Until the instance is idle (True), or `max_wait_s` passed while it was not (False)."""
+        deadline = time.monotonic() + self.max_wait_s
+        while self.busy():
+            if self._closing or time.monotonic() > deadline:
+                return False
+            time.sleep(self.poll_s)
+        return True
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until no job is queued or running; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._running, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking jobs, drop what waits for an idle moment, and stop the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._running = True
+            written = 0
+            try:
+                written = item.job(self.wait_idle)
+            except Exception:
+                log.exception("prompt cache: write-back failed")
+            finally:
+                if written < item.pages:
+                    self.on_drop(item.pages - written)
+                with self._cv:
+                    self._running = False
+                    self._bytes -= item.nbytes
+                    self._cv.notify_all()
