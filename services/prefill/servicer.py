@@ -470,9 +470,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     def _write_behind(
         self, ns: CacheNamespace, keys: list[bytes], first_page: int, batches: list[ExportedPages], layout
     ) -> None:
-        """Queue the request's write-back (its batches' rows stay held until it ran)."""
+        """Queue the request's write-back. Its batches' device rows stay held until it ran (counted against
+        --cache-write-behind-mb); their pinned host copies (grpc) are let go now, so the next request's send reuses
+        that pinned memory instead of pinning more (the job copies the rows to the host again, when idle)."""
         assert self.cache is not None and self.write_behind is not None
         cache = self.cache
+        for b in batches:
+            if b.rows.device.type == "cuda":
+                b.host = None
         pages, nbytes = pages_to_write(keys, first_page, batches)
         if pages:
             self.write_behind.submit(
