@@ -35,7 +35,7 @@ class CacheOptions:
     cache_max_value_mb: float = opt(32.0, "pages whose value is larger than this are not cached, MiB")
     cache_write_queue: int = opt(1024, "pages waiting for asynchronous write-back; beyond it they are dropped")
     cache_write_behind_mb: float = opt(
-        512.0,
+        1024.0,
         "pages of finished requests waiting to be written to the prompt cache, MiB (their export buffers: device "
         "memory on a GPU); written only while the instance is idle; a request that does not fit is not cached",
     )

@@ -4,10 +4,11 @@ background thread, page by page, each page only while the instance has nothing e
 A request's pages are copied, encoded and put in the local tier by this thread, not by the request's RPC thread,
 and never beside a prefill or a KV ship of this process: those share its GIL, and a 4k prompt of an 8B model is
 276 MB to encode (docs/benchmarks.md, eighth session: the write-back of one request slowed the next ones' prefill
-by up to 60%). Bounded: the jobs waiting hold at most `max_bytes` of pages (the export buffers); a job that
-does not fit is dropped at once, and a job that waits more than `max_wait_s` for an idle moment drops the rest of
-its pages. Dropped pages are counted (`on_drop(pages)`); under sustained load most prompts are then not cached,
-which is the intent: the pool's own prefixes (`--prefix-reuse`) still serve the repeats on this instance.
+by up to 60%). Bounded: the jobs hold at most `max_bytes` of pages (the export buffers); a new job drops the
+oldest waiting ones to fit (or itself, beside a running one too large), and a job that waits more than
+`max_wait_s` for an idle moment drops the rest of its pages. Dropped pages are counted (`on_drop(pages)`). Under
+sustained load most prompts are then not cached, which is the intent: the pool's own prefixes (`--prefix-reuse`)
+still serve the repeats on this instance.
 """
 
 from __future__ import annotations
@@ -63,18 +64,22 @@ class WriteBehind:
         self._thread.start()
 
     def submit(self, job: Job, pages: int, nbytes: int) -> bool:
-        """Queue a request's write-back of `pages` pages held in `nbytes`; False (dropped, counted) when they do
-        not fit in `max_bytes` beside the jobs waiting, or the writer is closed."""
+        """Queue a request's write-back of `pages` pages held in `nbytes`. To make room, the oldest jobs still
+        waiting are dropped (a recent prompt is the likelier to come again); False (dropped) when it does not fit
+        beside the job running, or the writer is closed. Drops are counted."""
+        dropped: list[int] = []
         with self._cv:
-            if self._closing or self._bytes + nbytes > self.max_bytes:
-                accepted = False
-            else:
+            while self._queue and self._bytes + nbytes > self.max_bytes:
+                old = self._queue.popleft()
+                self._bytes -= old.nbytes
+                dropped.append(old.pages)
+            accepted = not self._closing and self._bytes + nbytes <= self.max_bytes
+            if accepted:
                 self._queue.append(_Queued(job, pages, nbytes))
                 self._bytes += nbytes
                 self._cv.notify()
-                accepted = True
-        if not accepted:
-            self.on_drop(pages)
+        for n in [*dropped, *([] if accepted else [pages])]:
+            self.on_drop(n)
         return accepted
 
     def wait_idle(self) -> bool:

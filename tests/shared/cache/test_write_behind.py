@@ -52,17 +52,29 @@ def test_jobs_run_in_order_while_idle_and_pause_while_busy():
     wb.close()
 
 
-def test_a_job_that_does_not_fit_is_dropped_and_counted_at_once():
-    busy, log, drops = Switch(busy=True), [], []
+def test_a_new_job_drops_the_oldest_waiting_ones_to_fit():
+    busy, drops = Switch(busy=True), []
     wb = WriteBehind(busy, max_bytes=100, max_wait_s=10, on_drop=drops.append)
-    assert wb.submit(paced_job(log, 4), pages=4, nbytes=60)
-    assert not wb.submit(paced_job(log, 5), pages=5, nbytes=50)  # 110 > 100 bytes waiting
-    assert drops == [5]
-    assert wb.submit(paced_job(log, 1), pages=1, nbytes=40)  # 100: fits
+    logs: dict[str, list[int]] = {k: [] for k in "abcde"}
+    gate = threading.Event()
+
+    def running(wait_idle) -> int:  # takes the writer at once and holds 30 bytes until the gate opens
+        gate.wait(5)
+        return paced_job(logs["a"], 1)(wait_idle)
+
+    assert wb.submit(running, pages=1, nbytes=30)
+    wait_until(lambda: wb._running, what="the first job running")
+    assert wb.submit(paced_job(logs["b"], 4), pages=4, nbytes=40)
+    assert wb.submit(paced_job(logs["c"], 3), pages=3, nbytes=30)  # 100: fits
+    assert wb.submit(paced_job(logs["d"], 2), pages=2, nbytes=20)  # drops b (the oldest waiting)
+    assert drops == [4]
+    assert not wb.submit(paced_job(logs["e"], 5), pages=5, nbytes=80)  # c and d dropped, still 110 beside a
+    assert drops == [4, 3, 2, 5]
+    gate.set()
     busy.busy = False
-    assert wb.flush(5) and log == [0, 1, 2, 3, 0]
-    assert wb.submit(paced_job(log, 2), pages=2, nbytes=100)  # the bytes were given back
-    assert wb.flush(5) and drops == [5]
+    assert wb.flush(5) and logs == {"a": [0], "b": [], "c": [], "d": [], "e": []}
+    assert wb.submit(paced_job(logs["e"], 2), pages=2, nbytes=100)  # the bytes were given back
+    assert wb.flush(5) and logs["e"] == [0, 1] and drops == [4, 3, 2, 5]
     wb.close()
 
 
