@@ -215,13 +215,20 @@ def throughput_c32(stack: Stack, rng: torch.Generator, n: int = 64, conc: int = 
     other_errors: list[str] = []
     lock = threading.Lock()
 
+    ttfts: list[float] = []  # ms, per completed request: what the callers waited (queueing included)
+
     def one(ids: list[int]) -> int:
         nonlocal rejected
         try:
-            got = 0
+            got, t0, first = 0, time.perf_counter(), None
             with pdserve.Client(stack.router, timeout=600) as c:
                 for ch in c.stream(token_ids=ids, max_tokens=128, temperature=0, ignore_eos=True):
+                    if ch.token_ids and first is None:
+                        first = (time.perf_counter() - t0) * 1e3
                     got += len(ch.token_ids)
+            if first is not None:
+                with lock:
+                    ttfts.append(first)
             return got
         except grpc.RpcError as e:
             with lock:
@@ -235,7 +242,15 @@ def throughput_c32(stack: Stack, rng: torch.Generator, n: int = 64, conc: int = 
     with ThreadPoolExecutor(conc) as ex:
         tokens = sum(ex.map(one, prompts))
     wall = time.perf_counter() - t0
-    return {"out_tok_s_c32": tokens / wall, "rejected_c32": rejected, "errors_c32": other_errors}
+    ttfts.sort()
+    pct = (lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]) if ttfts else (lambda q: float("nan"))
+    return {
+        "out_tok_s_c32": tokens / wall,
+        "rejected_c32": rejected,
+        "errors_c32": other_errors,
+        "ttft_ms_c32_p50": pct(0.5),
+        "ttft_ms_c32_p90": pct(0.9),
+    }
 
 
 def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5, sink=None) -> dict:
@@ -484,7 +499,8 @@ def main() -> None:
                 row(
                     "64 x 2048→128, 32 concurrent",
                     f"{res['out_tok_s_c32']:.0f} tok/s",
-                    f"{res['rejected_c32']} rejected",
+                    f"{res['rejected_c32']} rejected, TTFT p50 / p90 "
+                    f"{res['ttft_ms_c32_p50']:.0f} / {res['ttft_ms_c32_p90']:.0f} ms",
                 )
                 save()
                 res.update(cache_figures(stack, rng, "local"))
