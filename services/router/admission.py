@@ -19,7 +19,8 @@ capacity (budget × rate and the floor), `tpot_factor` the share of the KV pool 
 
 An idle instance always admits, so a request larger than any budget still runs somewhere. A rejection carries
 the time after which a retry should fit: the excess over the budget drained at the measured rate (prefill:
-tokens/s; decode: pages of finished requests per second, `DrainRate`).
+tokens/s; decode: pages of finished requests per second, `DrainRate`), spread by `RetrySlots` so that callers
+rejected together come back one after another.
 """
 
 from __future__ import annotations
@@ -33,12 +34,36 @@ RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S = 0.05, 30.0, 1.0
 
 
 class Rejected(Exception):
-    """The router is at capacity (RESOURCE_EXHAUSTED); retry after `retry_after_s`."""
+    """The router is at capacity (RESOURCE_EXHAUSTED); retry after `retry_after_s`. `spacing_s`: how long the
+    request's own work takes to drain (prefill: its prompt at the instances' rate), the gap `RetrySlots` leaves
+    between callers rejected together."""
 
-    def __init__(self, reason: str, retry_after_s: float):
+    def __init__(self, reason: str, retry_after_s: float, spacing_s: float = 0.0):
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.spacing_s = spacing_s
+
+
+class RetrySlots:
+    """Pushbacks that send callers rejected together back one after another instead of all at once. Each rejection
+    gets the later of its own earliest retry and the slot after the last one promised (plus its `spacing_s`), so a
+    burst of N rejected callers returns over about N request-drain times, each finding the room its predecessors'
+    work freed, instead of N retrying together, one fitting and N-1 backing off again (the SDK's backoff then grows
+    towards its cap: a 2 s tail at the end of a 32-wide burst, docs/benchmarks.md). A promise never lies more than
+    `max_spread_s` past the caller's earliest retry, so callers rejected in floods (that may never come back) delay
+    the others by at most that."""
+
+    def __init__(self, max_spread_s: float = 2.0):
+        self.max_spread_s = max_spread_s
+        self._horizon = 0.0  # time.monotonic() of the latest slot promised
+
+    def promise(self, now: float, earliest_s: float, spacing_s: float) -> float:
+        """Seconds from `now` the caller should wait (clamped to the retry bounds)."""
+        earliest = now + earliest_s
+        slot = min(max(earliest, self._horizon + spacing_s), earliest + self.max_spread_s)
+        self._horizon = max(self._horizon, slot)
+        return clamp_retry(slot - now)
 
 
 class DrainRate:
@@ -99,6 +124,7 @@ def admit_prefill(candidates: list[Instance], prompt_len: int, ttft_budget_s: fl
         return min(ok, key=lambda i: (drain_s(i, 0), i.in_flight))
     # once the excess over the budget is computed, the request fits on the instance that drains first
     retry = min(drain_s(i, prompt_len) - ttft_budget_s * i.ttft_factor for i in candidates)
+    rate = sum(i.prefill_tokens_per_s or floor_tokens / ttft_budget_s for i in candidates)
     load = ", ".join(
         f"{i.address} {prefill_load_tokens(i)}/{instance_prefill_capacity(i, ttft_budget_s, floor_tokens):.0f} tokens"
         + (f" (SLO factor {i.ttft_factor:.2f})" if i.ttft_factor < 1 else "")
@@ -108,6 +134,7 @@ def admit_prefill(candidates: list[Instance], prompt_len: int, ttft_budget_s: fl
         f"every prefill instance has more than {ttft_budget_s * 1e3:.0f} ms of prefill work queued (request "
         f"{prompt_len} prompt tokens; load/capacity: {load})",
         clamp_retry(retry),
+        prompt_len / rate,
     )
 
 
@@ -148,6 +175,7 @@ def admit_decode(candidates: list[Instance], need_pages: int, drain_pages: Drain
     raise Rejected(
         f"no decode instance's KV pool can hold this request too ({need_pages} pages; load/pool: {load})",
         clamp_retry(retry),
+        need_pages / rate if rate > 0 else 0.0,
     )
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pdserve.router.admission import (
     DrainRate,
     Rejected,
+    RetrySlots,
     admit_colocated,
     admit_decode,
     admit_prefill,
@@ -105,6 +106,7 @@ class Scheduler:
         self.policy = policy or make_policy(cfg)
         self.drain_pages = DrainRate()  # KV pages of finished decode requests per second (retry hints)
         self.rejected = 0
+        self.retry_slots = RetrySlots()  # rejected callers sent back one after another
         self.retries = 0
         self.page_size: int | None = None  # tokens per KV page, learned from instances' Stats
         self.slo = SloTracker(cfg.slo_settings())
@@ -240,8 +242,9 @@ class Scheduler:
                         admit_prefill(cands[PREFILL], job.prompt_len, budget_s, floor),
                         admit_decode(cands[DECODE], job.need_pages, self.drain_pages),
                     ]
-            except Rejected:
+            except Rejected as e:
                 self.rejected += 1
+                e.retry_after_s = self.retry_slots.promise(time.monotonic(), e.retry_after_s, e.spacing_s)
                 raise
             if len(self.queue) >= self.cfg.max_queue:
                 self.rejected += 1

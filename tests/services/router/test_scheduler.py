@@ -360,3 +360,32 @@ def test_a_shrunk_budget_never_stalls_the_queue_behind_its_own_reservations():
     s.first_token(queued[1])
     s.finish(queued[1], completed=True)
     assert idle(s)
+
+
+def test_callers_rejected_together_are_sent_back_one_after_another():
+    """RetrySlots: a burst of rejections gets pushbacks spaced by one request's drain time (its prompt at the
+    instances' rate), so they return in turn instead of together; never more than max_spread_s past each one's
+    own earliest retry; a later rejection, after the promises passed, starts afresh."""
+    s = make(1, 1, ttft_budget_ms=500, prefill_floor_tokens=1000)  # unmeasured: 2000 tokens/s
+    for i in range(2):
+        s.submit(job(prompt_len=400, name=f"a{i}"))
+    waits = []
+    for i in range(8):
+        with pytest.raises(Rejected) as e:
+            s.submit(job(prompt_len=400, name=f"r{i}"))
+        waits.append(e.value.retry_after_s)
+    # the first: (800 + 400) / 2000 - 0.5 = 0.1 s; then 400 tokens / 2000 tokens/s = 0.2 s apart, up to 0.1 + 2 s
+    want = [min(0.1 + 0.2 * k, 2.1) for k in range(8)]
+    assert waits == pytest.approx(want, abs=0.01)
+    assert s.rejected == 8
+
+
+def test_retry_slots_forget_promises_that_passed_and_cap_the_spread():
+    from pdserve.router.admission import RetrySlots
+
+    slots = RetrySlots(max_spread_s=1.0)
+    assert slots.promise(100.0, 0.1, 0.5) == pytest.approx(0.1)
+    assert slots.promise(100.0, 0.1, 0.5) == pytest.approx(0.6)
+    assert slots.promise(100.0, 0.1, 0.5) == pytest.approx(1.1)  # capped: 0.1 + 1.0
+    assert slots.promise(100.0, 0.1, 0.5) == pytest.approx(1.1)
+    assert slots.promise(200.0, 0.3, 0.5) == pytest.approx(0.3)  # the promises are long past
