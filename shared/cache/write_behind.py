@@ -14,11 +14,11 @@ still serve the repeats on this instance.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from pdserve.cache.writer import WriteBack
 
 log = logging.getLogger("pdserve.cache")
 
@@ -34,8 +34,9 @@ class _Queued:
     nbytes: int
 
 
-class WriteBehind:
-    """`submit` never blocks (the RPC thread); `flush` waits until every submitted job ran (tests, benchmarks)."""
+class WriteBehind(WriteBack[_Queued]):
+    """`submit` never blocks (the RPC thread); `flush` waits until every submitted job ran (tests, benchmarks). The
+    queue and its thread are `WriteBack`'s, one job at a time, bounded by bytes instead of a count."""
 
     def __init__(
         self,
@@ -55,15 +56,14 @@ class WriteBehind:
             on_drop,
             poll_s,
         )
-        self._cv = threading.Condition()
-        self._queue: deque[_Queued] = deque()
         self._bytes = 0  # of the queued jobs and the one running
-        self._running = False
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        super().__init__(self._run_job, max_queue=1 << 30, max_batch=1, name=name)  # bounded by _bytes
 
-    def submit(self, job: Job, pages: int, nbytes: int) -> bool:
+    @property
+    def _running(self) -> bool:
+        return self._busy
+
+    def submit(self, job: Job, pages: int, nbytes: int) -> bool:  # type: ignore[override]
         """Queue a request's write-back of `pages` pages held in `nbytes`. To make room, the oldest jobs still
         waiting are dropped (a recent prompt is the likelier to come again); False (dropped) when it does not fit
         beside the job running, or the writer is closed. Drops are counted."""
@@ -91,36 +91,16 @@ class WriteBehind:
             time.sleep(self.poll_s)
         return True
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until no job is queued or running; False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._running, timeout)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop taking jobs, drop what waits for an idle moment, and stop the thread."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
+    def _run_job(self, batch: list[_Queued]) -> None:
+        """Writer thread: one job; the pages it did not write are counted as dropped, its bytes given back."""
+        (item,) = batch
+        written = 0
+        try:
+            written = item.job(self.wait_idle)
+        except Exception:
+            log.exception("prompt cache: write-back failed")
+        finally:
+            if written < item.pages:
+                self.on_drop(item.pages - written)
             with self._cv:
-                while not self._queue and not self._closing:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                item = self._queue.popleft()
-                self._running = True
-            written = 0
-            try:
-                written = item.job(self.wait_idle)
-            except Exception:
-                log.exception("prompt cache: write-back failed")
-            finally:
-                if written < item.pages:
-                    self.on_drop(item.pages - written)
-                with self._cv:
-                    self._running = False
-                    self._bytes -= item.nbytes
-                    self._cv.notify_all()
+                self._bytes -= item.nbytes
