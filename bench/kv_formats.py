@@ -38,6 +38,7 @@ INT8_VARIANTS: dict[str, dict] = {
     "default": {},
     "words_join": dict(k_planes=False),
     "bytes": dict(word_loads=False),
+    "packed": dict(head_pack=4),  # 4 KV heads per program in the 16 MMA rows (`_decode_kernel_packed`)
 }
 
 
@@ -61,11 +62,11 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
         splits = kd.default_num_splits(B, KVH, sms, kd.DEFAULT_CONFIG["split_mult"])  # what the engine launches
         res: dict = {}
         for name, c in variants.items():
+            hp = kd.packed_heads(KVH, HQ // KVH, c.get("head_pack", 1)) if c.get("word_loads") else 1
+            sp = kd.default_num_splits(B, KVH // hp, sms, kd.DEFAULT_CONFIG["split_mult"])  # as the engine does
 
-            def fn(c=c):
-                return kd.int8_paged_decode(
-                    qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, splits, **c
-                )
+            def fn(c=c, sp=sp):
+                return kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, sp, **c)
 
             try:
                 err = ge.rel_err(fn()[:nb], ref)
@@ -149,13 +150,17 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]], grid: dict | Non
         base = kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, 1)
         nbytes = 2 * B * ctx * KVH * (D + 2 * 2)
         res = {}
-        for wl, sp, bn, st, nw in itertools.product(*(grid[k] for k in SWEEP_GRID)):
-            c = {**base_cfg, **dict(block_n=bn, num_stages=st, num_warps=nw, word_loads=wl)}
+        keys = list(grid)
+        for combo in itertools.product(*(grid[k] for k in keys)):
+            knobs = dict(zip(keys, combo))
+            sp = knobs.pop("splits")
+            c = {**base_cfg, **knobs}
 
             def fn(c=c, sp=sp):
                 return kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, sp, **c)
 
-            name = f"{'words' if wl else 'bytes'}_sp{sp}_bn{bn}_st{st}_w{nw}"
+            name = f"{'words' if c['word_loads'] else 'bytes'}_sp{sp}_bn{c['block_n']}_st{c['num_stages']}"
+            name += f"_w{c['num_warps']}" + "".join(f"_{k}{v}" for k, v in knobs.items() if k not in SWEEP_GRID)
             try:
                 if ge.rel_err(fn(), base) > 1e-2:
                     raise ValueError("differs from the 1-split result")

@@ -48,6 +48,7 @@ DEFAULT_CONFIG = dict(
     byte_convert=True,
     word_loads=True,
     k_planes=True,
+    head_pack=1,
 )
 DENSE_CONFIG = dict(
     block_n=64,
@@ -59,6 +60,7 @@ DENSE_CONFIG = dict(
     byte_convert=False,
     word_loads=False,
     k_planes=False,
+    head_pack=1,
 )
 
 
@@ -450,6 +452,134 @@ def _decode_kernel_fold2(
 
 
 @triton.jit
+def _shift_words_to_f16(w):
+    """`_words_to_f16` with shifts and int -> float conversions (no inline PTX: runs in Triton's interpreter)."""
+    return (
+        ((w << 24) >> 24).to(tl.float16),
+        ((w << 16) >> 24).to(tl.float16),
+        ((w << 8) >> 24).to(tl.float16),
+        (w >> 24).to(tl.float16),
+    )
+
+
+@triton.jit
+def _load_words_f16_any(wptrs, ok, BLOCK: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr):
+    """`_load_words_f16`, converting with byte permutes (ASM) or with shifts (Triton's interpreter)."""
+    w = tl.load(wptrs, mask=ok[:, None], other=0)
+    if ASM:
+        e0, e1, e2, e3 = _words_to_f16(w)
+    else:
+        e0, e1, e2, e3 = _shift_words_to_f16(w)
+    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK, H))
+
+
+@triton.jit
+def _packed_scales(s_ptr, row0, slot, ok):
+    """Both group scales [R, BLOCK] (fp32) of the KV head in slot `slot` [R] of each MMA row, for keys whose slot-0
+    pool row is `row0` [BLOCK]: one 4-byte pair per (row, key); rows of one slot read the same pair (L1 hits)."""
+    ptrs = s_ptr + (row0[None, :, None] + slot[:, None, None]) * 2 + tl.arange(0, 2)[None, None, :]
+    pair = tl.load(ptrs, mask=ok[None, :, None], other=0.0)  # [R, BLOCK, 2]
+    s0, s1 = tl.split(pair.to(tl.float32))
+    return s0, s1
+
+
+@triton.jit
+def _decode_kernel_packed(
+    q_ptr,
+    q_sb,
+    q_sh,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    table_stride,
+    seqlens_ptr,
+    po_ptr,
+    pml_ptr,
+    out_ptr,
+    out_sb,
+    out_sh,
+    qk_scale,
+    num_splits,
+    KVH: tl.constexpr,
+    QPK: tl.constexpr,
+    HP: tl.constexpr,
+    PS: tl.constexpr,
+    D: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """`_decode_kernel_fold2` (word loads) for HP KV heads per program, packed into the 16 rows of the tensor-core
+    tile instead of padding one head's QPK query heads to 16: row r = QPK * slot + query head of KV head
+    kh0 + slot. The HP heads' K (and V) rows of a token are neighbours in the pool, read as one [BLOCK, HP * D/2]
+    tile per scale group; q is block-diagonal over it ([16, HP * D/2], slot i's columns only in its rows), so one
+    dot scores every head against its own keys and the score tile holds no padding rows: its softmax does 1/HP
+    of the padded kernel's work per (key, KV head). PV multiplies [16, BLOCK] by the [BLOCK, HP * D/2] V tile,
+    and each row keeps only its own head's block of columns (the off-diagonal blocks are the padding, moved from
+    the score tile's rows into the PV dot's columns)."""
+    H: tl.constexpr = D // 2  # columns of one scale group
+    R: tl.constexpr = 16  # MMA rows: HP * QPK <= 16
+    W: tl.constexpr = HP * H  # tile columns per group
+    b = tl.program_id(0)
+    kh0 = tl.program_id(1) * HP
+    sp = tl.program_id(2)
+    start, end = _split_range(seqlens_ptr, b, sp, num_splits, BLOCK, USE_PDL)
+
+    r = tl.arange(0, R)
+    rmask = r < HP * QPK
+    slot = tl.minimum(r // QPK, HP - 1)  # [R] KV-head slot of each row (padding rows: clamped, masked)
+    heads = kh0 * QPK + r  # [R] query heads
+    c = tl.arange(0, W)
+    cslot = c // H  # [W] KV-head slot of each column
+    cdim = c % H
+    diag = (cslot[None, :] == slot[:, None]) & rmask[:, None]  # [R, W] a row's own head's columns
+    qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + cdim[None, :]
+    q0 = tl.load(qrow, mask=diag, other=0.0).to(tl.float16)  # [R, W] block-diagonal, group 0
+    q1 = tl.load(qrow + H, mask=diag, other=0.0).to(tl.float16)
+    m = tl.full([R], float("-inf"), tl.float32)
+    l = tl.zeros([R], tl.float32)
+    acc0 = tl.zeros([R, W], tl.float32)
+    acc1 = tl.zeros([R, W], tl.float32)
+    tab = table_ptr + b.to(tl.int64) * table_stride
+    cw = tl.arange(0, W // 4)  # word columns of one group's tile: slot cw // (H/4), word cw % (H/4)
+    w_col = (cw // (H // 4)) * (D // 4) + cw % (H // 4)  # [W/4] word offset from slot 0's row
+    for n0 in range(start, end, BLOCK):
+        row0, ok = _pool_rows(tab, n0, end, kh0, KVH, PS, BLOCK)  # [BLOCK] pool rows of slot 0
+        w_off = row0[:, None] * (D // 4) + w_col[None, :]  # [BLOCK, W/4] group 0's words
+        k0 = _load_words_f16_any(k_ptr + w_off, ok, BLOCK, W, ASM)  # [BLOCK, W]
+        k1 = _load_words_f16_any(k_ptr + w_off + H // 4, ok, BLOCK, W, ASM)
+        ks0, ks1 = _packed_scales(ks_ptr, row0, slot, ok)  # [R, BLOCK] each
+        qk = tl.dot(q0, tl.trans(k0)) * ks0 + tl.dot(q1, tl.trans(k1)) * ks1
+        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [R, BLOCK] (log2)
+        p, alpha, m, l = _online_softmax(qk, m, l)
+        v0 = _load_words_f16_any(v_ptr + w_off, ok, BLOCK, W, ASM)
+        v1 = _load_words_f16_any(v_ptr + w_off + H // 4, ok, BLOCK, W, ASM)
+        vs0, vs1 = _packed_scales(vs_ptr, row0, slot, ok)
+        acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0).to(tl.float16), v0)  # [R, W]
+        acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1).to(tl.float16), v1)
+    if DIRECT:
+        orow = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + cdim[None, :]
+        tl.store(orow, (acc0 / l[:, None]).to(out_ptr.dtype.element_ty), mask=diag)
+        tl.store(orow + H, (acc1 / l[:, None]).to(out_ptr.dtype.element_ty), mask=diag)
+    else:
+        part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, rmask)  # [R]
+        tl.store(po_ptr + part[:, None] * D + cdim[None, :], acc0, mask=diag)
+        tl.store(po_ptr + part[:, None] * D + H + cdim[None, :], acc1, mask=diag)
+
+
+def packed_heads(kv_heads: int, q_per_kv: int, head_pack: int) -> int:
+    """KV heads per program of `_decode_kernel_packed` (<= head_pack, their query heads fill <= 16 MMA rows,
+    dividing kv_heads), or 1 where no packing of at least 2 fits."""
+    for hp in range(min(head_pack, 16 // max(1, q_per_kv)), 1, -1):
+        if kv_heads % hp == 0:
+            return hp
+    return 1
+
+
+@triton.jit
 def _combine_kernel(
     po_ptr,
     pml_ptr,
@@ -507,7 +637,9 @@ def int8_paged_decode(
     byte_convert: bool = bool(DEFAULT_CONFIG["byte_convert"]),
     word_loads: bool = bool(DEFAULT_CONFIG["word_loads"]),
     k_planes: bool = bool(DEFAULT_CONFIG["k_planes"]),
+    head_pack: int = int(DEFAULT_CONFIG["head_pack"]),
     pdl: bool = False,
+    inline_ptx: bool = True,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
     [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
@@ -532,7 +664,40 @@ def int8_paged_decode(
         pml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     asym = k_zeros is not None
     launch = dict(launch_pdl=True) if pdl else {}
-    if fold_scales and not dense and not asym and g == 2:
+    hp = packed_heads(kvh, qpk, head_pack) if word_loads and d % 8 == 0 else 1
+    if fold_scales and not dense and not asym and g == 2 and hp > 1:
+        _decode_kernel_packed[(b, kvh // hp, num_splits)](
+            q,
+            q.stride(0),
+            q.stride(1),
+            k.view(torch.int32),  # [P, ps, KVH, D/4] words
+            v.view(torch.int32),
+            k_scales,
+            v_scales,
+            page_table,
+            page_table.stride(0),
+            seqlens,
+            po,
+            pml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            scale * 1.4426950408889634,
+            num_splits,
+            KVH=kvh,
+            QPK=qpk,
+            HP=hp,
+            PS=ps,
+            D=d,
+            DIRECT=direct,
+            BLOCK=block_n,
+            USE_PDL=pdl,
+            ASM=inline_ptx,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **launch,
+        )
+    elif fold_scales and not dense and not asym and g == 2:
         words = word_loads and d % 8 == 0
         _decode_kernel_fold2[(b, kvh, num_splits)](
             q,
