@@ -38,7 +38,9 @@ INT8_VARIANTS: dict[str, dict] = {
     "default": {},
     "words_join": dict(k_planes=False),
     "bytes": dict(word_loads=False),
-    "packed": dict(head_pack=4),  # 4 KV heads per program in the 16 MMA rows (`_decode_kernel_packed`)
+    # 4 KV heads per program in the 16 MMA rows (`_decode_kernel_packed`), K as planes or word tiles
+    "packed": dict(head_pack=4, block_n=32, num_stages=2),
+    "packed_words": dict(head_pack=4, block_n=32, num_stages=2, k_planes=False),
 }
 
 

@@ -331,6 +331,30 @@ def _load_q_planes(qrow, qmask):
 
 
 @triton.jit
+def _plane_scores_any(q_a, q_b, q_c, q_d, wptrs, ok, ASM: tl.constexpr):
+    """`_plane_scores`, converting with byte permutes (ASM) or with shifts (Triton's interpreter)."""
+    w = tl.load(wptrs, mask=ok[:, None], other=0)
+    if ASM:
+        k_a, k_b, k_c, k_d = _words_to_planes(w)
+    else:
+        k_a, k_b, k_c, k_d = _shift_words_to_f16(w)
+    s = tl.dot(q_a, tl.trans(k_a))
+    s = tl.dot(q_b, tl.trans(k_b), s)
+    s = tl.dot(q_c, tl.trans(k_c), s)
+    return tl.dot(q_d, tl.trans(k_d), s)
+
+
+@triton.jit
+def _load_q_planes_masked(qrow, mask):
+    """`_load_q_planes` under a [R, J] mask (the block-diagonal q of the packed kernel)."""
+    a = tl.load(qrow, mask=mask, other=0.0).to(tl.float16)
+    b = tl.load(qrow + 1, mask=mask, other=0.0).to(tl.float16)
+    c = tl.load(qrow + 2, mask=mask, other=0.0).to(tl.float16)
+    d = tl.load(qrow + 3, mask=mask, other=0.0).to(tl.float16)
+    return a, b, c, d
+
+
+@triton.jit
 def _load_halves(ptrs, ok, H: tl.constexpr, dt, BYTES: tl.constexpr):
     """Both halves [BLOCK, H] of int8 rows at `ptrs` [BLOCK, H] (first half) as `dt` values."""
     x0 = tl.load(ptrs, mask=ok[:, None], other=0)
@@ -511,6 +535,7 @@ def _decode_kernel_packed(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr,
+    KPLANES: tl.constexpr = False,
 ):
     """`_decode_kernel_fold2` (word loads) for HP KV heads per program, packed into the 16 rows of the tensor-core
     tile instead of padding one head's QPK query heads to 16: row r = QPK * slot + query head of KV head
@@ -519,7 +544,8 @@ def _decode_kernel_packed(
     dot scores every head against its own keys and the score tile holds no padding rows: its softmax does 1/HP
     of the padded kernel's work per (key, KV head). PV multiplies [16, BLOCK] by the [BLOCK, HP * D/2] V tile,
     and each row keeps only its own head's block of columns (the off-diagonal blocks are the padding, moved from
-    the score tile's rows into the PV dot's columns)."""
+    the score tile's rows into the PV dot's columns). KPLANES: QK^T over K's byte planes, as
+    `_plane_scores` does, with q's block-diagonal planes."""
     H: tl.constexpr = D // 2  # columns of one scale group
     R: tl.constexpr = 16  # MMA rows: HP * QPK <= 16
     W: tl.constexpr = HP * H  # tile columns per group
@@ -537,8 +563,15 @@ def _decode_kernel_packed(
     cdim = c % H
     diag = (cslot[None, :] == slot[:, None]) & rmask[:, None]  # [R, W] a row's own head's columns
     qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + cdim[None, :]
-    q0 = tl.load(qrow, mask=diag, other=0.0).to(tl.float16)  # [R, W] block-diagonal, group 0
-    q1 = tl.load(qrow + H, mask=diag, other=0.0).to(tl.float16)
+    if KPLANES:  # [R, W/4] each: plane r's column j = column 4j + r of the block-diagonal q
+        jw = tl.arange(0, W // 4)
+        dw = (jw[None, :] // (H // 4) == slot[:, None]) & rmask[:, None]
+        qw = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + 4 * (jw[None, :] % (H // 4))
+        q0a, q0b, q0c, q0d = _load_q_planes_masked(qw, dw)
+        q1a, q1b, q1c, q1d = _load_q_planes_masked(qw + H, dw)
+    else:
+        q0 = tl.load(qrow, mask=diag, other=0.0).to(tl.float16)  # [R, W] block-diagonal, group 0
+        q1 = tl.load(qrow + H, mask=diag, other=0.0).to(tl.float16)
     m = tl.full([R], float("-inf"), tl.float32)
     l = tl.zeros([R], tl.float32)
     acc0 = tl.zeros([R, W], tl.float32)
@@ -549,10 +582,16 @@ def _decode_kernel_packed(
     for n0 in range(start, end, BLOCK):
         row0, ok = _pool_rows(tab, n0, end, kh0, KVH, PS, BLOCK)  # [BLOCK] pool rows of slot 0
         w_off = row0[:, None] * (D // 4) + w_col[None, :]  # [BLOCK, W/4] group 0's words
-        k0 = _load_words_f16_any(k_ptr + w_off, ok, BLOCK, W, ASM)  # [BLOCK, W]
-        k1 = _load_words_f16_any(k_ptr + w_off + H // 4, ok, BLOCK, W, ASM)
         ks0, ks1 = _packed_scales(ks_ptr, row0, slot, ok)  # [R, BLOCK] each
-        qk = tl.dot(q0, tl.trans(k0)) * ks0 + tl.dot(q1, tl.trans(k1)) * ks1
+        if KPLANES:
+            s0 = _plane_scores_any(q0a, q0b, q0c, q0d, k_ptr + w_off, ok, ASM)  # [R, BLOCK]
+            s1 = _plane_scores_any(q1a, q1b, q1c, q1d, k_ptr + w_off + H // 4, ok, ASM)
+        else:
+            k0 = _load_words_f16_any(k_ptr + w_off, ok, BLOCK, W, ASM)  # [BLOCK, W]
+            k1 = _load_words_f16_any(k_ptr + w_off + H // 4, ok, BLOCK, W, ASM)
+            s0 = tl.dot(q0, tl.trans(k0))
+            s1 = tl.dot(q1, tl.trans(k1))
+        qk = s0 * ks0 + s1 * ks1
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [R, BLOCK] (log2)
         p, alpha, m, l = _online_softmax(qk, m, l)
         v0 = _load_words_f16_any(v_ptr + w_off, ok, BLOCK, W, ASM)
@@ -693,6 +732,7 @@ def int8_paged_decode(
             BLOCK=block_n,
             USE_PDL=pdl,
             ASM=inline_ptx,
+            KPLANES=k_planes and d >= 128,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,
