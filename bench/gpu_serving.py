@@ -419,6 +419,9 @@ def main() -> None:
     ap.add_argument("--commit", default="", help="commit measured (a device copy of the tree may lack git)")
     ap.add_argument("--profile-dir", default="", help="py-spy profiles of the services during the breakdown")
     ap.add_argument("--prefill-args", default="", help="extra prefill flags, grpc / ipc / load parts")
+    ap.add_argument(
+        "--service-env", default="", help="extra NAME=VALUE environment of the services, space-separated (all parts)"
+    )
     ap.add_argument("--raw-server", default="")
     ap.add_argument("--raw-msg-mb", type=int, default=4)
     args = ap.parse_args()
@@ -467,6 +470,11 @@ def main() -> None:
     except ImportError as e:
         log(f"no TTFT breakdown: the OTLP exporter does not import here ({e})")
         env = {}
+    traced = bool(env)
+    service_env = dict(kv.split("=", 1) for kv in shlex.split(args.service_env))
+    if service_env:
+        res["service_env"] = service_env
+        env = {**env, **service_env}
     try:
         for part, transport in (("grpc", "grpc"), ("ipc", "cuda-ipc")):
             if part not in parts:
@@ -477,7 +485,7 @@ def main() -> None:
             try:
                 res.update(served_ttft(stack, transport, rng))
                 save()
-                if env:
+                if traced:
                     res.update(
                         ttft_breakdown(stack, sink, rng, key=f"ttft_breakdown_2k_{part}", profile_dir=args.profile_dir)
                     )
@@ -487,7 +495,9 @@ def main() -> None:
             t1, t2, gbps = (res[f"{k}_{part}"] for k in ("served_ttft_ms_2k", "served_t2t_ms_2k", "kv_gbps"))
             row(f"served TTFT 2k, {transport}", f"{t1:.1f} ms", f"second token {t2:.1f} ms, kv {gbps:.2f} GB/s")
         if "load" in parts:
-            stack = start(model, workdir / "load", "auto", redis.url if redis else "", shlex.split(args.prefill_args))
+            stack = start(
+                model, workdir / "load", "auto", redis.url if redis else "", shlex.split(args.prefill_args), service_env
+            )
             try:
                 res.update(decode_figures(stack, rng))
                 row("ITL b1 ctx512 / ctx8k", f"{res['itl_ms_b1_ctx512']:.2f} / {res['itl_ms_b1_ctx8k']:.2f} ms")
@@ -510,23 +520,23 @@ def main() -> None:
                 save()
             finally:
                 stack.stop()
-        if "local" in parts and env:  # the local-tier rows again, traced: where a cached request's time goes
+        if "local" in parts and traced:  # the local-tier rows again, traced: where a cached request's time goes
             stack = start(model, workdir / "local", "auto", redis.url if redis else "", [], env=env)
             try:
                 spies = start_profilers(stack, args.profile_dir, "local", seconds=25.0) if args.profile_dir else []
-                traced = cache_figures(stack, rng, "local", sink=sink)
+                local_run = cache_figures(stack, rng, "local", sink=sink)
                 for p in spies:
                     p.wait(timeout=60)
-                res.update({k: v for k, v in traced.items() if k.startswith("ttft_breakdown")})
-                res["served_ttft_ms_4k_90pct_local_traced_all"] = traced["served_ttft_ms_4k_90pct_local_all"]
-                res["served_ttft_ms_4k_cold_local_traced_all"] = traced["served_ttft_ms_4k_cold_local_all"]
+                res.update({k: v for k, v in local_run.items() if k.startswith("ttft_breakdown")})
+                res["served_ttft_ms_4k_90pct_local_traced_all"] = local_run["served_ttft_ms_4k_90pct_local_all"]
+                res["served_ttft_ms_4k_cold_local_traced_all"] = local_run["served_ttft_ms_4k_cold_local_all"]
                 save()
             finally:
                 stack.stop()
         if "cache" in parts and redis is not None:
             # no local tier and no pool prefixes: the prefix is where another instance's write left it, in Redis
             no_local = ["--cache-local-mb", "0", "--prefix-reuse", "false"]
-            stack = start(model, workdir / "redis-only", "auto", redis.url, no_local)
+            stack = start(model, workdir / "redis-only", "auto", redis.url, no_local, service_env)
             try:
                 res.update(cache_figures(stack, rng, "redis"))
                 save()
