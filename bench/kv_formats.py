@@ -38,9 +38,9 @@ INT8_VARIANTS: dict[str, dict] = {
     "default": {},
     "words_join": dict(k_planes=False),
     "bytes": dict(word_loads=False),
-    # 4 KV heads per program in the 16 MMA rows (`_decode_kernel_packed`), K as planes or word tiles
-    "packed": dict(head_pack=4, block_n=32, num_stages=2),
-    "packed_words": dict(head_pack=4, block_n=32, num_stages=2, k_planes=False),
+    # V as byte planes too, one warp per program (no inter-warp P hand-off, no barriers)
+    "vplanes_w1": dict(v_planes=True, num_warps=1, block_n=32, num_stages=2),
+    "w1": dict(num_warps=1, block_n=32, num_stages=2),
 }
 
 
@@ -64,11 +64,11 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
         splits = kd.default_num_splits(B, KVH, sms, kd.DEFAULT_CONFIG["split_mult"])  # what the engine launches
         res: dict = {}
         for name, c in variants.items():
-            hp = kd.packed_heads(KVH, HQ // KVH, c.get("head_pack", 1)) if c.get("word_loads") else 1
-            sp = kd.default_num_splits(B, KVH // hp, sms, kd.DEFAULT_CONFIG["split_mult"])  # as the engine does
 
-            def fn(c=c, sp=sp):
-                return kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, sp, **c)
+            def fn(c=c):
+                return kd.int8_paged_decode(
+                    qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, splits, **c
+                )
 
             try:
                 err = ge.rel_err(fn()[:nb], ref)
@@ -152,7 +152,7 @@ def config_sweep(copy_bw: float, shapes: list[tuple[int, int]], grid: dict | Non
         base = kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, 1)
         nbytes = 2 * B * ctx * KVH * (D + 2 * 2)
         res = {}
-        keys = list(grid)
+        keys = list(grid)  # SWEEP_GRID's knobs, then any other config key given in --sweep-grid
         for combo in itertools.product(*(grid[k] for k in keys)):
             knobs = dict(zip(keys, combo))
             sp = knobs.pop("splits")

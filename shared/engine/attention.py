@@ -270,10 +270,7 @@ class FA3Backend:
             return self._fp8_decode(layer, q, cache, table, seqlens, scale)
         kc = self.kernels
         cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **kc.decode_config}
-        hp = 1
-        if cache.quantized and cfg.get("word_loads", False):  # programs hold hp KV heads each
-            hp = kd.packed_heads(cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, cfg.get("head_pack", 1))
-        splits = self._num_splits(q.shape[0], cache.num_kv_heads // hp, cfg["split_mult"])
+        splits = self._num_splits(q.shape[0], cache.num_kv_heads, cfg["split_mult"])
         kw = dict(
             block_n=cfg["block_n"],
             num_warps=cfg["num_warps"],
@@ -283,7 +280,7 @@ class FA3Backend:
             byte_convert=cfg.get("byte_convert", False),
             word_loads=cfg.get("word_loads", False),
             k_planes=cfg.get("k_planes", False),
-            head_pack=cfg.get("head_pack", 1),
+            v_planes=cfg.get("v_planes", False),
             pdl=kc.pdl,
         )
         if not cache.quantized:

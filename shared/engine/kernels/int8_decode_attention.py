@@ -48,7 +48,7 @@ DEFAULT_CONFIG = dict(
     byte_convert=True,
     word_loads=True,
     k_planes=True,
-    head_pack=1,
+    v_planes=False,
 )
 DENSE_CONFIG = dict(
     block_n=64,
@@ -60,7 +60,7 @@ DENSE_CONFIG = dict(
     byte_convert=False,
     word_loads=False,
     k_planes=False,
-    head_pack=1,
+    v_planes=False,
 )
 
 
@@ -309,15 +309,57 @@ def _words_to_planes(w):
 
 
 @triton.jit
-def _plane_scores(q_a, q_b, q_c, q_d, wptrs, ok):
+def _shift_planes(w):
+    """Byte planes 0..3 of int32 words as fp16 (`_words_to_planes` with shifts and int -> float conversions: no inline
+    PTX, so Triton's interpreter runs it)."""
+    return (
+        ((w << 24) >> 24).to(tl.float16),
+        ((w << 16) >> 24).to(tl.float16),
+        ((w << 8) >> 24).to(tl.float16),
+        (w >> 24).to(tl.float16),
+    )
+
+
+@triton.jit
+def _planes(w, ASM: tl.constexpr):
+    """Byte planes 0..3 of int32 words [..] as fp16 [..] each: byte permutes (ASM) or shifts (interpreter)."""
+    if ASM:
+        return _words_to_planes(w)
+    return _shift_planes(w)
+
+
+@triton.jit
+def _plane_scores(q_a, q_b, q_c, q_d, wptrs, ok, ASM: tl.constexpr = True):
     """Scores [QP, BLOCK] of one half: q's byte-plane columns (q_r [QP, J] = q[:, 4j + r]) against the K words at
     `wptrs` [BLOCK, J], one K=J dot per plane; the conversion lands in the dot operand layout (no shared-memory
     round trip for K)."""
-    k_a, k_b, k_c, k_d = _words_to_planes(tl.load(wptrs, mask=ok[:, None], other=0))
+    k_a, k_b, k_c, k_d = _planes(tl.load(wptrs, mask=ok[:, None], other=0), ASM)
     s = tl.dot(q_a, tl.trans(k_a))
     s = tl.dot(q_b, tl.trans(k_b), s)
     s = tl.dot(q_c, tl.trans(k_c), s)
     return tl.dot(q_d, tl.trans(k_d), s)
+
+
+@triton.jit
+def _plane_pv(p, wptrs, ok, acc_a, acc_b, acc_c, acc_d, alpha, ASM: tl.constexpr):
+    """P [QP, BLOCK] (fp16) times one half of V read as int32 words at `wptrs` [BLOCK, J], by byte planes: plane r
+    [BLOCK, J] (column j = the half's column 4j + r) converts straight into the dot's operand layout (key pairs in
+    one register, no shared-memory round trip for V); acc_r [QP, J] are the output columns 4j + r."""
+    v_a, v_b, v_c, v_d = _planes(tl.load(wptrs, mask=ok[:, None], other=0), ASM)
+    acc_a = tl.dot(p, v_a, acc_a * alpha[:, None])
+    acc_b = tl.dot(p, v_b, acc_b * alpha[:, None])
+    acc_c = tl.dot(p, v_c, acc_c * alpha[:, None])
+    acc_d = tl.dot(p, v_d, acc_d * alpha[:, None])
+    return acc_a, acc_b, acc_c, acc_d
+
+
+@triton.jit
+def _store_planes(ptrs, acc_a, acc_b, acc_c, acc_d, mask):
+    """Plane accumulators [QP, J] to columns 4j + r at `ptrs` [QP, J] (column 4j of the half)."""
+    tl.store(ptrs, acc_a.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + 1, acc_b.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + 2, acc_c.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + 3, acc_d.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -327,30 +369,6 @@ def _load_q_planes(qrow, qmask):
     b = tl.load(qrow + 1, mask=qmask[:, None], other=0.0).to(tl.float16)
     c = tl.load(qrow + 2, mask=qmask[:, None], other=0.0).to(tl.float16)
     d = tl.load(qrow + 3, mask=qmask[:, None], other=0.0).to(tl.float16)
-    return a, b, c, d
-
-
-@triton.jit
-def _plane_scores_any(q_a, q_b, q_c, q_d, wptrs, ok, ASM: tl.constexpr):
-    """`_plane_scores`, converting with byte permutes (ASM) or with shifts (Triton's interpreter)."""
-    w = tl.load(wptrs, mask=ok[:, None], other=0)
-    if ASM:
-        k_a, k_b, k_c, k_d = _words_to_planes(w)
-    else:
-        k_a, k_b, k_c, k_d = _shift_words_to_f16(w)
-    s = tl.dot(q_a, tl.trans(k_a))
-    s = tl.dot(q_b, tl.trans(k_b), s)
-    s = tl.dot(q_c, tl.trans(k_c), s)
-    return tl.dot(q_d, tl.trans(k_d), s)
-
-
-@triton.jit
-def _load_q_planes_masked(qrow, mask):
-    """`_load_q_planes` under a [R, J] mask (the block-diagonal q of the packed kernel)."""
-    a = tl.load(qrow, mask=mask, other=0.0).to(tl.float16)
-    b = tl.load(qrow + 1, mask=mask, other=0.0).to(tl.float16)
-    c = tl.load(qrow + 2, mask=mask, other=0.0).to(tl.float16)
-    d = tl.load(qrow + 3, mask=mask, other=0.0).to(tl.float16)
     return a, b, c, d
 
 
@@ -403,6 +421,8 @@ def _decode_kernel_fold2(
     BYTES: tl.constexpr,
     WORDS: tl.constexpr,
     KPLANES: tl.constexpr = False,
+    VPLANES: tl.constexpr = False,
+    ASM: tl.constexpr = True,
 ):
     """`_decode_kernel` for a symmetric int8 pool with two scale groups per head (group = head_dim / 2, the
     default 64 at head_dim 128), scales folded out of the tiles: each half of K and V is read as its own
@@ -410,7 +430,9 @@ def _decode_kernel_fold2(
     dots, each scaled per key on the [QP, BLOCK] scores; P is scaled per value before each half's PV dot.
     BYTES: the dots run in fp16 on tiles converted by `_s8_to_f16` (q and P rounded to fp16 instead of q's dtype).
     KPLANES (with WORDS): QK^T as four dots per half over K's byte planes (`_plane_scores`) with q's columns
-    permuted to match (a dot product does not depend on the order of its terms)."""
+    permuted to match (a dot product does not depend on the order of its terms).
+    VPLANES (with KPLANES): PV as four dots per half over V's byte planes (`_plane_pv`), the output columns
+    permuted back at the store. ASM false (KPLANES kernels only): conversions by shifts, for Triton's interpreter."""
     H: tl.constexpr = D // 2
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -435,8 +457,18 @@ def _decode_kernel_fold2(
     dt = q0.dtype
     m = tl.full([QP], float("-inf"), tl.float32)
     l = tl.zeros([QP], tl.float32)
-    acc0 = tl.zeros([QP, H], tl.float32)
-    acc1 = tl.zeros([QP, H], tl.float32)
+    if VPLANES:  # [QP, H/4] per plane r of each half: output columns 4j + r
+        a0a = tl.zeros([QP, H // 4], tl.float32)
+        a0b = tl.zeros([QP, H // 4], tl.float32)
+        a0c = tl.zeros([QP, H // 4], tl.float32)
+        a0d = tl.zeros([QP, H // 4], tl.float32)
+        a1a = tl.zeros([QP, H // 4], tl.float32)
+        a1b = tl.zeros([QP, H // 4], tl.float32)
+        a1c = tl.zeros([QP, H // 4], tl.float32)
+        a1d = tl.zeros([QP, H // 4], tl.float32)
+    else:
+        acc0 = tl.zeros([QP, H], tl.float32)
+        acc1 = tl.zeros([QP, H], tl.float32)
     tab = table_ptr + b.to(tl.int64) * table_stride
     for n0 in range(start, end, BLOCK):
         row, ok = _pool_rows(tab, n0, end, kh, KVH, PS, BLOCK)  # [BLOCK] pool rows
@@ -445,8 +477,8 @@ def _decode_kernel_fold2(
             w_off = row[:, None] * (D // 4) + tl.arange(0, H // 4)[None, :]  # [BLOCK, H/4]
         ks0, ks1 = _load_scale_pair(ks_ptr, row, ok)  # [BLOCK] each
         if KPLANES:
-            s0 = _plane_scores(q0a, q0b, q0c, q0d, k_ptr + w_off, ok)  # [QP, BLOCK]
-            s1 = _plane_scores(q1a, q1b, q1c, q1d, k_ptr + w_off + H // 4, ok)
+            s0 = _plane_scores(q0a, q0b, q0c, q0d, k_ptr + w_off, ok, ASM)  # [QP, BLOCK]
+            s1 = _plane_scores(q1a, q1b, q1c, q1d, k_ptr + w_off + H // 4, ok, ASM)
             qk = s0 * ks0[None, :] + s1 * ks1[None, :]
         else:
             if WORDS:
@@ -457,15 +489,33 @@ def _decode_kernel_fold2(
             qk = tl.dot(q0, tl.trans(k0)) * ks0[None, :] + tl.dot(q1, tl.trans(k1)) * ks1[None, :]
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [QP, BLOCK] (log2)
         p, alpha, m, l = _online_softmax(qk, m, l)
-        if WORDS:
-            v0 = _load_words_f16(v_ptr + w_off, ok, BLOCK, H)
-            v1 = _load_words_f16(v_ptr + w_off + H // 4, ok, BLOCK, H)
-        else:
-            v0, v1 = _load_halves(v_ptr + kv_off, ok, H, dt, BYTES)
         vs0, vs1 = _load_scale_pair(vs_ptr, row, ok)
-        acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0[None, :]).to(dt), v0)
-        acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1[None, :]).to(dt), v1)
-    if DIRECT:
+        if VPLANES:
+            p0 = (p * vs0[None, :]).to(tl.float16)
+            p1 = (p * vs1[None, :]).to(tl.float16)
+            a0a, a0b, a0c, a0d = _plane_pv(p0, v_ptr + w_off, ok, a0a, a0b, a0c, a0d, alpha, ASM)
+            a1a, a1b, a1c, a1d = _plane_pv(p1, v_ptr + w_off + H // 4, ok, a1a, a1b, a1c, a1d, alpha, ASM)
+        else:
+            if WORDS:
+                v0 = _load_words_f16(v_ptr + w_off, ok, BLOCK, H)
+                v1 = _load_words_f16(v_ptr + w_off + H // 4, ok, BLOCK, H)
+            else:
+                v0, v1 = _load_halves(v_ptr + kv_off, ok, H, dt, BYTES)
+            acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0[None, :]).to(dt), v0)
+            acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1[None, :]).to(dt), v1)
+    if VPLANES:  # columns 4j + r of each half, from its plane accumulators
+        jw4 = 4 * tl.arange(0, H // 4)[None, :]  # [1, H/4]
+        if DIRECT:
+            inv = 1.0 / l[:, None]
+            o4 = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + jw4
+            _store_planes(o4, a0a * inv, a0b * inv, a0c * inv, a0d * inv, qmask[:, None])
+            _store_planes(o4 + H, a1a * inv, a1b * inv, a1c * inv, a1d * inv, qmask[:, None])
+        else:
+            part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, qmask)  # [QP]
+            p4 = po_ptr + part[:, None] * D + jw4
+            _store_planes(p4, a0a, a0b, a0c, a0d, qmask[:, None])
+            _store_planes(p4 + H, a1a, a1b, a1c, a1d, qmask[:, None])
+    elif DIRECT:
         orow = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + c[None, :]
         tl.store(orow, (acc0 / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
         tl.store(orow + H, (acc1 / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
@@ -473,149 +523,6 @@ def _decode_kernel_fold2(
         part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, qmask)  # [QP]
         tl.store(po_ptr + part[:, None] * D + c[None, :], acc0, mask=qmask[:, None])
         tl.store(po_ptr + part[:, None] * D + H + c[None, :], acc1, mask=qmask[:, None])
-
-
-@triton.jit
-def _shift_words_to_f16(w):
-    """`_words_to_f16` with shifts and int -> float conversions (no inline PTX: runs in Triton's interpreter)."""
-    return (
-        ((w << 24) >> 24).to(tl.float16),
-        ((w << 16) >> 24).to(tl.float16),
-        ((w << 8) >> 24).to(tl.float16),
-        (w >> 24).to(tl.float16),
-    )
-
-
-@triton.jit
-def _load_words_f16_any(wptrs, ok, BLOCK: tl.constexpr, H: tl.constexpr, ASM: tl.constexpr):
-    """`_load_words_f16`, converting with byte permutes (ASM) or with shifts (Triton's interpreter)."""
-    w = tl.load(wptrs, mask=ok[:, None], other=0)
-    if ASM:
-        e0, e1, e2, e3 = _words_to_f16(w)
-    else:
-        e0, e1, e2, e3 = _shift_words_to_f16(w)
-    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BLOCK, H))
-
-
-@triton.jit
-def _packed_scales(s_ptr, row0, slot, ok):
-    """Both group scales [R, BLOCK] (fp32) of the KV head in slot `slot` [R] of each MMA row, for keys whose slot-0
-    pool row is `row0` [BLOCK]: one 4-byte pair per (row, key); rows of one slot read the same pair (L1 hits)."""
-    ptrs = s_ptr + (row0[None, :, None] + slot[:, None, None]) * 2 + tl.arange(0, 2)[None, None, :]
-    pair = tl.load(ptrs, mask=ok[None, :, None], other=0.0)  # [R, BLOCK, 2]
-    s0, s1 = tl.split(pair.to(tl.float32))
-    return s0, s1
-
-
-@triton.jit
-def _decode_kernel_packed(
-    q_ptr,
-    q_sb,
-    q_sh,
-    k_ptr,
-    v_ptr,
-    ks_ptr,
-    vs_ptr,
-    table_ptr,
-    table_stride,
-    seqlens_ptr,
-    po_ptr,
-    pml_ptr,
-    out_ptr,
-    out_sb,
-    out_sh,
-    qk_scale,
-    num_splits,
-    KVH: tl.constexpr,
-    QPK: tl.constexpr,
-    HP: tl.constexpr,
-    PS: tl.constexpr,
-    D: tl.constexpr,
-    DIRECT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    ASM: tl.constexpr,
-    KPLANES: tl.constexpr = False,
-):
-    """`_decode_kernel_fold2` (word loads) for HP KV heads per program, packed into the 16 rows of the tensor-core
-    tile instead of padding one head's QPK query heads to 16: row r = QPK * slot + query head of KV head
-    kh0 + slot. The HP heads' K (and V) rows of a token are neighbours in the pool, read as one [BLOCK, HP * D/2]
-    tile per scale group; q is block-diagonal over it ([16, HP * D/2], slot i's columns only in its rows), so one
-    dot scores every head against its own keys and the score tile holds no padding rows: its softmax does 1/HP
-    of the padded kernel's work per (key, KV head). PV multiplies [16, BLOCK] by the [BLOCK, HP * D/2] V tile,
-    and each row keeps only its own head's block of columns (the off-diagonal blocks are the padding, moved from
-    the score tile's rows into the PV dot's columns). KPLANES: QK^T over K's byte planes, as
-    `_plane_scores` does, with q's block-diagonal planes."""
-    H: tl.constexpr = D // 2  # columns of one scale group
-    R: tl.constexpr = 16  # MMA rows: HP * QPK <= 16
-    W: tl.constexpr = HP * H  # tile columns per group
-    b = tl.program_id(0)
-    kh0 = tl.program_id(1) * HP
-    sp = tl.program_id(2)
-    start, end = _split_range(seqlens_ptr, b, sp, num_splits, BLOCK, USE_PDL)
-
-    r = tl.arange(0, R)
-    rmask = r < HP * QPK
-    slot = tl.minimum(r // QPK, HP - 1)  # [R] KV-head slot of each row (padding rows: clamped, masked)
-    heads = kh0 * QPK + r  # [R] query heads
-    c = tl.arange(0, W)
-    cslot = c // H  # [W] KV-head slot of each column
-    cdim = c % H
-    diag = (cslot[None, :] == slot[:, None]) & rmask[:, None]  # [R, W] a row's own head's columns
-    qrow = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + cdim[None, :]
-    if KPLANES:  # [R, W/4] each: plane r's column j = column 4j + r of the block-diagonal q
-        jw = tl.arange(0, W // 4)
-        dw = (jw[None, :] // (H // 4) == slot[:, None]) & rmask[:, None]
-        qw = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + 4 * (jw[None, :] % (H // 4))
-        q0a, q0b, q0c, q0d = _load_q_planes_masked(qw, dw)
-        q1a, q1b, q1c, q1d = _load_q_planes_masked(qw + H, dw)
-    else:
-        q0 = tl.load(qrow, mask=diag, other=0.0).to(tl.float16)  # [R, W] block-diagonal, group 0
-        q1 = tl.load(qrow + H, mask=diag, other=0.0).to(tl.float16)
-    m = tl.full([R], float("-inf"), tl.float32)
-    l = tl.zeros([R], tl.float32)
-    acc0 = tl.zeros([R, W], tl.float32)
-    acc1 = tl.zeros([R, W], tl.float32)
-    tab = table_ptr + b.to(tl.int64) * table_stride
-    cw = tl.arange(0, W // 4)  # word columns of one group's tile: slot cw // (H/4), word cw % (H/4)
-    w_col = (cw // (H // 4)) * (D // 4) + cw % (H // 4)  # [W/4] word offset from slot 0's row
-    for n0 in range(start, end, BLOCK):
-        row0, ok = _pool_rows(tab, n0, end, kh0, KVH, PS, BLOCK)  # [BLOCK] pool rows of slot 0
-        w_off = row0[:, None] * (D // 4) + w_col[None, :]  # [BLOCK, W/4] group 0's words
-        ks0, ks1 = _packed_scales(ks_ptr, row0, slot, ok)  # [R, BLOCK] each
-        if KPLANES:
-            s0 = _plane_scores_any(q0a, q0b, q0c, q0d, k_ptr + w_off, ok, ASM)  # [R, BLOCK]
-            s1 = _plane_scores_any(q1a, q1b, q1c, q1d, k_ptr + w_off + H // 4, ok, ASM)
-        else:
-            k0 = _load_words_f16_any(k_ptr + w_off, ok, BLOCK, W, ASM)  # [BLOCK, W]
-            k1 = _load_words_f16_any(k_ptr + w_off + H // 4, ok, BLOCK, W, ASM)
-            s0 = tl.dot(q0, tl.trans(k0))
-            s1 = tl.dot(q1, tl.trans(k1))
-        qk = s0 * ks0 + s1 * ks1
-        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [R, BLOCK] (log2)
-        p, alpha, m, l = _online_softmax(qk, m, l)
-        v0 = _load_words_f16_any(v_ptr + w_off, ok, BLOCK, W, ASM)
-        v1 = _load_words_f16_any(v_ptr + w_off + H // 4, ok, BLOCK, W, ASM)
-        vs0, vs1 = _packed_scales(vs_ptr, row0, slot, ok)
-        acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0).to(tl.float16), v0)  # [R, W]
-        acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1).to(tl.float16), v1)
-    if DIRECT:
-        orow = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + cdim[None, :]
-        tl.store(orow, (acc0 / l[:, None]).to(out_ptr.dtype.element_ty), mask=diag)
-        tl.store(orow + H, (acc1 / l[:, None]).to(out_ptr.dtype.element_ty), mask=diag)
-    else:
-        part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, rmask)  # [R]
-        tl.store(po_ptr + part[:, None] * D + cdim[None, :], acc0, mask=diag)
-        tl.store(po_ptr + part[:, None] * D + H + cdim[None, :], acc1, mask=diag)
-
-
-def packed_heads(kv_heads: int, q_per_kv: int, head_pack: int) -> int:
-    """KV heads per program of `_decode_kernel_packed` (<= head_pack, their query heads fill <= 16 MMA rows,
-    dividing kv_heads), or 1 where no packing of at least 2 fits."""
-    for hp in range(min(head_pack, 16 // max(1, q_per_kv)), 1, -1):
-        if kv_heads % hp == 0:
-            return hp
-    return 1
 
 
 @triton.jit
@@ -676,7 +583,7 @@ def int8_paged_decode(
     byte_convert: bool = bool(DEFAULT_CONFIG["byte_convert"]),
     word_loads: bool = bool(DEFAULT_CONFIG["word_loads"]),
     k_planes: bool = bool(DEFAULT_CONFIG["k_planes"]),
-    head_pack: int = int(DEFAULT_CONFIG["head_pack"]),
+    v_planes: bool = bool(DEFAULT_CONFIG["v_planes"]),
     pdl: bool = False,
     inline_ptx: bool = True,
 ) -> torch.Tensor:
@@ -703,42 +610,9 @@ def int8_paged_decode(
         pml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     asym = k_zeros is not None
     launch = dict(launch_pdl=True) if pdl else {}
-    hp = packed_heads(kvh, qpk, head_pack) if word_loads and d % 8 == 0 else 1
-    if fold_scales and not dense and not asym and g == 2 and hp > 1:
-        _decode_kernel_packed[(b, kvh // hp, num_splits)](
-            q,
-            q.stride(0),
-            q.stride(1),
-            k.view(torch.int32),  # [P, ps, KVH, D/4] words
-            v.view(torch.int32),
-            k_scales,
-            v_scales,
-            page_table,
-            page_table.stride(0),
-            seqlens,
-            po,
-            pml,
-            out,
-            out.stride(0),
-            out.stride(1),
-            scale * 1.4426950408889634,
-            num_splits,
-            KVH=kvh,
-            QPK=qpk,
-            HP=hp,
-            PS=ps,
-            D=d,
-            DIRECT=direct,
-            BLOCK=block_n,
-            USE_PDL=pdl,
-            ASM=inline_ptx,
-            KPLANES=k_planes and d >= 128,
-            num_warps=num_warps,
-            num_stages=num_stages,
-            **launch,
-        )
-    elif fold_scales and not dense and not asym and g == 2:
+    if fold_scales and not dense and not asym and g == 2:
         words = word_loads and d % 8 == 0
+        kplanes = words and k_planes and d >= 128  # planes of D/8 >= 16 columns (a dot's K)
         _decode_kernel_fold2[(b, kvh, num_splits)](
             q,
             q.stride(0),
@@ -767,7 +641,9 @@ def int8_paged_decode(
             USE_PDL=pdl,
             BYTES=byte_convert,
             WORDS=words,
-            KPLANES=words and k_planes and d >= 128,  # planes of D/8 >= 16 columns (a dot's K)
+            KPLANES=kplanes,
+            VPLANES=kplanes and v_planes,  # planes of D/8 >= 16 columns (a dot's N)
+            ASM=inline_ptx or not kplanes,  # the shift path exists for the plane kernels only
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,

@@ -169,7 +169,8 @@ def test_s8_to_f16_exact():
 
 
 @pytest.mark.parametrize(
-    "variant", ["tile", "expand", "fold", "fold-pdl", "fold-cvt", "fold-words", "fold-planes", "packed", "packed-pdl"]
+    "variant",
+    ["tile", "expand", "fold", "fold-pdl", "fold-cvt", "fold-words", "fold-planes", "fold-vplanes", "fold-vplanes-w1"],
 )
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 16])
@@ -196,12 +197,13 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
         D**-0.5,
         splits,
         scale_expand=variant == "expand",
-        fold_scales=variant.startswith(("fold", "packed")),  # sym only: asym falls back to the tile kernel
+        fold_scales=variant.startswith("fold"),  # sym only: asym falls back to the tile kernel
         byte_convert=variant != "fold-cvt",  # fold kernel: int8 -> fp16 by byte permutes, or by conversions
-        word_loads=variant in ("fold-words", "fold-planes") or variant.startswith("packed"),  # tiles as int32 words
-        k_planes=variant == "fold-planes",  # ... K as byte planes, converted in the dot operand layout
-        head_pack=4 if variant.startswith("packed") else 1,  # 4 KV heads per program (`_decode_kernel_packed`)
-        pdl=variant in ("fold-pdl", "packed-pdl") and kernels.pdl_supported(DEV),
+        word_loads=variant.startswith(("fold-words", "fold-planes", "fold-vplanes")),  # tiles read as int32 words
+        k_planes=variant.startswith(("fold-planes", "fold-vplanes")),  # K as byte planes, in the dot operand layout
+        v_planes=variant.startswith("fold-vplanes"),  # ... and V
+        num_warps=1 if variant.endswith("-w1") else 4,
+        pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV),
     )
     assert out.isfinite().all()
     assert rel(out, ref_paged_decode(q, kv, table, lens, ps, D**-0.5)) < 1e-2
