@@ -32,16 +32,18 @@ DEV = ge.DEV
 PS, KVH, D, HQ = 16, 8, 128, 32
 
 
-# int8 kernel variants timed side by side (each over the default config): K converted through the word tiles and
-# tl.join (`k_planes` off, the default before 2026-12-01), K read as bytes (`word_loads` off).
+# int8 kernel variants timed side by side (each over the default config): the default before the ninth session (four
+# warps, 128-key blocks, V through shared memory), one warp without V planes, K converted through the word tiles and
+# tl.join (no planes), K read as bytes (`word_loads` off).
 INT8_VARIANTS: dict[str, dict] = {
     "default": {},
-    "words_join": dict(k_planes=False),
+    "w4_vsmem": dict(v_planes=False, num_warps=4, block_n=128, num_stages=3),
+    "w1_vsmem": dict(v_planes=False),
+    "words_join": dict(k_planes=False, v_planes=False),
     "bytes": dict(word_loads=False),
-    # V as byte planes too, one warp per program (no inter-warp P hand-off, no barriers)
-    "vplanes_w1": dict(v_planes=True, num_warps=1, block_n=32, num_stages=2),
-    "w1": dict(num_warps=1, block_n=32, num_stages=2),
 }
+# fp8 kernel configs timed beside its default (one warp per program, as the int8 default now)
+FP8_VARIANTS: dict[str, dict] = {"w1": dict(num_warps=1, block_n=32, num_stages=3)}
 
 
 def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
@@ -95,6 +97,16 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
             fp8_ms = ge.graph_ms(fp8_fn)
             fp8_bytes = 2 * B * ctx * KVH * (D + 2)
             res["fp8"] = {"ms": fp8_ms, "rel_err": fp8_err, "bw_fraction": fp8_bytes / (fp8_ms * 1e-3) / copy_bw}
+            for name, c in FP8_VARIANTS.items():
+
+                def fp8_var(c=c):
+                    return fp8_paged_decode(qq, f8[0], f8[1], fs[0], fs[1], table, lens, D**-0.5, splits, **c)
+
+                err = ge.rel_err(fp8_var()[:nb], fp8_fn()[:nb])
+                ms = ge.graph_ms(fp8_var)
+                frac = fp8_bytes / (ms * 1e-3) / copy_bw
+                res[f"fp8_{name}"] = {"ms": ms, "diff_vs_default": err, "bw_fraction": frac}
+                ge.log(f"{key} fp8 {name}: {ms * 1e3:.1f} us ({res[f'fp8_{name}']['bw_fraction']:.0%}), diff {err:.1e}")
             del f8, fs
         except Exception as exc:
             ge.log(f"{key} fp8: {type(exc).__name__}: {str(exc)[:300]}")

@@ -35,12 +35,18 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # tensor-core operand layout with two words per conversion (no repacking moves, no shared-memory round trip for K):
 # 38.7 -> 37.0 warp instructions per key (SASS); on an H200 0-2.5% faster per layer at batch 64/128 x context 2k/8k
 # and 4% of the kernel's time in an engine step (2026-12-01, bench/kv_formats.py; docs/benchmarks.md).
-# split_mult 5 (about one wave of resident programs: ~5 per SM at this kernel's occupancy): the split sweep of
-# bench/kv_formats.py --sweep on an H200 (2026-12-01) at ctx 2k / 8k: batch 64 gets 2 splits, 123 / 416 us (3: 119 /
-# 405), against 138 / 521 with the 1 split of split_mult 2; batch 128 keeps 1 split (214 / 808 us, its best).
+# v_planes (k_planes kernel only): PV over V's byte planes too (`_plane_pv`): V converts straight into the operand
+# layout and P never leaves the warp's registers. Each dot's output is then [16, D/8] wide, so it pays only with one
+# warp per program (more warps would compute the same small tiles again): num_warps 1, 32-key blocks, 3 stages. On
+# an H200 (2026-12-01, ninth session, bench/kv_formats.py --sweep over planes x splits x block x stages x warps):
+# batch 128 at context 2k 169 us per layer (80% of copy bandwidth) against 221 us (59%) for the previous default
+# (4 warps, 128-key blocks, V through shared memory); context 8k 622 us (87%) against 802; one warp without V planes:
+# 182 us. SASS: 30.5 warp instructions per (key, KV head) against 35.9, no barriers in the loop.
+# split_mult 5 (about one wave of resident programs): batch 64 gets 2 splits, batch 128 one (the sweep's best for
+# both at context 2k with one-warp programs).
 DEFAULT_CONFIG = dict(
-    block_n=128,
-    num_warps=4,
+    block_n=32,
+    num_warps=1,
     num_stages=3,
     split_mult=5,
     scale_expand=False,
@@ -48,7 +54,7 @@ DEFAULT_CONFIG = dict(
     byte_convert=True,
     word_loads=True,
     k_planes=True,
-    v_planes=False,
+    v_planes=True,
 )
 DENSE_CONFIG = dict(
     block_n=64,

@@ -170,12 +170,12 @@ def test_s8_to_f16_exact():
 
 @pytest.mark.parametrize(
     "variant",
-    ["tile", "expand", "fold", "fold-pdl", "fold-cvt", "fold-words", "fold-planes", "fold-vplanes", "fold-vplanes-w1"],
+    ["tile", "expand", "fold", "fold-pdl", "fold-cvt", "fold-words", "fold-planes", "fold-vplanes", "fold-vplanes-w4"],
 )
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 def test_int8_decode_attention_vs_fp32(asym, splits, variant):
-    from pdserve.engine.kernels.int8_decode_attention import int8_paged_decode
+    from pdserve.engine.kernels.int8_decode_attention import DEFAULT_CONFIG, int8_paged_decode
 
     g = torch.Generator(device=DEV).manual_seed(splits + 10 * asym)
     P, ps, KVH, D, HQ, B, W = 256, 16, 8, 128, 32, 5, 40
@@ -199,10 +199,11 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
         scale_expand=variant == "expand",
         fold_scales=variant.startswith("fold"),  # sym only: asym falls back to the tile kernel
         byte_convert=variant != "fold-cvt",  # fold kernel: int8 -> fp16 by byte permutes, or by conversions
-        word_loads=variant.startswith(("fold-words", "fold-planes", "fold-vplanes")),  # tiles read as int32 words
-        k_planes=variant.startswith(("fold-planes", "fold-vplanes")),  # K as byte planes, in the dot operand layout
-        v_planes=variant.startswith("fold-vplanes"),  # ... and V
-        num_warps=1 if variant.endswith("-w1") else 4,
+        # fold-pdl: the default config (words, K and V as byte planes, one warp) with PDL
+        word_loads=variant.startswith(("fold-words", "fold-planes", "fold-vplanes", "fold-pdl")),  # int32 words
+        k_planes=variant.startswith(("fold-planes", "fold-vplanes", "fold-pdl")),  # K as byte planes
+        v_planes=variant.startswith(("fold-vplanes", "fold-pdl")),  # ... and V
+        num_warps=4 if variant.endswith("-w4") else DEFAULT_CONFIG["num_warps"],  # the default: one warp
         pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV),
     )
     assert out.isfinite().all()
