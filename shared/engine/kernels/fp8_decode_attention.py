@@ -26,8 +26,10 @@ from pdserve.engine.kernels.int8_decode_attention import (
     _store_split_stats,
 )
 
-# block_n / num_warps / num_stages / split_mult: the int8 kernel's defaults, not yet swept for fp8 on the H200
-FP8_CONFIG = dict(block_n=128, num_warps=4, num_stages=2, split_mult=2)
+# One warp per program, 32-key blocks, 3 stages (as the int8 kernel's default): on an H200 (2026-12-01,
+# bench/kv_formats.py) b128 273 us per layer at context 2k (48% of copy bandwidth) and 1042 us at 8k, against 294 /
+# 1152 us with the earlier 4 warps / 128-key blocks / 2 stages; b64 about the same (148 / 150 us).
+FP8_CONFIG = dict(block_n=32, num_warps=1, num_stages=3, split_mult=2)
 
 
 @triton.jit
