@@ -37,6 +37,7 @@ PS, KVH, D, HQ = 16, 8, 128, 32
 # tl.join (no planes), K read as bytes (`word_loads` off).
 INT8_VARIANTS: dict[str, dict] = {
     "default": {},
+    "pdl": dict(pdl=True),  # as the engine launches it (programmatic dependent launch)
     "w4_vsmem": dict(v_planes=False, num_warps=4, block_n=128, num_stages=3),
     "w1_vsmem": dict(v_planes=False),
     "words_join": dict(k_planes=False, v_planes=False),
