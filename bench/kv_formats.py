@@ -38,7 +38,6 @@ PS, KVH, D, HQ = 16, 8, 128, 32
 INT8_VARIANTS: dict[str, dict] = {
     "default": {},
     "pdl": dict(pdl=True),  # as the engine launches it (programmatic dependent launch)
-    "rotate": dict(rotate=True),  # each program starts at its own block of the sequence
     "w4_vsmem": dict(v_planes=False, num_warps=4, block_n=128, num_stages=3),
     "w1_vsmem": dict(v_planes=False),
     "words_join": dict(k_planes=False, v_planes=False),
@@ -90,7 +89,7 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
             del res[name]["fn"]
         # The engine's pages: each sequence's in order, one after the other (the shuffled table above spreads them)
         seq_table = torch.arange(B * W, device=DEV, dtype=torch.int32).view(B, W)
-        for name in ("default", "rotate", "w4_vsmem"):
+        for name in ("default", "w4_vsmem"):
             c = variants[name]
             hp_ms = ge.graph_ms(
                 lambda c=c: kd.int8_paged_decode(
@@ -99,7 +98,7 @@ def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
             )
             res[f"{name}_seq_pages"] = {"ms": hp_ms}
         ge.log(f"{key} in-order pages: " + ", ".join(f"{n} {res[f'{n}_seq_pages']['ms'] * 1e3:.1f} us" for n in (
-            "default", "rotate", "w4_vsmem")))  # fmt: skip
+            "default", "w4_vsmem")))  # fmt: skip
         try:  # the fp8 pool (one scale per token and KV head) through its own kernel
             from pdserve.engine.kernels.fp8_decode_attention import fp8_paged_decode
 

@@ -55,7 +55,6 @@ DEFAULT_CONFIG = dict(
     word_loads=True,
     k_planes=True,
     v_planes=True,
-    rotate=False,
 )
 DENSE_CONFIG = dict(
     block_n=64,
@@ -68,7 +67,6 @@ DENSE_CONFIG = dict(
     word_loads=False,
     k_planes=False,
     v_planes=False,
-    rotate=False,
 )
 
 
@@ -431,7 +429,6 @@ def _decode_kernel_fold2(
     KPLANES: tl.constexpr = False,
     VPLANES: tl.constexpr = False,
     ASM: tl.constexpr = True,
-    ROTATE: tl.constexpr = False,
 ):
     """`_decode_kernel` for a symmetric int8 pool with two scale groups per head (group = head_dim / 2, the
     default 64 at head_dim 128), scales folded out of the tiles: each half of K and V is read as its own
@@ -479,14 +476,7 @@ def _decode_kernel_fold2(
         acc0 = tl.zeros([QP, H], tl.float32)
         acc1 = tl.zeros([QP, H], tl.float32)
     tab = table_ptr + b.to(tl.int64) * table_stride
-    nblk = tl.cdiv(end - start, BLOCK)
-    rot = 0
-    if ROTATE:  # programs that run together start at different blocks of their sequences (online softmax: any order)
-        rot = ((b * KVH + kh) * 37 + sp * 11) % tl.maximum(nblk, 1)
-    for i in range(0, nblk):
-        j = i + rot
-        j = tl.where(j >= nblk, j - nblk, j)
-        n0 = start + j * BLOCK
+    for n0 in range(start, end, BLOCK):
         row, ok = _pool_rows(tab, n0, end, kh, KVH, PS, BLOCK)  # [BLOCK] pool rows
         kv_off = row[:, None] * D + c[None, :]  # [BLOCK, H]
         if WORDS:  # k_ptr/v_ptr: the pool as int32 words [rows, D/4]
@@ -600,7 +590,6 @@ def int8_paged_decode(
     word_loads: bool = bool(DEFAULT_CONFIG["word_loads"]),
     k_planes: bool = bool(DEFAULT_CONFIG["k_planes"]),
     v_planes: bool = bool(DEFAULT_CONFIG["v_planes"]),
-    rotate: bool = bool(DEFAULT_CONFIG["rotate"]),
     pdl: bool = False,
     inline_ptx: bool = True,
 ) -> torch.Tensor:
@@ -661,7 +650,6 @@ def int8_paged_decode(
             KPLANES=kplanes,
             VPLANES=kplanes and v_planes,  # planes of D/8 >= 16 columns (a dot's N)
             ASM=inline_ptx or not kplanes,  # the shift path exists for the plane kernels only
-            ROTATE=rotate,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,
