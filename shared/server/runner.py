@@ -64,8 +64,6 @@ def run_service(
     `cfg.control_threads`. Drain: deregister, NOT_SERVING, refuse new calls, let streams run up to
     `cfg.drain_grace_s`, end the rest with UNAVAILABLE."""
     shutdown = Shutdown.install(name)
-    switch_s = cfg.apply_gil_switch()
-    log.info("%s: GIL switch interval %.2f ms", name, switch_s * 1e3)
     security = ServiceSecurity.of(cfg)
     security.check_port(name, cfg.host, internal=public is None)
     telemetry = Telemetry(name)

@@ -28,11 +28,6 @@ class ServerOptions:
     drain_grace_s: float = opt(
         15.0, "on SIGTERM: how long in-flight streams may run on; then they end with UNAVAILABLE (shutting down)"
     )
-    gil_switch_ms: float = opt(
-        0.0,
-        "how long a Python thread may hold the GIL while another waits for it, ms (sys.setswitchinterval; 0 = "
-        "Python's 5 ms): bounds the wait of a gRPC hop or a KV batch behind a busy engine thread",
-    )
     # security (docs/security.md)
     tls_cert: str = opt("", "PEM certificate (chain) this service presents; TLS on when set ($PDSERVE_TLS_CERT)")
     tls_key: str = opt("", "PEM private key of --tls-cert ($PDSERVE_TLS_KEY)")
@@ -68,17 +63,7 @@ class ServerOptions:
             problems.append("--max-streams must be >= 0 and --control-threads >= 1")
         if not self.max_receive_mb > 0 or self.drain_grace_s < 0:
             problems.append("--max-receive-mb must be > 0 and --drain-grace-s >= 0")
-        if not 0 <= self.gil_switch_ms <= 100:
-            problems.append("--gil-switch-ms must be in [0, 100] (0: Python's default)")
         return problems
-
-    def apply_gil_switch(self) -> float:
-        """Set this process's GIL switch interval from `gil_switch_ms` (0: leave Python's); returns it in seconds."""
-        import sys
-
-        if self.gil_switch_ms > 0:
-            sys.setswitchinterval(self.gil_switch_ms / 1e3)
-        return sys.getswitchinterval()
 
 
 @dataclass
