@@ -274,15 +274,17 @@ def _usable(t: torch.Tensor) -> torch.Tensor:
     return torch.ones((), dtype=torch.bool, device=t.device)
 
 
-def _all_usable(tensors: list[torch.Tensor]) -> bool:
+def _all_usable(tensors: list[torch.Tensor], complete: bool = False) -> bool:
     """Whether every tensor passes `_usable`: one reduction each and one host sync in all; on CUDA on a side stream
-    (waiting here never waits for the engine stream's later steps)."""
+    (waiting here never waits for the engine stream's later steps). `complete`: no stream has work pending on the
+    tensors, so the side stream need not wait for the work queued on the current one (an engine step in flight)."""
     if not tensors:
         return True
     if tensors[0].device.type != "cuda":
         return all(bool(_usable(t)) for t in tensors)
     side = torch.cuda.Stream(device=tensors[0].device)
-    side.wait_stream(torch.cuda.current_stream(tensors[0].device))
+    if not complete:
+        side.wait_stream(torch.cuda.current_stream(tensors[0].device))
     with torch.cuda.stream(side):
         return bool(torch.stack([_usable(t) for t in tensors]).all().item())
 
@@ -294,11 +296,14 @@ def check_scales(scales: torch.Tensor | None, zeros: torch.Tensor | None) -> Non
             raise CorruptPage(f"KV page {name} contain NaN or infinity")
 
 
-def check_values(data: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None) -> None:
+def check_values(
+    data: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None, *, complete: bool = False
+) -> None:
     """Raise CorruptPage unless attention can use the page(s): finite scales and zero points, no NaN / infinity in
     dense float data, no NaN encoding in fp8 data (int8 data: every value is a value). One pass and one sync when
-    all is well; only a failure looks again to name the culprit."""
-    if _all_usable([t for t in (data, scales, zeros) if t is not None and t.numel()]):
+    all is well; only a failure looks again to name the culprit. `complete` (CUDA): the tensors have no pending
+    work on any stream (a receiver's synchronized copy), so the check does not wait behind the engine's step."""
+    if _all_usable([t for t in (data, scales, zeros) if t is not None and t.numel()], complete):
         return
     check_scales(scales, zeros)
     if data.dtype == torch.float8_e4m3fn:

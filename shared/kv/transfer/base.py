@@ -208,7 +208,9 @@ class KVReceiver(ABC):
         def complete() -> None:
             try:
                 rows = self._fetch(header, source)
-                check_values(*self.fmt.unpack(rows))  # NaN / inf pass a checksum: CorruptPage (DATA_LOSS)
+                # NaN / inf pass a checksum: CorruptPage (DATA_LOSS). `_fetch` returned the rows complete, so the
+                # check does not queue behind the decode step in flight on the engine's stream.
+                check_values(*self.fmt.unpack(rows), complete=True)
                 self.clock.end(span)
                 if earlier is not None:
                     earlier.result()  # submitted (so started) before this one: in order, and its error is ours
