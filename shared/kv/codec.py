@@ -289,10 +289,11 @@ def _all_usable(tensors: list[torch.Tensor], complete: bool = False) -> bool:
         return bool(torch.stack([_usable(t) for t in tensors]).all().item())
 
 
-def check_scales(scales: torch.Tensor | None, zeros: torch.Tensor | None) -> None:
-    """Raise CorruptPage unless every scale and zero point (float16, any shape, any device) is finite."""
+def check_scales(scales: torch.Tensor | None, zeros: torch.Tensor | None, *, complete: bool = False) -> None:
+    """Raise CorruptPage unless every scale and zero point (float16, any shape, any device) is finite (`complete`:
+    as for `check_values`)."""
     for name, t in (("scales", scales), ("zero points", zeros)):
-        if t is not None and t.numel() and not _all_usable([t]):
+        if t is not None and t.numel() and not _all_usable([t], complete):
             raise CorruptPage(f"KV page {name} contain NaN or infinity")
 
 
@@ -305,7 +306,7 @@ def check_values(
     work on any stream (a receiver's synchronized copy), so the check does not wait behind the engine's step."""
     if _all_usable([t for t in (data, scales, zeros) if t is not None and t.numel()], complete):
         return
-    check_scales(scales, zeros)
+    check_scales(scales, zeros, complete=complete)
     if data.dtype == torch.float8_e4m3fn:
         raise CorruptPage("KV page data contain fp8 NaN encodings")
     raise CorruptPage("KV page data contain NaN or infinity")
