@@ -24,12 +24,15 @@ def _busy_current_stream() -> torch.cuda.Event:
 def test_complete_rows_do_not_wait_for_the_current_stream():
     data = torch.randint(-127, 128, (64, 1024), dtype=torch.int8, device=DEV)
     scales = torch.rand(64, 16, dtype=torch.float16, device=DEV)
+    bad = scales.clone()
+    bad[3, 4] = float("nan")
+    check_values(data, scales, None, complete=True)  # first use: lazy module loading synchronizes the context
+    with pytest.raises(CorruptPage):
+        check_values(data, bad, None, complete=True)
     torch.cuda.synchronize()
     busy = _busy_current_stream()
     check_values(data, scales, None, complete=True)
     assert not busy.query(), "the check waited for the work on the current stream"
-    bad = scales.clone()
-    bad[3, 4] = float("nan")
     torch.cuda.synchronize()
     busy = _busy_current_stream()
     with pytest.raises(CorruptPage):
