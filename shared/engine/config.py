@@ -43,6 +43,10 @@ class EngineConfig:
     # CUDA, a row-independent Triton GEMM and every attention row through the Triton decode kernel with fixed
     # splits (KernelChoice.invariant_gemm, RowwiseTritonBackend)
     batch_invariant: bool = False
+    # greedy decode steps launched one ahead: the next step of an unchanged batch starts on the device (its inputs
+    # are the previous step's tokens, still there) before the host processes the previous step's tokens
+    # (LLMEngine.step); off by default until measured on a GPU
+    overlap_decode: bool = False
 
     def validate(self) -> None:
         if self.page_size <= 0:

@@ -111,6 +111,8 @@ class DecodeGraphRunner:
         self._replayed = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self._argmax: dict[int, torch.Tensor] = {}  # [bs] int64 on the device: each replay's argmax (graph memory)
+        self._last_bs = 0  # the batch size of the last replay
 
     def _meta(self, bs: int) -> StaticDecodeMeta:
         mb = self.max_batch
@@ -130,6 +132,7 @@ class DecodeGraphRunner:
 
         self.graphs.clear()
         self.logits.clear()
+        self._argmax.clear()
         torch.cuda.empty_cache()
         dtype_size = torch.empty((), dtype=self.cache.dtype).element_size()
         scratch = scratch_bytes_per_row(self.cache, self.model.kernels, self.width, self.page_size, dtype_size)
@@ -154,7 +157,8 @@ class DecodeGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.logits[bs] = self._forward(bs)
-                    self._greedy_host[:bs].copy_(argmax_rows(self.logits[bs]), non_blocking=True)
+                    self._argmax[bs] = argmax_rows(self.logits[bs])
+                    self._greedy_host[:bs].copy_(self._argmax[bs], non_blocking=True)
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -174,15 +178,21 @@ class DecodeGraphRunner:
     def can_run(self, batch_size: int, max_kv_len: int) -> bool:
         return bool(self.graphs) and batch_size <= self.sizes[-1] and max_kv_len <= self.max_context
 
-    def run(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, input_ids: list[int] | None, positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
         """One decode step: token ids, their positions, and each sequence's page table -> logits [B, V] float32
-        (a view of the graph's output buffer, valid until the next run)."""
+        (a view of the graph's output buffer, valid until the next run). `input_ids` None: row i's input is row i's
+        argmax of the previous run, taken on the device (a chained step of the same sequences in the same order,
+        launched before the host has read that argmax)."""
         self._copied.synchronize()
-        b = len(input_ids)
+        b = len(positions)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        chained = input_ids is None
+        if chained and bs != self._last_bs:
+            raise ValueError(f"a chained decode step needs the previous step's batch size {self._last_bs}, got {bs}")
         ps = self.page_size
         vec, table = self._nvec, self._ntable
-        vec[0, :b] = input_ids
+        if not chained:
+            vec[0, :b] = input_ids
         vec[1, :b] = positions
         vec[2, :b] = [t[p // ps] * ps + p % ps for t, p in zip(page_tables, positions)]
         vec[3, :b] = vec[1, :b] + 1
@@ -199,11 +209,25 @@ class DecodeGraphRunner:
                 rows[i] = (t, len(t))
         # padded rows keep whatever table they had: every entry ever written is a valid page id
         n = 4 * self.max_batch + bs * self.width
-        self._dev[:n].copy_(self._host[:n], non_blocking=True)
+        if chained:  # every input but the ids from the host; the ids from the last replay's argmax (stream order)
+            self._dev[self.max_batch : n].copy_(self._host[self.max_batch : n], non_blocking=True)
+            self._dev[:b].copy_(self._argmax[bs][:b])
+        else:
+            self._dev[:n].copy_(self._host[:n], non_blocking=True)
         self._copied.record()  # the next run refills the pinned buffers only after these copies are done
         self.graphs[bs].replay()
         self._replayed.record()
+        self._last_bs = bs
         return self.logits[bs][:b]
+
+    def take_greedy(self, b: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The last run's argmax of its first `b` rows copied into a pinned buffer of the caller's own (the graph's
+        host buffer is overwritten by the next replay), and the event after which it is valid."""
+        host = torch.empty(b, dtype=torch.int64, pin_memory=True)
+        host.copy_(self._argmax[self._last_bs][:b], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
     def greedy_tokens(self, b: int) -> list[int]:
         """Argmax token of each of the last run's first `b` rows (waits for that step to finish)."""

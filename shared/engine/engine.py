@@ -18,7 +18,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, dtype_name, parse_dtype
 from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import DecodeLaunch, ModelRunner
 from pdserve.engine.page_table import PageAllocator
 from pdserve.engine.reasoning_budget import ReasoningBudget, ThinkTags
 from pdserve.engine.sampling import SamplingParams, TokenLogprob
@@ -70,6 +70,14 @@ def _kv_tokens(seq: Sequence) -> int:
     return seq.num_tokens - (seq.early_first_token is not None)
 
 
+@dataclass
+class _InflightDecode:
+    """A greedy decode step launched (overlap_decode) whose tokens the host has not processed yet."""
+
+    seqs: list[Sequence]
+    launch: DecodeLaunch
+
+
 class LLMEngine:
     """Sequences, the scheduler and page bookkeeping in integers; every tensor lives in `self.runner`."""
 
@@ -92,6 +100,7 @@ class LLMEngine:
         self._keep_upload: set[str] = set()
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
         self._arrival = itertools.count()
+        self._inflight: _InflightDecode | None = None  # overlap_decode: a launched decode step not processed yet
         self.last_step_scheduled = False  # whether the last step() ran a forward pass
         self.last_step_prefill_tokens = 0  # tokens the last step prefilled (0: a decode step or none)
         log.info(
@@ -328,7 +337,7 @@ class LLMEngine:
         return seq
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     def request_ids(self) -> list[str]:
         """Ids of live requests (queued, running, importing, or finished prefill-only holding pages)."""
@@ -532,18 +541,81 @@ class LLMEngine:
         return pending
 
     def step(self, return_logits: bool = False) -> list[StepOutput]:
-        """Run one prefill-chunk batch or one decode batch; return outputs (at most one per request)."""
+        """Run one prefill-chunk batch or one decode batch; return outputs (at most one per request).
+
+        overlap_decode: a greedy decode batch is launched and its tokens are processed by the next call, which
+        first launches the following step of the same batch (its inputs are the launched step's tokens, still on
+        the device) when nothing else waits to be scheduled: the host's per-token work runs beside the GPU's next
+        step. A sequence that finished meanwhile drops its row of that step (its KV write landed in its own pages,
+        freed after it in stream order)."""
         outputs: dict[str, StepOutput] = {}
         for o in self._pending:
             self._merge(outputs, o)
         self._pending = []
+        if self._inflight is not None:
+            done, self._inflight = self._inflight, None
+            self._inflight = self._chain(done)
+            for o in self._finish_decode(done):
+                self._merge(outputs, o)
+            self.last_step_scheduled, self.last_step_prefill_tokens = True, 0
+            return list(outputs.values())
         batch = self.scheduler.schedule()
         self.last_step_scheduled = batch is not None
         self.last_step_prefill_tokens = sum(batch.num_new_tokens) if batch is not None and batch.is_prefill else 0
-        if batch is not None:
+        if batch is not None and not return_logits and self._overlappable(batch):
+            positions = [s.num_computed_tokens for s in batch.seqs]
+            self._inflight = _InflightDecode(batch.seqs, self.runner.launch_decode(batch.seqs, positions, None))
+        elif batch is not None:
             for o in self._run(batch, return_logits):
                 self._merge(outputs, o)
         return list(outputs.values())
+
+    # ---- overlapped greedy decode (EngineConfig.overlap_decode) ---------------------------------------------
+    def _overlappable(self, batch: ScheduledBatch) -> bool:
+        """A decode batch whose every token is a plain greedy draw: no logprobs, forced tokens or reasoning budget
+        (those need the host between steps), and room for one more position in every sequence."""
+        if not self.cfg.overlap_decode or batch.is_prefill:
+            return False
+        limit = self.max_model_len - 2  # the chained step computes position num_computed_tokens + 1
+        for s in batch.seqs:
+            sp = s.sampling
+            if (
+                not sp.greedy
+                or sp.wants_logprobs
+                or s.forced_token_ids is not None
+                or s.reasoning is not None
+                or s.num_computed_tokens > limit
+            ):
+                return False
+        return self.runner.can_chain(len(batch.seqs), max(s.num_computed_tokens for s in batch.seqs) + 1)
+
+    def _chain(self, done: _InflightDecode) -> _InflightDecode | None:
+        """Launch the next step of `done`'s batch before its tokens are processed, if the scheduler would run
+        exactly that batch again: nothing to admit or prefill, no sequence gone, pages for one more token each."""
+        seqs = done.seqs
+        if self.scheduler.running != seqs or self.scheduler.has_schedulable_waiting():
+            return None
+        if not self._overlappable(ScheduledBatch(seqs, [1] * len(seqs), False)):
+            return None
+        need = [self.scheduler.pages_for(s, s.num_computed_tokens + 2) for s in seqs]
+        if sum(need) > self.allocator.num_free:
+            return None  # the next regular step preempts
+        for s, n in zip(seqs, need):
+            if n:
+                s.page_table.extend(self.allocator.allocate(n))
+        positions = [s.num_computed_tokens + 1 for s in seqs]
+        return _InflightDecode(seqs, self.runner.launch_decode(seqs, positions, done.launch))
+
+    def _finish_decode(self, done: _InflightDecode) -> list[StepOutput]:
+        """The tokens of a launched step, for the sequences still running (one that finished, was aborted or
+        released since the launch drops its row)."""
+        outputs = []
+        for seq, token in zip(done.seqs, done.launch.tokens()):
+            if self._seqs.get(seq.request_id) is not seq or seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += 1
+            outputs.append(self._postprocess_token(seq, token, False, None))
+        return outputs
 
     @staticmethod
     def _merge(outputs: dict[str, StepOutput], o: StepOutput) -> None:

@@ -46,6 +46,19 @@ log = logging.getLogger("pdserve.engine")
 PROMPT_LOGPROB_BLOCK = 256  # prompt rows per logits block (a [256, vocab] float32 at a time)
 
 
+class DecodeLaunch:
+    """A queued greedy decode step's tokens: `tokens()` waits for them."""
+
+    def __init__(self, greedy: torch.Tensor, done: torch.cuda.Event | None):
+        self._greedy = greedy  # [B] int64 (pinned host memory on CUDA)
+        self._done = done
+
+    def tokens(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._greedy.tolist()
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_config: ModelConfig):
         self.cfg = cfg
@@ -229,6 +242,30 @@ class ModelRunner:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
+
+    # ---- chained greedy decode (EngineConfig.overlap_decode) ------------------------------------------------
+    def can_chain(self, batch_size: int, max_position: int) -> bool:
+        """Whether a greedy decode step of `batch_size` rows up to position `max_position` can be launched before
+        the previous step's tokens reach the host: through the decode graphs on CUDA, eagerly elsewhere (CPU
+        computes the step at launch, so there is nothing to overlap there, only the same bookkeeping)."""
+        if self.device.type != "cuda":
+            return True
+        return self.graph_runner is not None and self.graph_runner.can_run(batch_size, max_position + 1)
+
+    def launch_decode(self, seqs: list[Sequence], positions: list[int], prev: DecodeLaunch | None) -> DecodeLaunch:
+        """Queue one greedy decode step: row i computes position positions[i] of seqs[i] (its pages allocated).
+        prev None: the inputs are the sequences' tokens at those positions; else the rows of `prev` (the same
+        sequences, in order) feed their sampled tokens, which the host has not read yet."""
+        if self.device.type == "cuda":
+            assert self.graph_runner is not None
+            ids = None if prev is not None else [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
+            self.graph_runner.run(ids, positions, [s.page_table for s in seqs])
+            host, done = self.graph_runner.take_greedy(len(seqs))
+            return DecodeLaunch(host, done)
+        ids = prev.tokens() if prev is not None else [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
+        meta = AttentionMetadata(positions, [1] * len(seqs), [s.page_table for s in seqs], self.page_size, self.device)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend)
+        return DecodeLaunch(self.model.compute_logits(hidden).argmax(dim=-1), None)
 
     # ---- one forward -------------------------------------------------------------------------------------
     def run(

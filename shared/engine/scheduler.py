@@ -74,9 +74,13 @@ class Scheduler:
     def _num_admitted(self) -> int:
         return len(self.running) + sum(1 for s in self.waiting if s.status == SequenceStatus.PREFILLING)
 
-    def _pages_for(self, seq: Sequence, num_tokens: int) -> int:
+    def pages_for(self, seq: Sequence, num_tokens: int) -> int:
         """Extra pages `seq` needs so that its first `num_tokens` tokens have slots."""
         return max(0, -(-num_tokens // self.page_size) - len(seq.page_table))
+
+    def has_schedulable_waiting(self) -> bool:
+        """Whether a waiting sequence could join the next step (to prefill or to decode): not one importing."""
+        return any(s.status in (SequenceStatus.WAITING, SequenceStatus.PREFILLING) for s in self.waiting)
 
     # ---- scheduling --------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -108,7 +112,7 @@ class Scheduler:
                 break
             if seq.status == SequenceStatus.WAITING:  # not started: admit it with all its pages, or stop (FIFO)
                 shared = self._reusable_prefix(seq)
-                need = self._pages_for(seq, seq.num_tokens) - len(shared)
+                need = self.pages_for(seq, seq.num_tokens) - len(shared)
                 free = self.allocator.num_free - self.allocator.num_evictable(shared)
                 if admitted >= self.max_num_seqs or need > free:
                     break
@@ -137,7 +141,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):  # oldest first; victims are taken from the end (newest)
             seq = self.running[i]
-            need = self._pages_for(seq, seq.num_computed_tokens + 1)
+            need = self.pages_for(seq, seq.num_computed_tokens + 1)
             while need > self.allocator.num_free and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
             if need > self.allocator.num_free:  # seq is the newest and still does not fit

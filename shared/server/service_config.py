@@ -101,6 +101,11 @@ class EngineOptions(ServerOptions):
         "fixed-size GEMM row blocks; CUDA: a row-independent Triton GEMM; both: row-wise prefill attention, prefill "
         "pool in the shipped KV format); slower (H200, int8, 8B: decode b64 1.19x, 2k prefill 3.6x)",
     )
+    overlap_decode: bool = opt(
+        False,
+        "greedy decode: launch the next step of an unchanged batch before processing this step's tokens (the host's "
+        "per-token work beside the GPU's next step); off until measured on a GPU",
+    )
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
     warmup: bool = opt(
         True,
@@ -137,6 +142,7 @@ class EngineOptions(ServerOptions):
             cuda_graph_max_context=self.cuda_graph_max_context,
             gpu_memory_utilization=self.gpu_memory_utilization,
             batch_invariant=self.batch_invariant,
+            overlap_decode=self.overlap_decode,
         )
 
     def default_max_streams(self) -> int:
