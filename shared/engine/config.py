@@ -45,8 +45,10 @@ class EngineConfig:
     batch_invariant: bool = False
     # greedy decode steps launched one ahead: the next step of an unchanged batch starts on the device (its inputs
     # are the previous step's tokens, still there) before the host processes the previous step's tokens
-    # (LLMEngine.step); off by default until measured on a GPU
-    overlap_decode: bool = False
+    # (LLMEngine.step). auto: on with the decode CUDA graphs (the host's per-token work hides behind the GPU's next
+    # step), off elsewhere (on CPU a launch computes at once, so chaining would only deliver each token a step
+    # later); on: wherever it can (CPU tests of the bookkeeping); off: never
+    overlap_decode: str = "auto"
 
     def validate(self) -> None:
         if self.page_size <= 0:
@@ -79,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto|fa3|sdpa, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.overlap_decode not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_decode must be auto|on|off, got {self.overlap_decode!r}")
 
     def gemv_projections(self) -> dict[str, dict | None] | str:
         """`gemv_plan` parsed: "default" | "cublas" | "triton", or a dict projection -> Triton GEMV config | None

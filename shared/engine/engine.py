@@ -101,6 +101,8 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
         self._arrival = itertools.count()
         self._inflight: _InflightDecode | None = None  # overlap_decode: a launched decode step not processed yet
+        mode = cfg.overlap_decode
+        self._overlap = mode == "on" or (mode == "auto" and self.runner.graph_runner is not None)
         self.last_step_scheduled = False  # whether the last step() ran a forward pass
         self.last_step_prefill_tokens = 0  # tokens the last step prefilled (0: a decode step or none)
         log.info(
@@ -574,7 +576,7 @@ class LLMEngine:
     def _overlappable(self, batch: ScheduledBatch) -> bool:
         """A decode batch whose every token is a plain greedy draw: no logprobs, forced tokens or reasoning budget
         (those need the host between steps), and room for one more position in every sequence."""
-        if not self.cfg.overlap_decode or batch.is_prefill:
+        if not self._overlap or batch.is_prefill:
             return False
         limit = self.max_model_len - 2  # the chained step computes position num_computed_tokens + 1
         for s in batch.seqs:

@@ -101,10 +101,11 @@ class EngineOptions(ServerOptions):
         "fixed-size GEMM row blocks; CUDA: a row-independent Triton GEMM; both: row-wise prefill attention, prefill "
         "pool in the shipped KV format); slower (H200, int8, 8B: decode b64 1.19x, 2k prefill 3.6x)",
     )
-    overlap_decode: bool = opt(
-        False,
-        "greedy decode: launch the next step of an unchanged batch before processing this step's tokens (the host's "
-        "per-token work beside the GPU's next step); off until measured on a GPU",
+    overlap_decode: str = opt(
+        "auto",
+        "auto|on|off: greedy decode launches the next step of an unchanged batch before processing this step's "
+        "tokens, so the host's per-token work runs beside the GPU's next step (auto: with the decode CUDA graphs; "
+        "H200, 8B shape, b128 ctx2k: 7.9 -> 6.1 ms per step at 16 layers)",
     )
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
     warmup: bool = opt(

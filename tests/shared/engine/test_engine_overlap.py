@@ -54,7 +54,7 @@ def test_same_outputs_as_the_plain_engine_and_steps_chain(make_engine):
     vocab = plain.model_config.vocab_size
     reqs = _requests(8, vocab)
     want = _run(plain, reqs)
-    eng = make_engine(overlap_decode=True)
+    eng = make_engine(overlap_decode="on")
     counts = _count_launches(eng)
     assert _run(eng, reqs) == want
     assert counts["chained"] > counts["plain"] > 0  # the steady decode batch chained most of its steps
@@ -79,7 +79,7 @@ def test_stop_conditions_one_step_late_drop_the_extra_row(make_engine):
         variants.append(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop_str]))
     reqs = [(f"s{i}", prompt, sp) for i, sp in enumerate(variants)]
     want = _run(make_engine(), reqs)
-    eng = make_engine(overlap_decode=True)
+    eng = make_engine(overlap_decode="on")
     assert _run(eng, reqs) == want
     assert want["s0"][2] == "stop" and want["s1"][2] == "length"
     assert eng.allocator.num_free == eng.allocator.num_pages
@@ -114,7 +114,7 @@ def test_requests_arriving_and_aborted_mid_decode(make_engine):
     reqs = [(rid, p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)) for rid, p, _ in reqs]
     full = _staggered(plain, reqs, {})
     aborts = {7: "r1", 13: "r3"}
-    eng = make_engine(overlap_decode=True)
+    eng = make_engine(overlap_decode="on")
     counts = _count_launches(eng)
     got = _staggered(eng, reqs, aborts)
     for rid in full:
@@ -144,7 +144,7 @@ def test_a_pool_too_small_to_chain_falls_back_to_regular_steps(make_engine):
         for i in range(4)
     ]
     want = _run(plain, reqs)
-    eng = make_engine(overlap_decode=True, **kw)
+    eng = make_engine(overlap_decode="on", **kw)
     assert _run(eng, reqs) == want
     assert eng.allocator.num_free == eng.allocator.num_pages
 
@@ -163,7 +163,7 @@ def test_batches_that_need_the_host_between_steps_do_not_chain(make_engine, sp):
     reqs = [("g", random_prompt(5, seed=1, vocab=vocab), SamplingParams(max_tokens=6, temperature=0.0))]
     reqs.append(("h", random_prompt(6, seed=2, vocab=vocab), dataclasses.replace(sp, max_tokens=9)))  # outlives g
     want = _run(make_engine(chunk_size=32), reqs)  # both prompts in one prefill step: they decode together
-    eng = make_engine(overlap_decode=True, chunk_size=32)
+    eng = make_engine(overlap_decode="on", chunk_size=32)
     counts = _count_launches(eng)
     assert _run(eng, reqs) == want
     assert counts == {"plain": 0, "chained": 0}
