@@ -236,10 +236,13 @@ def engine_steps(
     decode_config: str = "",
     batch_invariant: bool = False,
     prefill: bool = False,
+    overlap: str = "auto",
 ) -> dict:
     tag = kv + (f" {decode_config}" if decode_config else "") + (" batch-invariant" if batch_invariant else "")
+    tag += f" overlap {overlap}" if overlap != "auto" else ""
     kw: dict = dict(decode_kernel_config=decode_config) if decode_config else {}
-    e = ge.make_engine(model_dir, kv, num_pages=batch * (ctx // PS + 8) + 64, batch_invariant=batch_invariant, **kw)
+    pages = batch * (ctx // PS + 8) + 64
+    e = ge.make_engine(model_dir, kv, num_pages=pages, batch_invariant=batch_invariant, overlap_decode=overlap, **kw)
     prefill_ms = None
     if prefill:  # on the empty engine: a fresh 2k prompt to its first token, median of 3 after a warm-up
         g = torch.Generator().manual_seed(11)
@@ -257,6 +260,7 @@ def engine_steps(
         f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {sorted(steps)[2]:.2f}-{sorted(steps)[-3]:.2f}",
     )
     out = {"step_ms": t, "roofline_ms": roof, "ratio": t / roof, "kv_token_bytes": kv_token_bytes, "steps_ms": steps}
+    out["overlap_decode"] = e.overlap_decode  # greedy steps launched one ahead (EngineConfig.overlap_decode)
     if prefill_ms is not None:
         out["prefill_ms_2k"] = prefill_ms
     if profile:
@@ -354,6 +358,9 @@ def main() -> None:
         help="only: int8 engine rows with --batch-invariant off and on (b64, b128 decode steps; 2k prefill)",
     )
     ap.add_argument("--from-log", default="", help="no measuring: the speed keys from an earlier run's printed lines")
+    ap.add_argument(
+        "--overlap-rows", action="store_true", help="engine rows: each format again with --overlap-decode off"
+    )
     args = ap.parse_args()
     if args.from_log:
         keys_from_log(Path(args.from_log), Path(args.json))
@@ -384,6 +391,11 @@ def main() -> None:
         engine = {
             kv: engine_steps(Path(args.model_dir), kv, copy_bw, n_params * 2, profile=args.profile) for kv in formats
         }
+        if args.overlap_rows:  # the same formats without overlapped decode, same run
+            for kv in formats:
+                engine[f"{kv} overlap off"] = engine_steps(
+                    Path(args.model_dir), kv, copy_bw, n_params * 2, profile=args.profile, overlap="off"
+                )
         for cfg in filter(None, args.int8_configs.split(";")):
             engine[f"int8 {cfg}"] = engine_steps(
                 Path(args.model_dir), "int8", copy_bw, n_params * 2, profile=args.profile, decode_config=cfg

@@ -120,6 +120,11 @@ class LLMEngine:
         )
 
     @property
+    def overlap_decode(self) -> bool:
+        """Whether greedy decode steps are launched one ahead (EngineConfig.overlap_decode resolved)."""
+        return self._overlap
+
+    @property
     def kv_storage_dtype_name(self) -> str:
         """Name of the dense KV dtype (the model dtype): 'float32' | 'bfloat16' | 'float16'."""
         return dtype_name(self.runner.dtype)
