@@ -41,7 +41,7 @@ from pdserve.engine.kernels.kv_quant import dequantize_tile
 # an H200 (2026-12-01, ninth session, bench/kv_formats.py --sweep over planes x splits x block x stages x warps):
 # batch 128 at context 2k 169 us per layer (80% of copy bandwidth) against 221 us (59%) for the previous default
 # (4 warps, 128-key blocks, V through shared memory); context 8k 622 us (87%) against 802; one warp without V planes:
-# 182 us. SASS: 30.5 warp instructions per (key, KV head) against 35.9, no barriers in the loop.
+# 182 us. SASS: 31.0 warp instructions per (key, KV head) against 35.9, no barriers in the loop.
 # split_mult 5 (about one wave of resident programs): batch 64 gets 2 splits, batch 128 one (the sweep's best for
 # both at context 2k with one-warp programs).
 DEFAULT_CONFIG = dict(
