@@ -315,31 +315,11 @@ def _words_to_planes(w):
 
 
 @triton.jit
-def _shift_planes(w):
-    """Byte planes 0..3 of int32 words as fp16 (`_words_to_planes` with shifts and int -> float conversions: no inline
-    PTX, so Triton's interpreter runs it)."""
-    return (
-        ((w << 24) >> 24).to(tl.float16),
-        ((w << 16) >> 24).to(tl.float16),
-        ((w << 8) >> 24).to(tl.float16),
-        (w >> 24).to(tl.float16),
-    )
-
-
-@triton.jit
-def _planes(w, ASM: tl.constexpr):
-    """Byte planes 0..3 of int32 words [..] as fp16 [..] each: byte permutes (ASM) or shifts (interpreter)."""
-    if ASM:
-        return _words_to_planes(w)
-    return _shift_planes(w)
-
-
-@triton.jit
-def _plane_scores(q_a, q_b, q_c, q_d, wptrs, ok, ASM: tl.constexpr = True):
+def _plane_scores(q_a, q_b, q_c, q_d, wptrs, ok):
     """Scores [QP, BLOCK] of one half: q's byte-plane columns (q_r [QP, J] = q[:, 4j + r]) against the K words at
     `wptrs` [BLOCK, J], one K=J dot per plane; the conversion lands in the dot operand layout (no shared-memory
     round trip for K)."""
-    k_a, k_b, k_c, k_d = _planes(tl.load(wptrs, mask=ok[:, None], other=0), ASM)
+    k_a, k_b, k_c, k_d = _words_to_planes(tl.load(wptrs, mask=ok[:, None], other=0))
     s = tl.dot(q_a, tl.trans(k_a))
     s = tl.dot(q_b, tl.trans(k_b), s)
     s = tl.dot(q_c, tl.trans(k_c), s)
@@ -347,11 +327,11 @@ def _plane_scores(q_a, q_b, q_c, q_d, wptrs, ok, ASM: tl.constexpr = True):
 
 
 @triton.jit
-def _plane_pv(p, wptrs, ok, acc_a, acc_b, acc_c, acc_d, alpha, ASM: tl.constexpr):
+def _plane_pv(p, wptrs, ok, acc_a, acc_b, acc_c, acc_d, alpha):
     """P [QP, BLOCK] (fp16) times one half of V read as int32 words at `wptrs` [BLOCK, J], by byte planes: plane r
     [BLOCK, J] (column j = the half's column 4j + r) converts straight into the dot's operand layout (key pairs in
     one register, no shared-memory round trip for V); acc_r [QP, J] are the output columns 4j + r."""
-    v_a, v_b, v_c, v_d = _planes(tl.load(wptrs, mask=ok[:, None], other=0), ASM)
+    v_a, v_b, v_c, v_d = _words_to_planes(tl.load(wptrs, mask=ok[:, None], other=0))
     acc_a = tl.dot(p, v_a, acc_a * alpha[:, None])
     acc_b = tl.dot(p, v_b, acc_b * alpha[:, None])
     acc_c = tl.dot(p, v_c, acc_c * alpha[:, None])
@@ -428,7 +408,6 @@ def _decode_kernel_fold2(
     WORDS: tl.constexpr,
     KPLANES: tl.constexpr = False,
     VPLANES: tl.constexpr = False,
-    ASM: tl.constexpr = True,
 ):
     """`_decode_kernel` for a symmetric int8 pool with two scale groups per head (group = head_dim / 2, the
     default 64 at head_dim 128), scales folded out of the tiles: each half of K and V is read as its own
@@ -438,7 +417,7 @@ def _decode_kernel_fold2(
     KPLANES (with WORDS): QK^T as four dots per half over K's byte planes (`_plane_scores`) with q's columns
     permuted to match (a dot product does not depend on the order of its terms).
     VPLANES (with KPLANES): PV as four dots per half over V's byte planes (`_plane_pv`), the output columns
-    permuted back at the store. ASM false (KPLANES kernels only): conversions by shifts, for Triton's interpreter."""
+    permuted back at the store."""
     H: tl.constexpr = D // 2
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -483,8 +462,8 @@ def _decode_kernel_fold2(
             w_off = row[:, None] * (D // 4) + tl.arange(0, H // 4)[None, :]  # [BLOCK, H/4]
         ks0, ks1 = _load_scale_pair(ks_ptr, row, ok)  # [BLOCK] each
         if KPLANES:
-            s0 = _plane_scores(q0a, q0b, q0c, q0d, k_ptr + w_off, ok, ASM)  # [QP, BLOCK]
-            s1 = _plane_scores(q1a, q1b, q1c, q1d, k_ptr + w_off + H // 4, ok, ASM)
+            s0 = _plane_scores(q0a, q0b, q0c, q0d, k_ptr + w_off, ok)  # [QP, BLOCK]
+            s1 = _plane_scores(q1a, q1b, q1c, q1d, k_ptr + w_off + H // 4, ok)
             qk = s0 * ks0[None, :] + s1 * ks1[None, :]
         else:
             if WORDS:
@@ -499,8 +478,8 @@ def _decode_kernel_fold2(
         if VPLANES:
             p0 = (p * vs0[None, :]).to(tl.float16)
             p1 = (p * vs1[None, :]).to(tl.float16)
-            a0a, a0b, a0c, a0d = _plane_pv(p0, v_ptr + w_off, ok, a0a, a0b, a0c, a0d, alpha, ASM)
-            a1a, a1b, a1c, a1d = _plane_pv(p1, v_ptr + w_off + H // 4, ok, a1a, a1b, a1c, a1d, alpha, ASM)
+            a0a, a0b, a0c, a0d = _plane_pv(p0, v_ptr + w_off, ok, a0a, a0b, a0c, a0d, alpha)
+            a1a, a1b, a1c, a1d = _plane_pv(p1, v_ptr + w_off + H // 4, ok, a1a, a1b, a1c, a1d, alpha)
         else:
             if WORDS:
                 v0 = _load_words_f16(v_ptr + w_off, ok, BLOCK, H)
@@ -591,7 +570,6 @@ def int8_paged_decode(
     k_planes: bool = bool(DEFAULT_CONFIG["k_planes"]),
     v_planes: bool = bool(DEFAULT_CONFIG["v_planes"]),
     pdl: bool = False,
-    inline_ptx: bool = True,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
     [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
@@ -649,7 +627,6 @@ def int8_paged_decode(
             WORDS=words,
             KPLANES=kplanes,
             VPLANES=kplanes and v_planes,  # planes of D/8 >= 16 columns (a dot's N)
-            ASM=inline_ptx or not kplanes,  # the shift path exists for the plane kernels only
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,
