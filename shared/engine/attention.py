@@ -281,6 +281,7 @@ class FA3Backend:
             word_loads=cfg.get("word_loads", False),
             k_planes=cfg.get("k_planes", False),
             v_planes=cfg.get("v_planes", False),
+            lean_loop=cfg.get("lean_loop", False),
             pdl=kc.pdl,
         )
         if not cache.quantized:

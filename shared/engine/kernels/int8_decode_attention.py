@@ -55,6 +55,7 @@ DEFAULT_CONFIG = dict(
     word_loads=True,
     k_planes=True,
     v_planes=True,
+    lean_loop=False,
 )
 DENSE_CONFIG = dict(
     block_n=64,
@@ -67,6 +68,7 @@ DENSE_CONFIG = dict(
     word_loads=False,
     k_planes=False,
     v_planes=False,
+    lean_loop=False,
 )
 
 
@@ -284,15 +286,14 @@ def _load_words_f16(wptrs, ok, BLOCK: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _words_to_planes(w):
-    """int32 words [.., N] (four int8 each) -> byte planes 0..3 as fp16 [.., N] (plane r: byte r of each word),
-    exactly; two words per asm instance so that each output register holds one plane's pair of neighbouring words
-    (the tensor-core operand layout wants plane-major pairs, no repacking)."""
+def _words_to_offset_planes(w):
+    """int32 words [.., N] (four int8 each) -> byte planes 0..3 as fp16 [.., N] (plane r: byte r of each word) holding
+    1152 + byte, exactly (xor and byte permutes only); two words per asm instance so that each output register holds
+    one plane's pair of neighbouring words (the tensor-core operand layout wants plane-major pairs, no repacking)."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 x0, x1, t01, t23, hi, off;
+        .reg .b32 x0, x1, t01, t23, hi;
         mov.b32 hi, 0x64646464;
-        mov.b32 off, 0x64806480;
         xor.b32 x0, $4, 0x80808080;
         xor.b32 x1, $5, 0x80808080;
         prmt.b32 t01, x0, x1, 0x5140;
@@ -301,10 +302,6 @@ def _words_to_planes(w):
         prmt.b32 $1, t01, hi, 0x4342;
         prmt.b32 $2, t23, hi, 0x4140;
         prmt.b32 $3, t23, hi, 0x4342;
-        sub.f16x2 $0, $0, off;
-        sub.f16x2 $1, $1, off;
-        sub.f16x2 $2, $2, off;
-        sub.f16x2 $3, $3, off;
         }""",
         constraints="=r,=r,=r,=r,r,r",
         args=[w],
@@ -312,6 +309,14 @@ def _words_to_planes(w):
         is_pure=True,
         pack=2,
     )
+
+
+@triton.jit
+def _words_to_planes(w):
+    """int32 words [.., N] -> byte planes 0..3 as fp16 [.., N] holding the bytes' values (`_words_to_offset_planes`
+    less 1152, exact in fp16)."""
+    a, b, c, d = _words_to_offset_planes(w)
+    return a - 1152.0, b - 1152.0, c - 1152.0, d - 1152.0
 
 
 @triton.jit
@@ -346,6 +351,27 @@ def _store_planes(ptrs, acc_a, acc_b, acc_c, acc_d, mask):
     tl.store(ptrs + 1, acc_b.to(ptrs.dtype.element_ty), mask=mask)
     tl.store(ptrs + 2, acc_c.to(ptrs.dtype.element_ty), mask=mask)
     tl.store(ptrs + 3, acc_d.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_plane_output(
+    out_ptr, out_sb, out_sh, po_ptr, pml_ptr, b, heads, qmask, sp, num_splits, m, l,
+    a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, HQ: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
+):  # fmt: skip
+    """The plane accumulators [QP, D/8] of both halves (columns 4j + r) to the output rows of query heads `heads`
+    (DIRECT: normalized by l), or to split `sp`'s partial rows and statistics for `_combine_kernel`."""
+    H: tl.constexpr = D // 2
+    jw4 = 4 * tl.arange(0, H // 4)[None, :]  # [1, H/4]
+    if DIRECT:
+        inv = 1.0 / l[:, None]
+        o4 = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + jw4
+        _store_planes(o4, a0a * inv, a0b * inv, a0c * inv, a0d * inv, qmask[:, None])
+        _store_planes(o4 + H, a1a * inv, a1b * inv, a1c * inv, a1d * inv, qmask[:, None])
+    else:
+        part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, HQ, m, l, qmask)  # [QP]
+        p4 = po_ptr + part[:, None] * D + jw4
+        _store_planes(p4, a0a, a0b, a0c, a0d, qmask[:, None])
+        _store_planes(p4 + H, a1a, a1b, a1c, a1d, qmask[:, None])
 
 
 @triton.jit
@@ -489,17 +515,10 @@ def _decode_kernel_fold2(
             acc0 = acc0 * alpha[:, None] + tl.dot((p * vs0[None, :]).to(dt), v0)
             acc1 = acc1 * alpha[:, None] + tl.dot((p * vs1[None, :]).to(dt), v1)
     if VPLANES:  # columns 4j + r of each half, from its plane accumulators
-        jw4 = 4 * tl.arange(0, H // 4)[None, :]  # [1, H/4]
-        if DIRECT:
-            inv = 1.0 / l[:, None]
-            o4 = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + jw4
-            _store_planes(o4, a0a * inv, a0b * inv, a0c * inv, a0d * inv, qmask[:, None])
-            _store_planes(o4 + H, a1a * inv, a1b * inv, a1c * inv, a1d * inv, qmask[:, None])
-        else:
-            part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, qmask)  # [QP]
-            p4 = po_ptr + part[:, None] * D + jw4
-            _store_planes(p4, a0a, a0b, a0c, a0d, qmask[:, None])
-            _store_planes(p4 + H, a1a, a1b, a1c, a1d, qmask[:, None])
+        _store_plane_output(
+            out_ptr, out_sb, out_sh, po_ptr, pml_ptr, b, heads, qmask, sp, num_splits, m, l,
+            a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, KVH * QPK, D, DIRECT,
+        )  # fmt: skip
     elif DIRECT:
         orow = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + c[None, :]
         tl.store(orow, (acc0 / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
@@ -569,6 +588,7 @@ def int8_paged_decode(
     word_loads: bool = bool(DEFAULT_CONFIG["word_loads"]),
     k_planes: bool = bool(DEFAULT_CONFIG["k_planes"]),
     v_planes: bool = bool(DEFAULT_CONFIG["v_planes"]),
+    lean_loop: bool = bool(DEFAULT_CONFIG["lean_loop"]),
     pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
@@ -597,7 +617,14 @@ def int8_paged_decode(
     if fold_scales and not dense and not asym and g == 2:
         words = word_loads and d % 8 == 0
         kplanes = words and k_planes and d >= 128  # planes of D/8 >= 16 columns (a dot's K)
-        _decode_kernel_fold2[(b, kvh, num_splits)](
+        if kplanes and v_planes and lean_loop:
+            from pdserve.engine.kernels.int8_planes_decode import _planes_decode_kernel
+
+            kernel, extra = _planes_decode_kernel, {}
+        else:
+            kernel = _decode_kernel_fold2
+            extra = dict(BYTES=byte_convert, WORDS=words, KPLANES=kplanes, VPLANES=kplanes and v_planes)
+        kernel[(b, kvh, num_splits)](
             q,
             q.stride(0),
             q.stride(1),
@@ -623,10 +650,7 @@ def int8_paged_decode(
             DIRECT=direct,
             BLOCK=block_n,
             USE_PDL=pdl,
-            BYTES=byte_convert,
-            WORDS=words,
-            KPLANES=kplanes,
-            VPLANES=kplanes and v_planes,  # planes of D/8 >= 16 columns (a dot's N)
+            **extra,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,

@@ -170,7 +170,19 @@ def test_s8_to_f16_exact():
 
 @pytest.mark.parametrize(
     "variant",
-    ["tile", "expand", "fold", "fold-pdl", "fold-cvt", "fold-words", "fold-planes", "fold-vplanes", "fold-vplanes-w4"],
+    [
+        "tile",
+        "expand",
+        "fold",
+        "fold-pdl",
+        "fold-cvt",
+        "fold-words",
+        "fold-planes",
+        "fold-vplanes",
+        "fold-vplanes-w4",
+        "fold-vplanes-lean",
+        "fold-vplanes-lean-pdl",
+    ],
 )
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 16])
@@ -204,10 +216,49 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
         k_planes=variant.startswith(("fold-planes", "fold-vplanes", "fold-pdl")),  # K as byte planes
         v_planes=variant.startswith(("fold-vplanes", "fold-pdl")),  # ... and V
         num_warps=4 if variant.endswith("-w4") else DEFAULT_CONFIG["num_warps"],  # the default: one warp
-        pdl=variant == "fold-pdl" and kernels.pdl_supported(DEV),
+        lean_loop="-lean" in variant,  # offsets folded out, lazy rescaling, masks on the last block only
+        pdl=variant.endswith("pdl") and kernels.pdl_supported(DEV),
     )
     assert out.isfinite().all()
     assert rel(out, ref_paged_decode(q, kv, table, lens, ps, D**-0.5)) < 1e-2
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("data", ["rising", "rising-large-v", "normal"])
+def test_int8_lean_loop_equals_planes_kernel(splits, data):
+    """The lean loop (int8_planes_decode) against the byte-planes kernel it replaces, on data that moves the running
+    max many times (scores rising along the sequence: lazy rescales taken), the same with V large enough that fp16
+    P * v_scale overflows unless the max follows the scores, and plain data; lengths 1, a page, block edges, long."""
+    from pdserve.engine.kernels.int8_decode_attention import int8_paged_decode
+
+    g = torch.Generator(device=DEV).manual_seed(7 + splits)
+    ps, KVH, D, HQ, W = 16, 8, 128, 32, 128
+    lens = torch.tensor([1, 16, 31, 32, 33, 64, 1000, 2047], device=DEV, dtype=torch.int32)
+    B = len(lens)
+    P = B * W
+    k = torch.randn(P, ps, KVH, D, device=DEV, generator=g)
+    v = torch.randn(P, ps, KVH, D, device=DEV, generator=g)
+    q = torch.randn(B, HQ, D, device=DEV, generator=g)
+    table = torch.randperm(P, device=DEV, generator=g).view(B, W).int()
+    if data.startswith("rising"):  # the score of position t grows ~0.8 log2 units per 32-key block: many rescales
+        rows = (table.long()[:, :, None] * ps + torch.arange(ps, device=DEV)).view(B, W * ps)  # pool row of each t
+        pos = torch.zeros(P * ps, device=DEV)
+        pos[rows] = torch.arange(W * ps, device=DEV, dtype=torch.float32).expand(B, -1)
+        u = torch.randn(D, device=DEV, generator=g)
+        u = u / u.norm()
+        q = 4 * u + 0.1 * q
+        k = 0.1 * k + (0.05 * pos).view(P, ps, 1, 1) * u
+    if data.endswith("large-v"):
+        v = v * 3000.0  # scales ~100: fp16 P * scale stays finite only within the lazy bound
+    q8, s, _ = Q.quantize(torch.stack([k, v]), 64, False)
+    q = q.bfloat16()
+    kw = dict(fold_scales=True, byte_convert=True, word_loads=True, k_planes=True, v_planes=True)
+    ref = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, **kw)
+    out = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, lean_loop=True, **kw)
+    assert out.isfinite().all()
+    assert rel(out, ref) < 5e-3  # both round P to fp16 and the output to bf16, at different running maxima
+    kvf = Q.dequantize(q8, s, None, 64, torch.float32).view(2, P * ps, KVH, D)
+    assert rel(out, ref_paged_decode(q, kvf, table, lens, ps, D**-0.5)) < 1e-2
 
 
 def test_rmsnorm_silu_vs_fp32():

@@ -1,0 +1,186 @@
+"""The int8 decode loop with fewer instructions per key (`lean_loop` in int8_decode_attention's configs).
+
+Same launch shape, pool and results as `_decode_kernel_fold2` with K and V read as byte planes (one warp per
+(sequence, KV head, split), two fp16 scale groups per head), but the loop drops three kinds of work. In a decode
+step the GPU runs at its power limit and lower SM clocks, where the kernel is bound by instruction issue, not
+bytes (docs/benchmarks.md: 159 us alone at 1980 MHz, 181-187 us beside the step's GEMMs at 1545-1605 MHz, 225 us
+inside the step; the bf16 kernel, memory bound, stays at 253-256 us).
+
+1. **Offsets folded out of the conversion.** A byte b becomes the fp16 value 1152 + b (bit tricks only: xor and two
+   byte permutes, no subtraction). The 1152 comes back out of the dots instead of out of every element:
+   - QK^T: each half's first dot starts from -1152 * sum(q) of that half, per query row;
+   - PV: each half also accumulates sum(P) (a dot of P with ones), and the output subtracts 1152 times it.
+   Both sides are exact in fp32 up to rounding of sums ~1e5 (far below int8's own quantization error).
+2. **Lazy rescaling.** The running max moves only when a block's max exceeds it by more than `RESCALE_LOG2` (log2
+   units). Until then P = exp2(s - m) <= 2^RESCALE_LOG2 and the accumulators are not multiplied by alpha = 1.
+   (acc, sum, max) stay consistent with each other, so the result is unchanged up to rounding. The bound keeps fp16
+   P * v_scale finite for |v| up to 2^15 / 2^RESCALE_LOG2 * 127.
+3. **Masks only on the last block.** Full blocks load without predicates and skip the -inf select; the softmax
+   scale is folded into the per-key K scales.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pdserve.engine.kernels.int8_decode_attention import (
+    _load_q_planes,
+    _load_scale_pair,
+    _pool_rows,
+    _split_range,
+    _store_plane_output,
+    _words_to_offset_planes,
+)
+
+OFFSET = tl.constexpr(1152.0)  # fp16 0x6480: 1024 (the 0x64 exponent byte) + 128 (the xor: signed -> unsigned)
+RESCALE_LOG2 = tl.constexpr(4.0)
+
+
+@triton.jit
+def _rows(tab, n0, end, kh, KVH: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Pool rows [BLOCK] of keys n0 .. n0 + BLOCK - 1 of KV head `kh`, their `ok` [BLOCK] (key < end),
+    read without predicates in a full block."""
+    if MASKED:
+        return _pool_rows(tab, n0, end, kh, KVH, PS, BLOCK)
+    t = n0 + tl.arange(0, BLOCK)
+    page = tl.load(tab + t // PS).to(tl.int64)
+    return (page * PS + t % PS) * KVH + kh, t < end
+
+
+@triton.jit
+def _scales(s_ptr, row, ok, MASKED: tl.constexpr):
+    """Both group scales of rows `row` [BLOCK] as fp32 [BLOCK] each."""
+    if MASKED:
+        return _load_scale_pair(s_ptr, row, ok)
+    pair = tl.load(s_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :])  # [BLOCK, 2]
+    s0, s1 = tl.split(pair.to(tl.float32))
+    return s0, s1
+
+
+@triton.jit
+def _load_words(wptrs, ok, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(wptrs, mask=ok[:, None], other=0)
+    return tl.load(wptrs)
+
+
+@triton.jit
+def _offset_scores(q_a, q_b, q_c, q_d, init, wptrs, ok, MASKED: tl.constexpr):
+    """q (byte-plane columns of one half) against 1152 + K's planes at `wptrs` [BLOCK, J], starting from `init`
+    [QP, BLOCK] = -1152 * sum(q of the half): the half's q.k [QP, BLOCK]."""
+    k_a, k_b, k_c, k_d = _words_to_offset_planes(_load_words(wptrs, ok, MASKED))
+    s = tl.dot(q_a, tl.trans(k_a), init)
+    s = tl.dot(q_b, tl.trans(k_b), s)
+    s = tl.dot(q_c, tl.trans(k_c), s)
+    return tl.dot(q_d, tl.trans(k_d), s)
+
+
+@triton.jit
+def _offset_pv(p, ones, wptrs, ok, acc_a, acc_b, acc_c, acc_d, psum, MASKED: tl.constexpr):
+    """P [QP, BLOCK] fp16 times 1152 + V's planes at `wptrs` [BLOCK, J] into acc_r [QP, J]; psum [QP, 16] += P's row
+    sums (every column the same) for the 1152 to come back out."""
+    v_a, v_b, v_c, v_d = _words_to_offset_planes(_load_words(wptrs, ok, MASKED))
+    acc_a = tl.dot(p, v_a, acc_a)
+    acc_b = tl.dot(p, v_b, acc_b)
+    acc_c = tl.dot(p, v_c, acc_c)
+    acc_d = tl.dot(p, v_d, acc_d)
+    return acc_a, acc_b, acc_c, acc_d, tl.dot(p, ones, psum)
+
+
+@triton.jit
+def _block(
+    n0, end, tab, kh, k_ptr, v_ptr, ks_ptr, vs_ptr, qk_scale,
+    q0a, q0b, q0c, q0d, q1a, q1b, q1c, q1d, init0, init1, ones,
+    m, l, a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, ps0, ps1,
+    KVH: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One block of keys: scores, lazy online softmax, PV. Returns the updated state (m, l, accumulators, P sums)."""
+    H: tl.constexpr = D // 2
+    row, ok = _rows(tab, n0, end, kh, KVH, PS, BLOCK, MASKED)  # [BLOCK] pool rows
+    w_off = row[:, None] * (D // 4) + tl.arange(0, H // 4)[None, :]  # [BLOCK, H/4] words
+    ks0, ks1 = _scales(ks_ptr, row, ok, MASKED)  # [BLOCK] each
+    s0 = _offset_scores(q0a, q0b, q0c, q0d, init0, k_ptr + w_off, ok, MASKED)  # [QP, BLOCK]
+    s1 = _offset_scores(q1a, q1b, q1c, q1d, init1, k_ptr + w_off + H // 4, ok, MASKED)
+    qk = s0 * (ks0 * qk_scale)[None, :] + s1 * (ks1 * qk_scale)[None, :]  # log2 units
+    if MASKED:
+        qk = tl.where(ok[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    if tl.max(m_new - m, 0) > RESCALE_LOG2:  # warp-uniform: rescale only when the max moved far
+        alpha = tl.exp2(m - m_new)
+        a0a, a0b, a0c, a0d = a0a * alpha[:, None], a0b * alpha[:, None], a0c * alpha[:, None], a0d * alpha[:, None]
+        a1a, a1b, a1c, a1d = a1a * alpha[:, None], a1b * alpha[:, None], a1c * alpha[:, None], a1d * alpha[:, None]
+        ps0, ps1, l, m = ps0 * alpha[:, None], ps1 * alpha[:, None], l * alpha, m_new
+    p = tl.exp2(qk - m[:, None])  # [QP, BLOCK] <= 2^RESCALE_LOG2
+    l += tl.sum(p, 1)
+    vs0, vs1 = _scales(vs_ptr, row, ok, MASKED)
+    p0 = (p * vs0[None, :]).to(tl.float16)
+    p1 = (p * vs1[None, :]).to(tl.float16)
+    a0a, a0b, a0c, a0d, ps0 = _offset_pv(p0, ones, v_ptr + w_off, ok, a0a, a0b, a0c, a0d, ps0, MASKED)
+    a1a, a1b, a1c, a1d, ps1 = _offset_pv(p1, ones, v_ptr + w_off + H // 4, ok, a1a, a1b, a1c, a1d, ps1, MASKED)
+    return m, l, a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, ps0, ps1
+
+
+@triton.jit
+def _planes_decode_kernel(
+    q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, table_stride, seqlens_ptr, po_ptr, pml_ptr,
+    out_ptr, out_sb, out_sh, qk_scale, num_splits,
+    KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+    DIRECT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """k_ptr / v_ptr: one layer's pool as int32 words [rows, D/4]; ks_ptr / vs_ptr: fp16 [rows, 2]. Output and split
+    statistics as `_decode_kernel_fold2`'s."""
+    H: tl.constexpr = D // 2
+    J: tl.constexpr = H // 4
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    start, end = _split_range(seqlens_ptr, b, sp, num_splits, BLOCK, USE_PDL)
+
+    qi = tl.arange(0, QP)
+    qmask = qi < QPK
+    heads = kh * QPK + qi
+    qw = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + 4 * tl.arange(0, J)[None, :]
+    q0a, q0b, q0c, q0d = _load_q_planes(qw, qmask)  # [QP, J] fp16: columns 4j + r of the first half
+    q1a, q1b, q1c, q1d = _load_q_planes(qw + H, qmask)
+    qsum0 = tl.sum(q0a.to(tl.float32) + q0b.to(tl.float32) + q0c.to(tl.float32) + q0d.to(tl.float32), 1)  # [QP]
+    qsum1 = tl.sum(q1a.to(tl.float32) + q1b.to(tl.float32) + q1c.to(tl.float32) + q1d.to(tl.float32), 1)
+    init0 = tl.zeros([QP, BLOCK], tl.float32) - OFFSET * qsum0[:, None]
+    init1 = tl.zeros([QP, BLOCK], tl.float32) - OFFSET * qsum1[:, None]
+    ones = tl.full([BLOCK, 16], 1.0, tl.float16)
+
+    m = tl.full([QP], float("-inf"), tl.float32)
+    l = tl.zeros([QP], tl.float32)
+    a0a = tl.zeros([QP, J], tl.float32)
+    a0b = tl.zeros([QP, J], tl.float32)
+    a0c = tl.zeros([QP, J], tl.float32)
+    a0d = tl.zeros([QP, J], tl.float32)
+    a1a = tl.zeros([QP, J], tl.float32)
+    a1b = tl.zeros([QP, J], tl.float32)
+    a1c = tl.zeros([QP, J], tl.float32)
+    a1d = tl.zeros([QP, J], tl.float32)
+    ps0 = tl.zeros([QP, 16], tl.float32)
+    ps1 = tl.zeros([QP, 16], tl.float32)
+    tab = table_ptr + b.to(tl.int64) * table_stride
+    full_end = start + (end - start) // BLOCK * BLOCK
+    for n0 in range(start, full_end, BLOCK):
+        m, l, a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, ps0, ps1 = _block(
+            n0, end, tab, kh, k_ptr, v_ptr, ks_ptr, vs_ptr, qk_scale,
+            q0a, q0b, q0c, q0d, q1a, q1b, q1c, q1d, init0, init1, ones,
+            m, l, a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, ps0, ps1, KVH, PS, D, BLOCK, False,
+        )  # fmt: skip
+    if full_end < end:  # the last, partial block
+        m, l, a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, ps0, ps1 = _block(
+            full_end, end, tab, kh, k_ptr, v_ptr, ks_ptr, vs_ptr, qk_scale,
+            q0a, q0b, q0c, q0d, q1a, q1b, q1c, q1d, init0, init1, ones,
+            m, l, a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, ps0, ps1, KVH, PS, D, BLOCK, True,
+        )  # fmt: skip
+    # the offsets back out: every column of acc_r holds 1152 * sum(P) too
+    off0 = OFFSET * tl.max(ps0, 1)[:, None]  # [QP, 1] (the 16 columns of ps are equal)
+    off1 = OFFSET * tl.max(ps1, 1)[:, None]
+    a0a, a0b, a0c, a0d = a0a - off0, a0b - off0, a0c - off0, a0d - off0
+    a1a, a1b, a1c, a1d = a1a - off1, a1b - off1, a1c - off1, a1d - off1
+    _store_plane_output(
+        out_ptr, out_sb, out_sh, po_ptr, pml_ptr, b, heads, qmask, sp, num_splits, m, l,
+        a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, KVH * QPK, D, DIRECT,
+    )  # fmt: skip
