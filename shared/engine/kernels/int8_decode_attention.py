@@ -286,14 +286,15 @@ def _load_words_f16(wptrs, ok, BLOCK: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _words_to_offset_planes(w):
-    """int32 words [.., N] (four int8 each) -> byte planes 0..3 as fp16 [.., N] (plane r: byte r of each word) holding
-    1152 + byte, exactly (xor and byte permutes only); two words per asm instance so that each output register holds
-    one plane's pair of neighbouring words (the tensor-core operand layout wants plane-major pairs, no repacking)."""
+def _words_to_planes(w):
+    """int32 words [.., N] (four int8 each) -> byte planes 0..3 as fp16 [.., N] (plane r: byte r of each word),
+    exactly; two words per asm instance so that each output register holds one plane's pair of neighbouring words
+    (the tensor-core operand layout wants plane-major pairs, no repacking)."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 x0, x1, t01, t23, hi;
+        .reg .b32 x0, x1, t01, t23, hi, off;
         mov.b32 hi, 0x64646464;
+        mov.b32 off, 0x64806480;
         xor.b32 x0, $4, 0x80808080;
         xor.b32 x1, $5, 0x80808080;
         prmt.b32 t01, x0, x1, 0x5140;
@@ -302,6 +303,10 @@ def _words_to_offset_planes(w):
         prmt.b32 $1, t01, hi, 0x4342;
         prmt.b32 $2, t23, hi, 0x4140;
         prmt.b32 $3, t23, hi, 0x4342;
+        sub.f16x2 $0, $0, off;
+        sub.f16x2 $1, $1, off;
+        sub.f16x2 $2, $2, off;
+        sub.f16x2 $3, $3, off;
         }""",
         constraints="=r,=r,=r,=r,r,r",
         args=[w],
@@ -309,14 +314,6 @@ def _words_to_offset_planes(w):
         is_pure=True,
         pack=2,
     )
-
-
-@triton.jit
-def _words_to_planes(w):
-    """int32 words [.., N] -> byte planes 0..3 as fp16 [.., N] holding the bytes' values (`_words_to_offset_planes`
-    less 1152, exact in fp16)."""
-    a, b, c, d = _words_to_offset_planes(w)
-    return a - 1152.0, b - 1152.0, c - 1152.0, d - 1152.0
 
 
 @triton.jit

@@ -30,11 +30,36 @@ from pdserve.engine.kernels.int8_decode_attention import (
     _pool_rows,
     _split_range,
     _store_plane_output,
-    _words_to_offset_planes,
 )
 
 OFFSET = tl.constexpr(1152.0)  # fp16 0x6480: 1024 (the 0x64 exponent byte) + 128 (the xor: signed -> unsigned)
 RESCALE_LOG2 = tl.constexpr(4.0)
+
+
+@triton.jit
+def _words_to_offset_planes(w):
+    """int32 words [.., N] (four int8 each) -> byte planes 0..3 as fp16 [.., N] (plane r: byte r of each word) holding
+    1152 + byte, exactly: `int8_decode_attention._words_to_planes` without its subtraction (xor and byte permutes
+    only; two words per asm instance, each output register one plane's pair of neighbouring words)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 x0, x1, t01, t23, hi;
+        mov.b32 hi, 0x64646464;
+        xor.b32 x0, $4, 0x80808080;
+        xor.b32 x1, $5, 0x80808080;
+        prmt.b32 t01, x0, x1, 0x5140;
+        prmt.b32 t23, x0, x1, 0x7362;
+        prmt.b32 $0, t01, hi, 0x4140;
+        prmt.b32 $1, t01, hi, 0x4342;
+        prmt.b32 $2, t23, hi, 0x4140;
+        prmt.b32 $3, t23, hi, 0x4342;
+        }""",
+        constraints="=r,=r,=r,=r,r,r",
+        args=[w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
