@@ -16,7 +16,8 @@ inside the step; the bf16 kernel, memory bound, stays at 253-256 us).
    (acc, sum, max) stay consistent with each other, so the result is unchanged up to rounding. The bound keeps fp16
    P * v_scale finite for |v| up to 2^15 / 2^RESCALE_LOG2 * 127.
 3. **Masks only on the last block.** Full blocks load without predicates and skip the -inf select; the softmax
-   scale is folded into the per-key K scales.
+   scale is folded into the per-key K scales, and P times the V scales is one fp16 multiply per pair of keys (P is
+   rounded to fp16 first, the product again: as before, the dot's operand is fp16).
 """
 
 from __future__ import annotations
@@ -84,6 +85,17 @@ def _scales(s_ptr, row, ok, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _scales_f16(s_ptr, row, ok, MASKED: tl.constexpr):
+    """Both group scales of rows `row` [BLOCK] as stored (fp16 [BLOCK] each)."""
+    if MASKED:
+        pair = tl.load(s_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=ok[:, None], other=0.0)
+    else:
+        pair = tl.load(s_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :])  # [BLOCK, 2]
+    s0, s1 = tl.split(pair)
+    return s0, s1
+
+
+@triton.jit
 def _load_words(wptrs, ok, MASKED: tl.constexpr):
     if MASKED:
         return tl.load(wptrs, mask=ok[:, None], other=0)
@@ -138,9 +150,10 @@ def _block(
         ps0, ps1, l, m = ps0 * alpha[:, None], ps1 * alpha[:, None], l * alpha, m_new
     p = tl.exp2(qk - m[:, None])  # [QP, BLOCK] <= 2^RESCALE_LOG2
     l += tl.sum(p, 1)
-    vs0, vs1 = _scales(vs_ptr, row, ok, MASKED)
-    p0 = (p * vs0[None, :]).to(tl.float16)
-    p1 = (p * vs1[None, :]).to(tl.float16)
+    vs0, vs1 = _scales_f16(vs_ptr, row, ok, MASKED)  # fp16 [BLOCK]
+    p16 = p.to(tl.float16)  # <= 2^RESCALE_LOG2
+    p0 = p16 * vs0[None, :]  # fp16 products (packed multiplies)
+    p1 = p16 * vs1[None, :]
     a0a, a0b, a0c, a0d, ps0 = _offset_pv(p0, ones, v_ptr + w_off, ok, a0a, a0b, a0c, a0d, ps0, MASKED)
     a1a, a1b, a1c, a1d, ps1 = _offset_pv(p1, ones, v_ptr + w_off + H // 4, ok, a1a, a1b, a1c, a1d, ps1, MASKED)
     return m, l, a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, ps0, ps1
