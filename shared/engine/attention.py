@@ -22,6 +22,26 @@ log = logging.getLogger("pdserve.engine")
 INVARIANT_SPLITS = 4  # batch_invariant on CUDA: split-K count of every attention row (RowwiseTritonBackend)
 
 
+def int8_launch_config(
+    default: dict, tile_launch: dict, overrides: dict, head_dim: int, groups: int, asymmetric: bool
+) -> dict:
+    """The Triton int8 decode kernel's config for one pool: `default` with `overrides`, where the byte-plane kernel
+    reads the pool (symmetric, two scale groups per head, head_dim >= 128, folded scales, word loads and K planes
+    on); for any other int8 pool, `tile_launch`'s block / warps / stages under the overrides (the one-warp launch
+    was measured on the plane kernel only)."""
+    cfg = {**default, **overrides}
+    planes = (
+        cfg.get("fold_scales")
+        and cfg.get("word_loads")
+        and cfg.get("k_planes")
+        and not asymmetric
+        and groups == 2
+        and head_dim >= 128
+        and head_dim % 8 == 0
+    )
+    return cfg if planes else {**default, **tile_launch, **overrides}
+
+
 def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor; on CUDA through pinned memory, so the copy does not wait for the GPU."""
     t = torch.tensor(values, dtype=dtype)
@@ -269,7 +289,13 @@ class FA3Backend:
         if cache.quantized and cache.data.dtype == torch.float8_e4m3fn:
             return self._fp8_decode(layer, q, cache, table, seqlens, scale)
         kc = self.kernels
-        cfg = {**(kd.DEFAULT_CONFIG if cache.quantized else kd.DENSE_CONFIG), **kc.decode_config}
+        if cache.quantized:
+            data, scales, zeros = cache.layer_views(layer)
+            cfg = int8_launch_config(
+                kd.DEFAULT_CONFIG, kd.TILE_LAUNCH, kc.decode_config, q.shape[-1], scales.shape[-1], zeros is not None
+            )
+        else:
+            cfg = {**kd.DENSE_CONFIG, **kc.decode_config}
         splits = self._num_splits(q.shape[0], cache.num_kv_heads, cfg["split_mult"])
         kw = dict(
             block_n=cfg["block_n"],
@@ -289,7 +315,6 @@ class FA3Backend:
             return kd.int8_paged_decode(
                 q, k_cache, v_cache, None, None, None, None, table, seqlens, scale, splits, **kw
             )
-        data, scales, zeros = cache.layer_views(layer)
         return kd.int8_paged_decode(
             q,
             data[0],

@@ -57,6 +57,10 @@ DEFAULT_CONFIG = dict(
     v_planes=True,
     lean_loop=False,
 )
+# The launch shape for int8 pools the byte-plane kernel does not read (asymmetric pools, group counts other than two
+# per head, head_dim < 128, or planes switched off): the default before the ninth session. Its one-warp sweep
+# measured the plane kernel only (`int8_launch_config` in engine/attention.py picks).
+TILE_LAUNCH = dict(block_n=128, num_warps=4, num_stages=3)
 DENSE_CONFIG = dict(
     block_n=64,
     num_warps=4,
