@@ -11,6 +11,8 @@ batch 128 / context 2k with bf16, int8 and fp8 KV (issue 14's speed keys of docs
    over the same dequantized pages first.
 2. Engine (decode CUDA graphs, PDL): 128 sequences of 2048 random prompt tokens, median decode step over 30
    steps, per KV format, with the roofline (weights + KV bytes read per step over the copy bandwidth).
+   `--interleave N`: the engines are held at once and timed in turns (N rounds of 10 steps each), so that they
+   share the board's power and clock states instead of drifting apart between engines built one after another.
 Keys are merged into the JSON (quality keys written by bench/kv_quality.py survive).
 """
 
@@ -273,6 +275,53 @@ def engine_steps(
     return out
 
 
+def interleaved_steps(
+    model_dir: Path, engines: dict[str, dict], copy_bw: float, weight_bytes: int, rounds: int, steps: int = 10
+) -> dict:
+    """Decode steps (b128 ctx2k) of several engines held at once, timed in turns: per round, each engine runs 2
+    untimed steps, then `steps` timed ones, then the GPU drains. Side by side in time, the engines share the board's
+    power and clock states, which drift between engines built one after another. `engines`: name -> make_engine
+    keyword arguments (kv plus config overrides)."""
+    batch, ctx = 128, 2048
+    pages = batch * (ctx // PS + 8) + 64
+    built = {}
+    for name, kw in engines.items():
+        e = ge.make_engine(model_dir, num_pages=pages, **kw)
+        ge.fill_decode_batch(e, batch, ctx, torch.Generator().manual_seed(9))
+        built[name] = e
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for _ in range(rounds):
+        for name, e in built.items():
+            ge.time_decode_steps(e, 2)
+            times[name] += ge.time_decode_steps(e, steps)
+            torch.cuda.synchronize()
+    out = {}
+    for name, e in built.items():
+        mean_ctx = sum(s.num_tokens for s in e.scheduler.running) / batch
+        kv_token_bytes = e.runner.page_bytes() // e.page_size
+        roof = (weight_bytes + batch * mean_ctx * kv_token_bytes) / copy_bw * 1e3
+        t = statistics.median(times[name])
+        ts = sorted(times[name])
+        p10, p90 = ts[len(ts) // 10], ts[-len(ts) // 10 - 1]
+        ge.row(
+            f"engine decode b{batch} ctx{ctx // 1024}k, {name} KV, interleaved",
+            f"{t:.2f} ms/step ({batch / t * 1e3:.0f} tok/s)",
+            f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {p10:.2f}-{p90:.2f}; {rounds} rounds of {steps}",
+        )
+        out[name] = {
+            "step_ms": t,
+            "roofline_ms": roof,
+            "ratio": t / roof,
+            "kv_token_bytes": kv_token_bytes,
+            "steps_ms": times[name],
+            "overlap_decode": e.overlap_decode,
+            "interleaved": {"rounds": rounds, "steps_per_round": steps},
+        }
+    del built
+    ge.free_memory()
+    return out
+
+
 def kv_formats_available() -> list[str]:
     """Engine KV formats to compare: bf16 ("auto" on a bf16 model), int8, and fp8 where the engine has it."""
     from pdserve.kv import dtypes
@@ -363,6 +412,12 @@ def main() -> None:
     ap.add_argument(
         "--overlap-rows", action="store_true", help="engine rows: each format again with --overlap-decode off"
     )
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        help="engine rows from all engines held at once, timed in turns for this many rounds (the step keys too)",
+    )
     args = ap.parse_args()
     if args.from_log:
         keys_from_log(Path(args.from_log), Path(args.json))
@@ -387,7 +442,18 @@ def main() -> None:
         )
         if "fp8" in b128:
             result["fp8_attn_bw_fraction_b128"] = b128["fp8"]["bw_fraction"]
-    if not args.skip_engine:
+    if not args.skip_engine and args.interleave:
+        n_params = ge.write_checkpoint(Path(args.model_dir), 32)
+        formats = args.formats.split(",") if args.formats else kv_formats_available()
+        engines: dict[str, dict] = {kv: {"kv": kv} for kv in formats}
+        for cfg in filter(None, args.int8_configs.split(";")):
+            engines[f"int8 {cfg}"] = {"kv": "int8", "decode_kernel_config": cfg}
+        engine = interleaved_steps(Path(args.model_dir), engines, copy_bw, n_params * 2, args.interleave)
+        result["engine_b128_ctx2k_interleaved"] = engine
+        for kv, key in (("auto", "bf16_step_ms_b128"), ("int8", "int8_step_ms_b128"), ("fp8", "fp8_step_ms_b128")):
+            if kv in engine:
+                result[key] = engine[kv]["step_ms"]
+    elif not args.skip_engine:
         n_params = ge.write_checkpoint(Path(args.model_dir), 32)
         formats = args.formats.split(",") if args.formats else kv_formats_available()
         engine = {
