@@ -275,7 +275,7 @@ class FA3Backend:
 
     def _num_splits(self, batch: int, kv_heads: int, split_mult: int) -> int:
         """Split-K count of the Triton decode kernel: about `split_mult` waves for this batch size."""
-        from pdserve.engine.kernels.int8_decode_attention import default_num_splits
+        from pdserve.engine.kernels.paged_decode_common import default_num_splits
 
         return default_num_splits(batch, kv_heads, self._num_sms, split_mult)
 

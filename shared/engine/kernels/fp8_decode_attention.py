@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels.int8_decode_attention import (
+from pdserve.engine.kernels.paged_decode_common import (
     _combine_kernel,
     _online_softmax,
     _pool_rows,

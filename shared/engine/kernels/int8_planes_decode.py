@@ -25,13 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels.int8_decode_attention import (
-    _load_q_planes,
-    _load_scale_pair,
-    _pool_rows,
-    _split_range,
-    _store_plane_output,
-)
+from pdserve.engine.kernels.int8_fold2_decode import _load_q_planes, _load_scale_pair, _store_plane_output
+from pdserve.engine.kernels.paged_decode_common import _pool_rows, _split_range
 
 OFFSET = tl.constexpr(1152.0)  # fp16 0x6480: 1024 (the 0x64 exponent byte) + 128 (the xor: signed -> unsigned)
 RESCALE_LOG2 = tl.constexpr(4.0)
@@ -40,7 +35,7 @@ RESCALE_LOG2 = tl.constexpr(4.0)
 @triton.jit
 def _words_to_offset_planes(w):
     """int32 words [.., N] (four int8 each) -> byte planes 0..3 as fp16 [.., N] (plane r: byte r of each word) holding
-    1152 + byte, exactly: `int8_decode_attention._words_to_planes` without its subtraction (xor and byte permutes
+    1152 + byte, exactly: `int8_fold2_decode._words_to_planes` without its subtraction (xor and byte permutes
     only; two words per asm instance, each output register one plane's pair of neighbouring words)."""
     return tl.inline_asm_elementwise(
         asm="""{

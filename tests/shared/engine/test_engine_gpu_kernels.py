@@ -153,7 +153,7 @@ def test_s8_to_f16_exact():
     import triton
     import triton.language as tl
 
-    from pdserve.engine.kernels.int8_decode_attention import _s8_to_f16
+    from pdserve.engine.kernels.int8_fold2_decode import _s8_to_f16
 
     @triton.jit
     def convert(x_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):
