@@ -5,6 +5,11 @@ merges the splits. Nothing is dequantized to memory: it moves 1 byte per K/V ele
 where dequantize-then-FA3 moves 1 + 2 + 2. The same kernel reads a dense (bf16/fp16) pool when given no scales
 (`paged_decode`), which bench/gpu_engine.py compares with FA3's paged decode.
 
+This file: the launch configs, the tile kernel (any group count, asymmetric pools, dense pools) and the launcher
+`int8_paged_decode`. The fold-scales kernel and its byte-plane conversions (the default for symmetric pools with two
+groups per head) are in int8_fold2_decode.py, its lean-loop variant in int8_planes_decode.py, and what all decode
+kernels share (page walk, softmax step, split merge) in paged_decode_common.py.
+
 Graph-safe: the grid depends only on the batch size and `num_splits`; each split's token range is computed
 on the device from `seqlens` (a split past the end of a short sequence does nothing).
 """
