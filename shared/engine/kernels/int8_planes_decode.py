@@ -195,7 +195,7 @@ def _planes_decode_kernel(
     ps0 = tl.zeros([QP, 16], tl.float32)
     ps1 = tl.zeros([QP, 16], tl.float32)
     tab = table_ptr + b.to(tl.int64) * table_stride
-    full_end = start + tl.maximum(end - start, 0) // BLOCK * BLOCK  # a split past a short sequence's end: empty
+    full_end = start + (end - start) // BLOCK * BLOCK  # division truncates: a split past the end stays empty
     for n0 in range(start, full_end, BLOCK):
         m, l, a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, ps0, ps1 = _block(
             n0, end, tab, kh, k_ptr, v_ptr, ks_ptr, vs_ptr, qk_scale,
