@@ -87,7 +87,7 @@ class LengthDist:
         if self.kind == "uniform":
             return rng.integers(int(self.a), int(self.b) + 1, size=n, dtype=np.int64)
         out = np.empty(n, dtype=np.int64)
-        todo = np.arange(n)
+        todo: np.ndarray = np.arange(n)  # indexes still to draw
         for _ in range(_MAX_DRAWS):
             if not len(todo):
                 return out
