@@ -153,7 +153,6 @@ def test_lean_int8_loop_in_the_engine(make_engine):
     forced = default.generate(prompts, sps)
     ld, ll = run_forced(default, prompts, forced), run_forced(lean, prompts, forced)
     assert ll.isfinite().all() and ((ll - ld).norm() / ld.norm()).item() < 2e-2
-    assert sum(a == b for a, b in zip(lean.generate(prompts, sps), forced)) >= len(prompts) - 1  # near ties at most
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
