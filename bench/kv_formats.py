@@ -229,6 +229,31 @@ def profile_step(e, batch: int, tag: str) -> list:
     return [{"kernel": k, "ms": t, "count": c} for k, t, c in top] + [{"kernel": "(all)", "ms": total}]
 
 
+def step_row(e, steps: list[float], label: str, weight_bytes: int, copy_bw: float, note: str = "") -> dict:
+    """Median of a decode batch's step times against its roofline (weights + the batch's KV bytes over the copy
+    bandwidth), printed as a row; the engine-row dict of the JSON."""
+    batch = len(e.scheduler.running)
+    mean_ctx = sum(s.num_tokens for s in e.scheduler.running) / batch
+    kv_token_bytes = e.runner.page_bytes() // e.page_size
+    roof = (weight_bytes + batch * mean_ctx * kv_token_bytes) / copy_bw * 1e3
+    t = statistics.median(steps)
+    ts = sorted(steps)
+    ge.row(
+        label,
+        f"{t:.2f} ms/step ({batch / t * 1e3:.0f} tok/s)",
+        f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {ts[len(ts) // 10 - 1]:.2f}-{ts[-(len(ts) // 10)]:.2f}"
+        + note,
+    )
+    return {
+        "step_ms": t,
+        "roofline_ms": roof,
+        "ratio": t / roof,
+        "kv_token_bytes": kv_token_bytes,
+        "steps_ms": steps,
+        "overlap_decode": e.overlap_decode,  # greedy steps launched one ahead (EngineConfig.overlap_decode)
+    }
+
+
 def engine_steps(
     model_dir: Path,
     kv: str,
@@ -254,17 +279,7 @@ def engine_steps(
         ge.row(f"engine prefill {ctx // 1024}k to first token, {tag} KV", f"{prefill_ms:.1f} ms", "")
     ge.fill_decode_batch(e, batch, ctx, torch.Generator().manual_seed(9))
     steps = ge.time_decode_steps(e, 34)[4:]
-    mean_ctx = sum(s.num_tokens for s in e.scheduler.running) / batch
-    kv_token_bytes = e.runner.page_bytes() // e.page_size
-    roof = (weight_bytes + batch * mean_ctx * kv_token_bytes) / copy_bw * 1e3
-    t = statistics.median(steps)
-    ge.row(
-        f"engine decode b{batch} ctx{ctx // 1024}k, {tag} KV",
-        f"{t:.2f} ms/step ({batch / t * 1e3:.0f} tok/s)",
-        f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {sorted(steps)[2]:.2f}-{sorted(steps)[-3]:.2f}",
-    )
-    out = {"step_ms": t, "roofline_ms": roof, "ratio": t / roof, "kv_token_bytes": kv_token_bytes, "steps_ms": steps}
-    out["overlap_decode"] = e.overlap_decode  # greedy steps launched one ahead (EngineConfig.overlap_decode)
+    out = step_row(e, steps, f"engine decode b{batch} ctx{ctx // 1024}k, {tag} KV", weight_bytes, copy_bw)
     if prefill_ms is not None:
         out["prefill_ms_2k"] = prefill_ms
     if profile:
@@ -297,26 +312,9 @@ def interleaved_steps(
             torch.cuda.synchronize()
     out = {}
     for name, e in built.items():
-        mean_ctx = sum(s.num_tokens for s in e.scheduler.running) / batch
-        kv_token_bytes = e.runner.page_bytes() // e.page_size
-        roof = (weight_bytes + batch * mean_ctx * kv_token_bytes) / copy_bw * 1e3
-        t = statistics.median(times[name])
-        ts = sorted(times[name])
-        p10, p90 = ts[len(ts) // 10], ts[-len(ts) // 10 - 1]
-        ge.row(
-            f"engine decode b{batch} ctx{ctx // 1024}k, {name} KV, interleaved",
-            f"{t:.2f} ms/step ({batch / t * 1e3:.0f} tok/s)",
-            f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {p10:.2f}-{p90:.2f}; {rounds} rounds of {steps}",
-        )
-        out[name] = {
-            "step_ms": t,
-            "roofline_ms": roof,
-            "ratio": t / roof,
-            "kv_token_bytes": kv_token_bytes,
-            "steps_ms": times[name],
-            "overlap_decode": e.overlap_decode,
-            "interleaved": {"rounds": rounds, "steps_per_round": steps},
-        }
+        label = f"engine decode b{batch} ctx{ctx // 1024}k, {name} KV, interleaved"
+        out[name] = step_row(e, times[name], label, weight_bytes, copy_bw, f"; {rounds} rounds of {steps}")
+        out[name]["interleaved"] = {"rounds": rounds, "steps_per_round": steps}
     del built
     ge.free_memory()
     return out
