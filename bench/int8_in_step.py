@@ -6,7 +6,8 @@ call alone, after a memory-bound GEMM, and after three, on one Hopper GPU, with 
 Batch 128, context 2k, Llama-3-8B heads (8 KV, 32 query, head_dim 128, page 16). Each scenario is one CUDA graph of
 8 repeats, replayed under torch.profiler; the kernel's time is its mean CUDA time. The GEMM is a decode batch's
 MLP up-projection ([128, 4096] x [4096, 28672] bf16: 235 MB of weights, memory bound). `nvidia-smi` samples the SM
-clock and the power every 50 ms while a scenario runs. The bf16 pool through the same kernel family is the contrast
+clock and the power every 50 ms while a scenario runs. `int8` is the byte-plane kernel (kernels/int8_fold2_decode.py),
+the default before the lean loop. The bf16 pool through the same kernel family is the contrast
 (memory bound at any clock); `int8_lean` is the lean loop (kernels/int8_planes_decode.py). `--once`: one call of
 the int8 kernel and exit (for `ncu`; `--lean`: the lean loop's).
 """
@@ -47,7 +48,7 @@ def kernel_fns() -> dict:
         )
 
     return {
-        "int8": int8(),
+        "int8": int8(lean_loop=False),  # the byte-plane kernel (the default until the lean loop)
         "int8_lean": int8(lean_loop=True),
         "int8_lean_pdl": int8(lean_loop=True, pdl=True),
         "bf16": lambda: kd.int8_paged_decode(

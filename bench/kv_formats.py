@@ -44,8 +44,8 @@ INT8_VARIANTS: dict[str, dict] = {
     "w1_vsmem": dict(v_planes=False),
     "words_join": dict(k_planes=False, v_planes=False),
     "bytes": dict(word_loads=False),
-    "lean": dict(lean_loop=True),  # kernels/int8_planes_decode.py: offsets folded out, lazy rescaling
-    "lean_pdl": dict(lean_loop=True, pdl=True),
+    "planes": dict(lean_loop=False),  # the byte-plane kernel, the default before the lean loop (int8_planes_decode.py)
+    "planes_pdl": dict(lean_loop=False, pdl=True),
 }
 # fp8 kernel configs timed beside its default (one warp per program, as the int8 default now)
 FP8_VARIANTS: dict[str, dict] = {"w1": dict(num_warps=1, block_n=32, num_stages=3)}

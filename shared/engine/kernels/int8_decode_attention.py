@@ -68,7 +68,7 @@ DEFAULT_CONFIG = dict(
     word_loads=True,
     k_planes=True,
     v_planes=True,
-    lean_loop=False,
+    lean_loop=True,
 )
 # The launch shape for int8 pools the byte-plane kernel does not read (asymmetric pools, group counts other than two
 # per head, head_dim < 128, or planes switched off): the default before the ninth session. Its one-warp sweep

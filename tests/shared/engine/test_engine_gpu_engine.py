@@ -141,18 +141,18 @@ def test_graph_decode_covers_the_whole_context(make_engine):
 
 
 def test_lean_int8_loop_in_the_engine(make_engine):
-    """int8 KV at head_dim 128 (two scale groups: the byte-plane kernel): the lean loop (decode config `lean_loop`,
-    kernels/int8_planes_decode.py) gives the default kernel's logits to rounding, through the decode CUDA graphs,
-    prompts at page and block edges."""
+    """int8 KV at head_dim 128 (two scale groups: the byte-plane kernels): the lean loop (the default decode kernel,
+    kernels/int8_planes_decode.py) gives the byte-plane kernel's logits (decode config `lean_loop: false`) to
+    rounding, through the decode CUDA graphs, prompts at page and block edges."""
     prompts = [random_prompt(n, seed=300 + n) for n in (1, 16, 31, 33, 70)]
     kw = dict(KW, kv_dtype="int8", int8_decode_kernel="triton")
-    default = make_engine("llama_hd128", **kw)
-    lean = make_engine("llama_hd128", **kw, decode_kernel_config='{"lean_loop": true}')
-    assert lean.runner.backend.kernels.decode_config == {"lean_loop": True} and lean.runner.graph_runner is not None
+    lean = make_engine("llama_hd128", **kw)
+    planes = make_engine("llama_hd128", **kw, decode_kernel_config='{"lean_loop": false}')
+    assert planes.runner.backend.kernels.decode_config == {"lean_loop": False} and planes.runner.graph_runner
     sps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 9, 33, 12, 40)]
-    forced = default.generate(prompts, sps)
-    ld, ll = run_forced(default, prompts, forced), run_forced(lean, prompts, forced)
-    assert ll.isfinite().all() and ((ll - ld).norm() / ld.norm()).item() < 2e-2
+    forced = planes.generate(prompts, sps)
+    lp, ll = run_forced(planes, prompts, forced), run_forced(lean, prompts, forced)
+    assert ll.isfinite().all() and ((ll - lp).norm() / lp.norm()).item() < 2e-2
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])

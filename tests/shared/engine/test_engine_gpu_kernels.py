@@ -211,7 +211,7 @@ def test_int8_decode_attention_vs_fp32(asym, splits, variant):
         scale_expand=variant == "expand",
         fold_scales=variant.startswith("fold"),  # sym only: asym falls back to the tile kernel
         byte_convert=variant != "fold-cvt",  # fold kernel: int8 -> fp16 by byte permutes, or by conversions
-        # fold-pdl: the default config (words, K and V as byte planes, one warp) with PDL
+        # fold-pdl: the byte-plane kernel (words, K and V as byte planes, one warp) with PDL; -lean: the default
         word_loads=variant.startswith(("fold-words", "fold-planes", "fold-vplanes", "fold-pdl")),  # int32 words
         k_planes=variant.startswith(("fold-planes", "fold-vplanes", "fold-pdl")),  # K as byte planes
         v_planes=variant.startswith(("fold-vplanes", "fold-pdl")),  # ... and V
@@ -253,7 +253,7 @@ def test_int8_lean_loop_equals_planes_kernel(splits, data):
     q8, s, _ = Q.quantize(torch.stack([k, v]), 64, False)
     q = q.bfloat16()
     kw = dict(fold_scales=True, byte_convert=True, word_loads=True, k_planes=True, v_planes=True)
-    ref = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, **kw)
+    ref = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, lean_loop=False, **kw)
     out = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, lean_loop=True, **kw)
     assert out.isfinite().all()
     assert rel(out, ref) < 5e-3  # both round P to fp16 and the output to bf16, at different running maxima
