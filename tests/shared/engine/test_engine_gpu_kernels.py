@@ -232,8 +232,8 @@ def test_int8_lean_loop_equals_planes_kernel(splits, data):
     from pdserve.engine.kernels.int8_decode_attention import int8_paged_decode
 
     g = torch.Generator(device=DEV).manual_seed(7 + splits)
-    ps, KVH, D, HQ, W = 16, 8, 128, 32, 128
-    lens = torch.tensor([1, 16, 31, 32, 33, 64, 1000, 2047], device=DEV, dtype=torch.int32)
+    ps, KVH, D, HQ, W = 16, 8, 128, 32, 1024
+    lens = torch.tensor([1, 16, 31, 32, 33, 64, 1000, 2047, 8191, 16384], device=DEV, dtype=torch.int32)
     B = len(lens)
     P = B * W
     k = torch.randn(P, ps, KVH, D, device=DEV, generator=g)
@@ -253,12 +253,15 @@ def test_int8_lean_loop_equals_planes_kernel(splits, data):
     q8, s, _ = Q.quantize(torch.stack([k, v]), 64, False)
     q = q.bfloat16()
     kw = dict(fold_scales=True, byte_convert=True, word_loads=True, k_planes=True, v_planes=True)
-    ref = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, lean_loop=False, **kw)
-    out = int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, lean_loop=True, **kw)
+    args = (q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits)
+    ref = int8_paged_decode(*args, lean_loop=False, **kw)  # the byte-plane kernel
+    out = int8_paged_decode(*args, lean_loop=True, **kw)
     assert out.isfinite().all()
-    assert rel(out, ref) < 5e-3  # both round P to fp16 and the output to bf16, at different running maxima
     kvf = Q.dequantize(q8, s, None, 64, torch.float32).view(2, P * ps, KVH, D)
-    assert rel(out, ref_paged_decode(q, kvf, table, lens, ps, D**-0.5)) < 1e-2
+    exact = ref_paged_decode(q, kvf, table, lens, ps, D**-0.5)
+    for i in range(B):  # per sequence: the offsets' drift grew with the length before the flushes (5e-2 at 8k)
+        assert rel(out[i], ref[i]) < 5e-3, i  # both round P to fp16 and the output to bf16, at different maxima
+        assert rel(out[i], exact[i]) < 5e-3, i
 
 
 def test_rmsnorm_silu_vs_fp32():
