@@ -6,8 +6,9 @@ where dequantize-then-FA3 moves 1 + 2 + 2. The same kernel reads a dense (bf16/f
 (`paged_decode`), which bench/gpu_engine.py compares with FA3's paged decode.
 
 This file: the launch configs, the tile kernel (any group count, asymmetric pools, dense pools) and the launcher
-`int8_paged_decode`. The fold-scales kernel and its byte-plane conversions (the default for symmetric pools with two
-groups per head) are in int8_fold2_decode.py, its lean-loop variant in int8_planes_decode.py, and what all decode
+`int8_paged_decode`. The fold-scales kernel and its byte-plane conversions are in int8_fold2_decode.py, its
+lean-loop variant (the default for symmetric pools with two groups per head and head_dim >= 128) in
+int8_planes_decode.py, and what all decode
 kernels share (page walk, softmax step, split merge) in paged_decode_common.py.
 
 Graph-safe: the grid depends only on the batch size and `num_splits`; each split's token range is computed
@@ -57,6 +58,11 @@ __all__ = ["DEFAULT_CONFIG", "DENSE_CONFIG", "TILE_LAUNCH", "default_num_splits"
 # 182 us. SASS: 31.0 warp instructions per (key, KV head) against 35.9, no barriers in the loop.
 # split_mult 5 (about one wave of resident programs): batch 64 gets 2 splits, batch 128 one (the sweep's best for
 # both at context 2k with one-warp programs).
+# lean_loop (k_planes + v_planes only): the same reads through int8_planes_decode.py, 22.9 warp instructions per key
+# against 31.0 (SASS before its offset flushes, which add ~0.5). A decode step runs at the power limit, where this
+# kernel is issue bound. On an H200 (2026-12-01, eleventh session) b128 ctx2k 159 us per layer (82%) against 164,
+# ctx 8k 602 against 635; the 8B engine's step at b128 ctx2k 11.14 ms against bf16's 13.56 (the byte-plane kernel:
+# 12.45 against 13.71 in an earlier run).
 DEFAULT_CONFIG = dict(
     block_n=32,
     num_warps=1,

@@ -1,4 +1,4 @@
-"""The int8 decode loop with fewer instructions per key (`lean_loop` in int8_decode_attention's configs).
+"""The int8 decode loop with fewer instructions per key (`lean_loop` in int8_decode_attention's configs, the default).
 
 Same launch shape, pool and results as `_decode_kernel_fold2` with K and V read as byte planes (one warp per
 (sequence, KV head, split), two fp16 scale groups per head), but the loop drops three kinds of work. In a decode
