@@ -39,6 +39,7 @@ LENS = (17, 40, 47, 70)
 FORCED = 6
 WIDE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 WIDE_GPU = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+HD128_GPU = {**WIDE_GPU, "head_dim": 128}  # int8 g=64 pools of two groups per head: the lean int8 loop
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -58,6 +59,13 @@ def two_threads():
 @pytest.fixture(scope="module")
 def gpu_llama(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("wide_gpu"), arch="llama", seed=3, num_hidden_layers=2, **WIDE_GPU)
+
+
+@pytest.fixture(scope="module")
+def gpu_llama_hd128(tmp_path_factory):
+    return build_checkpoint(
+        tmp_path_factory.mktemp("hd128_gpu"), arch="llama", seed=4, num_hidden_layers=2, **HD128_GPU
+    )
 
 
 def engine(model_dir, device: str = "cpu", **kw) -> LLMEngine:
@@ -201,6 +209,26 @@ def test_gpu_batch_invariant_bitwise_same_with_batch_mates_chunking_and_cache_hi
         for a, b in zip(forced_logits(small, prompts(), forced()), forced_logits(e, prompts(), forced()))
     )
     assert cache_hits_differ(e, "bfloat16" if kv == "auto" else kv) == 0
+
+
+@cuda
+def test_gpu_batch_invariant_at_head_dim_128_through_the_lean_int8_loop(gpu_llama_hd128):
+    """head_dim 128, int8 g=64 (Llama-3-8B's pool format): every attention row goes through the lean int8 loop
+    (kernels/int8_planes_decode.py) with the fixed split count; batch mates, chunk sizes and prompt-cache hits
+    change no bit."""
+    from pdserve.engine.attention import int8_launch_config
+    from pdserve.engine.kernels import int8_decode_attention as kd
+
+    assert int8_launch_config(kd.DEFAULT_CONFIG, kd.TILE_LAUNCH, {}, 128, 2, False)["lean_loop"]
+    e = engine(gpu_llama_hd128, "cuda", kv_dtype="int8", batch_invariant=True)
+    assert e.runner.backend.name == "triton-rows" and (e.model_config.head_dim, e.kv_group_size) == (128, 64)
+    assert batch_mates_differ(e) == 0
+    small = engine(gpu_llama_hd128, "cuda", kv_dtype="int8", batch_invariant=True, chunk_size=24)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(forced_logits(small, prompts(), forced()), forced_logits(e, prompts(), forced()))
+    )
+    assert cache_hits_differ(e, "int8") == 0
 
 
 @cuda
