@@ -358,7 +358,7 @@ def cmd_generate(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = (
-        "usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|auto] ...\n"
+        "usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|fp8|auto] ...\n"
         "       pdserve up --colocated [N] ...   (N engines that prefill and decode, behind the router)\n"
         "       pdserve serve router|prefill|decode|colocated|gateway [flags]   (--help for flags)\n"
         "       pdserve generate [--target HOST:PORT] PROMPT\n"
