@@ -3,7 +3,8 @@ drive it from one thread, see `pdserve.engine.loop.EngineLoop`).
 
 Roles: a plain engine prefills and decodes. A prefill instance adds requests with `prefill_only=True` and ships
 pages (`export_pages`) as `ready_pages` reports them; a decode instance imports them (`begin_import`,
-`import_page`, `finish_import`) and decodes.
+`import_page`, `finish_import`) and decodes. Those export and import methods are in kv_handoff.py (`KVHandoff`,
+a base class of `LLMEngine`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import TypedDict
 
 import torch
 
-from pdserve.engine.config import EngineConfig, dtype_name, parse_dtype
+from pdserve.engine.config import EngineConfig, dtype_name
+from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
 from pdserve.engine.model_runner import DecodeLaunch, ModelRunner
 from pdserve.engine.page_table import PageAllocator
@@ -26,10 +28,7 @@ from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
 from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
 from pdserve.kv.codec import KVLayoutSpec
-from pdserve.kv.dtypes import DTYPES, QUANTIZED
 from pdserve.kv.payload import CachedUpload, PagePayload
-from pdserve.kv.transfer.base import ExportedPages
-from pdserve.kv.transfer.page_format import PageFormat
 
 log = logging.getLogger("pdserve.engine")
 
@@ -65,11 +64,6 @@ class RequestOptions(TypedDict, total=False):
     prefix_keys: list[bytes] | None
 
 
-def _kv_tokens(seq: Sequence) -> int:
-    """Tokens whose K/V an importing sequence receives: all but a first token streamed ahead of the pages."""
-    return seq.num_tokens - (seq.early_first_token is not None)
-
-
 @dataclass
 class _InflightDecode:
     """A greedy decode step launched (overlap_decode) whose tokens the host has not processed yet."""
@@ -78,7 +72,7 @@ class _InflightDecode:
     launch: DecodeLaunch
 
 
-class LLMEngine:
+class LLMEngine(KVHandoff):
     """Sequences, the scheduler and page bookkeeping in integers; every tensor lives in `self.runner`."""
 
     def __init__(self, cfg: EngineConfig):
@@ -128,15 +122,6 @@ class LLMEngine:
     def kv_storage_dtype_name(self) -> str:
         """Name of the dense KV dtype (the model dtype): 'float32' | 'bfloat16' | 'float16'."""
         return dtype_name(self.runner.dtype)
-
-    @property
-    def kv_group_size(self) -> int:
-        """int8 group size of this engine's pool and of its int8 exports by default."""
-        return self.runner.kv_group_size
-
-    @property
-    def kv_asymmetric(self) -> bool:
-        return self.runner.kv_asymmetric
 
     @property
     def pool_layout(self) -> KVLayoutSpec:
@@ -350,89 +335,6 @@ class LLMEngine:
         """Ids of live requests (queued, running, importing, or finished prefill-only holding pages)."""
         return list(self._seqs)
 
-    # ---- prefill side: page export -------------------------------------------------------------------------
-    def _computed_pages(self, request_id: str, page_indexes: list[int]) -> tuple[Sequence, list[int]]:
-        """The request's sequence and the valid token count of each of its pages `page_indexes`; raises
-        InvalidRequest for an unknown request or a page with no computed KV."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            raise InvalidRequest(f"unknown request {request_id!r}")
-        num_tokens = []
-        for idx in page_indexes:
-            n = min(self.page_size, seq.num_computed_tokens - idx * self.page_size)
-            if idx < 0 or idx >= len(seq.page_table) or n <= 0:
-                raise InvalidRequest(
-                    f"page {idx} of {request_id!r} has no computed KV ({seq.num_computed_tokens} tokens computed)"
-                )
-            num_tokens.append(n)
-        return seq, num_tokens
-
-    def export_pages(
-        self,
-        request_id: str,
-        page_indexes: list[int],
-        kv_dtype: str = "auto",
-        group_size: int | None = None,
-        asymmetric: bool | None = None,
-    ) -> list[PagePayload]:
-        """PagePayloads (all layers, CPU tensors) for logical pages of a request whose KV is computed.
-        kv_dtype: "int8" | "fp8" (quantized with group_size/asymmetric, default: this engine's settings), "auto"
-        (the model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
-        as_int8 = kv_dtype in QUANTIZED  # int8 or fp8
-        dense_dtype = DTYPES[kv_dtype].torch_dtype if as_int8 else None if kv_dtype == "auto" else parse_dtype(kv_dtype)
-        g = self.kv_group_size if group_size is None else group_size
-        asym = self.kv_asymmetric if asymmetric is None else asymmetric
-        seq, num_tokens = self._computed_pages(request_id, page_indexes)
-        kv_cache = self.runner.kv_cache
-        return [
-            kv_cache.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype)
-            for idx, n in zip(page_indexes, num_tokens)
-        ]
-
-    def export_batch(self, request_id: str, page_indexes: list[int], layout: KVLayoutSpec) -> ExportedPages:
-        """The computed pages `page_indexes` of a request as one page-major buffer in `layout`
-        (`pdserve.kv.transfer.page_format`), gathered on the device; its `ready` event marks the gather."""
-        seq, num_tokens = self._computed_pages(request_id, page_indexes)
-        data, scales, zeros = self.runner.kv_cache.gather_pages(
-            [seq.page_table[i] for i in page_indexes],
-            num_tokens,
-            layout.quantized,
-            layout.group_size,
-            layout.asymmetric,
-            layout.torch_dtype,
-        )
-        rows = PageFormat(layout).pack(data, scales, zeros)
-        return ExportedPages(list(page_indexes), num_tokens, rows, self.runner.record_event())
-
-    # ---- decode side: page import --------------------------------------------------------------------------
-    def begin_import(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        resumed_tokens: int = 0,
-        resumed_text_chars: int = 0,
-    ) -> None:
-        """Reserve pages for a prompt whose KV comes from a prefill instance. Raises OutOfPages (nothing
-        allocated) or ValueError.
-
-        Failover resume: `resumed_tokens` k > 0 says the last k tokens of `prompt_token_ids` were generated for
-        this request by an instance that died. They count as completion tokens (max_tokens, usage, stop strings
-        spanning the boundary), and the first `resumed_text_chars` characters of their text were delivered
-        already: text held back there (a possible stop-string prefix, an incomplete character) comes out here."""
-        seq = self._new_sequence(request_id, prompt_token_ids, sampling)
-        try:
-            if resumed_tokens:
-                self._resume(seq, resumed_tokens, resumed_text_chars)
-            n_pages = -(-seq.num_tokens // self.page_size)
-            seq.page_table = self.allocator.allocate(n_pages)
-        except Exception:
-            self.runner.drop_request(request_id)
-            raise
-        seq.status = SequenceStatus.IMPORTING
-        seq.imported_layers = [0] * n_pages
-        self._seqs[request_id] = seq
-
     def _resume(self, seq: Sequence, k: int, emitted_chars: int) -> None:
         ids = seq.prompt_token_ids
         if not 0 < k < len(ids) or k >= seq.sampling.max_tokens:
@@ -446,99 +348,6 @@ class LLMEngine:
             )
         seq.num_emitted_chars = emitted_chars
         self.runner.skip_draws(seq.request_id, k)
-
-    def _importing(self, request_id: str) -> Sequence:
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.status != SequenceStatus.IMPORTING:
-            raise InvalidRequest(f"request {request_id!r} is not importing")
-        return seq
-
-    def import_page(self, request_id: str, payload: PagePayload) -> None:
-        """Write one received page (a layer range of one logical page). Raises ValueError on any mismatch."""
-        seq = self._importing(request_id)
-        idx = payload.page_index
-        if not 0 <= idx < len(seq.page_table):
-            raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
-        want = min(self.page_size, _kv_tokens(seq) - idx * self.page_size)
-        if payload.num_tokens != want:
-            raise InvalidRequest(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
-        self.runner.import_page(seq.page_table[idx], payload)
-        assert seq.imported_layers is not None  # set by begin_import while IMPORTING
-        seq.imported_layers[idx] |= ((1 << payload.layer_count) - 1) << payload.layer_start
-
-    def import_batch(
-        self, request_id: str, page_indexes: list[int], num_tokens: list[int], rows: torch.Tensor, layout: KVLayoutSpec
-    ) -> None:
-        """Write received whole pages (rows uint8 [N, page_bytes] in `layout`, on the pool's device) in one
-        scatter. Raises InvalidRequest on any mismatch."""
-        seq = self._importing(request_id)
-        all_layers = (1 << self.model_config.num_layers) - 1
-        imported = seq.imported_layers
-        assert imported is not None  # an importing sequence has its masks
-        for idx, n in zip(page_indexes, num_tokens, strict=True):
-            if not 0 <= idx < len(seq.page_table):
-                raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
-            want = min(self.page_size, _kv_tokens(seq) - idx * self.page_size)
-            if n != want:
-                raise InvalidRequest(f"page {idx} carries {n} tokens, expected {want}")
-            if imported[idx]:
-                raise InvalidRequest(f"page {idx} imported twice")
-        data, scales, zeros = PageFormat(layout).unpack(rows)
-        physical_pages = [seq.page_table[i] for i in page_indexes]
-        self.runner.kv_cache.scatter_pages(physical_pages, data, scales, zeros, layout.group_size)
-        for idx in page_indexes:
-            imported[idx] = all_layers
-
-    def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
-        """Before the pages are all in: append the first token (stop checks apply) and stream it now (the next
-        `take_pending` / `step`); the request keeps importing. `finish_import` then only checks the token and
-        joins the batch, or drops the request when this token ended it. Returns whether it ended the request."""
-        seq = self._importing(request_id)
-        if seq.early_first_token is not None:
-            raise InvalidRequest(f"request {request_id!r}: first token sent twice")
-        self._append_first(seq, first_token_id)
-        seq.early_first_token = int(first_token_id)
-        # the output says whether the token ended the request; the pages keep arriving until finish_import
-        seq.early_finished, seq.status = seq.finished, SequenceStatus.IMPORTING
-        return seq.early_finished
-
-    def finish_import(self, request_id: str, first_token_id: int) -> None:
-        """All pages are in: append the first token (stop checks apply) and join the running batch. The
-        StepOutput carrying the first token comes from the next `step()`. After `emit_first_token` the token must
-        be the same one, and nothing more is output here."""
-        seq = self._importing(request_id)
-        all_layers = (1 << self.model_config.num_layers) - 1
-        assert seq.imported_layers is not None  # set by begin_import while IMPORTING
-        missing = [i for i, mask in enumerate(seq.imported_layers) if mask != all_layers]
-        if missing:
-            raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
-        early = seq.early_first_token
-        if early is not None and early != first_token_id:
-            raise InvalidRequest(f"first token {first_token_id} differs from the one streamed early ({early})")
-        seq.imported_layers = None
-        if early is None:
-            self._append_first(seq, first_token_id)
-        elif seq.early_finished:
-            seq.status = SequenceStatus.FINISHED
-        else:
-            seq.status = SequenceStatus.WAITING
-        if seq.finished:
-            self._drop(request_id)
-        else:
-            self.scheduler.add(seq)
-
-    def _append_first(self, seq: Sequence, first_token_id: int) -> None:
-        """The prefill side's first token into an importing sequence, its output pending (status: WAITING, or
-        FINISHED when the token ended the request)."""
-        if not 0 <= first_token_id < self.model_config.vocab_size:
-            raise InvalidRequest(f"first token {first_token_id} outside the vocabulary")
-        seq.num_computed_tokens = seq.num_tokens  # the prompt (+ resumed tokens)
-        # The prefill side drew once from the same seed for the first token; skip that draw so a seeded request
-        # samples exactly as it would on a single engine.
-        self.runner.skip_draws(seq.request_id, 1)
-        seq.status = SequenceStatus.WAITING
-        text = seq.append_token(int(first_token_id), self.model_config.eos_token_ids)
-        self._pending.append(self._output(seq, [int(first_token_id)], text))
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def take_pending(self) -> list[StepOutput]:
