@@ -440,33 +440,31 @@ def main() -> None:
         )
         if "fp8" in b128:
             result["fp8_attn_bw_fraction_b128"] = b128["fp8"]["bw_fraction"]
-    if not args.skip_engine and args.interleave:
+    if not args.skip_engine:
         n_params = ge.write_checkpoint(Path(args.model_dir), 32)
         formats = args.formats.split(",") if args.formats else kv_formats_available()
-        engines: dict[str, dict] = {kv: {"kv": kv} for kv in formats}
-        for cfg in filter(None, args.int8_configs.split(";")):
-            engines[f"int8 {cfg}"] = {"kv": "int8", "decode_kernel_config": cfg}
-        engine = interleaved_steps(Path(args.model_dir), engines, copy_bw, n_params * 2, args.interleave)
-        result["engine_b128_ctx2k_interleaved"] = engine
-        for kv, key in (("auto", "bf16_step_ms_b128"), ("int8", "int8_step_ms_b128"), ("fp8", "fp8_step_ms_b128")):
-            if kv in engine:
-                result[key] = engine[kv]["step_ms"]
-    elif not args.skip_engine:
-        n_params = ge.write_checkpoint(Path(args.model_dir), 32)
-        formats = args.formats.split(",") if args.formats else kv_formats_available()
-        engine = {
-            kv: engine_steps(Path(args.model_dir), kv, copy_bw, n_params * 2, profile=args.profile) for kv in formats
-        }
-        if args.overlap_rows:  # the same formats without overlapped decode, same run
-            for kv in formats:
-                engine[f"{kv} overlap off"] = engine_steps(
-                    Path(args.model_dir), kv, copy_bw, n_params * 2, profile=args.profile, overlap="off"
+        configs = list(filter(None, args.int8_configs.split(";")))
+        if args.interleave:
+            engines: dict[str, dict] = {kv: {"kv": kv} for kv in formats}
+            for cfg in configs:
+                engines[f"int8 {cfg}"] = {"kv": "int8", "decode_kernel_config": cfg}
+            engine = interleaved_steps(Path(args.model_dir), engines, copy_bw, n_params * 2, args.interleave)
+            result["engine_b128_ctx2k_interleaved"] = engine
+        else:
+            engine = {
+                kv: engine_steps(Path(args.model_dir), kv, copy_bw, n_params * 2, profile=args.profile)
+                for kv in formats
+            }
+            if args.overlap_rows:  # the same formats without overlapped decode, same run
+                for kv in formats:
+                    engine[f"{kv} overlap off"] = engine_steps(
+                        Path(args.model_dir), kv, copy_bw, n_params * 2, profile=args.profile, overlap="off"
+                    )
+            for cfg in configs:
+                engine[f"int8 {cfg}"] = engine_steps(
+                    Path(args.model_dir), "int8", copy_bw, n_params * 2, profile=args.profile, decode_config=cfg
                 )
-        for cfg in filter(None, args.int8_configs.split(";")):
-            engine[f"int8 {cfg}"] = engine_steps(
-                Path(args.model_dir), "int8", copy_bw, n_params * 2, profile=args.profile, decode_config=cfg
-            )
-        result["engine_b128_ctx2k"] = engine
+            result["engine_b128_ctx2k"] = engine
         for kv, key in (("auto", "bf16_step_ms_b128"), ("int8", "int8_step_ms_b128"), ("fp8", "fp8_step_ms_b128")):
             if kv in engine:
                 result[key] = engine[kv]["step_ms"]
