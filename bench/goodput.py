@@ -24,36 +24,13 @@ import time
 from pathlib import Path
 
 import torch
+from benchutil import log, merge_json, pdserve_bench, percentile, provenance
 
 from pdserve.cli.launch import start_stack
 from pdserve.testing.otlp_sink import OTLPSink
-from pdserve.testing.provenance import git_commit
 
 SLO_TTFT_MS, SLO_TPOT_MS = 350.0, 15.0
 INPUT_DIST, OUTPUT_DIST = "lognormal:1500,0.5,4096", "lognormal:256,0.5,512"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
-
-
-def run_bench(target: str, model: Path, rates: str, n: int, out: Path, seed: int, dists: tuple[str, str]) -> dict:
-    cmd = [
-        sys.executable, "-m", "pdserve.cli", "bench", "--target", target, "--tokenizer", str(model),
-        "--rates", rates, "--num-requests", str(n), "--warmup", "8", "--input-dist", dists[0],
-        "--output-dist", dists[1], "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
-        "--seed", str(seed), "--json", str(out),
-    ]  # fmt: skip
-    log(" ".join(cmd))
-    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL if not os.environ.get("BENCH_PROGRESS") else None)
-    return json.loads(out.read_text())
 
 
 def where_time_goes(sink: OTLPSink) -> dict:
@@ -75,11 +52,7 @@ def where_time_goes(sink: OTLPSink) -> dict:
                 rows["prefill"].append((pre[0].end_ns - pre[0].start_ns) / 1e6)
                 rows["decode"].append((dec[0].end_ns - pre[0].end_ns) / 1e6)
             continue
-        dec, recv, chunks = (
-            by("decode.request"),
-            by("decode.kv_receive"),
-            by("prefill.chunk"),
-        )
+        dec, recv, chunks = by("decode.request"), by("decode.kv_receive"), by("prefill.chunk")
         if not root or not dec:
             continue
         rows["queue"].append((dec[0].start_ns - root[0].start_ns) / 1e6)
@@ -91,7 +64,7 @@ def where_time_goes(sink: OTLPSink) -> dict:
         ship = by("prefill.kv_ship")
         if ship:
             rows["kv_ship"].append((ship[0].end_ns - ship[0].start_ns) / 1e6)
-    return {k: {"p50": pct(v, 0.5), "p90": pct(v, 0.9), "n": len(v)} for k, v in rows.items() if v}
+    return {k: {"p50": percentile(v, 50), "p90": percentile(v, 90), "n": len(v)} for k, v in rows.items() if v}
 
 
 def goodput_rate(result: dict) -> float:
@@ -100,10 +73,7 @@ def goodput_rate(result: dict) -> float:
 
 
 def at_rate(result: dict, rate: float) -> dict:
-    for r in result["runs"]:
-        if r["rate"] == rate:
-            return r["summary"]
-    return {}
+    return next((r["summary"] for r in result["runs"] if r["rate"] == rate), {})
 
 
 def run_mode(name: str, model: Path, workdir: Path, args, sink: OTLPSink, colocated: bool) -> dict:
@@ -118,15 +88,10 @@ def run_mode(name: str, model: Path, workdir: Path, args, sink: OTLPSink, coloca
     log(f"{name}: stack up in {time.perf_counter() - t0:.0f}s (router {stack.router})")
     try:
         sink.clear()
-        res = run_bench(
-            stack.router,
-            model,
-            args.rates,
-            args.num_requests,
-            workdir / f"{name}.json",
-            args.seed,
-            (args.input_dist, args.output_dist),
-        )
+        res = pdserve_bench(stack.router, workdir / f"{name}.json", "--tokenizer", str(model), "--rates", args.rates,
+                            "--num-requests", str(args.num_requests), "--input-dist", args.input_dist, "--output-dist",
+                            args.output_dist, "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS),
+                            "--seed", str(args.seed))  # fmt: skip
     finally:
         stack.stop()  # each service flushes its batched spans as it stops
     res["where_time_goes"] = where_time_goes(sink)
@@ -167,23 +132,15 @@ def main() -> None:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint  # the services inherit it
         for mode in args.modes.split(","):
             results[mode] = run_mode(mode, model, workdir, args, sink, colocated=mode == "colocated")
-    paths = [str(workdir / f"{m}.json") for m in results]
-    for m in results:
-        Path(workdir / f"{m}.json").write_text(json.dumps(results[m]))
-    if args.plots:
-        subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "bench", "plot", *paths, "--labels", ",".join(results), "--out",
-             args.plots],
-            check=False,
-        )  # fmt: skip
+    if args.plots:  # pdserve bench's own plots of the runs it saved
+        paths = [str(workdir / f"{m}.json") for m in results]
+        cmd = [sys.executable, "-m", "pdserve.cli", "bench", "plot", *paths, "--labels", ",".join(results)]
+        subprocess.run([*cmd, "--out", args.plots], check=False)
+    device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
     out: dict = {
+        **provenance(args.commit, device),
         "slo_ttft_ms": SLO_TTFT_MS,
         "slo_tpot_ms": SLO_TPOT_MS,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": git_commit(args.commit),
-        "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-        if torch.cuda.is_available()
-        else "cpu",
         "input_dist": args.input_dist,
         "output_dist": args.output_dist,
         "num_requests_per_rate": args.num_requests,
@@ -199,20 +156,13 @@ def main() -> None:
         out["compared_at_rate"] = rate
         out["disagg_tpot_ms_p90"] = at_rate(results["disagg"], rate).get("tpot_ms", {}).get("p90", float("nan"))
         out["colocated_tpot_ms_p90"] = at_rate(results["colocated"], rate).get("tpot_ms", {}).get("p90", float("nan"))
-    out["details"] = {
-        m: {
-            "where_time_goes": r["where_time_goes"],
-            "sweep": [{"rate": s["rate"], "summary": s["summary"]} for s in r["runs"]],
-        }
-        for m, r in results.items()
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    sweep = lambda r: [{"rate": s["rate"], "summary": s["summary"]} for s in r["runs"]]
+    out["details"] = {m: {"where_time_goes": r["where_time_goes"], "sweep": sweep(r)} for m, r in results.items()}
+    merge_json(args.json, out)
     print(json.dumps({k: v for k, v in out.items() if k != "details"}, indent=1))
     for m, r in results.items():
-        print(f"\n{m}: where time goes (ms, p50 / p90)")
-        for k, v in r["where_time_goes"].items():
-            print(f"  {k:12s} {v['p50']:8.1f} / {v['p90']:8.1f}  (n={v['n']})")
+        log(f"{m}: where time goes (ms, p50 / p90): " + ", ".join(
+            f"{k} {v['p50']:.1f} / {v['p90']:.1f} (n={v['n']})" for k, v in r["where_time_goes"].items()))  # fmt: skip
 
 
 if __name__ == "__main__":

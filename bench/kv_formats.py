@@ -1,484 +1,360 @@
-"""KV formats on one Hopper GPU: decode attention per layer at the memory roofline, and engine decode steps at
-batch 128 / context 2k with bf16, int8 and fp8 KV (issue 14's speed keys of docs/bench/kv_formats.json).
+"""KV formats (bf16, int8 g=64 / g=32, fp8 e4m3): what each costs in decode speed on one Hopper GPU, and in quality on
+trained weights (the speed and quality keys of docs/bench/kv_formats.json).
 
-    python bench/kv_formats.py [--json docs/bench/kv_formats.json] [--skip-engine]
+    python bench/kv_formats.py [--interleave 6] [--json docs/bench/kv_formats.json]        # speed, GPU
+    python bench/kv_formats.py --sweep [--sweep-grid JSON] [--sweep-shapes 64x2048,...]     # int8 launch configs, GPU
+    python bench/kv_formats.py --batch-invariant                                            # its price, GPU
+    python bench/kv_formats.py --quality [--models tiny,smol] [--device cpu]               # quality, CPU or GPU
 
-1. Per layer (Llama-3-8B: 8 KV heads, 32 query heads, head_dim 128, page 16), CUDA-graph timed: the int8
-   fold-scales kernel with byte-permute conversion (`byte_convert`, the default) and with int -> float
-   conversions, block 64/128 x stages 2/3, plus the same kernel over a bf16 pool, at batch 64/128 x context
-   2k/8k. Bandwidth fraction = bytes the kernel must read (int8 K/V + fp16 scales; bf16 K/V) / time / copy
-   bandwidth (a device-to-device copy, read + write bytes). Every variant is checked against fp64 attention
-   over the same dequantized pages first.
-2. Engine (decode CUDA graphs, PDL): 128 sequences of 2048 random prompt tokens, median decode step over 30
-   steps, per KV format, with the roofline (weights + KV bytes read per step over the copy bandwidth).
-   `--interleave N`: the engines are held at once and timed in turns (N rounds of 10 steps each), so that they
-   share the board's power and clock states instead of drifting apart between engines built one after another.
-Keys are merged into the JSON (quality keys written by bench/kv_quality.py survive).
+Speed: 1. per layer (Llama-3-8B heads: 8 KV, 32 query, head_dim 128, page 16), CUDA-graph timed, each kernel first
+checked against fp64 attention over the same pages: the int8 decode kernel as the engine launches it (plus any
+`--int8-configs` overrides), the fp8 kernel, the same Triton kernel over a bf16 pool; at batch 64/128 x context
+2k/8k, best of three rounds in alternating order. Bandwidth fraction = bytes the kernel must read / time / copy
+bandwidth (read + write of a device copy). 2. The 8B engine (random bf16 weights, decode CUDA graphs): 128
+sequences of 2048 random prompt tokens, decode step per KV format against its roofline (weights + KV bytes read
+once, over the copy bandwidth). `--interleave N` holds the engines at once and times them in turns (N rounds of 10
+steps), so that they share the board's power and clock states.
+
+Quality: teacher-forced perplexity and top-1 agreement against fp32 KV through the engine's own prefill + decode
+path (`pdserve.testing.teacher_forcing`), float32 model and SDPA in every row so only the KV pool differs. Models:
+the tiny llama trained on the shipped corpus (scored on its held-out tenth) and SmolLM2-135M-Instruct (the whole
+corpus is unseen by it). Sets: "short", `--seqs` windows of `--prompt` + `--forced` tokens; "long", one window whose
+`--long-forced` scored tokens follow `--long-prompt` (>= 4k) tokens of context.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import itertools
 import json
+import math
 import statistics
 import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from benchutil import Table, log, merge_json, provenance
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_engine as ge
-
-DEV = ge.DEV
 PS, KVH, D, HQ = 16, 8, 128, 32
-
-
-# int8 kernel variants timed side by side (each over the default config): the default before the ninth session (four
-# warps, 128-key blocks, V through shared memory), one warp without V planes, K converted through the word tiles and
-# tl.join (no planes), K read as bytes (`word_loads` off).
-INT8_VARIANTS: dict[str, dict] = {
-    "default": {},
-    "pdl": dict(pdl=True),  # as the engine launches it (programmatic dependent launch)
-    "w4_vsmem": dict(v_planes=False, num_warps=4, block_n=128, num_stages=3),
-    "w1_vsmem": dict(v_planes=False),
-    "words_join": dict(k_planes=False, v_planes=False),
-    "bytes": dict(word_loads=False),
-    "planes": dict(lean_loop=False),  # the byte-plane kernel, the default before the lean loop (int8_planes_decode.py)
-    "planes_pdl": dict(lean_loop=False, pdl=True),
+SHAPES = [(128, 2048), (64, 2048), (128, 8192), (64, 8192)]
+# quality rows: format name -> EngineConfig fields ("bf16": a dense bf16 pool under the fp32 model, see `engine`)
+FORMATS: dict[str, dict] = {
+    "fp32": dict(kv_dtype="auto"),
+    "bf16": dict(kv_dtype="auto"),
+    "int8-g64": dict(kv_dtype="int8", kv_group_size=64),
+    "int8-g32": dict(kv_dtype="int8", kv_group_size=32),
+    "fp8": dict(kv_dtype="fp8"),
 }
-# fp8 kernel configs timed beside its default (one warp per program, as the int8 default now)
-FP8_VARIANTS: dict[str, dict] = {"w1": dict(num_warps=1, block_n=32, num_stages=3)}
 
 
-def int8_kernel_sweep(copy_bw: float, shapes: list[tuple[int, int]]) -> dict:
+# ---- speed: per layer -----------------------------------------------------------------------------------------
+def attention_rows(ge, table: Table, copy_bw: float, int8_configs: list[dict]) -> dict:
+    """Per-layer decode attention of every format at every shape (`ge`: bench/gpu_engine.py, the GPU helpers)."""
     from pdserve.engine.kernels import int8_decode_attention as kd
+    from pdserve.engine.kernels.fp8_decode_attention import fp8_paged_decode
+    from pdserve.engine.kernels.paged_decode_common import default_num_splits
     from pdserve.kv import quant as Q
 
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    g = torch.Generator(device=DEV).manual_seed(14)
-    base = {k: v for k, v in kd.DEFAULT_CONFIG.items() if k != "split_mult"}
-    variants = {name: {**base, **c} for name, c in INT8_VARIANTS.items()}
+    sms = torch.cuda.get_device_properties(ge.DEV).multi_processor_count
+    g = torch.Generator(device=ge.DEV).manual_seed(14)
     out: dict = {}
-    for B, ctx in shapes:
-        W, key = ctx // PS, f"b{B}_ctx{ctx}"
-        kv, q8, s8, table, lens, qq = ge.paged_decode_inputs(B, ctx, g, PS, KVH, D, HQ)
-        nb = 2
-        sub = table[:nb].flatten().long()
-        pool = Q.dequantize(q8[:, sub], s8[:, sub], None, 64, torch.float32).view(2, -1, KVH, D)
-        ref = ge.paged_attention_ref(qq[:nb], pool, torch.arange(nb * W, device=DEV).int().view(nb, W), PS)
-        del pool
-        splits = kd.default_num_splits(B, KVH, sms, kd.DEFAULT_CONFIG["split_mult"])  # what the engine launches
-        res: dict = {}
-        for name, c in variants.items():
+    for B, ctx in SHAPES:
+        W, key, nb = ctx // PS, f"b{B}_ctx{ctx}", 2
+        kv, q8, s8, pages, lens, qq = ge.paged_decode_inputs(B, ctx, g, PS, KVH, D, HQ)
+        f8, fs, _ = Q.quantize(kv, D, False, torch.float8_e4m3fn)  # one scale per (token, KV head)
+        sub, flat = pages[:nb].flatten().long(), torch.arange(nb * W, device=ge.DEV).int().view(nb, W)
 
-            def fn(c=c):
-                return kd.int8_paged_decode(
-                    qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, splits, **c
-                )
+        def ref(data, scales, group):  # fp64 attention of the first sequences over the dequantized pages
+            pool = Q.dequantize(data[:, sub], scales[:, sub], None, group, torch.float32).view(2, -1, KVH, D)
+            return ge.paged_attention_ref(qq[:nb], pool, flat, PS)
 
-            try:
-                err = ge.rel_err(fn()[:nb], ref)
-                res[name] = {"ms": float("inf"), "rel_err": err, "fn": fn if err < 1e-2 else None}
-            except Exception as exc:  # a variant that does not compile/run is reported, not fatal
-                ge.log(f"{key} {name}: {type(exc).__name__}: {str(exc)[:300]}")
-                res[name] = {"ms": float("inf"), "rel_err": float("nan"), "error": str(exc)[:300], "fn": None}
-        # Timed in rounds A B C, C B A, A B C (the first graph timed after a pause runs ~5% slow): best of three.
-        names = list(variants)
-        for order in (names, names[::-1], names):
-            for name in order:
-                if res[name]["fn"] is not None:
-                    res[name]["ms"] = min(res[name]["ms"], ge.graph_ms(res[name]["fn"]))
-        for name in names:
-            del res[name]["fn"]
-        # The engine's pages: each sequence's in order, one after the other (the shuffled table above spreads them)
-        seq_table = torch.arange(B * W, device=DEV, dtype=torch.int32).view(B, W)
-        for name in ("default", "w4_vsmem"):
-            c = variants[name]
-            hp_ms = ge.graph_ms(
-                lambda c=c: kd.int8_paged_decode(
-                    qq, q8[0], q8[1], s8[0], s8[1], None, None, seq_table, lens, D**-0.5, splits, **c
-                )
-            )
-            res[f"{name}_seq_pages"] = {"ms": hp_ms}
-        ge.log(f"{key} in-order pages: " + ", ".join(f"{n} {res[f'{n}_seq_pages']['ms'] * 1e3:.1f} us" for n in (
-            "default", "w4_vsmem")))  # fmt: skip
-        try:  # the fp8 pool (one scale per token and KV head) through its own kernel
-            from pdserve.engine.kernels.fp8_decode_attention import fp8_paged_decode
-
-            f8, fs, _ = Q.quantize(kv, D, False, torch.float8_e4m3fn)
-            fp8_fn = lambda: fp8_paged_decode(qq, f8[0], f8[1], fs[0], fs[1], table, lens, D**-0.5, splits)
-            fp8_err = ge.rel_err(fp8_fn()[:nb], ge.paged_attention_ref(
-                qq[:nb], Q.dequantize(f8[:, sub], fs[:, sub], None, D, torch.float32).view(2, -1, KVH, D),
-                torch.arange(nb * W, device=DEV).int().view(nb, W), PS))  # fmt: skip
-            fp8_ms = ge.graph_ms(fp8_fn)
-            fp8_bytes = 2 * B * ctx * KVH * (D + 2)
-            res["fp8"] = {"ms": fp8_ms, "rel_err": fp8_err, "bw_fraction": fp8_bytes / (fp8_ms * 1e-3) / copy_bw}
-            for name, c in FP8_VARIANTS.items():
-
-                def fp8_var(c=c):
-                    return fp8_paged_decode(qq, f8[0], f8[1], fs[0], fs[1], table, lens, D**-0.5, splits, **c)
-
-                err = ge.rel_err(fp8_var()[:nb], fp8_fn()[:nb])
-                ms = ge.graph_ms(fp8_var)
-                frac = fp8_bytes / (ms * 1e-3) / copy_bw
-                res[f"fp8_{name}"] = {"ms": ms, "diff_vs_default": err, "bw_fraction": frac}
-                ge.log(f"{key} fp8 {name}: {ms * 1e3:.1f} us ({res[f'fp8_{name}']['bw_fraction']:.0%}), diff {err:.1e}")
-            del f8, fs
-        except Exception as exc:
-            ge.log(f"{key} fp8: {type(exc).__name__}: {str(exc)[:300]}")
+        splits = default_num_splits(B, KVH, sms, kd.DEFAULT_CONFIG["split_mult"])  # what the engine launches
         dense_cfg = {k: v for k, v in kd.DENSE_CONFIG.items() if k != "split_mult"}
-        dense_ms = ge.graph_ms(
-            lambda: kd.int8_paged_decode(
-                qq, kv[0], kv[1], None, None, None, None, table, lens, D**-0.5, splits, **dense_cfg
-            )
+        fns = {"int8": lambda c={}: kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, pages, lens,
+                                                           D**-0.5, splits, **c)}  # fmt: skip
+        for i, c in enumerate(int8_configs):
+            fns[f"int8_cfg{i}"] = lambda c=c: fns["int8"](c)
+        fns["fp8"] = lambda: fp8_paged_decode(qq, f8[0], f8[1], fs[0], fs[1], pages, lens, D**-0.5, splits)
+        fns["bf16"] = lambda: kd.int8_paged_decode(
+            qq, kv[0], kv[1], None, None, None, None, pages, lens, D**-0.5, splits, **dense_cfg
         )
-        int8_bytes = 2 * B * ctx * KVH * (D + 2 * 2)
-        bf16_bytes = 2 * B * ctx * KVH * D * 2
-        best = {"int8": min(variants, key=lambda k: res[k]["ms"]), "default": "default"}
-        for k in variants:
-            res[k]["bw_fraction"] = int8_bytes / (res[k]["ms"] * 1e-3) / copy_bw
-        res["dense_bf16"] = {"ms": dense_ms, "bw_fraction": bf16_bytes / (dense_ms * 1e-3) / copy_bw}
-        res["best"] = best
+        refs = {"int8": ref(q8, s8, 64), "fp8": ref(f8, fs, D), "bf16": ge.paged_attention_ref(
+            qq[:nb], kv[:, sub].float().view(2, -1, KVH, D), flat, PS)}  # fmt: skip
+        nbytes = {
+            "int8": 2 * B * ctx * KVH * (D + 4),
+            "fp8": 2 * B * ctx * KVH * (D + 2),
+            "bf16": 4 * B * ctx * KVH * D,
+        }
+        res: dict = {}
+        for name, fn in fns.items():
+            fmt = name.split("_")[0]
+            try:
+                err = ge.rel_err(fn()[:nb], refs[fmt])
+                res[name] = {"ms": math.inf, "rel_err": err, "ok": err < 1e-2}  # a wrong kernel is not timed
+            except Exception as exc:  # a config that does not compile is reported, not fatal
+                log(f"{key} {name}: {type(exc).__name__}: {str(exc)[:300]}")
+                res[name] = {"ms": math.inf, "rel_err": math.nan, "ok": False}
+        for order in (list(fns), list(fns)[::-1], list(fns)):  # the first graph after a pause runs ~5% slow
+            for name in order:
+                if res[name]["ok"]:
+                    res[name]["ms"] = min(res[name]["ms"], ge.graph_ms(fns[name]))
+        for name, r in res.items():
+            r["bw_fraction"] = nbytes[name.split("_")[0]] / (r["ms"] * 1e-3) / copy_bw
         out[key] = res
-        ge.row(
-            f"decode attn/layer {key} (us)",
-            " / ".join(f"int8-{cv} {res[b]['ms'] * 1e3:.1f}" for cv, b in best.items())
-            + " / "
-            + ", ".join(f"{k} {res[k]['ms'] * 1e3:.1f}" for k in variants)
-            + f" / bf16 {dense_ms * 1e3:.1f}",
-            "of copy BW: "
-            + ", ".join(f"int8-{cv} {res[b]['bw_fraction']:.0%}" for cv, b in best.items())
-            + f", bf16 {res['dense_bf16']['bw_fraction']:.0%}; best {', '.join(best.values())}"
-            + (f"; fp8 {res['fp8']['ms'] * 1e3:.1f} us ({res['fp8']['bw_fraction']:.0%})" if "fp8" in res else ""),
-        )
-        del kv, q8, s8
+        table.row(f"decode attention per layer {key}", ", ".join(f"{n} {r['ms'] * 1e3:.1f} us" for n, r in res.items()),
+                  "of copy BW: " + ", ".join(f"{n} {r['bw_fraction']:.0%}" for n, r in res.items()))  # fmt: skip
+        del kv, q8, s8, f8, fs
         ge.free_memory()
     return out
 
 
-SWEEP_GRID = dict(  # the grid of the first sweep (2026-12-01); --sweep-grid replaces any of these lists
-    word_loads=[False, True], splits=[1, 2, 3, 4, 6, 8], block_n=[64, 128], num_stages=[2, 3], num_warps=[4, 8]
-)
-
-
-def config_sweep(copy_bw: float, shapes: list[tuple[int, int]], grid: dict | None = None) -> dict:
-    """The int8 kernel (DEFAULT_CONFIG otherwise) over split count x word loads x block x stages x warps; prints
-    the five fastest per shape. One wave of (sequence, head) programs leaves a tail: the split count sets how many
-    waves."""
-    import itertools
-
+def config_sweep(ge, table: Table, copy_bw: float, shapes: list[tuple[int, int]], grid: dict) -> dict:
+    """The int8 kernel over every combination of `grid` (launch-config lists; `splits` is the split count, the rest
+    int8_paged_decode keywords), each checked against the 1-split default; prints the five fastest per shape."""
     from pdserve.engine.kernels import int8_decode_attention as kd
 
-    grid = {**SWEEP_GRID, **(grid or {})}
-    base_cfg = {k: v for k, v in kd.DEFAULT_CONFIG.items() if k != "split_mult"}
-
-    g = torch.Generator(device=DEV).manual_seed(15)
+    g = torch.Generator(device=ge.DEV).manual_seed(15)
+    grid = {"splits": [1, 2, 3, 4], **grid}
     out: dict = {}
     for B, ctx in shapes:
-        kv, q8, s8, table, lens, qq = ge.paged_decode_inputs(B, ctx, g, PS, KVH, D, HQ)
-        del kv  # the int8 pool is what this sweep reads
-        base = kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, 1)
-        nbytes = 2 * B * ctx * KVH * (D + 2 * 2)
-        res = {}
-        keys = list(grid)  # SWEEP_GRID's knobs, then any other config key given in --sweep-grid
-        for combo in itertools.product(*(grid[k] for k in keys)):
-            knobs = dict(zip(keys, combo))
-            sp = knobs.pop("splits")
-            c = {**base_cfg, **knobs}
-
-            def fn(c=c, sp=sp):
-                return kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, table, lens, D**-0.5, sp, **c)
-
-            name = f"{'words' if c['word_loads'] else 'bytes'}_sp{sp}_bn{c['block_n']}_st{c['num_stages']}"
-            name += f"_w{c['num_warps']}" + "".join(f"_{k}{v}" for k, v in knobs.items() if k not in SWEEP_GRID)
+        _, q8, s8, pages, lens, qq = ge.paged_decode_inputs(B, ctx, g, PS, KVH, D, HQ)
+        call = lambda sp, **c: kd.int8_paged_decode(qq, q8[0], q8[1], s8[0], s8[1], None, None, pages, lens,
+                                                    D**-0.5, sp, **c)  # fmt: skip
+        base, res = call(1), {}
+        for combo in itertools.product(*grid.values()):
+            c = dict(zip(grid, combo))
+            name = "_".join(f"{k}{v}" for k, v in c.items())
+            sp = c.pop("splits")
             try:
-                if ge.rel_err(fn(), base) > 1e-2:
-                    raise ValueError("differs from the 1-split result")
-                res[name] = ge.graph_ms(fn, reps=20)
+                if ge.rel_err(call(sp, **c), base) > 1e-2:
+                    raise ValueError("differs from the 1-split default")
+                res[name] = ge.graph_ms(lambda c=c, sp=sp: call(sp, **c), reps=20)
             except Exception as exc:
-                res[name] = float("inf")
-                ge.log(f"{name}: {type(exc).__name__} {str(exc)[:120]}")
-        top = sorted(res, key=res.get)[:5]
-        key = f"b{B}_ctx{ctx}"
-        ge.row(
-            f"int8 sweep {key} top5 (us, of copy BW)",
-            ", ".join(f"{k} {res[k] * 1e3:.0f} ({nbytes / (res[k] * 1e-3) / copy_bw:.0%})" for k in top),
-        )
-        out[key] = {"ms": res, "bytes": nbytes}
-        del q8, s8
+                res[name] = math.inf
+                log(f"{name}: {type(exc).__name__} {str(exc)[:120]}")
+        nbytes = 2 * B * ctx * KVH * (D + 4)
+        table.row(f"int8 sweep b{B}_ctx{ctx} top5 (us, of copy BW)", ", ".join(
+            f"{k} {res[k] * 1e3:.0f} ({nbytes / (res[k] * 1e-3) / copy_bw:.0%})"
+            for k in sorted(res, key=res.get)[:5]))  # fmt: skip
+        out[f"b{B}_ctx{ctx}"] = {"ms": res, "bytes": nbytes}
         ge.free_memory()
     return out
 
 
-def profile_step(e, batch: int, tag: str) -> list:
-    """CUDA time per kernel of one decode step at `batch` (3 replays of its graph): where the step goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph = e.runner.graph_runner.graphs[batch]
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda x: -x.device_time_total)
-    total = sum(ev.device_time_total for ev in events) / 3 / 1e3
-    top = [(ev.key[:80], round(ev.device_time_total / 3 / 1e3, 3), ev.count // 3) for ev in events[:16]]
-    ge.log(f"[{tag}] CUDA time per b{batch} step {total:.2f} ms; top kernels (ms, count): " + "; ".join(
-        f"{k} {t} x{c}" for k, t, c in top))  # fmt: skip
-    return [{"kernel": k, "ms": t, "count": c} for k, t, c in top] + [{"kernel": "(all)", "ms": total}]
-
-
-def step_row(e, steps: list[float], label: str, weight_bytes: int, copy_bw: float, note: str = "") -> dict:
-    """Median of a decode batch's step times against its roofline (weights + the batch's KV bytes over the copy
-    bandwidth), printed as a row; the engine-row dict of the JSON."""
+# ---- speed: engine steps --------------------------------------------------------------------------------------
+def step_row(ge, table: Table, e, steps: list[float], label: str, weight_bytes: int, copy_bw: float) -> dict:
+    """Median of a decode batch's step times against its roofline, printed as a row; the JSON's engine row."""
     batch = len(e.scheduler.running)
     mean_ctx = sum(s.num_tokens for s in e.scheduler.running) / batch
     kv_token_bytes = e.runner.page_bytes() // e.page_size
     roof = (weight_bytes + batch * mean_ctx * kv_token_bytes) / copy_bw * 1e3
-    t = statistics.median(steps)
-    ts = sorted(steps)
-    ge.row(
-        label,
-        f"{t:.2f} ms/step ({batch / t * 1e3:.0f} tok/s)",
-        f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {ts[len(ts) // 10 - 1]:.2f}-{ts[-(len(ts) // 10)]:.2f}"
-        + note,
-    )
-    return {
-        "step_ms": t,
-        "roofline_ms": roof,
-        "ratio": t / roof,
-        "kv_token_bytes": kv_token_bytes,
-        "steps_ms": steps,
-        "overlap_decode": e.overlap_decode,  # greedy steps launched one ahead (EngineConfig.overlap_decode)
-    }
+    t, dec = statistics.median(steps), statistics.quantiles(steps, n=10)
+    table.row(label, f"{t:.2f} ms/step ({batch / t * 1e3:.0f} tok/s)",
+              f"roofline {roof:.2f} ms: ratio {t / roof:.2f}; p10-p90 {dec[0]:.2f}-{dec[-1]:.2f}")  # fmt: skip
+    return {"step_ms": t, "roofline_ms": roof, "ratio": t / roof, "kv_token_bytes": kv_token_bytes, "steps_ms": steps}
 
 
-def engine_steps(
-    model_dir: Path,
-    kv: str,
-    copy_bw: float,
-    weight_bytes: int,
-    batch: int = 128,
-    ctx: int = 2048,
-    profile: bool = False,
-    decode_config: str = "",
-    batch_invariant: bool = False,
-    prefill: bool = False,
-    overlap: str = "auto",
-) -> dict:
-    tag = kv + (f" {decode_config}" if decode_config else "") + (" batch-invariant" if batch_invariant else "")
-    tag += f" overlap {overlap}" if overlap != "auto" else ""
-    kw: dict = dict(decode_kernel_config=decode_config) if decode_config else {}
+def engine_rows(ge, table: Table, model_dir: Path, engines: dict[str, dict], copy_bw: float, weight_bytes: int,
+                rounds: int, batch: int = 128, ctx: int = 2048, prefill: bool = False) -> dict:  # fmt: skip
+    """Decode steps (batch x ctx) of several engines held at once, timed in turns: per round each engine runs 2
+    untimed steps, then 10 timed ones. `engines`: name -> make_engine keywords (kv plus config overrides).
+    `prefill`: also each engine's 2k prompt to its first token, before its batch is filled."""
     pages = batch * (ctx // PS + 8) + 64
-    e = ge.make_engine(model_dir, kv, num_pages=pages, batch_invariant=batch_invariant, overlap_decode=overlap, **kw)
-    prefill_ms = None
-    if prefill:  # on the empty engine: a fresh 2k prompt to its first token, median of 3 after a warm-up
-        g = torch.Generator().manual_seed(11)
-        prefill_ms = ge.time_prefill(e, lambda: torch.randint(5, ge.SHAPE["vocab_size"], (ctx,), generator=g).tolist())
-        ge.row(f"engine prefill {ctx // 1024}k to first token, {tag} KV", f"{prefill_ms:.1f} ms", "")
-    ge.fill_decode_batch(e, batch, ctx, torch.Generator().manual_seed(9))
-    steps = ge.time_decode_steps(e, 34)[4:]
-    out = step_row(e, steps, f"engine decode b{batch} ctx{ctx // 1024}k, {tag} KV", weight_bytes, copy_bw)
-    if prefill_ms is not None:
-        out["prefill_ms_2k"] = prefill_ms
-    if profile:
-        out["kernels"] = profile_step(e, batch, tag)
-        out["host_profile"] = ge.host_profile(e, 5)
-    del e
-    ge.free_memory()
-    return out
-
-
-def interleaved_steps(
-    model_dir: Path, engines: dict[str, dict], copy_bw: float, weight_bytes: int, rounds: int, steps: int = 10
-) -> dict:
-    """Decode steps (b128 ctx2k) of several engines held at once, timed in turns: per round, each engine runs 2
-    untimed steps, then `steps` timed ones, then the GPU drains. Side by side in time, the engines share the board's
-    power and clock states, which drift between engines built one after another. `engines`: name -> make_engine
-    keyword arguments (kv plus config overrides)."""
-    batch, ctx = 128, 2048
-    pages = batch * (ctx // PS + 8) + 64
-    built = {}
+    built, out = {}, {}
     for name, kw in engines.items():
-        e = ge.make_engine(model_dir, num_pages=pages, **kw)
+        e = built[name] = ge.make_engine(model_dir, num_pages=pages, **kw)
+        if prefill:
+            g = torch.Generator().manual_seed(11)
+            ms = ge.time_prefill(e, lambda: torch.randint(5, ge.SHAPE["vocab_size"], (2048,), generator=g).tolist())
+            out[name] = {"prefill_ms_2k": ms}
+            table.row(f"engine prefill 2k to first token, {name}", f"{ms:.1f} ms")
         ge.fill_decode_batch(e, batch, ctx, torch.Generator().manual_seed(9))
-        built[name] = e
     times: dict[str, list[float]] = {name: [] for name in built}
     for _ in range(rounds):
         for name, e in built.items():
             ge.time_decode_steps(e, 2)
-            times[name] += ge.time_decode_steps(e, steps)
+            times[name] += ge.time_decode_steps(e, 10)
             torch.cuda.synchronize()
-    out = {}
     for name, e in built.items():
-        label = f"engine decode b{batch} ctx{ctx // 1024}k, {name} KV, interleaved"
-        out[name] = step_row(e, times[name], label, weight_bytes, copy_bw, f"; {rounds} rounds of {steps}")
-        out[name]["interleaved"] = {"rounds": rounds, "steps_per_round": steps}
+        label = f"engine decode b{batch} ctx{ctx // 1024}k, {name} KV, {rounds} rounds"
+        out[name] = {**out.get(name, {}), **step_row(ge, table, e, times[name], label, weight_bytes, copy_bw)}
     del built
     ge.free_memory()
     return out
 
 
-def kv_formats_available() -> list[str]:
-    """Engine KV formats to compare: bf16 ("auto" on a bf16 model), int8, and fp8 where the engine has it."""
-    from pdserve.kv import dtypes
-
-    return ["auto", *dtypes.QUANTIZED]
-
-
-def keys_from_log(log: Path, out: Path) -> None:
-    """Write the speed keys from the lines a run printed (a run cut short before it wrote its JSON)."""
-    import re
-
-    text = log.read_text()
-    head = text.splitlines()[0]
-    copy_bw = float(re.search(r"copy bandwidth \(read\+write\): ([\d.]+) TB/s", text).group(1)) * 1e12
-    m = re.search(r"b128_ctx2048 \(us\): int8-default ([\d.]+) .* bf16 ([\d.]+) .*fp8 ([\d.]+) us", text)
-    int8_us, bf16_us, fp8_us = (float(x) for x in m.groups())
-    b, ctx = 128, 2048
-    steps = dict(re.findall(r"engine decode b128 ctx2k, (\w+) KV: ([\d.]+) ms/step", text))
-    result = {
-        "int8_attn_bw_fraction_b128": 2 * b * ctx * KVH * (D + 2 * 2) / (int8_us * 1e-6) / copy_bw,
-        "fp8_attn_bw_fraction_b128": 2 * b * ctx * KVH * (D + 2) / (fp8_us * 1e-6) / copy_bw,
-        "bf16_attn_bw_fraction_b128": 2 * b * ctx * KVH * D * 2 / (bf16_us * 1e-6) / copy_bw,
-        "bf16_step_ms_b128": float(steps["auto"]) if "auto" in steps else None,
-        "int8_step_ms_b128": float(steps["int8"]) if "int8" in steps else None,
-        "fp8_step_ms_b128": float(steps["fp8"]) if "fp8" in steps else None,
-        "copy_bw": copy_bw,
-        "commit": re.search(r"commit (\w+)", head).group(1),
-        "device": "NVIDIA H200",
-        "date": re.search(r"(\d{4}-\d\d-\d\d)", head).group(1),
-        "speed_source": str(log),
-    }
-    merged = json.loads(out.read_text()) if out.exists() else {}
-    merged.update(result)
-    out.write_text(json.dumps(merged, indent=1))
-    print(json.dumps(result, indent=1))
+# ---- quality --------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    model: str
+    set: str  # short | long
+    format: str
+    scored: int  # positions scored
+    context: int  # largest context a scored position sees
+    ppl: float
+    ppl_ratio: float  # ppl / ppl of the fp32 row
+    top1_agree: float  # argmax equal to the fp32 row's argmax
+    max_abs_dlogit: float
+    seconds: float
 
 
-def batch_invariant_rows(model_dir: Path, out: Path, copy_bw: float) -> None:
-    """The price of `--batch-invariant` on the GPU (issue 14, item 5: default if it costs <= 5% at b64): int8 KV
-    decode steps at b64 and b128 (context 2k) and a 2k prefill, off and on, merged into `out` as batch_invariant."""
-    n_params = ge.write_checkpoint(model_dir, 32)
-    rows: dict = {}
-    for batch in (64, 128):
-        for inv in (False, True):
-            r = engine_steps(
-                model_dir, "int8", copy_bw, n_params * 2, batch=batch, batch_invariant=inv, prefill=batch == 64
-            )
-            rows[f"b{batch}_{'on' if inv else 'off'}"] = r
-    result = {
-        "batch_invariant": {
-            **rows,
-            "step_cost_b64": rows["b64_on"]["step_ms"] / rows["b64_off"]["step_ms"],
-            "step_cost_b128": rows["b128_on"]["step_ms"] / rows["b128_off"]["step_ms"],
-            "prefill_cost_2k": rows["b64_on"]["prefill_ms_2k"] / rows["b64_off"]["prefill_ms_2k"],
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "commit": ge.git_commit(),
-            "device": torch.cuda.get_device_name(DEV),
-            "command": "python bench/kv_formats.py --batch-invariant",
-        }
-    }
-    merged = json.loads(out.read_text()) if out.exists() else {}
-    merged.update(result)
-    out.write_text(json.dumps(merged, indent=1))
-    ge.print_rows()
-    print(json.dumps({k: v for k, v in result["batch_invariant"].items() if not isinstance(v, dict)}, indent=1))
+def quality_engine(model_dir: Path, fmt: str, device: str, max_len: int, seqs: int):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.kv_cache import KVCache
+
+    e = LLMEngine(EngineConfig(model_dir=str(model_dir), device=device, dtype="float32", attention_backend="sdpa",
+                               cuda_graphs=False, page_size=16, chunk_size=512, max_num_seqs=seqs,
+                               num_pages=seqs * (-(-max_len // 16) + 1), **FORMATS[fmt]))  # fmt: skip
+    if fmt == "bf16":  # K/V rounded to bf16 when stored, math in fp32
+        o = e.runner.kv_cache
+        e.runner.kv_cache = KVCache(o.num_layers, o.num_pages, o.page_size, o.num_kv_heads, o.head_dim, torch.bfloat16,
+                                    o.device)  # fmt: skip
+    return e
+
+
+def quality_set(model: str, model_dir: Path, set_name: str, wins: list[list[int]], prompt: int, device: str,
+                formats: list[str]) -> list[Row]:  # fmt: skip
+    from pdserve.testing.teacher_forcing import forced_logits
+
+    prompts, forced = [w[:prompt] for w in wins], [w[prompt:] for w in wins]
+    tgt = torch.tensor([t for f in forced for t in f])
+    max_len, ref, rows = max(len(w) for w in wins), None, []
+    for fmt in ["fp32"] + [f for f in formats if f != "fp32"]:
+        t0 = time.perf_counter()
+        lg = torch.cat(
+            forced_logits(quality_engine(model_dir, fmt, device, max_len, len(wins)), prompts, forced)
+        ).float()
+        nll = torch.nn.functional.cross_entropy(lg, tgt, reduction="none")
+        ref = ref or (nll, lg.argmax(-1), lg)
+        ppl = math.exp(nll.mean().item())
+        row = Row(model, set_name, fmt, nll.numel(), max_len - 1, round(ppl, 4),
+                  round(ppl / math.exp(ref[0].mean().item()), 5),
+                  round((lg.argmax(-1) == ref[1]).float().mean().item(), 4),
+                  round((lg - ref[2]).abs().max().item(), 4), round(time.perf_counter() - t0, 1))  # fmt: skip
+        print(json.dumps(asdict(row)), flush=True)
+        rows.append(row)
+    return rows
+
+
+def quality(args) -> None:
+    from transformers import AutoTokenizer
+
+    from pdserve.models.demo import ensure_smol, ensure_tiny_trained
+    from pdserve.models.train_tiny import split_corpus
+
+    formats = args.formats.split(",") if args.formats else list(FORMATS)
+    if set(formats) - set(FORMATS):
+        raise SystemExit(f"unknown formats {sorted(set(formats) - set(FORMATS))}; known: {', '.join(FORMATS)}")
+    torch.manual_seed(0)
+    rows: list[Row] = []
+    for name in args.models.split(","):
+        path = ensure_tiny_trained() if name == "tiny" else ensure_smol()
+        text = split_corpus()[1] if name == "tiny" else "\n".join(split_corpus())  # smol has seen none of it
+        ids = AutoTokenizer.from_pretrained(str(path))(text)["input_ids"]
+        n, length = args.seqs, args.prompt + args.forced
+        if n * length > len(ids):
+            raise SystemExit(f"text has {len(ids)} tokens, {n} windows of {length} need more")
+        wins = [ids[i * (len(ids) // n) :][:length] for i in range(n)]
+        rows += quality_set(name, path, "short", wins, args.prompt, args.device, formats)
+        long_len = args.long_prompt + args.long_forced
+        if args.long_forced and long_len <= json.loads((path / "config.json").read_text())["max_position_embeddings"]:
+            rows += quality_set(name, path, "long", [ids[:long_len]], args.long_prompt, args.device, formats)
+    print(
+        "\n| model | set | KV | scored | context | ppl | ppl / fp32 | top-1 agree | max abs dlogit |\n"
+        + "|---" * 9
+        + "|"
+    )
+    for r in rows:
+        print(f"| {r.model} | {r.set} | {r.format} | {r.scored} | {r.context} | {r.ppl:.4f} | {r.ppl_ratio:.5f} | "
+              f"{r.top1_agree:.4f} | {r.max_abs_dlogit:.4f} |")  # fmt: skip
+    if args.json:  # the real checkpoint's short set gives the keys; quality_rows keeps earlier rows not re-measured
+        path = Path(args.json)
+        old = json.loads(path.read_text()).get("quality_rows", []) if path.exists() else []
+        new = {(r.model, r.set, r.format) for r in rows}
+        main_model = "smol" if "smol" in args.models.split(",") else rows[0].model
+        short = {r.format: r for r in rows if r.model == main_model and r.set == "short"}
+        keys = {f"ppl_{k}_kv": short[f].ppl for k, f in (("fp32", "fp32"), ("bf16", "bf16"), ("int8", "int8-g64"),
+                                                          ("fp8", "fp8")) if f in short}  # fmt: skip
+        keys.update(
+            {f"top1_agree_{k}": short[f].top1_agree for k, f in (("int8", "int8-g64"), ("fp8", "fp8")) if f in short}
+        )
+        prov = provenance(args.commit, args.device)
+        merge_json(path, {**keys, "model": main_model, **{f"quality_{k}": v for k, v in prov.items()},
+                          "quality_rows": [r for r in old if (r["model"], r["set"], r["format"]) not in new]
+                          + [asdict(r) for r in rows]})  # fmt: skip
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="docs/bench/kv_formats.json")
+    ap.add_argument("--commit", default="", help="the commit measured (a copied tree may lack git)")
+    ap.add_argument("--formats", default="", help="KV formats (speed: auto,int8,fp8; quality: every FORMATS name)")
     ap.add_argument("--model-dir", default="/dev/shm/llama3-8b-random")
-    ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--formats", default="", help="engine KV formats (default: auto,int8[,fp8])")
-    ap.add_argument("--sweep", action="store_true", help="only the int8 kernel config sweep")
-    ap.add_argument("--sweep-grid", default="", help='JSON: lists replacing SWEEP_GRID\'s (e.g. {"num_stages": [1]})')
-    ap.add_argument("--sweep-shapes", default="128x2048,64x2048,128x8192,64x8192", help="batch x context, ...")
-    ap.add_argument("--skip-kernels", action="store_true", help="engine steps only (no per-layer kernel sweep)")
-    ap.add_argument("--profile", action="store_true", help="CUDA time per kernel of one b128 engine step")
-    ap.add_argument(
-        "--int8-configs", default="", help="';'-separated JSON decode-kernel configs: more int8 engine rows"
-    )
-    ap.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="only: int8 engine rows with --batch-invariant off and on (b64, b128 decode steps; 2k prefill)",
-    )
-    ap.add_argument("--from-log", default="", help="no measuring: the speed keys from an earlier run's printed lines")
-    ap.add_argument(
-        "--overlap-rows", action="store_true", help="engine rows: each format again with --overlap-decode off"
-    )
-    ap.add_argument(
-        "--interleave",
-        type=int,
-        default=0,
-        help="engine rows from all engines held at once, timed in turns for this many rounds (the step keys too)",
-    )
+    ap.add_argument("--skip-kernels", action="store_true", help="engine steps only")
+    ap.add_argument("--skip-engine", action="store_true", help="per-layer kernels only")
+    ap.add_argument("--int8-configs", default="", help="';'-separated JSON int8 kernel overrides: more rows")
+    ap.add_argument("--interleave", type=int, default=6, help="rounds of 10 steps, engines timed in turns")
+    ap.add_argument("--sweep", action="store_true", help="only the int8 launch-config sweep (into --json)")
+    ap.add_argument("--sweep-grid", default='{"block_n":[32,64],"num_stages":[2,3],"num_warps":[1]}')
+    ap.add_argument("--sweep-shapes", default="128x2048,64x2048,64x8192", help="batch x context, ...")
+    ap.add_argument("--batch-invariant", action="store_true", help="only: int8 engines with --batch-invariant off/on")
+    ap.add_argument("--quality", action="store_true", help="only the quality rows (CPU unless --device cuda)")
+    ap.add_argument("--device", default="cpu", help="--quality: where the rows run")
+    ap.add_argument("--models", default="tiny,smol", help="--quality: tiny, smol")
+    ap.add_argument("--seqs", type=int, default=8, help="--quality short set: windows")
+    ap.add_argument("--prompt", type=int, default=64, help="--quality short set: prompt tokens per window")
+    ap.add_argument("--forced", type=int, default=256, help="--quality short set: scored tokens per window")
+    ap.add_argument("--long-prompt", type=int, default=4096, help="--quality long set: context before the scored")
+    ap.add_argument("--long-forced", type=int, default=256, help="--quality long set: scored tokens (0: none)")
     args = ap.parse_args()
-    if args.from_log:
-        keys_from_log(Path(args.from_log), Path(args.json))
-        return
-    copy_bw, _ = ge.ceilings()
-    if args.batch_invariant:
-        batch_invariant_rows(Path(args.model_dir), Path(args.json), copy_bw)
-        return
+    if args.quality:
+        return quality(args)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_engine as ge
+
+    table = Table()
+    copy_bw, _ = ge.ceilings(table)
+    prov = {**provenance(args.commit, torch.cuda.get_device_name(ge.DEV)), "copy_bw": copy_bw}
     if args.sweep:
-        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.sweep_shapes.split(",")]
-        sweep = config_sweep(copy_bw, shapes, json.loads(args.sweep_grid) if args.sweep_grid else None)
-        Path(args.json).write_text(json.dumps(sweep, indent=1))
-        return
-    result: dict = {"copy_bw": copy_bw}
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.sweep_shapes.split(",")]
+        sweep = config_sweep(ge, table, copy_bw, shapes, json.loads(args.sweep_grid))
+        merge_json(args.json, {f"int8_config_sweep_{prov['commit']}": {**sweep, **prov}})
+        return table.print()
+    model_dir = Path(args.model_dir)
+    weight_bytes = 2 * ge.write_checkpoint(model_dir, 32) if not args.skip_engine or args.batch_invariant else 0
+    if args.batch_invariant:  # issue 14 item 5's rule: the default only if it costs <= 5% at b64
+        rows = {}
+        for b in (64, 128):
+            engines = {f"b{b}_{s}": dict(kv="int8", batch_invariant=s == "on") for s in ("off", "on")}
+            rows |= engine_rows(ge, table, model_dir, engines, copy_bw, weight_bytes, 3, batch=b, prefill=b == 64)
+        cost = lambda a, k: rows[f"{a}_on"][k] / rows[f"{a}_off"][k]
+        merge_json(args.json, {"batch_invariant": {**rows, "step_cost_b64": cost("b64", "step_ms"),
+                   "step_cost_b128": cost("b128", "step_ms"), "prefill_cost_2k": cost("b64", "prefill_ms_2k"),
+                   **prov}})  # fmt: skip
+        return table.print()
+    keys: dict = {}
+    configs = [json.loads(c) for c in filter(None, args.int8_configs.split(";"))]
     if not args.skip_kernels:
-        sweep = int8_kernel_sweep(copy_bw, [(128, 2048), (64, 2048), (128, 8192), (64, 8192)])
-        b128 = sweep["b128_ctx2048"]
-        result.update(
-            int8_attn_bw_fraction_b128=b128[b128["best"]["default"]]["bw_fraction"],
-            bf16_attn_bw_fraction_b128=b128["dense_bf16"]["bw_fraction"],
-            attention_per_layer=sweep,
-        )
-        if "fp8" in b128:
-            result["fp8_attn_bw_fraction_b128"] = b128["fp8"]["bw_fraction"]
+        layers = keys["attention_per_layer"] = attention_rows(ge, table, copy_bw, configs)
+        for fmt in ("int8", "fp8", "bf16"):
+            keys[f"{fmt}_attn_bw_fraction_b128"] = layers["b128_ctx2048"][fmt]["bw_fraction"]
     if not args.skip_engine:
-        n_params = ge.write_checkpoint(Path(args.model_dir), 32)
-        formats = args.formats.split(",") if args.formats else kv_formats_available()
-        configs = list(filter(None, args.int8_configs.split(";")))
-        if args.interleave:
-            engines: dict[str, dict] = {kv: {"kv": kv} for kv in formats}
-            for cfg in configs:
-                engines[f"int8 {cfg}"] = {"kv": "int8", "decode_kernel_config": cfg}
-            engine = interleaved_steps(Path(args.model_dir), engines, copy_bw, n_params * 2, args.interleave)
-            result["engine_b128_ctx2k_interleaved"] = engine
-        else:
-            engine = {
-                kv: engine_steps(Path(args.model_dir), kv, copy_bw, n_params * 2, profile=args.profile)
-                for kv in formats
-            }
-            if args.overlap_rows:  # the same formats without overlapped decode, same run
-                for kv in formats:
-                    engine[f"{kv} overlap off"] = engine_steps(
-                        Path(args.model_dir), kv, copy_bw, n_params * 2, profile=args.profile, overlap="off"
-                    )
-            for cfg in configs:
-                engine[f"int8 {cfg}"] = engine_steps(
-                    Path(args.model_dir), "int8", copy_bw, n_params * 2, profile=args.profile, decode_config=cfg
-                )
-            result["engine_b128_ctx2k"] = engine
-        for kv, key in (("auto", "bf16_step_ms_b128"), ("int8", "int8_step_ms_b128"), ("fp8", "fp8_step_ms_b128")):
-            if kv in engine:
-                result[key] = engine[kv]["step_ms"]
-    result.update(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        commit=ge.git_commit(),
-        device=torch.cuda.get_device_name(DEV),
-    )
-    path = Path(args.json)
-    merged = json.loads(path.read_text()) if path.exists() else {}
-    merged.update(result)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(merged, indent=1))
-    ge.print_rows()
+        from pdserve.kv import dtypes
+
+        formats = args.formats.split(",") if args.formats else ["auto", *dtypes.QUANTIZED]
+        engines = {kv: {"kv": kv} for kv in formats}
+        engines |= {f"int8 {json.dumps(c)}": {"kv": "int8", "decode_kernel_config": json.dumps(c)} for c in configs}
+        steps = keys["engine_b128_ctx2k"] = engine_rows(
+            ge, table, model_dir, engines, copy_bw, weight_bytes, args.interleave
+        )
+        for kv, fmt in (("auto", "bf16"), ("int8", "int8"), ("fp8", "fp8")):
+            if kv in steps:
+                keys[f"{fmt}_step_ms_b128"] = steps[kv]["step_ms"]
+    merge_json(args.json, {**keys, **prov})
+    table.print()
 
 
 if __name__ == "__main__":

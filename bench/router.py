@@ -1,6 +1,6 @@
-"""Router benchmark: PCS routing vs round-robin vs least-requests on a skewed workload (end to end, and simulated:
-the real scheduler against FIFO prefill instances, free of CPU noise), the router's decision overhead, and the
-output-length estimator's error on a synthetic workload with known structure.
+"""Router: PCS routing vs round-robin vs least-requests on a skewed workload, end to end, and the router's decision
+overhead per request (the keys of docs/bench/router.json). The output-length estimator's error on a synthetic
+workload is printed by `pytest tests/services/router/test_estimator.py -s`.
 
     python bench/router.py [--requests 24] [--rate 2.0] [--long-frac 0.25] [--rounds 4] [--warmup-rounds 1]
                            [--json docs/bench/router.json]
@@ -9,29 +9,24 @@ Scaled for a 2-core CPU: the tiny random-weight llama (2 layers, hidden 64) with
 2 prefill + 2 decode processes (--torch-threads 1 each) and one router per variant (the three policies, plus
 PCS without its dispatch gate), all on loopback. The workload is open-loop Poisson arrivals of 32-token and
 4096-token prompts (random tokens, no shared prefix, new tokens every run so the prompt cache never hits) with
-max_tokens drawn from {16, 64, 256} (short) / {16, 64} (long), ignore_eos (so the output length is max_tokens).
-Every variant gets the same arrival times, lengths and max_tokens.
+max_tokens drawn from {16, 64, 256} (short) / {16, 64} (long), ignore_eos (so the output length is max_tokens),
+replayed by `pdserve bench --trace`. Every variant gets the same arrival times, lengths and max_tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
-import platform
+import os
 import random
 import statistics
-import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 
-import grpc
+from benchutil import log, merge_json, pdserve_bench, provenance
 
-import pdserve
+from pdserve.bench.report import column
 from pdserve.cli.launch import start_service, start_stack, wait_ready
 from pdserve.models.checkpoints import build_checkpoint
 
@@ -39,47 +34,9 @@ POLICIES = ("pcs", "round_robin", "least_requests")
 
 
 def pct(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
+    """Nearest-rank percentile (nan for no values)."""
     s = sorted(xs)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
-# ---- estimator error ------------------------------------------------------------------------------------------
-def estimator_error(n: int = 4000, warmup: int = 1000) -> dict[str, float]:
-    from pdserve.router.estimator import OutputLengthEstimator, features
-    from pdserve.router.pcs import count_special, fallback_output_len
-    from pdserve.testing.synthetic import rel_error, workload
-
-    special = frozenset(range(5))
-    est = OutputLengthEstimator()
-    rows: dict[str, list[tuple[float, float]]] = {"learned": [], "length_only": [], "max_tokens": [], "oracle": []}
-    for i, s in enumerate(workload(n, seed=11)):
-        f = features(s.token_ids, special, count_special(s.token_ids, special))
-        p = est.predict(f, s.max_tokens)
-        lo = fallback_output_len(s.max_tokens, len(s.token_ids), "length_only")
-        if i >= warmup:
-            for name, guess in (
-                ("learned", p if p is not None else lo),
-                ("length_only", lo),
-                ("max_tokens", s.max_tokens),
-                ("oracle", s.oracle),
-            ):
-                rows[name].append((rel_error(guess, s.output_len), abs(guess - s.output_len)))
-        est.observe(f, s.output_len, p)
-    print(
-        f"\nOutput-length estimator on a synthetic workload ({n} requests, 8 tasks, lognormal noise sigma=0.3; "
-        f"errors over the last {n - warmup}):"
-    )
-    print(f"{'predictor':>12s} {'rel. error':>10s} {'MAE tokens':>10s}")
-    out = {}
-    for name, r in rows.items():
-        out[name] = statistics.mean(e for e, _ in r)
-        print(f"{name:>12s} {out[name]:10.3f} {statistics.mean(a for _, a in r):10.1f}")
-    print(
-        f"running error the router sees: {est.error:.3f} (fallback above {est.max_error}); mode "
-        f"{est.mode('length_only')}"
-    )
-    return out
+    return s[max(0, -(-len(s) * q // 100) - 1)] if s else float("nan")
 
 
 # ---- decision overhead ----------------------------------------------------------------------------------------
@@ -97,14 +54,6 @@ def decision_overhead(model: Path, n: int = 5000, n_inst: int = 8) -> dict[str, 
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 512) for _ in range(4096 if rng.random() < 0.2 else 32)] for _ in range(200)]
     res = {}
-    print(
-        f"\nDecision overhead per request (in-process, {n_inst} prefill + {n_inst} decode instances, "
-        f"20% 4096-token / 80% 32-token prompts, {n} requests):"
-    )
-    print(
-        f"{'policy':>15s} {'plan p50':>9s} {'plan p99':>9s} {'sched p50':>9s} {'sched p99':>9s} "
-        f"{'total p50':>9s} {'total p99':>9s}  (µs)"
-    )
     for policy in POLICIES:
         cfg = RouterConfig(model=str(model), policy=policy, estimator_store="memory")
         sv = RouterServicer(cfg, tok, max_model_len=8192, vocab_size=512)
@@ -128,186 +77,38 @@ def decision_overhead(model: Path, n: int = 5000, n_inst: int = 8) -> dict[str, 
                 sv.scheduler.first_token(j)
                 sv.scheduler.finish(j, completed=True)
         total = [a + b for a, b in zip(plan_us, sched_us)]
-        res[policy] = {
-            "plan_p50": pct(plan_us, 50),
-            "plan_p99": pct(plan_us, 99),
-            "sched_p50": pct(sched_us, 50),
-            "sched_p99": pct(sched_us, 99),
-            "p50": pct(total, 50),
-            "p99": pct(total, 99),
-        }
-        r = res[policy]
-        print(
-            f"{policy:>15s} {r['plan_p50']:9.1f} {r['plan_p99']:9.1f} {r['sched_p50']:9.1f} {r['sched_p99']:9.1f} "
-            f"{r['p50']:9.1f} {r['p99']:9.1f}"
-        )
+        res[policy] = {f"{k}_p{q}": pct(v, q) for k, v in (("plan", plan_us), ("sched", sched_us)) for q in (50, 99)}
+        res[policy] |= {"p50": pct(total, 50), "p99": pct(total, 99)}
+        log(f"decision overhead per request, {policy} ({n_inst} + {n_inst} instances, 20% 4096-token prompts): "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in res[policy].items()))  # fmt: skip
     return res
 
 
-# ---- simulated instances --------------------------------------------------------------------------------------
-def simulate(
-    policy: str,
-    rate: float,
-    long_frac: float,
-    n: int = 2000,
-    seed: int = 0,
-    n_prefill: int = 2,
-    long_s: float = 1.4,
-    short_s: float = 0.012,
-    largest_first: bool = False,
-) -> list[tuple[float, bool]]:
-    """The real Scheduler and policy against simulated prefill instances (each a FIFO server: a 4096-token
-    prompt takes `long_s`, a 32-token one `short_s`), Poisson arrivals. Returns (TTFT s, is_long) per request.
-    Baselines dispatch at once (no gate), like the end-to-end runs. `largest_first`: the queue ordered by
-    largest PCS first (the alternative reading of the priority rule, for comparison)."""
-    import heapq
-    import itertools
-
-    from pdserve.router.config import RouterConfig
-    from pdserve.router.instances import DECODE, PREFILL
-    from pdserve.router.scheduler import Job, Scheduler
-
-    cfg = RouterConfig(
-        model="m",
-        policy=policy,
-        prefill_capacity_pcs=1e9,
-        decode_capacity_pcs=1e9,
-        max_queue=10**6,
-        **({} if policy == "pcs" else {"prefill_max_inflight_tokens": 0}),
-    )
-    sched = Scheduler(cfg)
-    for i in range(n_prefill):
-        sched.add(PREFILL, f"p{i}:1")
-    sched.add(DECODE, "d:1")
-    rng, seq, t, events = random.Random(seed), itertools.count(), 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        heapq.heappush(events, (t, next(seq), "arrive", 4096 if rng.random() < long_frac else 32))
-    fifo: dict[str, list[Job]] = {a: [] for a in sched.instances[PREFILL]}
-    busy = dict.fromkeys(fifo, False)
-    waiting: list[Job] = []
-    out = []
-
-    def start(addr: str, now: float) -> None:
-        if fifo[addr] and not busy[addr]:
-            busy[addr] = True
-            heapq.heappush(
-                events, (now + (long_s if fifo[addr][0].prompt_len > 32 else short_s), next(seq), "done", addr)
-            )
-
-    while events:
-        now, _, kind, x = heapq.heappop(events)
-        if kind == "arrive":
-            pcs = 0.3 * x + 0.5 * 32
-            job = Job(str(now), pcs, -pcs if largest_first else pcs, x, 1, None, arrival=now)
-            sched.submit(job)
-            waiting.append(job)
-        else:
-            job = fifo[x].pop(0)
-            busy[x] = False
-            out.append((now - job.arrival, job.prompt_len > 32))
-            sched.first_token(job)
-            sched.finish(job, completed=True)
-            start(x, now)
-        for job in [j for j in waiting if j.event.is_set()]:  # dispatched by the scheduler: into that FIFO
-            waiting.remove(job)
-            fifo[job.prefill.address].append(job)
-            start(job.prefill.address, now)
-    return out
-
-
-def simulated(loads=((0.5, 0.25), (1.0, 0.25), (2.0, 0.25), (2.5, 0.25), (6.0, 0.05))) -> None:
-    print(
-        "\nSimulated prefill instances (2 FIFO servers: 4096 tokens 1.4 s, 32 tokens 12 ms, as measured on this CPU; "
-        "the real scheduler and policies; 3 seeds x 2000 requests; TTFT = queueing + prefill, ms):"
-    )
-    print(
-        f"{'rate/s':>6s} {'long':>5s} {'util':>5s} {'policy':>15s} {'p50':>6s} {'p99':>6s} {'short p99':>9s} "
-        f"{'long p99':>8s}"
-    )
-    for rate, lf in loads:
-        util = rate * (lf * 1.4 + (1 - lf) * 0.012) / 2
-        for policy, largest in [(p, False) for p in POLICIES] + [("pcs", True)]:
-            res = [simulate(policy, rate, lf, seed=s, largest_first=largest) for s in range(3)]
-            f = [[pct([t for t, _ in r], q) for r in res] for q in (50, 99)]
-            short = [pct([t for t, lg in r if not lg], 99) for r in res]
-            long = [pct([t for t, lg in r if lg], 99) for r in res]
-            name = "pcs largest 1st" if largest else policy
-            print(
-                f"{rate:6.1f} {lf:5.2f} {util:5.2f} {name:>15s} {statistics.mean(f[0]) * 1e3:6.0f} "
-                f"{statistics.mean(f[1]) * 1e3:6.0f} {statistics.mean(short) * 1e3:9.0f} "
-                f"{statistics.mean(long) * 1e3:8.0f}"
-            )
-
-
-# ---- end to end -----------------------------------------------------------------------------------------------
-def make_workload(
-    n: int, rate: float, long_frac: float, seed: int, content_seed: int
-) -> list[tuple[float, list[int], int]]:
-    """Arrival times, prompt lengths and max_tokens from `seed` (the same for every variant); the prompt tokens
-    from `content_seed`: every run gets prompts never seen before, so the prefill instances' prompt cache
-    (issue 4, on by default) cannot serve a later run from an earlier one."""
-    rng, tokens = random.Random(seed), random.Random(content_seed)
-    t, out = 0.0, []
+# ---- end to end -------------------------------------------------------------------------------------------------
+def write_trace(path: Path, n: int, rate: float, long_frac: float, seed: int) -> Path:
+    """A `pdserve bench --trace` file: Poisson arrivals, 4096-token prompts with probability `long_frac` (else 32),
+    max_tokens from {16, 64} (long) / {16, 64, 256} (short); the same for every variant of a seed. pdserve bench
+    draws fresh prompt tokens per invocation, so the prefill prompt cache never serves a run from an earlier one."""
+    rng, t, lines = random.Random(seed), 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)
         long = rng.random() < long_frac
-        ids = [tokens.randrange(5, 512) for _ in range(4096 if long else 32)]
-        out.append((t, ids, rng.choice([16, 64] if long else [16, 64, 256])))
-    return out
+        out = rng.choice([16, 64] if long else [16, 64, 256])
+        lines.append(json.dumps({"arrival_s": round(t, 4), "input_tokens": 4096 if long else 32, "output_tokens": out}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
-def run_workload(router: str, work: list[tuple[float, list[int], int]]) -> dict:
-    def one(item):
-        at, ids, max_tokens = item
-        time.sleep(max(0.0, start + at - time.monotonic()))
-        t0 = time.monotonic()
-        ttft, n = None, 0
-        try:
-            for ch in client.stream(token_ids=ids, max_tokens=max_tokens, ignore_eos=True):
-                if ttft is None and ch.token_ids:
-                    ttft = time.monotonic() - t0
-                n += len(ch.token_ids)
-        except grpc.RpcError as e:
-            return None, 0, time.monotonic(), len(ids), e.code().name
-        return ttft, n, time.monotonic(), len(ids), None
-
-    with pdserve.Client(router, timeout=600) as client:
-        client.generate(token_ids=[5, 6, 7], max_tokens=2)  # warm the channel
-        start = time.monotonic()
-        with ThreadPoolExecutor(len(work)) as ex:
-            res = list(ex.map(one, work))
-    errors = [r[4] for r in res if r[4]]
-    ok = [r for r in res if not r[4]]
-    ttft = [r[0] * 1e3 for r in ok]
-    short = [r[0] * 1e3 for r in ok if r[3] <= 32]
-    long = [r[0] * 1e3 for r in ok if r[3] > 32]
-    makespan = max(r[2] for r in ok) - start
-    return {
-        "p50": pct(ttft, 50),
-        "p99": pct(ttft, 99),
-        "short_p99": pct(short, 99) if short else float("nan"),
-        "long_p99": pct(long, 99) if long else float("nan"),
-        "tok_s": sum(r[1] for r in ok) / makespan,
-        "req_s": len(ok) / makespan,
-        "errors": len(errors),
-        "ttfts": ttft,
-    }
-
-
-def warm_up(router: str, rounds: int = 4) -> None:
-    """Load every instance once before measuring (first calls, first allocations)."""
-    rng = random.Random(99)
-    with pdserve.Client(router, timeout=600) as c, ThreadPoolExecutor(4) as ex:
-        for _ in range(rounds):
-            list(
-                ex.map(
-                    lambda n: c.generate(
-                        token_ids=[rng.randrange(5, 512) for _ in range(n)], max_tokens=8, ignore_eos=True
-                    ),
-                    [4096, 4096, 32, 32],
-                )
-            )
+def run_workload(router: str, model: Path, trace: Path, out: Path) -> dict:
+    """One round of `trace` against `router` through pdserve bench: TTFT percentiles, short and long P99."""
+    run = pdserve_bench(router, out, "--tokenizer", str(model), "--trace", str(trace), "--warmup", "0",
+                        "--slo-ttft-ms", "100000", "--slo-tpot-ms", "100000")["runs"][0]  # fmt: skip
+    s = run["summary"]
+    ttft, lens = column(run, "ttft_ms"), column(run, "input_tokens")
+    by_len = lambda long: [t for t, n in zip(ttft, lens) if t is not None and (n > 32) == long]
+    return dict(p50=s["ttft_ms"]["p50"], p99=s["ttft_ms"]["p99"], short_p99=pct(by_len(False), 99),
+                long_p99=pct(by_len(True), 99), tok_s=s["output_tokens_per_s"], req_s=s["throughput_rps"],
+                errors=s["num_requests"] - s["completed"], ttfts=[t for t in ttft if t is not None])  # fmt: skip
 
 
 # router flags per variant; the baselines dispatch at once like a plain proxy (no dispatch gate)
@@ -320,17 +121,12 @@ VARIANTS = {
 
 
 def end_to_end(model: Path, work_dir: Path, args) -> dict[str, dict]:
-    base = ["--estimator-store", "memory"]
-    names = list(VARIANTS)
-    stack = start_stack(
-        model,
-        work_dir / "stack",
-        num_prefill=2,
-        num_decode=2,
-        extra=["--torch-threads", "1"],
-        router_extra=[*base, *VARIANTS[names[0]]],
-    )
+    base, names = ["--estimator-store", "memory"], list(VARIANTS)
+    stack = start_stack(model, work_dir / "stack", num_prefill=2, num_decode=2, extra=["--torch-threads", "1"],
+                        router_extra=[*base, *VARIANTS[names[0]]])  # fmt: skip
     routers = {names[0]: stack.router}
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    trace = write_trace(work_dir / "trace.jsonl", args.requests, args.rate, args.long_frac, args.seed)
     try:
         static = [f for a in stack.prefill for f in ("--prefill", a)] + [
             f for a in stack.decode for f in ("--decode", a)
@@ -340,80 +136,34 @@ def end_to_end(model: Path, work_dir: Path, args) -> dict[str, dict]:
             stack.procs.append(r[0])
             stack.logs.append(r[2])
             routers[name] = wait_ready(*r)
-        warm_up(routers["pcs"])
-        content = itertools.count(1000)
-        for _ in range(args.warmup_rounds):  # unmeasured rotations
+        warm = write_trace(work_dir / "warm.jsonl", args.requests, args.rate, args.long_frac, args.seed + 1)
+        for _ in range(args.warmup_rounds):  # unmeasured rounds: first calls, first allocations
             for name in names[::-1]:
-                run_workload(
-                    routers[name], make_workload(args.requests, args.rate, args.long_frac, args.seed + 1, next(content))
-                )
-        n_long = sum(
-            1 for _, ids, _ in make_workload(args.requests, args.rate, args.long_frac, args.seed, 0) if len(ids) > 32
-        )
-        print(
-            f"\nEnd to end: {args.requests} requests per round ({n_long} of 4096 tokens, the rest 32), Poisson "
-            f"{args.rate}/s, 2 prefill + 2 decode, {args.rounds} round(s); load average {load()}"
-        )
-        runs: dict[str, list[dict]] = {n: [] for n in names}
+                run_workload(routers[name], model, warm, work_dir / "warm.json")
+        log(f"end to end: {args.requests} requests per round, Poisson {args.rate}/s, {args.long_frac:.0%} of 4096 "
+            f"tokens, 2 prefill + 2 decode, {args.rounds} round(s); load average {os.getloadavg()[0]:.1f}")  # fmt: skip
         for rnd in range(args.rounds):  # rotate the order: background load drifts, every variant sees each slot
             for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
-                work = make_workload(args.requests, args.rate, args.long_frac, args.seed, next(content))
-                runs[name].append(run_workload(routers[name], work))
-                r = runs[name][-1]
-                print(
-                    f"  round {rnd} {name:15s} ttft p50 {r['p50']:7.0f} ms  p99 {r['p99']:7.0f} ms  "
-                    f"{r['tok_s']:6.1f} tok/s  errors {r['errors']}  (load {load()})",
-                    flush=True,
-                )
+                r = run_workload(routers[name], model, trace, work_dir / f"{name}-{rnd}.json")
+                runs[name].append(r)
+                log(f"round {rnd} {name:15s} TTFT p50 {r['p50']:7.0f} ms, p99 {r['p99']:7.0f} ms, {r['tok_s']:6.1f} "
+                    f"tok/s, errors {r['errors']} (load {os.getloadavg()[0]:.1f})")  # fmt: skip
     finally:
         stack.stop()
     out = {}
-    print(
-        f"\n{'variant':>15s} {'p99 median':>10s} {'p99 pooled':>10s} {'p50 pooled':>10s} {'short p99':>9s} "
-        f"{'long p99':>9s} {'tok/s':>7s} {'req/s':>6s} {'errors':>6s}   (TTFT ms)"
-    )
+    print(f"\n{'variant':>15s} {'p99 median':>10s} {'p99 pooled':>10s} {'p50 pooled':>10s} {'short p99':>9s} "
+          f"{'long p99':>9s} {'tok/s':>7s} {'req/s':>6s} {'errors':>6s}   (TTFT ms)")  # fmt: skip
     for name, rs in runs.items():
         ttft = [t for r in rs for t in r["ttfts"]]
-        out[name] = {
-            "p99_median": statistics.median(r["p99"] for r in rs),
-            "p99": pct(ttft, 99),
-            "p50": pct(ttft, 50),
-            "short_p99": statistics.median(r["short_p99"] for r in rs),
-            "long_p99": statistics.median(r["long_p99"] for r in rs),
-            "tok_s": statistics.median(r["tok_s"] for r in rs),
-            "req_s": statistics.median(r["req_s"] for r in rs),
-            "errors": sum(r["errors"] for r in rs),
-        }
-        o = out[name]
-        print(
-            f"{name:>15s} {o['p99_median']:10.0f} {o['p99']:10.0f} {o['p50']:10.0f} {o['short_p99']:9.0f} "
-            f"{o['long_p99']:9.0f} {o['tok_s']:7.1f} {o['req_s']:6.2f} {o['errors']:6d}"
-        )
-    print(
-        "p99 median: the median over rounds of each round's P99 (robust to a round disturbed by other work on "
-        "the host); short/long p99, tok/s, req/s: medians over rounds"
-    )
+        med = lambda k, rs=rs: statistics.median(r[k] for r in rs)
+        o = out[name] = dict(p99_median=med("p99"), p99=pct(ttft, 99), p50=pct(ttft, 50), short_p99=med("short_p99"),
+                             long_p99=med("long_p99"), tok_s=med("tok_s"), req_s=med("req_s"),
+                             errors=sum(r["errors"] for r in rs))  # fmt: skip
+        print(f"{name:>15s} {o['p99_median']:10.0f} {o['p99']:10.0f} {o['p50']:10.0f} {o['short_p99']:9.0f} "
+              f"{o['long_p99']:9.0f} {o['tok_s']:7.1f} {o['req_s']:6.2f} {o['errors']:6d}")  # fmt: skip
+    print("p99 median: the median over rounds of each round's P99 (robust to a round disturbed by other work on the "
+          "host); short/long p99, tok/s, req/s: medians over rounds")  # fmt: skip
     return out
-
-
-def load() -> str:
-    import os
-
-    return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
 
 
 def main() -> None:
@@ -425,29 +175,18 @@ def main() -> None:
     ap.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds of every variant first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-e2e", action="store_true", help="only the in-process figures")
-    ap.add_argument("--json", default="", help="write the figures (docs/bench/router.json keys) here")
+    ap.add_argument("--json", default="", help="merge the figures (docs/bench/router.json keys) into this file")
+    ap.add_argument("--commit", default="", help="the commit measured (a copied tree may lack git)")
     args = ap.parse_args()
     work_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-router-"))
     model = build_checkpoint(work_dir / "model", arch="llama", seed=0, max_position_embeddings=8192)
-    estimator_error()
     dec = decision_overhead(model)
-    simulated()
     if args.skip_e2e:
         return
     e2e = end_to_end(model, work_dir, args)
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "services/router", "bench/router.py"]).returncode:
-            commit += "-dirty"
         figures = {f"p99_ttft_ms_{p}": round(e2e[p]["p99_median"], 1) for p in POLICIES}
-        figures.update(
-            decision_us_p99=round(dec["pcs"]["p99"], 1),
-            date=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            commit=commit,
-            machine=machine(),
-        )
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-        print(f"\nwrote {args.json}: {figures}")
+        merge_json(args.json, {**figures, "decision_us_p99": round(dec["pcs"]["p99"], 1), **provenance(args.commit)})
 
 
 if __name__ == "__main__":

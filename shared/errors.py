@@ -32,3 +32,21 @@ class OutOfPages(PdserveError, RuntimeError):
 
 class CorruptPage(InvalidRequest):
     """A KV page failed its checksum or layout checks (bytes damaged or sender disagrees) → DATA_LOSS."""
+
+
+class TransferError(PdserveError):
+    """A KV transfer broke its protocol (gap, repeat, unknown or missing page, a peer's bad message), on either end
+    → DATA_LOSS."""
+
+
+class DeadlineExceeded(PdserveError, TimeoutError):
+    """A bound on a request or its KV transfer passed (ack_timeout_s, page_timeout_s, request_timeout_s)
+    → DEADLINE_EXCEEDED."""
+
+
+class TransportUnusable(PdserveError):
+    """A KV transport forced on either end cannot work between the two instances → FAILED_PRECONDITION."""
+
+
+class PeerUnavailable(PdserveError):
+    """The other end of a KV transfer went away or never answered → UNAVAILABLE."""

@@ -20,12 +20,13 @@ import time
 import grpc
 
 from pdserve.cache.keys import CacheNamespace
-from pdserve.cache.prompt_cache import CacheLookup, PromptCache
-from pdserve.cache.serving import lookup_prefix, write_back
+from pdserve.cache.prefix_policy import PrefixPlan, PrefixPolicy
+from pdserve.cache.prompt_cache import PromptCache
 from pdserve.decode.colocated_config import ColocatedConfig
 from pdserve.decode.token_stream import ActiveCalls, StreamEnd, generate_call, relay
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.request import EngineRequest
 from pdserve.kv.transfer import ExportedPages
 from pdserve.server.grpc_util import remaining
 from pdserve.server.instance_stats import instance_stats
@@ -77,6 +78,8 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         self.page_size: int = engine.page_size
         self.layout = engine.pool_layout  # what the prompt cache stores and serves here
         self.namespace = CacheNamespace(self.fingerprint, self.layout)
+        # the prompt cache's prefixes, as on a prefill instance (the pool keeps no prefixes of its own here)
+        self.prefix = PrefixPolicy(cache, self.page_size, pool_reuse=False)
         self.meter = PrefillRateMeter(engine)
         loop.step_listener = self.meter
         self.active = ActiveCalls()
@@ -100,21 +103,18 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
         # prompt_logprobs score every prompt token, and a resume recomputes: neither takes pages from the cache
         ns = dataclasses.replace(self.namespace, scope=request.cache_scope)  # the router's scope: tenant or shared
-        hit = (
-            CacheLookup([], [])
-            if sampling.prompt_logprobs or resumed
-            else lookup_prefix(self.cache, ns, prompt, self.page_size, self.meter.rate.rate())
-        )
+        plan = self.prefix.plan(ns, prompt, bool(sampling.prompt_logprobs or resumed), self.meter.rate.rate())
+        cached = plan.hit.num_pages * self.page_size
         outputs: queue.Queue = queue.Queue()
         to_cache: list[ExportedPages] = []  # filled on the engine thread before the first token's output is queued
         admitted_ns = time.time_ns()
 
         def on_output(out) -> None:  # engine thread
             if not isinstance(out, BaseException) and out.new_token_ids and out.num_completion_tokens == resumed + 1:
-                req.record("colocated.prefill", admitted_ns, {"pdserve.cached_tokens": hit.num_pages * self.page_size})
+                req.record("colocated.prefill", admitted_ns, {"pdserve.cached_tokens": cached})
                 if not out.finished:  # its pages are still held: copy the new full pages out for the cache
                     try:
-                        exported = self._export_for_cache(rid, hit)
+                        exported = self._export_for_cache(rid, plan)
                         if exported is not None:
                             to_cache.append(exported)
                     except Exception as e:  # the cache is an optimisation: never fail the request over it
@@ -123,17 +123,18 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
 
         try:
             self.loop.add_request(
-                rid,
-                prompt,
-                sampling,
+                EngineRequest(
+                    rid,
+                    prompt,
+                    sampling,
+                    cached_pages=plan.cached_pages,
+                    resumed_tokens=resumed,
+                    resumed_text_chars=request.resumed_text_chars,
+                ),
                 on_output,
-                cached_pages=hit.pages or None,
-                resumed_tokens=resumed,
-                resumed_text_chars=request.resumed_text_chars,
             )
         except Exception as e:
             context.abort(engine_error_code(e), f"colocated instance could not admit request: {e}")
-        cached = hit.num_pages * self.page_size
 
         def summary(end: StreamEnd) -> None:
             fmt = "colocated rid=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s ms=%.1f"
@@ -144,16 +145,17 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
             for msg in relay(outputs, context, deadline, "colocated request", req, cached, end):
                 yield msg
-                if to_cache and self.cache is not None:  # after the first token went out: off its path
-                    write_back(self.cache, ns, hit.keys, hit.num_pages, [to_cache.pop()], self.layout)
+                if to_cache:  # after the first token went out: off its path
+                    self.prefix.write_back(ns, plan, plan.hit.num_pages, [to_cache.pop()], self.layout)
 
     # ---- prompt cache ---------------------------------------------------------------------------------
-    def _export_for_cache(self, rid: str, hit: CacheLookup) -> ExportedPages | None:
+    def _export_for_cache(self, rid: str, plan: PrefixPlan) -> ExportedPages | None:
         """Engine thread, right after the prompt's last chunk: the full prompt pages not from the cache, gathered
         on the device in the pool's format (None: nothing to write)."""
-        if self.cache is None or len(hit.keys) <= hit.num_pages:
+        pages = plan.new_pages()
+        if self.cache is None or not pages:
             return None
-        return self.loop.engine.export_batch(rid, list(range(hit.num_pages, len(hit.keys))), self.layout)
+        return self.loop.engine.export_batch(rid, pages, self.layout)
 
     def Stats(self, request, context):
         rate = self.meter.rate.rate() or 0.0
@@ -167,7 +169,7 @@ def serve(cfg: ColocatedConfig) -> None:
     from pdserve.telemetry.metrics import watch_engine, watch_prompt_cache
 
     service = internal_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
-    loop = build_engine(cfg, pool_kv_dtype=cfg.kv_dtype)
+    loop = build_engine(cfg)  # its pool stores --kv-dtype (the prompt cache pages' format too)
     cache = build_prompt_cache(cfg)
 
     def register(server, telemetry):

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.server.service_config import EngineOptions, opt
+from pdserve.engine.config import EngineConfig
+from pdserve.server.service_config import EngineServiceConfig, engine_settings, kv_link_problems, opt
+
+KV_DTYPE_HELP = (
+    "int8|fp8|auto: what the KV pool stores, and so the page format prefill ships to this instance (every request "
+    "names it); fp8: e4m3, one scale per token and KV head; auto: the model dtype, unquantized"
+)
 
 
 @dataclass
-class DecodeConfig(EngineOptions):
-    kv_asymmetric: bool = opt(False, "asymmetric int8 (scale + zero point) instead of symmetric")
+class DecodeConfig(EngineServiceConfig):
+    engine: EngineConfig = engine_settings(helps={"kv_dtype": KV_DTYPE_HELP})
     page_timeout_s: float = opt(
         30.0,
         "longest wait for the next message (KV page or done) from prefill; then "
@@ -31,12 +37,11 @@ class DecodeConfig(EngineOptions):
 
     def validate(self) -> None:
         super().validate()
-        if self.kv_copy_threads < 0:
-            raise SystemExit(f"--kv-copy-threads must be >= 0, got {self.kv_copy_threads}")
+        problems = kv_link_problems(self.kv_transport, self.kv_copy_threads)
         if not self.page_timeout_s > 0:
-            raise SystemExit(f"--page-timeout-s must be > 0, got {self.page_timeout_s}")
-        if self.kv_transport not in ("auto", "grpc", "cuda-ipc"):
-            raise SystemExit(f"--kv-transport must be auto, grpc or cuda-ipc, got {self.kv_transport!r}")
+            problems.append(f"--page-timeout-s must be > 0, got {self.page_timeout_s}")
+        if problems:
+            raise SystemExit("; ".join(problems))
 
 
 ENV_PREFIX = "PDSERVE_DECODE_"

@@ -13,7 +13,7 @@ SERVICE = internal_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 def serve(cfg: DecodeConfig) -> None:
     from pdserve.decode.servicer import DecodeServicer
 
-    loop = build_engine(cfg, pool_kv_dtype=cfg.kv_dtype)  # int8 pool when pages arrive as int8
+    loop = build_engine(cfg)  # its pool stores what prefill ships to it (--kv-dtype)
 
     def register(server, telemetry):
         watch_engine(telemetry.metrics, loop)
@@ -21,9 +21,7 @@ def serve(cfg: DecodeConfig) -> None:
         internal_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
         def cleanup():
-            servicer.prefill.close()
-            if servicer.kv_copy_pool is not None:
-                servicer.kv_copy_pool.shutdown(wait=False, cancel_futures=True)
+            servicer.close()  # channels to prefill instances, KV copy threads
             loop.stop()
 
         return cleanup

@@ -1,15 +1,29 @@
-"""Prefill service configuration (CLI flags or PDSERVE_PREFILL_* environment variables)."""
+"""Prefill service configuration (CLI flags or PDSERVE_PREFILL_* environment variables).
+
+`--kv-dtype` on prefill: the page format decode's layout is expected to ask for. Decode's layout decides what is
+shipped (each request carries it; prefill computes in full precision and quantizes when shipping), so one prefill
+can serve decode instances of several formats. The flag decides what prefill prepares: the warm-up's export and
+import format and, with `--batch-invariant`, what its own pool stores. A request whose layout differs is served
+and logged once per format (`pdserve.prefill.kv_format.ShipFormatCheck`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.cache.config import CacheOptions
-from pdserve.server.service_config import EngineOptions, opt
+from pdserve.engine.config import EngineConfig
+from pdserve.server.service_config import EngineServiceConfig, engine_settings, kv_link_problems, opt
+
+KV_DTYPE_HELP = (
+    "int8|fp8|auto: the KV page format decode is expected to ask for (decode's layout decides what is shipped; "
+    "another format is served and logged once): the warm-up's format and, with --batch-invariant, the pool's"
+)
 
 
 @dataclass
-class PrefillConfig(CacheOptions, EngineOptions):
+class PrefillConfig(CacheOptions, EngineServiceConfig):
+    engine: EngineConfig = engine_settings(helps={"kv_dtype": KV_DTYPE_HELP})
     ack_timeout_s: float = opt(
         30.0,
         "longest a shipped KV page may stay unacknowledged by decode; then the "
@@ -22,11 +36,6 @@ class PrefillConfig(CacheOptions, EngineOptions):
     )
     kv_batch_mb: float = opt(8.0, "grpc transport: page bytes per stream message, MiB")
     kv_ipc_staging_mb: float = opt(512.0, "cuda-ipc transport: device staging buffer shared with decode, MiB")
-
-    def default_max_streams(self) -> int:
-        """KV streams at once: every decode instance's requests in prefill (several decode instances per prefill)."""
-        return 4 * self.max_num_seqs
-
     prefix_reuse: bool = opt(
         True,
         "keep the prompt pages this instance computed in its KV pool (evictable) and start a request with the "
@@ -36,16 +45,29 @@ class PrefillConfig(CacheOptions, EngineOptions):
         4, "grpc transport: threads building KV batch messages (checksum, serialization) ahead of the stream; 0: none"
     )
 
+    def default_max_streams(self) -> int:
+        """KV streams at once: every decode instance's requests in prefill (several decode instances per prefill)."""
+        return 4 * self.engine.max_num_seqs
+
+    def pool_config(self) -> EngineConfig:
+        """The engine prefill runs: it keeps full precision and quantizes when shipping; batch-invariant, its pool
+        stores the shipped format, so its chunks attend over the same dequantized KV that a prompt-cache hit or the
+        decode instance sees."""
+        return self.engine if self.engine.batch_invariant else replace(self.engine, kv_dtype="auto")
+
+    def ship_formats(self) -> list[tuple[str, int]]:
+        """(kv dtype, group size) of the pages the warm-up exports and imports: the format of `--kv-dtype`."""
+        return [(self.engine.kv_dtype, self.engine.kv_group_size)]
+
     def validate(self) -> None:
         super().validate()
-        if self.kv_copy_threads < 0:
-            raise SystemExit(f"--kv-copy-threads must be >= 0, got {self.kv_copy_threads}")
+        problems = kv_link_problems(self.kv_transport, self.kv_copy_threads)
         if not self.ack_timeout_s > 0:
-            raise SystemExit(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
-        if self.kv_transport not in ("auto", "grpc", "cuda-ipc"):
-            raise SystemExit(f"--kv-transport must be auto, grpc or cuda-ipc, got {self.kv_transport!r}")
+            problems.append(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         if not (self.kv_batch_mb > 0 and self.kv_ipc_staging_mb > 0):
-            raise SystemExit("--kv-batch-mb and --kv-ipc-staging-mb must be > 0")
+            problems.append("--kv-batch-mb and --kv-ipc-staging-mb must be > 0")
+        if problems:
+            raise SystemExit("; ".join(problems))
         self.validate_cache()
 
 

@@ -14,13 +14,7 @@ SERVICE = internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 def serve(cfg: PrefillConfig) -> None:
     from pdserve.prefill.servicer import PrefillServicer, add_prefill_servicer
 
-    # prefill keeps full precision and quantizes when shipping; batch-invariant: it stores the shipped format, so
-    # its chunks attend over the same dequantized KV that a prompt-cache hit or the decode instance sees
-    loop = build_engine(
-        cfg,
-        pool_kv_dtype=cfg.kv_dtype if cfg.batch_invariant else "auto",
-        ship_formats=[(cfg.kv_dtype, cfg.kv_group_size)],
-    )
+    loop = build_engine(cfg, cfg.pool_config(), ship_formats=cfg.ship_formats())
     cache = build_prompt_cache(cfg)  # Redis (--redis-url / $REDIS_URL), in-process, or None (--prompt-cache false)
 
     def register(server, telemetry):

@@ -50,7 +50,7 @@ class RetrySlots:
     gets the later of its own earliest retry and the slot after the last one promised (plus its `spacing_s`), so a
     burst of N rejected callers returns over about N request-drain times, each finding the room its predecessors'
     work freed, instead of N retrying together, one fitting and N-1 backing off again (the SDK's backoff then grows
-    towards its cap: a 2 s tail at the end of a 32-wide burst, docs/benchmarks.md). A promise never lies more than
+    towards its cap, and the last callers of a burst come back up to that cap late). A promise never lies more than
     `max_spread_s` past the caller's earliest retry, so callers rejected in floods (that may never come back) delay
     the others by at most that."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from pdserve.v1 import generate_pb2, router_admin_pb2, router_admin_pb2_grpc
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 REGISTRY = router_admin_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+log = logging.getLogger("pdserve.router")
 
 
 def model_id(model_dir: str | Path) -> str:
@@ -31,6 +33,7 @@ def model_id(model_dir: str | Path) -> str:
 def serve(cfg: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
+    from pdserve.models.generation_config import GenerationDefaults
     from pdserve.router.instances import COLOCATED
     from pdserve.router.registry import RegistryServicer
     from pdserve.router.servicer import RouterServicer, add_generation_servicer
@@ -39,6 +42,8 @@ def serve(cfg: RouterConfig) -> None:
     auth = Authenticator.from_config(cfg.auth_tokens_file, os.environ)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model_cfg = json.loads((Path(cfg.model) / "config.json").read_text())
+    defaults = GenerationDefaults.from_model_dir(cfg.model)
+    log.info("sampling defaults from the model's generation_config.json: %s", defaults.describe())
 
     def register(server, telemetry, internal):
         servicer = RouterServicer(
@@ -49,6 +54,7 @@ def serve(cfg: RouterConfig) -> None:
             telemetry=telemetry,
             model_id=model_id(cfg.model),
             tenant_of=auth.tenant_of,
+            generation_defaults=defaults,
         )
         watch_pools(telemetry.metrics, servicer.prefill, servicer.decode, servicer.scheduler.view(COLOCATED))
         register_slo_metrics(telemetry.metrics, servicer.scheduler)

@@ -16,6 +16,7 @@ import grpc
 
 from pdserve.engine.reasoning_budget import ThinkTags
 from pdserve.errors import InvalidRequest
+from pdserve.models.generation_config import GenerationDefaults
 from pdserve.router.admission import Rejected
 from pdserve.router.attempt import AttemptHooks, Progress, relay
 from pdserve.router.config import RouterConfig
@@ -38,7 +39,7 @@ from pdserve.router.reasoning import ReasoningSplitter, reasoning_tags
 from pdserve.router.retry_policy import Action, Decision, after_failure
 from pdserve.router.scheduler import Cancelled, Job, Scheduler, Unavailable
 from pdserve.router.shaping import ChunkShaper, merge_chunks
-from pdserve.server.proto_convert import MalformedMessage, lenient_parser, sampling_from_proto
+from pdserve.server.proto_convert import MalformedMessage, lenient_parser, sampling_from_proto, with_model_defaults
 from pdserve.telemetry.service import Telemetry
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2
 
@@ -70,10 +71,14 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         telemetry: Telemetry | None = None,
         model_id: str = "",
         tenant_of: Callable[[grpc.ServicerContext], str] | None = None,
+        generation_defaults: GenerationDefaults | None = None,
     ):
         """`tenant_of(context)`: the authenticated caller's tenant (it may abort the RPC, e.g. UNAUTHENTICATED);
-        None: every caller is tenant "default". The tenant scopes the prompt cache (docs/router.md)."""
+        None: every caller is tenant "default". The tenant scopes the prompt cache (docs/router.md).
+        `generation_defaults`: the model's sampling defaults (its generation_config.json), filled into the sampling
+        fields a request leaves unset."""
         self.cfg = cfg
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.tenant_of = tenant_of
         self.telemetry = telemetry or Telemetry.off("router")
         self.tokenizer = tokenizer
@@ -237,7 +242,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             }
         )
         ids = self._prompt_ids(request, context)
-        max_tokens = self._max_tokens(request.sampling, len(ids), context, chat=bool(request.messages))
+        sampling = with_model_defaults(request.sampling, self.generation_defaults)  # unset fields: the model's
+        max_tokens = self._max_tokens(sampling, len(ids), context, chat=bool(request.messages))
         shaper = ChunkShaper(self.tokenizer, ids, self._splitter(request, ids, context))
         page_size = self.scheduler.page_size
         if page_size is None:
@@ -259,8 +265,6 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         timeout = context.time_remaining()
         timeout = self.cfg.default_timeout_s if timeout is None or timeout > 1e8 else timeout
         deadline = time.monotonic() + timeout
-        sampling = generate_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
         sampling.max_tokens = max_tokens
         decode_req = internal_pb2.DecodeRequest(
             request_id=rid, prompt_token_ids=ids, sampling=sampling, cache_scope=self.cfg.cache_scope(tenant)

@@ -21,6 +21,18 @@ class CacheOptions:
         "prompt cache Redis: redis://[:password@]host:port/db, rediss:// (TLS), unix://; "
         "empty: $REDIS_URL, and without it an in-process cache",
     )
+    redis_password_file: str = opt(
+        "",
+        "file with the Redis password (AUTH as the URL's user, an ACL user, else the default user), kept out of the "
+        "URL; $REDIS_PASSWORD_FILE",
+    )
+    cache_secret_file: str = opt(
+        "",
+        "file with the cache secret every prefill instance of the deployment shares (values are MACed and key names "
+        "hashed with it): first line signs new values, further lines are previous secrets still accepted "
+        "(rotation); $PDSERVE_CACHE_SECRET_FILE, or the secret in $PDSERVE_CACHE_SECRET. Without one: a remote "
+        "Redis refuses to start, a Redis on this host is private to the process (docs/prompt_cache.md)",
+    )
     redis_cluster: bool = opt(False, "the Redis URL names a Redis Cluster node (redis-py cluster client)")
     cache_ttl_s: float = opt(1800.0, "lifetime of a cached page, refreshed on every hit")
     cache_timeout_ms: float = opt(250.0, "Redis socket timeout; a slower answer counts as an error (a miss)")

@@ -9,7 +9,8 @@ namespace pins everything else (model weights, KV dtype, group size, symmetry, p
 who may share the pages (the router sends each tenant's requests with the tenant's own scope unless its config names
 a shared one), so a prompt cached for one tenant is never a hit, or a `cached_tokens` count, for another. Only full
 pages get keys: a partial page is never shared. Deterministic across processes and hosts (never Python's
-salted `hash()`).
+salted `hash()`). These digests are computable from public inputs: they never appear in the store; its key names
+and value MACs are keyed with the deployment's cache secret (value_auth.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from functools import cached_property
 from pdserve.kv.codec import FORMAT_VERSION as KV_FORMAT_VERSION
 from pdserve.kv.codec import KVLayoutSpec
 
-CACHE_FORMAT_VERSION = 4  # bump with any change to keys.py or value.py (2: KVPage values; 3: scope; 4: raw + CRC32C)
+CACHE_FORMAT_VERSION = 5  # bump with any change to keys.py or value.py (3: scope; 4: raw + CRC32C; 5: keyed MAC, names)
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,6 @@ class CacheNamespace:
         for f in fields:  # length-prefixed: no two field lists serialize alike
             h.update(struct.pack("<I", len(f)) + f)
         return h.digest()
-
-    @property
-    def tag(self) -> str:
-        """Short hex id of the namespace (readable part of the Redis key, e.g. to SCAN one model's pages)."""
-        return self.root[:6].hex()
 
     def page_keys(self, token_ids: list[int], max_pages: int | None = None) -> list[bytes]:
         """Chain digests h_1 .. h_n (32 bytes each) of the full pages of `token_ids` (at most `max_pages`)."""

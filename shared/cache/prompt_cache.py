@@ -7,13 +7,19 @@
     put(ns, key, payload)           a newly computed full page: into the local tier now, into the store by the
                                     write-back thread (never blocks; dropped and counted when the queue is full)
 
+Store keys and values are keyed with the deployment's cache secret (`keyring`, value_auth.py): a page's key name
+is a keyed hash of its chain digest, and its value carries a MAC over the digest and the whole value. A lookup
+asks for a page's name under every accepted secret (one name outside a rotation); a value written under a
+previous secret is read and written again under the current one (`rekeyed`).
+
 Failure policy: a store error or timeout makes the rest of that lookup a miss and feeds the circuit breaker;
 while the breaker is open the store is not called at all (lookups are local-tier only, writes are dropped), and
-after its cooldown one probe decides whether the store is back. A value that fails parsing or its checksum is a
-miss, counted in `corrupt`; the page is recomputed and written again, which replaces the bad value.
+after its cooldown one probe decides whether the store is back. A value whose MAC does not verify is a miss,
+counted in `mac_failures` (a forgery or damage); one that verifies but fails parsing or its checksum is a miss
+counted in `corrupt`; either way the page is recomputed and written again, which replaces the bad value.
 
-Counters for metrics: `hits`, `misses`, `local_hits`, `corrupt`, `errors`, `write_drops` (pages), `hit_ratio()`,
-`local_hit_ratio()`, and `stats.snapshot()` for all of them.
+Counters for metrics: `hits`, `misses`, `local_hits`, `mac_failures`, `corrupt`, `errors`, `write_drops` (pages),
+`hit_ratio()`, `local_hit_ratio()`, and `stats.snapshot()` for all of them.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import CacheOptions, MiB
@@ -34,9 +42,12 @@ from pdserve.cache.local_tier import LocalTier
 from pdserve.cache.stats import CacheStats
 from pdserve.cache.store import MemoryStore, PageStore, StoreError
 from pdserve.cache.value import decode_value, encode_value
+from pdserve.cache.value_auth import CacheKeyring, keyring_from
 from pdserve.cache.writer import WriteBack
 from pdserve.errors import CorruptPage, InvalidRequest
+from pdserve.kv.bytes_out import concat
 from pdserve.kv.payload import PagePayload
+from pdserve.server.tls import is_loopback
 from pdserve.telemetry.rates import WorkRate
 
 log = logging.getLogger("pdserve.cache")
@@ -59,7 +70,7 @@ class _Write:
     ns: CacheNamespace
     key: bytes
     payload: PagePayload
-    value: bytes | None = None  # encoded already (`value.encode_row`), else encoded by the writer
+    value: bytes | memoryview | None = None  # encoded already (`value.encode_row`), else encoded by the writer
 
 
 @dataclass
@@ -79,8 +90,11 @@ class PromptCache:
         lookup_batch: int = 32,
         breaker: CircuitBreaker | None = None,
         key_prefix: str = "pdserve:kv:",
+        keyring: CacheKeyring | None = None,
     ):
+        """`keyring`: the deployment's cache secrets (None: a random one, private to this cache)."""
         self.store = store
+        self.keyring = keyring or CacheKeyring.generate()
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.local = LocalTier(local_bytes) if local_bytes > 0 else None
         self.max_value_bytes = max_value_bytes
@@ -97,6 +111,7 @@ class PromptCache:
     misses = property(lambda self: self.stats.misses)
     local_hits = property(lambda self: self.stats.local_hits)
     corrupt = property(lambda self: self.stats.corrupt)
+    mac_failures = property(lambda self: self.stats.mac_failures)
     errors = property(lambda self: self.stats.errors)
     write_drops = property(lambda self: self.stats.write_drops)
 
@@ -108,8 +123,29 @@ class PromptCache:
 
     # ---- keys --------------------------------------------------------------------------------------------
     def store_key(self, ns: CacheNamespace, digest: bytes) -> bytes:
-        """The store's key of a page: prefix + namespace tag + chain digest (hex)."""
-        return f"{self.key_prefix}{ns.tag}:{digest.hex()}".encode()
+        """The store's key of the page with chain digest `digest` (of a prompt in `ns`): prefix + a keyed hash of
+        the digest under the current cache secret (the digest already pins `ns`)."""
+        return self.keyring.current.name(self.key_prefix, digest)
+
+    def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list) -> tuple:
+        """The page of the first of `found` (the stored values of `digest` under each accepted key, current first;
+        None: absent) that verifies and parses, as (page, its value, key index, bad) or (None, None, -1, bad);
+        `bad`: [MAC failures, corrupt values] met on the way."""
+        bad = [0, 0]
+        for i, (key, stored) in enumerate(zip(self.keyring.keys, found)):
+            if stored is None:
+                continue
+            value = key.verify(digest, stored)
+            if value is None:
+                bad[0] += 1
+                log.warning("prompt cache: value of page %d fails its MAC (treated as a miss)", page_index)
+                continue
+            try:
+                return decode_value(value, ns, digest, page_index), value, i, bad
+            except CorruptPage as e:
+                bad[1] += 1
+                log.warning("prompt cache: corrupt value for page %d (treated as a miss): %s", page_index, e)
+        return None, None, -1, bad
 
     # ---- lookup ------------------------------------------------------------------------------------------
     def fetch_decision(self, page_size: int, prefill_tokens_per_s: float | None) -> FetchDecision:
@@ -134,7 +170,9 @@ class PromptCache:
         pages: list[PagePayload] = self.local.get_prefix(want) if self.local is not None else []
         n_local = len(pages)
         fetched: list[tuple[bytes, PagePayload]] = []  # store hits, into the local tier as one chain
-        corrupt = errors = skipped = slow = 0
+        rekey: list[_Write] = []  # store hits under a previous secret: written again under the current one
+        n_keys = len(self.keyring.keys)
+        corrupt = mac_failures = errors = skipped = slow = 0
         decision = None
         if len(pages) < len(want):
             decision = self.fetch_decision(ns.layout.page_size, prefill_tokens_per_s)
@@ -153,7 +191,8 @@ class PromptCache:
             batch = want[len(pages) : len(pages) + self.lookup_batch]
             t0 = time.perf_counter()
             try:
-                values = self.store.get_many([self.store_key(ns, k) for k in batch], self.ttl_ms)
+                names = [n for k in batch for n in self.keyring.names(self.key_prefix, k)]
+                values = self.store.get_many(names, self.ttl_ms)
                 found = [len(v) for v in values if v is not None]
                 if found:
                     self.fetch_rate.add(sum(found), time.perf_counter() - t0)
@@ -165,17 +204,14 @@ class PromptCache:
                 break
             self.breaker.success()
             stop = False
-            for k, v in zip(batch, values):
-                if v is None:
+            for j, k in enumerate(batch):
+                p, value, key_index, bad = self._open(ns, k, len(pages), values[j * n_keys : (j + 1) * n_keys])
+                mac_failures, corrupt = mac_failures + bad[0], corrupt + bad[1]
+                if p is None:
                     stop = True
                     break
-                try:
-                    p = decode_value(v, ns, k, len(pages))
-                except CorruptPage as e:
-                    corrupt += 1
-                    log.warning("prompt cache: corrupt value for page %d (treated as a miss): %s", len(pages), e)
-                    stop = True
-                    break
+                if key_index > 0:
+                    rekey.append(_Write(ns, k, p, value))
                 pages.append(p)
                 fetched.append((k, p))
             if stop:
@@ -185,11 +221,15 @@ class PromptCache:
             self.local.get_prefix(want[:n_local])  # the head stays the most recent
         if n_local and self.store.remote:  # keep the shared copy alive while this instance serves it locally
             self._writer.submit(_Touch([self.store_key(ns, k) for k in want[:n_local]]))
+        for w in rekey:
+            if self._writer.submit(w):
+                self.stats.add(rekeyed=1)
         self.stats.add(
             lookups=1,
             lookup_pages=len(want),
             hits=len(pages),
             local_hits=n_local,
+            mac_failures=mac_failures,
             corrupt=corrupt,
             errors=errors,
             skipped=skipped,
@@ -245,7 +285,8 @@ class PromptCache:
             if len(value) > self.max_value_bytes:
                 too_large += 1
                 continue
-            items.append((self.store_key(it.ns, it.key), value))
+            sealed = concat(self.keyring.seal(it.key, value))  # value || MAC tag, copied outside the GIL
+            items.append((self.store_key(it.ns, it.key), sealed))
         self.stats.add(too_large=too_large, errors=bad)
         if not items and not touch:
             return
@@ -273,9 +314,58 @@ def redact(url: str) -> str:
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
+def redis_is_local(url: str) -> bool:
+    """True when the Redis of `url` is on this host only (a unix socket or a loopback address)."""
+    if url.startswith("unix://"):
+        return True
+    return is_loopback(urlsplit(url).hostname or "")
+
+
+def cache_keyring(opts: CacheOptions, env: Mapping[str, str], url: str) -> CacheKeyring:
+    """The configured cache secrets; without any (docs/prompt_cache.md): a random one for an in-process store or a
+    Redis on this host (that Redis is then private to this process: no other instance can read its pages), and a
+    refusal to start (SystemExit) for a Redis elsewhere, where a writer of that Redis could otherwise forge pages."""
+    keyring = keyring_from(opts.cache_secret_file, env)
+    if keyring is not None:
+        ids = ", ".join(k.id for k in keyring.keys)
+        log.info(
+            "prompt cache: values keyed with secret %s (from %s; accepted: %s)", keyring.current.id, keyring.origin, ids
+        )
+        return keyring
+    if not url:
+        return CacheKeyring.generate("a random secret: the in-process store is private anyway")
+    if redis_is_local(url):
+        log.warning(
+            "prompt cache: NO CACHE SECRET (--cache-secret-file / $PDSERVE_CACHE_SECRET_FILE): pages in the Redis on "
+            "this host are keyed with a random secret of this process, so no other instance can use them "
+            "(`pdserve up` gives its stack one secret)"
+        )
+        return CacheKeyring.generate("a random secret of this process (no cache secret configured)")
+    raise SystemExit(
+        f"prompt cache: Redis {redact(url)} is not on this host and no cache secret is configured: anyone who can "
+        "write that Redis could forge cached KV pages. Give every prefill instance the same --cache-secret-file "
+        "(or $PDSERVE_CACHE_SECRET_FILE; `python deploy/make_certs.py DIR` writes one), or --prompt-cache false"
+    )
+
+
+def redis_password(opts: CacheOptions, env: Mapping[str, str]) -> str | None:
+    """The Redis password of `--redis-password-file` (else $REDIS_PASSWORD_FILE), None without one."""
+    path = opts.redis_password_file or env.get("REDIS_PASSWORD_FILE", "")
+    if not path:
+        return None
+    try:
+        password = Path(path).read_text().strip()
+    except OSError as e:
+        raise SystemExit(f"cannot read Redis password file {path}: {e}") from None
+    if not password or any(c.isspace() for c in password):
+        raise SystemExit(f"Redis password file {path}: one password without spaces")
+    return password
+
+
 def build_prompt_cache(opts: CacheOptions, environ: Mapping[str, str] | None = None) -> PromptCache | None:
     """The cache a service's options ask for: Redis (`--redis-url`, else $REDIS_URL) with a local LRU tier in
-    front, or the in-process store; None when `--prompt-cache false`."""
+    front, or the in-process store; None when `--prompt-cache false`. Keyed with the cache secret
+    (`cache_keyring`); a Redis that refuses the credentials or the TLS handshake stops the start (SystemExit)."""
     if not opts.prompt_cache:
         log.info("prompt cache: off")
         return None
@@ -289,13 +379,14 @@ def build_prompt_cache(opts: CacheOptions, environ: Mapping[str, str] | None = N
         lookup_batch=opts.cache_lookup_batch,
         breaker=breaker,
         key_prefix=opts.cache_key_prefix,
+        keyring=cache_keyring(opts, env, url),
     )
     if not url:
         log.info(
             "prompt cache: in-process, %.0f MiB (set REDIS_URL to share it across instances)", opts.cache_memory_mb
         )
         return PromptCache(MemoryStore(int(opts.cache_memory_mb * MiB)), **common)
-    from pdserve.cache.redis_store import RedisStore
+    from pdserve.cache.redis_store import RedisStore, StoreRefused
 
     try:
         store = RedisStore(
@@ -303,10 +394,15 @@ def build_prompt_cache(opts: CacheOptions, environ: Mapping[str, str] | None = N
             cluster=opts.redis_cluster,
             timeout_s=opts.cache_timeout_ms / 1e3,
             connect_timeout_s=opts.cache_timeout_ms / 1e3,
+            password=redis_password(opts, env),
         )
     except ValueError as e:
         raise SystemExit(f"prompt cache: {e}") from None
-    policy = store.eviction_policy()
+    try:
+        policy = store.eviction_policy()
+    except StoreRefused as e:
+        store.close()
+        raise SystemExit(f"prompt cache: Redis {redact(url)}: {e}") from None
     if policy is None:
         log.warning("prompt cache: Redis %s not reachable now; serving continues as misses until it is", redact(url))
     elif not policy.startswith("allkeys-"):
@@ -315,6 +411,8 @@ def build_prompt_cache(opts: CacheOptions, environ: Mapping[str, str] | None = N
             "instead of writes failing when memory is full",
             policy,
         )
+    if not url.startswith(("rediss://", "unix://")) and not redis_is_local(url):
+        log.warning("prompt cache: Redis %s in PLAINTEXT over the network (use rediss://)", redact(url))
     local_mb = opts.local_tier_mb()
     log.info(
         "prompt cache: Redis%s %s, ttl %.0fs, local tier %.0f MiB%s",

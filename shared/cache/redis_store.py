@@ -1,7 +1,11 @@
 """Redis (or Redis Cluster) as the prompt cache's shared store.
 
-- `REDIS_URL`-style URLs: redis://[:password@]host:port/db, rediss:// for TLS (options such as
-  ssl_ca_certs / ssl_cert_reqs go in the query string), unix://. `cluster=True` uses redis-py's cluster client.
+- `REDIS_URL`-style URLs: redis://[user[:password]@]host:port/db, rediss:// for TLS (redis-py's options in the
+  query string: ssl_ca_certs, ssl_certfile / ssl_keyfile for a client certificate, ssl_cert_reqs), unix://.
+  The password may instead come from a file (`password`, `--redis-password-file`): AUTH as the URL's user (an
+  ACL user) or the default user. `cluster=True` uses redis-py's cluster client.
+- A server that refuses the credentials or whose certificate does not verify is a configuration error:
+  `eviction_policy()` (the start-up probe) raises StoreRefused with the reason; later calls fail as StoreError.
 - Short socket timeouts and no client-side retries: a slow or dead server costs one timeout, and the circuit
   breaker in front (see prompt_cache) stops further calls for a while.
 - After a connection error the client is dropped and rebuilt on the next call, so a restarted server is used
@@ -14,12 +18,14 @@
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from pdserve.cache.store import StoreError
@@ -27,21 +33,59 @@ from pdserve.cache.store import StoreError
 log = logging.getLogger("pdserve.cache")
 
 _CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, RedisClusterException, OSError)
+_AUTH_REFUSALS = ("WRONGPASS", "NOAUTH", "client already authenticated")  # the last: HELLO without AUTH
+_TLS_REFUSALS = ("certificate verify failed", "wrong version number", "tlsv1 alert", "sslv3 alert")
+
+
+class StoreRefused(StoreError):
+    """The server refused this client (wrong password or user, no permission, a TLS certificate that does not
+    verify): a configuration error, not an outage."""
+
+
+def refusal(e: BaseException) -> str | None:
+    """Why `e` is the server refusing this client (None: some other failure, e.g. down or slow)."""
+    if isinstance(e, AuthenticationError) or any(m in str(e) for m in _AUTH_REFUSALS):
+        return f"Redis refused the credentials ({e}): check the URL's user and the password (URL or password file)"
+    if isinstance(e, NoPermissionError):
+        return f"the Redis ACL user may not run the cache's commands ({e})"
+    chain, cause = [e], e.__cause__ or e.__context__
+    while cause is not None and len(chain) < 8:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    tls = next((c for c in chain if isinstance(c, ssl.SSLError)), None)
+    if tls is not None or any(m in str(e).lower() for m in _TLS_REFUSALS):
+        return (
+            f"TLS with Redis failed ({tls or e}; a server that requires a client certificate ends the handshake so): "
+            "check rediss:// and its ssl_ca_certs / ssl_certfile / ssl_keyfile"
+        )
+    return None
 
 
 class RedisStore:
     remote = True
 
-    def __init__(self, url: str, cluster: bool = False, timeout_s: float = 0.25, connect_timeout_s: float = 0.25):
+    def __init__(
+        self,
+        url: str,
+        cluster: bool = False,
+        timeout_s: float = 0.25,
+        connect_timeout_s: float = 0.25,
+        password: str | None = None,
+    ):
+        """`password`: AUTH password when the URL holds none (from a file: kept out of URLs, logs and env)."""
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {url!r}")
+        if password and urlsplit(url).password:
+            raise ValueError("the Redis password is given twice: in the URL and from a password file")
         self.url, self.cluster = url, cluster
-        self._kw = dict(
+        self._kw: dict = dict(
             socket_timeout=timeout_s,
             socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
             socket_read_size=1 << 20,
         )  # values are ~MB: read big chunks
+        if password:
+            self._kw["password"] = password
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
 
@@ -73,6 +117,9 @@ class RedisStore:
         except RedisError as e:
             if isinstance(e, _CONNECTION_ERRORS):
                 self._reset(client)
+            why = refusal(e)
+            if why:
+                raise StoreRefused(why) from e
             raise StoreError(f"redis error: {type(e).__name__}: {e}") from e
         except Exception as e:
             self._reset(client)
@@ -92,10 +139,14 @@ class RedisStore:
             self._pipeline(lambda p: [p.pexpire(k, ttl_ms) for k in keys])
 
     def eviction_policy(self) -> str | None:
-        """The server's maxmemory-policy, or None if it cannot be read (down, CONFIG disabled)."""
+        """The server's maxmemory-policy, or None if it cannot be read (down, CONFIG disabled or not allowed).
+        Raises StoreRefused when the server refuses this client (credentials, TLS)."""
         try:
             cfg = self._get_client().config_get("maxmemory-policy")
-        except (RedisError, *_CONNECTION_ERRORS):
+        except (RedisError, *_CONNECTION_ERRORS) as e:
+            why = refusal(e)
+            if why and not isinstance(e, NoPermissionError):
+                raise StoreRefused(why) from e
             return None
         if self.cluster and isinstance(cfg, dict) and cfg and all(isinstance(v, dict) for v in cfg.values()):
             cfg = next(iter(cfg.values()))  # one answer per node

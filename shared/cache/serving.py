@@ -1,9 +1,9 @@
-"""The prompt cache around one request on an instance that computes prompts (prefill, colocated): look the prompt's
-prefix up before it is queued, write the newly computed full pages back after it.
+"""Writing one request's newly computed full pages back to the prompt cache (what `prefix_policy.PrefixPolicy`
+decides to write, and when).
 
-    lookup_prefix(cache, ns, prompt, page_size, rate)   longest cached prefix of full pages (no cache: a miss)
+    pages_to_write(keys, first, batches)                            what a write-back would store, and its bytes
     write_back(cache, ns, keys, first, batches, layout, wait_idle)  the batches' pages from `first` on, as host
-                                                                    copies (on a `WriteBehind` thread in services)
+                                                                    copies (on a `WriteBehind` thread in prefill)
 """
 
 from __future__ import annotations
@@ -11,34 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.cache.keys import CacheNamespace
-from pdserve.cache.prompt_cache import CacheLookup, PromptCache
+from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.value import encode_row
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import PagePayload
 from pdserve.kv.transfer import ExportedPages
 from pdserve.kv.transfer.grpc_transport import to_host
-
-
-def lookup_prefix(
-    cache: PromptCache | None,
-    ns: CacheNamespace,
-    prompt: list[int],
-    page_size: int,
-    prefill_tokens_per_s: float | None,
-    keys: list[bytes] | None = None,
-) -> CacheLookup:
-    """Longest cached prefix of full pages, leaving at least the last prompt token to compute (it samples the
-    first token). Store trouble is a miss, never an error; `prefill_tokens_per_s`: the instance's measured rate
-    (whether fetching beats computing); `keys`: `ns.page_keys(prompt)` when the caller has them already."""
-    if cache is None:
-        return CacheLookup([], [])
-    return cache.lookup(
-        ns,
-        prompt,
-        (len(prompt) - 1) // page_size,
-        prefill_tokens_per_s,
-        keys,  # keys: ns.page_keys(prompt), if made
-    )
 
 
 def pages_to_write(keys: list[bytes], first_page: int, batches: list[ExportedPages]) -> tuple[int, int]:

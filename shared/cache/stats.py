@@ -15,11 +15,13 @@ class CacheStats:
     lookup_pages: int = 0  # full pages asked for (the cacheable part of each prompt)
     hits: int = 0  # pages found (local tier + store), longest prefix only
     local_hits: int = 0  # of `hits`, served by the in-memory local tier
-    corrupt: int = 0  # values that failed parsing / checksum (treated as misses)
+    mac_failures: int = 0  # values whose MAC did not verify: forged, damaged, or keyed otherwise (misses)
+    corrupt: int = 0  # values that verified but failed parsing / checksum / value checks (misses)
     errors: int = 0  # store errors (timeouts, connection refused, server errors)
     skipped: int = 0  # lookups / writes skipped because the circuit breaker was open
     store_slower: int = 0  # lookups that skipped the store: fetching measured slower than computing
     writes: int = 0  # pages written to the store
+    rekeyed: int = 0  # pages found under a previous cache secret, written again under the current one
     write_bytes: int = 0
     write_drops: int = 0  # pages not written: write-back queue full or breaker open
     too_large: int = 0  # pages not written: value above the size cap

@@ -8,15 +8,15 @@ A value is a fixed header bound to its key, a CRC32C, then the page's raw bytes:
 
 Encoding is one copy of the page bytes (`pdserve.kv.bytes_out.concat`, outside the GIL) and a hardware CRC32C
 (outside the GIL too): the write-back of a 2k-token prompt of an 8B model is 128 such values, and it runs beside
-the next request's prefill in the same process, so it must hold the GIL for microseconds, not milliseconds (the
-protobuf KVPage encoding with zlib's CRC it replaces held it for about half of the prefill process's samples on the
-H200 host).
+the next request's prefill in the same process, so it must hold the GIL for microseconds, not milliseconds (a
+protobuf encoding with zlib's CRC holds it for the whole copy and checksum of every page).
 
 `decode_value` parses strictly: every header field against what the caller expects (key, page, full page of all
 layers, layout, model), every length against the layout, the checksum, and the values (`check_values`: NaN or
 infinite scales, dense NaN / inf, fp8 NaN encodings); any damage or mismatch raises CorruptPage and the caller
 treats the page as a miss. The tensors it returns are read-only views of the value.
-No pickle anywhere.
+No pickle anywhere. In the store a value is followed by its MAC tag (value_auth.py, added and checked by the
+prompt cache): the CRC catches damage, the MAC catches anyone without the cache secret.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import crc32c
 import torch
 
 from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.value_auth import TAG_BYTES
 from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.bytes_out import concat, tensor_view
 from pdserve.kv.codec import KVLayoutSpec, check_values, pack_layout, pack_str
@@ -183,6 +184,11 @@ def decode_value(buf: bytes, ns: CacheNamespace, chain: bytes, page_index: int) 
     return page
 
 
-def value_bytes(ns: CacheNamespace, page_index: int) -> int:
+def encoded_bytes(ns: CacheNamespace, page_index: int) -> int:
     """Size of the encoded value of a page in `ns` (the same for every page index)."""
     return len(_header(ns, bytes(CHAIN_BYTES), page_index)) + _CRC.size + sum(_block_bytes(ns.layout))
+
+
+def value_bytes(ns: CacheNamespace, page_index: int) -> int:
+    """Size of a page's value in the store: the encoded value and its MAC tag."""
+    return encoded_bytes(ns, page_index) + TAG_BYTES

@@ -3,8 +3,8 @@ background thread, page by page, each page only while the instance has nothing e
 
 A request's pages are copied, encoded and put in the local tier by this thread, not by the request's RPC thread,
 and never beside a prefill or a KV ship of this process: those share its GIL, and a 4k prompt of an 8B model is
-276 MB to encode (docs/benchmarks.md, eighth session: the write-back of one request slowed the next ones' prefill
-by up to 60%). Bounded: the jobs hold at most `max_bytes` of pages (the export buffers); a new job drops the
+276 MB to encode: written beside them, one request's write-back slows the next ones' prefill and spreads their
+TTFT. Bounded: the jobs hold at most `max_bytes` of pages (the export buffers); a new job drops the
 oldest waiting ones to fit (or itself, beside a running one too large), and a job that waits more than
 `max_wait_s` for an idle moment drops the rest of its pages. Dropped pages are counted (`on_drop(pages)`). Under
 sustained load most prompts are then not cached, which is the intent: the pool's own prefixes (`--prefix-reuse`)

@@ -17,16 +17,23 @@ from typing import TextIO
 from pdserve.cli.client_args import add_client_args, client_options
 
 DEFAULT_TARGET = "localhost:50051"
+DEFAULT_MAX_TOKENS = 512  # a reply's cap: a model looping at temperature 0 stops here, not at the context's end
+MODEL_DEFAULT = "default: the model's generation_config.json, else pdserve's (temperature 1.0, top_p 1.0, top_k off)"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve chat", description="Chat with the served model (streamed, history kept).")
     p.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET))
     p.add_argument("--system", default="", help="system prompt (kept across /reset)")
-    p.add_argument("--max-tokens", type=int, default=None, help="per reply (default: until EOS or the context ends)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"most tokens per reply (default: {DEFAULT_MAX_TOKENS}, less when the context left is shorter)",
+    )
+    p.add_argument("--temperature", type=float, default=None, help=MODEL_DEFAULT)
+    p.add_argument("--top-p", type=float, default=None, help=MODEL_DEFAULT)
+    p.add_argument("--top-k", type=int, default=None, help=MODEL_DEFAULT)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-reasoning-tokens", type=int, default=None, help="reasoning models: thinking budget")
     p.add_argument("--hide-reasoning", action="store_true", help="do not print a reasoning model's thinking")

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.engine.config import EngineConfig
 from pdserve.server.auth import new_token
 
 PREFILL, DECODE = "prefill", "decode"
+GPU_MEMORY_UTILIZATION: float = EngineConfig.gpu_memory_utilization  # what one GPU's instances share
 
 
 class Address(str):
@@ -75,7 +77,7 @@ class Placement:
 
 
 def plan_placement(
-    num_prefill: int, num_decode: int, gpus: list[int], gpu_memory_utilization: float = 0.85
+    num_prefill: int, num_decode: int, gpus: list[int], gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
 ) -> list[Placement]:
     """Prefill instances first, then decode. Without GPUs every instance keeps the engine's default device.
     With two or more GPUs the roles get disjoint GPU groups sized by their instance counts (prefill compute never
@@ -98,6 +100,19 @@ def plan_placement(
     chosen = [groups[r][i % len(groups[r])] for r, i in roles]
     sharing = {g: chosen.count(g) for g in chosen}
     return [Placement(r, i, g, gpu_memory_utilization / sharing[g]) for (r, i), g in zip(roles, chosen)]
+
+
+def parse_gpus(text: str, visible) -> list[int]:
+    """`--gpus`: "" = `visible()` (every GPU this host shows), "none" = no placement, else comma-separated ids."""
+    text = text.strip()
+    if not text:
+        return visible()
+    if text.lower() == "none":
+        return []
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus wants comma-separated GPU ids or 'none', got {text!r}") from None
 
 
 def visible_gpus() -> list[int]:
@@ -143,9 +158,9 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 
 def start_stack(
     model: Path | str,
     workdir: Path,
-    kv_dtype: str = "int8",
-    page_size: int = 16,
-    chunk_size: int = 2048,
+    kv_dtype: str | None = None,
+    page_size: int | None = None,
+    chunk_size: int | None = None,
     num_prefill: int = 1,
     num_decode: int = 1,
     extra: Sequence[str] = (),
@@ -158,12 +173,13 @@ def start_stack(
     gateway_port: int | None = None,
     model_name: str = "pdserve",
     gpus: list[int] | None = None,
-    gpu_memory_utilization: float = 0.85,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     num_colocated: int = 0,
     gateway_extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
+    `kv_dtype`, `page_size`, `chunk_size`: engine flags, None = each service's default;
     `router_extra` adds router flags, e.g. `--config FILE`). The router's output-length estimator is kept in
     `workdir` (each stack starts cold) unless `persist_estimator` (`pdserve up`: its config or the cache dir).
     With `gateway_port` (0 = any free port) an OpenAI-compatible gateway serving `model_name` starts last.
@@ -171,22 +187,19 @@ def start_stack(
     among its instances); None or [] leaves the device to each engine. `num_colocated` > 0: that many colocated
     instances (`pdserve serve colocated`, each prefills and decodes) instead of the prefill and decode ones.
     Security: every process gets `env` and the stack's internal token ($PDSERVE_INTERNAL_TOKEN: the caller's
-    environment's, else a new random one); TLS / auth flags go in `extra`, `router_extra`, `gateway_extra`."""
+    environment's, else a new random one) and one prompt-cache secret its prefill / colocated instances share
+    ($PDSERVE_CACHE_SECRET_FILE: the caller's, else a new one in workdir/cache_secret, mode 0400); TLS / auth flags
+    go in `extra`, `router_extra`, `gateway_extra`."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = dict(env or {})
     token = env.get("PDSERVE_INTERNAL_TOKEN") or os.environ.get("PDSERVE_INTERNAL_TOKEN") or new_token()
     env["PDSERVE_INTERNAL_TOKEN"] = token
-    common = [
-        "--model",
-        str(model),
-        "--page-size",
-        str(page_size),
-        "--chunk-size",
-        str(chunk_size),
-        "--kv-dtype",
-        kv_dtype,
-        *extra,
-    ]
+    from pdserve.cache.value_auth import ENV_SECRET, ENV_SECRET_FILE, write_secret_file  # pdserve.cache: torch
+
+    if not any(env.get(k) or os.environ.get(k) for k in (ENV_SECRET, ENV_SECRET_FILE)):
+        env[ENV_SECRET_FILE] = str(write_secret_file(workdir / "cache_secret"))
+    given = (("--page-size", page_size), ("--chunk-size", chunk_size), ("--kv-dtype", kv_dtype))
+    common = ["--model", str(model), *[a for flag, v in given if v is not None for a in (flag, str(v))], *extra]
     if num_colocated:  # placed like decode instances: one per GPU, round-robin
         num_prefill, num_decode = 0, num_colocated
     plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization)

@@ -1,16 +1,12 @@
-"""The `pdserve` command: `up` (whole stack on loopback), `serve <service>` (router, prefill, decode, gateway),
-`generate`, `chat` (`pdserve.cli.chat`)."""
+"""The `pdserve` command: `up` (whole stack on loopback, `pdserve.cli.up`), `serve <service>` (router, prefill,
+decode, colocated, gateway), `generate`, `health`, `chat` (`pdserve.cli.chat`), `bench` (`pdserve.bench.cli`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from pdserve.cli.client_args import add_client_args, client_options
@@ -95,183 +91,12 @@ def cmd_serve(name: str, argv: list[str]) -> int:
 
     setup_logging(cfg.log_level)
     _preflight(name, cfg)
+    if getattr(cfg, "model", ""):  # a hub id (org/name) is fetched into the HF cache first (pdserve.models.hub)
+        from pdserve.models.hub import model_dir_or_exit
+
+        cfg.model = model_dir_or_exit(cfg.model)
     _server_main(name)(cfg)
     return 0
-
-
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
-
-
-# ---- up -------------------------------------------------------------------------------------------------------
-def cmd_up(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve up", description="Run router + N prefill + M decode on loopback.")
-    p.add_argument(
-        "--model",
-        default=os.environ.get("PDSERVE_MODEL", ""),
-        help="HF model directory (default: the demo model SmolLM2-135M-Instruct, fetched once)",
-    )
-    p.add_argument(
-        "--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")), help="router port (0 = any free port)"
-    )
-    p.add_argument("--host", default="127.0.0.1", help="router interface")
-    p.add_argument(
-        "--gateway-port",
-        type=int,
-        default=int(os.environ.get("PDSERVE_GATEWAY_PORT", "8000")),
-        help="OpenAI-compatible HTTP gateway port (0 = any free port, -1 = no gateway)",
-    )
-    p.add_argument("--kv-dtype", choices=["int8", "fp8", "auto"], default="int8")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default 2048; colocated: 512)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
-    p.add_argument(
-        "--colocated",
-        type=int,
-        nargs="?",
-        const=1,
-        default=0,
-        metavar="N",
-        help="instead of prefill + decode: N colocated instances (default 1), each one engine that prefills in "
-        "chunks between decode steps (--chunk-size: the prefill tokens per step, default 512 in this mode)",
-    )
-    p.add_argument(
-        "--gpus",
-        default=os.environ.get("PDSERVE_GPUS", ""),
-        help="GPU ids for the engine instances, e.g. 0,1 (default: every visible GPU; 'none': each engine's own "
-        "device choice); prefill and decode get separate GPUs where there are enough, round-robin within each",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.85,
-        help="fraction of each GPU's total memory its instances may fill together (split evenly among them)",
-    )
-    p.add_argument("--router-config", default="", help="router TOML config file (see docs/router.md)")
-    # security (docs/security.md): without TLS the stack is plaintext on loopback; internal calls need its token
-    p.add_argument("--tls-cert", default=os.environ.get("PDSERVE_TLS_CERT", ""), help="PEM cert of every service")
-    p.add_argument("--tls-key", default=os.environ.get("PDSERVE_TLS_KEY", ""), help="PEM key of --tls-cert")
-    p.add_argument("--tls-ca", default=os.environ.get("PDSERVE_TLS_CA", ""), help="PEM internal CA (mTLS)")
-    p.add_argument("--auth-tokens-file", default="", help="public API bearer tokens (`token tenant` lines)")
-    p.add_argument("--insecure", action="store_true", help="allow plaintext on a non-loopback --host")
-    p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument(
-        "--torch-threads",
-        type=int,
-        default=0,
-        help="CPU threads per engine process (default: the cores shared among the engine processes)",
-    )
-    args = p.parse_args(argv)
-    if args.prefill < 1 or args.decode < 1 or args.colocated < 0:
-        p.error("--prefill and --decode must be >= 1 (--colocated >= 0)")
-    if args.colocated:  # one colocated instance per engine: the placement treats them as decode instances
-        args.prefill, args.decode = 0, args.colocated
-    if args.chunk_size is None:
-        args.chunk_size = 512 if args.colocated else 2048
-    args.torch_threads = args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
-
-    from pdserve.cli.launch import plan_placement, start_stack, visible_gpus
-
-    try:
-        gpus = parse_gpus(args.gpus, visible_gpus)
-        plan = plan_placement(args.prefill, args.decode, gpus, args.gpu_memory_utilization)
-    except ValueError as e:
-        p.error(str(e))
-    for pl in plan:
-        if pl.gpu is not None:
-            role = "colocated" if args.colocated else pl.role
-            print(f"{role} {pl.index}: cuda:{pl.gpu}, {pl.memory_fraction:.0%} of its memory", flush=True)
-
-    model = args.model
-    if not model:
-        from pdserve.models.demo import ensure_demo_model
-
-        model = str(ensure_demo_model(say=lambda line: print(line, flush=True)))
-    elif not (Path(model) / "config.json").exists():
-        print(f"error: {model} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
-
-    tls = [f for flag, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca))
-           if v for f in (flag, v)]  # fmt: skip
-    insecure = ["--insecure"] if args.insecure else []
-    auth = ["--auth-tokens-file", args.auth_tokens_file] if args.auth_tokens_file else []
-    if not args.tls_cert:
-        print(
-            "pdserve up: PLAINTEXT (no TLS): fine on loopback only. Internal ports accept only this stack's random "
-            "internal token; --tls-cert/--tls-key/--tls-ca for TLS and mTLS (docs/security.md)",
-            flush=True,
-        )
-    if not auth:
-        print('pdserve up: public API auth off (no --auth-tokens-file): every caller is tenant "default"', flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)
-    stack = None
-    try:
-        stack = start_stack(
-            model,
-            Path(tempfile.mkdtemp(prefix="pdserve-up-")),
-            kv_dtype=args.kv_dtype,
-            page_size=args.page_size,
-            chunk_size=args.chunk_size,
-            extra=[
-                *("--dtype", args.dtype, "--log-level", args.log_level, "--torch-threads", str(args.torch_threads)),
-                *tls,
-            ],
-            router_port=args.port,
-            router_host=args.host,
-            to_terminal=True,
-            timeout=args.ready_timeout,
-            num_prefill=args.prefill,
-            num_decode=args.decode,
-            router_extra=[*(["--config", args.router_config] if args.router_config else []), *tls, *auth, *insecure],
-            gateway_extra=[*(["--tls-ca", args.tls_ca] if args.tls_ca else []), *insecure],
-            persist_estimator=True,
-            gateway_port=None if args.gateway_port < 0 else args.gateway_port,
-            model_name=Path(model).name,
-            gpus=gpus,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_colocated=args.colocated,
-        )
-        engines = (
-            f"colocated {', '.join(stack.colocated)}"
-            if args.colocated
-            else f"prefill {', '.join(stack.prefill)}, decode {', '.join(stack.decode)}"
-        )
-        internal = getattr(stack.router, "internal", stack.router)
-        print(
-            f"pdserve is up: router at {stack.router}  (internal {internal}; {engines}, kv {args.kv_dtype})", flush=True
-        )
-        if stack.gateway:
-            print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {Path(model).name!r})", flush=True)
-        print(f'try:  pdserve generate --target {stack.router} "hello"', flush=True)
-        print(f"      pdserve chat --target {stack.router}", flush=True)
-        while all(proc.poll() is None for proc in stack.procs):
-            time.sleep(0.5)
-        print("error: a service exited; stopping the stack", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if stack is not None:
-            stack.stop()
-
-
-def parse_gpus(text: str, visible) -> list[int]:
-    """`--gpus`: "" = `visible()` (every GPU this host shows), "none" = no placement, else comma-separated ids."""
-    text = text.strip()
-    if not text:
-        return visible()
-    if text.lower() == "none":
-        return []
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"--gpus wants comma-separated GPU ids or 'none', got {text!r}") from None
 
 
 # ---- health ---------------------------------------------------------------------------------------------------
@@ -316,9 +141,10 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("prompt")
     p.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET))
     p.add_argument("--max-tokens", type=int, default=None, help="default: the API's, 16 for a prompt")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+    model_default = "default: the model's generation_config.json, else temperature 1.0, top_p 1.0, top_k off"
+    p.add_argument("--temperature", type=float, default=None, help=model_default)
+    p.add_argument("--top-p", type=float, default=None, help=model_default)
+    p.add_argument("--top-k", type=int, default=None, help=model_default)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--timeout", type=float, default=120.0)
@@ -371,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
+        from pdserve.cli.up import cmd_up
+
         return cmd_up(rest)
     if cmd == "serve" and rest and rest[0] in ("router", "prefill", "decode", "colocated", "gateway"):
         return cmd_serve(rest[0], rest[1:])

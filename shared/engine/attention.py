@@ -25,21 +25,12 @@ INVARIANT_SPLITS = 4  # batch_invariant on CUDA: split-K count of every attentio
 def int8_launch_config(
     default: dict, tile_launch: dict, overrides: dict, head_dim: int, groups: int, asymmetric: bool
 ) -> dict:
-    """The Triton int8 decode kernel's config for one pool: `default` with `overrides`, where the byte-plane kernel
-    reads the pool (symmetric, two scale groups per head, head_dim >= 128, folded scales, word loads and K planes
-    on); for any other int8 pool, `tile_launch`'s block / warps / stages under the overrides (the one-warp launch
-    was measured on the plane kernel only)."""
-    cfg = {**default, **overrides}
-    planes = (
-        cfg.get("fold_scales")
-        and cfg.get("word_loads")
-        and cfg.get("k_planes")
-        and not asymmetric
-        and groups == 2
-        and head_dim >= 128
-        and head_dim % 8 == 0
-    )
-    return cfg if planes else {**default, **tile_launch, **overrides}
+    """The Triton int8 decode kernel's config for one pool: `default` with `overrides` where the lean loop reads the
+    pool (symmetric, two scale groups per head, head_dim >= 128 and a multiple of 8: the shapes
+    `int8_decode_attention.reads_planes` names); for any other int8 pool, `tile_launch`'s block / warps / stages
+    under the overrides (the one-warp launch suits the lean loop's narrow dots only)."""
+    planes = not asymmetric and groups == 2 and head_dim >= 128 and head_dim % 8 == 0
+    return {**default, **overrides} if planes else {**default, **tile_launch, **overrides}
 
 
 def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -190,8 +181,8 @@ class FA3Backend:
     quantized pages directly, dequantizing in registers (pdserve.engine.kernels.int8_decode_attention, and
     fp8_decode_attention for an fp8 pool); "dequant" dequantizes to a scratch, then FA3. Dense pool decode
     (`dense_decode`): FA3's paged kernel or the same Triton kernel reading bf16 pages.
-    bench/gpu_engine.py measures all of them on an H200; the defaults ("triton" for both) are the faster ones
-    there (docs/benchmarks.md)."""
+    The defaults ("triton" for both) read the pool once, at its own width: dequantizing first moves 1 + 2 + 2
+    bytes per element, and for bf16 pages the Triton kernel's split layout suits decode batches better than FA3's."""
 
     name = "fa3"
 
@@ -297,19 +288,7 @@ class FA3Backend:
         else:
             cfg = {**kd.DENSE_CONFIG, **kc.decode_config}
         splits = self._num_splits(q.shape[0], cache.num_kv_heads, cfg["split_mult"])
-        kw = dict(
-            block_n=cfg["block_n"],
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-            scale_expand=cfg["scale_expand"],
-            fold_scales=cfg.get("fold_scales", False),
-            byte_convert=cfg.get("byte_convert", False),
-            word_loads=cfg.get("word_loads", False),
-            k_planes=cfg.get("k_planes", False),
-            v_planes=cfg.get("v_planes", False),
-            lean_loop=cfg.get("lean_loop", False),
-            pdl=kc.pdl,
-        )
+        kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], pdl=kc.pdl)
         if not cache.quantized:
             k_cache, v_cache = cache.layer_tensors(layer)
             return kd.int8_paged_decode(
@@ -364,7 +343,7 @@ class RowwiseTritonBackend(FA3Backend):
     count. A prompt token's attention output is then the very call a decode step at that position makes, and
     depends neither on its batch mates, nor on how its prompt was chunked, nor on whether its prefix came from
     the prompt cache (the prefill then stores the shipped format: services/prefill/server.py). Prefill pays for
-    it: each row reads its whole prefix (docs/benchmarks.md, batch-invariant KV on the GPU). FA3 is not used."""
+    it: each row reads its whole prefix, several times the time of a chunked FA3 prefill. FA3 is not used."""
 
     name = "triton-rows"
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.config import opt
 from pdserve.kv.dtypes import MODEL_DTYPES as _DTYPES  # lower-case name or alias -> torch dtype
 
 CPU_MAX_AUTO_PAGES = 8192
@@ -14,41 +15,61 @@ CPU_MAX_AUTO_PAGES = 8192
 
 @dataclass
 class EngineConfig:
-    model_dir: str
-    dtype: str = "auto"  # auto: float32 on CPU, checkpoint dtype on GPU
-    device: str = "auto"  # auto: cuda if available else cpu
-    page_size: int = 16  # tokens per KV page
-    chunk_size: int = 2048  # prefill tokens per step (across sequences)
-    num_pages: int = 0  # 0: auto (see engine._auto_num_pages)
-    max_num_seqs: int = 64  # largest decode batch / sequences admitted at once
-    kv_dtype: str = "auto"  # auto: model dtype | int8 | fp8 (e4m3fn, one fp16 scale per token and KV head)
-    kv_group_size: int = 64  # int8 group size along head_dim (clamped to head_dim)
-    kv_asymmetric: bool = False  # int8 with zero points
-    attention_backend: str = "auto"  # auto | fa3 | sdpa
+    """What one engine is. Services fill it from their flags / environment (`pdserve.config`: each field is a
+    setting of the same name, `--model` for model_dir; help texts below) and give some fields defaults of their
+    own (`pdserve.server.service_config.engine_settings`)."""
+
+    model_dir: str = field(metadata={"help": "HF model directory (config.json, *.safetensors, tokenizer files)"})
+    dtype: str = opt("auto", "auto|float32|bfloat16|float16 (auto: float32 on CPU, checkpoint dtype on GPU)")
+    device: str = opt("auto", "auto|cpu|cuda|cuda:N (auto: cuda if available)")
+    page_size: int = opt(16, "tokens per KV page")
+    chunk_size: int = opt(2048, "prefill tokens per step (across sequences)")
+    num_pages: int = opt(0, "KV pool pages (0 = auto, see engine._auto_num_pages)")
+    max_num_seqs: int = opt(64, "largest decode batch / sequences admitted at once")
+    kv_dtype: str = opt(
+        "auto", "KV pool format: auto (the model dtype) | int8 | fp8 (e4m3fn, one fp16 scale per token and KV head)"
+    )
+    kv_group_size: int = opt(64, "int8 KV quantization group size along head_dim (clamped to head_dim)")
+    kv_asymmetric: bool = opt(False, "int8 KV with zero points (scale + zero point) instead of symmetric")
+    quantization: str = opt(
+        "none",
+        "none|fp8: fp8 quantizes a bf16/fp32 checkpoint's projections at load to e4m3 per output channel, with "
+        "per-token activation scales at run time; FP8 checkpoints load as FP8 either way (docs/fp8.md)",
+    )
+    attention_backend: str = opt("auto", "auto|fa3|sdpa")
     # ---- GPU kernels (CPU always runs plain torch ops; see kernel_choice.py) ----
-    triton: bool = True  # CUDA: Triton kernels (fused model path, int8 KV); off: torch ops as on CPU
-    pdl: bool = True  # Triton kernels as programmatic dependent launches where supported (sm90+)
-    gemv_plan: str = "default"  # decode GEMVs (<= 4 rows): default | cublas | triton | JSON per projection
-    int8_decode_kernel: str = "triton"  # FA3 + int8 pool, decode: triton (reads int8 pages) | dequant (+ FA3)
-    dense_decode_kernel: str = "triton"  # FA3 + dense pool, decode: triton (reads dense pages) | fa3
-    dense_prefill_kernel: str = "paged"  # FA3 + dense pool, prefill: paged (FA3 reads pages) | gather (varlen)
-    fa3_num_splits: int = 4  # FA3 decode split count (0: FA3's heuristic)
-    decode_kernel_config: str = ""  # JSON overrides of the Triton decode-attention config (block_n, ...)
-    cuda_graphs: bool = True  # decode through CUDA graphs (CUDA + FA3 + fused model path)
-    cuda_graph_max_context: int = 0  # context the decode graphs cover (0: the model's whole context); longer: eager
-    gpu_memory_utilization: float = 0.85  # GPU: fraction of the device's total memory this instance may fill
-    seed: int = 0  # engine RNG: seeds generators of requests without a seed
-    # a request's tokens independent of its batch mates, chunking and prompt-cache hits: CPU, linear layers in
-    # fixed row blocks and prefill attention one query row at a time (KernelChoice.invariant_rows, SdpaBackend);
-    # CUDA, a row-independent Triton GEMM and every attention row through the Triton decode kernel with fixed
-    # splits (KernelChoice.invariant_gemm, RowwiseTritonBackend)
-    batch_invariant: bool = False
-    # greedy decode steps launched one ahead: the next step of an unchanged batch starts on the device (its inputs
-    # are the previous step's tokens, still there) before the host processes the previous step's tokens
-    # (LLMEngine.step). auto: on with the decode CUDA graphs (the host's per-token work hides behind the GPU's next
-    # step), off elsewhere (on CPU a launch computes at once, so chaining would only deliver each token a step
-    # later); on: wherever it can (CPU tests of the bookkeeping); off: never
-    overlap_decode: str = "auto"
+    triton: bool = opt(True, "CUDA: Triton kernels (fused model path, int8 KV); false: plain torch ops as on CPU")
+    pdl: bool = opt(True, "launch Triton kernels as programmatic dependent launches where supported (sm90+)")
+    gemv_plan: str = opt("default", "decode GEMVs (<= 4 rows): default|cublas|triton or JSON {projection: config|null}")
+    int8_decode_kernel: str = opt("triton", "FA3 + int8 pool, decode: triton (reads int8 pages) | dequant (+ FA3)")
+    dense_decode_kernel: str = opt("triton", "FA3 + dense pool, decode: triton (reads dense pages) | fa3")
+    dense_prefill_kernel: str = opt("paged", "FA3 + dense pool, prefill: paged (FA3 reads pages) | gather (varlen)")
+    fa3_num_splits: int = opt(4, "FA3 decode split count (0: FA3's heuristic)")
+    decode_kernel_config: str = opt("", "JSON overrides of the Triton decode-attention kernel config (block_n, ...)")
+    cuda_graphs: bool = opt(True, "decode through CUDA graphs (CUDA + FA3 + fused model path)")
+    cuda_graph_max_context: int = opt(
+        0, "context the decode CUDA graphs cover (0: the model's whole context); longer contexts run eagerly"
+    )
+    gpu_memory_utilization: float = opt(
+        0.85, "GPU: fraction of the device's total memory this instance may fill (weights + KV pool)"
+    )
+    seed: int = opt(0, "engine RNG: seeds the generators of requests without a seed")
+    # CPU: linear layers in fixed row blocks and prefill attention one query row at a time
+    # (KernelChoice.invariant_rows, SdpaBackend); CUDA: a row-independent Triton GEMM and every attention row
+    # through the Triton decode kernel with fixed splits (KernelChoice.invariant_gemm, RowwiseTritonBackend)
+    batch_invariant: bool = opt(
+        False,
+        "a request's tokens independent of its batch mates, chunking and prompt-cache hits with quantized KV; "
+        "slower (row-wise prefill attention, fixed GEMM row blocks or a row-independent Triton GEMM)",
+    )
+    # the next step of an unchanged batch starts on the device (its inputs are the previous step's tokens, still
+    # there) before the host processes the previous step's tokens (LLMEngine.step). auto: on with the decode CUDA
+    # graphs (the host's per-token work hides behind the GPU's next step), off elsewhere (on CPU a launch computes
+    # at once, so chaining would only deliver each token a step later); on: wherever it can (CPU tests of the
+    # bookkeeping); off: never
+    overlap_decode: str = opt(
+        "auto", "auto|on|off: greedy decode launches the next step of an unchanged batch before processing this one"
+    )
 
     def validate(self) -> None:
         if self.page_size <= 0:
@@ -61,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.kv_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"kv_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_dtype!r}")
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization must be 'none' or 'fp8', got {self.quantization!r}")
         if self.kv_group_size <= 0:
             raise ValueError(f"kv_group_size must be > 0, got {self.kv_group_size}")
         if self.int8_decode_kernel not in ("triton", "dequant"):

@@ -2,9 +2,9 @@
 drive it from one thread, see `pdserve.engine.loop.EngineLoop`).
 
 Roles: a plain engine prefills and decodes. A prefill instance adds requests with `prefill_only=True` and ships
-pages (`export_pages`) as `ready_pages` reports them; a decode instance imports them (`begin_import`,
-`import_page`, `finish_import`) and decodes. Those export and import methods are in kv_handoff.py (`KVHandoff`,
-a base class of `LLMEngine`).
+pages (`export_batch`) as `ready_pages` reports them; a decode instance imports them (`begin_import`,
+`import_batch`, `finish_import`) and decodes. Those export and import methods call `self.handoff`
+(kv_handoff.py's `KVHandoff`, an object the engine owns).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import TypedDict
 
 import torch
 
@@ -23,12 +22,14 @@ from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model
 from pdserve.engine.model_runner import DecodeLaunch, ModelRunner
 from pdserve.engine.page_table import PageAllocator
 from pdserve.engine.reasoning_budget import ReasoningBudget, ThinkTags
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams, TokenLogprob
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
 from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import CachedUpload, PagePayload
+from pdserve.kv.transfer.base import ExportedPages
 
 log = logging.getLogger("pdserve.engine")
 
@@ -51,19 +52,6 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-class RequestOptions(TypedDict, total=False):
-    """The keyword options of `LLMEngine.add_request`, for callers that pass them through (`EngineLoop`)."""
-
-    prefill_only: bool
-    forced_token_ids: list[int] | None
-    cached_pages: list[PagePayload] | None
-    sampled_before: int
-    resumed_tokens: int
-    resumed_text_chars: int
-    keep_cached_upload: bool
-    prefix_keys: list[bytes] | None
-
-
 @dataclass
 class _InflightDecode:
     """A greedy decode step launched (overlap_decode) whose tokens the host has not processed yet."""
@@ -72,7 +60,7 @@ class _InflightDecode:
     launch: DecodeLaunch
 
 
-class LLMEngine(KVHandoff):
+class LLMEngine:
     """Sequences, the scheduler and page bookkeeping in integers; every tensor lives in `self.runner`."""
 
     def __init__(self, cfg: EngineConfig):
@@ -82,16 +70,13 @@ class LLMEngine(KVHandoff):
         self.max_model_len = mc.max_position_embeddings
         self.page_size = cfg.page_size
         self.tokenizer = load_tokenizer(cfg.model_dir)
-        self.fingerprint = model_fingerprint(cfg.model_dir)
+        self.fingerprint = model_fingerprint(cfg.model_dir, cfg.quantization)
         self.think_tags = ThinkTags.from_tokenizer(self.tokenizer)  # reasoning models: max_reasoning_tokens
         self.runner = ModelRunner(cfg, mc)
         self.allocator = PageAllocator(self.runner.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs)
 
         self._seqs: dict[str, Sequence] = {}  # live requests, incl. finished prefill-only ones holding pages
-        self._cached_pages: dict[str, list[PagePayload]] = {}  # prompt-cache prefixes, written on first schedule
-        self._cached_uploads: dict[str, CachedUpload] = {}  # keep_cached_upload: a prefix's device copy
-        self._keep_upload: set[str] = set()
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
         self._arrival = itertools.count()
         self._inflight: _InflightDecode | None = None  # overlap_decode: a launched decode step not processed yet
@@ -99,6 +84,17 @@ class LLMEngine(KVHandoff):
         self._overlap = mode == "on" or (mode == "auto" and self.runner.graph_runner is not None)
         self.last_step_scheduled = False  # whether the last step() ran a forward pass
         self.last_step_prefill_tokens = 0  # tokens the last step prefilled (0: a decode step or none)
+        self.handoff = KVHandoff(
+            self.runner,
+            self.allocator,
+            self.scheduler,
+            mc,
+            cfg.page_size,
+            self._seqs,
+            admit=self._admit,
+            drop=self._drop,
+            emit=lambda seq, new_ids, text: self._pending.append(self._output(seq, new_ids, text)),
+        )
         log.info(
             "engine ready: arch=%s dtype=%s device=%s pages=%d page_size=%d chunk_size=%d max_num_seqs=%d "
             "kv=%s backend=%s",
@@ -139,6 +135,60 @@ class LLMEngine(KVHandoff):
         )
 
     # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (`EngineRequest` says what each option does). Raises ValueError (bad input, duplicate
+        id) or OutOfPages (prompt larger than the whole pool). Cached pages never appear in `ready_pages` (the
+        caller already has them); a prefill-only request with `prefix_keys` reports the pool pages it started on in
+        its first `ready_pages`."""
+        seq = self._admit(request)
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _admit(self, request: EngineRequest) -> Sequence:
+        """A new Sequence for `request`, every option checked and applied; not live yet (the caller registers it).
+        On error nothing of it stays."""
+        r = request
+        seq = self._new_sequence(
+            r.request_id,
+            r.prompt_token_ids,
+            r.sampling,
+            prefill_only=r.prefill_only,
+            forced_token_ids=list(r.forced_token_ids) if r.forced_token_ids is not None else None,
+        )
+        try:
+            if r.sampled_before < 0 or r.sampled_before >= seq.num_prompt_tokens:
+                raise InvalidRequest(f"sampled_before {r.sampled_before} outside [0, {seq.num_prompt_tokens})")
+            self.runner.skip_draws(r.request_id, r.sampled_before)
+            if r.resumed_tokens:
+                if r.sampled_before or r.cached_pages or r.prefill_only:
+                    raise InvalidRequest("resumed_tokens excludes sampled_before, cached_pages and prefill_only")
+                self._resume(seq, r.resumed_tokens, r.resumed_text_chars)
+            elif r.resumed_text_chars:
+                raise InvalidRequest(f"resumed_text_chars {r.resumed_text_chars} given without resumed_tokens")
+            if r.cached_pages:
+                if r.sampling.prompt_logprobs:
+                    raise InvalidRequest("prompt_logprobs needs every prompt token computed: no cached pages")
+                self._check_cached_pages(seq.num_prompt_tokens, r.cached_pages)
+            if r.prefix_keys:
+                if r.sampling.prompt_logprobs or r.resumed_tokens:
+                    raise InvalidRequest("prefix_keys excludes prompt_logprobs and resumed_tokens")
+                if len(r.prefix_keys) > seq.num_prompt_tokens // self.page_size or not all(
+                    isinstance(k, bytes) and k for k in r.prefix_keys
+                ):
+                    raise InvalidRequest(
+                        f"prefix_keys: at most one non-empty key per full prompt page, got {len(r.prefix_keys)}"
+                    )
+                seq.prefix_keys = list(r.prefix_keys)
+        except Exception:
+            self.runner.drop_request(r.request_id)
+            raise
+        if r.cached_pages:
+            seq.num_imported_pages = len(r.cached_pages)
+            seq.cached_pages = list(r.cached_pages)
+            seq.keep_cached_upload = r.keep_cached_upload
+            seq.num_computed_tokens = len(r.cached_pages) * self.page_size
+        return seq
+
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kw) -> Sequence:
         if request_id in self._seqs:
             raise DuplicateRequest(f"duplicate request id {request_id!r}")
@@ -172,81 +222,6 @@ class LLMEngine(KVHandoff):
             **kw,
         )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        prefill_only: bool = False,
-        forced_token_ids: list[int] | None = None,
-        cached_pages: list[PagePayload] | None = None,
-        sampled_before: int = 0,
-        resumed_tokens: int = 0,
-        resumed_text_chars: int = 0,
-        keep_cached_upload: bool = False,
-        prefix_keys: list[bytes] | None = None,
-    ) -> None:
-        """Queue a request. Raises ValueError (bad input, duplicate id) or OutOfPages (prompt larger than the
-        whole pool). `forced_token_ids`: teacher forcing, the i-th sampled token is replaced by the i-th forced
-        one (the logits are still those the model produced).
-        `cached_pages`: KV of the prompt's first N full pages (page_index 0..N-1, all layers, dense or int8) from
-        a prompt cache; they are written into the pool when the request is first scheduled and only tokens
-        N*page_size.. are computed. At least the last prompt token must be left to compute (it samples the first
-        token). Cached pages never appear in `ready_pages` (the caller already has them). `keep_cached_upload`:
-        keep the device copy the import made of them, exact bytes in their own format, for `take_cached_upload`.
-        `sampled_before`: tokens this request already sampled elsewhere (a failover resume: the prompt ends with
-        them); a seeded request skips their draws, so it samples as if it had never moved.
-        `resumed_tokens`, `resumed_text_chars`: a failover resume on an engine that prefills itself (colocated
-        mode): as in `begin_import`, the last `resumed_tokens` prompt tokens count as completion tokens and their
-        first `resumed_text_chars` characters were delivered already; the sequence is prefilled like a preempted one.
-        `prefix_keys`: keys of the prompt's full pages (`pdserve.cache.keys`: they pin the model, the namespace and
-        the tokens). At admission the request takes the pool pages that already hold its longest registered prefix
-        (unless `cached_pages` are given) and computes only after them; a prefill-only request reports those
-        pages in its first `ready_pages`. When the request ends, the full prompt pages it computed are
-        registered under their keys and stay in the pool, evictable, for the next request with that prefix."""
-        seq = self._new_sequence(
-            request_id,
-            prompt_token_ids,
-            sampling,
-            prefill_only=prefill_only,
-            forced_token_ids=list(forced_token_ids) if forced_token_ids is not None else None,
-        )
-        try:
-            if sampled_before < 0 or sampled_before >= seq.num_prompt_tokens:
-                raise InvalidRequest(f"sampled_before {sampled_before} outside [0, {seq.num_prompt_tokens})")
-            self.runner.skip_draws(request_id, sampled_before)
-            if resumed_tokens:
-                if sampled_before or cached_pages or prefill_only:
-                    raise InvalidRequest("resumed_tokens excludes sampled_before, cached_pages and prefill_only")
-                self._resume(seq, resumed_tokens, resumed_text_chars)
-            elif resumed_text_chars:
-                raise InvalidRequest(f"resumed_text_chars {resumed_text_chars} given without resumed_tokens")
-            if cached_pages:
-                if sampling.prompt_logprobs:
-                    raise InvalidRequest("prompt_logprobs needs every prompt token computed: no cached pages")
-                self._check_cached_pages(seq.num_prompt_tokens, cached_pages)
-            if prefix_keys:
-                if sampling.prompt_logprobs or resumed_tokens:
-                    raise InvalidRequest("prefix_keys excludes prompt_logprobs and resumed_tokens")
-                if len(prefix_keys) > seq.num_prompt_tokens // self.page_size or not all(
-                    isinstance(k, bytes) and k for k in prefix_keys
-                ):
-                    raise InvalidRequest(
-                        f"prefix_keys: at most one non-empty key per full prompt page, got {len(prefix_keys)}"
-                    )
-                seq.prefix_keys = list(prefix_keys)
-        except Exception:
-            self.runner.drop_request(request_id)
-            raise
-        if cached_pages:
-            seq.num_imported_pages = len(cached_pages)
-            self._cached_pages[request_id] = list(cached_pages)
-            if keep_cached_upload:
-                self._keep_upload.add(request_id)
-            seq.num_computed_tokens = len(cached_pages) * self.page_size
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
-
     def _check_cached_pages(self, num_prompt_tokens: int, pages: list[PagePayload]) -> None:
         if len(pages) * self.page_size >= num_prompt_tokens:
             raise InvalidRequest(
@@ -269,21 +244,23 @@ class LLMEngine(KVHandoff):
 
     def _load_cached_pages(self, seq: Sequence) -> None:
         """Write a request's cached prefix into its (just allocated) pages, on its first scheduled step."""
-        pages = self._cached_pages.pop(seq.request_id)
+        pages, seq.cached_pages = seq.cached_pages, None
+        assert pages is not None  # the caller checked
         if seq.num_computed_tokens < len(pages) * self.page_size:  # preempted before it ran: recomputed instead
             seq.num_imported_pages = 0
             return
         # _check_cached_pages: full pages 0..N-1 of all layers, each checked against the pool
         upload = self.runner.import_full_pages([seq.page_table[p.page_index] for p in pages], pages)
-        if upload is not None and seq.request_id in self._keep_upload:
-            self._cached_uploads[seq.request_id] = upload
+        if seq.keep_cached_upload:
+            seq.cached_upload = upload
 
     def take_cached_upload(self, request_id: str) -> CachedUpload | None:
         """The device copy of a request's cached prefix (`keep_cached_upload`), once it was imported; None if it
         was not kept or not imported yet (or preempted first: recomputed instead). Taking it releases it."""
-        up = self._cached_uploads.pop(request_id, None)
-        if up is not None:
-            self._keep_upload.discard(request_id)
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        up, seq.cached_upload = seq.cached_upload, None
         return up
 
     def abort(self, request_id: str) -> bool:
@@ -322,11 +299,48 @@ class LLMEngine(KVHandoff):
             self.scheduler.remove(seq)
             self._register_prefix(seq)
             self.scheduler.free_pages(seq)
-            self._cached_pages.pop(request_id, None)
-            self._cached_uploads.pop(request_id, None)
-            self._keep_upload.discard(request_id)
+            seq.cached_pages = seq.cached_upload = None
             self.runner.drop_request(request_id)
         return seq
+
+    # ---- disaggregated handoff: `self.handoff` (kv_handoff.py) -----------------------------------------------
+    @property
+    def kv_group_size(self) -> int:
+        """int8 group size of this engine's pool and of its int8 exports by default."""
+        return self.handoff.kv_group_size
+
+    @property
+    def kv_asymmetric(self) -> bool:
+        return self.handoff.kv_asymmetric
+
+    def export_batch(self, request_id: str, page_indexes: list[int], layout: KVLayoutSpec) -> ExportedPages:
+        """`KVHandoff.export_batch`: computed pages of a request as one buffer in `layout`."""
+        return self.handoff.export_batch(request_id, page_indexes, layout)
+
+    def begin_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        resumed_tokens: int = 0,
+        resumed_text_chars: int = 0,
+    ) -> None:
+        """`KVHandoff.begin_import`: reserve pages for a prompt whose KV comes from a prefill instance."""
+        self.handoff.begin_import(request_id, prompt_token_ids, sampling, resumed_tokens, resumed_text_chars)
+
+    def import_batch(
+        self, request_id: str, page_indexes: list[int], num_tokens: list[int], rows: torch.Tensor, layout: KVLayoutSpec
+    ) -> None:
+        """`KVHandoff.import_batch`: write received whole pages in one scatter."""
+        self.handoff.import_batch(request_id, page_indexes, num_tokens, rows, layout)
+
+    def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
+        """`KVHandoff.emit_first_token`: stream the first token before the pages are in."""
+        return self.handoff.emit_first_token(request_id, first_token_id)
+
+    def finish_import(self, request_id: str, first_token_id: int) -> None:
+        """`KVHandoff.finish_import`: all pages are in, the request joins the running batch."""
+        self.handoff.finish_import(request_id, first_token_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
@@ -469,7 +483,7 @@ class LLMEngine(KVHandoff):
 
     def _run(self, batch: ScheduledBatch, return_logits: bool) -> list[StepOutput]:
         for seq in batch.seqs:
-            if seq.request_id in self._cached_pages:
+            if seq.cached_pages is not None:
                 self._load_cached_pages(seq)
         sample_rows = [
             i
@@ -547,7 +561,7 @@ class LLMEngine(KVHandoff):
         rids = [f"gen-{uuid.uuid4().hex}" for _ in prompts_token_ids]
         results: dict[str, list[int]] = {r: [] for r in rids}
         for rid, prompt, sp in zip(rids, prompts_token_ids, params):
-            self.add_request(rid, prompt, sp)
+            self.add_request(EngineRequest(rid, prompt, sp))
         pending = set(rids)
         while pending:
             for o in self.step():

@@ -189,7 +189,7 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, r
     """F.linear of x [T, in] computed in zero-padded blocks of exactly `rows` rows: a GEMM's kernel (and so the
     summation order of each output) depends on its shapes, so with one shape every row's result depends only on
     that row, never on how many rows share the call (batch mates, chunking). Costs nothing when T is a multiple of
-    `rows`; a lone decode row pays for a block of `rows` (docs/benchmarks.md, batch-invariant KV)."""
+    `rows`; a lone decode row pays for a block of `rows` (why `batch_invariant` is off by default)."""
     t = x.shape[0]
     pad = -t % rows
     xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x

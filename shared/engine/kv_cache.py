@@ -9,9 +9,10 @@ A token's "slot" is `page * page_size + offset`; attention reads a sequence's pa
 (De)quantization goes through `quant` (`pdserve.kv.quant`, or the engine's KernelChoice, which runs the
 bit-identical Triton kernels on CUDA).
 
-Exports and imports name the payload's format by (`quantized`, group_size, asymmetric, dtype): quantized with
-dtype int8 (the default) or float8_e4m3fn, or dense in dtype (default: the model dtype). A payload in the pool's
-own format is copied straight; any other is converted through float32.
+Batches of whole pages (`gather_pages` / `scatter_pages`, the disaggregated handoff and the prompt cache) name their
+format by (`quantized`, group_size, asymmetric, dtype): quantized with dtype int8 (the default) or float8_e4m3fn, or
+dense in dtype (default: the model dtype). Data in the pool's own format is copied straight; any other is converted
+through float32. `import_page` writes one prompt-cache page (a PagePayload) the same way.
 """
 
 from __future__ import annotations
@@ -92,30 +93,6 @@ class KVCache:
         return flat[0][slot_ids], flat[1][slot_ids]
 
     # ---- page transfer ---------------------------------------------------------------------------------
-    def _page_dense(self, page: int, num_tokens: int) -> torch.Tensor:
-        return self.data[:, :, page, :num_tokens]  # [2, L, n, kvh, d]
-
-    def export_page(
-        self,
-        physical_page: int,
-        logical_index: int,
-        num_tokens: int,
-        quantized: bool,
-        group_size: int = 0,
-        asymmetric: bool = False,
-        dtype: torch.dtype | None = None,
-    ) -> PagePayload:
-        """One page, all layers, as a PagePayload on CPU: quantized (`dtype` int8 by default, or float8_e4m3fn)
-        with `group_size` / `asymmetric`, else dense in `dtype` (default: the model dtype)."""
-        self._check_page(physical_page, num_tokens)
-        dense = self._page_dense(physical_page, num_tokens)
-        if quantized:
-            q, s, z = self.quant.quantize(dense, group_size, asymmetric, dtype or torch.int8)
-            return PagePayload(
-                logical_index, num_tokens, 0, q.cpu(), s.cpu(), None if z is None else z.cpu(), group_size
-            )
-        return PagePayload(logical_index, num_tokens, 0, dense.to("cpu", dtype or self.dtype, copy=True), None, None, 0)
-
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         """Write a payload (dense or int8) into `physical_page`; int8 payloads are dequantized."""
         self._check_payload(physical_page, payload)
@@ -373,31 +350,6 @@ class QuantizedKVCache(KVCache):
             if dst is not None:
                 assert src is not None  # _check_batch: int8 input has scales; zeros present iff the pool's are
                 dst.permute(2, 0, 1, 3, 4, 5)[ids] = src.to(self.device)
-
-    def _page_dense(self, page: int, num_tokens: int) -> torch.Tensor:
-        z = None if self.zeros is None else self.zeros[:, :, page, :num_tokens]
-        return self._dequant(self.data[:, :, page, :num_tokens], self.scales[:, :, page, :num_tokens], z)
-
-    def export_page(
-        self,
-        physical_page: int,
-        logical_index: int,
-        num_tokens: int,
-        quantized: bool,
-        group_size: int = 0,
-        asymmetric: bool = False,
-        dtype: torch.dtype | None = None,
-    ) -> PagePayload:
-        self._check_page(physical_page, num_tokens)
-        if quantized and self.same_format(group_size, asymmetric, dtype):  # straight copy
-            sl = (slice(None), slice(None), physical_page, slice(0, num_tokens))
-
-            def copy(t: torch.Tensor) -> torch.Tensor:  # a CPU pool's `.cpu()` would be a view of the pool
-                return t.to("cpu", copy=True)
-
-            z = None if self.zeros is None else copy(self.zeros[sl])
-            return PagePayload(logical_index, num_tokens, 0, copy(self.data[sl]), copy(self.scales[sl]), z, group_size)
-        return super().export_page(physical_page, logical_index, num_tokens, quantized, group_size, asymmetric, dtype)
 
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         self._check_payload(physical_page, payload)

@@ -1,33 +1,29 @@
-"""The engine's side of disaggregated serving: a prefill instance exports the KV pages of a request, a decode
-instance reserves pages for a prompt computed elsewhere, imports them (one page at a time or as one batch buffer),
-takes the prefill side's first token, and joins its running batch.
+"""The engine's side of disaggregated serving: a prefill instance exports the computed KV pages of a request as one
+batch buffer; a decode instance reserves pages for a prompt computed elsewhere, imports batches of them, takes the
+prefill side's first token, and joins its running batch.
 
-`KVHandoff` is a part of `LLMEngine` (engine.py), which holds the state it reads: the live sequences, the page
-allocator, the scheduler and the model runner.
+`KVHandoff` is an object `LLMEngine` owns (`engine.handoff`; the engine keeps methods of the same names that call
+it). It reads and updates the engine's live sequences, page allocator, scheduler and model runner, and asks the
+engine, through the three callables it was given, to admit a sequence, drop one, and queue an output.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.config import parse_dtype
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.page_table import PageAllocator
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.errors import InvalidRequest
 from pdserve.kv.codec import KVLayoutSpec
-from pdserve.kv.dtypes import DTYPES, QUANTIZED
-from pdserve.kv.payload import PagePayload
 from pdserve.kv.transfer.base import ExportedPages
 from pdserve.kv.transfer.page_format import PageFormat
-
-if TYPE_CHECKING:
-    from pdserve.engine.engine import StepOutput
 
 
 def _kv_tokens(seq: Sequence) -> int:
@@ -36,34 +32,37 @@ def _kv_tokens(seq: Sequence) -> int:
 
 
 class KVHandoff:
-    """Page export (prefill side) and import (decode side) of `LLMEngine`."""
+    """Page export (prefill side) and import (decode side) for one engine.
 
-    # LLMEngine's state, read and updated here
-    page_size: int
-    model_config: ModelConfig
-    runner: ModelRunner
-    allocator: PageAllocator
-    scheduler: Scheduler
-    _seqs: dict[str, Sequence]
-    _pending: list[StepOutput]
+    `seqs`: the engine's live sequences by request id (shared, not copied). `admit(request)`: a new, validated
+    Sequence (a failover resume applied), not yet live. `drop(request_id)`: end a live request and free its pages.
+    `emit(seq, new_token_ids, text)`: queue an output for the engine's next `take_pending` / `step`."""
 
-    if TYPE_CHECKING:  # LLMEngine's request helpers
-
-        def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
-            raise NotImplementedError
-
-        def _resume(self, seq: Sequence, k: int, emitted_chars: int) -> None:
-            raise NotImplementedError
-
-        def _drop(self, request_id: str) -> Sequence | None:
-            raise NotImplementedError
-
-        def _output(self, seq: Sequence, new_ids: list[int], text: str) -> StepOutput:
-            raise NotImplementedError
+    def __init__(
+        self,
+        runner: ModelRunner,
+        allocator: PageAllocator,
+        scheduler: Scheduler,
+        model_config: ModelConfig,
+        page_size: int,
+        seqs: dict[str, Sequence],
+        admit: Callable[[EngineRequest], Sequence],
+        drop: Callable[[str], Sequence | None],
+        emit: Callable[[Sequence, list[int], str], None],
+    ):
+        self.runner = runner
+        self.allocator = allocator
+        self.scheduler = scheduler
+        self.model_config = model_config
+        self.page_size = page_size
+        self._seqs = seqs
+        self._admit = admit
+        self._drop = drop
+        self._emit = emit
 
     @property
     def kv_group_size(self) -> int:
-        """int8 group size of this engine's pool and of its int8 exports by default."""
+        """int8 group size of the engine's pool and of its int8 exports by default."""
         return self.runner.kv_group_size
 
     @property
@@ -86,28 +85,6 @@ class KVHandoff:
                 )
             num_tokens.append(n)
         return seq, num_tokens
-
-    def export_pages(
-        self,
-        request_id: str,
-        page_indexes: list[int],
-        kv_dtype: str = "auto",
-        group_size: int | None = None,
-        asymmetric: bool | None = None,
-    ) -> list[PagePayload]:
-        """PagePayloads (all layers, CPU tensors) for logical pages of a request whose KV is computed.
-        kv_dtype: "int8" | "fp8" (quantized with group_size/asymmetric, default: this engine's settings), "auto"
-        (the model dtype) or a dtype name ("float32", "bfloat16", "float16")."""
-        as_int8 = kv_dtype in QUANTIZED  # int8 or fp8
-        dense_dtype = DTYPES[kv_dtype].torch_dtype if as_int8 else None if kv_dtype == "auto" else parse_dtype(kv_dtype)
-        g = self.kv_group_size if group_size is None else group_size
-        asym = self.kv_asymmetric if asymmetric is None else asymmetric
-        seq, num_tokens = self._computed_pages(request_id, page_indexes)
-        kv_cache = self.runner.kv_cache
-        return [
-            kv_cache.export_page(seq.page_table[idx], idx, n, as_int8, g, asym, dense_dtype)
-            for idx, n in zip(page_indexes, num_tokens)
-        ]
 
     def export_batch(self, request_id: str, page_indexes: list[int], layout: KVLayoutSpec) -> ExportedPages:
         """The computed pages `page_indexes` of a request as one page-major buffer in `layout`
@@ -140,17 +117,22 @@ class KVHandoff:
         this request by an instance that died. They count as completion tokens (max_tokens, usage, stop strings
         spanning the boundary), and the first `resumed_text_chars` characters of their text were delivered
         already: text held back there (a possible stop-string prefix, an incomplete character) comes out here."""
-        seq = self._new_sequence(request_id, prompt_token_ids, sampling)
+        request = EngineRequest(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            resumed_tokens=resumed_tokens,
+            resumed_text_chars=resumed_text_chars,
+        )
+        seq = self._admit(request)
         try:
-            if resumed_tokens:
-                self._resume(seq, resumed_tokens, resumed_text_chars)
             n_pages = -(-seq.num_tokens // self.page_size)
             seq.page_table = self.allocator.allocate(n_pages)
         except Exception:
             self.runner.drop_request(request_id)
             raise
         seq.status = SequenceStatus.IMPORTING
-        seq.imported_layers = [0] * n_pages
+        seq.pages_imported = [False] * n_pages
         self._seqs[request_id] = seq
 
     def _importing(self, request_id: str) -> Sequence:
@@ -159,28 +141,14 @@ class KVHandoff:
             raise InvalidRequest(f"request {request_id!r} is not importing")
         return seq
 
-    def import_page(self, request_id: str, payload: PagePayload) -> None:
-        """Write one received page (a layer range of one logical page). Raises ValueError on any mismatch."""
-        seq = self._importing(request_id)
-        idx = payload.page_index
-        if not 0 <= idx < len(seq.page_table):
-            raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
-        want = min(self.page_size, _kv_tokens(seq) - idx * self.page_size)
-        if payload.num_tokens != want:
-            raise InvalidRequest(f"page {idx} carries {payload.num_tokens} tokens, expected {want}")
-        self.runner.import_page(seq.page_table[idx], payload)
-        assert seq.imported_layers is not None  # set by begin_import while IMPORTING
-        seq.imported_layers[idx] |= ((1 << payload.layer_count) - 1) << payload.layer_start
-
     def import_batch(
         self, request_id: str, page_indexes: list[int], num_tokens: list[int], rows: torch.Tensor, layout: KVLayoutSpec
     ) -> None:
         """Write received whole pages (rows uint8 [N, page_bytes] in `layout`, on the pool's device) in one
         scatter. Raises InvalidRequest on any mismatch."""
         seq = self._importing(request_id)
-        all_layers = (1 << self.model_config.num_layers) - 1
-        imported = seq.imported_layers
-        assert imported is not None  # an importing sequence has its masks
+        imported = seq.pages_imported
+        assert imported is not None  # an importing sequence has its flags
         for idx, n in zip(page_indexes, num_tokens, strict=True):
             if not 0 <= idx < len(seq.page_table):
                 raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
@@ -193,7 +161,7 @@ class KVHandoff:
         physical_pages = [seq.page_table[i] for i in page_indexes]
         self.runner.kv_cache.scatter_pages(physical_pages, data, scales, zeros, layout.group_size)
         for idx in page_indexes:
-            imported[idx] = all_layers
+            imported[idx] = True
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """Before the pages are all in: append the first token (stop checks apply) and stream it now (the next
@@ -213,15 +181,14 @@ class KVHandoff:
         StepOutput carrying the first token comes from the next `step()`. After `emit_first_token` the token must
         be the same one, and nothing more is output here."""
         seq = self._importing(request_id)
-        all_layers = (1 << self.model_config.num_layers) - 1
-        assert seq.imported_layers is not None  # set by begin_import while IMPORTING
-        missing = [i for i, mask in enumerate(seq.imported_layers) if mask != all_layers]
+        assert seq.pages_imported is not None  # set by begin_import while IMPORTING
+        missing = [i for i, done in enumerate(seq.pages_imported) if not done]
         if missing:
             raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
         early = seq.early_first_token
         if early is not None and early != first_token_id:
             raise InvalidRequest(f"first token {first_token_id} differs from the one streamed early ({early})")
-        seq.imported_layers = None
+        seq.pages_imported = None
         if early is None:
             self._append_first(seq, first_token_id)
         elif seq.early_finished:
@@ -244,4 +211,4 @@ class KVHandoff:
         self.runner.skip_draws(seq.request_id, 1)
         seq.status = SequenceStatus.WAITING
         text = seq.append_token(int(first_token_id), self.model_config.eos_token_ids)
-        self._pending.append(self._output(seq, [int(first_token_id)], text))
+        self._emit(seq, [int(first_token_id)], text)

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.quant.fp8_checkpoint import Fp8Scheme, is_scale_name, parse_quantization_config
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -21,7 +24,7 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | qwen2 | mistral
+    arch: str  # llama | qwen2 | qwen3 | mistral
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -40,6 +43,8 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q/k/v only (Qwen2), or all with attention_bias
     mlp_bias: bool = False
     torch_dtype: str | None = None  # checkpoint dtype name, e.g. "bfloat16"
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    quantization: Fp8Scheme | None = None  # the checkpoint's FP8 format (config.json quantization_config)
 
 
 def _as_list(v) -> list[int]:
@@ -86,7 +91,7 @@ def parse_model_config(model_dir: str | Path) -> ModelConfig:
         raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     window = cfg.get("sliding_window")
-    uses_window = arch == "mistral" or (arch == "qwen2" and cfg.get("use_sliding_window", False))
+    uses_window = arch == "mistral" or (arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False))
     if uses_window and window is not None and int(window) < max_pos:
         raise NotImplementedError(
             f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
@@ -121,6 +126,8 @@ def parse_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=(arch == "qwen2") or attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        qk_norm=arch == "qwen3",
+        quantization=parse_quantization_config(cfg.get("quantization_config")),
     )
 
 
@@ -132,21 +139,29 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_weights(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor on `device` in `dtype`) for every tensor of every shard."""
+    """Yield (HF name, tensor on `device`) for every tensor of every shard: floating-point tensors in `dtype`,
+    except FP8 weights (kept e4m3) and their scales (float32)."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                yield name, (t.to(dtype) if t.is_floating_point() else t)
+                if is_scale_name(name):
+                    t = t.float()
+                elif t.is_floating_point() and t.dtype != torch.float8_e4m3fn:
+                    t = t.to(dtype)
+                yield name, t
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
+def model_fingerprint(model_dir: str | Path, quantization: str = "none") -> str:
     """sha256 over config.json and, per safetensors shard (sorted), its name, size, JSON header and 16 samples
-    of 4 KiB at evenly spaced offsets. Cheap on huge checkpoints; catches different weights in practice."""
+    of 4 KiB at evenly spaced offsets. Cheap on huge checkpoints; catches different weights in practice.
+    `quantization` other than "none" (online FP8: other weights, other KV) is hashed in too."""
     h = hashlib.sha256()
     h.update((Path(model_dir) / "config.json").read_bytes())
+    if quantization != "none":
+        h.update(b"quantization=" + quantization.encode())
     sample = 4096
     for path in safetensors_files(model_dir):
         size = path.stat().st_size

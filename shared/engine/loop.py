@@ -2,7 +2,7 @@
 
 - Commands (`submit(fn)`, and the wrappers below) run on the engine thread between steps, in order.
 - Per-request callbacks receive each StepOutput of their request on the engine thread (keep them short; they
-  may call engine methods directly, e.g. `engine.export_pages`, since they run on the engine thread). A callback is
+  may call engine methods directly, e.g. `engine.export_batch`, since they run on the engine thread). A callback is
   dropped after its request's final output. If a step raises, every live request is aborted and its callback
   receives the exception instead of a StepOutput.
 - Idle means blocked on a condition variable: no busy-spinning, also when work exists but cannot be scheduled
@@ -17,12 +17,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar, Unpack
+from typing import Any, TypeVar
 
-from pdserve.engine.engine import LLMEngine, RequestOptions, StepOutput
+from pdserve.engine.engine import LLMEngine, StepOutput
 from pdserve.engine.page_table import PageAllocator
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kv.payload import PagePayload
 
 log = logging.getLogger("pdserve.engine")
 T = TypeVar("T")
@@ -58,19 +58,12 @@ class EngineLoop:
         return self.submit(fn).result(timeout)
 
     # ---- requests (block until the engine thread has applied them; errors propagate) ----------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        callback: OutputCallback,
-        **options: Unpack[RequestOptions],
-    ) -> None:
-        """`LLMEngine.add_request` with its keyword `options`; `callback` gets the request's outputs."""
+    def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
+        """`LLMEngine.add_request`; `callback` gets the request's outputs."""
 
         def fn(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt_token_ids, sampling, **options)
-            self._callbacks[request_id] = callback
+            engine.add_request(request)
+            self._callbacks[request.request_id] = callback
 
         self.call(fn)
 
@@ -88,9 +81,6 @@ class EngineLoop:
             self._callbacks[request_id] = callback
 
         self.call(fn)
-
-    def import_page(self, request_id: str, payload: PagePayload) -> None:
-        self.call(lambda e: e.import_page(request_id, payload))
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """`LLMEngine.emit_first_token`: its output reaches the callback right after (before any step)."""

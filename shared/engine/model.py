@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama / Qwen2 / Mistral) over a paged KV cache.
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral) over a paged KV cache.
 
 Weights load from HF checkpoints by name, with q/k/v and gate/up concatenated at load into one projection each
 (`self_attn.qkv_proj`, `mlp.gate_up_proj`): one GEMM each on every device. Activations are token-major and
@@ -7,6 +7,11 @@ unpadded: a batch is T tokens from several sequences, `[T, ...]`.
 One module tree, one forward path: each op goes through the `KernelChoice` the model holds (set once at load,
 `CausalLM.use_kernels`), which runs plain torch ops on CPU and the fused Triton kernels on CUDA (RMSNorm fused
 with the residual add, RoPE fused with the KV write, SwiGLU in one kernel, small-row GEMVs).
+
+FP8 weights (a checkpoint's `quantization_config`, or `quantization="fp8"` on a bf16 checkpoint): on CUDA the
+projections become `Fp8Linear` layers (e4m3 weights on the tensor cores, quant/fp8_linear.py); on CPU the FP8
+weights are dequantized once at load into the compute dtype, so the CPU model is an ordinary one over the exact
+dequantized values (the reference the tests compare with transformers).
 """
 
 from __future__ import annotations
@@ -23,6 +28,19 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import ModelConfig, iter_weights
+from pdserve.engine.quant.fp8_checkpoint import ONLINE_FP8, Fp8Scheme, normalize_state
+from pdserve.engine.quant.fp8_linear import Fp8Linear
+from pdserve.engine.quant.fp8_quant import FP8, dequantize_weight, quantize_weight_per_channel
+
+QUANTIZATIONS = ("none", "fp8")  # EngineConfig.quantization: online quantization of an unquantized checkpoint
+
+
+def project(kc: KernelChoice, layer: nn.Module, x: torch.Tensor, proj: str) -> torch.Tensor:
+    """x [T, in] -> layer(x) [T, out]: an `Fp8Linear` runs itself; an nn.Linear goes through the kernel choice."""
+    if isinstance(layer, Fp8Linear):
+        return layer(x)
+    linear = cast(nn.Linear, layer)
+    return kc.linear(x, linear.weight, linear.bias, proj)
 
 
 class RMSNorm(nn.Module):
@@ -95,6 +113,8 @@ class Attention(nn.Module):
         h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(h, qd + 2 * kvd, bias=cfg.qkv_bias)  # rows: q | k | v
         self.o_proj = nn.Linear(qd, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None  # Qwen3: per head
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.kernels = KernelChoice()
 
     def forward(
@@ -104,13 +124,16 @@ class Attention(nn.Module):
         kc = self.kernels
         t = x.shape[0]
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = kc.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, "qkv")  # [T, qd + 2 kvd]
+        qkv = project(kc, self.qkv_proj, x, "qkv")  # [T, qd + 2 kvd]
         q = qkv[:, :qd].view(t, self.num_heads, self.head_dim)
         k = qkv[:, qd : qd + kvd].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, qd + kvd :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # RMSNorm over each head's D (rows [T * H, D])
+            q = kc.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm).view(t, self.num_heads, self.head_dim)
+            k = kc.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm).view(t, self.num_kv_heads, self.head_dim)
         q = kc.rope_and_store(self.layer_idx, q, k, v, meta, rotary, cache)
         o = backend.attend(self.layer_idx, q, meta, cache, self.scale)  # [T, H, D]
-        return kc.linear(o.reshape(t, qd), self.o_proj.weight, self.o_proj.bias, "o")
+        return project(kc, self.o_proj, o.reshape(t, qd), "o")
 
 
 class MLP(nn.Module):
@@ -124,7 +147,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]."""
         kc = self.kernels
-        gate_up = kc.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, "gate_up")  # [T, 2I]
+        gate_up = project(kc, self.gate_up_proj, x, "gate_up")  # [T, 2I]
+        if isinstance(self.down_proj, Fp8Linear):
+            if kc.fused:
+                from pdserve.engine.kernels.silu_mul import silu_mul
+
+                return self.down_proj(silu_mul(gate_up, pdl=kc.pdl))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(torch.nn.functional.silu(gate) * up)
         return kc.swiglu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
 
 
@@ -182,38 +212,137 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.kernels.linear(hidden, self.lm_head.weight, self.lm_head.bias, "lm_head").float()
+        return project(self.kernels, self.lm_head, hidden, "lm_head").float()
 
 
 _CONCATENATED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_PROJECTIONS = tuple(
+    f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+)
 
 
-def _concatenate_projections(state: dict[str, torch.Tensor]) -> None:
-    """HF names -> this model's: `...self_attn.{q,k,v}_proj.{weight,bias}` become `...self_attn.qkv_proj.*`
-    (rows concatenated), `...mlp.{gate,up}_proj.*` become `...mlp.gate_up_proj.*` (in place)."""
-    for name in [
-        n for n in state if n.endswith((".q_proj.weight", ".q_proj.bias", ".gate_proj.weight", ".gate_proj.bias"))
-    ]:
-        prefix, part, kind = name.rsplit(".", 2)
+def _concatenate_projections(state: dict[str, torch.Tensor], block: tuple[int, int] | None) -> None:
+    """HF names -> this model's: `...self_attn.{q,k,v}_proj.*` become `...self_attn.qkv_proj.*` (rows
+    concatenated), `...mlp.{gate,up}_proj.*` become `...mlp.gate_up_proj.*` (in place). FP8 weights bring their
+    scales: per-channel and per-block scales concatenate; when a part but the last does not fill whole blocks of
+    rows (e.g. SmolLM2's 576-row q), the parts' block scales are first spread to one scale per row per 128
+    columns (`scale_rows(...) == 1`); static input scales merge into their largest (the parts share one input)."""
+    for first in [n for n in state if n.endswith((".q_proj.weight", ".gate_proj.weight"))]:
+        prefix, part, _ = first.rsplit(".", 2)
         fused = "qkv_proj" if part == "q_proj" else "gate_up_proj"
-        names = [f"{prefix}.{p}.{kind}" for p in _CONCATENATED[fused]]
-        if all(n in state for n in names):
-            state[f"{prefix}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+        parts = [f"{prefix}.{p}" for p in _CONCATENATED[fused]]
+        if not all(f"{p}.weight" in state for p in parts):
+            continue
+        weights = [state[f"{p}.weight"] for p in parts]
+        if len({w.dtype for w in weights}) != 1:
+            raise ValueError(f"{parts}: weights of different dtypes ({[w.dtype for w in weights]}) cannot fuse")
+        if block is not None and weights[0].dtype == FP8 and any(w.shape[0] % block[0] for w in weights[:-1]):
+            for p, w in zip(parts, weights):  # [ceil(rows / bn), KG] -> [rows, KG]
+                state[f"{p}.weight_scale"] = state[f"{p}.weight_scale"].repeat_interleave(block[0], 0)[: w.shape[0]]
+        for kind in ("weight", "bias", "weight_scale", "input_scale"):
+            names = [f"{p}.{kind}" for p in parts]
+            present = [n in state for n in names]
+            if not any(present):
+                continue
+            if not all(present):
+                raise ValueError(f"{prefix}: {kind} on only some of {parts}")
+            tensors = [state.pop(n) for n in names]
+            merged = torch.stack(tensors).amax() if kind == "input_scale" else torch.cat(tensors)
+            state[f"{prefix}.{fused}.{kind}"] = merged
+
+
+def _read_state(
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, scheme: Fp8Scheme | None, online: bool
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by HF name, FP8 ones with `weight_scale` (fp8_checkpoint.normalize_state).
+    `online`: each projection weight quantized per channel as it streams in (peak memory: the FP8 model plus one
+    bf16 tensor; on CPU dequantized back at once, so the CPU model carries the rounding)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, t in iter_weights(model_dir, device, dtype):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if online and name.endswith(_PROJECTIONS):
+            q, scale = quantize_weight_per_channel(t)
+            if device.type == "cuda":
+                state[name.removesuffix(".weight") + ".weight_scale"] = scale
+                t = q
+            else:
+                t = dequantize_weight(q, scale, None, dtype)
+        state[name] = t
+    if scheme is not None and not online:
+        normalize_state(state, scheme)
+    return state
+
+
+def scale_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme) -> int:
+    """Rows of `weight` [N, K] one block scale covers: the scheme's block rows, or 1 when `scale` has a row per
+    weight row (spread by `_concatenate_projections`)."""
+    assert scheme.block_size is not None
+    bn = scheme.block_size[0]
+    return bn if scale.shape[0] == -(-weight.shape[0] // bn) else 1
+
+
+def _dequantize_state(state: dict[str, torch.Tensor], scheme: Fp8Scheme, dtype: torch.dtype) -> None:
+    """Every FP8 weight -> `dtype` (w = q * scale, the product in float32), its scales dropped (in place)."""
+    for name in [n for n in state if n.endswith(".weight") and state[n].dtype == FP8]:
+        prefix = name.removesuffix(".weight")
+        w, scale = state[name], state.pop(f"{prefix}.weight_scale")
+        state.pop(f"{prefix}.input_scale", None)
+        block = None if scheme.block_size is None else (scale_rows(w, scale, scheme), scheme.block_size[1])
+        state[name] = dequantize_weight(w, scale, block, dtype)
+
+
+def _use_fp8_layers(model: CausalLM, state: dict[str, torch.Tensor], scheme: Fp8Scheme, triton: bool) -> int:
+    """Swap every nn.Linear whose weight in `state` is FP8 for an `Fp8Linear` (meta device); returns how many."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        w = state.get(f"{name}.weight")
+        if isinstance(module, nn.Linear) and w is not None and w.dtype == FP8:
+            parent, _, attr = name.rpartition(".")
+            rows = scale_rows(w, state[f"{name}.weight_scale"], scheme) if scheme.weights == "block" else 0
+            layer = Fp8Linear(module.in_features, module.out_features, module.bias is not None, scheme, rows)
+            layer.triton = triton
+            setattr(model.get_submodule(parent) if parent else model, attr, layer)
+            swapped += 1
+    return swapped
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, choice: KernelChoice
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    choice: KernelChoice,
+    quantization: str = "none",
 ) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors by name (strict), q/k/v and gate/up
-    concatenated; the modules then run the kernels of `choice`."""
+    concatenated; the modules then run the kernels of `choice`. FP8: the checkpoint's own format
+    (`cfg.quantization`), else `quantization="fp8"` quantizes the projections at load (per channel, dynamic
+    per-token activations); an FP8 checkpoint keeps its format either way."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    online = cfg.quantization is None and quantization == "fp8"
+    scheme = cfg.quantization or (ONLINE_FP8 if online else None)
+    if scheme is not None and device.type == "cuda" and choice.invariant_gemm:
+        raise ValueError(
+            "batch_invariant is not supported with FP8 weights on CUDA (their GEMMs pick kernels by shape)"
+        )
+    triton = choice.triton_kv_quant  # EngineConfig.triton and triton usable on this device
+    if scheme is not None and device.type == "cuda" and scheme.weights == "block" and not triton:
+        raise ValueError("block-scaled FP8 weights on CUDA need the Triton kernels (triton=true)")
     with torch.device("meta"):
         model = CausalLM(cfg)
-    state = {name: t for name, t in iter_weights(model_dir, device, dtype) if not name.endswith("rotary_emb.inv_freq")}
+    state = _read_state(model_dir, device, dtype, scheme, online)
     if "lm_head.weight" not in state:
         if not cfg.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    _concatenate_projections(state)
+    _concatenate_projections(state, scheme.block_size if scheme is not None else None)
+    if scheme is not None and device.type == "cuda":
+        with torch.device("meta"):
+            _use_fp8_layers(model, state, scheme, triton)
+    elif scheme is not None:  # CPU: dequantized once here (per-call dequantization would redo it every step)
+        _dequantize_state(state, scheme, dtype)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:

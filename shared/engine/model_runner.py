@@ -76,7 +76,7 @@ class ModelRunner:
             self.kernels.fused,
             self.kernels.pdl,
         )
-        self.model = load_model(cfg.model_dir, mc, self.device, self.dtype, self.kernels)
+        self.model = load_model(cfg.model_dir, mc, self.device, self.dtype, self.kernels, cfg.quantization)
 
         # fp8: one scale per (token, KV head) (group = head_dim): e4m3's error is relative, so finer groups buy
         # little, and the fp8 decode kernel folds that one scale into the scores / probabilities

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.reasoning_budget import ReasoningBudget
 from pdserve.engine.sampling import SamplingParams
+from pdserve.kv.payload import CachedUpload, PagePayload
 
 
 class SequenceStatus(enum.Enum):
@@ -28,8 +29,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
         # A HF fast tokenizer decodes through its Rust `tokenizers.Tokenizer` (`_tokenizer`): calling that directly
-        # gives the same text without transformers' per-call Python work (most of a large decode batch's host time
-        # on the GPU engine, docs/benchmarks.md).
+        # gives the same text without transformers' per-call Python work, which would otherwise be most of a large
+        # decode batch's host time per step.
         backend = getattr(tokenizer, "_tokenizer", None)
         self._rust_decode: Callable[..., str] | None = None
         if backend is not None and type(backend).__module__.startswith("tokenizers"):
@@ -73,13 +74,16 @@ class Sequence:
     text: str = ""  # decoded completion text (may extend past what was emitted)
     num_emitted_chars: int = 0
     max_model_len: int = 0
-    imported_layers: list[int] | None = None  # IMPORTING: per logical page, a bit mask of the layers received
+    pages_imported: list[bool] | None = None  # IMPORTING: per logical page, whether its KV arrived
     early_first_token: int | None = None  # IMPORTING: the first token, streamed before the pages were all in
     early_finished: bool = False  # ... and it ended the request: `finish_import` drops the sequence
     reasoning: ReasoningBudget | None = None  # sampling.max_reasoning_tokens: forces the think close tag
     num_prompt_logprobs: int = 0  # prompt positions whose next-token logprob was reported (prompt_logprobs)
     prefix_keys: list[bytes] | None = None  # keys of the prompt's full pages (PageAllocator prefix reuse)
     num_imported_pages: int = 0  # leading pages imported from a prompt cache (never registered: not computed here)
+    cached_pages: list[PagePayload] | None = None  # that prefix's KV, written into the pool on the first schedule
+    keep_cached_upload: bool = False  # keep the device copy that write made (`cached_upload`)
+    cached_upload: CachedUpload | None = None  # ... until `LLMEngine.take_cached_upload` takes it
     num_shared_pages: int = 0  # leading pages taken at admission from the pool's registered prefixes
     shared_pages_reported: bool = True  # prefill-only: the shared pages went out in a `ready_pages` already
 

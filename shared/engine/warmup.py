@@ -2,9 +2,9 @@
 ready, so that no user request pays their one-time costs (Triton JIT compiles, cuBLAS / FA3 handles, the CUDA
 host allocator's first pinned blocks).
 
-Measured on the H200 host before this existed: the first 2048-token prefill of a fresh service took 1257 ms
-against ~130 ms for the next ones, and the first prompt-cache hit 1326 ms against ~120 ms for a cold 4k prompt
-(its int8 pages are dequantized into the prefill's dense pool by a kernel nothing else compiles).
+Without it the first request of a fresh service pays about a second of compiles on a GPU, ten times a later one's
+prefill, and the first prompt-cache hit pays again (its int8 pages are dequantized into the prefill's dense pool
+by a kernel nothing else compiles).
 
 Paths covered: prompts of 1 token, one page plus one token, and one chunk plus one page plus one token (a chunk that
 attends to an earlier chunk); a decode step; a prefill-only request exported in each format a prefill ships; a
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import PagePayload
@@ -81,7 +82,7 @@ def _zero_page(layout: KVLayoutSpec) -> PagePayload:
 def _run(engine: LLMEngine, prompt: list[int], **kw) -> str:
     """Add one greedy request and step until it finished; returns its id."""
     rid = f"warmup-{uuid.uuid4().hex}"
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), **kw)
+    engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), **kw))
     done = False
     while not done:
         done = any(o.request_id == rid and o.finished for o in engine.step())

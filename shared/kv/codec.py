@@ -1,34 +1,27 @@
-"""PagePayload <-> checksummed KVPage messages (one page on the wire), and the page checks every KV path shares.
+"""The KV page layout every transfer path names (`KVLayoutSpec`, the wire's `pdserve.v1.KVLayout`), the canonical
+header bytes that batch and prompt-cache checksums cover (`pack_layout`, `pack_str`), and the value checks every KV
+path shares.
 
-A page is a `pdserve.v1.KVPage` message. Bytes are C-order, little-endian: data [2, layer_count, num_tokens,
-kv_heads, head_dim] of the layout's dtype, scales / zero_points [2, layer_count, num_tokens, kv_heads,
-head_dim // group_size] float16. The checksum is zlib.crc32 over a canonical header (every field of the message
-except the byte fields and the checksum, plus the byte lengths) followed by data, scales and zero_points.
+Pages travel as batches of whole pages (`pdserve.kv.transfer.page_format` lays out the bytes,
+`pdserve.kv.transfer.wire` frames and checksums them) and prompt-cache values as `pdserve.cache.value`; both check
+values with `check_values`.
 
-`request_id` names the request the page belongs to. (Batches of pages travel as `pdserve.kv.transfer.wire`
-messages and prompt-cache values as `pdserve.cache.value`; both check values with `check_values`.)
-
-Errors: a payload or layout that does not fit (a caller's mistake) raises `InvalidRequest`; `decode_page` never
-returns a tensor it could not fully verify: any damaged byte or disagreement with what the reader expects
-raises `CorruptPage`, and so do values attention cannot use: NaN or infinite scales / zero points, NaN or infinite
-dense (bf16/fp16/fp32) data and fp8 e4m3 NaN encodings (a checksum only proves the sender meant them; in the pool
-they would poison attention and every token after). `check_values` is the same check for a batch of pages on any
-device (the KV receivers call it before a page reaches the pool).
+Errors: a layout that does not fit (a caller's mistake) raises `InvalidRequest`; `check_values` raises `CorruptPage`
+for values attention cannot use: NaN or infinite scales / zero points, NaN or infinite dense (bf16/fp16/fp32) data and
+fp8 e4m3 NaN encodings (a checksum only proves the sender meant them; in the pool they would poison attention and
+every token after), on any device (the KV receivers call it before a page reaches the pool).
 """
 
 from __future__ import annotations
 
-import math
 import struct
 import sys
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.dtypes import DTYPES, QUANTIZED, by_wire
-from pdserve.kv.payload import PagePayload
 from pdserve.v1 import kv_pb2
 
 FORMAT_VERSION = 1
@@ -39,7 +32,7 @@ if sys.byteorder != "little":  # the wire is little-endian and we copy native by
 
 @dataclass(frozen=True)
 class KVLayoutSpec:
-    """How a KVPage's bytes are laid out (mirrors pdserve.v1.KVLayout)."""
+    """How the bytes of a page are laid out (mirrors pdserve.v1.KVLayout)."""
 
     dtype: str  # a name of pdserve.kv.dtypes.DTYPES: "int8" | "fp8" | "float32" | "bfloat16" | "float16"
     page_size: int
@@ -122,145 +115,6 @@ def pack_layout(lay: kv_pb2.KVLayout) -> bytes:
         lay.head_dim,
         lay.group_size,
         int(lay.asymmetric),
-    )
-
-
-def checksum(msg: kv_pb2.KVPage) -> int:
-    """CRC32 over the canonical header and the three byte fields (the msg.checksum field is ignored)."""
-    header = b"".join(
-        [
-            b"PDKV",
-            pack_str(msg.request_id),
-            struct.pack("<QIIII", msg.seq_no, msg.page_index, msg.layer_start, msg.layer_count, msg.num_tokens),
-            pack_layout(msg.layout),
-            pack_str(msg.model_fingerprint),
-            struct.pack("<QQQ", len(msg.data), len(msg.scales), len(msg.zero_points)),
-        ]
-    )
-    crc = zlib.crc32(header)
-    for b in (msg.data, msg.scales, msg.zero_points):
-        crc = zlib.crc32(b, crc)
-    return crc
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _from_bytes(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=dtype).reshape(shape)  # own copy: no aliasing of msg bytes
-
-
-def _shapes(layout: KVLayoutSpec, layer_count: int, num_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    data = (2, layer_count, num_tokens, layout.num_kv_heads, layout.head_dim)
-    scales = (2, layer_count, num_tokens, layout.num_kv_heads, layout.head_dim // max(layout.group_size, 1))
-    return data, scales
-
-
-def _check_ranges(
-    layout: KVLayoutSpec, layer_start: int, layer_count: int, num_tokens: int, error: type[InvalidRequest]
-) -> None:
-    if not 1 <= num_tokens <= layout.page_size:
-        raise error(f"num_tokens {num_tokens} outside [1, page_size {layout.page_size}]")
-    if layer_count < 1 or layer_start < 0 or layer_start + layer_count > layout.num_layers:
-        raise error(
-            f"layer range [{layer_start}, {layer_start + layer_count}) outside model's {layout.num_layers} layers"
-        )
-
-
-def encode_page(
-    payload: PagePayload, *, request_id: str, seq_no: int, layout: KVLayoutSpec, fingerprint: str
-) -> kv_pb2.KVPage:
-    """Serialize one page; raises InvalidRequest if the payload does not match `layout`."""
-    layout.validate()
-    layer_count = payload.data.shape[1] if payload.data.dim() == 5 else 0
-    _check_ranges(layout, payload.layer_start, layer_count, payload.num_tokens, InvalidRequest)
-    data_shape, scales_shape = _shapes(layout, layer_count, payload.num_tokens)
-    if tuple(payload.data.shape) != data_shape or payload.data.dtype != layout.torch_dtype:
-        raise InvalidRequest(
-            f"payload data {tuple(payload.data.shape)} {payload.data.dtype} does not match "
-            f"layout {data_shape} {layout.torch_dtype}"
-        )
-    scales = zeros = b""
-    if layout.quantized:
-        if payload.group_size != layout.group_size:
-            raise InvalidRequest(f"payload group_size {payload.group_size} != layout {layout.group_size}")
-        if (
-            payload.scales is None
-            or tuple(payload.scales.shape) != scales_shape
-            or payload.scales.dtype != torch.float16
-        ):
-            raise InvalidRequest(f"payload scales do not match layout {scales_shape} float16")
-        if layout.asymmetric != (payload.zeros is not None):
-            raise InvalidRequest(f"payload zeros presence does not match layout asymmetric={layout.asymmetric}")
-        if payload.zeros is not None:
-            if tuple(payload.zeros.shape) != scales_shape or payload.zeros.dtype != torch.float16:
-                raise InvalidRequest(f"payload zeros do not match layout {scales_shape} float16")
-            zeros = _to_bytes(payload.zeros)
-        scales = _to_bytes(payload.scales)
-    elif payload.group_size != 0 or payload.scales is not None or payload.zeros is not None:
-        raise InvalidRequest("quantized payload for an unquantized layout")
-    msg = kv_pb2.KVPage(
-        request_id=request_id,
-        seq_no=seq_no,
-        page_index=payload.page_index,
-        layer_start=payload.layer_start,
-        layer_count=layer_count,
-        num_tokens=payload.num_tokens,
-        layout=layout.to_proto(),
-        model_fingerprint=fingerprint,
-        data=_to_bytes(payload.data),
-        scales=scales,
-        zero_points=zeros,
-    )
-    msg.checksum = checksum(msg)
-    return msg
-
-
-def decode_page(
-    msg: kv_pb2.KVPage, *, expected_layout: KVLayoutSpec, expected_fingerprint: str, expected_request_id: str
-) -> PagePayload:
-    """Verify and deserialize one page (CPU tensors); raises CorruptPage(reason) on any mismatch."""
-    if not msg.HasField("layout"):
-        raise CorruptPage("page has no layout")
-    try:
-        layout = KVLayoutSpec.from_proto(msg.layout)
-        layout.validate()
-    except InvalidRequest as e:  # an unusable layout in a page makes the page unusable
-        raise CorruptPage(f"page layout: {e}") from None
-    if layout != expected_layout:
-        raise CorruptPage(f"layout mismatch: got {layout}, expected {expected_layout}")
-    if msg.model_fingerprint != expected_fingerprint:
-        raise CorruptPage(
-            f"model fingerprint mismatch: got {msg.model_fingerprint!r}, expected {expected_fingerprint!r}"
-        )
-    if msg.request_id != expected_request_id:
-        raise CorruptPage(f"request id mismatch: got {msg.request_id!r}, expected {expected_request_id!r}")
-    _check_ranges(layout, msg.layer_start, msg.layer_count, msg.num_tokens, CorruptPage)
-    data_shape, scales_shape = _shapes(layout, msg.layer_count, msg.num_tokens)
-    want = {
-        "data": math.prod(data_shape) * DTYPES[layout.dtype].itemsize,
-        "scales": math.prod(scales_shape) * 2 if layout.quantized else 0,
-        "zero_points": math.prod(scales_shape) * 2 if layout.quantized and layout.asymmetric else 0,
-    }
-    for field, n in want.items():
-        got = len(getattr(msg, field))
-        if got != n:
-            raise CorruptPage(f"{field} has {got} bytes, layout and shape require {n}")
-    if checksum(msg) != msg.checksum:
-        raise CorruptPage(f"checksum mismatch (page {msg.page_index}, seq_no {msg.seq_no})")
-    data = _from_bytes(msg.data, layout.torch_dtype, data_shape)
-    scales = _from_bytes(msg.scales, torch.float16, scales_shape) if layout.quantized else None
-    zeros = _from_bytes(msg.zero_points, torch.float16, scales_shape) if want["zero_points"] else None
-    check_values(data, scales, zeros)
-    return PagePayload(
-        page_index=msg.page_index,
-        num_tokens=msg.num_tokens,
-        layer_start=msg.layer_start,
-        data=data,
-        scales=scales,
-        zeros=zeros,
-        group_size=layout.group_size,
     )
 
 

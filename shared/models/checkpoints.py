@@ -90,7 +90,7 @@ def build_checkpoint(
     chat_template: str | None = CHATML_TEMPLATE,
     **overrides: Any,
 ) -> Path:
-    """Write config.json + model.safetensors + tokenizer files for `arch` in {llama, qwen2, mistral}
+    """Write config.json + model.safetensors + tokenizer files for `arch` in {llama, qwen2, qwen3, mistral}
     (`chat_template`: the tokenizer's, ChatML by default; None for a model without one).
 
     Weights are random (seeded): the model's output is noise, but it is a real checkpoint.
@@ -102,6 +102,8 @@ def build_checkpoint(
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     out = Path(out_dir)
@@ -118,6 +120,10 @@ def build_checkpoint(
     elif arch == "qwen2":
         qwen2 = Qwen2Config(rope_theta=1000000.0, tie_word_embeddings=True, **common)  # type: ignore[call-arg]
         model = Qwen2ForCausalLM(qwen2)
+    elif arch == "qwen3":  # per-head q/k RMSNorm, explicit head_dim (defaults to hidden / heads here)
+        common.setdefault("head_dim", shapes["hidden_size"] // shapes["num_attention_heads"])
+        qwen3 = Qwen3Config(rope_theta=1000000.0, tie_word_embeddings=True, **common)  # type: ignore[call-arg]
+        model = Qwen3ForCausalLM(qwen3)
     elif arch == "mistral":
         mistral = MistralConfig(  # type: ignore[call-arg]
             rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None, **common

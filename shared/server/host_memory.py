@@ -2,8 +2,8 @@
 
 Each KV batch on the `grpc` transport becomes a fresh multi-MB `bytes` object (sender: the serialized message;
 receiver: gRPC's copy of it). glibc serves blocks that large with fresh `mmap`s and trims freed heap memory, so
-every batch pays a page fault per 4 KiB touched: measured on the H200 host, building a 2k request's 138 MB of
-messages ran at 1.9 GB/s, and 6.3 GB/s on this VM once freed blocks were reused (bench/kv_path.py). Keeping
+every batch pays a page fault per 4 KiB touched, and building the messages runs at a fraction of memory speed
+(a third, on the hosts tried: docs/benchmarks.md, KV transfer paths). Keeping
 blocks up to `MMAP_THRESHOLD` in the heap, and freed memory up to `TRIM_THRESHOLD` mapped, makes the next
 batch reuse pages that are already faulted in. The cost is retained RSS, bounded by the peak of in-flight batches.
 """

@@ -1,7 +1,8 @@
 """Conversions between pdserve.v1 sampling messages and the engine's SamplingParams.
 
-Conversion only: defaults come from `SamplingParams` itself and every check is `SamplingParams.validate` (the
-router calls it where a request enters; the engine calls it again when the request is added).
+Conversion only: defaults come from `SamplingParams` itself, after the router filled in the model's own
+(`with_model_defaults`, from its generation_config.json), and every check is `SamplingParams.validate` (the router
+calls it where a request enters; the engine calls it again when the request is added).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from pdserve.engine.sampling import SamplingParams, TokenLogprob
+from pdserve.models.generation_config import GenerationDefaults
 from pdserve.v1 import generate_pb2
 
 
@@ -41,6 +43,20 @@ def sampling_from_proto(msg: generate_pb2.SamplingParams, max_new_tokens: int | 
     if max_new_tokens is not None and params.max_tokens > 0:
         params.max_tokens = min(params.max_tokens, max(1, max_new_tokens))
     return params
+
+
+def with_model_defaults(msg: generate_pb2.SamplingParams, defaults: GenerationDefaults) -> generate_pb2.SamplingParams:
+    """A copy of `msg` with the model's defaults in the sampling fields it leaves unset (temperature, top_p, top_k);
+    a field the caller set wins, whatever its value (temperature 0 included)."""
+    out = generate_pb2.SamplingParams()
+    out.CopyFrom(msg)
+    if defaults.temperature is not None and not msg.HasField("temperature"):
+        out.temperature = defaults.temperature
+    if defaults.top_p is not None and not msg.HasField("top_p"):
+        out.top_p = defaults.top_p
+    if defaults.top_k is not None and not msg.HasField("top_k"):
+        out.top_k = defaults.top_k
+    return out
 
 
 def logprob_to_proto(lp: TokenLogprob) -> generate_pb2.TokenLogprob:

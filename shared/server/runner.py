@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.server.auth import Authenticator
 from pdserve.server.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
 from pdserve.server.host_memory import tune_malloc
 from pdserve.server.security import ServiceSecurity
-from pdserve.server.service_config import EngineOptions, ServerOptions
+from pdserve.server.service_config import EngineServiceConfig, ServerOptions
 from pdserve.server.shutdown import Shutdown
 from pdserve.server.stream_gate import StreamGate
 from pdserve.telemetry.service import Telemetry
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import EngineConfig
 
 log = logging.getLogger("pdserve")
 MIB = 1 << 20
@@ -23,9 +27,12 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def build_engine(cfg: EngineOptions, pool_kv_dtype: str, ship_formats: Sequence[tuple[str, int]] = ()):
-    """The engine of a prefill or decode instance, warmed up (`--warmup`); `pool_kv_dtype` is what its KV pool
-    stores, `ship_formats` the (kv dtype, group size) of pages it exports and imports from a prompt cache."""
+def build_engine(
+    cfg: EngineServiceConfig, engine_cfg: EngineConfig | None = None, ship_formats: Sequence[tuple[str, int]] = ()
+):
+    """The engine loop of a prefill, decode or colocated instance, warmed up (`--warmup`). The engine is
+    `engine_cfg` (default: `cfg.engine` as it is); `ship_formats` the (kv dtype, group size) of pages it exports
+    and imports from a prompt cache."""
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.loop import EngineLoop
     from pdserve.engine.warmup import warm_up
@@ -35,7 +42,7 @@ def build_engine(cfg: EngineOptions, pool_kv_dtype: str, ship_formats: Sequence[
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
-    engine = LLMEngine(cfg.engine_config(pool_kv_dtype))
+    engine = LLMEngine(cfg.engine if engine_cfg is None else engine_cfg)
     if cfg.warmup:
         warm_up(engine, ship_formats)
     return EngineLoop(engine)

@@ -1,13 +1,16 @@
-"""Fields every engine-backed service (prefill, decode) shares; each service subclasses into its own config."""
+"""The settings every service process shares (`ServerOptions`) and those of the engine services (prefill, decode,
+colocated: `EngineServiceConfig`, holding the engine's own `EngineConfig`); each service subclasses one into its
+config, filled by `pdserve.config`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
+from pdserve.config import nested, opt
+from pdserve.engine.config import EngineConfig
 
-def opt(default, help: str):
-    """A dataclass field with CLI help text."""
-    return field(default=default, metadata={"help": help})
+__all__ = ["EngineServiceConfig", "ServerOptions", "engine_settings", "kv_link_problems", "opt"]
 
 
 @dataclass
@@ -66,47 +69,25 @@ class ServerOptions:
         return problems
 
 
+def engine_settings(helps: dict[str, str] | None = None, **defaults: Any) -> Any:
+    """The `engine` field of an engine service's config: EngineConfig's fields as this service's settings of the
+    same names (`--model` fills model_dir). The services' defaults are set here, once: no model until one is
+    given, and KV pages in int8 (`--kv-dtype`); `defaults` and `helps` add a service's own."""
+    return nested(
+        EngineConfig,
+        names={"model_dir": "model"},
+        defaults={"model_dir": "", "kv_dtype": "int8", **defaults},
+        helps=helps,
+    )
+
+
 @dataclass
-class EngineOptions(ServerOptions):
-    model: str = opt("", "HF model directory (config.json, *.safetensors, tokenizer files)")
-    dtype: str = opt("auto", "auto|float32|bfloat16|float16 (auto: float32 on CPU, checkpoint dtype on GPU)")
-    device: str = opt("auto", "auto|cpu|cuda|cuda:N (auto: cuda if available)")
-    page_size: int = opt(16, "tokens per KV page")
-    chunk_size: int = opt(2048, "prefill chunk size in tokens")
-    num_pages: int = opt(0, "KV pool pages (0 = auto)")
-    max_num_seqs: int = opt(64, "largest decode batch")
-    kv_dtype: str = opt(
-        "int8", "int8|fp8|auto: KV page format shipped prefill→decode and stored by decode (fp8: e4m3, scale per head)"
-    )
-    kv_group_size: int = opt(64, "int8 KV quantization group size along head_dim")
-    attention_backend: str = opt("auto", "auto|fa3|sdpa")
-    # GPU engine knobs (EngineConfig fields of the same names; CPU ignores them)
-    triton: bool = opt(True, "CUDA: Triton kernels (fused model path, int8 KV); false: plain torch ops as on CPU")
-    pdl: bool = opt(True, "launch Triton kernels as programmatic dependent launches where supported (sm90+)")
-    gemv_plan: str = opt("default", "decode GEMVs: default|cublas|triton or JSON {projection: config|null}")
-    int8_decode_kernel: str = opt("triton", "FA3 + int8 pool, decode: triton|dequant")
-    dense_decode_kernel: str = opt("triton", "FA3 + dense pool, decode: triton|fa3")
-    dense_prefill_kernel: str = opt("paged", "FA3 + dense pool, prefill: paged|gather")
-    fa3_num_splits: int = opt(4, "FA3 decode split count (0: FA3's heuristic)")
-    decode_kernel_config: str = opt("", "JSON overrides of the Triton decode-attention kernel config")
-    cuda_graphs: bool = opt(True, "decode through CUDA graphs (CUDA + FA3 + fused path)")
-    cuda_graph_max_context: int = opt(0, "context the decode CUDA graphs cover (0: the model's whole context)")
-    gpu_memory_utilization: float = opt(
-        0.85, "GPU: fraction of the device's total memory this instance may fill (weights + KV pool)"
-    )
+class EngineServiceConfig(ServerOptions):
+    """What prefill, decode and colocated instances share: the server options, the engine they run (`engine`, read
+    by the engine as it is) and how the process runs it."""
+
+    engine: EngineConfig = engine_settings()
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
-    batch_invariant: bool = opt(
-        False,
-        "a request's tokens independent of batch mates, chunking and prompt-cache hits with quantized KV (CPU: "
-        "fixed-size GEMM row blocks; CUDA: a row-independent Triton GEMM; both: row-wise prefill attention, prefill "
-        "pool in the shipped KV format); slower (H200, int8, 8B: decode b64 1.19x, 2k prefill 3.6x)",
-    )
-    overlap_decode: str = opt(
-        "auto",
-        "auto|on|off: greedy decode launches the next step of an unchanged batch before processing this step's "
-        "tokens, so the host's per-token work runs beside the GPU's next step (auto: with the decode CUDA graphs; "
-        "H200, 8B shape, b128 ctx2k: 7.9 -> 6.1 ms per step at 16 layers)",
-    )
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
     warmup: bool = opt(
         True,
@@ -115,46 +96,37 @@ class EngineOptions(ServerOptions):
     )
     router: str = opt("", "router host:port to register with and heartbeat to (empty: the router's static list)")
 
-    def engine_config(self, pool_kv_dtype: str):
-        """The EngineConfig of this instance; `pool_kv_dtype` is what its KV pool stores."""
-        from pdserve.engine.config import EngineConfig
+    @property
+    def model(self) -> str:
+        """The model directory (`--model`), as the router's config names it."""
+        return self.engine.model_dir
 
-        return EngineConfig(
-            model_dir=self.model,
-            dtype=self.dtype,
-            device=self.device,
-            page_size=self.page_size,
-            chunk_size=self.chunk_size,
-            num_pages=self.num_pages,
-            max_num_seqs=self.max_num_seqs,
-            kv_dtype=pool_kv_dtype,
-            kv_group_size=self.kv_group_size,
-            kv_asymmetric=getattr(self, "kv_asymmetric", False),
-            attention_backend=self.attention_backend,
-            triton=self.triton,
-            pdl=self.pdl,
-            gemv_plan=self.gemv_plan,
-            int8_decode_kernel=self.int8_decode_kernel,
-            dense_decode_kernel=self.dense_decode_kernel,
-            dense_prefill_kernel=self.dense_prefill_kernel,
-            fa3_num_splits=self.fa3_num_splits,
-            decode_kernel_config=self.decode_kernel_config,
-            cuda_graphs=self.cuda_graphs,
-            cuda_graph_max_context=self.cuda_graph_max_context,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            batch_invariant=self.batch_invariant,
-            overlap_decode=self.overlap_decode,
-        )
+    @model.setter
+    def model(self, value: str) -> None:
+        self.engine.model_dir = value
 
     def default_max_streams(self) -> int:
         """Decode (and colocated): a running batch plus as many waiting (the router admits by KV pages)."""
-        return 2 * self.max_num_seqs
+        return 2 * self.engine.max_num_seqs
 
     def validate(self) -> None:
+        """Server options, then the engine's own check (EngineConfig.validate: its ValueError names the setting;
+        `pdserve.config` reports it in flag terms)."""
         problems = self.server_problems()
         if problems:
             raise SystemExit("; ".join(problems))
-        if not self.model:
+        if not self.engine.model_dir:
             raise SystemExit("--model is required (a local HF model directory)")
-        if self.kv_dtype not in ("int8", "fp8", "auto"):
-            raise SystemExit(f"--kv-dtype must be int8, fp8 or auto, not {self.kv_dtype!r}")
+        self.engine.validate()
+
+
+def kv_link_problems(kv_transport: str, kv_copy_threads: int) -> list[str]:
+    """What is wrong with the KV link settings prefill and decode both have (`--kv-transport`, `--kv-copy-threads`)."""
+    from pdserve.kv.transfer.handshake import MODES
+
+    problems = []
+    if kv_copy_threads < 0:
+        problems.append(f"--kv-copy-threads must be >= 0, got {kv_copy_threads}")
+    if kv_transport not in MODES:
+        problems.append(f"--kv-transport must be one of {', '.join(MODES)}, got {kv_transport!r}")
+    return problems

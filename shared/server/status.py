@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.errors import CorruptPage, DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
+from pdserve.errors import (
+    CorruptPage,
+    DeadlineExceeded,
+    DuplicateRequest,
+    InvalidRequest,
+    OutOfPages,
+    PeerUnavailable,
+    TransferError,
+    TransportUnusable,
+    UnknownRequest,
+)
 
 # Most specific class first: the first entry the error is an instance of decides.
 STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CorruptPage, grpc.StatusCode.DATA_LOSS),
+    (TransferError, grpc.StatusCode.DATA_LOSS),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (TransportUnusable, grpc.StatusCode.FAILED_PRECONDITION),
+    (PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
     (UnknownRequest, grpc.StatusCode.NOT_FOUND),

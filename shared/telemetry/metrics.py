@@ -153,6 +153,7 @@ PROMPT_CACHE_EVENTS = (
     "hits",
     "misses",
     "local_hits",
+    "mac_failures",
     "corrupt",
     "errors",
     "skipped",
@@ -160,6 +161,7 @@ PROMPT_CACHE_EVENTS = (
     "write_bytes",
     "write_drops",
     "too_large",
+    "rekeyed",
 )
 
 

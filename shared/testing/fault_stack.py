@@ -122,6 +122,11 @@ class FaultStack:
         self.router_args = list(router_args)
         self.extra = {PREFILL: list(extra_prefill), DECODE: list(extra_decode)}
         self.identity = identity or Identity.with_token()
+        from pdserve.cache.value_auth import ENV_SECRET, ENV_SECRET_FILE, write_secret_file  # pdserve.cache: torch
+
+        self.env = dict(self.identity.env)  # + one prompt-cache secret its prefill instances share (`pdserve up` too)
+        if not (self.env.get(ENV_SECRET) or self.env.get(ENV_SECRET_FILE)):
+            self.env[ENV_SECRET_FILE] = str(write_secret_file(self.work / "cache_secret"))
         self.start_timeout = start_timeout
         self.members: dict[str, Member] = {}  # address -> member
         self._channels: dict[str, grpc.Channel] = {}
@@ -148,7 +153,7 @@ class FaultStack:
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def _launch(self, role: str, args: list[str]) -> Member:
-        proc, ready, log = start_service(role, [*args, *self.identity.service_args], self.work, env=self.identity.env)
+        proc, ready, log = start_service(role, [*args, *self.identity.service_args], self.work, env=self.env)
         member = Member(role, args, proc, log)
         member.info = {"ready": str(ready)}
         return member

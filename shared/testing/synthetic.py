@@ -1,4 +1,4 @@
-"""Synthetic request streams with known structure, for the estimator's error figures (bench/router.py, tests).
+"""Synthetic request streams with known structure, for the output-length estimator's error figures (its tests).
 
 Each request belongs to one of `num_tasks` tasks. A task has a fixed instruction prefix (its tokens start every
 prompt of the task, optionally after chat-template markers), a body length range, and an output-length law:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -13,9 +14,8 @@ def forced_logits(engine: LLMEngine, prompts: list[list[int]], forced: list[list
     was forced to `forced[i]` (one request per prompt, run together)."""
     rows: dict[str, list[torch.Tensor]] = {}
     for i, (p, f) in enumerate(zip(prompts, forced)):
-        engine.add_request(
-            f"tf{i}", p, SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True), forced_token_ids=f
-        )
+        sampling = SamplingParams(max_tokens=len(f), temperature=0.0, ignore_eos=True)
+        engine.add_request(EngineRequest(f"tf{i}", p, sampling, forced_token_ids=f))
     while engine.has_unfinished_requests():
         for o in engine.step(return_logits=True):
             assert o.logits is not None  # return_logits: every sampled step carries its row

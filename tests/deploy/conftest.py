@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import yaml
 
 from pdserve.cli.main import _service
-from pdserve.config import add_dataclass_args, config_from
+from pdserve.config import add_dataclass_args, config_from, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -22,6 +21,7 @@ OTHER_ENV = {"PDSERVE_HEALTH_TARGET", "PDSERVE_MODEL_DIR", "PDSERVE_CACHE_DIR", 
 # the stack-wide security settings (pdserve.server.security) and the certificate step's output folder
 OTHER_ENV |= {"PDSERVE_TLS_CERT", "PDSERVE_TLS_KEY", "PDSERVE_TLS_CA", "PDSERVE_TLS_SERVER_NAME"}
 OTHER_ENV |= {"PDSERVE_INTERNAL_TOKEN_FILE", "PDSERVE_CERTS_DIR"}
+OTHER_ENV |= {"PDSERVE_CACHE_SECRET_FILE"}  # the prompt cache's secret (pdserve.cache.value_auth), stack-wide
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +76,7 @@ def service_config(service: str, argv: list[str], environ: dict[str, str]):
 def check_env_names(service: str, environ: dict[str, str]) -> None:
     """Every PDSERVE_* variable is a field of this service's config (or read elsewhere, OTHER_ENV)."""
     cls, prefix = _service(service)
-    fields = {prefix + f.name.upper() for f in dataclasses.fields(cls)}
+    fields = {s.env(prefix) for s in settings(cls)}
     for name in environ:
         if name.startswith("PDSERVE_"):
             assert name in fields or name in OTHER_ENV, f"{service}: {name} is no setting of {cls.__name__}"

@@ -105,7 +105,7 @@ def test_gpu_profile_placement(files):
     s = compose["services"]
     prefill, _ = parsed(files, compose, "prefill-gpu")
     decode, _ = parsed(files, compose, "decode-gpu")
-    assert {prefill.device, decode.device} == {"cuda:0", "cuda:1"}
+    assert {prefill.engine.device, decode.engine.device} == {"cuda:0", "cuda:1"}
     assert prefill.kv_transport == decode.kv_transport == "cuda-ipc"
     for ns in ("network_mode", "pid", "ipc"):
         assert s["decode-gpu"][ns] == "service:prefill-gpu"
@@ -164,20 +164,129 @@ def test_dashboard_queries(files):
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
 
-def test_prompt_cache_wiring(files):
-    """Prefill reaches the compose Redis through REDIS_URL (what build_prompt_cache reads), and that Redis evicts
-    instead of failing writes when full and persists nothing."""
-    from pdserve.cache.prompt_cache import build_prompt_cache
+def make_certs(files, directory):
+    """Run deploy/make_certs.py (the compose `certs` step) into `directory`; returns the module."""
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("make_certs", files.DEPLOY / "make_certs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.make(directory)
+    return module
+
+
+def test_prompt_cache_wiring(files, tmp_path):
+    """Prefill reaches the compose Redis through REDIS_URL (what build_prompt_cache reads) over mutual TLS as ACL
+    user `prefill`, with the password and the cache secret from files the `certs` step writes; that Redis evicts
+    instead of failing writes when full and persists nothing."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from pdserve.cache.prompt_cache import build_prompt_cache
+    from pdserve.cache.value_auth import CacheKeyring
+
+    made = tmp_path / "certs"
+    make_certs(files, made)
     compose = files.load_compose()
     for name in ("prefill", "prefill-gpu"):
         cfg, env = parsed(files, compose, name)
-        cache = build_prompt_cache(cfg, environ=env)
-        assert cache.store.remote and cache.store.url == "redis://redis:6379/0"
+        url = urlsplit(env["REDIS_URL"])
+        assert (url.scheme, url.username, url.password, url.hostname, url.port) == (
+            "rediss",
+            "prefill",
+            None,
+            "redis",
+            6379,
+        )
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        assert query == {
+            "ssl_ca_certs": "/certs/ca.pem",
+            "ssl_certfile": "/certs/stack.pem",
+            "ssl_keyfile": "/certs/stack-key.pem",
+        }
+        assert (env["REDIS_PASSWORD_FILE"], env["PDSERVE_CACHE_SECRET_FILE"]) == (
+            "/certs/redis_password",
+            "/certs/cache_secret",
+        )
+        here = {k: v.replace("/certs/", f"{made}/") for k, v in env.items()}  # the volume's files, made here
+        cache = build_prompt_cache(cfg, environ=here)  # reads both files (`redis` does not resolve here: misses)
+        assert cache.store.remote and cache.store.url == here["REDIS_URL"]
+        assert cache.keyring == CacheKeyring.from_file(made / "cache_secret")
+        assert cache.key_prefix == "pdserve:kv:"  # what the ACL user `prefill` may touch
         cache.close()
     cmd = compose["services"]["redis"]["command"]
     assert cmd[0] == "redis-server" and cmd[cmd.index("--maxmemory-policy") + 1] == "allkeys-lru"
     assert cmd[cmd.index("--save") + 1] == "" and cmd[cmd.index("--appendonly") + 1] == "no"
+
+
+def test_compose_redis_is_tls_and_acl_only(files, tmp_path):
+    """The compose Redis, run here (redis-server with the file's arguments, the `certs` step's files, free ports):
+    no plaintext port and no default user in the file; prefill's settings store and find a page over mutual TLS;
+    a client without a certificate, a wrong password, the default user and the wrong ACL user are refused."""
+    import dataclasses
+    from urllib.parse import urlsplit
+
+    import torch
+
+    from pdserve.cache.keys import CacheNamespace
+    from pdserve.cache.prompt_cache import build_prompt_cache
+    from pdserve.cache.redis_store import RedisStore, StoreRefused
+    from pdserve.kv.codec import KVLayoutSpec
+    from pdserve.kv.payload import PagePayload
+    from pdserve.testing.redis_server import RedisServer
+
+    made = tmp_path / "certs"
+    make_certs(files, made)
+    compose = files.load_compose()
+    svc = compose["services"]["redis"]
+    assert svc["user"] == "10001:10001" and "certs:/certs:ro" in svc["volumes"]
+    assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    args = [a.replace("/certs/", f"{made}/") for a in svc["command"][1:]]
+    opt = lambda name: args[args.index(name) + 1]  # noqa: E731
+    assert (opt("--port"), opt("--tls-port"), opt("--tls-auth-clients")) == ("0", "6379", "yes")
+    assert (made / "redis_users.acl").read_text().startswith("user default off")
+    del args[args.index("--port") : args.index("--port") + 2]  # the test server keeps a loopback port to probe
+    args[args.index("--tls-port") + 1] = RedisServer.FREE_PORT
+    srv = RedisServer(tmp_path / "redis", args=args).start()
+    try:
+        tls_port = srv.extra_ports[0]
+        cfg, env = parsed(files, compose, "prefill")
+        here = {
+            k: v.replace("/certs/", f"{made}/").replace("@redis:6379", f"@127.0.0.1:{tls_port}") for k, v in env.items()
+        }
+        cache = build_prompt_cache(cfg, environ=here)
+        layout = KVLayoutSpec(dtype="float32", page_size=2, num_layers=1, num_kv_heads=1, head_dim=4)
+        ns = CacheNamespace("fp", layout, scope="tenant:a")
+        data = torch.randn(2, 1, 2, 1, 4)
+        key = ns.page_keys([1, 2, 3])[0]
+        assert cache.put(ns, key, PagePayload(0, 2, 0, data, None, None, 0)) and cache.flush(10)
+        hit = cache.lookup(ns, [1, 2, 3], 1)
+        assert hit.num_pages == 1 and torch.equal(hit.pages[0].data, data) and cache.stats.writes == 1
+        cache.close()
+        url = here["REDIS_URL"]
+        no_cert = url.split("&ssl_certfile")[0]
+        for bad, reason in [
+            (dataclasses.replace(cfg, redis_url=no_cert), "TLS"),
+            (dataclasses.replace(cfg, redis_password_file=str(made / "redis_router_password")), "credentials"),
+        ]:
+            with pytest.raises(SystemExit, match=reason):
+                build_prompt_cache(bad, environ=here)
+        with pytest.raises(SystemExit, match="refused the credentials"):  # the default user is off
+            build_prompt_cache(
+                dataclasses.replace(cfg, redis_url=url.replace("prefill@", "")),
+                environ={**here, "REDIS_PASSWORD_FILE": ""},
+            )
+        base = urlsplit(url)._replace(netloc=f"router@127.0.0.1:{tls_port}")
+        router = RedisStore(
+            base._replace(path="/1").geturl(),
+            password=(made / "redis_router_password").read_text().strip(),
+            timeout_s=2.0,
+        )
+        router.set_many([(b"pdserve:router:estimator:m", b"{}")], 60_000)  # its own keys ...
+        with pytest.raises(StoreRefused, match="ACL"):
+            router.get_many([b"pdserve:kv:anything"], 1000)  # ... not the prompt cache's
+        router.close()
+    finally:
+        srv.stop()
 
 
 def test_unknown_settings_are_caught(files):
@@ -192,8 +301,6 @@ def test_every_hop_is_tls_with_the_stack_certificates(files, tmp_path):
     """Every gRPC service serves TLS with client-certificate checks on its internal ports and holds the internal
     token; the gateway serves HTTPS and verifies the router; the files they name are what the `certs` step writes
     (run here), into the volume they mount, with SANs for every host name the services dial."""
-    import importlib.util
-
     from cryptography import x509
 
     from pdserve.server.security import ServiceSecurity
@@ -203,11 +310,8 @@ def test_every_hop_is_tls_with_the_stack_certificates(files, tmp_path):
     certs = services["certs"]
     assert certs["entrypoint"] == ["python", "/opt/pdserve/make_certs.py"] and "certs:/certs" in certs["volumes"]
     assert "certs" in compose["volumes"]
-    spec = importlib.util.spec_from_file_location("make_certs", files.DEPLOY / "make_certs.py")
-    make_certs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_certs)
     made = tmp_path / "certs"
-    make_certs.make(made)
+    certs_step = make_certs(files, made)
     written = {p.name for p in made.iterdir()}
     for name in PDSERVE:
         cfg, env = parsed(files, compose, name)
@@ -228,5 +332,5 @@ def test_every_hop_is_tls_with_the_stack_certificates(files, tmp_path):
     hostnames = {services[n].get("hostname") for n in PDSERVE if services[n].get("hostname")} | {"router", "localhost"}
     assert hostnames <= sans, hostnames - sans
     before = (made / "stack.pem").read_bytes()
-    make_certs.make(made)  # a second run keeps what is there
+    certs_step.make(made)  # a second run keeps what is there
     assert (made / "stack.pem").read_bytes() == before

@@ -78,7 +78,8 @@ def test_commands_settings_and_probes(files, rendered):
         model_dir = env_of(objs, init)["PDSERVE_MODEL_DIR"]
         assert cfg.model == model_dir
         mounts = {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]}
-        assert mounts == {model_dir: True, "/etc/pdserve/tls": True, "/etc/pdserve/token": True}
+        cache = {"/etc/pdserve/cache": True} if name == "prefill" else {}  # the prompt cache's secret, Redis password
+        assert mounts == {model_dir: True, "/etc/pdserve/tls": True, "/etc/pdserve/token": True, **cache}
         check_security(objs, pod, c, env, cfg)
         assert init["volumeMounts"][0]["mountPath"] == model_dir
         if name == "router":
@@ -96,7 +97,8 @@ def check_security(objs: dict, pod: dict, c: dict, env: dict, cfg) -> None:
     from pdserve.server.security import ServiceSecurity, tls_from
 
     secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    assert secrets == {"tls": "pdserve-tls", "internal-token": "pdserve-internal-token"}
+    cache = {"cache": "pdserve-cache"} if c["name"] == "prefill" else {}
+    assert secrets == {"tls": "pdserve-tls", "internal-token": "pdserve-internal-token", **cache}
     tls = tls_from("", "", "", env)
     assert (tls.cert, tls.key, tls.ca) == (
         "/etc/pdserve/tls/tls.crt",
@@ -170,3 +172,76 @@ def test_disruption_budgets_and_autoscaling(files, rendered):
         (metric,) = hpa["metrics"]
         assert metric["type"] == "External" and metric["external"]["metric"]["name"] == rule["name"]["as"]
         assert 1 <= hpa["minReplicas"] < hpa["maxReplicas"]
+
+
+def test_redis_is_tls_acl_only_and_reachable_only_from_its_users(files, rendered, tmp_path):
+    """Redis serves TLS only (client certificates from the stack CA) with ACL users from the Secret pdserve-redis;
+    the NetworkPolicy admits only prefill and router pods, on Redis' port; prefill's settings name the prompt
+    cache's Secret files, and the router's estimator store is Redis as user `router` over TLS."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from pdserve.cache.prompt_cache import build_prompt_cache
+
+    _, objs = rendered
+    pod = objs[("StatefulSet", "redis")]["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    args = c["args"]
+    opt = lambda name: args[args.index(name) + 1]  # noqa: E731
+    assert (opt("--port"), opt("--tls-port"), opt("--tls-auth-clients")) == ("0", "6379", "yes")
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v["secret"] for v in pod["spec"]["volumes"]}
+    assert volumes["tls"]["secretName"] == "pdserve-tls" and volumes["acl"]["secretName"] == "pdserve-redis"
+    assert (
+        opt("--tls-cert-file") == mounts["tls"] + "/tls.crt" and opt("--tls-ca-cert-file") == mounts["tls"] + "/ca.crt"
+    )
+    assert opt("--aclfile") == f"{mounts['acl']}/{volumes['acl']['items'][0]['path']}"
+    assert volumes["acl"]["items"][0]["key"] == "users.acl"
+    assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"]  # reads 0440
+
+    policy = objs[("NetworkPolicy", "redis")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == pod["metadata"]["labels"] and policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}  # pods of this namespace only, no ipBlock / namespaceSelector
+    admitted = []
+    for name in ("router", "prefill", "decode", "gateway"):
+        labels = objs[("Deployment", name)]["spec"]["template"]["metadata"]["labels"]
+        sel = peer["podSelector"]
+        ok = sel["matchLabels"].items() <= labels.items() and all(
+            labels.get(e["key"]) in e["values"] for e in sel["matchExpressions"] if e["operator"] == "In"
+        )
+        admitted += [name] if ok else []
+    assert admitted == ["router", "prefill"]
+
+    (prefill,) = objs[("Deployment", "prefill")]["spec"]["template"]["spec"]["containers"]
+    env = env_of(objs, prefill)
+    url = urlsplit(env["REDIS_URL"])
+    assert (url.scheme, url.username, url.password, url.hostname, url.port) == (
+        "rediss",
+        "prefill",
+        None,
+        "redis",
+        6379,
+    )
+    assert set(parse_qs(url.query)) == {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile"}
+    cache_mount = next(m["mountPath"] for m in prefill["volumeMounts"] if m["name"] == "cache")
+    assert env["PDSERVE_CACHE_SECRET_FILE"] == f"{cache_mount}/secret"
+    assert env["REDIS_PASSWORD_FILE"] == f"{cache_mount}/redis-password"
+    (tmp_path / "secret").write_text("a-cache-secret-as-the-secret-holds-it-0123456789\n")
+    (tmp_path / "redis-password").write_text("password\n")
+    here = {k: v.replace(f"{cache_mount}/", f"{tmp_path}/") for k, v in env.items()}
+    cfg = files.service_config("prefill", [], here)
+    cache = build_prompt_cache(cfg, environ=here)  # would start: secret and password read, Redis remote but keyed
+    assert cache.store.remote
+    cache.close()
+
+    (router,) = objs[("Deployment", "router")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in router["env"]}
+    assert env["REDIS_ROUTER_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "pdserve-redis",
+        "key": "router-password",
+    }
+    store = urlsplit(env["PDSERVE_ROUTER_ESTIMATOR_STORE"]["value"])
+    assert (store.scheme, store.username, store.password) == ("rediss", "router", "$(REDIS_ROUTER_PASSWORD)")
+    assert list(env).index("REDIS_ROUTER_PASSWORD") < list(env).index("PDSERVE_ROUTER_ESTIMATOR_STORE")  # $(...)

@@ -1,10 +1,16 @@
 import argparse
+import dataclasses
 
 import pytest
 
-from pdserve.config import add_dataclass_args, config_from
+from pdserve.config import Setting, add_dataclass_args, config_from, nested, opt, settings
+from pdserve.decode.colocated_config import ColocatedConfig
 from pdserve.decode.config import DecodeConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.prefill.config import PrefillConfig
 from pdserve.router.config import RouterConfig
+
+ENGINE_SERVICES = (PrefillConfig, DecodeConfig, ColocatedConfig)
 
 
 def parse(cls, argv, env):
@@ -17,14 +23,16 @@ def test_cli_overrides_env_overrides_default():
     cfg = parse(
         DecodeConfig, ["--model", "m", "--page-size", "8"], {"PDSERVE_X_PAGE_SIZE": "4", "PDSERVE_X_KV_DTYPE": "auto"}
     )
-    assert (cfg.page_size, cfg.kv_dtype, cfg.chunk_size) == (8, "auto", 2048)
+    assert (cfg.engine.page_size, cfg.engine.kv_dtype, cfg.engine.chunk_size) == (8, "auto", 2048)
 
 
 def test_lists_and_bools():
     cfg = parse(RouterConfig, ["--model", "m", "--prefill", "a:1", "--prefill", "b:2"], {"PDSERVE_X_DECODE": "c:3,d:4"})
     assert cfg.prefill == ["a:1", "b:2"] and cfg.decode == ["c:3", "d:4"]
     cfg = parse(DecodeConfig, ["--model", "m"], {"PDSERVE_X_KV_ASYMMETRIC": "true"})
-    assert cfg.kv_asymmetric is True
+    assert cfg.engine.kv_asymmetric is True
+    cfg = parse(DecodeConfig, ["--model", "m", "--insecure", "--cuda-graphs", "false"], {})
+    assert cfg.insecure is True and cfg.engine.cuda_graphs is False  # a boolean flag alone means true
 
 
 def test_invalid_values_exit_with_reason():
@@ -34,3 +42,93 @@ def test_invalid_values_exit_with_reason():
         parse(DecodeConfig, ["--model", "m", "--page-size", "x"], {})
     with pytest.raises(SystemExit, match="--model"):
         parse(DecodeConfig, [], {})
+    with pytest.raises(SystemExit, match="^--chunk-size must be > 0"):  # the engine's own check, in flag terms
+        parse(ColocatedConfig, ["--model", "m", "--chunk-size", "0"], {})
+
+
+@pytest.mark.parametrize("cls", ENGINE_SERVICES)
+def test_every_engine_field_is_a_setting_of_each_engine_service(cls):
+    """The engine reads `cfg.engine` as filled: each EngineConfig field is a flag / env variable of the service
+    under its own name (`--model` for model_dir), and a value given there is the value the engine gets."""
+    table = {s.path: s for s in settings(cls)}
+    for f in dataclasses.fields(EngineConfig):
+        s = table[("engine", f.name)]
+        assert s.name == ("model" if f.name == "model_dir" else f.name) and s.help, f.name
+    cfg = parse(
+        cls,
+        ["--model", "m", "--pdl", "false", "--gemv-plan", "cublas", "--fa3-num-splits", "2", "--batch-invariant"],
+        {"PDSERVE_X_DENSE_DECODE_KERNEL": "fa3", "PDSERVE_X_CUDA_GRAPH_MAX_CONTEXT": "4096"},
+    )
+    e = cfg.engine
+    assert (e.model_dir, e.pdl, e.gemv_plan, e.fa3_num_splits, e.batch_invariant) == ("m", False, "cublas", 2, True)
+    assert (e.dense_decode_kernel, e.cuda_graph_max_context) == ("fa3", 4096) and cfg.model == "m"
+
+
+def test_kv_dtype_default_is_defined_once():
+    """Every engine service, and `pdserve up` through them, defaults to int8 KV from one place (engine_settings);
+    the engine as a library keeps its own default (unquantized)."""
+    from pdserve.cli.up import engine_settings, up_parser
+
+    for cls in ENGINE_SERVICES:
+        (s,) = [s for s in settings(cls) if s.name == "kv_dtype"]
+        assert s.default == "int8" == parse(cls, ["--model", "m"], {}).engine.kv_dtype
+    assert EngineConfig(model_dir="m").kv_dtype == "auto"
+    up = up_parser().parse_args([])
+    assert all(getattr(up, s.name) is None for s in engine_settings() if s.name != "torch_threads")
+
+
+def test_service_defaults_and_help_override_the_engines():
+    col = {s.name: s for s in settings(ColocatedConfig)}
+    dec = {s.name: s for s in settings(DecodeConfig)}
+    assert (col["chunk_size"].default, dec["chunk_size"].default) == (512, 2048)
+    assert parse(ColocatedConfig, ["--model", "m"], {}).engine.chunk_size == 512
+    assert col["chunk_size"].help != dec["chunk_size"].help
+    pre = {s.name: s for s in settings(PrefillConfig)}
+    assert "decode's layout decides" in pre["kv_dtype"].help
+
+
+def test_nested_settings_must_not_collide():
+    @dataclasses.dataclass
+    class Inner:
+        port: int = opt(1, "inner port")
+
+    @dataclasses.dataclass
+    class Outer:
+        port: int = opt(2, "outer port")
+        inner: Inner = nested(Inner)
+
+    with pytest.raises(TypeError, match="port"):
+        settings(Outer)
+
+    @dataclasses.dataclass
+    class Renamed:
+        port: int = opt(2, "outer port")
+        inner: Inner = nested(Inner, names={"port": "inner_port"}, defaults={"port": 7})
+
+    assert [s.name for s in settings(Renamed)] == ["port", "inner_port"]
+    assert config_from(Renamed, None, "P_", environ={"P_PORT": "3"}).inner.port == 7
+    assert config_from(Renamed, None, "P_", environ={"P_INNER_PORT": "5"}).inner.port == 5
+    assert isinstance(settings(Renamed)[1], Setting) and settings(Renamed)[1].env("P_") == "P_INNER_PORT"
+
+
+def test_prefill_runs_full_precision_unless_batch_invariant():
+    cfg = parse(PrefillConfig, ["--model", "m", "--kv-dtype", "fp8"], {})
+    assert cfg.pool_config().kv_dtype == "auto" and cfg.ship_formats() == [("fp8", 64)]
+    assert cfg.engine.kv_dtype == "fp8"  # the config itself is not changed
+    cfg = parse(PrefillConfig, ["--model", "m", "--batch-invariant", "true"], {})
+    assert cfg.pool_config().kv_dtype == "int8" and cfg.pool_config() is cfg.engine
+
+
+def test_validation_errors_name_flags_not_plain_words():
+    with pytest.raises(SystemExit) as e:
+        parse(DecodeConfig, ["--model", "m", "--gemv-plan", '{"bogus": null}'], {})
+    assert str(e.value).startswith("--gemv-plan: want default|cublas|triton ") and "'gate_up'" in str(e.value)
+
+
+@pytest.mark.parametrize("cls", (PrefillConfig, DecodeConfig))
+def test_kv_link_settings_are_checked_alike(cls):
+    with pytest.raises(SystemExit, match="--kv-transport must be one of auto, grpc, cuda-ipc, got 'nvlink'"):
+        parse(cls, ["--model", "m", "--kv-transport", "nvlink"], {})
+    with pytest.raises(SystemExit, match="--kv-copy-threads must be >= 0, got -1"):
+        parse(cls, ["--model", "m", "--kv-copy-threads", "-1"], {})
+    assert parse(cls, ["--model", "m", "--kv-transport", "cuda-ipc"], {}).kv_transport == "cuda-ipc"

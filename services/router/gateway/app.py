@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -15,49 +16,73 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.client import AsyncClient, CompletionChunk, PromptLogprobs, TokenLogprob
 from pdserve.router.gateway import logprobs, protocol
 from pdserve.router.gateway.config import GatewayConfig
-from pdserve.router.gateway.errors import APIError, api_error_response, error_body, rpc_error_response, rpc_error_status
+from pdserve.router.gateway.errors import (
+    APIError,
+    api_error_response,
+    error_body,
+    http_error_response,
+    param_aliases,
+    rpc_error_response,
+    rpc_error_status,
+)
+from pdserve.router.gateway.fields import short
+from pdserve.router.gateway.inbound import forwarded_metadata, parse_json, read_body
 
 GENERATION_SERVICE = "pdserve.v1.Generation"
-# passed on to the router as gRPC metadata (authorization: the caller's bearer token, which the router checks)
-FORWARDED_HEADERS = ("traceparent", "tracestate", "x-priority", "authorization")
+log = logging.getLogger("pdserve.gateway")
 
 
-def _metadata(request: Request) -> list[tuple[str, str]]:
-    return [(h, request.headers[h]) for h in FORWARDED_HEADERS if h in request.headers]
+def _internal_error(where: str) -> dict:
+    """Log the exception being handled (its traceback goes to the gateway's log only); the client's error body
+    carries an id to find it there."""
+    eid = uuid.uuid4().hex[:12]
+    log.exception("internal error %s in %s", eid, where)
+    message = f"internal error (id {eid}); the gateway's log has the details"
+    return error_body(message, "server_error", code="internal_error")
 
 
-async def _read_limited(request: Request, max_bytes: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed `max_bytes` (declared length or bytes read)."""
-    too_large = APIError(413, f"request body larger than {max_bytes} bytes (--max-body-mb)", code="body_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+class CatchUnexpected:
+    """ASGI middleware: an exception no handler mapped becomes a logged 500 in the OpenAI error shape (after the
+    response started, it is logged and the connection closed), never a traceback sent to the client."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception:
+            body = _internal_error(f"{scope['method']} {scope['path']}")
+            if not started:
+                await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
-async def _body(request: Request, model_name: str, max_bytes: int) -> dict:
-    raw = await _read_limited(request, max_bytes)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
+async def _body(request: Request, cfg: GatewayConfig) -> dict:
+    raw = await read_body(request, int(cfg.max_body_mb * 1024 * 1024), cfg.body_timeout_s)
+    body = parse_json(raw)
     model = body.get("model")
-    if model != model_name:
+    if not isinstance(model, str):
+        raise APIError(400, "'model' must be given, as a string", param="model", code="invalid_type")
+    if model != cfg.model_name:
         raise APIError(
             404,
-            f"the model {model!r} does not exist; this server serves {model_name!r}",
+            f"the model {short(model)} does not exist; this server serves {cfg.model_name!r}",
             param="model",
             code="model_not_found",
         )
@@ -92,6 +117,11 @@ def _sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
 
+def _aliases(request: Request) -> dict[str, str] | None:
+    """The request's `param_aliases` (set once its body was read): names the field in router 400s."""
+    return getattr(request.state, "param_aliases", None)
+
+
 def create_app(cfg: GatewayConfig) -> FastAPI:
     """The gateway app; its router client lives as long as the app (lifespan)."""
 
@@ -112,14 +142,19 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 await app.state.health_channel.close()
 
     app = FastAPI(title="pdserve OpenAI-compatible gateway", lifespan=lifespan)
+    app.add_middleware(CatchUnexpected)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return api_error_response(e)
 
     @app.exception_handler(grpc.RpcError)
-    async def _rpc_error(_: Request, e: grpc.RpcError) -> JSONResponse:
-        return rpc_error_response(e)
+    async def _rpc_error(request: Request, e: grpc.RpcError) -> JSONResponse:
+        return rpc_error_response(e, _aliases(request))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return http_error_response(request.method, request.url.path, e.status_code, e.detail, e.headers)
 
     @app.get("/health")
     async def health() -> dict:
@@ -147,7 +182,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         }
 
     async def complete(request: Request, chat: bool):
-        body = await _body(request, cfg.model_name, int(cfg.max_body_mb * 1024 * 1024))
+        metadata = forwarded_metadata(request)
+        body = await _body(request, cfg)
+        aliases = request.state.param_aliases = param_aliases(body, chat)
         if chat:
             inputs: dict[str, Any] = {"messages": protocol.chat_messages(body)}
             echo = False
@@ -162,7 +199,6 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         rid = uuid.uuid4().hex
         oid = ("chatcmpl-" if chat else "cmpl-") + rid
         client: AsyncClient = app.state.client
-        metadata = _metadata(request)
         if not stream:
             out = await client.generate(request_id=rid, metadata=metadata, **kw)
             echo_text = shape.echo_text(out.prompt_logprobs)
@@ -175,7 +211,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             await chunks.aclose()
             raise
         return StreamingResponse(
-            _events(chunks, first, oid, shape, include_usage),
+            _events(chunks, first, oid, shape, include_usage, aliases),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -186,6 +222,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         oid: str,
         shape: _Shape,
         include_usage: bool,
+        aliases: dict[str, str],
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = cfg.model_name
@@ -220,7 +257,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 yield _sse(protocol.usage_chunk_json(oid, model, created, chat, usage))
             yield _sse("[DONE]")
         except grpc.RpcError as e:  # after the stream started the status is sent: report it in-band
-            yield _sse(rpc_error_status(e)[1])
+            yield _sse(rpc_error_status(e, aliases)[1])
+        except Exception:
+            yield _sse(_internal_error(f"the stream of {oid}"))
         finally:
             await chunks.aclose()  # cancels the router call when the HTTP client went away
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pdserve.server.service_config import opt
+from pdserve.config import opt
 from pdserve.server.tls import is_loopback
 
 ENV_PREFIX = "PDSERVE_GATEWAY_"
@@ -19,6 +19,14 @@ class GatewayConfig:
     model_name: str = opt("pdserve", "the model id /v1/models lists and requests must name")
     request_timeout_s: float = opt(600.0, "deadline of each call to the router")
     max_body_mb: float = opt(8.0, "largest request body accepted, MiB (larger: 413 at once, before parsing)")
+    # slow or too many clients (docs/security.md, "Gateway limits")
+    header_timeout_s: float = opt(
+        10.0, "a request's line and headers must arrive within this time (from the connection or its first byte): 408"
+    )
+    body_timeout_s: float = opt(30.0, "a request body must arrive within this time of its headers: else 408")
+    keep_alive_s: float = opt(5.0, "an idle kept-alive connection is closed after this time")
+    max_connections: int = opt(1024, "connections served at once; a request on one more is answered 503")
+    max_header_kb: int = opt(16, "largest request line + headers, KiB (larger: 400)")
     ready_file: str = opt("", "write {service, address, pid} JSON here once serving")
     log_level: str = opt("INFO", "logging level")
     # security (docs/security.md): callers' `Authorization: Bearer` goes on to the router, which authenticates it
@@ -37,6 +45,9 @@ class GatewayConfig:
             raise SystemExit(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.request_timeout_s <= 0:
             raise SystemExit(f"--request-timeout-s must be > 0, got {self.request_timeout_s}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections", "max_header_kb"):
+            if not getattr(self, name) > 0:
+                raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise SystemExit("--tls-cert and --tls-key go together")
         if not self.tls_cert and not self.insecure and not is_loopback(self.host):

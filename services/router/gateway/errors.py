@@ -1,6 +1,9 @@
-"""OpenAI-shaped errors: the router's gRPC status → HTTP status, and the `{"error": {...}}` body."""
+"""OpenAI-shaped errors: the router's gRPC status → HTTP status, and the `{"error": {...}}` body (`param`: the
+request field at fault, also for the router's INVALID_ARGUMENT reasons, which name the gRPC field)."""
 
 from __future__ import annotations
+
+import re
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -28,9 +31,11 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -38,7 +43,34 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def api_error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+# the gRPC API's field names a router reason may start with or mention (the earliest one names the field)
+_ROUTER_FIELD = re.compile(
+    r"\b(max_tokens|temperature|top_p|top_k|seed|stop_token_ids|stop|top_logprobs|max_reasoning_tokens|prompt"
+    r"|token_ids|messages)\b"
+)
+
+
+def param_aliases(body: dict, chat: bool) -> dict[str, str]:
+    """gRPC field → the OpenAI parameter the caller set it with (in this request's body)."""
+    prompt = "messages" if chat else "prompt"
+    max_tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return {
+        "max_tokens": max_tokens,
+        "stop_token_ids": "stop",
+        "top_logprobs": "top_logprobs" if chat else "logprobs",
+        "prompt": prompt,
+        "token_ids": prompt,
+        "messages": "messages",
+    }
+
+
+def router_param(reason: str, aliases: dict[str, str]) -> str | None:
+    """The OpenAI parameter a router INVALID_ARGUMENT `reason` is about, None when it names no field."""
+    m = _ROUTER_FIELD.search(reason)
+    return None if m is None else aliases.get(m.group(1), m.group(1))
 
 
 def retry_after_s(e: grpc.RpcError) -> int | None:
@@ -52,8 +84,9 @@ def retry_after_s(e: grpc.RpcError) -> int | None:
     return None
 
 
-def rpc_error_status(e: grpc.RpcError) -> tuple[int, dict, dict[str, str]]:
-    """(HTTP status, OpenAI error body, headers) for a failed router call."""
+def rpc_error_status(e: grpc.RpcError, aliases: dict[str, str] | None = None) -> tuple[int, dict, dict[str, str]]:
+    """(HTTP status, OpenAI error body, headers) for a failed router call; `aliases` (`param_aliases`) names the
+    request's field in a 400 whose reason mentions one."""
     code = e.code()
     status, type_ = HTTP_OF.get(code, (500, "server_error"))
     headers = {}
@@ -61,9 +94,23 @@ def rpc_error_status(e: grpc.RpcError) -> tuple[int, dict, dict[str, str]]:
         after = retry_after_s(e)
         if after is not None:
             headers["Retry-After"] = str(after)
-    return status, error_body(e.details() or code.name, type_, code=code.name.lower()), headers
+    reason = e.details() or code.name
+    param = router_param(reason, aliases) if code == grpc.StatusCode.INVALID_ARGUMENT and aliases else None
+    return status, error_body(reason, type_, param=param, code=code.name.lower()), headers
 
 
-def rpc_error_response(e: grpc.RpcError) -> JSONResponse:
-    status, body, headers = rpc_error_status(e)
+def rpc_error_response(e: grpc.RpcError, aliases: dict[str, str] | None = None) -> JSONResponse:
+    status, body, headers = rpc_error_status(e, aliases)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def http_error_response(method: str, path: str, status: int, detail: str, headers: dict | None) -> JSONResponse:
+    """Starlette's own HTTP errors (an unknown URL, a method a route does not take) in the OpenAI error shape."""
+    if status == 404:
+        message, code = f"Invalid URL ({method} {path})", "unknown_url"
+    elif status == 405:
+        message, code = f"Method {method} is not allowed on {path}", "method_not_allowed"
+    else:
+        message, code = detail, None
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(error_body(message, type_, code=code), status_code=status, headers=headers)

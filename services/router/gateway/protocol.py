@@ -7,6 +7,8 @@ pdserve defaults, which are OpenAI's and the SDK's / CLI's: max_tokens 16 for /v
 the context ends" for /v1/chat/completions (the router applies both), temperature 1.0, top_p 1.0. A reasoning
 model's thinking comes back as `reasoning_content` (the message / delta field DeepSeek's API uses). Parameters
 that would change the output in ways pdserve cannot honour are rejected with 400, never silently ignored.
+Ranges are OpenAI's (temperature 0..2, top_p 0..1, penalties -2..2, seed int64), cut to what the gRPC API carries
+(int32 counts and token ids); the router's own checks (e.g. top_p > 0, the context length) come back as 400 too.
 """
 
 from __future__ import annotations
@@ -15,38 +17,27 @@ import time
 from typing import Any
 
 from pdserve.client import Completion, Usage
+from pdserve.router.gateway import fields
 from pdserve.router.gateway.errors import APIError
+from pdserve.router.gateway.fields import INT32_MAX
 
 MAX_STOP = 4
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
-# parameters accepted only at their no-op value: name -> that value
-NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
+# parameters accepted only at their no-op value: name -> (that value, OpenAI's range)
+NEUTRAL = {"n": (1, 1, 128), "best_of": (1, 1, 20), "presence_penalty": (0, -2, 2), "frequency_penalty": (0, -2, 2)}
 UNSUPPORTED = ("logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format", "suffix")
 
 
-def _number(body: dict, name: str, kind: type, lo: float | None = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise APIError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
-    if lo is not None and v < lo:
-        raise APIError(400, f"'{name}' must be >= {lo}, got {v}", param=name)
-    return kind(v)
-
-
 def sampling_args(body: dict) -> dict:
-    """The SDK keyword arguments (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`) of an OpenAI body.
-    Range checks beyond the types are the router's (its INVALID_ARGUMENT reasons come back as 400)."""
-    for name, neutral in NEUTRAL.items():
-        if body.get(name) is not None and body[name] != neutral:
-            raise APIError(400, f"'{name}' is not supported (only {neutral!r})", param=name)
+    """The SDK keyword arguments (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`) of an OpenAI body."""
+    for name, (neutral, lo, hi) in NEUTRAL.items():
+        fields.neutral_only(body, name, neutral, lo, hi)
     for name in UNSUPPORTED:
         if body.get(name):
-            raise APIError(400, f"'{name}' is not supported", param=name)
-    max_tokens = _number(body, "max_completion_tokens", int)
+            raise APIError(400, f"'{name}' is not supported", param=name, code="unsupported_parameter")
+    max_tokens = fields.integer(body, "max_completion_tokens", 1, INT32_MAX)
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", int)
+        max_tokens = fields.integer(body, "max_tokens", 1, INT32_MAX)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -54,26 +45,28 @@ def sampling_args(body: dict) -> dict:
         raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
     if stop is not None and len(stop) > MAX_STOP:
         raise APIError(400, f"'stop' takes at most {MAX_STOP} strings", param="stop")
-    seed = _number(body, "seed", int, lo=0)
     return dict(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", float),
-        top_p=_number(body, "top_p", float),
-        seed=seed,
+        temperature=fields.number(body, "temperature", 0, 2),
+        top_p=fields.number(body, "top_p", 0, 1),
+        seed=fields.seed(body),
         stop=stop or None,
-        max_reasoning_tokens=_number(body, "max_reasoning_tokens", int),  # pdserve extension (reasoning models)
+        max_reasoning_tokens=fields.integer(body, "max_reasoning_tokens", 0, INT32_MAX),  # pdserve extension
     )
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage)."""
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise APIError(400, "'stream' must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
+    stream = fields.boolean(body, "stream") or False
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
     if not isinstance(options, dict):
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
-    return stream, bool(options.get("include_usage")) and stream
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise APIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+    return stream, bool(include_usage) and stream
 
 
 def completion_input(body: dict) -> dict:
@@ -84,7 +77,7 @@ def completion_input(body: dict) -> dict:
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return {"token_ids": prompt}
+        return {"token_ids": fields.token_ids(prompt)}
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
     raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt")

@@ -1,8 +1,8 @@
 """Row-wise argmax of decode logits [B, V] (float32, V ~ 128k) in two small kernels: each of NCHUNK programs per
 row finds the maximum of its slice (first index among equal values), then one program per row picks the first
-chunk holding the row maximum. torch's single-row reduction lets one block walk the whole row (slow on a
-128k-vocab row, docs/benchmarks.md); this spreads the read over the GPU. Same result as `torch.argmax` for finite
-logits, ties included (the smallest index wins)."""
+chunk holding the row maximum. torch's single-row reduction lets one block walk the whole row (tens of µs on a
+128k-vocab row, a visible share of a batch-1 decode step); this spreads the read over the GPU. Same result as
+`torch.argmax` for finite logits, ties included (the smallest index wins)."""
 
 from __future__ import annotations
 

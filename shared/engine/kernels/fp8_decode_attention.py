@@ -26,9 +26,9 @@ from pdserve.engine.kernels.paged_decode_common import (
     _store_split_stats,
 )
 
-# One warp per program, 32-key blocks, 3 stages (as the int8 kernel's default): on an H200 (2026-12-01,
-# bench/kv_formats.py) b128 273 us per layer at context 2k (48% of copy bandwidth) and 1042 us at 8k, against 294 /
-# 1152 us with the earlier 4 warps / 128-key blocks / 2 stages; b64 about the same (148 / 150 us).
+# One warp per program, 32-key blocks, 3 stages, as the int8 lean loop: the probabilities stay in the warp's registers
+# (no hand-off between warps, no barrier in the loop). The kernel is bound by the e4m3 conversion either way; at
+# batch 128 this launch is the faster one, at batch 64 the two are even.
 FP8_CONFIG = dict(block_n=32, num_warps=1, num_stages=3, split_mult=2)
 
 

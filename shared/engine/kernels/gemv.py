@@ -1,8 +1,8 @@
 """y = x @ W^T (+ b) for a handful of rows (decode at batch <= MAX_M): a bandwidth-bound matrix-vector kernel.
 Each program owns BLOCK_N output columns and streams their weight rows once, in [BLOCK_N, BLOCK_K] tiles, with
 fp32 accumulation; no split-K, so no second reduction kernel (cuBLAS splits K for some decode shapes and adds
-one). bench/gpu_engine.py times it against cuBLAS per projection shape and picks; the model uses it only where
-the GEMV plan (`EngineConfig.gemv_plan`, held by `KernelChoice.gemv`) names a config.
+one). Which is faster depends on the projection's shape, so the model uses it only where the GEMV plan
+(`EngineConfig.gemv_plan`, held by `KernelChoice.gemv`) names a config.
 
 Two fusions for the decode step:
 - `act="silu_mul"`: x is the gate_up projection's output [M, 2K] (gate | up) and the kernel applies SwiGLU while
@@ -21,9 +21,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_M = 4
 DEFAULT_CONFIG = dict(block_n=16, block_k=1024, num_warps=4, num_stages=2)
-# The decode plan of the recorded H200 run (docs/benchmarks.md): per projection a Triton config, or None for
-# cuBLAS. `down` stays on cuBLAS (+ the SwiGLU kernel): its split-K GEMV beat the fused Triton one in every run,
-# and Triton everywhere was slower per b1 step than this mix inside the PDL chain.
+# The decode plan of the 8B shape: per projection a Triton config, or None for cuBLAS. `down` (K = 14336) stays on
+# cuBLAS (+ the SwiGLU kernel): its long K suits split-K, which the Triton GEMV does not do. The choice is by whole
+# b1 step time inside the PDL chain, not by each kernel alone, since cuBLAS kernels do not overlap their launch.
 DEFAULT_PLAN = {
     "qkv": dict(DEFAULT_CONFIG),
     "o": dict(block_n=8, block_k=2048, num_warps=4, num_stages=2),

@@ -1,15 +1,20 @@
 """Decode attention that reads the int8 paged KV pool directly and dequantizes in registers (split-K "flash
 decoding"): one program per (sequence, KV head, split) walks its share of the sequence's pages, keeps an online
 softmax for the KV head's group of query heads (padded to 16 rows for tensor-core dots), and a second kernel
-merges the splits. Nothing is dequantized to memory: it moves 1 byte per K/V element (+ the fp16 scales)
-where dequantize-then-FA3 moves 1 + 2 + 2. The same kernel reads a dense (bf16/fp16) pool when given no scales
-(`paged_decode`), which bench/gpu_engine.py compares with FA3's paged decode.
+merges the splits. Nothing is dequantized to memory: it moves 1 byte per K/V element (+ the fp16 scales) where
+dequantize-then-FA3 moves 1 + 2 + 2. The same launcher reads a dense (bf16/fp16) pool when given no scales.
 
-This file: the launch configs, the tile kernel (any group count, asymmetric pools, dense pools) and the launcher
-`int8_paged_decode`. The fold-scales kernel and its byte-plane conversions are in int8_fold2_decode.py, its
-lean-loop variant (the default for symmetric pools with two groups per head and head_dim >= 128) in
-int8_planes_decode.py, and what all decode
-kernels share (page walk, softmax step, split merge) in paged_decode_common.py.
+`int8_paged_decode` picks one of three kernels by the pool's shape alone (attention.py's `FA3Backend` calls it for
+int8 pools with `int8_decode_kernel` "triton", for dense pools with `dense_decode_kernel` "triton", and for every
+row under `batch_invariant` on CUDA):
+- the lean loop (int8_planes_decode.py), the default for symmetric pools with two scale groups per head and
+  head_dim >= 128 (head_dim 128 at the default group size 64), launched with `DEFAULT_CONFIG`;
+- the fold2 kernel (int8_fold2_decode.py) for other symmetric two-group pools (head_dim a multiple of 8 below 128);
+- the tile kernel below for every other pool: asymmetric, one or more than two groups per head, dense.
+`attention.int8_launch_config` gives the fold2 and tile kernels `TILE_LAUNCH`'s block / warps / stages (the
+one-warp launch suits the lean loop's narrow dots only); `decode_kernel_config` overrides block_n / num_warps /
+num_stages / split_mult of any of them. What all decode kernels share (page walk, softmax step, split merge) is in
+paged_decode_common.py.
 
 Graph-safe: the grid depends only on the batch size and `num_splits`; each split's token range is computed
 on the device from `seqlens` (a split past the end of a short sequence does nothing).
@@ -22,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels.int8_fold2_decode import _decode_kernel_fold2
+from pdserve.engine.kernels.int8_planes_decode import _planes_decode_kernel
 from pdserve.engine.kernels.kv_quant import dequantize_tile
 from pdserve.engine.kernels.paged_decode_common import (
     _combine_kernel,
@@ -32,67 +38,20 @@ from pdserve.engine.kernels.paged_decode_common import (
     default_num_splits,
 )
 
-__all__ = ["DEFAULT_CONFIG", "DENSE_CONFIG", "TILE_LAUNCH", "default_num_splits", "int8_paged_decode"]
+__all__ = ["DEFAULT_CONFIG", "DENSE_CONFIG", "TILE_LAUNCH", "default_num_splits", "int8_paged_decode", "reads_planes"]
 
-# Launch configs: the winners of bench/gpu_engine.py's sweep on an H200 (docs/benchmarks.md), int8 and dense pools.
-# scale_expand: broadcast each group's scale (and zero) over its columns with G selects instead of reshaping the
-# int8 tile into [BLOCK, G, D/G] groups (it did not win).
-# fold_scales: symmetric int8 pools with two scale groups per head only (`_decode_kernel_fold2`), else ignored;
-# on by default: faster per layer than the tile kernel at batch 64/128 and more accurate against fp32 attention
-# (figures: docs/benchmarks.md, docs/bench/int8_decode.json).
-# byte_convert (fold_scales kernel only): int8 -> fp16 with byte permutes (`_s8_to_f16`) instead of the GPU's
-# int -> float conversion instructions, which run at a quarter of the integer rate and bound the kernel.
-# word_loads (fold_scales kernel only): read the int8 pool as int32 words and convert them in the load layout
-# (`_load_words_f16`), so tiles reach the tensor-core operand layout as fp16 through ldmatrix instead of one
-# 8-bit shared-memory load per element.
-# k_planes (word_loads kernel only): QK^T over K's four byte planes (`_plane_scores`): K converts straight into the
-# tensor-core operand layout with two words per conversion (no repacking moves, no shared-memory round trip for K):
-# 38.7 -> 37.0 warp instructions per key (SASS); on an H200 0-2.5% faster per layer at batch 64/128 x context 2k/8k
-# and 4% of the kernel's time in an engine step (2026-12-01, bench/kv_formats.py; docs/benchmarks.md).
-# v_planes (k_planes kernel only): PV over V's byte planes too (`_plane_pv`): V converts straight into the operand
-# layout and P never leaves the warp's registers. Each dot's output is then [16, D/8] wide, so it pays only with one
-# warp per program (more warps would compute the same small tiles again): num_warps 1, 32-key blocks, 3 stages. On
-# an H200 (2026-12-01, ninth session, bench/kv_formats.py --sweep over planes x splits x block x stages x warps):
-# batch 128 at context 2k 169 us per layer (80% of copy bandwidth) against 221 us (59%) for the previous default
-# (4 warps, 128-key blocks, V through shared memory); context 8k 622 us (87%) against 802; one warp without V planes:
-# 182 us. SASS: 31.0 warp instructions per (key, KV head) against 35.9, no barriers in the loop.
-# split_mult 5 (about one wave of resident programs): batch 64 gets 2 splits, batch 128 one (the sweep's best for
-# both at context 2k with one-warp programs).
-# lean_loop (k_planes + v_planes only): the same reads through int8_planes_decode.py, 22.9 warp instructions per key
-# against 31.0 (SASS before its offset flushes, which add ~0.5). A decode step runs at the power limit, where this
-# kernel is issue bound. On an H200 (2026-12-01, eleventh session) b128 ctx2k 159 us per layer (82%) against 164,
-# ctx 8k 602 against 635; the 8B engine's step at b128 ctx2k 11.14 ms against bf16's 13.56 (the byte-plane kernel:
-# 12.45 against 13.71 in an earlier run).
-DEFAULT_CONFIG = dict(
-    block_n=32,
-    num_warps=1,
-    num_stages=3,
-    split_mult=5,
-    scale_expand=False,
-    fold_scales=True,
-    byte_convert=True,
-    word_loads=True,
-    k_planes=True,
-    v_planes=True,
-    lean_loop=True,
-)
-# The launch shape for int8 pools the byte-plane kernel does not read (asymmetric pools, group counts other than two
-# per head, head_dim < 128, or planes switched off): the default before the ninth session. Its one-warp sweep
-# measured the plane kernel only (`int8_launch_config` in engine/attention.py picks).
+# The lean loop's launch: one warp per program (its dots are [16, D/8] wide: more warps would compute the same small
+# tiles again), 32-key blocks, 3 stages; split_mult 5 is about one wave of resident programs (batch 64: 2 splits,
+# batch 128: one).
+DEFAULT_CONFIG = dict(block_n=32, num_warps=1, num_stages=3, split_mult=5)
+# The launch shape for int8 pools the lean loop does not read (`attention.int8_launch_config` picks).
 TILE_LAUNCH = dict(block_n=128, num_warps=4, num_stages=3)
-DENSE_CONFIG = dict(
-    block_n=64,
-    num_warps=4,
-    num_stages=3,
-    split_mult=2,
-    scale_expand=False,
-    fold_scales=False,
-    byte_convert=False,
-    word_loads=False,
-    k_planes=False,
-    v_planes=False,
-    lean_loop=False,
-)
+DENSE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, split_mult=2)
+
+
+def reads_planes(head_dim: int, groups: int, asymmetric: bool) -> bool:
+    """Whether the lean loop reads a pool of this shape (else fold2 or the tile kernel)."""
+    return not asymmetric and groups == 2 and head_dim >= 128 and head_dim % 8 == 0
 
 
 @triton.jit
@@ -109,26 +68,11 @@ def _load_dequant(
     D: tl.constexpr,
     ASYM: tl.constexpr,
     DENSE: tl.constexpr,
-    EXPAND: tl.constexpr,
 ):
     """Rows `row` [BLOCK] of one head: [BLOCK, D] in `dtype` (int8 pages dequantized in registers)."""
     x = tl.load(q_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0)
     if DENSE:
         return x.to(dtype)
-    if EXPAND:
-        grp = (d // (D // G))[None, :]
-        s = tl.zeros(x.shape, tl.float32)
-        z = tl.zeros(x.shape, tl.float32)
-        for gg in tl.static_range(G):
-            sg = tl.load(s_ptr + row * G + gg, mask=ok, other=0.0).to(tl.float32)
-            s = tl.where(grp == gg, sg[:, None], s)
-            if ASYM:
-                zg = tl.load(z_ptr + row * G + gg, mask=ok, other=0.0).to(tl.float32)
-                z = tl.where(grp == gg, zg[:, None], z)
-        xf = x.to(tl.float32) * s
-        if ASYM:
-            xf = (z + 128.0 * s) + xf
-        return xf.to(dtype)
     s = tl.load(s_ptr + row[:, None] * G + gi[None, :], mask=ok[:, None], other=0.0)
     z = s
     if ASYM:
@@ -167,7 +111,6 @@ def _decode_kernel(
     DIRECT: tl.constexpr,
     BLOCK: tl.constexpr,
     DENSE: tl.constexpr,
-    EXPAND: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -189,12 +132,12 @@ def _decode_kernel(
     tab = table_ptr + b.to(tl.int64) * table_stride
     for n0 in range(start, end, BLOCK):
         row, ok = _pool_rows(tab, n0, end, kh, KVH, PS, BLOCK)  # [BLOCK] pool rows
-        k = _load_dequant(k_ptr, ks_ptr, kz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE, EXPAND)  # [BLOCK, D]
+        k = _load_dequant(k_ptr, ks_ptr, kz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE)  # [BLOCK, D]
 
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [QP, BLOCK] (log2 units)
         qk = tl.where(ok[None, :], qk, float("-inf"))
         p, alpha, m, l = _online_softmax(qk, m, l)
-        v = _load_dequant(v_ptr, vs_ptr, vz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE, EXPAND)
+        v = _load_dequant(v_ptr, vs_ptr, vz_ptr, row, d, gi, ok, q.dtype, G, D, ASYM, DENSE)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     if DIRECT:
         o = acc / l[:, None]
@@ -224,19 +167,13 @@ def int8_paged_decode(
     block_n: int = DEFAULT_CONFIG["block_n"],
     num_warps: int = DEFAULT_CONFIG["num_warps"],
     num_stages: int = DEFAULT_CONFIG["num_stages"],
-    scale_expand: bool = bool(DEFAULT_CONFIG["scale_expand"]),  # the dict holds ints and bools
-    fold_scales: bool = bool(DEFAULT_CONFIG["fold_scales"]),
-    byte_convert: bool = bool(DEFAULT_CONFIG["byte_convert"]),
-    word_loads: bool = bool(DEFAULT_CONFIG["word_loads"]),
-    k_planes: bool = bool(DEFAULT_CONFIG["k_planes"]),
-    v_planes: bool = bool(DEFAULT_CONFIG["v_planes"]),
-    lean_loop: bool = bool(DEFAULT_CONFIG["lean_loop"]),
     pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
     [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
-    k_scales None: k/v are a dense pool in q's dtype (no dequantization). `pdl`: programmatic dependent launch
-    (Hopper; kernels/gemv.py says how the decode chain uses it)."""
+    k_scales None: k/v are a dense pool in q's dtype (no dequantization). The kernel follows from the pool's shape
+    (the module docstring says which); block_n / num_warps / num_stages are its launch. `pdl`: programmatic
+    dependent launch (Hopper; kernels/gemv.py says how the decode chain uses it)."""
     b, hq, d = q.shape
     _, ps, kvh, _ = k.shape
     dense = k_scales is None
@@ -256,22 +193,14 @@ def int8_paged_decode(
         pml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     asym = k_zeros is not None
     launch = dict(launch_pdl=True) if pdl else {}
-    if fold_scales and not dense and not asym and g == 2:
-        words = word_loads and d % 8 == 0
-        kplanes = words and k_planes and d >= 128  # planes of D/8 >= 16 columns (a dot's K)
-        if kplanes and v_planes and lean_loop:
-            from pdserve.engine.kernels.int8_planes_decode import _planes_decode_kernel
-
-            kernel, extra = _planes_decode_kernel, {}
-        else:
-            kernel = _decode_kernel_fold2
-            extra = dict(BYTES=byte_convert, WORDS=words, KPLANES=kplanes, VPLANES=kplanes and v_planes)
+    if not dense and not asym and g == 2 and d % 8 == 0:  # two groups per head: fold2 or the lean loop
+        kernel = _planes_decode_kernel if reads_planes(d, g, asym) else _decode_kernel_fold2
         kernel[(b, kvh, num_splits)](
             q,
             q.stride(0),
             q.stride(1),
-            k.view(torch.int32) if words else k,  # [P, ps, KVH, D/4] words
-            v.view(torch.int32) if words else v,
+            k.view(torch.int32),  # [P, ps, KVH, D/4] words
+            v.view(torch.int32),
             k_scales,
             v_scales,
             page_table,
@@ -292,7 +221,6 @@ def int8_paged_decode(
             DIRECT=direct,
             BLOCK=block_n,
             USE_PDL=pdl,
-            **extra,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,
@@ -328,7 +256,6 @@ def int8_paged_decode(
             DIRECT=direct,
             BLOCK=block_n,
             DENSE=dense,
-            EXPAND=scale_expand,
             USE_PDL=pdl,
             num_warps=num_warps,
             num_stages=num_stages,

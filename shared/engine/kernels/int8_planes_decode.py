@@ -1,19 +1,25 @@
-"""The int8 decode loop with fewer instructions per key (`lean_loop` in int8_decode_attention's configs, the default).
+"""The lean-loop int8 decode kernel: the default for symmetric pools with two fp16 scale groups per head and head_dim
+>= 128 (e.g. head_dim 128 at kv_group_size 64).
 
-Same launch shape, pool and results as `_decode_kernel_fold2` with K and V read as byte planes (one warp per
-(sequence, KV head, split), two fp16 scale groups per head), but the loop drops three kinds of work. In a decode
-step the GPU runs at its power limit and lower SM clocks, where the kernel is bound by instruction issue, not
-bytes (docs/benchmarks.md: 159 us alone at 1980 MHz, 181-187 us beside the step's GEMMs at 1545-1605 MHz, 225 us
-inside the step; the bf16 kernel, memory bound, stays at 253-256 us).
+Who picks it: `int8_decode_attention.int8_paged_decode`, by the pool's shape, with the launch config
+`int8_decode_attention.DEFAULT_CONFIG` (`attention.int8_launch_config` chooses it for the same shapes). Other
+symmetric two-group pools (head_dim < 128) take int8_fold2_decode.py, every other int8 pool the tile kernel.
+
+K and V are read as int32 words ([rows, D/4]) and converted by byte planes straight into the tensor-core operand
+layout: plane r of a half holds byte r of each word, so QK^T is four K=D/8 dots per half against q's columns 4j + r,
+and PV four dots per half whose accumulators are output columns 4j + r (permuted back at the store). No shared-memory
+round trip for K or V, and P never leaves the warp's registers; each dot is only [16, D/8] wide, so a program is one
+warp. In a decode step the GPU runs at its power limit and lower clocks, where this kernel is bound by instruction
+issue rather than bytes, so the loop also drops three kinds of work:
 
 1. **Offsets folded out of the conversion.** A byte b becomes the fp16 value 1152 + b (bit tricks only: xor and two
    byte permutes, no subtraction). The 1152 comes back out of the dots instead of out of every element:
    - QK^T: each half's first dot starts from -1152 * sum(q) of that half, per query row;
    - PV: each half also accumulates sum(P) (a dot of P with ones), and every `FLUSH_BLOCKS` blocks (and at the
      end) the accumulators subtract 1152 times it, which starts again from zero. The tensor cores round each
-     accumulation toward zero, so an accumulator that carried 1152 * sum(P) of a whole sequence drifted with its
-     length (5e-2 relative error at context 8k on random data, H200); flushed every four blocks, the drift is bounded
-     by four blocks' offset whatever the length.
+     accumulation toward zero, so an accumulator that carried 1152 * sum(P) of a whole sequence would drift with its
+     length (the offset is ~1000x the true sum where the output is near V's mean); flushed every four blocks, the
+     drift is bounded by four blocks' offset whatever the length.
    QK^T's offset lives within one block's dots and needs no flush.
 2. **Lazy rescaling.** The running max moves only when a block's max exceeds it by more than `RESCALE_LOG2` (log2
    units). Until then P = exp2(s - m) <= 2^RESCALE_LOG2 and the accumulators are not multiplied by alpha = 1.
@@ -29,8 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels.int8_fold2_decode import _load_q_planes, _load_scale_pair, _store_plane_output
-from pdserve.engine.kernels.paged_decode_common import _pool_rows, _split_range
+from pdserve.engine.kernels.paged_decode_common import _load_scale_pair, _pool_rows, _split_range, _store_split_stats
 
 OFFSET = tl.constexpr(1152.0)  # fp16 0x6480: 1024 (the 0x64 exponent byte) + 128 (the xor: signed -> unsigned)
 RESCALE_LOG2 = tl.constexpr(4.0)
@@ -40,8 +45,9 @@ FLUSH_BLOCKS = tl.constexpr(4)  # the PV accumulators drop their 1152 * sum(P) e
 @triton.jit
 def _words_to_offset_planes(w):
     """int32 words [.., N] (four int8 each) -> byte planes 0..3 as fp16 [.., N] (plane r: byte r of each word) holding
-    1152 + byte, exactly: `int8_fold2_decode._words_to_planes` without its subtraction (xor and byte permutes
-    only; two words per asm instance, each output register one plane's pair of neighbouring words)."""
+    1152 + byte, exactly: for each byte b, the fp16 with bits 0x64 | (b ^ 0x80) is 1024 + (b + 128) (xor and byte
+    permutes only; two words per asm instance, so that each output register holds one plane's pair of neighbouring
+    words, the tensor-core operand layout)."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 x0, x1, t01, t23, hi;
@@ -61,6 +67,46 @@ def _words_to_offset_planes(w):
         is_pure=True,
         pack=2,
     )
+
+
+@triton.jit
+def _store_planes(ptrs, acc_a, acc_b, acc_c, acc_d, mask):
+    """Plane accumulators [QP, J] to columns 4j + r at `ptrs` [QP, J] (column 4j of the half)."""
+    tl.store(ptrs, acc_a.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + 1, acc_b.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + 2, acc_c.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + 3, acc_d.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_plane_output(
+    out_ptr, out_sb, out_sh, po_ptr, pml_ptr, b, heads, qmask, sp, num_splits, m, l,
+    a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, HQ: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
+):  # fmt: skip
+    """The plane accumulators [QP, D/8] of both halves (columns 4j + r) to the output rows of query heads `heads`
+    (DIRECT: normalized by l), or to split `sp`'s partial rows and statistics for `_combine_kernel`."""
+    H: tl.constexpr = D // 2
+    jw4 = 4 * tl.arange(0, H // 4)[None, :]  # [1, H/4]
+    if DIRECT:
+        inv = 1.0 / l[:, None]
+        o4 = out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * out_sh + jw4
+        _store_planes(o4, a0a * inv, a0b * inv, a0c * inv, a0d * inv, qmask[:, None])
+        _store_planes(o4 + H, a1a * inv, a1b * inv, a1c * inv, a1d * inv, qmask[:, None])
+    else:
+        part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, HQ, m, l, qmask)  # [QP]
+        p4 = po_ptr + part[:, None] * D + jw4
+        _store_planes(p4, a0a, a0b, a0c, a0d, qmask[:, None])
+        _store_planes(p4 + H, a1a, a1b, a1c, a1d, qmask[:, None])
+
+
+@triton.jit
+def _load_q_planes(qrow, qmask):
+    """q columns 4j + r (r = 0..3) at `qrow` [QP, J] (column 4j of the half) as fp16 [QP, J] each."""
+    a = tl.load(qrow, mask=qmask[:, None], other=0.0).to(tl.float16)
+    b = tl.load(qrow + 1, mask=qmask[:, None], other=0.0).to(tl.float16)
+    c = tl.load(qrow + 2, mask=qmask[:, None], other=0.0).to(tl.float16)
+    d = tl.load(qrow + 3, mask=qmask[:, None], other=0.0).to(tl.float16)
+    return a, b, c, d
 
 
 @triton.jit
@@ -175,8 +221,8 @@ def _planes_decode_kernel(
     KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
     DIRECT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """k_ptr / v_ptr: one layer's pool as int32 words [rows, D/4]; ks_ptr / vs_ptr: fp16 [rows, 2]. Output and split
-    statistics as `_decode_kernel_fold2`'s."""
+    """k_ptr / v_ptr: one layer's pool as int32 words [rows, D/4]; ks_ptr / vs_ptr: fp16 [rows, 2]. Writes the output
+    rows (DIRECT) or the split's partial rows and statistics for `_combine_kernel`, like every decode kernel."""
     H: tl.constexpr = D // 2
     J: tl.constexpr = H // 4
     b = tl.program_id(0)

@@ -1,6 +1,6 @@
-"""What the paged decode-attention kernels share (int8 tile and byte-plane kernels, fp8): each program's key range
-of a split, the page walk from keys to pool rows, the online softmax step, the split statistics and the kernel that
-merges the splits, and the split count.
+"""What the paged decode-attention kernels share (int8: tile, fold2 and lean-loop kernels; fp8): each program's key
+range of a split, the page walk from keys to pool rows, the two-group scale read, the online softmax step, the split
+statistics and the kernel that merges the splits, and the split count.
 
 Graph-safe: the grid depends only on the batch size and `num_splits`; each split's token range is computed on the
 device from `seqlens` (a split past the end of a short sequence does nothing).
@@ -35,6 +35,15 @@ def _pool_rows(tab, n0, end, kh, KVH: tl.constexpr, PS: tl.constexpr, BLOCK: tl.
     ok = t < end
     page = tl.load(tab + t // PS, mask=ok, other=0).to(tl.int64)
     return (page * PS + t % PS) * KVH + kh, ok
+
+
+@triton.jit
+def _load_scale_pair(s_ptr, row, ok):
+    """Both group scales of rows `row` [BLOCK] as fp32 [BLOCK] each, read as one 4-byte pair per row (one gather
+    instead of two: scattered 2-byte loads cost L1 wavefronts like whole tile rows)."""
+    pair = tl.load(s_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, 2]
+    s0, s1 = tl.split(pair.to(tl.float32))
+    return s0, s1
 
 
 @triton.jit

@@ -6,20 +6,26 @@
    cuda-ipc when both ends are on one host with CUDA and prefill's staging buffer is registered, else grpc.
    A forced transport that cannot work is an error (FAILED_PRECONDITION), never a fallback.
 3. For cuda-ipc, decode opens the buffer and replies `KVTransportReady`; if it cannot (and neither end forced
-   cuda-ipc), prefill ships this request over grpc. Every fallback is counted and logged.
+   cuda-ipc), prefill ships this request over grpc. Every fallback, on either end, goes through `fall_back`:
+   counted and logged, or TransportUnusable when cuda-ipc was forced.
 
 A new transport (e.g. NIXL) adds its name to `TRANSPORTS`, its offer fields, and a branch in `choose`.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pdserve.errors import TransportUnusable
+from pdserve.kv.transfer.stats import TransferStats
 from pdserve.v1 import kv_pb2
+
+log = logging.getLogger("pdserve.kv.transfer")
 
 GRPC, CUDA_IPC = "grpc", "cuda-ipc"
 TRANSPORTS = (GRPC, CUDA_IPC)
@@ -100,3 +106,13 @@ def choose(
     if wants_ipc:
         return Choice("", "", error=f"kv transport cuda-ipc forced but unusable: {why_not}")
     return Choice(GRPC, f"cuda-ipc unusable: {why_not}", fallback=same_host)
+
+
+def fall_back(stats: TransferStats, request_id: str, reason: str, forced: bool) -> str:
+    """cuda-ipc cannot serve this request (`reason`): it goes over grpc (returned), counted and logged; when cuda-ipc
+    was forced on either end, TransportUnusable instead. Prefill and decode both fall back through here."""
+    if forced:
+        raise TransportUnusable(f"kv transport cuda-ipc forced but unusable: {reason}")
+    stats.add(CUDA_IPC, fallbacks=1)
+    log.warning("rid=%s kv transport: grpc instead of cuda-ipc (%s)", request_id, reason)
+    return GRPC

@@ -18,6 +18,8 @@ import enum
 import threading
 from collections.abc import Callable, Sequence
 
+from pdserve.errors import TransferError  # DATA_LOSS on both ends (pdserve.server.status)
+
 
 class PageState(enum.Enum):
     ALLOCATED = "allocated"
@@ -26,10 +28,6 @@ class PageState(enum.Enum):
     SHIPPED = "shipped"
     ACKED = "acked"
     FREED = "freed"
-
-
-class TransferError(Exception):
-    """The transfer broke its protocol (gap, repeat, unknown page, missing pages)."""
 
 
 class _FreeOnce:

@@ -1,6 +1,7 @@
 """Prompt cache through real processes: 3 prefill instances (two sharing a private redis-server, one with the
 in-process cache) and two decode instances (kv auto and int8), driven through Decode.Generate with an explicit
-prefill target. Output with cache hits must equal output without them (kv auto)."""
+prefill target. Output with cache hits must equal output without them (kv auto). The two Redis instances share one
+cache secret (as `pdserve up` gives its stack); a value forged in Redis is a miss with exact output."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import threading
 import time
 import uuid
 
+import crc32c
 import pytest
 import torch
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
+from pdserve.cache.value import _block_bytes, encoded_bytes
+from pdserve.cache.value_auth import CacheKeyring, write_secret_file
 from pdserve.cli.launch import start_service, wait_ready
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.server.grpc_util import channel
@@ -30,11 +34,14 @@ POOL = 3  # the prefill instance whose only reuse is its own KV pool
 class Cluster:
     def __init__(self, work, model, redis: RedisServer):
         self.redis = redis
+        secret = write_secret_file(work / "cache_secret")  # shared by the instances that share Redis
+        self.keyring = CacheKeyring.from_file(secret)
+        shared = {"REDIS_URL": redis.url, "PDSERVE_CACHE_SECRET_FILE": str(secret)}
         fast = ["--cache-timeout-ms", "300", "--cache-breaker-failures", "2", "--cache-breaker-cooldown-s", "0.3"]
         specs = [
             # p0-p2 test the prompt cache's tiers: their pools keep no prefixes (--prefix-reuse false)
-            ("prefill", [*fast, "--cache-local-mb", "0", *NO_REUSE], {"REDIS_URL": redis.url}),  # p0: Redis only
-            ("prefill", [*fast, *NO_REUSE], {"REDIS_URL": redis.url}),  # p1: local tier + Redis
+            ("prefill", [*fast, "--cache-local-mb", "0", *NO_REUSE], shared),  # p0: Redis only
+            ("prefill", [*fast, *NO_REUSE], shared),  # p1: local tier + Redis
             ("prefill", NO_REUSE, {"REDIS_URL": ""}),  # p2: in-process cache
             ("decode", ["--kv-dtype", "auto"], {}),
             ("decode", ["--kv-dtype", "int8"], {}),
@@ -167,13 +174,8 @@ def test_corrupt_value_in_redis_is_a_miss_from_there(cluster, rds, model_dir):
     cold, _ = cluster.generate(0, ids)
     wait_keys(rds, 8)
     keys = rds.keys("pdserve:kv:*")
-    from pdserve.engine.loader import model_fingerprint
-
-    layout = KVLayoutSpec(dtype="float32", page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16)
-    ns = CacheNamespace(model_fingerprint(str(model_dir)), layout)
-    naming = PromptCache(RedisStore(cluster.redis.url))  # only to name the keys the way the service does
-    page3 = naming.store_key(ns, ns.page_keys(ids)[3])
-    naming.close()
+    ns = namespace(model_dir)
+    page3 = store_name(cluster, ns, ns.page_keys(ids)[3])
     assert page3 in keys
     value = rds.get(page3)
     rds.set(page3, value[:-9] + bytes(b ^ 0xFF for b in value[-9:]))  # flip the tail (data + checksum)
@@ -183,6 +185,48 @@ def test_corrupt_value_in_redis_is_a_miss_from_there(cluster, rds, model_dir):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert cluster.generate(0, ids) == (cold, 8 * PAGE)
+
+
+def namespace(model_dir, scope: str = "") -> CacheNamespace:
+    """The namespace of the pages the instances cache for the kv-auto decode instance."""
+    from pdserve.engine.loader import model_fingerprint
+
+    layout = KVLayoutSpec(dtype="float32", page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16)
+    return CacheNamespace(model_fingerprint(str(model_dir)), layout, scope)
+
+
+def store_name(cluster, ns: CacheNamespace, digest: bytes) -> bytes:
+    """The Redis key of a page as the instances name it (keyed with the cluster's cache secret)."""
+    naming = PromptCache(RedisStore(cluster.redis.url), keyring=cluster.keyring)
+    name = naming.store_key(ns, digest)
+    naming.close()
+    return name
+
+
+def test_forged_value_in_redis_is_a_miss_with_exact_output(cluster, rds, model_dir):
+    """The red team's forgery (issue 35): alice's stored page-0 header, bob's page-0 data, a recomputed CRC32C and
+    alice's tag, under alice's key. The MAC fails: a miss (cached_tokens 0), alice's exact output, and the page
+    written back replaces the forgery."""
+    ids, other = prompt(4 * PAGE + 1, seed=21), prompt(4 * PAGE + 1, seed=22)
+    alice_ns, bob_ns = namespace(model_dir, "tenant:alice"), namespace(model_dir, "tenant:bob")
+    cold, cached = cluster.generate(0, ids, scope="tenant:alice")
+    assert cached == 0
+    cluster.generate(0, other, scope="tenant:bob")
+    wait_keys(rds, 8)
+    a_name = store_name(cluster, alice_ns, alice_ns.page_keys(ids)[0])
+    b_name = store_name(cluster, bob_ns, bob_ns.page_keys(other)[0])
+    a_value, b_value = rds.get(a_name), rds.get(b_name)
+    body = encoded_bytes(alice_ns, 0)
+    header_len = body - sum(_block_bytes(alice_ns.layout)) - 4  # header | CRC32C | data | MAC tag
+    header, data = a_value[:header_len], b_value[header_len + 4 : body]
+    crc = crc32c.crc32c(data, crc32c.crc32c(header)).to_bytes(4, "little")
+    rds.set(a_name, header + crc + data + a_value[body:])
+    assert cluster.generate(0, ids, scope="tenant:alice") == (cold, 0)
+    deadline = time.monotonic() + 10
+    while rds.get(a_name) != a_value:  # the recomputed page replaced the forgery
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert cluster.generate(0, ids, scope="tenant:alice") == (cold, 4 * PAGE)
 
 
 def test_redis_killed_and_restarted_under_load(cluster, rds):

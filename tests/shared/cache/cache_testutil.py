@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.value_auth import CacheKeyring
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import PagePayload
 from pdserve.kv.quant import quantize
@@ -26,3 +27,7 @@ def make_page(layout: KVLayoutSpec, index: int, seed: int = 0) -> PagePayload:
 
 def namespace(layout: KVLayoutSpec = INT8, fingerprint: str = "fp-test") -> CacheNamespace:
     return CacheNamespace(fingerprint, layout)
+
+
+# one deployment's cache secret: caches that share a store share it (as every prefill of a deployment does)
+KEYRING = CacheKeyring.of("test-secret-of-this-deployment-0123456789")

@@ -4,7 +4,7 @@ serves; the store only when it measured faster than prefill)."""
 import time
 
 import pytest
-from cache_testutil import INT8, PAGE, make_page, namespace
+from cache_testutil import INT8, KEYRING, PAGE, make_page, namespace
 
 from pdserve.cache.fetch_policy import decide_fetch
 from pdserve.cache.prompt_cache import PromptCache
@@ -48,13 +48,13 @@ class SlowRemoteStore(MemoryStore):
 def test_slow_store_is_skipped_once_measured_local_tier_still_serves():
     ns = namespace(INT8)
     tokens = list(range(8 * PAGE + 1))
-    writer = PromptCache(SlowRemoteStore(0.0))
+    writer = PromptCache(SlowRemoteStore(0.0), keyring=KEYRING)
     store = writer.store
     for i, k in enumerate(ns.page_keys(tokens)):  # another instance wrote 8 pages
         writer.put(ns, k, make_page(INT8, i))
     assert writer.flush()
     store.delay_s = 0.05  # 8 pages of ~400 bytes in 50 ms: ~64 KB/s, ~640 tokens/s
-    reader = PromptCache(store, local_bytes=1 << 20, lookup_batch=4)
+    reader = PromptCache(store, local_bytes=1 << 20, lookup_batch=4, keyring=KEYRING)
     first = reader.lookup(ns, tokens[: 4 * PAGE + 1], 4, prefill_tokens_per_s=1e6)  # unmeasured: fetch
     assert first.num_pages == 4 and first.decision.reason == "unmeasured" and store.fetches == 1
     second = reader.lookup(ns, tokens, 8, prefill_tokens_per_s=1e6)  # store measured slower than prefill

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from cache_testutil import INT8, PAGE, make_page, namespace
+from cache_testutil import INT8, KEYRING, PAGE, make_page, namespace
 
 from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import CacheOptions
@@ -27,6 +27,7 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 def make_cache(url: str, **kw) -> PromptCache:
     kw.setdefault("breaker", CircuitBreaker(failures=2, cooldown_s=0.3))
+    kw.setdefault("keyring", KEYRING)
     return PromptCache(RedisStore(url, timeout_s=kw.pop("timeout_s", 1.0)), **kw)
 
 
@@ -139,14 +140,19 @@ def test_corrupt_values_are_counted_misses_and_get_replaced(redis):
         b"",
         b"garbage",
         bytes(good[:200]) + bytes(len(good) - 200),  # zeroed tail
-        encode_value(pages[3], NS, keys[3]),
-    ]  # a valid value of another page
-    for n, bad in enumerate(damaged, 1):
+        r.get(cache.store_key(NS, keys[3])),  # the stored value of another page
+    ]
+    for n, bad in enumerate(damaged, 1):  # damage fails the MAC before anything is parsed
         r.set(victim, bad)
         assert cache.lookup(NS, prompt, 4).num_pages == 2
-        assert cache.corrupt == n
+        assert (cache.mac_failures, cache.corrupt) == (n, 0)
+    # signed with the deployment's secret but holding another page (a writer's bug): the MAC passes, parsing fails
+    r.set(victim, b"".join(KEYRING.seal(keys[2], encode_value(pages[3], NS, keys[3]))))
+    assert cache.lookup(NS, prompt, 4).num_pages == 2
+    assert (cache.mac_failures, cache.corrupt) == (len(damaged), 1)
     fill(cache, prompt)  # the page is recomputed and written again
     assert cache.lookup(NS, prompt, 4).num_pages == 4
+    assert r.get(victim) == good
 
 
 def test_redis_killed_and_restarted_under_load(start_redis):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from cache_testutil import DENSE, INT8, make_page, namespace
 
-from pdserve.cache.value import decode_value, encode_row, encode_value, value_bytes
+from pdserve.cache.value import decode_value, encode_row, encode_value, encoded_bytes, value_bytes
+from pdserve.cache.value_auth import TAG_BYTES
 from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.transfer.page_format import PageFormat
 
@@ -30,7 +31,7 @@ def test_round_trip(name):
     for index in (0, 3, 300):
         page = make_page(ns.layout, index)
         buf = encode_value(page, ns, CHAIN)
-        assert len(buf) == value_bytes(ns, index)
+        assert len(buf) == encoded_bytes(ns, index) == value_bytes(ns, index) - TAG_BYTES  # stored with a tag
         got = decode_value(buf, ns, CHAIN, index)
         assert got.page_index == index and got.num_tokens == ns.layout.page_size
         assert got.group_size == ns.layout.group_size

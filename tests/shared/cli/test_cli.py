@@ -167,10 +167,14 @@ def test_chat_command_reports_errors_and_goes_on(up):
     assert res.stdout == "\n"
 
 
-def test_chat_command_default_runs_to_eos_or_context(up):
-    """No --max-tokens: the chat API's default (until EOS or the context ends), not the prompt API's 16."""
-    with pdserve.Client(up, timeout=60) as c:
-        ref = c.chat([{"role": "user", "content": "hello"}], temperature=0)
+def test_chat_command_caps_replies_by_default(up):
+    """No --max-tokens: a reply ends at EOS or after DEFAULT_MAX_TOKENS (not the prompt API's 16, and not at the
+    end of the 1024-token context, where a greedy loop would otherwise run)."""
+    from pdserve.cli.chat import DEFAULT_MAX_TOKENS
+
+    with pdserve.Client(up, timeout=120) as c:
+        ref = c.chat([{"role": "user", "content": "hello"}], temperature=0, max_tokens=DEFAULT_MAX_TOKENS)
     res = _chat(up, "hello\n")
     assert res.returncode == 0 and res.stdout == ref.text + "\n"
+    assert ref.usage.completion_tokens == DEFAULT_MAX_TOKENS or ref.finish_reason == "stop"
     assert ref.usage.completion_tokens > 16 or ref.finish_reason == "stop"

@@ -4,8 +4,7 @@ import argparse
 
 import pytest
 
-from pdserve.cli.launch import DECODE, PREFILL, Placement, plan_placement
-from pdserve.cli.main import parse_gpus
+from pdserve.cli.launch import DECODE, PREFILL, Placement, parse_gpus, plan_placement
 from pdserve.config import add_dataclass_args, config_from
 from pdserve.decode.config import DecodeConfig
 
@@ -71,6 +70,6 @@ def test_placement_flags_reach_engine_config():
     add_dataclass_args(parser, DecodeConfig)
     args = ["--model", "m", *Placement(DECODE, 0, 1, 0.425).args()]
     cfg = config_from(DecodeConfig, parser.parse_args(args), "PDSERVE_TEST_UNUSED_")
-    ec = cfg.engine_config("int8")
+    ec = cfg.engine
     assert (ec.device, ec.gpu_memory_utilization, ec.cuda_graph_max_context) == ("cuda:1", 0.425, 0)
     ec.validate()

@@ -5,12 +5,47 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.dtypes import QUANTIZED
+from pdserve.kv.payload import PagePayload
+from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.testing.teacher_forcing import forced_logits as teacher_forced_logits
 
 
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(5, vocab, (n,), generator=g).tolist()
+
+
+def layout_for(
+    engine: LLMEngine, kv_dtype: str = "auto", group_size: int | None = None, asymmetric: bool | None = None
+) -> KVLayoutSpec:
+    """The page format `kv_dtype` of this engine's model: "auto" (the model dtype), a dense dtype name, or "int8" /
+    "fp8" with `group_size` / `asymmetric` (default: the engine's pool settings)."""
+    mc = engine.model_config
+    quantized = kv_dtype in QUANTIZED
+    return KVLayoutSpec(
+        engine.kv_storage_dtype_name if kv_dtype == "auto" else kv_dtype,
+        engine.page_size,
+        mc.num_layers,
+        mc.num_kv_heads,
+        mc.head_dim,
+        (engine.kv_group_size if group_size is None else group_size) if quantized else 0,
+        (engine.kv_asymmetric if asymmetric is None else asymmetric) if quantized else False,
+    )
+
+
+def export_payloads(
+    engine: LLMEngine, request_id: str, page_indexes: list[int], layout: KVLayoutSpec
+) -> list[PagePayload]:
+    """Computed pages of a request as CPU PagePayloads in `layout` (what a prompt cache holds), through the batch
+    export."""
+    if not page_indexes:
+        return []
+    ex = engine.export_batch(request_id, list(page_indexes), layout)
+    if ex.ready is not None:
+        ex.ready.synchronize()
+    return PageFormat(layout).payloads(ex.rows.cpu(), ex.page_indexes, ex.num_tokens)
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:

@@ -7,17 +7,15 @@ import pytest
 from pdserve.engine.attention import int8_launch_config
 
 # the shapes of int8_decode_attention's DEFAULT_CONFIG / TILE_LAUNCH (that module needs Triton, absent on CPU CI)
-DEFAULT = dict(
-    block_n=32, num_warps=1, num_stages=3, split_mult=5, fold_scales=True, word_loads=True, k_planes=True, v_planes=True
-)
+DEFAULT = dict(block_n=32, num_warps=1, num_stages=3, split_mult=5)
 TILE = dict(block_n=128, num_warps=4, num_stages=3)
 
 
 def test_plane_pools_keep_the_one_warp_default():
     assert int8_launch_config(DEFAULT, TILE, {}, 128, 2, False) == DEFAULT
     assert int8_launch_config(DEFAULT, TILE, {}, 256, 2, False) == DEFAULT
-    got = int8_launch_config(DEFAULT, TILE, {"lean_loop": True}, 128, 2, False)
-    assert got == {**DEFAULT, "lean_loop": True}
+    got = int8_launch_config(DEFAULT, TILE, {"split_mult": 2}, 128, 2, False)
+    assert got == {**DEFAULT, "split_mult": 2}
 
 
 @pytest.mark.parametrize(
@@ -26,9 +24,8 @@ def test_plane_pools_keep_the_one_warp_default():
         (128, 2, True, {}),  # asymmetric: the tile kernel
         (128, 4, False, {}),  # group 32 at head_dim 128
         (128, 1, False, {}),  # one group per head
-        (64, 2, False, {}),  # head_dim 64: fold2 without planes
-        (128, 2, False, {"k_planes": False}),  # planes switched off
-        (128, 2, False, {"fold_scales": False}),
+        (64, 2, False, {}),  # head_dim 64: the fold2 kernel
+        (64, 2, False, {"num_stages": 2}),
     ],
 )
 def test_other_int8_pools_get_the_tile_launch(head_dim, groups, asym, overrides):
@@ -46,4 +43,7 @@ def test_the_shapes_above_are_the_kernel_modules():
     pytest.importorskip("triton")
     from pdserve.engine.kernels import int8_decode_attention as kd
 
-    assert {k: kd.DEFAULT_CONFIG[k] for k in DEFAULT} == DEFAULT and kd.TILE_LAUNCH == TILE
+    assert kd.DEFAULT_CONFIG == DEFAULT and kd.TILE_LAUNCH == TILE
+    for head_dim, groups, asym in [(128, 2, False), (256, 2, False), (128, 2, True), (128, 4, False), (64, 2, False)]:
+        planes = int8_launch_config(DEFAULT, TILE, {}, head_dim, groups, asym) == DEFAULT
+        assert kd.reads_planes(head_dim, groups, asym) == planes  # the launch follows the kernel the shape picks

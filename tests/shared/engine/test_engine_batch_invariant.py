@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_testutil import random_prompt
+from engine_testutil import export_payloads, layout_for, random_prompt
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.payload import PagePayload
 from pdserve.models.checkpoints import build_checkpoint
@@ -96,11 +97,11 @@ def prefill(
 ) -> tuple[torch.Tensor, list[PagePayload]]:
     """Prefill-only run (the first len(cached) pages from a prompt cache): (first token's logits, pages of the
     computed part as shipped in `fmt`)."""
-    e.add_request("p", prompt, GREEDY, prefill_only=True, cached_pages=cached)
+    e.add_request(EngineRequest("p", prompt, GREEDY, prefill_only=True, cached_pages=cached))
     pages, logits = [], None
     while logits is None:
         for o in e.step(return_logits=True):
-            pages += e.export_pages("p", o.ready_pages, fmt, 64, False)
+            pages += export_payloads(e, "p", o.ready_pages, layout_for(e, fmt, 64, False))
             if o.finished:
                 logits = o.logits
     e.release("p")
@@ -157,9 +158,10 @@ def test_batch_invariant_bitwise_same_with_batch_mates_chunking_and_cache_hits(w
 
 
 def test_batch_invariant_on_a_gpu_needs_the_triton_path_and_is_a_service_option():
+    from pdserve.config import config_from
     from pdserve.engine.kernel_choice import KernelChoice
     from pdserve.engine.loader import ModelConfig
-    from pdserve.server.service_config import EngineOptions
+    from pdserve.prefill.config import PrefillConfig
 
     cfg = EngineConfig(model_dir="x", batch_invariant=True, triton=False)
     with pytest.raises(ValueError, match="Triton"):
@@ -168,8 +170,8 @@ def test_batch_invariant_on_a_gpu_needs_the_triton_path_and_is_a_service_option(
         EngineConfig(model_dir="x", batch_invariant=True, max_num_seqs=8), torch.device("cpu"), None
     )
     assert cpu.invariant_rows == 8 and not cpu.invariant_gemm
-    opts = EngineOptions(model="m", batch_invariant=True)
-    assert opts.engine_config("int8").batch_invariant
+    opts = config_from(PrefillConfig, None, "X_", environ={"X_MODEL": "m", "X_BATCH_INVARIANT": "true"})
+    assert opts.engine.batch_invariant and opts.pool_config().kv_dtype == "int8"
 
 
 def test_row_tensors_make_each_prefill_row_a_decode_row():
@@ -219,7 +221,8 @@ def test_gpu_batch_invariant_at_head_dim_128_through_the_lean_int8_loop(gpu_llam
     from pdserve.engine.attention import int8_launch_config
     from pdserve.engine.kernels import int8_decode_attention as kd
 
-    assert int8_launch_config(kd.DEFAULT_CONFIG, kd.TILE_LAUNCH, {}, 128, 2, False)["lean_loop"]
+    assert kd.reads_planes(128, 2, False)  # the lean loop's pool shape, with its launch
+    assert int8_launch_config(kd.DEFAULT_CONFIG, kd.TILE_LAUNCH, {}, 128, 2, False) == kd.DEFAULT_CONFIG
     e = engine(gpu_llama_hd128, "cuda", kv_dtype="int8", batch_invariant=True)
     assert e.runner.backend.name == "triton-rows" and (e.model_config.head_dim, e.kv_group_size) == (128, 64)
     assert batch_mates_differ(e) == 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_testutil import random_prompt, run_to_completion
+from engine_testutil import export_payloads, layout_for, random_prompt, run_to_completion
 
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.payload import PagePayload
 
@@ -20,13 +21,13 @@ def engine(make_engine):
 
 def prefill_pages(engine, prompt: list[int], kv_dtype: str = "auto") -> tuple[list[PagePayload], int]:
     """Prefill-only run of `prompt`: (payloads of its full pages, first token)."""
-    engine.add_request("src", prompt, GREEDY, prefill_only=True)
+    engine.add_request(EngineRequest("src", prompt, GREEDY, prefill_only=True))
     first = None
     while first is None:
         for o in engine.step():
             if o.finished:
                 first = o.new_token_ids[0]
-    pages = engine.export_pages("src", list(range(len(prompt) // PAGE)), kv_dtype)
+    pages = export_payloads(engine, "src", list(range(len(prompt) // PAGE)), layout_for(engine, kv_dtype))
     engine.release("src")
     return pages, first
 
@@ -36,7 +37,7 @@ def test_generate_identical_with_cached_prefix(engine, n, n_cached):
     prompt = random_prompt(n, seed=700 + n)
     ref = engine.generate([prompt], GREEDY)[0]
     pages, _ = prefill_pages(engine, prompt)
-    engine.add_request("c", prompt, GREEDY, cached_pages=pages[:n_cached])
+    engine.add_request(EngineRequest("c", prompt, GREEDY, cached_pages=pages[:n_cached]))
     assert engine.request_ids() == ["c"]
     assert run_to_completion(engine)["c"]["tokens"] == ref
     assert engine.allocator.num_used == 0
@@ -48,14 +49,14 @@ def test_cached_prefix_from_a_shorter_prompt(engine):
     longer = base + random_prompt(9, seed=2)
     ref = engine.generate([longer], GREEDY)[0]
     pages, _ = prefill_pages(engine, base)
-    engine.add_request("c", longer, GREEDY, cached_pages=pages)
+    engine.add_request(EngineRequest("c", longer, GREEDY, cached_pages=pages))
     assert run_to_completion(engine)["c"]["tokens"] == ref
 
 
 def test_prefill_only_ships_only_computed_pages(engine):
     prompt = random_prompt(5 * PAGE + 2, seed=3)
     pages, first_ref = prefill_pages(engine, prompt)
-    engine.add_request("p", prompt, GREEDY, prefill_only=True, cached_pages=pages[:3])
+    engine.add_request(EngineRequest("p", prompt, GREEDY, prefill_only=True, cached_pages=pages[:3]))
     ready, first, steps = [], None, 0
     while first is None:
         steps += 1
@@ -65,7 +66,7 @@ def test_prefill_only_ships_only_computed_pages(engine):
                 first = o.new_token_ids[0]
     assert first == first_ref
     assert ready == [3, 4, 5]  # cached pages 0..2 are not reported again
-    again = engine.export_pages("p", [0, 1, 2, 3], "auto")  # cached pages are in the pool, bit-exact
+    again = export_payloads(engine, "p", [0, 1, 2, 3], layout_for(engine))  # cached pages are in the pool, bit-exact
     for a, b in zip(again[:3], pages[:3]):
         assert torch.equal(a.data, b.data)
     torch.testing.assert_close(again[3].data, pages[3].data, atol=1e-5, rtol=1e-5)
@@ -78,7 +79,9 @@ def test_last_token_left_to_compute(engine):
     prompt = random_prompt(3 * PAGE + 1, seed=4)
     ref = engine.generate([prompt], GREEDY)[0]
     pages, _ = prefill_pages(engine, prompt)
-    engine.add_request("c", prompt, GREEDY, cached_pages=pages)  # decode-ready at once: joins the decode batch
+    engine.add_request(
+        EngineRequest("c", prompt, GREEDY, cached_pages=pages)
+    )  # decode-ready at once: joins the decode batch
     assert run_to_completion(engine)["c"]["tokens"] == ref
 
 
@@ -91,7 +94,9 @@ def test_int8_cached_pages_into_dense_pool(engine):
     rows = {}
     for rid, pages in (("dense", dense), ("int8", q8)):
         engine.add_request(
-            rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True, cached_pages=pages
+            EngineRequest(
+                rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True, cached_pages=pages
+            )
         )
         while rid not in rows:
             for o in engine.step(return_logits=True):
@@ -106,7 +111,7 @@ def test_int8_cached_pages_into_dense_pool(engine):
 def test_abort_before_first_step_frees_nothing_twice(engine):
     prompt = random_prompt(3 * PAGE, seed=6)
     pages, _ = prefill_pages(engine, prompt)
-    engine.add_request("a", prompt, GREEDY, cached_pages=pages[:2])
+    engine.add_request(EngineRequest("a", prompt, GREEDY, cached_pages=pages[:2]))
     assert engine.abort("a")
     assert [o.finish_reason for o in engine.step()] == ["abort"]
     assert engine.allocator.num_used == 0 and not engine.has_unfinished_requests()
@@ -125,16 +130,16 @@ def test_bad_cached_pages_rejected(engine):
     }
     for name, (bad, reason) in cases.items():
         with pytest.raises(ValueError, match=reason):
-            engine.add_request("bad", prompt, GREEDY, cached_pages=bad)
+            engine.add_request(EngineRequest("bad", prompt, GREEDY, cached_pages=bad))
         assert engine.request_ids() == [], name
     assert engine.allocator.num_used == 0
 
 
 def engine_partial_page(engine, prompt: list[int]) -> PagePayload:
-    engine.add_request("part", prompt[: PAGE - 1], GREEDY, prefill_only=True)
+    engine.add_request(EngineRequest("part", prompt[: PAGE - 1], GREEDY, prefill_only=True))
     while not any(o.finished for o in engine.step()):
         pass
-    (p,) = engine.export_pages("part", [0], "auto")
+    (p,) = export_payloads(engine, "part", [0], layout_for(engine))
     engine.release("part")
     return p
 
@@ -145,9 +150,11 @@ def test_keep_cached_upload_is_the_exact_stored_bytes_and_is_released(engine, kv
     format, exact), once; without the flag, or after abort, nothing is kept."""
     prompt = random_prompt(4 * PAGE + 1, seed=9)
     pages, _ = prefill_pages(engine, prompt, kv_dtype)
-    engine.add_request("u", prompt, GREEDY, prefill_only=True, cached_pages=pages, keep_cached_upload=True)
+    engine.add_request(
+        EngineRequest("u", prompt, GREEDY, prefill_only=True, cached_pages=pages, keep_cached_upload=True)
+    )
     assert engine.take_cached_upload("u") is None  # not imported before its first step
-    engine.add_request("k", prompt, GREEDY, prefill_only=True, cached_pages=pages)
+    engine.add_request(EngineRequest("k", prompt, GREEDY, prefill_only=True, cached_pages=pages))
     engine.step()
     up = engine.take_cached_upload("u")
     assert up is not None and engine.take_cached_upload("u") is None
@@ -157,10 +164,14 @@ def test_keep_cached_upload_is_the_exact_stored_bytes_and_is_released(engine, kv
     else:
         assert up.scales is None
     assert engine.take_cached_upload("k") is None  # not asked for
-    engine.add_request("a", prompt, GREEDY, prefill_only=True, cached_pages=pages, keep_cached_upload=True)
+    engine.add_request(
+        EngineRequest("a", prompt, GREEDY, prefill_only=True, cached_pages=pages, keep_cached_upload=True)
+    )
     run_to_completion(engine)
+    seq = engine._seqs["a"]
+    assert seq.cached_upload is not None  # kept, not taken
     engine.abort("a")
-    assert engine.take_cached_upload("a") is None and not engine._cached_uploads
+    assert engine.take_cached_upload("a") is None and seq.cached_upload is None
     for rid in ("u", "k"):
         engine.release(rid)
     assert engine.allocator.num_used == 0

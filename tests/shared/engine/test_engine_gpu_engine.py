@@ -55,14 +55,12 @@ def reference(make_engine):
 def test_graph_decode_matches_eager_and_fp32(make_engine, reference, kv):
     forced, base = reference
     extra = {} if kv == "auto" else dict(kv_dtype="int8", int8_decode_kernel=kv.split("-")[1])
-    if kv == "int8-fold":  # the folded-scale kernel needs two scale groups per head: group 32 at head_dim 64
+    if kv == "int8-fold":  # two scale groups per head below head_dim 128 (group 32 at 64): the fold2 kernel
         extra = dict(kv_dtype="int8", int8_decode_kernel="triton", kv_group_size=32)
-    if kv == "int8-fold":  # set through the config (a JSON knob), like the CLI's --decode-kernel-config
-        extra["decode_kernel_config"] = '{"fold_scales": true}'
     eager = make_engine("llama_hd64", **KW, **extra, cuda_graphs=False)
     graph = make_engine("llama_hd64", **KW, **extra)
     assert eager.runner.kernels.fused and eager.runner.graph_runner is None and graph.runner.graph_runner is not None
-    assert graph.runner.backend.kernels.decode_config == ({"fold_scales": True} if kv == "int8-fold" else {})
+    assert graph.runner.backend.kernels.decode_config == {}  # the pool's shape picks the kernel
     le, lg = run_forced(eager, PROMPTS, forced), run_forced(graph, PROMPTS, forced)
     assert lg.isfinite().all()
     # same kernels; only GEMM shapes differ (padded graph batches), so bf16-rounding-level differences
@@ -141,18 +139,18 @@ def test_graph_decode_covers_the_whole_context(make_engine):
 
 
 def test_lean_int8_loop_in_the_engine(make_engine):
-    """int8 KV at head_dim 128 (two scale groups: the byte-plane kernels): the lean loop (the default decode kernel,
-    kernels/int8_planes_decode.py) gives the byte-plane kernel's logits (decode config `lean_loop: false`) to
-    rounding, through the decode CUDA graphs, prompts at page and block edges."""
+    """int8 KV at head_dim 128 (two scale groups per head): the lean loop (the default decode kernel for that pool,
+    kernels/int8_planes_decode.py) gives the logits of dequantize-then-FA3 over the same int8 pool
+    (`int8_decode_kernel` "dequant") to rounding, through the decode CUDA graphs, prompts at page and block edges."""
     prompts = [random_prompt(n, seed=300 + n) for n in (1, 16, 31, 33, 70)]
-    kw = dict(KW, kv_dtype="int8", int8_decode_kernel="triton")
-    lean = make_engine("llama_hd128", **kw)
-    planes = make_engine("llama_hd128", **kw, decode_kernel_config='{"lean_loop": false}')
-    assert planes.runner.backend.kernels.decode_config == {"lean_loop": False} and planes.runner.graph_runner
+    kw = dict(KW, kv_dtype="int8")
+    lean = make_engine("llama_hd128", **kw, int8_decode_kernel="triton")
+    dequant = make_engine("llama_hd128", **kw, int8_decode_kernel="dequant")
+    assert lean.runner.graph_runner and lean.kv_group_size == 64 and lean.model_config.head_dim == 128
     sps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 9, 33, 12, 40)]
-    forced = planes.generate(prompts, sps)
-    lp, ll = run_forced(planes, prompts, forced), run_forced(lean, prompts, forced)
-    assert ll.isfinite().all() and ((ll - lp).norm() / lp.norm()).item() < 2e-2
+    forced = dequant.generate(prompts, sps)
+    ld, ll = run_forced(dequant, prompts, forced), run_forced(lean, prompts, forced)
+    assert ll.isfinite().all() and ((ll - ld).norm() / ld.norm()).item() < 2e-2
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])

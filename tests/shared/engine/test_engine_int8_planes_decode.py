@@ -65,10 +65,10 @@ for data in ("normal", "slow-rise", "fast-rise", "fast-rise-large-v"):
             v = v * 3000.0
         q8, s, _ = Q.quantize(torch.stack([k, v]), 64, False)
         q = q.bfloat16()
+        assert kd.reads_planes(D, 2, False)
         out = kd.int8_paged_decode(
-            q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, fold_scales=True,
-            byte_convert=True, word_loads=True, k_planes=True, v_planes=True, lean_loop=True,
-        )
+            q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits,
+        )  # symmetric, two groups per head, head_dim 128: the lean loop
         kvf = Q.dequantize(q8, s, None, 64, torch.float32).view(2, P * ps, KVH, D)
         ref = reference(q.float(), kvf, table, lens, ps, D**-0.5)
         err = ((out.double() - ref).norm() / ref.norm()).item()

@@ -12,6 +12,7 @@ from pdserve.engine.config import EngineConfig, resolve_dtype
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import model_fingerprint, parse_model_config
 from pdserve.engine.model import rope_inv_freq
+from pdserve.kv.payload import PagePayload
 
 
 def edited_copy(src, dst, **changes):
@@ -111,7 +112,7 @@ def test_engine_config_validation_and_dtype():
 @pytest.mark.parametrize(
     "storage, asym", [(None, False), (torch.int8, False), (torch.int8, True), (torch.float8_e4m3fn, False)]
 )
-def test_kv_pool_write_read_export_import(storage, asym):
+def test_kv_pool_write_read_gather_scatter_import(storage, asym):
     L, P, ps, H, D = 2, 6, 4, 2, 16
     cpu = torch.device("cpu")
     pool = (
@@ -130,20 +131,23 @@ def test_kv_pool_write_read_export_import(storage, asym):
     gk, _ = pool.gather(1, slots[[5, 0]])
     assert torch.equal(gk, rk[[5, 0]])
     for quantized, dtype in ((False, None), (True, None), (True, torch.float8_e4m3fn)):
-        p = pool.export_page(1, 1, 2, quantized, group_size=8, asymmetric=False, dtype=dtype)
-        assert p.data.shape == (2, L, 2, H, D) and p.page_index == 1
-        assert p.data.dtype == (dtype or torch.int8 if quantized else torch.float32)
-        pool.import_page(3, p)
+        g = 8 if quantized else 0
+        data, scales, zeros = pool.gather_pages([1], [2], quantized, g, False, dtype)  # physical page 1: 2 tokens
+        assert data.shape == (1, 2, L, ps, H, D) and zeros is None and (scales is None) != quantized
+        assert data.dtype == (dtype or torch.int8 if quantized else torch.float32)
+        assert not data[:, :, :, 2:].view(torch.uint8).any()  # tokens past the page's end are zero
+        pool.scatter_pages([3], data, scales, zeros, g)
         k3, v3 = pool.read(1, [3], 2)
         assert (k3 - k[4:6]).abs().max() <= 0.25 and (v3 - v[4:6]).abs().max() <= 0.25
         if storage is not None and quantized and (dtype or torch.int8) == storage:  # own format: straight copies
-            assert (
-                torch.equal(
-                    pool.export_page(3, 1, 2, True, 8, asym, dtype).data.view(torch.uint8), p.data.view(torch.uint8)
-                )
-                or asym
-            )
+            again = pool.gather_pages([3], [2], True, 8, asym, dtype)[0]
+            assert torch.equal(again.view(torch.uint8), data.view(torch.uint8)) or asym
+        # one prompt-cache page (a PagePayload of the first 2 tokens) into physical page 0
+        p = PagePayload(1, 2, 0, data[0, :, :, :2], None if scales is None else scales[0, :, :, :2], None, g)
+        pool.import_page(0, p)
+        k0, v0 = pool.read(1, [0], 2)
+        assert (k0 - k[4:6]).abs().max() <= 0.25 and (v0 - v[4:6]).abs().max() <= 0.25
     with pytest.raises(ValueError):
-        pool.export_page(P, 0, 2, False)
+        pool.gather_pages([P], [2], False)
     with pytest.raises(ValueError):
-        pool.export_page(0, 0, ps + 1, False)
+        pool.gather_pages([0], [ps + 1], False)

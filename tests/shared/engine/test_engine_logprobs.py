@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidRequest
 
@@ -14,7 +15,7 @@ PROMPT = [5, 17, 99, 23, 8, 250, 31, 77, 12, 400, 3, 66, 90, 41, 7, 300, 11, 19,
 
 
 def run(engine, rid, prompt, sp):
-    engine.add_request(rid, prompt, sp)
+    engine.add_request(EngineRequest(rid, prompt, sp))
     toks, lps, plps = [], [], []
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -68,10 +69,12 @@ def test_forced_tokens_are_scored_as_forced(make_engine, hf_model):
     engine = make_engine("llama")
     forced = [7, 8, 9, 10]
     engine.add_request(
-        "f",
-        PROMPT,
-        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True),
-        forced_token_ids=forced,
+        EngineRequest(
+            "f",
+            PROMPT,
+            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True),
+            forced_token_ids=forced,
+        )
     )
     lps = [lp for _ in iter(engine.has_unfinished_requests, False) for o in engine.step() for lp in o.logprobs]
     ref = hf_logprobs(hf_model("llama"), PROMPT + forced)
@@ -84,10 +87,12 @@ def test_forced_tokens_are_scored_as_forced(make_engine, hf_model):
 def test_limits_and_cached_pages(llama_engine):
     for bad in (21, -1):
         with pytest.raises(InvalidRequest, match="top_logprobs"):
-            llama_engine.add_request("bad", PROMPT, SamplingParams(top_logprobs=bad))
+            llama_engine.add_request(EngineRequest("bad", PROMPT, SamplingParams(top_logprobs=bad)))
     pages = [object()]  # never inspected: prompt_logprobs refuses any cached prefix first
     with pytest.raises(InvalidRequest, match="prompt_logprobs"):
-        llama_engine.add_request("cached", PROMPT, SamplingParams(prompt_logprobs=True), cached_pages=pages)
+        llama_engine.add_request(
+            EngineRequest("cached", PROMPT, SamplingParams(prompt_logprobs=True), cached_pages=pages)
+        )
     assert llama_engine.request_ids() == []
 
 
@@ -111,7 +116,7 @@ def test_graph_path_logprobs_come_from_the_graph_logits(make_engine):
     if engine.runner.graph_runner is None:
         pytest.skip("no decode CUDA graphs on this machine (FA3 / fused path unavailable)")
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
-    engine.add_request("g", PROMPT, sp)
+    engine.add_request(EngineRequest("g", PROMPT, sp))
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step(return_logits=True)

@@ -7,10 +7,11 @@ import sys
 import threading
 
 import pytest
-from engine_testutil import random_prompt
+from engine_testutil import layout_for, random_prompt
 
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.page_table import OutOfPages
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.testing.wait import wait_until
 
@@ -40,7 +41,7 @@ def test_generate_through_loop_matches_direct(loop, llama_engine):
     qs = [queue.Queue() for _ in prompts]
     # submit from several threads at once
     ts = [
-        threading.Thread(target=loop.add_request, args=(f"r{i}", p, GREEDY, q.put))
+        threading.Thread(target=loop.add_request, args=(EngineRequest(f"r{i}", p, GREEDY), q.put))
         for i, (p, q) in enumerate(zip(prompts, qs))
     ]
     for t in ts:
@@ -56,7 +57,7 @@ def test_generate_through_loop_matches_direct(loop, llama_engine):
 
 def test_errors_propagate_to_caller(loop):
     with pytest.raises(ValueError, match="empty"):
-        loop.add_request("bad", [], GREEDY, lambda o: None)
+        loop.add_request(EngineRequest("bad", [], GREEDY), lambda o: None)
     with pytest.raises(OutOfPages):
         loop.begin_import("big", random_prompt(200, 1), GREEDY, lambda o: None)
     assert loop.call(lambda e: e.request_ids()) == []
@@ -64,13 +65,15 @@ def test_errors_propagate_to_caller(loop):
 
 def test_abort_release_and_idle(loop):
     q: queue.Queue = queue.Queue()
-    loop.add_request("a", random_prompt(5, 2), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True), q.put)
+    loop.add_request(
+        EngineRequest("a", random_prompt(5, 2), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)), q.put
+    )
     q.get(timeout=20)  # running
     assert loop.abort("a").result(10) is True
     assert drain(q)[-1].finish_reason == "abort"
     # prefill-only request: pages kept after prefill_done until release
     q2: queue.Queue = queue.Queue()
-    loop.add_request("p", random_prompt(9, 3), GREEDY, q2.put, prefill_only=True)
+    loop.add_request(EngineRequest("p", random_prompt(9, 3), GREEDY, prefill_only=True), q2.put)
     assert drain(q2)[-1].finish_reason == "prefill_done"
     assert loop.allocator.num_used == 3
     assert loop.release("p").result(10) is True
@@ -93,18 +96,18 @@ def parked_in_wait(thread: threading.Thread) -> bool:
 def test_import_through_loop(loop, llama_engine):
     prompt = random_prompt(7, 4)
     ref = llama_engine.generate([prompt], GREEDY)[0]
-    llama_engine.add_request("x", prompt, GREEDY, prefill_only=True)
+    llama_engine.add_request(EngineRequest("x", prompt, GREEDY, prefill_only=True))
     first, ready = None, []
     while first is None:
         for o in llama_engine.step():
             ready += o.ready_pages
             first = o.new_token_ids[0] if o.finished else None
-    payloads = llama_engine.export_pages("x", ready)
+    layout = layout_for(llama_engine)
+    b = llama_engine.export_batch("x", ready, layout)
     llama_engine.release("x")
     q: queue.Queue = queue.Queue()
     loop.begin_import("x", prompt, GREEDY, q.put)
-    for p in payloads:
-        loop.import_page("x", p)
+    loop.call(lambda e: e.import_batch("x", b.page_indexes, b.num_tokens, b.rows, layout))
     loop.finish_import("x", first)
     assert [t for o in drain(q) for t in o.new_token_ids] == ref
 
@@ -116,7 +119,7 @@ def test_step_failure_reaches_callbacks(loop):
         raise RuntimeError("kaboom")
 
     loop.call(lambda e: setattr(e, "_run", boom))
-    loop.add_request("f", random_prompt(4, 5), GREEDY, q.put)
+    loop.add_request(EngineRequest("f", random_prompt(4, 5), GREEDY), q.put)
     err = q.get(timeout=20)
     assert isinstance(err, RuntimeError) and "kaboom" in str(err)
     assert loop.call(lambda e: (e.request_ids(), e.allocator.num_used)) == ([], 0)

@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-from engine_testutil import random_prompt
+from engine_testutil import layout_for, random_prompt
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernel_choice import KernelChoice
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidRequest
 
@@ -26,51 +27,53 @@ def _tensors_in(obj) -> list[str]:
 def test_sequences_hold_no_tensors_while_importing_and_running(llama_engine):
     e = llama_engine
     e.begin_import("imp", random_prompt(8, seed=1), SamplingParams(max_tokens=3, temperature=0.8, seed=3))
-    e.add_request("run", random_prompt(9, seed=2), SamplingParams(max_tokens=3, temperature=0.8))
+    e.add_request(EngineRequest("run", random_prompt(9, seed=2), SamplingParams(max_tokens=3, temperature=0.8)))
     e.step()
     for seq in e._seqs.values():
         assert _tensors_in(seq) == []
-    assert e._seqs["imp"].imported_layers == [0, 0]  # one layer bit mask per page, nothing received yet
+    assert e._seqs["imp"].pages_imported == [False, False]  # one flag per page, nothing received yet
     e.release("imp")
     e.release("run")
     assert e.allocator.num_used == 0
 
 
-def test_import_bookkeeping_counts_layer_ranges(make_engine):
-    """Layers may arrive in any ranges, repeated; finish_import needs every layer of every page."""
+def test_import_bookkeeping_counts_pages(make_engine):
+    """Pages may arrive in any order and batches, each once; finish_import needs every page."""
     src = make_engine("llama")
     dst = make_engine("llama")
     prompt = random_prompt(8, seed=4)  # page_size 4: pages 0 and 1
-    src.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+    src.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True))
     first = None
     while src.has_unfinished_requests():
         for o in src.step():
             first = o.new_token_ids[0] if o.new_token_ids else first
-    pages = src.export_pages("p", [0, 1])
-    n_layers = dst.model_config.num_layers
-    assert n_layers >= 2
+    layout = layout_for(src)
+    b0, b1 = (src.export_batch("p", [i], layout) for i in (0, 1))
     dst.begin_import("p", prompt, SamplingParams(max_tokens=2, temperature=0.0))
-    split = [dataclasses.replace(p, layer_start=1, data=p.data[:, 1:]) for p in pages]  # all but layer 0
-    for p in split:
-        dst.import_page("p", p)
     with pytest.raises(InvalidRequest, match=r"pages \[0, 1\] not imported"):
         dst.finish_import("p", first)
-    dst.import_page("p", pages[0])  # page 0 complete (layers repeated)
-    with pytest.raises(InvalidRequest, match=r"pages \[1\] not imported"):
+    dst.import_batch("p", b1.page_indexes, b1.num_tokens, b1.rows, layout)  # page 1 first
+    with pytest.raises(InvalidRequest, match=r"pages \[0\] not imported"):
         dst.finish_import("p", first)
-    dst.import_page("p", dataclasses.replace(pages[1], data=pages[1].data[:, :1]))  # layer 0 of page 1
+    with pytest.raises(InvalidRequest, match="imported twice"):
+        dst.import_batch("p", b1.page_indexes, b1.num_tokens, b1.rows, layout)
+    dst.import_batch("p", b0.page_indexes, b0.num_tokens, b0.rows, layout)
     dst.finish_import("p", first)
-    assert dst._seqs["p"].imported_layers is None
+    assert dst._seqs["p"].pages_imported is None
 
 
 def test_runner_keeps_generators_of_sampled_requests_only(make_engine):
     e = make_engine("llama")
     r = e.runner
-    e.add_request("greedy", random_prompt(5, seed=5), SamplingParams(max_tokens=2, temperature=0.0))
-    e.add_request("sampled", random_prompt(5, seed=6), SamplingParams(max_tokens=2, temperature=1.0))
+    e.add_request(EngineRequest("greedy", random_prompt(5, seed=5), SamplingParams(max_tokens=2, temperature=0.0)))
+    e.add_request(EngineRequest("sampled", random_prompt(5, seed=6), SamplingParams(max_tokens=2, temperature=1.0)))
     assert set(r._generators) == {"sampled"}
     with pytest.raises(InvalidRequest):  # a rejected request leaves no generator behind
-        e.add_request("bad", random_prompt(5, seed=7), SamplingParams(max_tokens=2, temperature=1.0), sampled_before=99)
+        e.add_request(
+            EngineRequest(
+                "bad", random_prompt(5, seed=7), SamplingParams(max_tokens=2, temperature=1.0), sampled_before=99
+            )
+        )
     assert set(r._generators) == {"sampled"}
     e.abort("sampled")
     e.release("greedy")
@@ -135,11 +138,13 @@ def test_gpu_knobs_parse():
 
 
 def test_engine_options_reach_engine_config():
-    """Every GPU knob of EngineConfig is an EngineOptions flag of the same name (so the CLI and env reach it)."""
-    from pdserve.server.service_config import EngineOptions
+    """Every GPU knob of EngineConfig is an engine service's flag of the same name (so the CLI and env reach it)."""
+    import argparse
 
-    opts = EngineOptions(
-        model="m",
+    from pdserve.config import add_dataclass_args, config_from
+    from pdserve.decode.config import DecodeConfig
+
+    given = dict(
         pdl=False,
         triton=False,
         gemv_plan="cublas",
@@ -148,7 +153,11 @@ def test_engine_options_reach_engine_config():
         decode_kernel_config='{"block_n": 16}',
         cuda_graphs=False,
     )
-    cfg = opts.engine_config("int8")
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, DecodeConfig)
+    argv = ["--model", "m", *[a for k, v in given.items() for a in ("--" + k.replace("_", "-"), str(v))]]
+    cfg = config_from(DecodeConfig, parser.parse_args(argv), "PDSERVE_TEST_UNUSED_", environ={}).engine
+    defaults = EngineConfig(model_dir="m")
     for name in (
         "pdl",
         "triton",
@@ -162,5 +171,5 @@ def test_engine_options_reach_engine_config():
         "cuda_graph_max_context",
         "gpu_memory_utilization",
     ):
-        assert getattr(cfg, name) == getattr(opts, name), name
+        assert getattr(cfg, name) == given.get(name, getattr(defaults, name)), name
     assert cfg.kv_dtype == "int8" and cfg.model_dir == "m"

@@ -12,6 +12,7 @@ import pytest
 from engine_testutil import random_prompt, run_to_completion
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 
 
@@ -37,7 +38,7 @@ def _summary(res: dict) -> dict:
 
 def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
     for rid, prompt, sp in requests:
-        engine.add_request(rid, prompt, sp)
+        engine.add_request(EngineRequest(rid, prompt, sp))
     return _summary(run_to_completion(engine))
 
 
@@ -93,7 +94,7 @@ def _staggered(engine: LLMEngine, reqs, abort_at: dict[int, str]) -> dict:
     while pending or engine.has_unfinished_requests():
         if pending and step % 3 == 0:
             rid, prompt, sp = pending.pop(0)
-            engine.add_request(rid, prompt, sp)
+            engine.add_request(EngineRequest(rid, prompt, sp))
         if step in abort_at:
             engine.abort(abort_at[step])
         for o in engine.step():

@@ -6,6 +6,7 @@ import pytest
 from engine_testutil import random_prompt, run_to_completion
 
 from pdserve.engine.page_table import OutOfPages, PageAllocator
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import SequenceStatus
 from pdserve.errors import DuplicateRequest
@@ -61,7 +62,7 @@ def test_pool_all_free_after_requests_finish(llama_engine):
 
 def test_abort_waiting(llama_engine):
     e = llama_engine
-    e.add_request("w", random_prompt(9, 1), GREEDY)
+    e.add_request(EngineRequest("w", random_prompt(9, 1), GREEDY))
     assert e.abort("w")
     outs = e.step()
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("w", True, "abort")]
@@ -71,8 +72,8 @@ def test_abort_waiting(llama_engine):
 
 def test_abort_mid_prefill_and_running(llama_engine):
     e = llama_engine
-    e.add_request("long", random_prompt(29, 2), GREEDY)  # 4 chunks of 8
-    e.add_request("short", random_prompt(3, 3), GREEDY)
+    e.add_request(EngineRequest("long", random_prompt(29, 2), GREEDY))  # 4 chunks of 8
+    e.add_request(EngineRequest("short", random_prompt(3, 3), GREEDY))
     e.step()  # first chunk: 'long' takes the whole budget
     assert e._seqs["long"].status == SequenceStatus.PREFILLING and e.allocator.num_used > 0
     assert e.abort("long")
@@ -108,7 +109,7 @@ def test_begin_import_out_of_pages_leaks_nothing(make_engine):
 
 def test_prefill_only_holds_pages_until_release(llama_engine):
     e = llama_engine
-    e.add_request("p", random_prompt(10, 7), GREEDY, prefill_only=True)
+    e.add_request(EngineRequest("p", random_prompt(10, 7), GREEDY, prefill_only=True))
     res = run_to_completion(e)
     assert res["p"]["outputs"][-1].finish_reason == "prefill_done"
     assert e.allocator.num_used == 3  # ceil(10 / 4): kept for export
@@ -119,16 +120,16 @@ def test_prefill_only_holds_pages_until_release(llama_engine):
 def test_rejects_bad_requests(llama_engine):
     e = llama_engine
     with pytest.raises(ValueError, match="empty"):
-        e.add_request("x", [], GREEDY)
+        e.add_request(EngineRequest("x", [], GREEDY))
     with pytest.raises(ValueError, match="vocabulary"):
-        e.add_request("x", [1, 10_000], GREEDY)
+        e.add_request(EngineRequest("x", [1, 10_000], GREEDY))
     with pytest.raises(ValueError, match="context"):
-        e.add_request("x", [5] * e.max_model_len, GREEDY)
+        e.add_request(EngineRequest("x", [5] * e.max_model_len, GREEDY))
     with pytest.raises(ValueError, match="max_tokens"):
-        e.add_request("x", [5], SamplingParams(max_tokens=0))
-    e.add_request("x", [5, 6], GREEDY)
+        e.add_request(EngineRequest("x", [5], SamplingParams(max_tokens=0)))
+    e.add_request(EngineRequest("x", [5, 6], GREEDY))
     with pytest.raises(DuplicateRequest, match="duplicate"):
-        e.add_request("x", [5, 6], GREEDY)
+        e.add_request(EngineRequest("x", [5, 6], GREEDY))
     e.release("x")
     assert e.allocator.num_used == 0 and not e.has_unfinished_requests()
 
@@ -136,14 +137,14 @@ def test_rejects_bad_requests(llama_engine):
 def test_prompt_larger_than_pool_is_rejected(make_engine):
     e = make_engine("llama", num_pages=4)
     with pytest.raises(OutOfPages, match="pages"):
-        e.add_request("big", random_prompt(40, 8), GREEDY)
+        e.add_request(EngineRequest("big", random_prompt(40, 8), GREEDY))
 
 
 def test_scheduler_budgets(make_engine):
     """Prefill steps stay within chunk_size tokens; at most max_num_seqs sequences are admitted at once."""
     e = make_engine("llama", chunk_size=8, max_num_seqs=2)
     for i, n in enumerate((13, 3, 5, 1)):
-        e.add_request(f"r{i}", random_prompt(n, seed=i), GREEDY)
+        e.add_request(EngineRequest(f"r{i}", random_prompt(n, seed=i), GREEDY))
     seen = 0
     while e.has_unfinished_requests():
         batch = e.scheduler.schedule()

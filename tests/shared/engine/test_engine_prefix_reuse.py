@@ -8,9 +8,10 @@ import hashlib
 
 import pytest
 import torch
-from engine_testutil import random_prompt, run_to_completion
+from engine_testutil import export_payloads, layout_for, random_prompt, run_to_completion
 
 from pdserve.engine.page_table import PageAllocator
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidRequest
 
@@ -84,7 +85,7 @@ def engine(make_engine):
 def prefill(engine, rid: str, prompt: list[int], **kw) -> tuple[int, list[int], torch.Tensor, list, tuple]:
     """Prefill-only run: (first token, ready pages in report order, first-token logits, exported pages of the
     whole prompt, the first output's token_range)."""
-    engine.add_request(rid, prompt, ONE, prefill_only=True, **kw)
+    engine.add_request(EngineRequest(rid, prompt, ONE, prefill_only=True, **kw))
     ready, first, logits, first_range = [], None, None, None
     while first is None:
         for o in engine.step(return_logits=True):
@@ -92,7 +93,7 @@ def prefill(engine, rid: str, prompt: list[int], **kw) -> tuple[int, list[int], 
             ready += o.ready_pages
             if o.finished:
                 first, logits = o.new_token_ids[0], o.logits
-    pages = engine.export_pages(rid, list(range(-(-len(prompt) // PAGE))), "int8")
+    pages = export_payloads(engine, rid, list(range(-(-len(prompt) // PAGE))), layout_for(engine, "int8"))
     engine.release(rid)
     return first, ready, logits, pages, first_range
 
@@ -132,10 +133,10 @@ def test_generate_with_a_shared_prefix_and_concurrent_holders(engine):
     base = random_prompt(3 * PAGE, seed=11)
     prompts = [base + random_prompt(5, seed=20 + i) for i in range(3)]
     ref = [engine.generate([p], GREEDY)[0] for p in prompts]
-    engine.add_request("first", prompts[0], GREEDY, prefix_keys=keys(prompts[0]))
+    engine.add_request(EngineRequest("first", prompts[0], GREEDY, prefix_keys=keys(prompts[0])))
     run_to_completion(engine)
     for i, p in enumerate(prompts):  # all three at once hold the same three prefix pages
-        engine.add_request(f"r{i}", p, GREEDY, prefix_keys=keys(p))
+        engine.add_request(EngineRequest(f"r{i}", p, GREEDY, prefix_keys=keys(p)))
     out = run_to_completion(engine)
     assert [out[f"r{i}"]["tokens"] for i in range(3)] == ref
     assert engine.allocator.num_used == 0
@@ -154,10 +155,10 @@ def test_imported_pages_are_not_registered_and_pressure_evicts(make_engine):
     prompt = random_prompt(4 * PAGE + 1, seed=41)
     ref = e.generate([prompt], GREEDY)[0]
     _, _, _, pages, _ = prefill(e, "src", prompt)
-    e.add_request("imp", prompt, GREEDY, cached_pages=pages[:2], prefix_keys=keys(prompt))
+    e.add_request(EngineRequest("imp", prompt, GREEDY, cached_pages=pages[:2], prefix_keys=keys(prompt)))
     run_to_completion(e)
     assert e.prefix_pages_held(keys(prompt)) == 0  # pages 0-1 came from a cache: not this engine's computation
-    e.add_request("own", prompt, GREEDY, prefix_keys=keys(prompt))
+    e.add_request(EngineRequest("own", prompt, GREEDY, prefix_keys=keys(prompt)))
     assert run_to_completion(e)["own"]["tokens"] == ref
     assert e.prefix_pages_held(keys(prompt)) == 4
     other = random_prompt(10 * PAGE, seed=42)  # needs 11 of 12 pages: evicts the registered ones
@@ -172,7 +173,7 @@ def test_preempted_request_reuses_and_still_matches(make_engine):
     long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     ref = [e.generate([p], long)[0] for p in prompts]
     for i, p in enumerate(prompts):
-        e.add_request(f"r{i}", p, long, prefix_keys=keys(p))
+        e.add_request(EngineRequest(f"r{i}", p, long, prefix_keys=keys(p)))
     out = run_to_completion(e)  # 3 x 5 pages > 14: decode preempts, recomputes onto the shared prefix
     assert [out[f"r{i}"]["tokens"] for i in range(3)] == ref
     assert e.allocator.num_used == 0
@@ -181,7 +182,9 @@ def test_preempted_request_reuses_and_still_matches(make_engine):
 def test_prefix_keys_checked(engine):
     prompt = random_prompt(2 * PAGE + 1, seed=71)
     with pytest.raises(InvalidRequest, match="prefix_keys"):
-        engine.add_request("x", prompt, ONE, prefix_keys=keys(prompt) + [b"extra"])
+        engine.add_request(EngineRequest("x", prompt, ONE, prefix_keys=keys(prompt) + [b"extra"]))
     with pytest.raises(InvalidRequest, match="prefix_keys"):
-        engine.add_request("x", prompt, SamplingParams(max_tokens=1, prompt_logprobs=True), prefix_keys=keys(prompt))
+        engine.add_request(
+            EngineRequest("x", prompt, SamplingParams(max_tokens=1, prompt_logprobs=True), prefix_keys=keys(prompt))
+        )
     assert engine.request_ids() == []

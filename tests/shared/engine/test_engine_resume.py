@@ -3,8 +3,8 @@ uninterrupted stream: same tokens (greedy and seeded sampling), same text (text 
 after it), same finish reason and usage. Both modes:
 - disaggregated: another pair prefills prompt + those k tokens (`sampled_before=k`) and decode imports them with
   `resumed_tokens=k` and the characters already delivered;
-- colocated: an engine that prefills itself, `add_request(prompt + k tokens, resumed_tokens=k,
-  resumed_text_chars=c)`, re-prefills them."""
+- colocated: an engine that prefills itself, `add_request(EngineRequest(prompt + k tokens, resumed_tokens=k,
+  resumed_text_chars=c))`, re-prefills them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from engine_testutil import random_prompt, run_to_completion
+from engine_testutil import layout_for, random_prompt, run_to_completion
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 
 N = 24
@@ -29,17 +30,19 @@ class Mode:
 
 def disaggregated(prefill_engine: LLMEngine, decode_engine: LLMEngine) -> Mode:
     def start(rid: str, ids: list[int], sp: SamplingParams, k: int, chars: int) -> None:
-        prefill_engine.add_request(rid, ids, sp, prefill_only=True, sampled_before=k)
-        pages, first = [], None
+        prefill_engine.add_request(EngineRequest(rid, ids, sp, prefill_only=True, sampled_before=k))
+        layout = layout_for(prefill_engine)
+        batches, first = [], None
         while first is None:
             for o in prefill_engine.step():
-                pages += prefill_engine.export_pages(rid, o.ready_pages, "auto")
+                if o.ready_pages:
+                    batches.append(prefill_engine.export_batch(rid, o.ready_pages, layout))
                 if o.finished:
                     first = o.new_token_ids[0]
         prefill_engine.release(rid)
         decode_engine.begin_import(rid, ids, sp, resumed_tokens=k, resumed_text_chars=chars)
-        for p in pages:
-            decode_engine.import_page(rid, p)
+        for b in batches:
+            decode_engine.import_batch(rid, b.page_indexes, b.num_tokens, b.rows, layout)
         decode_engine.finish_import(rid, first)
 
     return Mode(decode_engine, start, [prefill_engine, decode_engine])
@@ -47,7 +50,7 @@ def disaggregated(prefill_engine: LLMEngine, decode_engine: LLMEngine) -> Mode:
 
 def colocated(engine: LLMEngine) -> Mode:
     def start(rid: str, ids: list[int], sp: SamplingParams, k: int, chars: int) -> None:
-        engine.add_request(rid, ids, sp, resumed_tokens=k, resumed_text_chars=chars)
+        engine.add_request(EngineRequest(rid, ids, sp, resumed_tokens=k, resumed_text_chars=chars))
 
     return Mode(engine, start, [engine])
 
@@ -61,7 +64,7 @@ def mode(request, prefill_engine, decode_engine) -> Mode:
 
 
 def uninterrupted(engine: LLMEngine, prompt: list[int], sp: SamplingParams) -> dict:
-    engine.add_request("ref", prompt, sp)
+    engine.add_request(EngineRequest("ref", prompt, sp))
     return run_to_completion(engine)["ref"]
 
 
@@ -152,5 +155,5 @@ def test_colocated_resume_arguments_are_checked(decode_engine):
     ]
     for i, kw in enumerate(bad):
         with pytest.raises(ValueError):
-            decode_engine.add_request(f"bad-{i}", ids, sp, **kw)
+            decode_engine.add_request(EngineRequest(f"bad-{i}", ids, sp, **kw))
     assert decode_engine.allocator.num_used == 0 and not decode_engine.has_unfinished_requests()

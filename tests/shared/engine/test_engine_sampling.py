@@ -8,6 +8,7 @@ import pytest
 import torch
 from engine_testutil import random_prompt, run_to_completion
 
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, sample
 from pdserve.engine.sequence import IncrementalDetokenizer
 
@@ -92,7 +93,7 @@ def test_top_k_one_equals_greedy(llama_engine):
 
 
 def greedy_run(engine, prompt, **kw):
-    engine.add_request("ref", prompt, SamplingParams(temperature=0.0, **kw))
+    engine.add_request(EngineRequest("ref", prompt, SamplingParams(temperature=0.0, **kw)))
     return run_to_completion(engine)["ref"]
 
 
@@ -120,9 +121,11 @@ def test_eos_stops_unless_ignored(llama_engine):
     eos = e.model_config.eos_token_ids[0]
     prompt = random_prompt(5, 4)
     forced = [7, 8, eos, 9, 10]
-    e.add_request("eos", prompt, SamplingParams(max_tokens=5, temperature=0.0), forced_token_ids=forced)
+    e.add_request(EngineRequest("eos", prompt, SamplingParams(max_tokens=5, temperature=0.0), forced_token_ids=forced))
     e.add_request(
-        "ign", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), forced_token_ids=forced
+        EngineRequest(
+            "ign", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), forced_token_ids=forced
+        )
     )
     res = run_to_completion(e)
     assert res["eos"]["tokens"] == forced[:3]

@@ -7,6 +7,7 @@ import torch
 from engine_testutil import random_prompt, run_to_completion
 
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 
 PAGE, CHUNK, NEW = 4, 8, 16
@@ -117,14 +118,14 @@ def test_requests_join_mid_decode(name, make_engine, hf_greedy):
     first = {f"a{n}": random_prompt(n, seed=100 + n) for n in (PAGE, 3 * CHUNK + 5)}
     later = {f"b{n}": random_prompt(n, seed=100 + n) for n in (1, CHUNK + 1)}
     for rid, p in first.items():
-        engine.add_request(rid, p, GREEDY)
+        engine.add_request(EngineRequest(rid, p, GREEDY))
     collected: dict[str, list[int]] = {}
     for _ in range(4):  # long prompt still prefilling, short one decoding
         for o in engine.step():
             collected.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert collected.get(f"a{PAGE}"), "short request should be decoding by now"
     for rid, p in later.items():
-        engine.add_request(rid, p, GREEDY)
+        engine.add_request(EngineRequest(rid, p, GREEDY))
     for rid, r in run_to_completion(engine).items():
         collected.setdefault(rid, []).extend(r["tokens"])
     for rid, p in {**first, **later}.items():
@@ -153,7 +154,7 @@ def test_forced_tokens_and_returned_logits_match_hf(make_engine, hf_model):
     engine = make_engine("qwen2")
     prompt, forced = random_prompt(CHUNK + 3, seed=5), random_prompt(10, seed=6)
     sp = SamplingParams(max_tokens=len(forced), temperature=0.7, seed=1, ignore_eos=True)
-    engine.add_request("f", prompt, sp, forced_token_ids=forced)
+    engine.add_request(EngineRequest("f", prompt, sp, forced_token_ids=forced))
     tokens, rows = [], []
     while engine.has_unfinished_requests():
         for o in engine.step(return_logits=True):

@@ -1,9 +1,9 @@
 """End-to-end quality of quantized (int8, fp8) KV pages on the disaggregated path, without gRPC.
 
-prefill-role LLMEngine (kv auto, float32 on CPU) --add_request(prefill_only)--> export_pages(kv_dtype) as
-ready_pages arrive --> encode_page --> protobuf bytes --> decode_page --> decode-role LLMEngine
-begin_import / import_page / finish_import --> teacher-forced continuation (forced_token_ids) with
-step(return_logits=True). The quantized run (decode pool int8 | fp8: imported pages *and* the KV of decoded
+prefill-role LLMEngine (kv auto, float32 on CPU) --add_request(prefill_only)--> export_batch(layout) as
+ready_pages arrive --> KVPageBatch (checksummed header + payload) --> protobuf bytes --> verify_header -->
+decode-role LLMEngine begin_import / import_batch / finish_import --> teacher-forced continuation
+(forced_token_ids) with step(return_logits=True). The quantized run (decode pool int8 | fp8: imported pages *and* the KV of decoded
 tokens are quantized) is compared with the same path unquantized (float32 pages, kv auto on both sides), which
 in turn must match a single monolithic engine.
 
@@ -31,8 +31,11 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kv.codec import KVLayoutSpec, decode_page, encode_page
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer.page_format import PageFormat
+from pdserve.kv.transfer.wire import BatchExpectation, make_header, verify_header
 from pdserve.v1 import kv_pb2
 
 PAGE_SIZE = 16
@@ -91,28 +94,36 @@ def prefill_engine(trained_model_dir) -> LLMEngine:
 
 
 def prefill_and_ship(pe: LLMEngine, cases: list[Case], layout: KVLayoutSpec, tag: str) -> dict[str, list[bytes]]:
-    """Chunked prefill-only run; pages exported as they become ready, encoded, serialized. rid -> messages."""
+    """Chunked prefill-only run; pages exported as they become ready, one serialized batch message per chunk.
+    rid -> messages."""
     wire: dict[str, list[bytes]] = {c.rid: [] for c in cases}
     for c in cases:
-        pe.add_request(tag + c.rid, c.prompt, greedy(1), prefill_only=True)
+        pe.add_request(EngineRequest(tag + c.rid, c.prompt, greedy(1), prefill_only=True))
     done = set()
     while pe.has_unfinished_requests():
         for o in pe.step():
             rid = o.request_id.removeprefix(tag)
             if o.ready_pages:
-                kw = dict(group_size=layout.group_size, asymmetric=layout.asymmetric) if layout.quantized else {}
-                for p in pe.export_pages(o.request_id, o.ready_pages, kv_dtype=layout.dtype, **kw):
-                    msg = encode_page(
-                        p, request_id=rid, seq_no=len(wire[rid]), layout=layout, fingerprint=pe.fingerprint
-                    )
-                    wire[rid].append(msg.SerializeToString())
+                ex = pe.export_batch(o.request_id, o.ready_pages, layout)
+                payload = ex.rows.numpy().tobytes()
+                header = make_header(
+                    request_id=rid,
+                    fingerprint=pe.fingerprint,
+                    layout=layout,
+                    first_seq_no=sum(len(kv_pb2.KVPageBatch.FromString(m).header.page_indexes) for m in wire[rid]),
+                    page_indexes=ex.page_indexes,
+                    num_tokens=ex.num_tokens,
+                    payload=payload,
+                )
+                wire[rid].append(kv_pb2.KVPageBatch(header=header, payload=payload).SerializeToString())
             if o.finished:
                 assert o.finish_reason == "prefill_done"
                 done.add(rid)
     assert done == {c.rid for c in cases}
     for c in cases:
         assert pe.release(tag + c.rid)
-        assert len(wire[c.rid]) == -(-len(c.prompt) // PAGE_SIZE)
+        shipped = [i for m in wire[c.rid] for i in kv_pb2.KVPageBatch.FromString(m).header.page_indexes]
+        assert shipped == list(range(-(-len(c.prompt) // PAGE_SIZE)))
     return wire
 
 
@@ -128,11 +139,11 @@ def import_and_decode(
             de.begin_import(c.rid, c.prompt, greedy(FORCED))
             de._seqs[c.rid].forced_token_ids = list(c.forced)
         for raw in wire[c.rid]:
-            msg = kv_pb2.KVPage.FromString(raw)
-            de.import_page(
-                c.rid,
-                decode_page(msg, expected_layout=layout, expected_fingerprint=fingerprint, expected_request_id=c.rid),
-            )
+            msg = kv_pb2.KVPageBatch.FromString(raw)
+            verify_header(msg.header, BatchExpectation(layout, fingerprint, c.rid), msg.payload)
+            n = len(msg.header.page_indexes)
+            rows = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8).view(n, PageFormat(layout).page_bytes)
+            de.import_batch(c.rid, list(msg.header.page_indexes), list(msg.header.num_tokens), rows, layout)
         de.finish_import(c.rid, c.forced[0])
     rows: dict[str, list[torch.Tensor]] = {c.rid: [] for c in cases}
     tokens: dict[str, list[int]] = {c.rid: [] for c in cases}
@@ -186,7 +197,7 @@ def baseline(trained_model_dir, prefill_engine, cases):
     )
     mono = engine(trained_model_dir, kv_dtype="auto")
     for c in cases:
-        mono.add_request(c.rid, c.prompt, greedy(FORCED), forced_token_ids=c.forced)
+        mono.add_request(EngineRequest(c.rid, c.prompt, greedy(FORCED), forced_token_ids=c.forced))
     rows: dict[str, list[torch.Tensor]] = {c.rid: [] for c in cases}
     while mono.has_unfinished_requests():
         for o in mono.step(return_logits=True):

@@ -4,6 +4,8 @@ fp32). Uses the real cache dir (PDSERVE_CACHE_DIR or ~/.cache/pdserve), so the 9
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import pdserve
@@ -26,7 +28,7 @@ def stack(smol_dir, tmp_path_factory):
         smol_dir,
         tmp_path_factory.mktemp("smol-stack"),
         kv_dtype="auto",
-        extra=["--dtype", "float32", "--torch-threads", "1"],
+        extra=["--dtype", "float32", "--torch-threads", "1", "--num-pages", "256"],  # 4096 tokens: plenty here
     )
     yield s
     s.stop()
@@ -44,6 +46,28 @@ def test_smol_answers_like_transformers(smol_dir, stack):
     assert out.usage.prompt_tokens == len(ids)
     assert out.token_ids == ref, (tok.decode(out.token_ids), tok.decode(ref))
     assert "Paris" in answer.text and answer.finish_reason == "stop"  # a real model, not noise
+
+
+def test_smol_answers_with_the_model_cards_sampling_by_default(smol_dir, stack):
+    """No sampling field in the request: the model card's temperature 0.2 / top_p 0.9 from the converted
+    directory's generation_config.json (seeded, so the draw is reproducible), still a real answer."""
+    cfg = json.loads((smol_dir / "generation_config.json").read_text())
+    assert {k: cfg[k] for k in demo.SMOL_SAMPLING} == demo.SMOL_SAMPLING
+    with pdserve.Client(stack.router, timeout=300) as c:
+        answers = [c.generate(messages=QUESTION, max_tokens=16, seed=s) for s in range(3)]
+    assert all("Paris" in a.text and a.finish_reason == "stop" for a in answers), [a.text for a in answers]
+
+
+def test_sampling_defaults_are_added_once_and_never_override(tmp_path):
+    demo.add_sampling_defaults(tmp_path, demo.SMOL_SAMPLING)  # no file yet
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == demo.SMOL_SAMPLING
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.5}))
+    demo.add_sampling_defaults(tmp_path, demo.SMOL_SAMPLING)  # the file sets its own: kept as it is
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": 2, "temperature": 0.5}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    demo.add_sampling_defaults(tmp_path, demo.SMOL_SAMPLING)  # converted before the defaults existed: added
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": 2, **demo.SMOL_SAMPLING}
+    assert [p.name for p in tmp_path.iterdir()] == ["generation_config.json"]  # no temporary file left
 
 
 def test_converted_directory_is_plain_hf(smol_dir):

@@ -3,71 +3,21 @@ router is a scripted gRPC Generation server (each prompt names the status it ans
 
 from __future__ import annotations
 
-import threading
-from concurrent import futures
-
-import grpc
 import openai
 import pytest
+from gateway_testutil import running_gateway, scripted_router
 
 from pdserve.cli.launch import start_service, wait_ready
-from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-class ScriptedRouter(generate_pb2_grpc.GenerationServicer):
-    """Answers `prompt` = a status code name with that status (RESOURCE_EXHAUSTED with a retry-after-ms trailer),
-    `prompt` = "ok" with a two-chunk completion; records the metadata of every call."""
-
-    def __init__(self):
-        self.metadata: list[dict[str, str]] = []
-        self.lock = threading.Lock()
-
-    def GenerateStream(self, request, context):
-        with self.lock:
-            self.metadata.append(dict(context.invocation_metadata()))
-        if request.prompt != "ok":
-            if request.prompt == "RESOURCE_EXHAUSTED":
-                context.set_trailing_metadata((("retry-after-ms", "2500"),))
-            context.abort(grpc.StatusCode[request.prompt], f"scripted {request.prompt}")
-        yield generate_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=[5], text="he")
-        yield generate_pb2.GenerateStreamResponse(
-            request_id=request.request_id,
-            token_ids=[6],
-            text="llo",
-            finish_reason=generate_pb2.FINISH_REASON_LENGTH,
-            usage=generate_pb2.Usage(prompt_tokens=1, completion_tokens=2),
-        )
-
-    def Generate(self, request, context):
-        chunks = list(self.GenerateStream(request, context))
-        return generate_pb2.GenerateResponse(
-            request_id=request.request_id,
-            token_ids=[5, 6],
-            text="hello",
-            finish_reason=chunks[-1].finish_reason,
-            usage=chunks[-1].usage,
-        )
-
-
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    servicer = ScriptedRouter()
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    proc, ready, log = start_service(
-        "gateway", ["--router", f"127.0.0.1:{port}", "--model-name", "m"], tmp_path_factory.mktemp("gw-scripted")
-    )
-    try:
-        address = wait_ready(proc, ready, log, timeout=60)
-        yield servicer, openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0, timeout=30)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        server.stop(0)
+    with scripted_router() as (servicer, router):
+        with running_gateway(router, tmp_path_factory.mktemp("gw-scripted")) as (host, port):
+            base = f"http://{host}:{port}/v1"
+            yield servicer, openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=30)
 
 
 @pytest.mark.parametrize(

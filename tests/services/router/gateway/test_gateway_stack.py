@@ -1,10 +1,17 @@
 """The gateway in front of the real stack (router + prefill + decode processes), driven by the `openai` client:
-completions and chat, streaming and not, equal to what the SDK gets for the same request."""
+completions and chat, streaming and not, equal to what the SDK gets for the same request; then a fuzz of the
+OpenAI request schemas (`openai_schemas`, Hypothesis, seeded) never gets a 500 nor leaves a traceback in the log.
+The tiny model's context is 128 tokens: it bounds every generation the fuzz asks for."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
+from gateway_testutil import exchange
+from hypothesis import HealthCheck, given, settings
+from openai_schemas import HEADERS, requests
 from services_testutil import tiny_stack
 
 import pdserve
@@ -12,11 +19,15 @@ from pdserve.models.checkpoints import build_checkpoint
 
 MODEL = "tiny-chat"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What does assert do?"}]
+CONTEXT = 128  # the checkpoint's max_position_embeddings
+FUZZ_EXAMPLES = 150
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("gw-llama") / "ckpt", arch="llama", seed=3)
+    return build_checkpoint(
+        tmp_path_factory.mktemp("gw-llama") / "ckpt", arch="llama", seed=3, max_position_embeddings=CONTEXT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +113,22 @@ def test_chat_stream_stop_and_seed(client):
 
 
 def test_router_errors_reach_the_client(client):
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    """Refused by the gateway (max_tokens 0) or by the router (its reasons): a 400 whose `param` is the field."""
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
-    with pytest.raises(openai.BadRequestError, match="role"):
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="role") as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="top_p"):
+    assert info.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="top_p") as info:
         client.chat.completions.create(model=MODEL, messages=CHAT, top_p=0, stream=True)
+    assert info.value.body["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError, match="token") as info:  # the router's vocabulary check
+        client.completions.create(model=MODEL, prompt=[5, 100_000])
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="context") as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * CONTEXT}])
+    assert info.value.body["param"] == "messages"
 
 
 def test_reflection_lists_and_resolves_the_api(stack):
@@ -130,3 +151,29 @@ def test_reflection_lists_and_resolves_the_api(stack):
         assert rpc.output_type.full_name == "pdserve.v1.GenerateStreamResponse"
     with channel(stack.router.internal) as ch:
         assert "pdserve.v1.Registry" in set(ProtoReflectionDescriptorDatabase(ch).get_services())
+
+
+@settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    derandomize=True,  # the same examples on every run
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(request=requests(MODEL), headers=HEADERS)
+def test_fuzz_never_answers_500(stack, request, headers):
+    path, body = request
+    host, port = stack.gateway.rsplit(":", 1)
+    status, answer = exchange((host, int(port)), path, body, headers)
+    assert status != 500, (path, body[:300], headers, answer[:500])
+    if status != 200:
+        error = json.loads(answer)["error"]  # every refusal is the OpenAI error object
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        assert status < 500 or status in (503, 504), (status, error)
+
+
+def test_after_the_fuzz_no_traceback_and_still_serving(stack, client):
+    out = client.completions.create(model=MODEL, prompt="The assert statement", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
+    log = next(p for p in stack.logs if p.name.startswith("gateway")).read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]

@@ -1,6 +1,7 @@
-"""Both transports driven in process, end to end from pool to pool: the batch gather/scatter equals the per-page
-export/import path, grpc ships verified batches and frees on ack, cuda-ipc (CPU shared-memory copier) reuses
-its staging regions only after acks, opens a peer buffer once, and the handshake picks (or refuses) right."""
+"""Both transports driven in process, end to end from pool to pool: the batch gather/scatter equals the prompt
+cache's per-page import of the same pages, grpc ships verified batches and frees on ack, cuda-ipc (CPU shared-memory
+copier) reuses its staging regions only after acks, opens a peer buffer once, and the handshake picks (or refuses)
+right."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.errors import CorruptPage
 from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.payload import PagePayload, quantize_payload
 from pdserve.kv.transfer import ExportedPages, ReceiverPages, SenderPages, TransferError
 from pdserve.kv.transfer.cuda_ipc import IpcBufferCache, IpcReceiver, IpcSender, IpcStaging, ShmCopier
 from pdserve.kv.transfer.grpc_transport import GrpcReceiver, GrpcSender
@@ -52,7 +54,8 @@ def test_batch_gather_scatter_equals_per_page_path(layout):
     batch, per_page = new_pool(), new_pool()
     batch.scatter_pages([0, 1, 2], *PageFormat(layout).unpack(rows), layout.group_size)
     for dst, (p, n) in enumerate(zip(pages, tokens)):
-        per_page.import_page(dst, src.export_page(p, dst, n, quantized, g, False, dt))
+        dense = PagePayload(dst, n, 0, src.data[:, :, p, :n].clone(), None, None)  # the page, exported by hand
+        per_page.import_page(dst, quantize_payload(dense, g, False, dt) if quantized else dense)
     for a, b, n in zip(batch.data.unbind(2), per_page.data.unbind(2), [4, 4, 3, 0, 0, 0, 0, 0]):
         assert torch.equal(a[:, :, :n].view(torch.uint8), b[:, :, :n].view(torch.uint8))
     if quantized:

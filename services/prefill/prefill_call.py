@@ -1,0 +1,240 @@
+"""One Prefill call from admission on: the engine thread's outputs become events in an outbox (`on_output`), and the
+stream writer turns them into the stream's messages (`messages`): a chunk's pages as soon as the chunk computed, the
+first token ahead of the last chunk's pages when decode asked for it, and PrefillDone last."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.trace import Span
+
+from pdserve.cache.prefix_policy import PrefixPlan
+from pdserve.engine.engine import StepOutput
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampling import TokenLogprob
+from pdserve.errors import DeadlineExceeded
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.transfer import ExportedPages, OutgoingTransfer
+from pdserve.kv.transfer.page_format import PageFormat
+from pdserve.server.proto_convert import logprob_to_proto, prompt_logprobs_to_proto
+from pdserve.telemetry.rates import WorkRate
+from pdserve.telemetry.service import RequestScope
+from pdserve.v1 import internal_pb2
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclass
+class FirstToken:
+    """Outbox: the prompt's last output; its token goes to decode ahead of the pages still to ship."""
+
+    out: StepOutput
+
+
+@dataclass
+class PromptDone:
+    """Outbox: the prompt's last output; every page of the prompt is in the outbox before it."""
+
+    out: StepOutput
+
+
+Event = ExportedPages | FirstToken | PromptDone | BaseException
+
+
+class PrefillCall:
+    """The state of one admitted request. `on_output` runs on the engine thread, everything else on the stream
+    writer's. `plan`: where the prompt's prefix comes from; `early_first`: stream the first token ahead; `rate`: the
+    instance's prefill rate, fed per chunk; `started`: time.perf_counter() at the RPC's start."""
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        request_id: str,
+        prompt: list[int],
+        layout: KVLayoutSpec,
+        tx: OutgoingTransfer,
+        plan: PrefixPlan,
+        scope: RequestScope,
+        early_first: bool,
+        rate: WorkRate,
+        started: float,
+    ) -> None:
+        self.loop, self.request_id, self.prompt, self.layout, self.tx = loop, request_id, prompt, layout, tx
+        self.plan, self.scope, self.early_first, self.rate = plan, scope, early_first, rate
+        self.started = started  # time.perf_counter() when the RPC began (PrefillDone.prefill_ms)
+        self.outbox: queue.Queue[Event] = queue.Queue()
+        self.computed_from: int | None = None  # engine thread: the first prompt token this request computed
+        self.prompt_logprobs: list[TokenLogprob] = []  # sampling.prompt_logprobs, chunk by chunk (engine thread)
+        self.first: StepOutput | None = None  # engine thread -> writer: the prompt's last output (early_first)
+        self.first_sent = False
+        self.shipped: list[ExportedPages] = []  # for the prompt cache's write-back, after PrefillDone
+        self.ship: Span | None = None  # prefill.kv_ship span: first page shipped -> PrefillDone
+        # The cached prefix ships as stored: the exact cached bytes (the pool may hold them at another precision).
+        # A host transport sends the host copies now, beside the compute. A device-to-device one sends the device
+        # copy the engine's import makes (one host pass in all), with the first chunk.
+        self.upload_pending = bool(plan.hit.pages) and tx.device_to_device
+        if plan.hit.pages and not self.upload_pending:
+            rows = PageFormat(layout).rows_from_payloads(plan.hit.pages)
+            self.outbox.put(ExportedPages(self._cached_indexes(), self._cached_tokens(), rows))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens this request did not compute (from the prompt cache or the pool's prefixes)."""
+        return max(0, self.computed_from or 0)
+
+    # ---- engine thread ---------------------------------------------------------------------------------
+    def on_output(self, out: StepOutput | BaseException) -> None:
+        """Each output of the request: export the pages its chunk finished, right after the chunk."""
+        if isinstance(out, BaseException):
+            self.outbox.put(out)
+            return
+        try:
+            if out.finish_reason == "abort":
+                self.outbox.put(RuntimeError("prefill aborted"))
+                return
+            self.prompt_logprobs.extend(out.prompt_logprobs)
+            if out.token_range:  # this step computed one chunk of the prompt
+                self._chunk_computed(out)
+            if out.finished and self.early_first:  # decode streams it while the pages below are on their way
+                self.first = out  # the writer takes it between an earlier chunk's messages too
+                self.outbox.put(FirstToken(out))
+            if out.ready_pages:  # one device gather per chunk; the writer ships it
+                self.outbox.put(self.loop.engine.export_batch(self.request_id, out.ready_pages, self.layout))
+            if out.finished:
+                self.outbox.put(PromptDone(out))
+        except Exception as e:
+            self.outbox.put(e)
+
+    def _chunk_computed(self, out: StepOutput) -> None:
+        token_range, start_ns = out.token_range, self.loop.step_started_ns  # its step's start (outputs follow it)
+        assert token_range is not None
+        if self.computed_from is None:
+            self.computed_from = token_range[0] or -1  # -1: computed from the start
+        self.rate.add_to_step(start_ns, token_range[1] - token_range[0], start_ns / 1e9, time.time_ns() / 1e9)
+        if self.scope.recording:
+            attrs = {"pdserve.chunk.start": token_range[0], "pdserve.chunk.end": token_range[1]}
+            self.scope.record("prefill.chunk", start_ns, attrs | {"pdserve.chunk.ready_pages": len(out.ready_pages)})
+        if self.upload_pending:  # the step that imported the prefix ran its first chunk
+            self.upload_pending = False
+            if token_range[0] > 0:  # else preempted before the import: recomputed, in ready_pages
+                self.outbox.put(self._cached_batch())
+
+    def _cached_batch(self) -> ExportedPages:
+        """After the prefix's import: the cached prefix as one batch, packed on the device from the engine's upload
+        (host rows if the import kept none: pages of mixed formats)."""
+        engine, fmt, pages = self.loop.engine, PageFormat(self.layout), self.plan.hit.pages
+        up = engine.take_cached_upload(self.request_id)
+        if up is None:
+            return ExportedPages(self._cached_indexes(), self._cached_tokens(), fmt.rows_from_payloads(pages))
+        rows = fmt.pack(up.data, up.scales, up.zeros)  # uint8 [N, page_bytes] on the device
+        return ExportedPages(self._cached_indexes(), self._cached_tokens(), rows, engine.runner.record_event())
+
+    def _cached_indexes(self) -> list[int]:
+        return list(range(self.plan.hit.num_pages))
+
+    def _cached_tokens(self) -> list[int]:
+        return [p.num_tokens for p in self.plan.hit.pages]
+
+    # ---- stream writer ---------------------------------------------------------------------------------
+    def messages(
+        self, deadline: float, ack_timeout: float, is_active: Callable[[], bool]
+    ) -> Generator[Any, None, internal_pb2.PrefillDone | None]:
+        """The stream's messages after the transport choice, up to (not including) PrefillDone, which it returns
+        (None: the caller went away). Raises DeadlineExceeded past `deadline` or the ack bound, the transfer's
+        errors, and RuntimeError("prefill failed: ...") for the engine's."""
+        while True:
+            event = self._next_event(deadline, ack_timeout, is_active)
+            if event is None:
+                return None
+            if isinstance(event, PromptDone):
+                return self._done(event.out)
+            if isinstance(event, FirstToken):
+                yield from self._first_token()  # unless it went out between an earlier chunk's batches
+                continue
+            if self.ship is None:
+                self.tx.connect()  # cuda-ipc: decode opened the buffer (or this request falls back to grpc)
+                attrs = {"pdserve.kv.dtype": self.layout.dtype, "pdserve.kv.transport": self.tx.transport}
+                self.ship = self.scope.child("prefill.kv_ship", attrs)
+            for msg in self.tx.send(event):  # an earlier chunk's batches: the first token overtakes the rest
+                yield msg
+                yield from self._first_token()
+            self.shipped.append(event)
+
+    def _next_event(
+        self, deadline: float, ack_timeout: float, is_active: Callable[[], bool]
+    ) -> ExportedPages | FirstToken | PromptDone | None:
+        while True:
+            try:
+                event = self.outbox.get(timeout=max(0.01, min(1.0, ack_timeout, deadline - time.monotonic())))
+            except queue.Empty:
+                event = None
+            self.tx.poll()  # decode stopped storing pages: give them back
+            if isinstance(event, BaseException):
+                raise RuntimeError(f"prefill failed: {event}")
+            if event is not None:
+                return event
+            if not is_active():
+                return None
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("prefill exceeded request_timeout_s")
+
+    def _first_token(self) -> Iterator[internal_pb2.PrefillServerMessage]:
+        """The early first token, if it is ready and not sent yet."""
+        if self.first is not None and not self.first_sent:
+            self.first_sent = True
+            ft = internal_pb2.PrefillFirstToken(token_id=self.first.new_token_ids[0], cached_tokens=self.cached_tokens)
+            if self.first.logprobs:
+                ft.logprob.CopyFrom(logprob_to_proto(self.first.logprobs[0]))
+            yield internal_pb2.PrefillServerMessage(first_token=ft)
+
+    def _done(self, out: StepOutput) -> internal_pb2.PrefillDone:
+        values, tops = prompt_logprobs_to_proto(self.prompt_logprobs)
+        done = internal_pb2.PrefillDone(
+            first_token_id=out.new_token_ids[0],
+            num_pages=self.tx.pages.num_shipped,
+            cached_tokens=self.cached_tokens,
+            prefill_ms=(time.perf_counter() - self.started) * 1e3,
+            prompt_logprobs=values,
+            prompt_top_logprobs=tops,
+        )
+        if out.logprobs:  # the first token's (sampling.logprobs / top_logprobs)
+            done.first_token_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+        return done
+
+    # ---- the end ---------------------------------------------------------------------------------------
+    def record_done(self, done: internal_pb2.PrefillDone) -> None:
+        """The spans of a finished prefill (before PrefillDone is sent)."""
+        pages = self.tx.pages
+        kv = {"pdserve.kv.pages": pages.num_shipped, "pdserve.kv.bytes": pages.bytes_shipped}
+        if self.ship is not None:
+            self.scope.end_child(self.ship, ok=True, attributes=kv)
+        self.scope.first_token()
+        self.scope.finish(
+            1,
+            "prefill_done",
+            {**kv, "pdserve.cached_tokens": done.cached_tokens, "pdserve.first_token_id": done.first_token_id},
+        )
+
+    def end_spans(self) -> None:
+        """The RPC ended: the ship span, if still open, ends with the RPC's status."""
+        if self.ship is not None:
+            self.scope.end_child(self.ship)
+
+    def log_done(self, done: internal_pb2.PrefillDone) -> None:
+        pages = self.tx.pages
+        log.info(
+            "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s ms=%.1f",
+            self.request_id,
+            len(self.prompt),
+            done.cached_tokens,
+            pages.num_shipped,
+            pages.bytes_shipped,
+            self.layout.dtype,
+            self.tx.transport,
+            done.prefill_ms,
+        )

@@ -1,0 +1,139 @@
+"""Where a prompt's prefix comes from on an engine that computes prompts (prefill, colocated), and what goes back to
+the prompt cache: the one place that decides lookup, reuse and write-back.
+
+    plan = policy.plan(ns, prompt, compute_all, tokens_per_s, pool_held)   before the request is queued
+    EngineRequest(..., cached_pages=plan.cached_pages, prefix_keys=plan.prefix_keys)
+    policy.write_back(ns, plan, first_page, batches, layout)               after its pages went out
+
+Order of preference for the prompt's full pages (the last prompt token is always computed: it samples the first
+token): the engine pool's own prefix pages (`--prefix-reuse`: no compute, no copy) when they reach at least as far
+as the prompt cache's copy; else the prompt cache's tiers (`PromptCache.lookup`: local tier, then the store when
+fetching beats computing); else compute. Prompt logprobs (every prompt token is scored) and a colocated resume
+(it recomputes) take nothing from either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.prompt_cache import CacheLookup, PromptCache
+from pdserve.cache.serving import pages_to_write, write_back
+from pdserve.cache.write_behind import WriteBehind
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.payload import PagePayload
+from pdserve.kv.transfer import ExportedPages
+
+
+@dataclass
+class PrefixPlan:
+    """One request's prefix decision."""
+
+    max_reuse: int  # full pages it may reuse at most: (prompt tokens - 1) // page_size
+    keys: list[bytes] = field(default_factory=list)  # its full pages' keys when the pool may reuse them, else []
+    hit: CacheLookup = field(default_factory=lambda: CacheLookup([], []))  # the cache's pages (none: pool serves)
+    pool_pages: int = 0  # the pool's prefix, when it beats the cache's copy (admission may find fewer)
+
+    @property
+    def cached_pages(self) -> list[PagePayload] | None:
+        """`EngineRequest.cached_pages`: the prefix from the prompt cache (None: nothing to import)."""
+        return self.hit.pages or None
+
+    @property
+    def prefix_keys(self) -> list[bytes] | None:
+        """`EngineRequest.prefix_keys`: start on the pool's pages of this prefix and register the computed ones."""
+        return self.keys or None
+
+    @property
+    def write_keys(self) -> list[bytes]:
+        """Keys of the prompt's full pages for the write-back ([]: nothing to write)."""
+        return self.hit.keys or self.keys  # hit.keys: none when the pool made the lookup moot
+
+    def new_pages(self) -> list[int]:
+        """Indexes of the full prompt pages neither cache tier supplied (what a write-back would store)."""
+        return list(range(self.hit.num_pages, len(self.write_keys)))
+
+    def attributes(self, cache_enabled: bool) -> dict[str, Any]:
+        """Span attributes of the lookup (`prefill.cache_lookup`)."""
+        hit = self.hit
+        return {
+            "pdserve.cache.enabled": cache_enabled,
+            "pdserve.cache.pages_hit": hit.num_pages,  # from the prompt cache's tiers
+            "pdserve.cache.pool_pages": self.pool_pages,  # the pool's own prefix (admission may find fewer)
+            "pdserve.cache.pages_miss": max(0, self.max_reuse - hit.num_pages - self.pool_pages),
+            "pdserve.cache.local_hits": hit.local_hits,
+            **(hit.decision.attributes() if hit.decision is not None else {}),
+        }
+
+
+class PrefixPolicy:
+    """`cache`: the prompt cache (None: off); `pool_reuse`: the engine keeps computed prompt pages as prefixes
+    (`--prefix-reuse`); `write_behind`: write-backs queued behind the engine's work (None: written at once)."""
+
+    def __init__(
+        self,
+        cache: PromptCache | None,
+        page_size: int,
+        pool_reuse: bool,
+        write_behind: WriteBehind | None = None,
+    ) -> None:
+        self.cache = cache
+        self.page_size = page_size
+        self.pool_reuse = pool_reuse
+        self.write_behind = write_behind
+
+    def plan(
+        self,
+        ns: CacheNamespace,
+        prompt: list[int],
+        compute_all: bool,
+        tokens_per_s: float | None,
+        pool_held: Callable[[list[bytes]], int] | None = None,
+    ) -> PrefixPlan:
+        """Decide before the request is queued. `compute_all`: every prompt token must be computed (prompt
+        logprobs; a colocated resume); `tokens_per_s`: the instance's measured prefill rate (whether fetching from
+        the store beats computing); `pool_held(keys)`: how many leading pages of `keys` the engine pool holds."""
+        plan = PrefixPlan((len(prompt) - 1) // self.page_size)
+        if compute_all:
+            return plan
+        plan.keys = ns.page_keys(prompt) if self.pool_reuse else []
+        in_pool = pool_held(plan.keys[: plan.max_reuse]) if plan.keys and pool_held is not None else 0
+        if not (in_pool and in_pool == plan.max_reuse) and self.cache is not None:  # the pool may serve it all
+            plan.hit = self.cache.lookup(ns, prompt, plan.max_reuse, tokens_per_s, plan.keys or None)
+        if in_pool and in_pool >= plan.hit.num_pages:  # the pool's pages beat a copy of the same prefix
+            plan.pool_pages = in_pool
+            plan.hit = CacheLookup(plan.hit.keys, [], 0, plan.hit.decision)
+        return plan
+
+    def write_back(
+        self,
+        ns: CacheNamespace,
+        plan: PrefixPlan,
+        first_page: int,
+        batches: list[ExportedPages],
+        layout: KVLayoutSpec,
+    ) -> None:
+        """Put the request's full pages from `first_page` on (those before came from the pool or the cache) into the
+        cache. Behind the engine (`write_behind`): queued, the batches' device rows held until it ran (counted
+        against its bytes) while their pinned host copies are let go now, so the next send reuses that pinned
+        memory instead of pinning more. Without: written now."""
+        cache, keys = self.cache, plan.write_keys
+        if cache is None or not keys:
+            return
+        if self.write_behind is None:
+            write_back(cache, ns, keys, first_page, batches, layout)
+            return
+        for b in batches:
+            if b.rows.device.type == "cuda":
+                b.host = None
+        pages, nbytes = pages_to_write(keys, first_page, batches)
+        if pages:
+            self.write_behind.submit(
+                lambda wait_idle: write_back(cache, ns, keys, first_page, batches, layout, wait_idle), pages, nbytes
+            )
+
+    def close(self) -> None:
+        if self.write_behind is not None:
+            self.write_behind.close()

@@ -1,0 +1,204 @@
+"""`pdserve up`: the whole stack on loopback: router, N prefill + M decode (or N colocated) instances, the HTTP
+gateway, as separate processes (`pdserve.cli.launch`).
+
+Its flags come in three groups: the stack's shape, ports and placement (defined here); the settings every service
+shares (`ServerOptions`: the flags of `pdserve serve`); and every engine setting of `pdserve serve
+prefill|decode|colocated` (`EngineServiceConfig`), handed as given to each engine instance, so that a setting not
+given keeps each service's own default (one place: the config dataclasses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.config import Setting, add_dataclass_args, config_from, given_flags, settings
+from pdserve.server.service_config import EngineServiceConfig, ServerOptions
+
+SHARED = ("log_level", "tls_cert", "tls_key", "tls_ca", "insecure")  # every service's, as `pdserve serve` has them
+OWN = ("model", "router")  # engine settings `up` decides: its --model (or the demo model), the static list
+
+
+def _engine_setting(s: Setting) -> bool:
+    """A setting `up` hands to each engine instance: the engine's (`engine.*`) and how its process runs it."""
+    return s.name not in OWN and s.name not in SHARED and (s.path[0] == "engine" or s.name == "torch_threads")
+
+
+def engine_settings() -> list[Setting]:
+    return [s for s in settings(EngineServiceConfig) if _engine_setting(s)]
+
+
+def up_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve up", description="Run router + N prefill + M decode on loopback.")
+    stack = p.add_argument_group("the stack")
+    stack.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_MODEL", ""),
+        help="HF model directory or Hugging Face Hub id org/name (default: the demo model SmolLM2-135M-Instruct, "
+        "fetched once)",
+    )
+    stack.add_argument(
+        "--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")), help="router port (0 = any free port)"
+    )
+    stack.add_argument("--host", default=ServerOptions.host, help="router and gateway interface")
+    stack.add_argument(
+        "--gateway-port",
+        type=int,
+        default=int(os.environ.get("PDSERVE_GATEWAY_PORT", "8000")),
+        help="OpenAI-compatible HTTP gateway port (0 = any free port, -1 = no gateway)",
+    )
+    stack.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
+    stack.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    stack.add_argument(
+        "--colocated",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="instead of prefill + decode: N colocated instances (default 1), each one engine that prefills in "
+        "chunks between decode steps (--chunk-size: the prefill tokens per step, the colocated default then)",
+    )
+    stack.add_argument(
+        "--gpus",
+        default=os.environ.get("PDSERVE_GPUS", ""),
+        help="GPU ids for the engine instances, e.g. 0,1 (default: every visible GPU; 'none': each engine's own "
+        "device choice); prefill and decode get separate GPUs where there are enough, round-robin within each; "
+        "--gpu-memory-utilization is then split evenly among the instances of a GPU",
+    )
+    stack.add_argument("--router-config", default="", help="router TOML config file (see docs/router.md)")
+    stack.add_argument("--auth-tokens-file", default="", help="public API bearer tokens (`token tenant` lines)")
+    stack.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each service may take to start")
+    add_dataclass_args(p.add_argument_group("every service"), ServerOptions, only=lambda s: s.name in SHARED)
+    engines = p.add_argument_group("engine instances (as `pdserve serve prefill|decode|colocated`)")
+    add_dataclass_args(engines, EngineServiceConfig, only=_engine_setting)
+    return p
+
+
+def cmd_up(argv: list[str]) -> int:
+    p = up_parser()
+    args = p.parse_args(argv)
+    if args.prefill < 1 or args.decode < 1 or args.colocated < 0:
+        p.error("--prefill and --decode must be >= 1 (--colocated >= 0)")
+    if args.colocated:  # one colocated instance per engine: the placement treats them as decode instances
+        args.prefill, args.decode = 0, args.colocated
+    if args.torch_threads is None:  # the cores shared among the engine processes
+        args.torch_threads = max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
+    engine = _engine_config(args)  # refuses bad engine settings before anything starts
+
+    from pdserve.cli.launch import parse_gpus, plan_placement, start_stack, visible_gpus
+
+    try:
+        gpus = parse_gpus(args.gpus, visible_gpus)
+        plan = plan_placement(args.prefill, args.decode, gpus, engine.gpu_memory_utilization)
+    except ValueError as e:
+        p.error(str(e))
+    for pl in plan:
+        if pl.gpu is not None:
+            role = "colocated" if args.colocated else pl.role
+            print(f"{role} {pl.index}: cuda:{pl.gpu}, {pl.memory_fraction:.0%} of its memory", flush=True)
+
+    model, model_name = args.model, ""
+    if not model:
+        from pdserve.models.demo import ensure_demo_model
+
+        model = str(ensure_demo_model(say=lambda line: print(line, flush=True)))
+        model_name = Path(model).name
+    else:  # a model directory, or a hub id fetched into the HF cache (pdserve.models.hub)
+        from pdserve.models.hub import ModelNotFound, resolve_model
+
+        try:
+            resolved = resolve_model(model, say=lambda line: print(line, flush=True))
+        except ModelNotFound as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        model, model_name = str(resolved.path), resolved.name
+
+    shared = {name: given_flags(args, [s for s in settings(ServerOptions) if s.name == name]) for name in SHARED}
+    tls = [*shared["tls_cert"], *shared["tls_key"], *shared["tls_ca"]]
+    auth = ["--auth-tokens-file", args.auth_tokens_file] if args.auth_tokens_file else []
+    if not (args.tls_cert or os.environ.get("PDSERVE_TLS_CERT")):
+        print(
+            "pdserve up: PLAINTEXT (no TLS): fine on loopback only. Internal ports accept only this stack's random "
+            "internal token; --tls-cert/--tls-key/--tls-ca for TLS and mTLS (docs/security.md)",
+            flush=True,
+        )
+    if not auth:
+        print('pdserve up: public API auth off (no --auth-tokens-file): every caller is tenant "default"', flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    stack = None
+    try:
+        stack = start_stack(
+            model,
+            Path(tempfile.mkdtemp(prefix="pdserve-up-")),
+            extra=[*given_flags(args, engine_settings()), *shared["log_level"], *tls],
+            router_port=args.port,
+            router_host=args.host,
+            to_terminal=True,
+            timeout=args.ready_timeout,
+            num_prefill=args.prefill,
+            num_decode=args.decode,
+            router_extra=[
+                *(["--config", args.router_config] if args.router_config else []),
+                *shared["log_level"],
+                *tls,
+                *auth,
+                *shared["insecure"],
+            ],
+            gateway_extra=[*shared["log_level"], *shared["tls_ca"], *shared["insecure"]],
+            persist_estimator=True,
+            gateway_port=None if args.gateway_port < 0 else args.gateway_port,
+            model_name=model_name,
+            gpus=gpus,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            num_colocated=args.colocated,
+        )
+        engines = (
+            f"colocated {', '.join(stack.colocated)}"
+            if args.colocated
+            else f"prefill {', '.join(stack.prefill)}, decode {', '.join(stack.decode)}"
+        )
+        internal = getattr(stack.router, "internal", stack.router)
+        print(
+            f"pdserve is up: router at {stack.router}  (internal {internal}; {engines}, kv {engine.kv_dtype})",
+            flush=True,
+        )
+        if stack.gateway:
+            print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {model_name!r})", flush=True)
+        print(f'try:  pdserve generate --target {stack.router} "hello"', flush=True)
+        print(f"      pdserve chat --target {stack.router}", flush=True)
+        while all(proc.poll() is None for proc in stack.procs):
+            time.sleep(0.5)
+        print("error: a service exited; stopping the stack", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
+def _engine_config(args: argparse.Namespace):
+    """The EngineConfig the engine instances will run (the decode / colocated one: the same settings), built as
+    they build it (flags given here, then their environment, then their defaults); SystemExit when it is bad."""
+    from pdserve.decode import colocated_config, config
+
+    cls, prefix = (
+        (colocated_config.ColocatedConfig, colocated_config.ENV_PREFIX)
+        if args.colocated
+        else (config.DecodeConfig, config.ENV_PREFIX)
+    )
+    given = {s.name: getattr(args, s.name) for s in engine_settings()}
+    return config_from(cls, argparse.Namespace(model=args.model or "(the demo model)", **given), prefix).engine
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,113 @@
+"""`Fp8Linear`: a linear layer over e4m3 weights with float32 scales, run on Hopper tensor cores.
+
+- per-channel weights (online FP8, compressed-tensors): activations quantized per token (or with the checkpoint's
+  static scale), then `torch._scaled_mm` with rowwise scales: scale_a [M, 1] and scale_b [1, N] float32, the
+  weight stored [N, K] row-major, which is the column-major [K, N] operand `_scaled_mm` wants (`weight.t()`);
+  decode-sized batches (<= `triton_max_rows` tokens) take the Triton GEMM's per-channel variant instead.
+- block-scaled weights (DeepSeek / Qwen3 `-FP8`): activations quantized per token per 128 columns, then the Triton
+  block GEMM (`fp8_block_gemm`).
+Every op is a device launch without host syncs: the layer runs inside the decode CUDA graphs.
+
+The engine builds this module on CUDA only; on CPU it dequantizes FP8 weights once at load (model.py). `forward`
+on a CPU tensor runs `reference`: the same quantized math in float32, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.quant.fp8_checkpoint import Fp8Scheme
+from pdserve.engine.quant.fp8_quant import (
+    FP8,
+    dequantize_weight,
+    quantize_activations,
+    quantize_activations_static,
+    quantize_activations_torch,
+)
+
+# decode batches: at M = 1 cuBLAS's FP8 path was measured reading its weights at 1.5-2.2 TB/s on an H200 (bf16:
+# 2.9 TB/s); bench/fp8_weights.py measures both sides of this threshold
+TRITON_MAX_ROWS = 16
+
+
+class Fp8Linear(nn.Module):
+    weight: torch.Tensor  # [N, K] e4m3
+    weight_scale: torch.Tensor  # float32 [N] (per channel) or [ceil(N/bn), ceil(K/bk)] (per block)
+    input_scale: torch.Tensor | None  # float32 [] (static activations)
+    bias: torch.Tensor | None  # [N]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Fp8Scheme, scale_rows: int = 0):
+        """`scale_rows` (block scheme): rows one weight scale covers, when not the scheme's block rows (1: a fused
+        projection whose parts do not fill whole blocks keeps one scale per row per 128 columns)."""
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.block: tuple[int, int] | None = None
+        if scheme.weights == "block":
+            assert scheme.block_size is not None
+            self.block = (scale_rows or scheme.block_size[0], scheme.block_size[1])
+        self.static_input = scheme.activations == "static"
+        self.triton = True  # CUDA: activations quantized by the Triton kernel (False: torch ops; block needs it)
+        # per-channel weights, CUDA: up to this many tokens through the Triton GEMM (`channel_gemm`), more
+        # through torch._scaled_mm; 0: always _scaled_mm
+        self.triton_max_rows = TRITON_MAX_ROWS
+        n, k = out_features, in_features
+        self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
+        scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
+        self.register_buffer("weight_scale", torch.empty(scale_shape, dtype=torch.float32))
+        self.register_buffer("input_scale", torch.empty((), dtype=torch.float32) if self.static_input else None)
+        self.register_buffer("bias", torch.empty(n) if bias else None)
+
+    def extra_repr(self) -> str:
+        w = f"block={self.block}" if self.block else "per-channel"
+        return f"in={self.in_features}, out={self.out_features}, {w}, static_input={self.static_input}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x.dtype."""
+        if not x.is_cuda:
+            return self.reference(x)
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        if self.block is not None:
+            from pdserve.engine.quant.fp8_block_gemm import block_gemm
+
+            xq, xs = quantize_activations(x, self.block[1])  # [T, K] e4m3, [T, K/128] (Triton)
+            out = block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, scale_rows=self.block[0])
+        else:
+            if self.input_scale is not None:
+                xq = quantize_activations_static(x, self.input_scale)
+                xs = self.input_scale.expand(x.shape[0], 1).contiguous()  # [T, 1]: _scaled_mm wants rowwise pairs
+            else:
+                quant = quantize_activations if self.triton else quantize_activations_torch
+                xq, xs = quant(x, None)  # [T, K] e4m3, [T, 1]
+            if self.triton and x.shape[0] <= self.triton_max_rows:
+                from pdserve.engine.quant.fp8_block_gemm import channel_gemm
+
+                out = channel_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16)
+            else:
+                out = torch._scaled_mm(
+                    xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.view(1, -1), out_dtype=torch.bfloat16
+                )
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(x.dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] weight in `dtype` (what the CPU path runs)."""
+        return dequantize_weight(self.weight, self.weight_scale, self.block, dtype)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The GPU path's math in float32 torch ops: activations quantized as there, both operands dequantized,
+        one float32 matmul. x [T, K] -> [T, N] in x.dtype."""
+        if self.block is not None:
+            xq, xs = quantize_activations_torch(x, self.block[1])
+            xd = xq.float() * xs.repeat_interleave(self.block[1], 1)[:, : x.shape[1]]
+        elif self.input_scale is not None:
+            xd = quantize_activations_static(x, self.input_scale).float() * self.input_scale
+        else:
+            xq, xs = quantize_activations_torch(x, None)
+            xd = xq.float() * xs
+        out = xd @ self.dequantized_weight(torch.float32).t()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
