@@ -255,7 +255,6 @@ def kernel_section(table: Table, copy_bw: float) -> dict:
               f"{bq / copy_bw:.0%} / {bd / copy_bw:.0%} of copy")  # fmt: skip
     del x, q, s
     free_memory()
-
     return out
 
 

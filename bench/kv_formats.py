@@ -39,6 +39,7 @@ from benchutil import Table, log, merge_json, provenance
 
 PS, KVH, D, HQ = 16, 8, 128, 32
 SHAPES = [(128, 2048), (64, 2048), (128, 8192), (64, 8192)]
+MODELS = {"tiny": "tiny llama trained on the shipped corpus", "smol": "SmolLM2-135M-Instruct (GGUF Q4_1 -> fp32)"}
 # quality rows: format name -> EngineConfig fields ("bf16": a dense bf16 pool under the fp32 model, see `engine`)
 FORMATS: dict[str, dict] = {
     "fp32": dict(kv_dtype="auto"),
@@ -282,7 +283,7 @@ def quality(args) -> None:
             {f"top1_agree_{k}": short[f].top1_agree for k, f in (("int8", "int8-g64"), ("fp8", "fp8")) if f in short}
         )
         prov = provenance(args.commit, args.device)
-        merge_json(path, {**keys, "model": main_model, **{f"quality_{k}": v for k, v in prov.items()},
+        merge_json(path, {**keys, "model": MODELS[main_model], **{f"quality_{k}": v for k, v in prov.items()},
                           "quality_rows": [r for r in old if (r["model"], r["set"], r["format"]) not in new]
                           + [asdict(r) for r in rows]})  # fmt: skip
 

@@ -57,8 +57,8 @@ def decision_overhead(model: Path, n: int = 5000, n_inst: int = 8) -> dict[str, 
     for policy in POLICIES:
         cfg = RouterConfig(model=str(model), policy=policy, estimator_store="memory")
         sv = RouterServicer(cfg, tok, max_model_len=8192, vocab_size=512)
-        for k in range(n_inst):
-            sv.scheduler.add(PREFILL, f"10.0.0.{k}:1")
+        for k in range(n_inst):  # prefill rates high enough that admission never refuses: only the decision counts
+            sv.scheduler.observe_page_size(sv.scheduler.add(PREFILL, f"10.0.0.{k}:1"), 16, prefill_tokens_per_s=1e6)
             d = sv.scheduler.add(DECODE, f"10.0.1.{k}:1")
             sv.scheduler.update_stats(d, pages_free=8000, pages_total=8192, active=4)
         held, plan_us, sched_us = [], [], []
@@ -132,7 +132,8 @@ def end_to_end(model: Path, work_dir: Path, args) -> dict[str, dict]:
             f for a in stack.decode for f in ("--decode", a)
         ]
         for name in names[1:]:
-            r = start_service("router", ["--model", str(model), *static, *base, *VARIANTS[name]], work_dir / "stack")
+            rargs = ["--model", str(model), *static, *base, *VARIANTS[name]]
+            r = start_service("router", rargs, work_dir / "stack", env={"PDSERVE_INTERNAL_TOKEN": stack.internal_token})
             stack.procs.append(r[0])
             stack.logs.append(r[2])
             routers[name] = wait_ready(*r)

@@ -2,8 +2,8 @@
 
 Precedence: CLI flag > environment variable (`PDSERVE_<SERVICE>_<SETTING>`, e.g. PDSERVE_ROUTER_PORT) > TOML file >
 field default. Setting names map to flags with dashes (`kv_dtype` → `--kv-dtype`). List fields take
-comma-separated values in the environment and repeated or comma-separated flags on the CLI; a boolean flag given
-alone means true (`--insecure` = `--insecure true`).
+comma-separated values in the environment and repeated or comma-separated flags on the CLI; a boolean setting is a
+switch: `--insecure` / `--no-insecure` (`--insecure true|false` works too).
 
 A field made with `nested(SubConfig, ...)` holds a dataclass of its own (e.g. a service's `engine: EngineConfig`):
 its fields are settings of the outer config under their own names (`--page-size`, `PDSERVE_DECODE_PAGE_SIZE`, not
@@ -134,20 +134,55 @@ def _is_list(s: Setting) -> bool:
     return typing.get_origin(s.type) in (list, tuple)
 
 
+class Switch(argparse.Action):
+    """A yes/no flag `--x [true|false]`: alone it means true; a value is read as the environment reads one
+    (1/0, yes/no, on/off too). Its `--no-x` twin (a store_const) means false."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs="?", metavar="true|false", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            setattr(namespace, self.dest, "true" if values is None else str(_parse_value(bool, str(values))).lower())
+        except ValueError as e:
+            parser.error(f"{option_string}: {e}")
+
+
+def shown_default(s: Setting) -> str:
+    """A setting's default as help texts show it."""
+    if s.default is dataclasses.MISSING:
+        return "required"
+    if s.type is bool:
+        return "on" if s.default else "off"
+    if isinstance(s.default, (list, tuple)):
+        return ",".join(map(str, s.default)) or "none"
+    return repr(s.default) if s.default == "" else str(s.default)
+
+
 def add_dataclass_args(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
     only: Callable[[Setting], bool] | None = None,
+    env_prefix: str | None = None,
 ) -> None:
-    """Add one `--flag` per setting of `cls` (those `only` accepts); help text comes from field metadata['help'].
-    Every flag defaults to None (not given), so that the environment, the file and the defaults fill the rest."""
+    """Add one `--flag` per setting of `cls` (those `only` accepts); help text comes from field metadata['help'],
+    followed by the default and the environment variable (`env_prefix` + NAME; a `<SERVICE>` placeholder in it is
+    shown as is). A boolean setting is a switch: `--x [true|false]` (`Switch`) and `--no-x`. Every flag defaults
+    to None (not given), so that the environment, the file and the defaults fill the rest."""
     for s in settings(cls):
         if only is not None and not only(s):
             continue
-        extra: dict[str, Any] = {"action": "append"} if _is_list(s) else {}
+        where = f"; ${s.env(env_prefix)}" if env_prefix else ""
+        help_text = f"{s.help} (default: {shown_default(s)}{where})".replace("%", "%%")
         if s.type is bool:
-            extra = {"nargs": "?", "const": "true"}
-        parser.add_argument(s.flag, dest=s.name, default=None, help=s.help, metavar=s.name.upper(), **extra)
+            parser.add_argument(s.flag, dest=s.name, default=None, help=help_text, action=Switch)
+            no = "--no-" + s.flag[2:]
+            parser.add_argument(
+                no, dest=s.name, default=None, action="store_const", const="false", help="= " + s.flag + " false"
+            )
+            continue
+        extra: dict[str, Any] = {"action": "append"} if _is_list(s) else {}
+        parser.add_argument(s.flag, dest=s.name, default=None, help=help_text, metavar=s.name.upper(), **extra)
 
 
 def given_flags(args: argparse.Namespace, chosen: list[Setting]) -> list[str]:

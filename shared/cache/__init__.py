@@ -1,6 +1,7 @@
 """Prompt cache: KV pages of prompt prefixes, shared by every instance through Redis (or in-process).
 
-keys.py (chained page keys + namespace), value.py (one value per page: a KVPage message), store.py /
+keys.py (chained page keys + namespace), value.py (one value per page: header, CRC32C, raw page bytes),
+value_auth.py (the cache secret: MACed values, keyed store key names, rotation), store.py /
 redis_store.py (byte stores), local_tier.py (in-memory LRU in front of Redis), writer.py (async write-back),
 breaker.py (circuit breaker), stats.py (counters), prompt_cache.py (PromptCache, build_prompt_cache), config.py
 (CacheOptions), serving.py (lookup and write-back around one request on a prefill or colocated instance); the

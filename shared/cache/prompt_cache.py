@@ -29,6 +29,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from pdserve.server.tls import is_loopback
 from pdserve.telemetry.rates import WorkRate
 
 log = logging.getLogger("pdserve.cache")
+PARALLEL_VERIFY_BYTES = 4 * MiB  # a batch of stored values at least this large is MAC-checked on several threads
 
 
 @dataclass
@@ -103,6 +105,7 @@ class PromptCache:
         self.key_prefix = key_prefix
         self.stats = CacheStats()
         self._writer: WriteBack[_Write | _Touch] = WriteBack(self._write_batch, write_queue)
+        self._verify_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="cache-verify")
         self.fetch_rate = WorkRate()  # store value bytes per second of fetching (remote stores)
         self.page_value_bytes = 0.0  # stored size of a page, from the last fetch (0: none yet)
 
@@ -127,16 +130,33 @@ class PromptCache:
         the digest under the current cache secret (the digest already pins `ns`)."""
         return self.keyring.current.name(self.key_prefix, digest)
 
+    def _verify(self, batch: list[bytes], stored: list[bytes | None]) -> list[memoryview | bool | None]:
+        """MAC check of `stored` (the values of each digest of `batch` under each accepted key, current first):
+        per slot None (absent), False (fails its MAC) or the value. Large batches are checked on the verify
+        threads (hashlib releases the GIL), so a long cached prefix costs its hashing time / cores."""
+        n = len(self.keyring.keys)
+        jobs = [(i, v) for i, v in enumerate(stored) if v is not None]
+
+        def check(job: tuple[int, bytes]) -> memoryview | bool:
+            i, v = job
+            value = self.keyring.keys[i % n].verify(batch[i // n], v)
+            return False if value is None else value
+
+        big = len(jobs) > 1 and sum(len(v) for _, v in jobs) >= PARALLEL_VERIFY_BYTES
+        out: list[memoryview | bool | None] = [None] * len(stored)
+        for (i, _), result in zip(jobs, self._verify_pool.map(check, jobs) if big else map(check, jobs)):
+            out[i] = result
+        return out
+
     def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list) -> tuple:
-        """The page of the first of `found` (the stored values of `digest` under each accepted key, current first;
-        None: absent) that verifies and parses, as (page, its value, key index, bad) or (None, None, -1, bad);
-        `bad`: [MAC failures, corrupt values] met on the way."""
+        """The page of the first of `found` (`_verify`'s slots of `digest`, one per accepted key, current first)
+        that verified and parses, as (page, its value, key index, bad) or (None, None, -1, bad); `bad`: [MAC
+        failures, corrupt values] met on the way."""
         bad = [0, 0]
-        for i, (key, stored) in enumerate(zip(self.keyring.keys, found)):
-            if stored is None:
-                continue
-            value = key.verify(digest, stored)
+        for i, value in enumerate(found):
             if value is None:
+                continue
+            if value is False:
                 bad[0] += 1
                 log.warning("prompt cache: value of page %d fails its MAC (treated as a miss)", page_index)
                 continue
@@ -193,19 +213,20 @@ class PromptCache:
             try:
                 names = [n for k in batch for n in self.keyring.names(self.key_prefix, k)]
                 values = self.store.get_many(names, self.ttl_ms)
-                found = [len(v) for v in values if v is not None]
-                if found:
-                    self.fetch_rate.add(sum(found), time.perf_counter() - t0)
-                    self.page_value_bytes = sum(found) / len(found)
             except StoreError as e:
                 self.breaker.failure()
                 errors += 1
                 log.warning("prompt cache lookup failed (treated as a miss): %s", e)
                 break
             self.breaker.success()
+            verified = self._verify(batch, values)
+            found = [len(v) for v in values if v is not None]
+            if found:  # what fetching costs: the round trip and the MAC check
+                self.fetch_rate.add(sum(found), time.perf_counter() - t0)
+                self.page_value_bytes = sum(found) / len(found)
             stop = False
             for j, k in enumerate(batch):
-                p, value, key_index, bad = self._open(ns, k, len(pages), values[j * n_keys : (j + 1) * n_keys])
+                p, value, key_index, bad = self._open(ns, k, len(pages), verified[j * n_keys : (j + 1) * n_keys])
                 mac_failures, corrupt = mac_failures + bad[0], corrupt + bad[1]
                 if p is None:
                     stop = True
@@ -306,6 +327,7 @@ class PromptCache:
 
     def close(self, timeout: float = 5.0) -> None:
         self._writer.close(timeout)
+        self._verify_pool.shutdown(wait=False)
         self.store.close()
 
 

@@ -136,7 +136,7 @@ def _payload_views(blocks: memoryview, lay: KVLayoutSpec, page_index: int) -> Pa
     return PagePayload(page_index, lay.page_size, 0, data, scales, zeros, lay.group_size)
 
 
-def decode_value(buf: bytes, ns: CacheNamespace, chain: bytes, page_index: int) -> PagePayload:
+def decode_value(buf: bytes | memoryview, ns: CacheNamespace, chain: bytes, page_index: int) -> PagePayload:
     """Verify and parse a value expected to hold page `page_index` under key digest `chain` in `ns`.
     Returns a PagePayload of read-only CPU views of `buf`; raises CorruptPage on any damage or mismatch."""
     lay = ns.layout

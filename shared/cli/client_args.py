@@ -18,7 +18,12 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("PDSERVE_TLS_CA"),
         help="PEM CA that signed the router's certificate: TLS to the router (default: $PDSERVE_TLS_CA)",
     )
-    p.add_argument("--tls", action="store_true", help="TLS to the router, verified against the system roots")
+    p.add_argument(
+        "--tls",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="TLS to the router, verified against the system roots (default: off)",
+    )
 
 
 def client_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,19 +21,22 @@ GPU_MEMORY_UTILIZATION: float = EngineConfig.gpu_memory_utilization  # what one 
 
 class Address(str):
     """A service's host:port as its ready file gives it; `.internal`: the router's internal (Registry) port, which
-    engines' `--router` and Registry calls use (the address itself for other services)."""
+    engines' `--router` and Registry calls use (the address itself for other services); `.metrics`: its Prometheus
+    /metrics host:port ("" when off or not told)."""
 
     internal: str
+    metrics: str
 
-    def __new__(cls, address: str, internal: str = "") -> Address:
+    def __new__(cls, address: str, internal: str = "", metrics: str = "") -> Address:
         self = super().__new__(cls, address)
         self.internal = internal or address
+        self.metrics = metrics
         return self
 
 
 @dataclass
 class Stack:
-    router: str
+    router: str  # an Address when started by start_stack (.internal, .metrics), as are the instances' addresses
     prefill: list[str]
     decode: list[str]
     procs: list[subprocess.Popen] = field(default_factory=list)
@@ -42,15 +45,24 @@ class Stack:
     internal_token: str = ""  # the stack's internal token (its processes got it as $PDSERVE_INTERNAL_TOKEN)
     colocated: list[str] = field(default_factory=list)  # colocated instances (instead of prefill + decode)
 
-    def stop(self) -> None:
+    def signal_all(self) -> None:
+        """SIGTERM to every live process: the first makes a service drain (pdserve.server.shutdown), a second one
+        ends it at once."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Drain and end every process: SIGTERM, then up to `timeout` seconds in all for them to exit (a service
+        lets its in-flight requests finish within its --drain-grace-s), then SIGKILL."""
+        self.signal_all()
+        deadline = time.monotonic() + timeout
         for p in self.procs:
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
 
     def log_text(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in self.logs if p.exists())
@@ -137,6 +149,10 @@ def start_service(
         stdout=out,
         stderr=None if to_terminal else subprocess.STDOUT,
         env={**os.environ, **(env or {})},
+        # its own session: a terminal's Ctrl-C (SIGINT to the whole foreground process group) reaches only the
+        # launcher, which stops the services one signal each (Stack.stop); with the terminal's SIGINT too, every
+        # service would see two signals and exit without draining
+        start_new_session=True,
     )
     return proc, ready, log
 
@@ -152,7 +168,7 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout: float = 
             raise RuntimeError(f"{ready.stem} not ready after {timeout:.0f}s\n{tail()}")
         time.sleep(0.05)
     info = json.loads(ready.read_text())
-    return Address(info["address"], info.get("internal_address", ""))
+    return Address(info["address"], info.get("internal_address", ""), info.get("metrics", ""))
 
 
 def start_stack(
@@ -177,6 +193,7 @@ def start_stack(
     num_colocated: int = 0,
     gateway_extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    metrics_port: int = 0,
 ) -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
     `kv_dtype`, `page_size`, `chunk_size`: engine flags, None = each service's default;
@@ -189,7 +206,8 @@ def start_stack(
     Security: every process gets `env` and the stack's internal token ($PDSERVE_INTERNAL_TOKEN: the caller's
     environment's, else a new random one) and one prompt-cache secret its prefill / colocated instances share
     ($PDSERVE_CACHE_SECRET_FILE: the caller's, else a new one in workdir/cache_secret, mode 0400); TLS / auth flags
-    go in `extra`, `router_extra`, `gateway_extra`."""
+    go in `extra`, `router_extra`, `gateway_extra`. `metrics_port` > 0: the services' /metrics ports count up from
+    it (router, then the engine instances in order); 0: each picks a free port, -1: off."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = dict(env or {})
     token = env.get("PDSERVE_INTERNAL_TOKEN") or os.environ.get("PDSERVE_INTERNAL_TOKEN") or new_token()
@@ -203,11 +221,16 @@ def start_stack(
     if num_colocated:  # placed like decode instances: one per GPU, round-robin
         num_prefill, num_decode = 0, num_colocated
     plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization)
+    metrics = lambda k: ["--metrics-port", str(metrics_port + k if metrics_port > 0 else metrics_port)]  # noqa: E731
     started = [
         start_service(
-            "colocated" if num_colocated else p.role, [*common, *p.args()], workdir, env=env, to_terminal=to_terminal
+            "colocated" if num_colocated else p.role,
+            [*common, *p.args(), *metrics(1 + k)],
+            workdir,
+            env=env,
+            to_terminal=to_terminal,
         )
-        for p in plan
+        for k, p in enumerate(plan)
     ]
     procs = [s[0] for s in started]
     logs = [s[2] for s in started]
@@ -215,7 +238,8 @@ def start_stack(
         addrs: list[str] = [wait_ready(*s, timeout=timeout) for s in started]
         pre, dec = addrs[:num_prefill], addrs[num_prefill:]
         store = [] if persist_estimator else ["--estimator-store", str(workdir / "router-estimator.json")]
-        rargs = ["--model", str(model), "--host", router_host, "--port", str(router_port), *store, *router_extra]
+        rargs = ["--model", str(model), "--host", router_host, "--port", str(router_port), *store, *metrics(0)]
+        rargs += router_extra
         for a in pre:
             rargs += ["--prefill", a]
         for a in dec:

@@ -85,7 +85,7 @@ def cmd_serve(name: str, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog=f"pdserve serve {name}", description=f"Run one {name} instance (flags override {prefix}* env vars)."
     )
-    add_dataclass_args(parser, cls)
+    add_dataclass_args(parser, cls, env_prefix=prefix)
     cfg: Any = config_from(cls, parser.parse_args(argv), prefix)
     from pdserve.server.runner import setup_logging
 
@@ -109,8 +109,8 @@ def cmd_health(argv: list[str]) -> int:
         default=os.environ.get("PDSERVE_HEALTH_TARGET", DEFAULT_TARGET),
         help="HOST:PORT (default: $PDSERVE_HEALTH_TARGET, else %(default)s)",
     )
-    p.add_argument("--service", default="", help="health service name ('' = the whole server)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.add_argument("--service", default="", help="health service name (default: '', the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds (default: %(default)s)")
     p.add_argument("--tls-ca", default="", help="PEM CA to verify the service with (default: $PDSERVE_TLS_CA)")
     p.add_argument("--tls-cert", default="", help="client certificate (mTLS ports; default: $PDSERVE_TLS_CERT)")
     p.add_argument("--tls-key", default="", help="key of --tls-cert (default: $PDSERVE_TLS_KEY)")
@@ -138,16 +138,16 @@ def cmd_health(argv: list[str]) -> int:
 # ---- generate -------------------------------------------------------------------------------------------------
 def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve generate", description="Stream a completion to the terminal.")
-    p.add_argument("prompt")
-    p.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET))
+    p.add_argument("prompt", help="the prompt text (a plain completion; `pdserve chat` for the chat template)")
+    add_target_arg(p)
     p.add_argument("--max-tokens", type=int, default=None, help="default: the API's, 16 for a prompt")
     model_default = "default: the model's generation_config.json, else temperature 1.0, top_p 1.0, top_k off"
     p.add_argument("--temperature", type=float, default=None, help=model_default)
     p.add_argument("--top-p", type=float, default=None, help=model_default)
     p.add_argument("--top-k", type=int, default=None, help=model_default)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None)
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh draw)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole call (default: %(default)s)")
     add_client_args(p)  # --token, --tls-ca, --tls
     args = p.parse_args(argv)
     import grpc
@@ -181,26 +181,60 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def add_target_arg(p: argparse.ArgumentParser) -> None:
+    """`--target`: the router every client command talks to ($PDSERVE_TARGET)."""
+    p.add_argument(
+        "--target",
+        default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET),
+        help=f"router HOST:PORT (default: $PDSERVE_TARGET, else {DEFAULT_TARGET})",
+    )
+
+
+def version() -> str:
+    """The installed package's version (the source tree's pyproject when not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pdserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+COMMANDS = ("up", "serve", "generate", "health", "chat", "bench")
+SERVICES = ("router", "prefill", "decode", "colocated", "gateway")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = (
-        "usage: pdserve up [--model DIR] [--port N] [--prefill N] [--decode M] [--kv-dtype int8|fp8|auto] ...\n"
+        "usage: pdserve up [--model DIR|ORG/NAME] [--port N] [--prefill N] [--decode M] [--kv-cache-memory SIZE] ...\n"
         "       pdserve up --colocated [N] ...   (N engines that prefill and decode, behind the router)\n"
         "       pdserve serve router|prefill|decode|colocated|gateway [flags]   (--help for flags)\n"
         "       pdserve generate [--target HOST:PORT] PROMPT\n"
         "       pdserve health [HOST:PORT] [--service NAME]   (exit 0 when SERVING)\n"
         "       pdserve chat [--target HOST:PORT] [--system TEXT]   (interactive; /reset, /exit, Ctrl-D)\n"
-        "       pdserve bench --target HOST:PORT --tokenizer MODEL_DIR --rates 1,2,4 ...   (load, latency, goodput)"
+        "       pdserve bench --target HOST:PORT --tokenizer MODEL_DIR --rates 1,2,4 ...   (load, latency, goodput)\n"
+        "       pdserve --version\n"
+        "Each command takes --help. Client commands read $PDSERVE_TARGET (default localhost:50051)."
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"pdserve {version()}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
         from pdserve.cli.up import cmd_up
 
         return cmd_up(rest)
-    if cmd == "serve" and rest and rest[0] in ("router", "prefill", "decode", "colocated", "gateway"):
+    if cmd == "serve":
+        if not rest or rest[0] not in SERVICES:
+            got = f"unknown service {rest[0]!r}" if rest and not rest[0].startswith("-") else "no service given"
+            print(f"pdserve serve: {got}; choose one of {', '.join(SERVICES)} (then --help for its flags)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         return cmd_serve(rest[0], rest[1:])
     if cmd == "generate":
         return cmd_generate(rest)
@@ -214,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.cli import cmd_bench
 
         return cmd_bench(rest)
-    print(usage, file=sys.stderr)
+    print(f"{usage}\n\npdserve: unknown command {cmd!r}; the commands are {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
 
 

@@ -20,7 +20,9 @@ from pathlib import Path
 from pdserve.config import Setting, add_dataclass_args, config_from, given_flags, settings
 from pdserve.server.service_config import EngineServiceConfig, ServerOptions
 
-SHARED = ("log_level", "tls_cert", "tls_key", "tls_ca", "insecure")  # every service's, as `pdserve serve` has them
+SHARED = ("log_level", "tls_cert", "tls_key", "tls_ca", "insecure", "drain_grace_s")  # as `pdserve serve` has them
+ENV = "PDSERVE_<SERVICE>_"  # each service reads its own: PDSERVE_PREFILL_*, PDSERVE_DECODE_*, PDSERVE_ROUTER_*
+STOP_MARGIN_S = 10.0  # beyond the drain grace: the services' own end margins, then SIGKILL
 OWN = ("model", "router")  # engine settings `up` decides: its --model (or the demo model), the static list
 
 
@@ -34,26 +36,43 @@ def engine_settings() -> list[Setting]:
 
 
 def up_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve up", description="Run router + N prefill + M decode on loopback.")
+    p = argparse.ArgumentParser(
+        prog="pdserve up",
+        description="Run router + N prefill + M decode (or N colocated) + the HTTP gateway on loopback. Ctrl-C once: "
+        "the services drain their in-flight requests (--drain-grace-s), twice: stop at once.",
+        epilog=f"Engine and service flags not given here keep each service's default, or its environment variable "
+        f"({ENV}NAME, e.g. PDSERVE_DECODE_KV_CACHE_MEMORY).",
+    )
     stack = p.add_argument_group("the stack")
     stack.add_argument(
         "--model",
         default=os.environ.get("PDSERVE_MODEL", ""),
-        help="HF model directory or Hugging Face Hub id org/name (default: the demo model SmolLM2-135M-Instruct, "
-        "fetched once)",
+        help="HF model directory or Hugging Face Hub id org/name (default: $PDSERVE_MODEL, else the demo model "
+        "SmolLM2-135M-Instruct, fetched once)",
     )
     stack.add_argument(
-        "--port", type=int, default=int(os.environ.get("PDSERVE_PORT", "50051")), help="router port (0 = any free port)"
+        "--port",
+        type=int,
+        default=int(os.environ.get("PDSERVE_PORT", "50051")),
+        help="router gRPC port, 0 = any free port (default: %(default)s; $PDSERVE_PORT)",
     )
-    stack.add_argument("--host", default=ServerOptions.host, help="router and gateway interface")
+    stack.add_argument("--host", default=ServerOptions.host, help="router and gateway interface (default: %(default)s)")
     stack.add_argument(
         "--gateway-port",
         type=int,
         default=int(os.environ.get("PDSERVE_GATEWAY_PORT", "8000")),
-        help="OpenAI-compatible HTTP gateway port (0 = any free port, -1 = no gateway)",
+        help="OpenAI-compatible HTTP gateway port, 0 = any free port, -1 = no gateway (default: %(default)s; "
+        "$PDSERVE_GATEWAY_PORT)",
     )
-    stack.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
-    stack.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    stack.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("PDSERVE_METRICS_PORT", "0")),
+        help="Prometheus /metrics ports counting up from this one: the router's, then each engine instance's; "
+        "0 = any free ports, -1 = off (default: %(default)s; $PDSERVE_METRICS_PORT)",
+    )
+    stack.add_argument("--prefill", type=int, default=1, help="prefill instances (default: %(default)s)")
+    stack.add_argument("--decode", type=int, default=1, help="decode instances (default: %(default)s)")
     stack.add_argument(
         "--colocated",
         type=int,
@@ -61,22 +80,34 @@ def up_parser() -> argparse.ArgumentParser:
         const=1,
         default=0,
         metavar="N",
-        help="instead of prefill + decode: N colocated instances (default 1), each one engine that prefills in "
-        "chunks between decode steps (--chunk-size: the prefill tokens per step, the colocated default then)",
+        help="instead of prefill + decode: N colocated instances (N default 1), each one engine that prefills in "
+        "chunks between decode steps (--chunk-size: the prefill tokens per step, the colocated default then) "
+        "(default: off)",
     )
     stack.add_argument(
         "--gpus",
         default=os.environ.get("PDSERVE_GPUS", ""),
         help="GPU ids for the engine instances, e.g. 0,1 (default: every visible GPU; 'none': each engine's own "
         "device choice); prefill and decode get separate GPUs where there are enough, round-robin within each; "
-        "--gpu-memory-utilization is then split evenly among the instances of a GPU",
+        "--gpu-memory-utilization is then split evenly among the instances of a GPU ($PDSERVE_GPUS)",
     )
-    stack.add_argument("--router-config", default="", help="router TOML config file (see docs/router.md)")
-    stack.add_argument("--auth-tokens-file", default="", help="public API bearer tokens (`token tenant` lines)")
-    stack.add_argument("--ready-timeout", type=float, default=300.0, help="seconds each service may take to start")
-    add_dataclass_args(p.add_argument_group("every service"), ServerOptions, only=lambda s: s.name in SHARED)
+    stack.add_argument(
+        "--router-config", default="", help="router TOML config file, see docs/router.md (default: none)"
+    )
+    stack.add_argument(
+        "--auth-tokens-file", default="", help="public API bearer tokens, `token tenant` lines (default: auth off)"
+    )
+    stack.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=300.0,
+        help="seconds each service may take to start (default: %(default)s)",
+    )
+    add_dataclass_args(
+        p.add_argument_group("every service"), ServerOptions, only=lambda s: s.name in SHARED, env_prefix=ENV
+    )
     engines = p.add_argument_group("engine instances (as `pdserve serve prefill|decode|colocated`)")
-    add_dataclass_args(engines, EngineServiceConfig, only=_engine_setting)
+    add_dataclass_args(engines, EngineServiceConfig, only=_engine_setting, env_prefix=ENV)
     return p
 
 
@@ -132,6 +163,7 @@ def cmd_up(argv: list[str]) -> int:
         print('pdserve up: public API auth off (no --auth-tokens-file): every caller is tenant "default"', flush=True)
     signal.signal(signal.SIGTERM, _interrupt)
     stack = None
+    t0 = time.monotonic()
     try:
         stack = start_stack(
             model,
@@ -157,6 +189,7 @@ def cmd_up(argv: list[str]) -> int:
             gpus=gpus,
             gpu_memory_utilization=engine.gpu_memory_utilization,
             num_colocated=args.colocated,
+            metrics_port=args.metrics_port,
         )
         engines = (
             f"colocated {', '.join(stack.colocated)}"
@@ -170,6 +203,10 @@ def cmd_up(argv: list[str]) -> int:
         )
         if stack.gateway:
             print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {model_name!r})", flush=True)
+        metrics = _metrics_lines(stack)
+        if metrics:
+            print("metrics (Prometheus):  " + "  ".join(metrics), flush=True)
+        print(f"ready in {time.monotonic() - t0:.1f} s; Ctrl-C to stop (the services drain first)", flush=True)
         print(f'try:  pdserve generate --target {stack.router} "hello"', flush=True)
         print(f"      pdserve chat --target {stack.router}", flush=True)
         while all(proc.poll() is None for proc in stack.procs):
@@ -177,6 +214,9 @@ def cmd_up(argv: list[str]) -> int:
         print("error: a service exited; stopping the stack", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if stack is not None:
+            _drain(stack, args.drain_grace_s)
+            stack = None
         return 0
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -184,6 +224,33 @@ def cmd_up(argv: list[str]) -> int:
     finally:
         if stack is not None:
             stack.stop()
+
+
+def _metrics_lines(stack) -> list[str]:
+    """`name http://host:port/metrics` of every service that serves /metrics."""
+    named = [("router", stack.router)]
+    for role in ("prefill", "decode", "colocated"):
+        named += [(f"{role}{i}", a) for i, a in enumerate(getattr(stack, role))]
+    return [f"{name} http://{a.metrics}/metrics" for name, a in named if getattr(a, "metrics", "")]
+
+
+def _drain(stack, grace_flag: str | None) -> None:
+    """The first SIGINT / SIGTERM: every service drains (finishes in-flight requests within its drain grace) and
+    exits; a second one during that ends them at once."""
+    grace = float(grace_flag) if grace_flag is not None else ServerOptions.drain_grace_s
+    print(
+        f"pdserve up: stopping: draining in-flight requests (up to {grace:g} s); Ctrl-C again to stop at once",
+        flush=True,
+    )
+    try:
+        stack.stop(timeout=grace + STOP_MARGIN_S)
+    except KeyboardInterrupt:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        print("pdserve up: second signal: stopping at once", file=sys.stderr, flush=True)
+        stack.signal_all()  # a service's second signal ends it at once
+        stack.stop(timeout=5.0)
+    print("pdserve up: stopped", flush=True)
 
 
 def _engine_config(args: argparse.Namespace):

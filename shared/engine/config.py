@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from pdserve.config import opt
 from pdserve.kv.dtypes import MODEL_DTYPES as _DTYPES  # lower-case name or alias -> torch dtype
 
-CPU_MAX_AUTO_PAGES = 8192
+CPU_KV_CACHE_BYTES = 256 << 20  # CPU, kv_cache_memory "auto": the pool is allocated up front; small suits a demo
 
 
 @dataclass
@@ -24,7 +25,12 @@ class EngineConfig:
     device: str = opt("auto", "auto|cpu|cuda|cuda:N (auto: cuda if available)")
     page_size: int = opt(16, "tokens per KV page")
     chunk_size: int = opt(2048, "prefill tokens per step (across sequences)")
-    num_pages: int = opt(0, "KV pool pages (0 = auto, see engine._auto_num_pages)")
+    num_pages: int = opt(0, "KV pool pages (0 = sized by --kv-cache-memory); overrides --kv-cache-memory")
+    kv_cache_memory: str = opt(
+        "auto",
+        "KV pool memory, reserved at start: a size such as 512MiB or 2GiB, or auto: on CPU 256MiB (capped at "
+        "--max-num-seqs full-length sequences), on a GPU what --gpu-memory-utilization leaves after the weights",
+    )
     max_num_seqs: int = opt(64, "largest decode batch / sequences admitted at once")
     kv_dtype: str = opt(
         "auto", "KV pool format: auto (the model dtype) | int8 | fp8 (e4m3fn, one fp16 scale per token and KV head)"
@@ -78,6 +84,7 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
         if self.num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {self.num_pages}")
+        self.kv_cache_bytes()
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.kv_dtype not in ("auto", "int8", "fp8"):
@@ -107,6 +114,10 @@ class EngineConfig:
         if self.overlap_decode not in ("auto", "on", "off"):
             raise ValueError(f"overlap_decode must be auto|on|off, got {self.overlap_decode!r}")
 
+    def kv_cache_bytes(self) -> int | None:
+        """`kv_cache_memory` in bytes (None: auto)."""
+        return None if self.kv_cache_memory.strip().lower() == "auto" else parse_size(self.kv_cache_memory)
+
     def gemv_projections(self) -> dict[str, dict | None] | str:
         """`gemv_plan` parsed: "default" | "cublas" | "triton", or a dict projection -> Triton GEMV config | None
         (None: cuBLAS) over the projections qkv, o, gate_up, down."""
@@ -127,6 +138,20 @@ class EngineConfig:
 
 
 GEMV_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the model's decode GEMVs
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt])(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as 512MiB, 2GiB, 1.5G or 64m (binary units: K = 1024); a unit is required."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"kv_cache_memory wants auto or a size with a unit such as 512MiB or 2GiB, got {text!r}")
+    size = int(float(m.group(1)) * 1024 ** ("kmgt".index(m.group(2).lower()) + 1))
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0, got {text!r}")
+    return size
 
 
 def _json_object(name: str, text: str) -> dict:

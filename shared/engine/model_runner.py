@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import (
-    CPU_MAX_AUTO_PAGES,
+    CPU_KV_CACHE_BYTES,
     CUDA_CONTEXT_BYTES,
     EngineConfig,
     dtype_name,
@@ -126,16 +126,19 @@ class ModelRunner:
         return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
 
     def _auto_num_pages(self) -> int:
-        """CPU: enough for max_num_seqs full-length sequences, capped. GPU: a fraction of free memory."""
-        if self.device.type == "cuda":
+        """Pages of `kv_cache_memory` when it names a size (either device); auto: on a GPU what
+        `gpu_memory_utilization` leaves after this process's holdings, on CPU `CPU_KV_CACHE_BYTES` capped at
+        max_num_seqs full-length sequences (the pool is reserved up front)."""
+        budget, page = self.cfg.kv_cache_bytes(), self.page_bytes()
+        if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             held = torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
             util = self.cfg.gpu_memory_utilization
-            pages = gpu_kv_pool_bytes(total, free, held, util) // self.page_bytes()
+            pages = gpu_kv_pool_bytes(total, free, held, util) // page
             log.info(
                 "KV pool: %d pages (%.1f GiB) = %.0f%% of %.1f GiB less %.1f GiB held, %.1f GiB free",
                 max(0, pages),
-                max(0, pages) * self.page_bytes() / 2**30,
+                max(0, pages) * page / 2**30,
                 util * 100,
                 total / 2**30,
                 held / 2**30,
@@ -147,8 +150,23 @@ class ModelRunner:
                     f"instance holds {held / 2**30:.1f} GiB of its {util:.0%} share of {total / 2**30:.1f} GiB)"
                 )
             return pages
-        per_seq = -(-self.model_config.max_position_embeddings // self.cfg.page_size)
-        return max(1, min(self.cfg.max_num_seqs * per_seq, CPU_MAX_AUTO_PAGES))
+        if budget is None:
+            per_seq = -(-self.model_config.max_position_embeddings // self.cfg.page_size)
+            pages = min(self.cfg.max_num_seqs * per_seq, CPU_KV_CACHE_BYTES // page)
+            why = f"auto on CPU: {CPU_KV_CACHE_BYTES >> 20} MiB, --kv-cache-memory to change"
+        else:
+            pages, why = budget // page, f"--kv-cache-memory {self.cfg.kv_cache_memory}"
+        if pages < 1:
+            raise ValueError(f"kv_cache_memory {self.cfg.kv_cache_memory} is less than one KV page ({page} bytes)")
+        log.info(
+            "KV pool: %d pages of %d tokens = %d tokens, %.0f MiB (%s)",
+            pages,
+            self.cfg.page_size,
+            pages * self.cfg.page_size,
+            pages * page / 2**20,
+            why,
+        )
+        return pages
 
     def bind_thread(self) -> None:
         """Make this runner's GPU the calling thread's current CUDA device (Triton launches and graph capture

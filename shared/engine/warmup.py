@@ -9,6 +9,10 @@ by a kernel nothing else compiles).
 Paths covered: prompts of 1 token, one page plus one token, and one chunk plus one page plus one token (a chunk that
 attends to an earlier chunk); a decode step; a prefill-only request exported in each format a prefill ships; a
 cached prefix imported in each of those formats.
+
+It pays on a GPU only. On CPU nothing compiles and a first request costs what a later one does, while the full
+warm-up (a chunk-long prompt through plain torch ops) took over a minute on a 2-core host: `light` runs one
+1-token prompt there (a few ms: first-touch of the torch runtime and the pool's first page).
 """
 
 from __future__ import annotations
@@ -29,17 +33,23 @@ from pdserve.kv.payload import PagePayload
 log = logging.getLogger("pdserve")
 
 
-def warm_up(engine: LLMEngine, ship_formats: Sequence[tuple[str, int]] = ()) -> float:
+def warm_up(engine: LLMEngine, ship_formats: Sequence[tuple[str, int]] = (), light: bool = False) -> float:
     """Run the warm-up requests to completion and drop them; returns the seconds it took. `ship_formats`:
-    (kv dtype, group size) of the KV a prefill exports and imports from its prompt cache ("auto": the model's)."""
+    (kv dtype, group size) of the KV a prefill exports and imports from its prompt cache ("auto": the model's).
+    `light`: one 1-token prompt only (CPU, where nothing compiles)."""
     t0 = time.perf_counter()
     ps, chunk = engine.page_size, engine.cfg.chunk_size
     limit = max(1, min(engine.max_model_len - 2, engine.allocator.num_pages // 2 * ps - 2))  # context, half the pool
-    lengths = sorted({min(n, limit) for n in (1, ps + 1, chunk + ps + 1)})
+    lengths = [1] if light else sorted({min(n, limit) for n in (1, ps + 1, chunk + ps + 1)})
+    ship_formats = () if light else ship_formats
+    steps = len(lengths) + len(ship_formats)
+    log.info("engine warm-up: %s (%d requests) before reporting ready ...",
+             "light, CPU" if light else "compiling kernels and first-use paths", steps)  # fmt: skip
     greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    for n in lengths:  # one at a time: a small pool never preempts
+    for i, n in enumerate(lengths):  # one at a time: a small pool never preempts
         engine.generate([_prompt(engine, n)], greedy)
-    for dtype, group in ship_formats:
+        _progress(i + 1, steps, t0, f"{n}-token prompt")
+    for done, (dtype, group) in enumerate(ship_formats, start=len(lengths) + 1):
         layout = _layout(engine, dtype, group)
         n = min(2 * ps + 1, limit)
         rid = _run(engine, _prompt(engine, n), prefill_only=True)
@@ -47,12 +57,19 @@ def warm_up(engine: LLMEngine, ship_formats: Sequence[tuple[str, int]] = ()) -> 
         engine.release(rid)
         if n > ps:  # a cached first page in this format, imported into the pool
             _run(engine, _prompt(engine, ps + 1), cached_pages=[_zero_page(layout)])
+        _progress(done, steps, t0, f"{dtype} page export/import")
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize(engine.runner.device)
     seconds = time.perf_counter() - t0
     log.info("engine warm-up: %d prompts, formats %s, %.2f s", len(lengths) + 2 * len(ship_formats),
              [f"{d}/{g}" for d, g in ship_formats] or "-", seconds)  # fmt: skip
     return seconds
+
+
+def _progress(done: int, steps: int, t0: float, what: str) -> None:
+    """One log line per warm-up step, with a text bar (a service's output is a log, not a terminal)."""
+    bar = "#" * (20 * done // steps)
+    log.info("engine warm-up [%-20s] %d/%d %s, %.1f s", bar, done, steps, what, time.perf_counter() - t0)
 
 
 def _prompt(engine: LLMEngine, n: int) -> list[int]:

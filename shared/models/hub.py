@@ -54,6 +54,15 @@ def resolve_model(value: str, say: Callable[[str], None] = print) -> ResolvedMod
     return ResolvedModel(download(value, say), value)
 
 
+def model_dir_or_exit(value: str) -> str:
+    """`resolve_model(value).path` for a command line (progress lines on stdout); SystemExit with the reason when
+    `value` names no usable model."""
+    try:
+        return str(resolve_model(value, say=lambda line: print(line, flush=True)).path)
+    except ModelNotFound as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def download(repo_id: str, say: Callable[[str], None] = print) -> Path:
     """Fetch (or find in the cache) the files of hub model `repo_id` the engine loads; its snapshot directory."""
     from huggingface_hub import constants, snapshot_download
@@ -119,12 +128,3 @@ def _weight_patterns(folder: Path) -> list[list[str]]:
 def _first_line(e: Exception) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return " ".join(lines[:2]) if lines else type(e).__name__
-
-
-def model_dir_or_exit(value: str) -> str:
-    """`resolve_model(value).path` for a command line (progress lines on stdout); SystemExit with the reason when
-    `value` names no usable model."""
-    try:
-        return str(resolve_model(value, say=lambda line: print(line, flush=True)).path)
-    except ModelNotFound as e:
-        raise SystemExit(f"error: {e}") from None

@@ -30,7 +30,8 @@ def setup_logging(level: str) -> None:
 def build_engine(
     cfg: EngineServiceConfig, engine_cfg: EngineConfig | None = None, ship_formats: Sequence[tuple[str, int]] = ()
 ):
-    """The engine loop of a prefill, decode or colocated instance, warmed up (`--warmup`). The engine is
+    """The engine loop of a prefill, decode or colocated instance, warmed up (`--warmup`: fully on a GPU, one tiny
+    request on CPU, `pdserve.engine.warmup`). The engine is
     `engine_cfg` (default: `cfg.engine` as it is); `ship_formats` the (kv dtype, group size) of pages it exports
     and imports from a prompt cache."""
     from pdserve.engine.engine import LLMEngine
@@ -43,8 +44,10 @@ def build_engine(
 
         torch.set_num_threads(cfg.torch_threads)
     engine = LLMEngine(cfg.engine if engine_cfg is None else engine_cfg)
-    if cfg.warmup:
-        warm_up(engine, ship_formats)
+    if cfg.warmup:  # full on a GPU (compiles, graphs); on CPU one tiny request (nothing to compile)
+        warm_up(engine, ship_formats, light=engine.runner.device.type != "cuda")
+    else:
+        log.info("engine warm-up: off (--no-warmup)")
     return EngineLoop(engine)
 
 

@@ -4,7 +4,8 @@ Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed
 `stream`, `stream_options.include_usage`, `n=1`, `max_reasoning_tokens` (an extension), `logprobs` /
 `top_logprobs` (chat) and `logprobs: N` + `echo` (completions, `gateway.logprobs`). Unset parameters keep the
 pdserve defaults, which are OpenAI's and the SDK's / CLI's: max_tokens 16 for /v1/completions and "until EOS or
-the context ends" for /v1/chat/completions (the router applies both), temperature 1.0, top_p 1.0. A reasoning
+the context ends" for /v1/chat/completions (the router applies both), temperature and top_p the model's (its
+generation_config.json, filled in by the router), else 1.0. A reasoning
 model's thinking comes back as `reasoning_content` (the message / delta field DeepSeek's API uses). Parameters
 that would change the output in ways pdserve cannot honour are rejected with 400, never silently ignored.
 Ranges are OpenAI's (temperature 0..2, top_p 0..1, penalties -2..2, seed int64), cut to what the gRPC API carries

@@ -27,7 +27,7 @@ issue rather than bytes, so the loop also drops three kinds of work:
    P * v_scale finite for |v| up to 2^15 / 2^RESCALE_LOG2 * 127.
 3. **Masks only on the last block.** Full blocks load without predicates and skip the -inf select; the softmax
    scale is folded into the per-key K scales, and P times the V scales is one fp16 multiply per pair of keys (P is
-   rounded to fp16 first, the product again: as before, the dot's operand is fp16).
+   rounded to fp16 first, the product again: the dot's operand is fp16 either way).
 """
 
 from __future__ import annotations

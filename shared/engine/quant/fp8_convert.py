@@ -74,6 +74,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, fmt: str) -> Path:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     src, dst = Path(src), Path(dst)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    weight_map: dict[str, str] = {}  # tensor -> shard, for a sharded checkpoint's index
     for path in sorted(src.glob("*.safetensors")):
         out: dict[str, torch.Tensor] = {}
         with safe_open(str(path), framework="pt") as f:
@@ -84,6 +85,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, fmt: str) -> Path:
                 else:
                     out[name] = t
         save_file({k: v.contiguous() for k, v in out.items()}, str(dst / path.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, path.name))
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        meta = {k: v for k, v in json.loads(index.read_text()).get("metadata", {}).items() if k != "total_size"}
+        (dst / index.name).write_text(json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = quantization_config(fmt)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))

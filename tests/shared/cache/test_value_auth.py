@@ -223,3 +223,26 @@ def test_redis_password_and_acl_user(start_redis, tmp_path):
     with pytest.raises(StoreRefused, match="refused the credentials"):
         store.get_many([b"k"], 1000)
     store.close()
+
+
+def test_large_batches_are_verified_on_several_threads():
+    """A batch of stored values above PARALLEL_VERIFY_BYTES is MAC-checked on the verify threads, with the same
+    outcome: hits up to the one forged value, which is counted."""
+    from pdserve.cache import prompt_cache
+    from pdserve.cache.store import MemoryStore
+    from pdserve.kv.codec import KVLayoutSpec
+
+    layout = KVLayoutSpec(dtype="float32", page_size=16, num_layers=4, num_kv_heads=8, head_dim=128)  # 512 KiB pages
+    ns = namespace(layout)
+    cache = PromptCache(MemoryStore(64 << 20), keyring=KEYRING)
+    prompt = tokens(10 * 16, seed=8)
+    pages = fill(cache, ns, prompt, seed=8)
+    assert sum(p.nbytes for p in pages) >= prompt_cache.PARALLEL_VERIFY_BYTES
+    hit = cache.lookup(ns, prompt, 10)
+    assert hit.num_pages == 10 and all(same(g, w) for g, w in zip(hit.pages, pages))
+    assert cache._verify_pool._threads  # the parallel path ran
+    name = cache.store_key(ns, ns.page_keys(prompt)[6])
+    stored = cache.store.get_many([name], 60_000)[0]
+    cache.store.set_many([(name, stored[:100] + bytes([stored[100] ^ 1]) + stored[101:])], 60_000)
+    assert cache.lookup(ns, prompt, 10).num_pages == 6 and cache.mac_failures == 1
+    cache.close()

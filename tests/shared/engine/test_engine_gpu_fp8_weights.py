@@ -37,12 +37,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def layer(n: int, k: int, scheme: Fp8Scheme, seed: int) -> tuple[Fp8Linear, torch.Tensor]:
-    """An Fp8Linear of a random weight [N, K] (and that bf16 weight, the unquantized reference)."""
+def layer(n: int, k: int, scheme: Fp8Scheme, seed: int, scale_rows: int = 0) -> tuple[Fp8Linear, torch.Tensor]:
+    """An Fp8Linear of a random weight [N, K] (and that bf16 weight, the unquantized reference); `scale_rows=1`:
+    block scales spread to one per row (the layout of fused parts that do not fill whole blocks)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     w = (torch.randn(n, k, device=DEV, generator=g) * k**-0.5).bfloat16()
-    lin = Fp8Linear(k, n, True, scheme).to(DEV)
+    lin = Fp8Linear(k, n, True, scheme, scale_rows).to(DEV)
     q, s = quantize_weight_blocks(w) if scheme.weights == "block" else quantize_weight_per_channel(w)
+    if scale_rows == 1:
+        s = s.repeat_interleave(128, 0)[:n].contiguous()
     lin.weight.copy_(q)
     lin.weight_scale.copy_(s)
     assert lin.bias is not None
@@ -63,14 +66,14 @@ def test_activation_quantizer_kernel_matches_torch(m, k, group):
 
 
 @pytest.mark.parametrize(
-    "scheme, triton_rows",
-    [(ONLINE_FP8, 0), (ONLINE_FP8, 1 << 20), (BLOCK, 0)],
-    ids=["scaled_mm", "channel-triton", "block"],
+    "scheme, triton_rows, scale_rows",
+    [(ONLINE_FP8, 0, 0), (ONLINE_FP8, 1 << 20, 0), (BLOCK, 0, 0), (BLOCK, 0, 1)],
+    ids=["scaled_mm", "channel-triton", "block", "block-row-scales"],
 )
 @pytest.mark.parametrize("m", [1, 16, 128, 2048])
 @pytest.mark.parametrize("n, k", [(384, 256), (1024, 4096), (4096, 1024)])
-def test_fp8_gemm_against_dequantized_references(scheme, triton_rows, m, n, k):
-    lin, w = layer(n, k, scheme, seed=m + n + k)
+def test_fp8_gemm_against_dequantized_references(scheme, triton_rows, scale_rows, m, n, k):
+    lin, w = layer(n, k, scheme, seed=m + n + k, scale_rows=scale_rows)
     lin.triton_max_rows = triton_rows  # per channel: every M through _scaled_mm (0) or through the Triton GEMM
     x = torch.randn(m, k, device=DEV).bfloat16()
     out = lin(x)

@@ -21,6 +21,7 @@ import pdserve
 from pdserve.engine.loader import model_fingerprint
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.models.hub import ModelNotFound, is_hub_id, resolve_model
+from pdserve.server.auth import new_token
 from pdserve.testing.hf_reference import hf_greedy, load_hf_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -109,6 +110,14 @@ def test_unknown_repository_names_it(hub, tmp_path):
 def test_unreachable_hub_says_so(tmp_path):
     res = resolve(REPO, hf_env(None, tmp_path / "hf"))  # HF_ENDPOINT: a port where nothing listens
     assert res.returncode != 0 and f"{REPO}: http://127.0.0.1:9 is unreachable" in res.stderr
+
+
+def test_serve_reports_an_unknown_hub_model_before_starting(hub, tmp_path):
+    """`pdserve serve ROLE --model org/name` resolves the id first: an unknown one ends it with the reason."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "router", "--model", "org/missing", "--port", "0"]
+    env = {**hf_env(hub, tmp_path / "hf"), "PDSERVE_INTERNAL_TOKEN": new_token()}  # the router's internal identity
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "error: org/missing: no such model on" in res.stderr, res.stderr[-2000:]
 
 
 def test_pdserve_up_serves_a_hub_model(hub, model_dir, tmp_path):
