@@ -45,7 +45,7 @@ class TimedH11Protocol(H11Protocol):
         attrs = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s}
         return type(cls.__name__, (cls,), attrs)
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._phase: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
         super().connection_made(transport)

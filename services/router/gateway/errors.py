@@ -4,6 +4,7 @@ request field at fault, also for the router's INVALID_ARGUMENT reasons, which na
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -104,7 +105,9 @@ def rpc_error_response(e: grpc.RpcError, aliases: dict[str, str] | None = None) 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def http_error_response(method: str, path: str, status: int, detail: str, headers: dict | None) -> JSONResponse:
+def http_error_response(
+    method: str, path: str, status: int, detail: str, headers: Mapping[str, str] | None
+) -> JSONResponse:
     """Starlette's own HTTP errors (an unknown URL, a method a route does not take) in the OpenAI error shape."""
     if status == 404:
         message, code = f"Invalid URL ({method} {path})", "unknown_url"

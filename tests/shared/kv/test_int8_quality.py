@@ -3,9 +3,9 @@
 prefill-role LLMEngine (kv auto, float32 on CPU) --add_request(prefill_only)--> export_batch(layout) as
 ready_pages arrive --> KVPageBatch (checksummed header + payload) --> protobuf bytes --> verify_header -->
 decode-role LLMEngine begin_import / import_batch / finish_import --> teacher-forced continuation
-(forced_token_ids) with step(return_logits=True). The quantized run (decode pool int8 | fp8: imported pages *and* the KV of decoded
-tokens are quantized) is compared with the same path unquantized (float32 pages, kv auto on both sides), which
-in turn must match a single monolithic engine.
+(forced_token_ids) with step(return_logits=True). The quantized run (decode pool int8 | fp8: imported pages *and*
+the KV of decoded tokens are quantized) is compared with the same path unquantized (float32 pages, kv auto on both
+sides), which in turn must match a single monolithic engine.
 
 Trained tiny llama (head_dim 64, 2 layers, 2 kv heads), 8 held-out prompts of 70-128 tokens x 64 forced tokens
 (the 63 positions predicted by the decode engine are scored: 504 in all), measured on CPU:
