@@ -133,16 +133,6 @@ def kv_gbps(before: dict, after: dict, transport: str) -> float:
     return (b1 - b0) / max(s1 - s0, 1e-9) / 1e9 if b1 > b0 else float("nan")
 
 
-def itl(c: pdserve.Client, ids: list[int], n: int = 128) -> float:
-    """Median gap per token between chunks after the first, batch 1."""
-    stamps: list[tuple[float, int]] = []
-    for ch in c.stream(token_ids=ids, max_tokens=n, temperature=0, ignore_eos=True):
-        if ch.token_ids:
-            stamps.append((time.perf_counter(), len(ch.token_ids)))
-    gaps = [(t1 - t0) * 1e3 / k for (t0, _), (t1, k) in zip(stamps[1:], stamps[2:])]
-    return statistics.median(gaps)
-
-
 def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 7) -> dict:
     with pdserve.Client(stack.router, timeout=120) as c:
         ttft_ms(c, fresh(2048, rng))  # warm-up (and the transport's first handshake)
@@ -164,12 +154,12 @@ def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 
     }
 
 
-def decode_figures(stack: Stack, rng: torch.Generator) -> dict:
-    with pdserve.Client(stack.router, timeout=300) as c:
-        itl(c, fresh(512, rng), 16)  # warm-up
-        i512 = statistics.median([itl(c, fresh(512, rng)) for _ in range(3)])
-        i8k = statistics.median([itl(c, fresh(8192, rng)) for _ in range(3)])
-    return {"itl_ms_b1_ctx512": i512, "itl_ms_b1_ctx8k": i8k}
+def decode_figures(stack: Stack, model: Path, workdir: Path) -> dict:
+    """ITL at batch 1 (pdserve bench, one stream at a time: 3 fresh prompts -> 128 tokens) at context 512 and 8k."""
+    itl = lambda n: pdserve_bench(stack.router, workdir / f"itl{n}.json", "--tokenizer", str(model), "--concurrency",
+                                  "1", "--num-requests", "3", "--warmup", "1", "--input-dist", f"fixed:{n}",
+                                  "--output-dist", "fixed:128")["runs"][0]["summary"]["itl_ms"]["p50"]  # fmt: skip
+    return {"itl_ms_b1_ctx512": itl(512), "itl_ms_b1_ctx8k": itl(8192)}
 
 
 def throughput_c32(stack: Stack, model: Path, workdir: Path, n: int = 64, conc: int = 32) -> dict:
@@ -333,7 +323,7 @@ def main() -> None:
         if "load" in parts:
             stack = start(model, workdir / "load", "auto", cache_env)
             try:
-                save(got := decode_figures(stack, rng))
+                save(got := decode_figures(stack, model, workdir))
                 table.row("ITL b1 ctx512 / 8k", f"{got['itl_ms_b1_ctx512']:.2f} / {got['itl_ms_b1_ctx8k']:.2f} ms")
                 save(got := throughput_c32(stack, model, workdir))
                 p50, p90 = got["ttft_ms_c32_p50"], got["ttft_ms_c32_p90"]

@@ -151,6 +151,8 @@ def iter_weights(model_dir: str | Path, device: torch.device, dtype: torch.dtype
                     t = t.float()
                 elif t.is_floating_point() and t.dtype != torch.float8_e4m3fn:
                     t = t.to(dtype)
+                if t.device.type == "cpu" and t.untyped_storage().nbytes() > t.nbytes:  # a view into the file's map
+                    t = t.clone()  # its own memory: the map (and the file pages it touched) goes with the file
                 yield name, t
 
 
