@@ -10,8 +10,10 @@
         scored = c.generate(prompt="2+2=", logprobs=True, top_logprobs=5, prompt_logprobs=True)
 
 Defaults: max_tokens unset is 16 for prompt= / token_ids= and "until EOS or the context ends" for messages= (the
-OpenAI defaults of /v1/completions and /v1/chat/completions). Log-probabilities are the model's distribution
-before temperature / top-k / top-p. Reasoning models: `reasoning_text` holds the `<think>` part, `text` the answer.
+OpenAI defaults of /v1/completions and /v1/chat/completions); temperature / top_p / top_k unset are the served
+model's (its generation_config.json, applied by the router), else 1.0 / 1.0 / off. Log-probabilities are the
+model's distribution before temperature / top-k / top-p. Reasoning models: `reasoning_text` holds the `<think>`
+part, `text` the answer.
 
 Errors are `grpc.RpcError` with the server's status code and reason (e.g. INVALID_ARGUMENT). RESOURCE_EXHAUSTED
 (the router at capacity) is retried after the server's pushback, bounded (`retry=RetryPolicy(...)`, `retry=False`

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pdserve.engine.request_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.errors import InvalidRequest
 from pdserve.server.auth import DEFAULT_TENANT  # every caller's tenant when the router has no authenticator
 from pdserve.server.service_config import opt

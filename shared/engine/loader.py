@@ -146,13 +146,13 @@ def iter_weights(model_dir: str | Path, device: torch.device, dtype: torch.dtype
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
-                t = f.get_tensor(name)
+                t = raw = f.get_tensor(name)
                 if is_scale_name(name):
                     t = t.float()
                 elif t.is_floating_point() and t.dtype != torch.float8_e4m3fn:
                     t = t.to(dtype)
-                if t.device.type == "cpu" and t.untyped_storage().nbytes() > t.nbytes:  # a view into the file's map
-                    t = t.clone()  # its own memory: the map (and the file pages it touched) goes with the file
+                if t.device.type == "cpu" and t is raw:  # still a view of the file's memory map: copy it out, so
+                    t = t.clone()  # the map (and every file page loading touched) is gone once the file is closed
                 yield name, t
 
 

@@ -11,13 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.request_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 from pdserve.errors import InvalidRequest
-
-MAX_TOP_LOGPROBS = 20
-# Ceilings on the stop conditions every decode step checks (the router's configurable limits stay within them)
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass

