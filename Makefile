@@ -52,3 +52,55 @@ protos: $(DEV_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# --- client SDKs (clients/go, clients/ts; docs/api.md): `make test` runs sdk-check and the contract tests ---
+# sdk-setup: the Go toolchain from Debian (as root; apt-get) and clients/ts's pinned npm packages (buf, protoc-gen-es,
+# connect, typescript); sdk: build both clients; sdk-check: buf lint + breaking, generated code and docs up to date.
+.PHONY: sdk-setup sdk sdk-check stubs release-api-image
+SDK_STAMP := build/.sdk-toolchain
+TS_STAMP := clients/ts/node_modules/.installed
+GO_DEBS := golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev
+GOPATH_DIR := $(CURDIR)/build/gopath
+GO_SRC := $(GOPATH_DIR)/src/github.com/pdserve/pdserve/clients/go
+# no module proxy needed: GOPATH mode over Debian's /usr/share/gocode (with a proxy: cd clients/go && go mod tidy && go build ./...)
+GO_ENV := GO111MODULE=off GOPATH=$(GOPATH_DIR):/usr/share/gocode GOCACHE=$(CURDIR)/build/gocache
+BUF := clients/ts/node_modules/.bin/buf
+GO_CONTRACT := build/go-bin/pdserve-contract
+TS_CONTRACT := clients/ts/dist/examples/contract.js
+
+$(SDK_STAMP):
+	@if ! command -v go >/dev/null || ! command -v protoc-gen-go-grpc >/dev/null || ! test -d /usr/share/gocode/src/google.golang.org/grpc; then \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	    echo "make sdk-setup: the Go toolchain is missing and apt-get cannot run here (needs root): apt-get install $(GO_DEBS)" >&2; exit 1; fi; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(GO_DEBS); fi
+	@command -v node >/dev/null && command -v npm >/dev/null || { echo "make sdk-setup: node >= 18 and npm are needed" >&2; exit 1; }
+	mkdir -p build && touch $@
+
+$(TS_STAMP): $(SDK_STAMP) clients/ts/package.json clients/ts/package-lock.json
+	cd clients/ts && npm ci --no-audit --no-fund
+	touch $@
+
+sdk-setup: $(SDK_STAMP) $(TS_STAMP)
+
+$(GO_CONTRACT): $(SDK_STAMP) $(shell find clients/go -name '*.go')
+	mkdir -p $(dir $(GO_SRC)) && ln -sfn $(CURDIR)/clients/go $(GO_SRC)
+	cd $(GO_SRC) && $(GO_ENV) go vet ./... && $(GO_ENV) go build -o $(CURDIR)/build/go-bin/ ./cmd/...
+
+$(TS_CONTRACT): $(TS_STAMP) clients/ts/tsconfig.json $(shell find clients/ts/src -name '*.ts')
+	cd clients/ts && node_modules/.bin/tsc -p tsconfig.json
+
+sdk: $(GO_CONTRACT) $(TS_CONTRACT)
+
+sdk-check: sdk $(DEV_STAMP)
+	$(BUF) lint protos
+	$(BUF) breaking protos --against protos/released/pdserve-v1.json
+	$(BIN)/python scripts/gen_stubs.py --check
+
+stubs: $(DEV_STAMP) $(TS_STAMP)
+	$(BIN)/python scripts/gen_stubs.py
+
+# at a release: the public API image `buf breaking` compares against from then on
+release-api-image: $(TS_STAMP)
+	cd protos && ../$(BUF) build --path pdserve/v1/generate.proto --exclude-source-info -o released/pdserve-v1.json
+
+test: sdk-check

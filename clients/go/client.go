@@ -126,7 +126,7 @@ func Dial(target string, opts ...Option) (*Client, error) {
 			return nil, err
 		}
 	}
-	dial := []grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64 << 20))}
+	dial := []grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.ForceCodec(codec{}))}
 	if o.tlsConf != nil {
 		dial = append(dial, grpc.WithTransportCredentials(credentials.NewTLS(o.tlsConf)))
 	} else {

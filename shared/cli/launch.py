@@ -152,7 +152,7 @@ def start_service(
         # its own session: a terminal's Ctrl-C (SIGINT to the whole foreground process group) reaches only the
         # launcher, which stops the services one signal each (Stack.stop); with the terminal's SIGINT too, every
         # service would see two signals and exit without draining
-        start_new_session=False,
+        start_new_session=True,
     )
     return proc, ready, log
 

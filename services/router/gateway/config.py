@@ -26,7 +26,7 @@ class GatewayConfig:
     body_timeout_s: float = opt(30.0, "a request body must arrive within this time of its headers: else 408")
     keep_alive_s: float = opt(5.0, "an idle kept-alive connection is closed after this time")
     max_connections: int = opt(1024, "connections served at once; a request on one more is answered 503")
-    max_header_kb: int = opt(16, "largest request line + headers, KiB (larger: 400)")
+    max_header_kb: int = opt(16, "request line + headers still incomplete after this many KiB: 400")
     ready_file: str = opt("", "write {service, address, pid} JSON here once serving")
     log_level: str = opt("INFO", "logging level")
     # security (docs/security.md): callers' `Authorization: Bearer` goes on to the router, which authenticates it

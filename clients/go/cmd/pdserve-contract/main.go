@@ -92,11 +92,13 @@ func main() {
 	out["retry_stream"] = streamed.TokenIds
 	rc.Close()
 
-	bad, err := pdserve.Dial(sp.Target, pdserve.WithToken(sp.BadToken))
-	must(err)
-	_, err = bad.Generate(ctx, greedy("go-bad-token"))
-	out["unauthenticated"] = codeName(err)
-	bad.Close()
+	for key, token := range map[string]string{"unauthenticated": "", "wrong_token": sp.BadToken} {
+		bad, err := pdserve.Dial(sp.Target, pdserve.WithToken(token))
+		must(err)
+		_, err = bad.Generate(ctx, greedy("go-"+key))
+		out[key] = codeName(err)
+		bad.Close()
+	}
 
 	msgs := make([]*pb.ChatMessage, 0, len(sp.Messages))
 	for _, m := range sp.Messages {

@@ -61,8 +61,9 @@ const rc = new PdserveClient(sp.retry_target, { token: sp.token });
 out.retry = (await rc.generate(greedy("ts-retry"), call)).tokenIds;
 out.retry_stream = await collect(rc.stream(greedy("ts-retry-stream"), call));
 
+out.unauthenticated = await failure(new PdserveClient(sp.target).generate(greedy("ts-no-token"), call));
 const bad = new PdserveClient(sp.target, { token: sp.bad_token });
-out.unauthenticated = await failure(bad.generate(greedy("ts-bad-token"), call));
+out.wrong_token = await failure(bad.generate(greedy("ts-wrong-token"), call));
 
 const chat = await c.generate(
   chatRequest(sp.messages, {

@@ -138,3 +138,19 @@ def test_kept_alive_connection_outlives_the_header_deadline(gateway):
         t0 = time.monotonic()
         assert _closed_within(s, KEEP_ALIVE_S + SLACK_S)
         assert time.monotonic() - t0 >= KEEP_ALIVE_S - 0.2
+
+
+def test_headers_over_the_cap_are_400(gateway):
+    """Request line + headers still incomplete after --max-header-kb (16 KiB by default; h11's bound on what it
+    buffers): 400 in the OpenAI error shape, connection closed."""
+    with socket.create_connection(gateway, timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: ")
+        try:
+            for _ in range(20):  # 1 KiB pieces: the server buffers them, incomplete, until the cap
+                s.sendall(b"a" * 1024)
+                time.sleep(0.02)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # answered and closed before the last pieces
+        status, headers, body = read_response(s)
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body)["error"]["code"] == "invalid_http"
