@@ -55,7 +55,8 @@ clean:
 
 # --- client SDKs (clients/go, clients/ts; docs/api.md): `make test` runs sdk-check and the contract tests ---
 # sdk-setup: the Go toolchain from Debian (as root; apt-get) and clients/ts's pinned npm packages (buf, protoc-gen-es,
-# connect, typescript); sdk: build both clients; sdk-check: buf lint + breaking, generated code and docs up to date.
+# connect, typescript); sdk: build both clients; sdk-check: buf lint + breaking, generated code and docs up to date,
+# the Go client's unit tests (the three-language contract runs in pytest: tests/clients/test_contract.py).
 .PHONY: sdk-setup sdk sdk-check stubs release-api-image
 SDK_STAMP := build/.sdk-toolchain
 TS_STAMP := clients/ts/node_modules/.installed
@@ -95,6 +96,7 @@ sdk-check: sdk $(DEV_STAMP)
 	$(BUF) lint protos
 	$(BUF) breaking protos --against protos/released/pdserve-v1.json
 	$(BIN)/python scripts/gen_stubs.py --check
+	cd $(GO_SRC) && $(GO_ENV) go test ./...
 
 stubs: $(DEV_STAMP) $(TS_STAMP)
 	$(BIN)/python scripts/gen_stubs.py

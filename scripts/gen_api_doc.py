@@ -95,8 +95,12 @@ def comments(fd: descriptor_pb2.FileDescriptorProto) -> dict[tuple[int, ...], st
     return out
 
 
-def field_type(f: descriptor_pb2.FieldDescriptorProto) -> str:
+def field_type(f: descriptor_pb2.FieldDescriptorProto, msg: descriptor_pb2.DescriptorProto) -> str:
     t = f.type_name.rsplit(".", 1)[-1] if f.type_name else TYPES[f.type]
+    entry = next((n for n in msg.nested_type if n.name == t and n.options.map_entry), None)
+    if entry is not None:  # map<K, V> is a repeated nested *Entry message on the wire
+        key, value = entry.field
+        return f"map<{field_type(key, entry)}, {field_type(value, entry)}>"
     if f.label == F.LABEL_REPEATED:
         return f"repeated {t}"
     return f"optional {t}" if f.proto3_optional else t
@@ -122,7 +126,7 @@ def render(fd: descriptor_pb2.FileDescriptorProto) -> str:
             in_oneof = f.HasField("oneof_index") and not f.proto3_optional
             oneof = f" (oneof `{msg.oneof_decl[f.oneof_index].name}`)" if in_oneof else ""
             text = doc.get((4, mi, 2, fi), "").replace("|", "\\|")
-            lines.append(f"| `{f.name}` | {f.number} | {field_type(f)}{oneof} | {text} |")
+            lines.append(f"| `{f.name}` | {f.number} | `{field_type(f, msg)}`{oneof} | {text} |")
         lines.append("")
     lines += ["## Enums", ""]
     for ei, enum in enumerate(fd.enum_type):

@@ -8,6 +8,7 @@
         reply = c.chat([{"role": "user", "content": "hi"}])  # rendered with the model's chat template
         for chunk in c.chat(messages, stream=True): ...
         scored = c.generate(prompt="2+2=", logprobs=True, top_logprobs=5, prompt_logprobs=True)
+        typed = c.generate(prompt="Name: ", json_schema={"type": "object", ...}, frequency_penalty=0.5)
 
 Defaults: max_tokens unset is 16 for prompt= / token_ids= and "until EOS or the context ends" for messages= (the
 OpenAI defaults of /v1/completions and /v1/chat/completions); temperature / top_p / top_k unset are the served
@@ -31,6 +32,7 @@ add a client certificate.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -142,7 +144,20 @@ def build_request(
     prompt_logprobs: bool = False,
     max_reasoning_tokens: int | None = None,
     split_reasoning: bool | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int | None = None,
+    json_schema: dict | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    stream_usage: bool = False,
 ) -> generate_pb2.GenerateRequest:
+    """The GenerateRequest of these arguments. Structured output: at most one of `json_schema` (a dict or its JSON
+    text), `json_object`, `regex`, `choice`, `grammar` (EBNF). `stream_usage`: running usage on every chunk."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("pass exactly one of prompt=, token_ids= or messages=")
     s = generate_pb2.SamplingParams(
@@ -152,6 +167,7 @@ def build_request(
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         prompt_logprobs=prompt_logprobs,
+        logit_bias=dict(logit_bias or {}),
     )
     for name, value in (
         ("max_tokens", max_tokens),
@@ -160,10 +176,19 @@ def build_request(
         ("top_k", top_k),
         ("seed", seed),
         ("max_reasoning_tokens", max_reasoning_tokens),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("repetition_penalty", repetition_penalty),
+        ("min_tokens", min_tokens),
     ):
         if value is not None:
             setattr(s, name, value)
-    req = generate_pb2.GenerateRequest(request_id=request_id or "", sampling=s, priority=_PRIORITY[priority])
+    structured = _structured(json_schema, json_object, regex, choice, grammar)
+    if structured is not None:
+        s.structured.CopyFrom(structured)
+    req = generate_pb2.GenerateRequest(
+        request_id=request_id or "", sampling=s, priority=_PRIORITY[priority], stream_usage=stream_usage
+    )
     if split_reasoning is not None:
         req.split_reasoning = split_reasoning
     if prompt is not None:
@@ -173,6 +198,30 @@ def build_request(
     else:
         req.token_ids.ids.extend(token_ids)
     return req
+
+
+def _structured(
+    json_schema: dict | str | None,
+    json_object: bool,
+    regex: str | None,
+    choice: Sequence[str] | None,
+    grammar: str | None,
+) -> generate_pb2.StructuredOutput | None:
+    given = [json_schema is not None, json_object, regex is not None, choice is not None, grammar is not None]
+    if sum(given) > 1:
+        raise ValueError("pass at most one of json_schema=, json_object=, regex=, choice= or grammar=")
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        return generate_pb2.StructuredOutput(json_schema=text)
+    if json_object:
+        return generate_pb2.StructuredOutput(json_object=True)
+    if regex is not None:
+        return generate_pb2.StructuredOutput(regex=regex)
+    if choice is not None:
+        return generate_pb2.StructuredOutput(choice=generate_pb2.ChoiceList(choices=list(choice)))
+    if grammar is not None:
+        return generate_pb2.StructuredOutput(grammar=grammar)
+    return None
 
 
 def _logprobs(msg) -> list[TokenLogprob] | None:
@@ -201,7 +250,9 @@ def _chunk(msg: generate_pb2.GenerateStreamResponse) -> CompletionChunk:
         text=msg.text,
         finish_reason=_FINISH.get(msg.finish_reason) if last else None,
         stop_reason=msg.stop_reason,
-        usage=Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens) if last else None,
+        usage=Usage(msg.usage.prompt_tokens, msg.usage.cached_tokens, msg.usage.completion_tokens)
+        if last or msg.HasField("usage")  # stream_usage: on every chunk
+        else None,
         ttft_ms=msg.timing.ttft_ms if msg.HasField("timing") and msg.timing.ttft_ms else None,
         reasoning_text=msg.reasoning_text,
         logprobs=_logprobs(msg),

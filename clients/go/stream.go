@@ -6,7 +6,6 @@ import (
 	"time"
 
 	pb "github.com/pdserve/pdserve/clients/go/gen/pdserve/v1"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 )
 
@@ -101,5 +100,3 @@ func (s *Stream) Collect() (*pb.GenerateResponse, error) {
 		}
 	}
 }
-
-var _ grpc.ClientStream = (pb.Generation_GenerateStreamClient)(nil)

@@ -148,8 +148,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             done = yield from self._take(rx, call, early)
             rx.finish(done)
             self.telemetry.metrics.kv_bytes.inc(rx.pages.bytes_received)
-            attrs = {"pdserve.kv.pages": done.num_pages, "pdserve.kv.bytes": rx.pages.bytes_received}
-            attrs |= {"pdserve.kv.transport": rx.transport, "pdserve.cached_tokens": done.cached_tokens}
+            attrs: dict[str, int | str] = {"pdserve.kv.pages": done.num_pages, "pdserve.kv.transport": rx.transport}
+            attrs |= {"pdserve.kv.bytes": rx.pages.bytes_received, "pdserve.cached_tokens": done.cached_tokens}
             req.end_child(span, ok=True, attributes={**attrs, "pdserve.first_token_id": done.first_token_id})
             return done
         except grpc.RpcError as e:

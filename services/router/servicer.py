@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -183,7 +183,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             s = copy
         params = sampling_from_proto(s, self.max_model_len - num_prompt_tokens)
         try:
-            params.validate(self.max_model_len)
+            params.validate(self.max_model_len, self.vocab_size)
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return params.max_tokens
@@ -305,7 +305,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 if not context.add_callback(call.cancel):  # the RPC already ended
                     call.cancel()
                 try:
-                    yield from shaper.shape(relay(call, label, progress, self._hooks(job, plan, req)))
+                    chunks = shaper.shape(relay(call, label, progress, self._hooks(job, plan, req)))
+                    yield from running_usage(chunks, len(ids), progress) if request.stream_usage else chunks
                     return
                 except grpc.RpcError as e:
                     decision = after_failure(
@@ -414,6 +415,17 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
 
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         return merge_chunks(self.GenerateStream(request, context))
+
+
+def running_usage(
+    chunks: Iterator[generate_pb2.GenerateStreamResponse], prompt_tokens: int, progress: Progress
+) -> Iterator[generate_pb2.GenerateStreamResponse]:
+    """`stream_usage`: the running usage on every chunk before the last (which carries the engine's own)."""
+    for chunk in chunks:
+        if not chunk.finish_reason:
+            chunk.usage.prompt_tokens = prompt_tokens
+            chunk.usage.completion_tokens = len(progress.tokens)  # the caller's count, across failover attempts
+        yield chunk
 
 
 def add_generation_servicer(servicer: RouterServicer, server: grpc.Server) -> None:

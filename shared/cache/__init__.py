@@ -8,7 +8,22 @@ breaker.py (circuit breaker), stats.py (counters), prompt_cache.py (PromptCache,
 private redis-server launcher for tests lives in pdserve.testing.
 """
 
-from pdserve.cache.keys import CacheNamespace
-from pdserve.cache.prompt_cache import CacheLookup, PromptCache, build_prompt_cache
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.cache.keys import CacheNamespace
+    from pdserve.cache.prompt_cache import CacheLookup, PromptCache, build_prompt_cache
 
 __all__ = ["CacheNamespace", "CacheLookup", "PromptCache", "build_prompt_cache"]
+_HOMES = {"CacheNamespace": "keys", "CacheLookup": "prompt_cache", "PromptCache": "prompt_cache"}
+
+
+def __getattr__(name: str) -> Any:
+    """The names above, imported on first use: `pdserve.cache.value_auth` alone (what `pdserve up` needs) then
+    loads without torch."""
+    if name in __all__:
+        return getattr(importlib.import_module(f"pdserve.cache.{_HOMES.get(name, 'prompt_cache')}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 # torch is imported where it is used: processes that only read engine settings (`pdserve up`, the router) stay
 # without it (about 200 MB of RSS each)
 
-CPU_KV_CACHE_BYTES = 256 << 20  # CPU, kv_cache_memory "auto": the pool is allocated up front; small suits a demo
+CPU_KV_CACHE_BYTES = 128 << 20  # CPU, kv_cache_memory "auto": the pool is allocated up front; small suits a demo
 
 
 @dataclass
@@ -31,7 +31,7 @@ class EngineConfig:
     num_pages: int = opt(0, "KV pool pages (0 = sized by --kv-cache-memory); overrides --kv-cache-memory")
     kv_cache_memory: str = opt(
         "auto",
-        "KV pool memory, reserved at start: a size such as 512MiB or 2GiB, or auto: on CPU 256MiB (capped at "
+        "KV pool memory, reserved at start: a size such as 512MiB or 2GiB, or auto: on CPU 128MiB (capped at "
         "--max-num-seqs full-length sequences), on a GPU what --gpu-memory-utilization leaves after the weights",
     )
     max_num_seqs: int = opt(64, "largest decode batch / sequences admitted at once")

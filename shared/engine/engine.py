@@ -26,6 +26,7 @@ from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams, TokenLogprob
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
+from pdserve.engine.structured import StructuredCompiler
 from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import CachedUpload, PagePayload
@@ -79,6 +80,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}  # live requests, incl. finished prefill-only ones holding pages
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
         self._arrival = itertools.count()
+        self._structured: StructuredCompiler | None = None  # built on the first structured-output request
         self._inflight: _InflightDecode | None = None  # overlap_decode: a launched decode step not processed yet
         mode = cfg.overlap_decode
         self._overlap = mode == "on" or (mode == "auto" and self.runner.graph_runner is not None)
@@ -159,6 +161,7 @@ class LLMEngine:
             if r.sampled_before < 0 or r.sampled_before >= seq.num_prompt_tokens:
                 raise InvalidRequest(f"sampled_before {r.sampled_before} outside [0, {seq.num_prompt_tokens})")
             self.runner.skip_draws(r.request_id, r.sampled_before)
+            seq.num_prior_output_tokens = r.sampled_before
             if r.resumed_tokens:
                 if r.sampled_before or r.cached_pages or r.prefill_only:
                     raise InvalidRequest("resumed_tokens excludes sampled_before, cached_pages and prefill_only")
@@ -179,6 +182,8 @@ class LLMEngine:
                         f"prefix_keys: at most one non-empty key per full prompt page, got {len(r.prefix_keys)}"
                     )
                 seq.prefix_keys = list(r.prefix_keys)
+            if seq.grammar is not None:  # a resume continues the structured output where it was
+                seq.grammar.replay(seq.output_token_ids())
         except Exception:
             self.runner.drop_request(r.request_id)
             raise
@@ -192,7 +197,7 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kw) -> Sequence:
         if request_id in self._seqs:
             raise DuplicateRequest(f"duplicate request id {request_id!r}")
-        sampling.validate(self.max_model_len)
+        sampling.validate(self.max_model_len, self.model_config.vocab_size)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise InvalidRequest("prompt_token_ids is empty")
@@ -210,6 +215,12 @@ class LLMEngine:
                     "max_reasoning_tokens needs a reasoning model: this tokenizer has no <think>/</think> tokens"
                 )
             reasoning = ReasoningBudget.for_prompt(self.think_tags, sampling.max_reasoning_tokens, ids)
+        grammar = None
+        if sampling.structured is not None:
+            if self._structured is None:
+                mc = self.model_config
+                self._structured = StructuredCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
+            grammar = self._structured.matcher(sampling.structured)
         self.runner.add_request(request_id, sampling)
         return Sequence(
             request_id,
@@ -219,6 +230,7 @@ class LLMEngine:
             arrival=next(self._arrival),
             max_model_len=self.max_model_len,
             reasoning=reasoning,
+            grammar=grammar,
             **kw,
         )
 
@@ -412,6 +424,7 @@ class LLMEngine:
             if (
                 not sp.greedy
                 or sp.wants_logprobs
+                or sp.processes_logits
                 or s.forced_token_ids is not None
                 or s.reasoning is not None
                 or s.num_computed_tokens > limit

@@ -28,6 +28,7 @@ from pdserve.engine.cuda_graphs import GRAPH_BACKENDS, graph_context, make_decod
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import ModelConfig
+from pdserve.engine.logits_processors import LogitsPlan
 from pdserve.engine.model import load_model
 from pdserve.engine.sampling import (
     SamplingParams,
@@ -109,6 +110,7 @@ class ModelRunner:
         )
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)  # seeds of requests without one
         self._generators: dict[str, torch.Generator] = {}  # sampled (non-greedy) live requests
+        self._eos_token_ids = list(mc.eos_token_ids)  # banned before a request's min_tokens
 
     # ---- sizing ------------------------------------------------------------------------------------------
     @property
@@ -322,6 +324,8 @@ class ModelRunner:
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend
             )  # [T, hidden]
+        # penalties / bias / grammar masks of the sampled rows, built on the host while the device runs the step
+        plan = LogitsPlan.build([seqs[i] for i in sample_rows], self.model_config.vocab_size, self._eos_token_ids)
         prompt_lps = {} if graph_logits is not None else self._prompt_logprobs(seqs, num_new_tokens, hidden)
         if not sample_rows:
             return {}, {}, {}, prompt_lps
@@ -334,13 +338,19 @@ class ModelRunner:
             last = list(itertools.accumulate(num_new_tokens))
             logits = self.model.compute_logits(hidden[[last[i] - 1 for i in sample_rows]])  # [S, V] float32
             greedy = logits.argmax(dim=-1).tolist()
+        draw_logits = logits  # what the draws see; `logits` stays the model's (logprobs, return_logits)
+        if plan is not None:
+            if graph_logits is not None and len(sample_rows) != len(seqs):
+                logits = logits[sample_rows]
+            draw_logits = plan.apply(logits)  # [S, V]
+            greedy = draw_logits.argmax(dim=-1).tolist()
         tokens: dict[int, int] = {}
         rows: dict[int, torch.Tensor] = {}
         lps: dict[int, TokenLogprob] = {}
         for r, i in enumerate(sample_rows):
             seq = seqs[i]
             sp = seq.sampling
-            tokens[i] = greedy[r] if sp.greedy else sample(logits[r], sp, self._generators[seq.request_id])
+            tokens[i] = greedy[r] if sp.greedy else sample(draw_logits[r], sp, self._generators[seq.request_id])
             forced = seq.forced_token()
             if forced is not None:
                 tokens[i] = forced

@@ -7,3 +7,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # OpenAI's ceiling on logit_bias entries
+MAX_REPETITION_PENALTY = 2.0
+MAX_STRUCTURED_CHARS = 65536  # a JSON schema / regex / grammar / choice list, in characters
+MAX_CHOICES = 256

@@ -11,7 +11,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.request_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from pdserve.engine.request_limits import (
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
+from pdserve.engine.structured_spec import StructuredSpec
 from pdserve.errors import InvalidRequest
 
 
@@ -38,13 +46,29 @@ class SamplingParams:
     top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS alternatives per generated token (implies logprobs)
     prompt_logprobs: bool = False  # log P(prompt[i] | prompt[:i]) for i >= 1, computed at prefill
     max_reasoning_tokens: int | None = None  # force the think close tag after this many reasoning tokens
+    presence_penalty: float = 0.0  # [-2, 2]: logit -= p for each token generated at least once
+    frequency_penalty: float = 0.0  # [-2, 2]: logit -= p * times generated
+    repetition_penalty: float = 1.0  # (0, 2]: a prompt / generated token's logit l -> l / p if l > 0 else l * p
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100] added to its logit
+    min_tokens: int = 0  # EOS / stop_token_ids masked and stop strings unmatched before this many tokens
+    structured: StructuredSpec | None = None  # constrained decoding (pdserve.engine.structured)
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
-    def validate(self, max_model_len: int | None = None) -> None:
-        """Raise ValueError(reason) for values the engine cannot honour."""
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before drawing (penalties, bias, min_tokens,
+        structured output); requests without any cost nothing."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
+
+    def validate(self, max_model_len: int | None = None, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequest(reason) for values the engine cannot honour."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if max_model_len is not None and self.max_tokens > max_model_len:
@@ -75,6 +99,26 @@ class SamplingParams:
         budget = self.max_reasoning_tokens
         if budget is not None and not (isinstance(budget, int) and budget >= 0):
             raise InvalidRequest(f"max_reasoning_tokens must be an integer >= 0, got {budget!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # also rejects NaN
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries: at most {MAX_LOGIT_BIAS}")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise InvalidRequest(f"logit_bias token id {t!r} outside the vocabulary [0, {vocab_size})")
+            if not -100.0 <= b <= 100.0:
+                raise InvalidRequest(f"logit_bias[{t}] must be in [-100, 100], got {b}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if self.structured is not None:
+            self.structured.validate()
 
     @property
     def greedy(self) -> bool:

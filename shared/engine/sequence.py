@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.reasoning_budget import ReasoningBudget
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.structured import GrammarState
 from pdserve.kv.payload import CachedUpload, PagePayload
 
 
@@ -86,6 +87,8 @@ class Sequence:
     cached_upload: CachedUpload | None = None  # ... until `LLMEngine.take_cached_upload` takes it
     num_shared_pages: int = 0  # leading pages taken at admission from the pool's registered prefixes
     shared_pages_reported: bool = True  # prefill-only: the shared pages went out in a `ready_pages` already
+    num_prior_output_tokens: int = 0  # the prompt's last tokens were generated elsewhere (`sampled_before`)
+    grammar: GrammarState | None = None  # sampling.structured: the matcher, fed every appended token
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
@@ -103,6 +106,16 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated for this request so far, those sampled elsewhere before a resume included."""
+        return self.num_prior_output_tokens + len(self.completion_token_ids)
+
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (penalties count them): sampled elsewhere, then here."""
+        prior = self.prompt_token_ids[len(self.prompt_token_ids) - self.num_prior_output_tokens :]
+        return prior + self.completion_token_ids
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) of prompt + completion, without copying the whole history."""
@@ -129,19 +142,23 @@ class Sequence:
     def append_token(self, token_id: int, eos_token_ids: list[int]) -> str:
         """Append a generated token, apply stop conditions, and return the text delta safe to emit.
 
-        Order: stop token / EOS (token's text not emitted) -> detokenize + stop strings (text truncated before
+        Order: stop token / EOS (token's text not emitted; none before `min_tokens` tokens, unless a structured
+        output is complete) -> detokenize + stop strings (text truncated before
         the stop string) -> max_tokens / context length. Text that might be the start of a stop string is
         held back until it is disambiguated; it is flushed when the sequence finishes for another reason."""
         self.completion_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         sp = self.sampling
-        if token_id in sp.stop_token_ids:
+        may_stop = self.num_output_tokens >= sp.min_tokens or (self.grammar is not None and self.grammar.terminated)
+        if may_stop and token_id in sp.stop_token_ids:
             return self._finish("stop", f"token:{token_id}")
-        if not sp.ignore_eos and token_id in eos_token_ids:
+        if may_stop and not sp.ignore_eos and token_id in eos_token_ids:
             return self._finish("stop", "eos")
         if self.detokenizer is not None:
             prev_len = len(self.text)
             self.text += self.detokenizer.add(token_id)
-            if sp.stop:
+            if sp.stop and may_stop:
                 hit = self._find_stop(prev_len)
                 if hit is not None:
                     idx, s = hit

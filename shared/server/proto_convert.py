@@ -14,13 +14,15 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from pdserve.engine.sampling import SamplingParams, TokenLogprob
+from pdserve.engine.structured_spec import StructuredSpec
 from pdserve.models.generation_config import GenerationDefaults
 from pdserve.v1 import generate_pb2
 
 
 def sampling_from_proto(msg: generate_pb2.SamplingParams, max_new_tokens: int | None = None) -> SamplingParams:
     """Unset fields take SamplingParams' defaults. A valid max_tokens is clamped to `max_new_tokens` (the context
-    left after the prompt, at least 1); an invalid one is kept as sent so that `validate` names it."""
+    left after the prompt, at least 1), a valid min_tokens with it; an invalid one is kept as sent so that `validate`
+    names it."""
     params = SamplingParams()
     if msg.HasField("max_tokens"):
         params.max_tokens = msg.max_tokens
@@ -40,9 +42,28 @@ def sampling_from_proto(msg: generate_pb2.SamplingParams, max_new_tokens: int | 
     params.prompt_logprobs = msg.prompt_logprobs
     if msg.HasField("max_reasoning_tokens"):
         params.max_reasoning_tokens = msg.max_reasoning_tokens
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if msg.HasField(name):
+            setattr(params, name, getattr(msg, name))
+    params.logit_bias = dict(msg.logit_bias)
+    if msg.HasField("structured"):
+        params.structured = structured_from_proto(msg.structured)
     if max_new_tokens is not None and params.max_tokens > 0:
+        asked = params.max_tokens
         params.max_tokens = min(params.max_tokens, max(1, max_new_tokens))
+        if 0 <= params.min_tokens <= asked:  # a valid min_tokens follows max_tokens down to the context left
+            params.min_tokens = min(params.min_tokens, params.max_tokens)
     return params
+
+
+def structured_from_proto(msg: generate_pb2.StructuredOutput) -> StructuredSpec:
+    """The spec of a StructuredOutput message (`kind` "" when none of its fields is set: `validate` names it)."""
+    kind = msg.WhichOneof("kind") or ""
+    if kind == "choice":
+        return StructuredSpec(kind, choices=tuple(msg.choice.choices))
+    if kind == "json_object":  # false is the same as unset
+        return StructuredSpec(kind if msg.json_object else "")
+    return StructuredSpec(kind, getattr(msg, kind) if kind else "")
 
 
 def with_model_defaults(msg: generate_pb2.SamplingParams, defaults: GenerationDefaults) -> generate_pb2.SamplingParams:

@@ -40,6 +40,8 @@ export interface ClientOptions {
   timeoutMs?: number; // default deadline of each call, retries included
   tlsCa?: string | Buffer; // PEM path or bytes: TLS verified against this CA
   tls?: boolean; // TLS with the system roots
+  tlsCert?: string | Buffer; // PEM path or bytes: a client certificate (with tlsKey)
+  tlsKey?: string | Buffer;
   retry?: RetryPolicy | false; // false: never retry
   headers?: Record<string, string>; // extra metadata on every call
 }
@@ -99,11 +101,13 @@ export class PdserveClient {
   retries = 0; // RESOURCE_EXHAUSTED retried so far (all calls)
 
   constructor(target: string, opts: ClientOptions = {}) {
-    const ca = typeof opts.tlsCa === "string" ? readFileSync(opts.tlsCa) : opts.tlsCa;
-    const secure = opts.tls || ca !== undefined;
+    const pem = (v?: string | Buffer) => (typeof v === "string" ? readFileSync(v) : v);
+    const [ca, cert, key] = [pem(opts.tlsCa), pem(opts.tlsCert), pem(opts.tlsKey)];
+    if ((cert === undefined) !== (key === undefined)) throw new Error("tlsCert and tlsKey go together");
+    const secure = opts.tls || ca !== undefined || cert !== undefined;
     const transport = createGrpcTransport({
       baseUrl: `${secure ? "https" : "http"}://${target}`,
-      nodeOptions: ca ? { ca } : {},
+      nodeOptions: { ca, cert, key },
       readMaxBytes: 64 << 20,
     });
     this.client = createClient(Generation, transport);

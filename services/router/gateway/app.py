@@ -192,7 +192,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         else:
             inputs = protocol.completion_input(body)
             lp_args, echo = logprobs.completion_logprob_args(body, prompt_is_text="prompt" in inputs)
-        kw = {**inputs, **protocol.sampling_args(body), **lp_args}
+        kw = {**inputs, **protocol.sampling_args(body, chat), **lp_args}
         prompt_text = inputs["prompt"] if echo and "prompt" in inputs else None
         shape = _Shape(chat, bool(lp_args.get("logprobs")), prompt_text, echo)
         stream, include_usage = protocol.stream_flags(body)
@@ -211,7 +211,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             await chunks.aclose()
             raise
         return StreamingResponse(
-            _events(chunks, first, oid, shape, include_usage, aliases),
+            _events(chunks, first, oid, shape, include_usage, aliases, bool(kw.get("stream_usage"))),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -223,6 +223,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         shape: _Shape,
         include_usage: bool,
         aliases: dict[str, str],
+        continuous_usage: bool = False,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = cfg.model_name
@@ -241,7 +242,14 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 if text or chunk.reasoning_text or lps:
                     yield _sse(
                         protocol.chunk_json(
-                            oid, model, created, chat, text, logprobs=lps, reasoning=chunk.reasoning_text
+                            oid,
+                            model,
+                            created,
+                            chat,
+                            text,
+                            logprobs=lps,
+                            reasoning=chunk.reasoning_text,
+                            usage=chunk.usage if continuous_usage else None,
                         )
                     )
                     sent += len(text)
@@ -249,7 +257,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                     usage = chunk.usage
                     yield _sse(
                         protocol.chunk_json(
-                            oid, model, created, chat, None if chat else "", finish_reason=chunk.finish_reason
+                            oid,
+                            model,
+                            created,
+                            chat,
+                            None if chat else "",
+                            finish_reason=chunk.finish_reason,
+                            usage=chunk.usage if continuous_usage else None,
                         )
                     )
                 chunk = await anext(chunks, None)

@@ -74,3 +74,41 @@ def token_ids(prompt: list, param: str = "prompt") -> list[int]:
             message = f"'{param}' token ids must be in [0, {INT32_MAX}], got {short(t)}"
             raise APIError(400, message, param=param, code="invalid_value")
     return prompt
+
+
+def token_bias(body: dict, name: str = "logit_bias", limit: int = 300) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: {"<token id>": bias in [-100, 100]}, at most `limit` entries (ids as strings, or
+    ints), as {id: bias}; None when absent."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise APIError(400, f"'{name}' must be an object of token id -> bias", param=name, code="invalid_type")
+    if len(v) > limit:
+        raise APIError(400, f"'{name}' has {len(v)} entries: at most {limit}", param=name, code="invalid_value")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        try:
+            t = int(key)
+        except ValueError:
+            t = -1
+        if not 0 <= t <= INT32_MAX:
+            message = f"'{name}' keys must be token ids in [0, {INT32_MAX}], got {short(key)}"
+            raise APIError(400, message, param=name, code="invalid_value")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            message = f"'{name}' values must be numbers in [-100, 100], got {short(bias)}"
+            raise APIError(400, message, param=name, code="invalid_value")
+        out[t] = float(bias)
+    return out
+
+
+def token_id_list(body: dict, name: str, limit: int) -> list[int] | None:
+    """A list of at most `limit` token ids in [0, 2^31), None when absent."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(_is_number(t) and isinstance(t, int) for t in v):
+        raise APIError(400, f"'{name}' must be a list of token ids", param=name, code="invalid_type")
+    if len(v) > limit:
+        raise APIError(400, f"'{name}' takes at most {limit} token ids", param=name, code="invalid_value")
+    return token_ids(v, name)

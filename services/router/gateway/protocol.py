@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from pdserve.client import Completion, Usage
+from pdserve.engine.request_limits import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS
 from pdserve.router.gateway import fields
 from pdserve.router.gateway.errors import APIError
 from pdserve.router.gateway.fields import INT32_MAX
@@ -25,12 +26,35 @@ from pdserve.router.gateway.fields import INT32_MAX
 MAX_STOP = 4
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
 # parameters accepted only at their no-op value: name -> (that value, OpenAI's range)
-NEUTRAL = {"n": (1, 1, 128), "best_of": (1, 1, 20), "presence_penalty": (0, -2, 2), "frequency_penalty": (0, -2, 2)}
-UNSUPPORTED = ("logit_bias", "tools", "functions", "tool_choice", "function_call", "response_format", "suffix")
+NEUTRAL = {"n": (1, 1, 128), "best_of": (1, 1, 20)}
+UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "suffix")
+# every field a body may have; any other is a 400 naming it (OpenAI's "Unrecognized request argument")
+COMMON_FIELDS = {
+    "model", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format",
+    *NEUTRAL, *UNSUPPORTED,
+    # pdserve and vLLM extensions
+    "max_reasoning_tokens", "top_k", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+}  # fmt: skip
+CHAT_FIELDS = {"messages", "top_logprobs"}
+COMPLETION_FIELDS = {"prompt", "echo"}
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def sampling_args(body: dict) -> dict:
-    """The SDK keyword arguments (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`) of an OpenAI body."""
+def check_fields(body: dict, chat: bool) -> None:
+    """A 400 naming the first field this endpoint does not know (never silently ignored)."""
+    known = COMMON_FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    for name in body:
+        if name not in known:
+            message = f"Unrecognized request argument supplied: {fields.short(name)}"
+            raise APIError(400, message, param=str(name)[:60], code="unknown_parameter")
+
+
+def sampling_args(body: dict, chat: bool) -> dict:
+    """The SDK keyword arguments of an OpenAI body's sampling fields (`check_fields` first: every other field is
+    refused)."""
+    check_fields(body, chat)
     for name, (neutral, lo, hi) in NEUTRAL.items():
         fields.neutral_only(body, name, neutral, lo, hi)
     for name in UNSUPPORTED:
@@ -46,14 +70,95 @@ def sampling_args(body: dict) -> dict:
         raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
     if stop is not None and len(stop) > MAX_STOP:
         raise APIError(400, f"'stop' takes at most {MAX_STOP} strings", param="stop")
-    return dict(
+    top_k = fields.integer(body, "top_k", -1, INT32_MAX)  # vLLM's -1 is off, as 0
+    repetition_penalty = fields.number(body, "repetition_penalty", 0, MAX_REPETITION_PENALTY)
+    if repetition_penalty == 0:
+        raise APIError(400, "'repetition_penalty' must be > 0", param="repetition_penalty", code="invalid_value")
+    min_tokens = fields.integer(body, "min_tokens", 0, INT32_MAX)
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        message = f"'min_tokens' {min_tokens} exceeds max_tokens {max_tokens}"
+        raise APIError(400, message, param="min_tokens", code="invalid_value")
+    args = dict(
         max_tokens=max_tokens,
         temperature=fields.number(body, "temperature", 0, 2),
         top_p=fields.number(body, "top_p", 0, 1),
+        top_k=None if top_k is None else max(top_k, 0),
         seed=fields.seed(body),
         stop=stop or None,
+        stop_token_ids=fields.token_id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
+        ignore_eos=bool(fields.boolean(body, "ignore_eos")),
         max_reasoning_tokens=fields.integer(body, "max_reasoning_tokens", 0, INT32_MAX),  # pdserve extension
+        presence_penalty=fields.number(body, "presence_penalty", -2, 2),
+        frequency_penalty=fields.number(body, "frequency_penalty", -2, 2),
+        repetition_penalty=repetition_penalty,
+        logit_bias=fields.token_bias(body, limit=MAX_LOGIT_BIAS),
+        min_tokens=min_tokens,
+        **structured_args(body),
     )
+    if continuous_usage(body):
+        args["stream_usage"] = True
+    return args
+
+
+def structured_args(body: dict) -> dict:
+    """The SDK's structured-output argument from `response_format` (OpenAI: text, json_object, json_schema) or
+    vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (at most one of them all)."""
+    rf = body.get("response_format")
+    plain = isinstance(rf, dict) and rf.get("type") == "text"  # no constraint: combines with the others
+    given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    if plain and len(given) > 1:
+        _response_format(rf)  # still checked
+        given.remove("response_format")
+    if len(given) > 1:
+        raise APIError(400, f"'{given[1]}' cannot be combined with '{given[0]}'", param=given[1])
+    if not given:
+        return {}
+    name = given[0]
+    v = body[name]
+    if name == "response_format":
+        return _response_format(v)
+    kind = GUIDED[name]
+    if kind == "json_schema" and isinstance(v, (dict, str)):
+        return {"json_schema": v}
+    if kind == "choice" and isinstance(v, list) and v and all(isinstance(c, str) and c for c in v):
+        return {"choice": v}
+    if kind in ("regex", "grammar") and isinstance(v, str) and v:
+        return {kind: v}
+    want = {"json_schema": "a JSON schema", "choice": "a list of non-empty strings"}.get(kind, "a non-empty string")
+    raise APIError(400, f"'{name}' must be {want}", param=name, code="invalid_type")
+
+
+def _response_format(v: object) -> dict:
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        message = "'response_format' must be an object with 'type' text, json_object or json_schema"
+        raise APIError(400, message, param="response_format", code="invalid_value")
+    if v["type"] == "text":
+        return {}
+    if v["type"] == "json_object":
+        return {"json_object": True}
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+        message = "'response_format.json_schema' must be an object with a 'name' and a 'schema'"
+        raise APIError(400, message, param="response_format", code="invalid_value")
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI's schema is optional: any JSON object then
+        return {"json_object": True}
+    if not isinstance(schema, dict):
+        message = "'response_format.json_schema.schema' must be a JSON Schema object"
+        raise APIError(400, message, param="response_format", code="invalid_type")
+    return {"json_schema": schema}  # strict or not, the output follows the schema
+
+
+def continuous_usage(body: dict) -> bool:
+    """`stream_options.continuous_usage_stats` (vLLM's): usage on every streamed chunk."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict) or options.get("continuous_usage_stats") is None:
+        return False
+    v = options["continuous_usage_stats"]
+    if not isinstance(v, bool):
+        message = "'stream_options.continuous_usage_stats' must be a boolean"
+        raise APIError(400, message, param="stream_options", code="invalid_type")
+    return v
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
@@ -64,6 +169,11 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(options, dict):
         raise APIError(400, "'stream_options' must be an object", param="stream_options")
+    unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+    if unknown:
+        name = sorted(map(str, unknown))[0]
+        message = f"Unrecognized request argument supplied: stream_options.{fields.short(name)}"
+        raise APIError(400, message, param="stream_options", code="unknown_parameter")
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise APIError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
@@ -153,8 +263,10 @@ def chunk_json(
     role: bool = False,
     logprobs: dict | None = None,
     reasoning: str = "",
+    usage: Usage | None = None,
 ) -> dict:
-    """One streamed `chat.completion.chunk` / `text_completion` event with a single choice."""
+    """One streamed `chat.completion.chunk` / `text_completion` event with a single choice (`usage`: the running
+    usage, with `stream_options.continuous_usage_stats`)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -165,13 +277,16 @@ def chunk_json(
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    return {
+    out = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": model,
         "choices": [choice],
     }
+    if usage is not None:
+        out["usage"] = usage_json(usage)
+    return out
 
 
 def usage_chunk_json(rid: str, model: str, created: int, chat: bool, usage: Usage) -> dict:

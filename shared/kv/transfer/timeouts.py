@@ -46,7 +46,7 @@ class Watchdog:
     """Calls `on_expire` once (on its own thread) when `feed` has not been called for `timeout_s` seconds;
     `stop` ends it without calling. `expired` tells the caller why its blocked call was cancelled."""
 
-    def __init__(self, timeout_s: float, on_expire: Callable[[], None], name: str = "watchdog"):
+    def __init__(self, timeout_s: float, on_expire: Callable[[], object], name: str = "watchdog"):
         self.timeout_s = timeout_s
         self.expired = False
         self._on_expire = on_expire

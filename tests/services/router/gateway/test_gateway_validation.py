@@ -76,7 +76,28 @@ def _case_id(case) -> str:
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"presence_penalty": 3}, "presence_penalty"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),  # in range, but not supported
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
+        ({"stop_token_ids": "1"}, "stop_token_ids"),
+        ({"stream_options": {"continuous_usage_stats": 1}, "stream": True}, "stream_options"),
+        ({"stream_options": {"what": True}, "stream": True}, "stream_options"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"mystery": 1}, "mystery"),  # unknown: a 400 naming it, never silently ignored
+        ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),  # a chat field on /v1/completions
         ({"n": 3}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 2**31}, "max_tokens"),  # the gRPC API's int32
@@ -113,6 +134,8 @@ def test_completion_ranges(gateway, extra, param):
         ({"messages": [{"role": 1, "content": "x"}]}, "messages"),
         ({"messages": []}, "messages"),
         ({"temperature": 2.5}, "temperature"),
+        ({"echo": True}, "echo"),  # a completions field on /v1/chat/completions
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
     ids=_case_id,
 )
@@ -142,6 +165,9 @@ def test_edges_of_the_ranges_are_accepted(gateway):
     for extra in (
         {"temperature": 2, "top_p": 1, "seed": -(2**63), "max_tokens": 2**31 - 1, "presence_penalty": 0.0},
         {"temperature": 0, "seed": 2**63 - 1, "n": 1, "logprobs": 20, "prompt": [0, 2**31 - 1]},
+        {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 2, "min_tokens": 0, "top_k": -1},
+        {"logit_bias": {"0": -100, str(2**31 - 1): 100}, "stop_token_ids": [0, 2**31 - 1], "ignore_eos": True},
+        {"response_format": {"type": "text"}, "user": "u", "guided_choice": ["a"]},
     ):
         status, answer = post(address, "/v1/completions", json.dumps({**COMPLETION, **extra}).encode())
         assert status == 200, answer

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file pdserve/v1/generate.proto.
  */
 export const file_pdserve_v1_generate: GenFile = /*@__PURE__*/
-  fileDesc("ChlwZHNlcnZlL3YxL2dlbmVyYXRlLnByb3RvEgpwZHNlcnZlLnYxIvECCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgFSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEQoEc2VlZBgFIAEoBEgEiAEBEgwKBHN0b3AYBiADKAkSFgoOc3RvcF90b2tlbl9pZHMYByADKAUSEgoKaWdub3JlX2VvcxgIIAEoCBIQCghsb2dwcm9icxgJIAEoCBIUCgx0b3BfbG9ncHJvYnMYCiABKAUSFwoPcHJvbXB0X2xvZ3Byb2JzGAsgASgIEiEKFG1heF9yZWFzb25pbmdfdG9rZW5zGAwgASgFSAWIAQFCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIICgZfdG9wX2tCBwoFX3NlZWRCFwoVX21heF9yZWFzb25pbmdfdG9rZW5zIj4KClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKAUSDwoHbG9ncHJvYhgCIAEoAhINCgV0b2tlbhgDIAEoCSJlCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKAUSDwoHbG9ncHJvYhgCIAEoAhIjCgN0b3AYAyADKAsyFi5wZHNlcnZlLnYxLlRvcExvZ3Byb2ISDQoFdG9rZW4YBCABKAkiMgoLVG9wTG9ncHJvYnMSIwoDdG9wGAEgAygLMhYucGRzZXJ2ZS52MS5Ub3BMb2dwcm9iImsKDlByb21wdExvZ3Byb2JzEhEKCXRva2VuX2lkcxgBIAMoBRIQCghsb2dwcm9icxgCIAMoAhIOCgZ0b2tlbnMYAyADKAkSJAoDdG9wGAQgAygLMhcucGRzZXJ2ZS52MS5Ub3BMb2dwcm9icyIXCghUb2tlbklkcxILCgNpZHMYASADKAUiLAoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJIp4CCg9HZW5lcmF0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIQCgZwcm9tcHQYAiABKAlIABIpCgl0b2tlbl9pZHMYAyABKAsyFC5wZHNlcnZlLnYxLlRva2VuSWRzSAASLAoIc2FtcGxpbmcYBCABKAsyGi5wZHNlcnZlLnYxLlNhbXBsaW5nUGFyYW1zEiYKCHByaW9yaXR5GAUgASgOMhQucGRzZXJ2ZS52MS5Qcmlvcml0eRIpCghtZXNzYWdlcxgGIAMoCzIXLnBkc2VydmUudjEuQ2hhdE1lc3NhZ2USHAoPc3BsaXRfcmVhc29uaW5nGAcgASgISAGIAQFCBwoFaW5wdXRCEgoQX3NwbGl0X3JlYXNvbmluZyJQCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhUKDWNhY2hlZF90b2tlbnMYAiABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAyABKA0iKwoGVGltaW5nEg8KB3R0ZnRfbXMYASABKAESEAoIdG90YWxfbXMYAiABKAEi0gIKFkdlbmVyYXRlU3RyZWFtUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKAUSDAoEdGV4dBgDIAEoCRIvCg1maW5pc2hfcmVhc29uGAQgASgOMhgucGRzZXJ2ZS52MS5GaW5pc2hSZWFzb24SEwoLc3RvcF9yZWFzb24YBSABKAkSIAoFdXNhZ2UYBiABKAsyES5wZHNlcnZlLnYxLlVzYWdlEiIKBnRpbWluZxgHIAEoCzISLnBkc2VydmUudjEuVGltaW5nEioKCGxvZ3Byb2JzGAggAygLMhgucGRzZXJ2ZS52MS5Ub2tlbkxvZ3Byb2ISMwoPcHJvbXB0X2xvZ3Byb2JzGAkgASgLMhoucGRzZXJ2ZS52MS5Qcm9tcHRMb2dwcm9icxIWCg5yZWFzb25pbmdfdGV4dBgKIAEoCSLMAgoQR2VuZXJhdGVSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEhEKCXRva2VuX2lkcxgCIAMoBRIMCgR0ZXh0GAMgASgJEi8KDWZpbmlzaF9yZWFzb24YBCABKA4yGC5wZHNlcnZlLnYxLkZpbmlzaFJlYXNvbhITCgtzdG9wX3JlYXNvbhgFIAEoCRIgCgV1c2FnZRgGIAEoCzIRLnBkc2VydmUudjEuVXNhZ2USIgoGdGltaW5nGAcgASgLMhIucGRzZXJ2ZS52MS5UaW1pbmcSKgoIbG9ncHJvYnMYCCADKAsyGC5wZHNlcnZlLnYxLlRva2VuTG9ncHJvYhIzCg9wcm9tcHRfbG9ncHJvYnMYCSABKAsyGi5wZHNlcnZlLnYxLlByb21wdExvZ3Byb2JzEhYKDnJlYXNvbmluZ190ZXh0GAogASgJKl4KCFByaW9yaXR5EhgKFFBSSU9SSVRZX1VOU1BFQ0lGSUVEEAASEAoMUFJJT1JJVFlfTE9XEAESEwoPUFJJT1JJVFlfTk9STUFMEAISEQoNUFJJT1JJVFlfSElHSBADKngKDEZpbmlzaFJlYXNvbhIdChlGSU5JU0hfUkVBU09OX1VOU1BFQ0lGSUVEEAASFgoSRklOSVNIX1JFQVNPTl9TVE9QEAESGAoURklOSVNIX1JFQVNPTl9MRU5HVEgQAhIXChNGSU5JU0hfUkVBU09OX0FCT1JUEAMyqAEKCkdlbmVyYXRpb24SRQoIR2VuZXJhdGUSGy5wZHNlcnZlLnYxLkdlbmVyYXRlUmVxdWVzdBocLnBkc2VydmUudjEuR2VuZXJhdGVSZXNwb25zZRJTCg5HZW5lcmF0ZVN0cmVhbRIbLnBkc2VydmUudjEuR2VuZXJhdGVSZXF1ZXN0GiIucGRzZXJ2ZS52MS5HZW5lcmF0ZVN0cmVhbVJlc3BvbnNlMAFCqAEKDmNvbS5wZHNlcnZlLnYxQg1HZW5lcmF0ZVByb3RvUAFaPmdpdGh1Yi5jb20vcGRzZXJ2ZS9wZHNlcnZlL2NsaWVudHMvZ28vZ2VuL3Bkc2VydmUvdjE7cGRzZXJ2ZXYxogIDUFhYqgIKUGRzZXJ2ZS5WMcoCClBkc2VydmVcVjHiAhZQZHNlcnZlXFYxXEdQQk1ldGFkYXRh6gILUGRzZXJ2ZTo6VjFiBnByb3RvMw");
+  fileDesc("ChlwZHNlcnZlL3YxL2dlbmVyYXRlLnByb3RvEgpwZHNlcnZlLnYxIt4FCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgFSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEQoEc2VlZBgFIAEoBEgEiAEBEgwKBHN0b3AYBiADKAkSFgoOc3RvcF90b2tlbl9pZHMYByADKAUSEgoKaWdub3JlX2VvcxgIIAEoCBIQCghsb2dwcm9icxgJIAEoCBIUCgx0b3BfbG9ncHJvYnMYCiABKAUSFwoPcHJvbXB0X2xvZ3Byb2JzGAsgASgIEiEKFG1heF9yZWFzb25pbmdfdG9rZW5zGAwgASgFSAWIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgNIAEoAkgGiAEBEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GA4gASgCSAeIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GA8gASgCSAiIAQESPQoKbG9naXRfYmlhcxgQIAMoCzIpLnBkc2VydmUudjEuU2FtcGxpbmdQYXJhbXMuTG9naXRCaWFzRW50cnkSFwoKbWluX3Rva2VucxgRIAEoBUgJiAEBEjAKCnN0cnVjdHVyZWQYEiABKAsyHC5wZHNlcnZlLnYxLlN0cnVjdHVyZWRPdXRwdXQaMAoOTG9naXRCaWFzRW50cnkSCwoDa2V5GAEgASgFEg0KBXZhbHVlGAIgASgCOgI4AUINCgtfbWF4X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQggKBl90b3Bfa0IHCgVfc2VlZEIXChVfbWF4X3JlYXNvbmluZ190b2tlbnNCEwoRX3ByZXNlbmNlX3BlbmFsdHlCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QhUKE19yZXBldGl0aW9uX3BlbmFsdHlCDQoLX21pbl90b2tlbnMilgEKEFN0cnVjdHVyZWRPdXRwdXQSFQoLanNvbl9zY2hlbWEYASABKAlIABIVCgtqc29uX29iamVjdBgCIAEoCEgAEg8KBXJlZ2V4GAMgASgJSAASKAoGY2hvaWNlGAQgASgLMhYucGRzZXJ2ZS52MS5DaG9pY2VMaXN0SAASEQoHZ3JhbW1hchgFIAEoCUgAQgYKBGtpbmQiHQoKQ2hvaWNlTGlzdBIPCgdjaG9pY2VzGAEgAygJIj4KClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKAUSDwoHbG9ncHJvYhgCIAEoAhINCgV0b2tlbhgDIAEoCSJlCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKAUSDwoHbG9ncHJvYhgCIAEoAhIjCgN0b3AYAyADKAsyFi5wZHNlcnZlLnYxLlRvcExvZ3Byb2ISDQoFdG9rZW4YBCABKAkiMgoLVG9wTG9ncHJvYnMSIwoDdG9wGAEgAygLMhYucGRzZXJ2ZS52MS5Ub3BMb2dwcm9iImsKDlByb21wdExvZ3Byb2JzEhEKCXRva2VuX2lkcxgBIAMoBRIQCghsb2dwcm9icxgCIAMoAhIOCgZ0b2tlbnMYAyADKAkSJAoDdG9wGAQgAygLMhcucGRzZXJ2ZS52MS5Ub3BMb2dwcm9icyIXCghUb2tlbklkcxILCgNpZHMYASADKAUiLAoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJIrQCCg9HZW5lcmF0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIQCgZwcm9tcHQYAiABKAlIABIpCgl0b2tlbl9pZHMYAyABKAsyFC5wZHNlcnZlLnYxLlRva2VuSWRzSAASLAoIc2FtcGxpbmcYBCABKAsyGi5wZHNlcnZlLnYxLlNhbXBsaW5nUGFyYW1zEiYKCHByaW9yaXR5GAUgASgOMhQucGRzZXJ2ZS52MS5Qcmlvcml0eRIpCghtZXNzYWdlcxgGIAMoCzIXLnBkc2VydmUudjEuQ2hhdE1lc3NhZ2USHAoPc3BsaXRfcmVhc29uaW5nGAcgASgISAGIAQESFAoMc3RyZWFtX3VzYWdlGAggASgIQgcKBWlucHV0QhIKEF9zcGxpdF9yZWFzb25pbmciUAoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIVCg1jYWNoZWRfdG9rZW5zGAIgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAMgASgNIisKBlRpbWluZxIPCgd0dGZ0X21zGAEgASgBEhAKCHRvdGFsX21zGAIgASgBItICChZHZW5lcmF0ZVN0cmVhbVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEgwKBHRleHQYAyABKAkSLwoNZmluaXNoX3JlYXNvbhgEIAEoDjIYLnBkc2VydmUudjEuRmluaXNoUmVhc29uEhMKC3N0b3BfcmVhc29uGAUgASgJEiAKBXVzYWdlGAYgASgLMhEucGRzZXJ2ZS52MS5Vc2FnZRIiCgZ0aW1pbmcYByABKAsyEi5wZHNlcnZlLnYxLlRpbWluZxIqCghsb2dwcm9icxgIIAMoCzIYLnBkc2VydmUudjEuVG9rZW5Mb2dwcm9iEjMKD3Byb21wdF9sb2dwcm9icxgJIAEoCzIaLnBkc2VydmUudjEuUHJvbXB0TG9ncHJvYnMSFgoOcmVhc29uaW5nX3RleHQYCiABKAkizAIKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKAUSDAoEdGV4dBgDIAEoCRIvCg1maW5pc2hfcmVhc29uGAQgASgOMhgucGRzZXJ2ZS52MS5GaW5pc2hSZWFzb24SEwoLc3RvcF9yZWFzb24YBSABKAkSIAoFdXNhZ2UYBiABKAsyES5wZHNlcnZlLnYxLlVzYWdlEiIKBnRpbWluZxgHIAEoCzISLnBkc2VydmUudjEuVGltaW5nEioKCGxvZ3Byb2JzGAggAygLMhgucGRzZXJ2ZS52MS5Ub2tlbkxvZ3Byb2ISMwoPcHJvbXB0X2xvZ3Byb2JzGAkgASgLMhoucGRzZXJ2ZS52MS5Qcm9tcHRMb2dwcm9icxIWCg5yZWFzb25pbmdfdGV4dBgKIAEoCSpeCghQcmlvcml0eRIYChRQUklPUklUWV9VTlNQRUNJRklFRBAAEhAKDFBSSU9SSVRZX0xPVxABEhMKD1BSSU9SSVRZX05PUk1BTBACEhEKDVBSSU9SSVRZX0hJR0gQAyp4CgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISFwoTRklOSVNIX1JFQVNPTl9BQk9SVBADMqgBCgpHZW5lcmF0aW9uEkUKCEdlbmVyYXRlEhsucGRzZXJ2ZS52MS5HZW5lcmF0ZVJlcXVlc3QaHC5wZHNlcnZlLnYxLkdlbmVyYXRlUmVzcG9uc2USUwoOR2VuZXJhdGVTdHJlYW0SGy5wZHNlcnZlLnYxLkdlbmVyYXRlUmVxdWVzdBoiLnBkc2VydmUudjEuR2VuZXJhdGVTdHJlYW1SZXNwb25zZTABQqgBCg5jb20ucGRzZXJ2ZS52MUINR2VuZXJhdGVQcm90b1ABWj5naXRodWIuY29tL3Bkc2VydmUvcGRzZXJ2ZS9jbGllbnRzL2dvL2dlbi9wZHNlcnZlL3YxO3Bkc2VydmV2MaICA1BYWKoCClBkc2VydmUuVjHKAgpQZHNlcnZlXFYx4gIWUGRzZXJ2ZVxWMVxHUEJNZXRhZGF0YeoCC1Bkc2VydmU6OlYxYgZwcm90bzM");
 
 /**
  * Sampling parameters. Unset optional fields take the documented default. temperature, top_p and top_k unset take
@@ -110,6 +110,52 @@ export type SamplingParams = Message<"pdserve.v1.SamplingParams"> & {
    * @generated from field: optional int32 max_reasoning_tokens = 12;
    */
   maxReasoningTokens?: number | undefined;
+
+  /**
+   * OpenAI's penalties on the tokens generated so far (those of a failover resume included), applied to the logits
+   * before temperature: logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0). Unset: 0 (off);
+   * each in [-2, 2].
+   *
+   * @generated from field: optional float presence_penalty = 13;
+   */
+  presencePenalty?: number | undefined;
+
+  /**
+   * @generated from field: optional float frequency_penalty = 14;
+   */
+  frequencyPenalty?: number | undefined;
+
+  /**
+   * The repetition penalty of HF transformers / vLLM over the prompt's and the generated tokens: a seen token's logit
+   * l becomes l / p when l > 0, else l * p. Unset: 1 (off); must be in (0, 2].
+   *
+   * @generated from field: optional float repetition_penalty = 15;
+   */
+  repetitionPenalty?: number | undefined;
+
+  /**
+   * Added to the logit of each listed token id before sampling (OpenAI semantics): each bias in [-100, 100]; -100
+   * in effect bans the token, +100 in effect forces it. At most 300 entries; ids must be in the vocabulary.
+   *
+   * @generated from field: map<int32, float> logit_bias = 16;
+   */
+  logitBias: { [key: number]: number };
+
+  /**
+   * Until this many tokens were generated, EOS and stop_token_ids are masked out and stop strings are not matched.
+   * Unset: 0; must be <= max_tokens.
+   *
+   * @generated from field: optional int32 min_tokens = 17;
+   */
+  minTokens?: number | undefined;
+
+  /**
+   * Constrained decoding: every generated token keeps the text a prefix of something `structured` accepts, and the
+   * request stops (EOS) when it is complete. Unset: free text.
+   *
+   * @generated from field: pdserve.v1.StructuredOutput structured = 18;
+   */
+  structured?: StructuredOutput | undefined;
 };
 
 /**
@@ -118,6 +164,84 @@ export type SamplingParams = Message<"pdserve.v1.SamplingParams"> & {
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
   messageDesc(file_pdserve_v1_generate, 0);
+
+/**
+ * What the generated text must match (set one). The grammar engine is xgrammar.
+ *
+ * @generated from message pdserve.v1.StructuredOutput
+ */
+export type StructuredOutput = Message<"pdserve.v1.StructuredOutput"> & {
+  /**
+   * @generated from oneof pdserve.v1.StructuredOutput.kind
+   */
+  kind: {
+    /**
+     * a JSON Schema (JSON text): the output is one JSON value valid against it
+     *
+     * @generated from field: string json_schema = 1;
+     */
+    value: string;
+    case: "jsonSchema";
+  } | {
+    /**
+     * true: the output is any one JSON object
+     *
+     * @generated from field: bool json_object = 2;
+     */
+    value: boolean;
+    case: "jsonObject";
+  } | {
+    /**
+     * the whole output matches this regular expression
+     *
+     * @generated from field: string regex = 3;
+     */
+    value: string;
+    case: "regex";
+  } | {
+    /**
+     * the output is exactly one of these strings
+     *
+     * @generated from field: pdserve.v1.ChoiceList choice = 4;
+     */
+    value: ChoiceList;
+    case: "choice";
+  } | {
+    /**
+     * an EBNF grammar (GBNF syntax, start rule `root`)
+     *
+     * @generated from field: string grammar = 5;
+     */
+    value: string;
+    case: "grammar";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message pdserve.v1.StructuredOutput.
+ * Use `create(StructuredOutputSchema)` to create a new message.
+ */
+export const StructuredOutputSchema: GenMessage<StructuredOutput> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 1);
+
+/**
+ * @generated from message pdserve.v1.ChoiceList
+ */
+export type ChoiceList = Message<"pdserve.v1.ChoiceList"> & {
+  /**
+   * non-empty strings, at least one
+   *
+   * @generated from field: repeated string choices = 1;
+   */
+  choices: string[];
+};
+
+/**
+ * Describes the message pdserve.v1.ChoiceList.
+ * Use `create(ChoiceListSchema)` to create a new message.
+ */
+export const ChoiceListSchema: GenMessage<ChoiceList> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 2);
 
 /**
  * One of the most likely tokens at a generated position.
@@ -148,7 +272,7 @@ export type TopLogprob = Message<"pdserve.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 1);
+  messageDesc(file_pdserve_v1_generate, 3);
 
 /**
  * The log-probability of one generated token, and the top alternatives when asked (most likely first).
@@ -184,7 +308,7 @@ export type TokenLogprob = Message<"pdserve.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 2);
+  messageDesc(file_pdserve_v1_generate, 4);
 
 /**
  * The top alternatives at one position, most likely first.
@@ -203,7 +327,7 @@ export type TopLogprobs = Message<"pdserve.v1.TopLogprobs"> & {
  * Use `create(TopLogprobsSchema)` to create a new message.
  */
 export const TopLogprobsSchema: GenMessage<TopLogprobs> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 3);
+  messageDesc(file_pdserve_v1_generate, 5);
 
 /**
  * log P(prompt[i] | prompt[:i]) for i = 1 .. len(prompt)-1 (the first token has none), with the token ids.
@@ -245,7 +369,7 @@ export type PromptLogprobs = Message<"pdserve.v1.PromptLogprobs"> & {
  * Use `create(PromptLogprobsSchema)` to create a new message.
  */
 export const PromptLogprobsSchema: GenMessage<PromptLogprobs> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 4);
+  messageDesc(file_pdserve_v1_generate, 6);
 
 /**
  * @generated from message pdserve.v1.TokenIds
@@ -262,7 +386,7 @@ export type TokenIds = Message<"pdserve.v1.TokenIds"> & {
  * Use `create(TokenIdsSchema)` to create a new message.
  */
 export const TokenIdsSchema: GenMessage<TokenIds> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 5);
+  messageDesc(file_pdserve_v1_generate, 7);
 
 /**
  * One turn of a conversation; role is one of system, user, assistant, tool.
@@ -286,7 +410,7 @@ export type ChatMessage = Message<"pdserve.v1.ChatMessage"> & {
  * Use `create(ChatMessageSchema)` to create a new message.
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 6);
+  messageDesc(file_pdserve_v1_generate, 8);
 
 /**
  * @generated from message pdserve.v1.GenerateRequest
@@ -345,6 +469,14 @@ export type GenerateRequest = Message<"pdserve.v1.GenerateRequest"> & {
    * @generated from field: optional bool split_reasoning = 7;
    */
   splitReasoning?: boolean | undefined;
+
+  /**
+   * GenerateStream: every chunk carries `usage` with the running counts (OpenAI's continuous usage stats), not only
+   * the last one.
+   *
+   * @generated from field: bool stream_usage = 8;
+   */
+  streamUsage: boolean;
 };
 
 /**
@@ -352,7 +484,7 @@ export type GenerateRequest = Message<"pdserve.v1.GenerateRequest"> & {
  * Use `create(GenerateRequestSchema)` to create a new message.
  */
 export const GenerateRequestSchema: GenMessage<GenerateRequest> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 7);
+  messageDesc(file_pdserve_v1_generate, 9);
 
 /**
  * @generated from message pdserve.v1.Usage
@@ -381,7 +513,7 @@ export type Usage = Message<"pdserve.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 8);
+  messageDesc(file_pdserve_v1_generate, 10);
 
 /**
  * @generated from message pdserve.v1.Timing
@@ -407,7 +539,7 @@ export type Timing = Message<"pdserve.v1.Timing"> & {
  * Use `create(TimingSchema)` to create a new message.
  */
 export const TimingSchema: GenMessage<Timing> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 9);
+  messageDesc(file_pdserve_v1_generate, 11);
 
 /**
  * One chunk of a streamed completion.
@@ -487,7 +619,7 @@ export type GenerateStreamResponse = Message<"pdserve.v1.GenerateStreamResponse"
  * Use `create(GenerateStreamResponseSchema)` to create a new message.
  */
 export const GenerateStreamResponseSchema: GenMessage<GenerateStreamResponse> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 10);
+  messageDesc(file_pdserve_v1_generate, 12);
 
 /**
  * @generated from message pdserve.v1.GenerateResponse
@@ -553,7 +685,7 @@ export type GenerateResponse = Message<"pdserve.v1.GenerateResponse"> & {
  * Use `create(GenerateResponseSchema)` to create a new message.
  */
 export const GenerateResponseSchema: GenMessage<GenerateResponse> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 11);
+  messageDesc(file_pdserve_v1_generate, 13);
 
 /**
  * @generated from enum pdserve.v1.Priority

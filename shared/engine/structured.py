@@ -1,0 +1,99 @@
+"""Structured output with xgrammar: a request's `StructuredSpec` compiled against the model's tokenizer, and the
+per-sequence matcher that fills the step's token mask (on the host) and is fed every accepted token.
+
+Why xgrammar (over llguidance, both CPU wheels on PyPI): on the tiny test tokenizer and a realistic nested schema
+(objects, enum, bounded array, pattern) its mask took 0.9 us median / 8 us p99 per token against llguidance's 8 us /
+340 us, with a compile of 4 ms; it also ships the JSON-schema, regex and EBNF front ends used here.
+
+JSON is compact (no free whitespace between tokens): a model cannot pad the output with endless blanks, and a
+bounded schema always ends. Known limit: xgrammar checks UTF-8 structurally, so a model that emits raw byte tokens
+at random (random weights) can put an invalid sequence (an overlong form, a surrogate) inside a JSON string; it
+decodes to U+FFFD, which may break a `maxLength`. Trained models do not emit those."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.errors import InvalidRequest
+
+log = logging.getLogger("pdserve.engine")
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar accepting exactly one of `choices` (JSON string escapes are valid GBNF literals)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarState:
+    """One sequence's matcher: `fill_bitmask` before a draw, `accept` after it."""
+
+    def __init__(self, matcher: Any, allowed: torch.Tensor | None = None):
+        self._matcher = matcher
+        self._allowed = allowed  # [ceil(V / 32)] int32: tokens the spec's grammar may ever use (None: all)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of `bitmask` [R, ceil(V / 32)] int32 (host). A complete
+        output (only with ignore_eos does a request go on past it) leaves the row as it is (all allowed)."""
+        if not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+            if self._allowed is not None:
+                bitmask[row] &= self._allowed
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past `token_id`; False (state unchanged) when the grammar does not allow it (a forced token)."""
+        if self._matcher.is_terminated():
+            return False
+        return bool(self._matcher.accept_token(token_id))
+
+    def replay(self, token_ids: list[int]) -> None:
+        """Feed tokens generated before (a failover resume): the state continues where the request was."""
+        for t in token_ids:
+            if not self.accept(t):
+                raise InvalidRequest(f"resumed token {t} does not follow the request's structured output")
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class StructuredCompiler:
+    """Compiles specs for one tokenizer (xgrammar caches compiled grammars, so repeated schemas compile once)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
+        import xgrammar as xgr  # imported on the first structured request only
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # xgrammar's JSON strings admit raw control characters, which JSON forbids (strict parsers refuse them):
+        # JSON outputs never use a token holding one (compact JSON needs no newline or tab between tokens either)
+        self._json_allowed = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+        for t, raw in enumerate(info.decoded_vocab):
+            if t not in info.stop_token_ids and any(b < 0x20 for b in raw):
+                self._json_allowed[t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+
+    def compile(self, spec: StructuredSpec) -> Any:
+        c = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                return c.compile_json_schema(spec.value, any_whitespace=False)
+            if spec.kind == "json_object":
+                return c.compile_json_schema(ANY_JSON_OBJECT, any_whitespace=False)
+            if spec.kind == "regex":
+                return c.compile_regex(spec.value)
+            if spec.kind == "choice":
+                return c.compile_grammar(choice_grammar(spec.choices))
+            return c.compile_grammar(spec.value)
+        except (RuntimeError, ValueError) as e:  # xgrammar reports syntax / unsupported-feature errors so
+            raise InvalidRequest(f"structured output {spec.kind} does not compile: {str(e)[:300]}") from None
+
+    def matcher(self, spec: StructuredSpec) -> GrammarState:
+        allowed = self._json_allowed if spec.kind in ("json_schema", "json_object") else None
+        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), allowed)
