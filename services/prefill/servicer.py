@@ -22,6 +22,7 @@ from pdserve.errors import InvalidRequest, TransportUnusable
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import OutgoingTransfer, for_prefill
 from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.kv_format import ShipFormatCheck
 from pdserve.prefill.prefill_call import PrefillCall
 from pdserve.server.instance_stats import instance_stats
 from pdserve.server.proto_convert import sampling_from_proto
@@ -69,6 +70,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind)
         self.kv = for_prefill(cfg, engine.runner.device, self.fingerprint, release=loop.release)
         self.prefill_rate = WorkRate()  # prompt tokens per busy second of the engine (Stats; cache decisions)
+        self.ship_format = ShipFormatCheck(cfg.engine.kv_dtype, cfg.engine.batch_invariant)
 
     # ---- RPC ------------------------------------------------------------------------------------------
     def Prefill(self, request_iterator: Iterator[internal_pb2.PrefillClientMessage], context: grpc.ServicerContext):
@@ -76,6 +78,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         scope = self.telemetry.request("prefill.request", context)
         req = self._request(request_iterator, context)
         layout = self._check_peer(req, context)  # the prompt, sampling and sampled_before: the engine checks them
+        self.ship_format.check(layout)  # another format than --kv-dtype prepared for: served, logged once
         sampling = sampling_from_proto(req.sampling, self.max_model_len - len(req.prompt_token_ids))
         prompt = list(req.prompt_token_ids)
         tx = self._open_transfer(req, len(prompt), layout, context)  # the transport agreed with this decode

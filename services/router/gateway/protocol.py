@@ -1,15 +1,19 @@
 """OpenAI request bodies → SDK call arguments, and SDK results → OpenAI response objects.
 
 Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or up to 4),
-`stream`, `stream_options.include_usage`, `n=1`, `max_reasoning_tokens` (an extension), `logprobs` /
-`top_logprobs` (chat) and `logprobs: N` + `echo` (completions, `gateway.logprobs`). Unset parameters keep the
-pdserve defaults, which are OpenAI's and the SDK's / CLI's: max_tokens 16 for /v1/completions and "until EOS or
-the context ends" for /v1/chat/completions (the router applies both), temperature and top_p the model's (its
-generation_config.json, filled in by the router), else 1.0. A reasoning
-model's thinking comes back as `reasoning_content` (the message / delta field DeepSeek's API uses). Parameters
-that would change the output in ways pdserve cannot honour are rejected with 400, never silently ignored.
-Ranges are OpenAI's (temperature 0..2, top_p 0..1, penalties -2..2, seed int64), cut to what the gRPC API carries
-(int32 counts and token ids); the router's own checks (e.g. top_p > 0, the context length) come back as 400 too.
+`stream`, `stream_options.include_usage`, `n=1`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
+`response_format` (text, json_object, json_schema), `user` (an identifier: no effect on the output),
+`max_reasoning_tokens` (an extension), `logprobs` / `top_logprobs` (chat) and `logprobs: N` + `echo` (completions,
+`gateway.logprobs`); and the fields vLLM-style clients send: `top_k` (-1 = off), `repetition_penalty`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`
+and `stream_options.continuous_usage_stats` (usage on every chunk). Any other field is a 400 naming it.
+Unset parameters keep the pdserve defaults, which are OpenAI's and the SDK's / CLI's: max_tokens 16 for
+/v1/completions and "until EOS or the context ends" for /v1/chat/completions (the router applies both), temperature
+and top_p the model's (its generation_config.json, filled in by the router), else 1.0. A reasoning model's thinking
+comes back as `reasoning_content` (the message / delta field DeepSeek's API uses). Parameters that would change the
+output in ways pdserve cannot honour are rejected with 400, never silently ignored. Ranges are OpenAI's (temperature
+0..2, top_p 0..1, penalties -2..2, seed int64), cut to what the gRPC API carries (int32 counts and token ids); the
+router's own checks (e.g. top_p > 0, the context length) come back as 400 too.
 """
 
 from __future__ import annotations
@@ -277,7 +281,7 @@ def chunk_json(
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    out = {
+    out: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,

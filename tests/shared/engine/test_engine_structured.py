@@ -70,6 +70,12 @@ def test_resume_replays_generated_tokens(llama_engine):
     llama_engine.add_request(EngineRequest("resumed", prompt + whole[:k], sp, resumed_tokens=k))
     rest = run_to_completion(llama_engine)["resumed"]["tokens"]
     assert whole[:k] + rest == whole
+    # the prefill side of a disaggregated resume: the prompt's last k tokens were sampled before (sampled_before)
+    ask = EngineRequest("pre", prompt + whole[:k], sp, prefill_only=True, sampled_before=k)
+    llama_engine.add_request(ask)
+    first = run_to_completion(llama_engine)["pre"]["tokens"]
+    llama_engine.release("pre")
+    assert first == [whole[k]]
     bad = llama_engine.tokenizer.encode("@@")
     with pytest.raises(InvalidRequest, match="structured output"):
         llama_engine.add_request(EngineRequest("bad", prompt + bad, sp, resumed_tokens=len(bad)))

@@ -31,3 +31,27 @@ def test_a_model_without_defaults_keeps_pdserves():
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)
     partial = sampling_from_proto(with_model_defaults(generate_pb2.SamplingParams(), GenerationDefaults(top_p=0.5)))
     assert (partial.temperature, partial.top_p, partial.top_k) == (1.0, 0.5, 0)
+
+
+def test_penalties_bias_min_tokens_and_structured_output_convert():
+    msg = generate_pb2.SamplingParams(
+        max_tokens=50,
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.5,
+        logit_bias={3: -100.0, 9: 2.0},
+        min_tokens=40,
+        structured=generate_pb2.StructuredOutput(choice=generate_pb2.ChoiceList(choices=["a", "b"])),
+    )
+    params = sampling_from_proto(msg, max_new_tokens=30)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.5)
+    assert params.logit_bias == {3: -100.0, 9: 2.0}
+    assert (params.max_tokens, params.min_tokens) == (30, 30)  # min_tokens follows max_tokens to the context left
+    assert params.structured is not None and params.structured.choices == ("a", "b")
+    params.validate(vocab_size=16)
+    regex = sampling_from_proto(generate_pb2.SamplingParams(structured=generate_pb2.StructuredOutput(regex="a+")))
+    assert regex.structured is not None and (regex.structured.kind, regex.structured.value) == ("regex", "a+")
+    unset = sampling_from_proto(generate_pb2.SamplingParams())
+    assert unset.structured is None and not unset.processes_logits  # defaults cost nothing in the sampler
+    bad = sampling_from_proto(generate_pb2.SamplingParams(max_tokens=5, min_tokens=6), max_new_tokens=3)
+    assert bad.min_tokens == 6  # an invalid value is kept as sent: validate names it
