@@ -6,6 +6,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
@@ -80,6 +81,20 @@ def check_env_names(service: str, environ: dict[str, str]) -> None:
     for name in environ:
         if name.startswith("PDSERVE_"):
             assert name in fields or name in OTHER_ENV, f"{service}: {name} is no setting of {cls.__name__}"
+
+
+def prefill_redis_query(redis_url: str) -> dict[str, str]:
+    """Check prefill's REDIS_URL: TLS (`rediss`) to redis:6379 as ACL user `prefill`, no password in the URL (it
+    comes from a file); return the URL's query (the TLS file settings), one value a key."""
+    url = urlsplit(redis_url)
+    assert (url.scheme, url.username, url.password, url.hostname, url.port) == (
+        "rediss",
+        "prefill",
+        None,
+        "redis",
+        6379,
+    )
+    return {k: v[0] for k, v in parse_qs(url.query).items()}
 
 
 def kustomize(directory: Path) -> list[dict]:

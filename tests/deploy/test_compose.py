@@ -179,8 +179,6 @@ def test_prompt_cache_wiring(files, tmp_path):
     """Prefill reaches the compose Redis through REDIS_URL (what build_prompt_cache reads) over mutual TLS as ACL
     user `prefill`, with the password and the cache secret from files the `certs` step writes; that Redis evicts
     instead of failing writes when full and persists nothing."""
-    from urllib.parse import parse_qs, urlsplit
-
     from pdserve.cache.prompt_cache import build_prompt_cache
     from pdserve.cache.value_auth import CacheKeyring
 
@@ -189,15 +187,7 @@ def test_prompt_cache_wiring(files, tmp_path):
     compose = files.load_compose()
     for name in ("prefill", "prefill-gpu"):
         cfg, env = parsed(files, compose, name)
-        url = urlsplit(env["REDIS_URL"])
-        assert (url.scheme, url.username, url.password, url.hostname, url.port) == (
-            "rediss",
-            "prefill",
-            None,
-            "redis",
-            6379,
-        )
-        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        query = files.prefill_redis_query(env["REDIS_URL"])
         assert query == {
             "ssl_ca_certs": "/certs/ca.pem",
             "ssl_certfile": "/certs/stack.pem",

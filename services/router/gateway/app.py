@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -228,9 +229,10 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         created = int(time.time())
         model = cfg.model_name
         chat = shape.chat
+        event = functools.partial(protocol.chunk_json, oid, model, created, chat)  # one choice's event, by its text
         try:
             if chat:  # the role comes first, alone, as OpenAI sends it
-                yield _sse(protocol.chunk_json(oid, model, created, chat, "", role=True))
+                yield _sse(event("", role=True))
             chunk: CompletionChunk | None = first
             usage = None
             sent = 0  # characters of choice text sent (completions' text_offset)
@@ -239,33 +241,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 if chunk is first:  # echo: the prompt leads the text
                     text = shape.echo_text(chunk.prompt_logprobs) + text
                 lps = shape.logprobs_json(chunk.logprobs, chunk.prompt_logprobs, sent)
+                running = chunk.usage if continuous_usage else None
                 if text or chunk.reasoning_text or lps:
-                    yield _sse(
-                        protocol.chunk_json(
-                            oid,
-                            model,
-                            created,
-                            chat,
-                            text,
-                            logprobs=lps,
-                            reasoning=chunk.reasoning_text,
-                            usage=chunk.usage if continuous_usage else None,
-                        )
-                    )
+                    yield _sse(event(text, logprobs=lps, reasoning=chunk.reasoning_text, usage=running))
                     sent += len(text)
                 if chunk.finish_reason is not None:
                     usage = chunk.usage
-                    yield _sse(
-                        protocol.chunk_json(
-                            oid,
-                            model,
-                            created,
-                            chat,
-                            None if chat else "",
-                            finish_reason=chunk.finish_reason,
-                            usage=chunk.usage if continuous_usage else None,
-                        )
-                    )
+                    yield _sse(event(None if chat else "", finish_reason=chunk.finish_reason, usage=running))
                 chunk = await anext(chunks, None)
             if include_usage and usage is not None:
                 yield _sse(protocol.usage_chunk_json(oid, model, created, chat, usage))
