@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import subprocess
@@ -121,6 +122,7 @@ def step_ms(model_dir: Path, batch: int, ctx: int, steps: int, **kw) -> float:
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / steps
     del engine
+    gc.collect()  # the engine and its handoff refer to each other: free the pool before the next engine
     torch.cuda.empty_cache()
     return ms
 

@@ -106,6 +106,14 @@ def field_type(f: descriptor_pb2.FieldDescriptorProto, msg: descriptor_pb2.Descr
     return f"optional {t}" if f.proto3_optional else t
 
 
+def section(name: str, comment: str | None, columns: list[str]) -> list[str]:
+    """A message's or enum's heading, its comment when the proto has one, and its table's header rows."""
+    lines = [f"### {name}", ""]
+    if comment is not None:
+        lines += [comment, ""]
+    return lines + ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def render(fd: descriptor_pb2.FileDescriptorProto) -> str:
     doc = comments(fd)
     lines = [HEADER]
@@ -118,10 +126,7 @@ def render(fd: descriptor_pb2.FileDescriptorProto) -> str:
         lines.append("")
     lines += ["## Messages", ""]
     for mi, msg in enumerate(fd.message_type):
-        lines += [f"### {msg.name}", ""]
-        if (4, mi) in doc:
-            lines += [doc[(4, mi)], ""]
-        lines += ["| Field | # | Type | Description |", "|---|---|---|---|"]
+        lines += section(msg.name, doc.get((4, mi)), ["Field", "#", "Type", "Description"])
         for fi, f in enumerate(msg.field):
             in_oneof = f.HasField("oneof_index") and not f.proto3_optional
             oneof = f" (oneof `{msg.oneof_decl[f.oneof_index].name}`)" if in_oneof else ""
@@ -130,10 +135,7 @@ def render(fd: descriptor_pb2.FileDescriptorProto) -> str:
         lines.append("")
     lines += ["## Enums", ""]
     for ei, enum in enumerate(fd.enum_type):
-        lines += [f"### {enum.name}", ""]
-        if (5, ei) in doc:
-            lines += [doc[(5, ei)], ""]
-        lines += ["| Value | # | Description |", "|---|---|---|"]
+        lines += section(enum.name, doc.get((5, ei)), ["Value", "#", "Description"])
         lines += [f"| `{v.name}` | {v.number} | {doc.get((5, ei, 2, vi), '')} |" for vi, v in enumerate(enum.value)]
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.structured import fill_bitmasks
 
 NEG_INF = float("-inf")
 
@@ -117,10 +118,7 @@ class LogitsPlan:
         bitmask = None
         if grammar_rows:
             bitmask = torch.full((len(grammar_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-            for i, r in enumerate(grammar_rows):
-                grammar = seqs[r].grammar
-                assert grammar is not None
-                grammar.fill_bitmask(bitmask, i)
+            fill_bitmasks([g for r in grammar_rows if (g := seqs[r].grammar) is not None], bitmask)
         any_rep = any(p != 1.0 for p in rep)
         return LogitsPlan(
             pen_rows,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from typing import Any
 
 import torch
@@ -24,6 +26,8 @@ from pdserve.errors import InvalidRequest
 log = logging.getLogger("pdserve.engine")
 
 ANY_JSON_OBJECT = '{"type": "object"}'
+MAX_MASK_THREADS = 8  # threads filling one step's masks
+CONTROL_BYTE = re.compile(rb"[\x00-\x1f]")
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
@@ -32,19 +36,12 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 
 
 class GrammarState:
-    """One sequence's matcher: `fill_bitmask` before a draw, `accept` after it."""
+    """One sequence's matcher: its row of the step's mask (`fill_bitmasks`) before a draw, `accept` after it."""
 
-    def __init__(self, matcher: Any, allowed: torch.Tensor | None = None):
+    def __init__(self, matcher: Any, batch: Any, allowed: torch.Tensor | None = None):
         self._matcher = matcher
+        self._batch = batch  # the compiler's xgrammar BatchGrammarMatcher: fills many rows on its threads
         self._allowed = allowed  # [ceil(V / 32)] int32: tokens the spec's grammar may ever use (None: all)
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of `bitmask` [R, ceil(V / 32)] int32 (host). A complete
-        output (only with ignore_eos does a request go on past it) leaves the row as it is (all allowed)."""
-        if not self._matcher.is_terminated():
-            self._matcher.fill_next_token_bitmask(bitmask, row)
-            if self._allowed is not None:
-                bitmask[row] &= self._allowed
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False (state unchanged) when the grammar does not allow it (a forced token)."""
@@ -63,6 +60,23 @@ class GrammarState:
         return bool(self._matcher.is_terminated())
 
 
+def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor) -> None:
+    """Row i of `bitmask` [len(states), ceil(V / 32)] int32 (host, all ones on entry) for states[i], in one
+    multi-threaded xgrammar call (the GIL released). A complete output's row stays all ones: only with ignore_eos
+    does a request go on past it."""
+    live = [i for i, st in enumerate(states) if not st.terminated]
+    if not live:
+        return
+    states[live[0]]._batch.batch_fill_next_token_bitmask([states[i]._matcher for i in live], bitmask, indices=live)
+    by_allowed: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for i in live:
+        allowed = states[i]._allowed
+        if allowed is not None:
+            by_allowed.setdefault(id(allowed), (allowed, []))[1].append(i)
+    for allowed, rows in by_allowed.values():  # one op per distinct mask (one compiler: at most one)
+        bitmask[rows] &= allowed
+
+
 class StructuredCompiler:
     """Compiles specs for one tokenizer (xgrammar caches compiled grammars, so repeated schemas compile once)."""
 
@@ -72,11 +86,13 @@ class StructuredCompiler:
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=min(MAX_MASK_THREADS, os.cpu_count() or 1))
         # xgrammar's JSON strings admit raw control characters, which JSON forbids (strict parsers refuse them):
         # JSON outputs never use a token holding one (compact JSON needs no newline or tab between tokens either)
         self._json_allowed = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+        stops = set(info.stop_token_ids)
         for t, raw in enumerate(info.decoded_vocab):
-            if t not in info.stop_token_ids and any(b < 0x20 for b in raw):
+            if t not in stops and CONTROL_BYTE.search(raw):
                 self._json_allowed[t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
 
     def compile(self, spec: StructuredSpec) -> Any:
@@ -96,4 +112,4 @@ class StructuredCompiler:
 
     def matcher(self, spec: StructuredSpec) -> GrammarState:
         allowed = self._json_allowed if spec.kind in ("json_schema", "json_object") else None
-        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), allowed)
+        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self._batch, allowed)

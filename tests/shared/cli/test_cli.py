@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import grpc
 import pytest
@@ -18,6 +14,7 @@ import pdserve
 from pdserve.cli.launch import Address
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.auth import new_token
+from pdserve.testing.up_process import read_banner, stop
 
 TOKEN = new_token()  # the stack's internal token: `pdserve up` takes it from the environment
 
@@ -47,30 +44,10 @@ def up_and_gateway(tmp_path_factory):
         text=True,
         env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path_factory.mktemp("cache")), "PDSERVE_INTERNAL_TOKEN": TOKEN},
     )
-    lines = []
-    deadline = time.monotonic() + 180
-    target = gateway = None
-    while gateway is None:  # the gateway's line comes after the router's
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "".join(lines)
-        lines.append(line)
-        m = re.search(r"router at (\S+)\s+\(internal ([^;]+);", line)
-        if m:
-            target, internal = m.group(1), m.group(2)
-        m = re.search(r"gateway at (http://\S+/v1)\s+\(model '([^']+)'\)", line)
-        if m:
-            gateway = m.group(1), m.group(2)
-        assert time.monotonic() < deadline, "".join(lines)
-    assert any("PLAINTEXT" in line for line in lines)  # `pdserve up` says what it does not protect
-    # keep reading: the services log to this pipe, and a full pipe would block them
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    yield Address(target, internal), gateway
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    banner = read_banner(proc, timeout_s=180)
+    assert any("PLAINTEXT" in line for line in banner.lines)  # `pdserve up` says what it does not protect
+    yield Address(banner.router, banner.internal), (banner.gateway, banner.model_name)
+    stop(proc, timeout_s=30)
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,16 @@ process exits."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 import pdserve
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.auth import new_token
+from pdserve.testing.up_process import read_banner
 
 MAX_TOKENS = 600  # long enough to be in flight when the signal comes (the tiny model's context is 1024)
 
@@ -32,20 +30,8 @@ def _start_up(tmp_path, token: str) -> tuple[subprocess.Popen, list[str], str]:
         start_new_session=True,  # a process group of its own, as a shell gives a foreground job
         env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache"), "PDSERVE_INTERNAL_TOKEN": token},
     )
-    lines: list[str] = []
-    deadline = time.monotonic() + 240
-    while True:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "".join(lines)
-        lines.append(line)
-        m = re.search(r"router at (\S+)", line)
-        if m:
-            target = m.group(1)
-            break
-        assert time.monotonic() < deadline, "".join(lines)
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    return proc, lines, target
+    banner = read_banner(proc, timeout_s=240, gateway=False)
+    return proc, banner.lines, banner.router
 
 
 @pytest.mark.timeout(420)

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from pdserve.models.checkpoints import build_checkpoint
 from pdserve.models.hub import ModelNotFound, is_hub_id, resolve_model
 from pdserve.server.auth import new_token
 from pdserve.testing.hf_reference import hf_greedy, load_hf_model
+from pdserve.testing.up_process import read_banner, stop
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_hub import FakeHub
@@ -126,29 +124,12 @@ def test_pdserve_up_serves_a_hub_model(hub, model_dir, tmp_path):
     env = {**hf_env(hub, tmp_path / "hf"), "PDSERVE_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", REPO, "--port", "0", "--gateway-port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
     try:
-        target = gateway = None
-        deadline = time.monotonic() + 240
-        while gateway is None:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines)
-            lines.append(line)
-            if m := re.search(r"router at (\S+)", line):
-                target = m.group(1)
-            if m := re.search(r"gateway at (http://\S+/v1)\s+\(model '([^']+)'\)", line):
-                gateway = m.group(1), m.group(2)
-            assert time.monotonic() < deadline, "".join(lines)
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # never a full pipe
-        assert any(f"model {REPO}: fetching from {hub.url}" in line for line in lines)
-        assert gateway[1] == REPO  # the API names the model by its hub id
-        with pdserve.Client(target, timeout=120) as c:
+        banner = read_banner(proc, timeout_s=240)
+        assert any(f"model {REPO}: fetching from {hub.url}" in line for line in banner.lines)
+        assert banner.model_name == REPO  # the API names the model by its hub id
+        with pdserve.Client(banner.router, timeout=120) as c:
             out = c.generate(token_ids=PROMPT, max_tokens=N, temperature=0, ignore_eos=True)
         assert out.token_ids == hf_greedy(load_hf_model(model_dir), PROMPT, N)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        stop(proc, timeout_s=60)
