@@ -9,8 +9,8 @@ row's activation scale and the column's weight-block scale before it is added to
 sync: capturable in CUDA graphs. Tails of M, N and K are masked.
 
 The same kernel with PER_CHANNEL scales (a_scale [M, 1] per token, b_scale [N] per output channel) applies them
-once after the K loop: `channel_gemm`, a Triton alternative to `torch._scaled_mm` for decode-sized M, where cuBLAS
-reads FP8 weights well below copy bandwidth (Fp8Linear.triton_max_rows picks it).
+once after the K loop: `channel_gemm`, a Triton alternative to `torch._scaled_mm` with quantized activations (the
+bench's comparison row; decode-sized M in Fp8Linear takes the weight-only GEMV, fp8_gemv.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _block_gemm_kernel(
 
 def default_config(m: int, n: int) -> dict:
     """Tile shape by token count: decode rows take narrow N tiles (more programs over the weight), prefill takes
-    128x128 tiles. The bench (bench/fp8_weights.py) measures the alternatives on the device."""
+    128x128 tiles. The bench (bench/gpu_engine.py --weights) measures the alternatives on the device."""
     if m <= 16:
         return dict(BM=16, BN=64 if n >= 16384 else 32, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:

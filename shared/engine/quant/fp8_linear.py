@@ -2,10 +2,11 @@
 
 - per-channel weights (online FP8, compressed-tensors): activations quantized per token (or with the checkpoint's
   static scale), then `torch._scaled_mm` with rowwise scales: scale_a [M, 1] and scale_b [1, N] float32, the
-  weight stored [N, K] row-major, which is the column-major [K, N] operand `_scaled_mm` wants (`weight.t()`);
-  decode-sized batches (<= `triton_max_rows` tokens) take the Triton GEMM's per-channel variant instead.
+  weight stored [N, K] row-major, which is the column-major [K, N] operand `_scaled_mm` wants (`weight.t()`).
 - block-scaled weights (DeepSeek / Qwen3 `-FP8`): activations quantized per token per 128 columns, then the Triton
   block GEMM (`fp8_block_gemm`).
+- decode-sized batches (<= `gemv_max_rows` tokens), either layout: the split-K weight-only GEMV (`fp8_gemv`),
+  activations unquantized, reading the e4m3 weights near copy bandwidth.
 Every op is a device launch without host syncs: the layer runs inside the decode CUDA graphs.
 
 The engine builds this module on CUDA only; on CPU it dequantizes FP8 weights once at load (model.py). `forward`
@@ -26,9 +27,9 @@ from pdserve.engine.quant.fp8_quant import (
     quantize_activations_torch,
 )
 
-# decode batches: at M = 1 cuBLAS's FP8 path was measured reading its weights at 1.5-2.2 TB/s on an H200 (bf16:
-# 2.9 TB/s); bench/fp8_weights.py measures both sides of this threshold
-TRITON_MAX_ROWS = 16
+# decode batches: at M <= 16 the quantize + GEMM paths read FP8 weights at ~2 TB/s on an H200 (bf16: ~3.6 TB/s);
+# up to this many tokens take the weight-only GEMV (fp8_gemv); bench/gpu_engine.py --weights times both sides
+GEMV_MAX_ROWS = 16  # = fp8_gemv.MAX_M, the most the GEMV takes
 
 
 class Fp8Linear(nn.Module):
@@ -48,9 +49,9 @@ class Fp8Linear(nn.Module):
             self.block = (scale_rows or scheme.block_size[0], scheme.block_size[1])
         self.static_input = scheme.activations == "static"
         self.triton = True  # CUDA: activations quantized by the Triton kernel (False: torch ops; block needs it)
-        # per-channel weights, CUDA: up to this many tokens through the Triton GEMM (`channel_gemm`), more
-        # through torch._scaled_mm; 0: always _scaled_mm
-        self.triton_max_rows = TRITON_MAX_ROWS
+        # CUDA with triton: up to this many tokens through the weight-only GEMV (`fp8_gemv`), more through
+        # _scaled_mm (per channel) or the block GEMM; 0: never the GEMV
+        self.gemv_max_rows = GEMV_MAX_ROWS
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -68,6 +69,11 @@ class Fp8Linear(nn.Module):
             return self.reference(x)
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
+        if self.triton and x.shape[0] <= min(self.gemv_max_rows, GEMV_MAX_ROWS):
+            from pdserve.engine.quant.fp8_gemv import fp8_gemv
+
+            scale_rows = 0 if self.block is None else self.block[0]
+            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows)  # [T, N] in x.dtype
         if self.block is not None:
             from pdserve.engine.quant.fp8_block_gemm import block_gemm
 
@@ -80,14 +86,9 @@ class Fp8Linear(nn.Module):
             else:
                 quant = quantize_activations if self.triton else quantize_activations_torch
                 xq, xs = quant(x, None)  # [T, K] e4m3, [T, 1]
-            if self.triton and x.shape[0] <= self.triton_max_rows:
-                from pdserve.engine.quant.fp8_block_gemm import channel_gemm
-
-                out = channel_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16)
-            else:
-                out = torch._scaled_mm(
-                    xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.view(1, -1), out_dtype=torch.bfloat16
-                )
+            out = torch._scaled_mm(
+                xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.view(1, -1), out_dtype=torch.bfloat16
+            )
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.to(x.dtype)
@@ -98,7 +99,8 @@ class Fp8Linear(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The GPU path's math in float32 torch ops: activations quantized as there, both operands dequantized,
-        one float32 matmul. x [T, K] -> [T, N] in x.dtype."""
+        one float32 matmul (batches of <= `gemv_max_rows` tokens on the GPU skip the activation quantization:
+        theirs is `x @ dequantized_weight().t()`). x [T, K] -> [T, N] in x.dtype."""
         if self.block is not None:
             xq, xs = quantize_activations_torch(x, self.block[1])
             xd = xq.float() * xs.repeat_interleave(self.block[1], 1)[:, : x.shape[1]]

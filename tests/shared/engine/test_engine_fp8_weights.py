@@ -275,3 +275,38 @@ def test_block_gemm_in_the_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert len(r.stdout.splitlines()) == 3
+
+
+GEMV_SCRIPT = r"""
+import torch
+from pdserve.engine.quant.fp8_gemv import fp8_gemv
+from pdserve.engine.quant.fp8_quant import expand_block_scales, quantize_weight_blocks, quantize_weight_per_channel
+def rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+torch.manual_seed(0)
+# (M, N, K, split, activation dtype): N and K not multiples of 128 (tails), a split that leaves the last program
+# fewer groups, the split from the SM count (0); fp16 stands in for bf16 (the interpreter's bf16 dot is wrong)
+for m, n, k, split, dt in [(1, 200, 320, 2, torch.float32), (3, 136, 400, 0, torch.float16),
+                           (16, 72, 264, 3, torch.float32)]:
+    w, x, b = torch.randn(n, k), (torch.randn(m, k) * 3).to(dt), torch.randn(n)
+    wq, ws = quantize_weight_blocks(w)
+    ref = x.double() @ (wq.double() * expand_block_scales(ws, n, k, (128, 128)).double()).t() + b.double()
+    errs = [rel(fp8_gemv(x, wq, ws, b, 128, torch.float32, block_n=32, split=split), ref)]
+    rows = ws.repeat_interleave(128, 0)[:n].contiguous()  # one scale per row per 128 columns
+    errs.append(rel(fp8_gemv(x, wq, rows, b, 1, torch.float32, block_n=32, split=split), ref))
+    wq, ws = quantize_weight_per_channel(w)
+    ref = x.double() @ (wq.double() * ws.double()[:, None]).t()
+    errs.append(rel(fp8_gemv(x, wq, ws, None, 0, torch.float32, block_n=16, split=split), ref))
+    assert max(errs) < 1e-5, (m, n, k, errs)
+    print(m, n, k, " ".join(f"{e:.1e}" for e in errs))
+"""
+
+
+def test_fp8_gemv_in_the_triton_interpreter():
+    """The decode GEMV (weight-only dequantization, split-K) with block, per-row and per-channel scales at M = 1,
+    3, 16 against the float64 product of the unquantized activations and the dequantized weight."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", GEMV_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert len(r.stdout.splitlines()) == 3
