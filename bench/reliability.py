@@ -20,8 +20,10 @@ import json
 import os
 import random
 import signal
+import statistics
 import time
 import traceback
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from pdserve.server.tls import TlsConfig
 from pdserve.testing.fault_stack import DECODE, PREFILL, FaultStack, Identity
 from pdserve.testing.impostors import HOSTILE_VARIANTS, VALID, VARIANTS, ImpostorDecode, ImpostorPrefill
 from pdserve.testing.redis_server import RedisServer
-from pdserve.testing.stream_audit import (  # fmt: skip
+from pdserve.testing.stream_audit import (
     TARGETS,
     Outcome,
     Result,
@@ -44,8 +46,8 @@ from pdserve.testing.stream_audit import (  # fmt: skip
     stream_once,
     stream_retrying,
     token_request,
-)
-from pdserve.v1 import (  # fmt: skip
+)  # fmt: skip
+from pdserve.v1 import (
     generate_pb2,
     generate_pb2_grpc,
     internal_pb2,
@@ -53,7 +55,7 @@ from pdserve.v1 import (  # fmt: skip
     kv_pb2,
     router_admin_pb2,
     router_admin_pb2_grpc,
-)
+)  # fmt: skip
 
 SCHEMA = "pdserve.reliability/1"
 VOCAB = 512  # build_checkpoint's tiny tokenizer
@@ -67,9 +69,7 @@ class Suite:
     """The shared stack and what scenarios need from it: prompts, references, public calls, healing."""
 
     def __init__(self, work: Path, scale: float, seed: int = 0, prefill: int = 2, decode: int = 2, tls: bool = False):
-        self.work = work
-        self.scale = scale
-        self.seed = seed
+        self.work, self.scale, self.seed = work, scale, seed
         self.model = build_checkpoint(work / "model", arch="llama", seed=4)
         self.tenants = {"tenant-a": "tok-a-" + os.urandom(12).hex(), "tenant-b": "tok-b-" + os.urandom(12).hex()}
         tokens_file = work / "auth-tokens.json"
@@ -115,12 +115,9 @@ class Suite:
 
     @property
     def stub(self) -> generate_pb2_grpc.GenerationStub:
-        assert self.channel is not None
         return generate_pb2_grpc.GenerationStub(self.channel)
 
-    async def stream(
-        self, req: generate_pb2.GenerateRequest, tenant: str = "tenant-a", retry: bool = True, **kw
-    ) -> Outcome:
+    async def stream(self, req: generate_pb2.GenerateRequest, tenant="tenant-a", retry=True, **kw) -> Outcome:
         """One stream as `tenant`. `retry`: RESOURCE_EXHAUSTED before the first token is retried after the router's
         pushback, as the SDK does (a caller of pdserve.Client never sees it unless the overload lasts); False:
         the first answer counts (storms and the thread-budget scenario, where that answer is the point)."""
@@ -130,9 +127,7 @@ class Suite:
             return out
         return await stream_once(self.stub, req, metadata=self.metadata(tenant), **kw)
 
-    async def run_all(
-        self, reqs: Sequence[generate_pb2.GenerateRequest], concurrency: int, retry: bool = True, **kw
-    ) -> list[Outcome]:
+    async def run_all(self, reqs: Sequence[generate_pb2.GenerateRequest], concurrency: int, retry=True, **kw):
         sem = asyncio.Semaphore(concurrency)
 
         async def one(r):
@@ -193,9 +188,7 @@ class Suite:
 
 
 # ---- failover scenarios ---------------------------------------------------------------------------------------
-async def _closed_loop(
-    suite: Suite, prompts, max_tokens: int, concurrency: int, until, live: dict
-) -> list[tuple[int, Outcome]]:
+async def _closed_loop(suite: Suite, prompts, max_tokens: int, concurrency: int, until, live: dict) -> list:
     """Send prompts round-robin from `concurrency` workers until `until(sent)` is true; (prompt index, outcome).
     `live["streaming"]` counts the requests that have their first token and have not ended."""
     out: list[tuple[int, Outcome]] = []
@@ -222,9 +215,7 @@ async def _closed_loop(
     return out
 
 
-async def _kill_scenario(
-    suite: Suite, role: str, name: str, prompt_len: tuple[int, int], max_tokens: int, pause_s: float
-) -> Result:
+async def _kill_scenario(suite: Suite, role: str, name: str, prompt_len: tuple, max_tokens: int, pause_s: float):
     """Closed-loop load while `role` instances are SIGKILLed in turn (each once it has 2+ requests in flight, after
     a random pause up to `pause_s`), restarted on their port and back up before the next kill."""
     st = suite.stack
@@ -299,10 +290,9 @@ async def redis_outage(suite: Suite) -> Result:
         outs = await suite.run_all([token_request(prompts[i], 16) for i in idx], 6)
         for i, o in zip(idx, outs):
             tally.add(o, ["OK"], refs[i], must_complete=True, label=f"{phase} {i}")
-        phases[phase] = dict(requests=len(idx), ok=sum(o.completed for o in outs))
-        phases[phase]["cached_tokens"] = sum(o.cached_tokens for o in outs)
-    extras = dict(phases=phases)
-    suite.leaked(tally, extras)
+        phases[phase] = dict(requests=len(idx), ok=sum(o.completed for o in outs),
+                             cached_tokens=sum(o.cached_tokens for o in outs))  # fmt: skip
+    suite.leaked(tally, extras := dict(phases=phases))
     # exercised: the cache served prompts before the outage (so losing it mattered) and none during it
     used = phases["before"]["cached_tokens"] > 0 and phases["outage"]["cached_tokens"] == 0
     return Result(tally, {"stream": ["OK"]}, extras, exercised=used)
@@ -320,9 +310,7 @@ async def _controls(suite: Suite, tally: Tally, name: str) -> None:
         tally.add(o, ["OK"], refs[i], must_complete=True, label=f"control {i}")
 
 
-async def _storm(
-    suite: Suite, name: str, prompts: list[list[int]], plan: list[tuple[int, dict]], code: str, count: str, least: int
-) -> Result:
+async def _storm(suite: Suite, name: str, prompts: list, plan: list, code: str, count: str, least: int) -> Result:
     """A storm: `plan`'s streams ((prompt index, `suite.stream` keywords)), 48 at once and never retried, each
     ending OK, overloaded or with `code` (counted as extras[`count`], at least `least` to have exercised it);
     then controls."""
@@ -391,8 +379,7 @@ async def duplicate_ids(suite: Suite) -> Result:
     for k, (a, b) in enumerate(await asyncio.gather(*(pair(k) for k in range(pairs)))):
         tally.add(a, ["OK"], refs[2 * k], must_complete=True, label=f"first {k}")
         tally.add(b, ["OK", "ALREADY_EXISTS"], refs[2 * k + 1], must_complete=False, label=f"second {k}")
-    extras: dict = {}
-    suite.leaked(tally, extras)
+    suite.leaked(tally, extras := {})
     return Result(tally, {"first": ["OK"], "second": ["OK", "ALREADY_EXISTS"]}, extras)
 
 
@@ -524,20 +511,18 @@ def _internal_calls(suite, impostor: str) -> list[tuple[str, str, object]]:
     prompt = [5 + i for i in range(12)]
     s = generate_pb2.SamplingParams(max_tokens=4, temperature=0.0)
     stats = internal_pb2.StatsRequest()
-    out = []
     preq = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=s,
                                        kv_layout=_layout(suite.model, "auto"))  # fmt: skip
     msg = internal_pb2.PrefillClientMessage(request=preq)
     prefill_stats = lambda ch: internal_pb2_grpc.PrefillStub(ch).Stats(stats, timeout=10)
-    for a in st.prefill:
-        out.append(
-            ("Prefill.Prefill", a, lambda ch: internal_pb2_grpc.PrefillStub(ch).Prefill(iter([msg]), timeout=10))
-        )
-        out.append(("Prefill.Stats", a, prefill_stats))
+    decode_stats = lambda ch: internal_pb2_grpc.DecodeStub(ch).Stats(stats, timeout=10)
     dreq = internal_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=s, prefill_target=impostor)
-    for a in st.decode:
-        out.append(("Decode.Generate", a, lambda ch: internal_pb2_grpc.DecodeStub(ch).Generate(dreq, timeout=10)))
-        out.append(("Decode.Stats", a, lambda ch: internal_pb2_grpc.DecodeStub(ch).Stats(stats, timeout=10)))
+    out = [c for a in st.prefill for c in (
+        ("Prefill.Prefill", a, lambda ch: internal_pb2_grpc.PrefillStub(ch).Prefill(iter([msg]), timeout=10)),
+        ("Prefill.Stats", a, prefill_stats))]  # fmt: skip
+    out += [c for a in st.decode for c in (
+        ("Decode.Generate", a, lambda ch: internal_pb2_grpc.DecodeStub(ch).Generate(dreq, timeout=10)),
+        ("Decode.Stats", a, decode_stats))]  # fmt: skip
     pb, role = router_admin_pb2, router_admin_pb2.INSTANCE_ROLE_DECODE
     registry = [
         ("Register", pb.RegisterRequest(role=role, address=impostor)),
@@ -549,8 +534,7 @@ def _internal_calls(suite, impostor: str) -> list[tuple[str, str, object]]:
         for method, msg in registry:
             out.append((f"Registry.{method}", a, _registry_call(method, msg)))
         if a == st.router and a != st.registry_address():  # the internal services on the public port
-            out.append(("Decode.Stats@public", a, lambda ch: internal_pb2_grpc.DecodeStub(ch).Stats(stats, timeout=10)))
-            out.append(("Prefill.Stats@public", a, prefill_stats))
+            out += [("Decode.Stats@public", a, decode_stats), ("Prefill.Stats@public", a, prefill_stats)]
     return out
 
 
@@ -630,8 +614,8 @@ async def bogus_registration(suite) -> Result:
     (dec_addr, dec_server), (pre_addr, pre_server) = dec.start(), pre.start()
     pb, tally, extras = router_admin_pb2, Tally(), {}
     try:
-        reqs = [pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address=dec_addr)]
-        reqs += [pb.RegisterRequest(role=pb.INSTANCE_ROLE_PREFILL, address=pre_addr)]
+        reqs = [pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address=dec_addr),
+                pb.RegisterRequest(role=pb.INSTANCE_ROLE_PREFILL, address=pre_addr)]  # fmt: skip
         beats = [pb.HeartbeatRequest(role=pb.INSTANCE_ROLE_DECODE, address=dec_addr)]
         dereg = [pb.DeregisterRequest(role=pb.INSTANCE_ROLE_DECODE, address=a) for a in st.decode]
         dereg += [pb.DeregisterRequest(role=pb.INSTANCE_ROLE_PREFILL, address=a) for a in st.prefill]
@@ -696,10 +680,7 @@ async def hostile_kv(suite) -> Result:
             else:  # any token delivered is a garbage token
                 tally.add(o, list(HOSTILE_VARIANTS[v]), None, must_complete=False, label=v)
                 tally.no_tokens(o, v)
-        by_variant: dict[str, dict[str, int]] = {}
-        for (v, _), o in zip(plan, outs):
-            by_variant.setdefault(v, {}).setdefault(o.code, 0)
-            by_variant[v][o.code] += 1
+        by_variant = {v: dict(Counter(o.code for (w, _), o in zip(plan, outs) if w == v)) for v in VARIANTS}
         used = await asyncio.to_thread(stack.wait_drained, 30)
         tally.leaked_pages = sum(p for p, _ in used.values())
         extras.update(by_variant=by_variant, impostor_served=dict(impostor.served),
@@ -841,33 +822,17 @@ async def malformed_inputs(suite) -> Result:
     return Result(tally, {"malformed": ["INVALID_ARGUMENT"]}, extras)
 
 
-SCENARIOS = {
-    "decode_kill": decode_kill,
-    "prefill_kill": prefill_kill,
-    "redis_outage": redis_outage,
-    "cancel_storm": cancel_storm,
-    "deadline_storm": deadline_storm,
-    "duplicate_ids": duplicate_ids,
-    "anonymous_internal": anonymous_internal,
-    "bogus_registration": bogus_registration,
-    "hostile_kv": hostile_kv,
-    "oversized_inputs": oversized_inputs,
-    "malformed_inputs": malformed_inputs,
-    "thread_budget": thread_budget,
-    "router_sigterm": router_sigterm,
-}
+SCENARIOS = {f.__name__: f for f in (decode_kill, prefill_kill, redis_outage, cancel_storm, deadline_storm,
+                                      duplicate_ids, anonymous_internal, bogus_registration, hostile_kv,
+                                      oversized_inputs, malformed_inputs, thread_budget, router_sigterm)}  # fmt: skip
 
 
 # ---- soak -------------------------------------------------------------------------------------------------------
 def slope_per_min(samples: Sequence[tuple[float, float]]) -> float:
     """Least-squares slope (MB per minute) of (seconds, MB) samples."""
-    if len(samples) < 2:
+    if len({t for t, _ in samples}) < 2:
         return 0.0
-    n = len(samples)
-    mx = sum(t for t, _ in samples) / n
-    my = sum(v for _, v in samples) / n
-    var = sum((t - mx) ** 2 for t, _ in samples)
-    return 0.0 if var == 0 else 60.0 * sum((t - mx) * (v - my) for t, v in samples) / var
+    return 60.0 * statistics.linear_regression([t for t, _ in samples], [v for _, v in samples]).slope
 
 
 async def soak(suite: Suite, minutes: float, sample_s: float = 15.0) -> Result:
@@ -933,31 +898,22 @@ async def run(args) -> dict:
     unknown = [s for s in names if s not in SCENARIOS and s != "soak"]
     if unknown:
         raise SystemExit(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}, soak")
-    work = (
-        Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-reliability-{os.getpid()}"
-    )
+    work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-reliability-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
     n_pre, n_dec = (int(x) for x in args.instances.split(","))
     prov = provenance(args.commit)
-    doc: dict = dict(
-        schema=SCHEMA,
-        generated=prov["date"],
-        commit=prov["commit"],
-        command=prov["command"],
-        host=prov["device"],
-        stack=dict(
-            model="tiny random llama (pdserve.models.build_checkpoint seed 4: 2 layers, hidden 64, vocab 512)",
-            main=f"router + {n_pre} prefill + {n_dec} decode, kv-dtype auto (float32 pages), page 4, chunk 16, "
-            f"router SLO targets TTFT {SLO_TTFT_MS} ms / TPOT {SLO_TPOT_MS} ms, Redis prompt cache (no local tier), "
-            f"public bearer auth (2 tenants), internal token, {'mTLS (test CA)' if args.tls else 'plaintext'}, "
-            f"decode --max-streams {DECODE_MAX_STREAMS}, router "
-            f"--drain-grace-s {DRAIN_GRACE_S:g}",
-            hostile_kv="router + 1 decode (kv-dtype int8) + an impostor prefill in the harness process",
-            scale=args.scale,
-        ),
-        targets=dict(TARGETS, anonymous_internal_calls_refused="all"),
-        scenarios={},
+    stack = dict(
+        model="tiny random llama (pdserve.models.build_checkpoint seed 4: 2 layers, hidden 64, vocab 512)",
+        main=f"router + {n_pre} prefill + {n_dec} decode, kv-dtype auto (float32 pages), page 4, chunk 16, "
+        f"router SLO targets TTFT {SLO_TTFT_MS} ms / TPOT {SLO_TPOT_MS} ms, Redis prompt cache (no local tier), "
+        f"public bearer auth (2 tenants), internal token, {'mTLS (test CA)' if args.tls else 'plaintext'}, "
+        f"decode --max-streams {DECODE_MAX_STREAMS}, router --drain-grace-s {DRAIN_GRACE_S:g}",
+        hostile_kv="router + 1 decode (kv-dtype int8) + an impostor prefill in the harness process",
+        scale=args.scale,
     )
+    doc: dict = dict(schema=SCHEMA, generated=prov["date"], commit=prov["commit"], command=prov["command"],
+                     host=prov["device"], stack=stack, targets=dict(TARGETS, anonymous_internal_calls_refused="all"),
+                     scenarios={})  # fmt: skip
     if args.merge and args.json is not None and args.json.exists():  # keep the other scenarios' last records
         doc["scenarios"] = json.loads(args.json.read_text()).get("scenarios", {})
         doc["merged"] = "scenarios not run by this command keep their record from an earlier run (their own commit)"
@@ -988,13 +944,10 @@ async def run(args) -> dict:
         if suite.channel is not None:
             await suite.channel.close()
         suite.close()
-    soak_rec = doc["scenarios"].get("soak", {})
-    doc["rss_slope_mb_per_min"] = soak_rec.get("rss_slope_mb_per_min")
-    doc["summary"] = dict(
-        passed=[n for n, r in doc["scenarios"].items() if r.get("passed")],
-        failed=[n for n, r in doc["scenarios"].items() if not r.get("passed")],
-        seconds=round(time.monotonic() - t_start, 1),
-    )
+    doc["rss_slope_mb_per_min"] = doc["scenarios"].get("soak", {}).get("rss_slope_mb_per_min")
+    ok = {n: bool(r.get("passed")) for n, r in doc["scenarios"].items()}
+    doc["summary"] = dict(passed=[n for n in ok if ok[n]], failed=[n for n in ok if not ok[n]],
+                          seconds=round(time.monotonic() - t_start, 1))  # fmt: skip
     write(args.json, doc)
     return doc
 

@@ -31,10 +31,9 @@ from pdserve.bench.workload import (
     load_trace,
     open_loop_specs,
 )
-from pdserve.cli.client_args import add_client_args, client_options
+from pdserve.cli.client_args import add_client_args, add_target_arg, client_options
 
 SCHEMA = "pdserve.bench/1"
-DEFAULT_TARGET = "localhost:50051"
 LAG_WARN_MS = 20.0  # open loop: a p99 send delay past this means the client, not the server, set the pace
 
 
@@ -72,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
         "report TTFT, TPOT, ITL, end-to-end latency, throughput, errors and goodput. "
         "`pdserve bench plot RESULT.json...` redraws plots from saved results.",
     )
-    p.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET), help="router HOST:PORT")
+    add_target_arg(p)
     add_client_args(p)  # --token, --tls-ca, --tls (docs/security.md)
     vocab = p.add_mutually_exclusive_group(required=True)
     vocab.add_argument(

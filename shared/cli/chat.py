@@ -10,20 +10,18 @@ reply stops that reply (the turn is dropped), at the prompt it ends the session.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import TextIO
 
-from pdserve.cli.client_args import add_client_args, client_options
+from pdserve.cli.client_args import add_client_args, add_target_arg, client_options
 
-DEFAULT_TARGET = "localhost:50051"
 DEFAULT_MAX_TOKENS = 512  # a reply's cap: a model looping at temperature 0 stops here, not at the context's end
 MODEL_DEFAULT = "default: the model's generation_config.json, else pdserve's (temperature 1.0, top_p 1.0, top_k off)"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve chat", description="Chat with the served model (streamed, history kept).")
-    p.add_argument("--target", default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET))
+    add_target_arg(p)
     p.add_argument("--system", default="", help="system prompt (kept across /reset)")
     p.add_argument(
         "--max-tokens",

@@ -1,10 +1,22 @@
-"""The public-API client flags of `pdserve generate` / `pdserve chat`: bearer token and TLS (docs/security.md)."""
+"""The public-API client flags of `pdserve generate` / `pdserve chat` / `pdserve bench`: the router to talk to
+(`--target`), bearer token and TLS (docs/security.md)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from typing import Any
+
+DEFAULT_TARGET = "localhost:50051"
+
+
+def add_target_arg(p: argparse.ArgumentParser) -> None:
+    """`--target`: the router every client command talks to ($PDSERVE_TARGET)."""
+    p.add_argument(
+        "--target",
+        default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET),
+        help=f"router HOST:PORT (default: $PDSERVE_TARGET, else {DEFAULT_TARGET})",
+    )
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:

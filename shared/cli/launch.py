@@ -127,11 +127,18 @@ def parse_gpus(text: str, visible) -> list[int]:
         raise ValueError(f"--gpus wants comma-separated GPU ids or 'none', got {text!r}") from None
 
 
-def visible_gpus() -> list[int]:
-    """Ids of the CUDA devices this process sees (empty without CUDA)."""
-    import torch
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")  # an NVIDIA driver / ROCm: torch.cuda may see devices
 
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+def visible_gpus() -> list[int]:
+    """Ids of the CUDA devices this process sees (empty without CUDA). Torch is asked in a child process, so the
+    launcher itself never loads it (~200 MB it would hold for the stack's lifetime); without a GPU driver's device
+    node it is not asked at all."""
+    if not any(Path(node).exists() for node in GPU_DEVICE_NODES):
+        return []
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    return list(range(int(out.stdout.strip().splitlines()[-1])))
 
 
 def start_service(

@@ -4,15 +4,14 @@ decode, colocated, gateway), `generate`, `health`, `chat` (`pdserve.cli.chat`), 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.cli.client_args import add_client_args, client_options
+from pdserve.cli.client_args import DEFAULT_TARGET, add_client_args, add_target_arg, client_options
 from pdserve.config import add_dataclass_args, config_from
-
-DEFAULT_TARGET = "localhost:50051"
 
 
 # ---- serve --------------------------------------------------------------------------------------------------
@@ -136,11 +135,32 @@ def cmd_health(argv: list[str]) -> int:
 
 
 # ---- generate -------------------------------------------------------------------------------------------------
-def cmd_generate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pdserve generate", description="Stream a completion to the terminal.")
-    p.add_argument("prompt", help="the prompt text (a plain completion; `pdserve chat` for the chat template)")
+GENERATE_CHAT_MAX_TOKENS = 512  # the reply's cap under the chat template when --max-tokens is not given
+NO_CHAT_TEMPLATE = "has no chat template"  # in the router's INVALID_ARGUMENT for messages (router/chat.py)
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve generate",
+        description="Stream the model's answer to PROMPT to the terminal. The prompt goes in as one user turn "
+        "under the model's chat template (as `ollama generate` does), or as plain text to continue with --raw "
+        "(also used, with a note, when the model has no chat template).",
+    )
+    p.add_argument("prompt", help="the prompt text (a user turn; with --raw, text to continue)")
     add_target_arg(p)
-    p.add_argument("--max-tokens", type=int, default=None, help="default: the API's, 16 for a prompt")
+    p.add_argument(
+        "--raw",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a plain completion of the prompt text, no chat template (default: off)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"most tokens to generate (default: {GENERATE_CHAT_MAX_TOKENS} under the chat template, less when the "
+        "context left is shorter; 16 with --raw)",
+    )
     model_default = "default: the model's generation_config.json, else temperature 1.0, top_p 1.0, top_k off"
     p.add_argument("--temperature", type=float, default=None, help=model_default)
     p.add_argument("--top-p", type=float, default=None, help=model_default)
@@ -149,23 +169,41 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole call (default: %(default)s)")
     add_client_args(p)  # --token, --tls-ca, --tls
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
     import grpc
 
     from pdserve.client import Client
 
+    sampling = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    chat = {"messages": [{"role": "user", "content": args.prompt}]}
+    chat_max = args.max_tokens if args.max_tokens is not None else GENERATE_CHAT_MAX_TOKENS
     with Client(args.target, timeout=args.timeout, **client_options(args)) as c:
         try:
             last = None
-            for chunk in c.stream(
-                args.prompt,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                seed=args.seed,
-                stop=args.stop,
-            ):
+            try:
+                chunks = (
+                    c.stream(args.prompt, max_tokens=args.max_tokens, **sampling)
+                    if args.raw
+                    else c.stream(**chat, max_tokens=chat_max, **sampling)
+                )
+                first = next(chunks, None)
+            except grpc.RpcError as e:
+                if args.raw or e.code() != grpc.StatusCode.INVALID_ARGUMENT or NO_CHAT_TEMPLATE not in e.details():
+                    raise
+                print("note: the model has no chat template; a plain completion (--raw)", file=sys.stderr)
+                chunks = c.stream(args.prompt, max_tokens=args.max_tokens, **sampling)
+                first = next(chunks, None)
+            for chunk in itertools.chain([first] if first is not None else [], chunks):  # streamed as they come
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
@@ -179,15 +217,6 @@ def cmd_generate(argv: list[str]) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def add_target_arg(p: argparse.ArgumentParser) -> None:
-    """`--target`: the router every client command talks to ($PDSERVE_TARGET)."""
-    p.add_argument(
-        "--target",
-        default=os.environ.get("PDSERVE_TARGET", DEFAULT_TARGET),
-        help=f"router HOST:PORT (default: $PDSERVE_TARGET, else {DEFAULT_TARGET})",
-    )
 
 
 def version() -> str:
@@ -211,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "usage: pdserve up [--model DIR|ORG/NAME] [--port N] [--prefill N] [--decode M] [--kv-cache-memory SIZE] ...\n"
         "       pdserve up --colocated [N] ...   (N engines that prefill and decode, behind the router)\n"
         "       pdserve serve router|prefill|decode|colocated|gateway [flags]   (--help for flags)\n"
-        "       pdserve generate [--target HOST:PORT] PROMPT\n"
+        "       pdserve generate [--target HOST:PORT] [--raw] PROMPT   (chat template unless --raw)\n"
         "       pdserve health [HOST:PORT] [--service NAME]   (exit 0 when SERVING)\n"
         "       pdserve chat [--target HOST:PORT] [--system TEXT]   (interactive; /reset, /exit, Ctrl-D)\n"
         "       pdserve bench --target HOST:PORT --tokenizer MODEL_DIR --rates 1,2,4 ...   (load, latency, goodput)\n"

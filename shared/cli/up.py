@@ -227,11 +227,12 @@ def cmd_up(argv: list[str]) -> int:
 
 
 def _metrics_lines(stack) -> list[str]:
-    """`name http://host:port/metrics` of every service that serves /metrics."""
+    """`name http://host:port/metrics` of every service that serves /metrics (the gateway on its own port)."""
     named = [("router", stack.router)]
     for role in ("prefill", "decode", "colocated"):
         named += [(f"{role}{i}", a) for i, a in enumerate(getattr(stack, role))]
-    return [f"{name} http://{a.metrics}/metrics" for name, a in named if getattr(a, "metrics", "")]
+    lines = [f"{name} http://{a.metrics}/metrics" for name, a in named if getattr(a, "metrics", "")]
+    return [*lines, f"gateway http://{stack.gateway}/metrics"] if stack.gateway else lines
 
 
 def _drain(stack, grace_flag: str | None) -> None:

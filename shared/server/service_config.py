@@ -122,7 +122,7 @@ class EngineServiceConfig(ServerOptions):
 
 def kv_link_problems(kv_transport: str, kv_copy_threads: int) -> list[str]:
     """What is wrong with the KV link settings prefill and decode both have (`--kv-transport`, `--kv-copy-threads`)."""
-    from pdserve.kv.transfer.handshake import MODES
+    from pdserve.kv.transfer.modes import MODES
 
     problems = []
     if kv_copy_threads < 0:

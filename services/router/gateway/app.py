@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,6 +34,7 @@ from pdserve.router.gateway.errors import (
 )
 from pdserve.router.gateway.fields import short
 from pdserve.router.gateway.inbound import forwarded_metadata, parse_json, read_body
+from pdserve.router.gateway.metrics import CountRequests, GatewayMetrics
 
 GENERATION_SERVICE = "pdserve.v1.Generation"
 log = logging.getLogger("pdserve.gateway")
@@ -124,7 +125,7 @@ def _aliases(request: Request) -> dict[str, str] | None:
 
 
 def create_app(cfg: GatewayConfig) -> FastAPI:
-    """The gateway app; its router client lives as long as the app (lifespan)."""
+    """The gateway app (and its `/metrics`); its router client lives as long as the app (lifespan)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -143,7 +144,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 await app.state.health_channel.close()
 
     app = FastAPI(title="pdserve OpenAI-compatible gateway", lifespan=lifespan)
+    metrics = GatewayMetrics()
     app.add_middleware(CatchUnexpected)
+    app.add_middleware(CountRequests, metrics=metrics)  # outermost: it sees CatchUnexpected's 500s
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -160,6 +163,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        """Prometheus text (`metrics.py`): requests by route and status, latency histogram."""
+        return metrics.response(request)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

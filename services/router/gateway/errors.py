@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import grpc
 from fastapi.responses import JSONResponse
 
-from pdserve.router.servicer import RETRY_AFTER_KEY
+from pdserve.router.trailers import RETRY_AFTER_KEY
 
 # gRPC status → (HTTP status, OpenAI error type); anything else is a 500 server_error
 HTTP_OF: dict[grpc.StatusCode, tuple[int, str]] = {

@@ -6,7 +6,8 @@ activation dtype in registers and multiplied on the tensor cores with an fp32 ac
 reading the weight bytes, so the kernel spreads them over many programs: split-K, each program owning BLOCK_N
 output channels and one contiguous run of 128-column groups, `SPLIT` programs along K writing fp32 partial sums
 that a second small kernel adds up (in a fixed order: deterministic), with the bias and the cast to the output
-dtype. Scales:
+dtype (no split, where the output channels alone give enough programs: one launch, the first kernel writes y).
+Scales:
 - per channel (scale [N]): applied once to each program's partial sum;
 - per 128x128 block (scale [ceil(N/128), ceil(K/128)]) or per row per 128 columns (`scale_rows=1`): each K step is
   one 128-column group, whose partial product is multiplied by its [BLOCK_N] scales before it joins the sum.
@@ -26,8 +27,8 @@ DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4)
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, part_ptr, M, N, K, KG, groups_per_split, x_stride, w_stride,
-    SBN: tl.constexpr, PER_CHANNEL: tl.constexpr, FP32: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, KG, groups_per_split, x_stride, w_stride,
+    SBN: tl.constexpr, PER_CHANNEL: tl.constexpr, FP32: tl.constexpr, DIRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -54,8 +55,13 @@ def _fp8_gemv_kernel(
             acc += part * tl.load(s_ptr + (n // SBN) * KG + g, mask=n_ok, other=0.0)[None, :]
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
-    out = part_ptr + pid_k * M * N + m[:, None] * N + n[None, :]  # partials [SPLIT, M, N] fp32
-    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+    out = out_ptr + pid_k * M * N + m[:, None] * N + n[None, :]  # y [M, N], or partials [SPLIT, M, N] fp32
+    if DIRECT:  # no split: this program holds the whole sum
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -71,8 +77,11 @@ def _sum_splits_kernel(part_ptr, b_ptr, y_ptr, MN, N, SPLIT, HAS_BIAS: tl.conste
 
 
 def split_k(n: int, k: int, block_n: int, programs: int) -> int:
-    """Programs along K: enough that the grid has about `programs` programs, at most one per 128-column group."""
+    """Programs along K: enough that the grid has about `programs` programs (1 where the output channels give at
+    least half of them: the second kernel costs more than the missing parallelism), at most one per group."""
     tiles = triton.cdiv(n, block_n)
+    if 2 * tiles >= programs:
+        return 1
     return max(1, min(triton.cdiv(k, GROUP), round(programs / tiles)))
 
 
@@ -108,12 +117,14 @@ def fp8_gemv(
         split = split_k(n, k, block_n, programs_per_sm * sms)
     per_split = triton.cdiv(kg, split)
     split = triton.cdiv(kg, per_split)  # no program without a group
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, w, scale, part, m, n, k, kg, per_split, x.stride(0), w.stride(0),
-        SBN=max(scale_rows, 1), PER_CHANNEL=not scale_rows, FP32=x.dtype == torch.float32,
-        BLOCK_M=16, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        x, w, scale, bias if bias is not None else scale, part, m, n, k, kg, per_split, x.stride(0), w.stride(0),
+        SBN=max(scale_rows, 1), PER_CHANNEL=not scale_rows, FP32=x.dtype == torch.float32, DIRECT=split == 1,
+        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if split == 1:
+        return y
     block = 1024
     _sum_splits_kernel[(triton.cdiv(m * n, block),)](
         part, bias if bias is not None else scale, y, m * n, n, split, HAS_BIAS=bias is not None, BLOCK=block

@@ -9,7 +9,7 @@
    cuda-ipc), prefill ships this request over grpc. Every fallback, on either end, goes through `fall_back`:
    counted and logged, or TransportUnusable when cuda-ipc was forced.
 
-A new transport (e.g. NIXL) adds its name to `TRANSPORTS`, its offer fields, and a branch in `choose`.
+A new transport (e.g. NIXL) adds its name to `modes.TRANSPORTS`, its offer fields, and a branch in `choose`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,11 @@ from pathlib import Path
 import torch
 
 from pdserve.errors import TransportUnusable
+from pdserve.kv.transfer.modes import CUDA_IPC, GRPC
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.v1 import kv_pb2
 
 log = logging.getLogger("pdserve.kv.transfer")
-
-GRPC, CUDA_IPC = "grpc", "cuda-ipc"
-TRANSPORTS = (GRPC, CUDA_IPC)
-MODES = ("auto", *TRANSPORTS)
 
 
 def host_id() -> str:

@@ -112,9 +112,22 @@ def _cli(*args: str, stdin: str | None = None, timeout: float = 60) -> subproces
 
 
 def test_generate_command(up):
-    res = _cli("generate", "--target", up, "--max-tokens", "6", "hello")
+    res = _cli("generate", "--target", up, "--raw", "--max-tokens", "6", "--temperature", "0", "hello")
     assert res.returncode == 0, res.stderr
     assert "finish=" in res.stderr and "completion_tokens=6" in res.stderr
+    with pdserve.Client(up, timeout=60) as c:
+        assert res.stdout == c.generate(prompt="hello", max_tokens=6, temperature=0).text
+
+
+def test_generate_applies_the_chat_template_by_default(up):
+    res = _cli("generate", "--target", up, "--max-tokens", "6", "--temperature", "0", "hello")
+    assert res.returncode == 0, res.stderr
+    with pdserve.Client(up, timeout=60) as c:
+        reply = c.chat([{"role": "user", "content": "hello"}], max_tokens=6, temperature=0)
+        raw = c.generate(prompt="hello", max_tokens=6, temperature=0)
+    assert reply.usage.prompt_tokens > raw.usage.prompt_tokens  # the template wrapped the prompt
+    assert res.stdout == reply.text
+    assert f"prompt_tokens={reply.usage.prompt_tokens} " in res.stderr
 
 
 def test_generate_command_reports_bad_input(up):

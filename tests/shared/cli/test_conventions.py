@@ -65,7 +65,9 @@ def test_help_shows_defaults_and_environment_variables():
         assert text in up_help
 
 
-def test_generate_documents_target(capsys):
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_client_commands_document_target_alike(command, capsys):
     with pytest.raises(SystemExit):
-        main(["generate", "--help"])
-    assert "$PDSERVE_TARGET" in capsys.readouterr().out
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--target TARGET router HOST:PORT (default: $PDSERVE_TARGET, else localhost:50051)" in text

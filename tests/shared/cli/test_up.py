@@ -28,3 +28,27 @@ def test_bad_engine_flag_stops_up_before_anything_starts(tmp_path):
     )
     assert res.returncode != 0 and "--kv-dtype must be 'auto', 'int8' or 'fp8', got 'fp4'" in res.stderr
     assert "pdserve is up" not in res.stdout and not list(tmp_path.iterdir())
+
+
+def test_banner_lists_every_metrics_address_with_the_gateway_last():
+    from types import SimpleNamespace
+
+    from pdserve.cli.up import _metrics_lines
+
+    def addr(port: int, metrics: str) -> SimpleNamespace:
+        return SimpleNamespace(port=port, metrics=metrics)
+
+    stack = SimpleNamespace(
+        router=addr(1, "h:9000"),
+        prefill=[addr(2, "h:9001")],
+        decode=[addr(3, "h:9002")],
+        colocated=[],
+        gateway="h:8000",
+    )
+    assert _metrics_lines(stack) == [
+        "router http://h:9000/metrics",
+        "prefill0 http://h:9001/metrics",
+        "decode0 http://h:9002/metrics",
+        "gateway http://h:8000/metrics",
+    ]
+    assert _metrics_lines(SimpleNamespace(**{**vars(stack), "gateway": ""}))[-1] == "decode0 http://h:9002/metrics"

@@ -1,7 +1,8 @@
-"""FP8 weights on the GPU: the activation quantizer kernel against the torch one, the rowwise `_scaled_mm` path and
-the block-scaled Triton GEMM against dequantized references over decode and prefill shapes, and the engine with
-FP8 weights (online and from block / per-channel checkpoints) eager and through the decode CUDA graphs. CUDA +
-triton only (the engine tests: sm90 + FA3); skipped elsewhere."""
+"""FP8 weights on the GPU: the activation quantizer kernel against the torch one, the rowwise `_scaled_mm` path,
+the block-scaled Triton GEMM and the decode GEMV against dequantized references over decode and prefill shapes
+(the GEMV also at the 8B shapes inside a CUDA graph), and the engine with FP8 weights (online and from block /
+per-channel checkpoints) eager and through the decode CUDA graphs. CUDA + triton only (the engine tests: sm90 +
+FA3); skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -66,44 +67,67 @@ def test_activation_quantizer_kernel_matches_torch(m, k, group):
 
 
 @pytest.mark.parametrize(
-    "scheme, triton_rows, scale_rows",
-    [(ONLINE_FP8, 0, 0), (ONLINE_FP8, 1 << 20, 0), (BLOCK, 0, 0), (BLOCK, 0, 1)],
-    ids=["scaled_mm", "channel-triton", "block", "block-row-scales"],
+    "scheme, gemv_rows, scale_rows",
+    [(ONLINE_FP8, 0, 0), (ONLINE_FP8, 16, 0), (BLOCK, 0, 0), (BLOCK, 16, 0), (BLOCK, 0, 1), (BLOCK, 16, 1)],
+    ids=["scaled_mm", "channel-gemv", "block", "block-gemv", "block-row-scales", "block-row-scales-gemv"],
 )
 @pytest.mark.parametrize("m", [1, 16, 128, 2048])
 @pytest.mark.parametrize("n, k", [(384, 256), (1024, 4096), (4096, 1024)])
-def test_fp8_gemm_against_dequantized_references(scheme, triton_rows, scale_rows, m, n, k):
+def test_fp8_gemm_against_dequantized_references(scheme, gemv_rows, scale_rows, m, n, k):
     lin, w = layer(n, k, scheme, seed=m + n + k, scale_rows=scale_rows)
-    lin.triton_max_rows = triton_rows  # per channel: every M through _scaled_mm (0) or through the Triton GEMM
+    lin.gemv_max_rows = gemv_rows  # 0: quantized activations + _scaled_mm / block GEMM at every M
     x = torch.randn(m, k, device=DEV).bfloat16()
     out = lin(x)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    # the same quantized operands in float32: only bf16 output rounding and summation order differ
-    assert rel(out, lin.reference(x.float())) < 1e-2
-    # against the dequantized weight with unquantized bf16 activations: e4m3 rounding of the activations
-    assert rel(out, x.float() @ lin.dequantized_weight().t() + lin.bias.float()) < 6e-2
+    dequantized = x.float() @ lin.dequantized_weight().t() + lin.bias.float()
+    if m <= gemv_rows:  # weight-only GEMV: the dequantized weight times the bf16 activations
+        assert rel(out, dequantized) < 1e-2
+    else:  # the same quantized operands in float32: only bf16 output rounding and summation order differ
+        assert rel(out, lin.reference(x.float())) < 1e-2
+        # against the dequantized weight with unquantized bf16 activations: e4m3 rounding of the activations
+        assert rel(out, dequantized) < 6e-2
     # against the original bf16 weights: both roundings
     assert rel(out, (x.float() @ w.float().t()) + lin.bias.float()) < 8e-2
 
 
+def captured(fn):
+    """fn() run once eagerly (Triton compiles) on a side stream, then captured in a CUDA graph and replayed:
+    (eager result, graph output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, out
+
+
 def test_fp8_gemm_graph_capturable():
-    """Quantize + GEMM replay inside a CUDA graph and give the eager result (no host sync in either path)."""
-    for scheme, triton_rows in ((ONLINE_FP8, 0), (ONLINE_FP8, 16), (BLOCK, 0)):
+    """Quantize + GEMM (and the GEMV) replay inside a CUDA graph and give the eager result (no host sync)."""
+    for scheme, gemv_rows in ((ONLINE_FP8, 0), (ONLINE_FP8, 16), (BLOCK, 0), (BLOCK, 16)):
         lin, _ = layer(512, 256, scheme, seed=1)
-        lin.triton_max_rows = triton_rows
+        lin.gemv_max_rows = gemv_rows
         x = torch.randn(8, 256, device=DEV).bfloat16()
-        eager = lin(x)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            lin(x)  # warm-up (Triton compiles) outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = lin(x)
-        graph.replay()
-        torch.cuda.synchronize()
+        eager, out = captured(lambda lin=lin, x=x: lin(x))
         assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("scheme", [ONLINE_FP8, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_fp8_gemv_8b_shapes_in_a_graph(scheme, m):
+    """The decode GEMV at the four 8B projections (qkv, o, gate_up, down), captured in one CUDA graph, against the
+    dequantized weight times the bf16 activations."""
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    layers = [layer(n, k, scheme, seed=n + k)[0] for n, k in shapes]
+    xs = [torch.randn(m, k, device=DEV).bfloat16() for _, k in shapes]
+    eager, outs = captured(lambda: [lin(x) for lin, x in zip(layers, xs)])
+    for lin, x, e, out in zip(layers, xs, eager, outs):
+        assert torch.equal(out, e)
+        assert rel(out, x.float() @ lin.dequantized_weight().t() + lin.bias.float()) < 1e-2
 
 
 def fp8_engine(model_dir, **kw) -> LLMEngine:
