@@ -15,14 +15,10 @@ docs/bench/gpu_engine.json). Also the GPU helpers of bench/kv_formats.py.
    8k-token chunked prefill; ITL at batch 1 / context 512; decode steps at batch 128 and 64 / context 2k against
    the roofline (all weight bytes + the batch's KV bytes, over the copy bandwidth); KV capacity at context 4k.
 
-    python bench/gpu_engine.py --weights bf16,fp8-block,fp8-channel --layers 8 [--quality]
-
-`--weights` (issue 30, docs/fp8.md) instead writes docs/bench/fp8_weights.json: GEMM times of the four 8B
-projections (bf16, FP8 per channel / block, the FP8 decode GEMV and a sweep of its tiles at M = 1), then per
-weight format one engine (int8 KV, graphs) on the random checkpoint with `--layers` 8B layers (the block copy is
-quantized from it on the CPU; FP8 per channel is online `--quantization fp8`): 8k prefill TFLOP/s, ITL b1 ctx 512
-and its roofline (the weight bytes a step reads + KV bytes, over the copy bandwidth), decode step b128 ctx 2k;
-`--quality`: the demo model's perplexity per format on the CPU.
+`--weights bf16,fp8-block,fp8-channel` (issue 30) writes docs/bench/fp8_weights.json instead: one 8B layer's GEMMs
+per format and the FP8 decode GEMV's tiles; per format an engine (int8 KV, graphs; block: a CPU-quantized copy,
+channel: online `--quantization fp8`): 8k prefill TFLOP/s, ITL b1 ctx 512 and its roofline (weight + KV bytes a
+step reads / copy bandwidth), step b128 ctx 2k; `--quality`: the demo model's perplexity per format (CPU).
 
 FLOPs of a prefill: 2 * params * tokens + attention 2 * T^2 * head_dim * heads * layers (causal).
 """
@@ -31,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -347,6 +345,7 @@ def capacity_gain(table: Table) -> dict:
 
 
 # ---- FP8 weights (issue 30): --weights -------------------------------------------------------------------------
+KEYS = ("prefill_8k_tflops", "itl_ms_b1", "itl_roofline_ms_b1", "step_ms_b128")  # per format in the JSON
 PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # 8B (N, K)
 
 
@@ -392,13 +391,6 @@ def fp8_gemm_rows(table: Table, copy_bw: float) -> dict:
     return dict(gemm_8b_layer=rows, gemv_sweep_m1_block=sweep)
 
 
-def weight_bytes_read(e: LLMEngine) -> int:
-    """Bytes of the weights a decode step reads: every parameter and buffer but the embedding table (one row)."""
-    model = e.runner.model
-    tensors = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None}
-    return sum(t.numel() * t.element_size() for n, t in tensors.items() if "embed_tokens" not in n)
-
-
 def weights_engine(table: Table, model_dir: Path, fmt: str, ctx: dict) -> dict:
     """One engine (int8 KV, graphs) with weights `fmt`: 8k prefill FLOP rate, ITL b1 ctx 512 and its roofline,
     decode step b128 ctx 2k. Frees the engine before returning."""
@@ -411,7 +403,8 @@ def weights_engine(table: Table, model_dir: Path, fmt: str, ctx: dict) -> dict:
     e.step()  # prefill
     out["itl_ms_b1"] = statistics.median(time_decode_steps(e, 10 + ctx["steps"])[10:])
     kv_bytes = (512 + 10 + ctx["steps"] // 2) * e.runner.page_bytes() // e.page_size  # mean context timed
-    out["weight_bytes_read"] = weight_bytes_read(e)
+    tensors = [*e.runner.model.named_parameters(), *e.runner.model.named_buffers()]  # all read but the embeddings
+    out["weight_bytes_read"] = sum(t.numel() * t.element_size() for n, t in tensors if "embed_tokens" not in n)
     out["itl_roofline_ms_b1"] = (out["weight_bytes_read"] + kv_bytes) / ctx["copy_bw"] * 1e3
     e.abort("itl")
     e.step()
@@ -428,10 +421,6 @@ def weights_engine(table: Table, model_dir: Path, fmt: str, ctx: dict) -> dict:
 def fp8_quality(seqs: int = 8, prompt: int = 32, forced: int = 96) -> dict:
     """Perplexity of SmolLM2-135M-Instruct (the demo model) on the shipped corpus on the CPU through the dequantized
     path (fp32 math): its own weights, bf16 (weights and math), FP8 block and per-channel copies."""
-    import math
-    import tempfile
-
-    import torch.nn.functional as F
     from transformers import AutoTokenizer
 
     from pdserve.engine.quant.fp8_convert import convert_checkpoint
@@ -450,44 +439,34 @@ def fp8_quality(seqs: int = 8, prompt: int = 32, forced: int = 96) -> dict:
             model_dir = convert_checkpoint(path, Path(tmp) / fmt, fmt) if name.startswith("fp8") else path
             cfg = EngineConfig(model_dir=str(model_dir), dtype="bfloat16" if name == "bf16" else "float32", **kw)
             lg = torch.cat(forced_logits(LLMEngine(cfg), [w[:prompt] for w in wins], [w[prompt:] for w in wins]))
-            out[f"ppl_{name}"] = math.exp(F.cross_entropy(lg.float(), target).item())
+            out[f"ppl_{name}"] = math.exp(torch.nn.functional.cross_entropy(lg.float(), target).item())
             log(f"ppl {name}: {out[f'ppl_{name}']:.4f} ({out[f'ppl_{name}'] / out['ppl_fp32']:.4f} x fp32)")
     return out
 
 
 def weights_main(args, table: Table, copy_bw: float, model_dir: Path) -> None:
-    """--weights: docs/bench/fp8_weights.json (issue 30's single-GPU keys)."""
-    import tempfile
-
+    """--weights: docs/bench/fp8_weights.json (issue 30's single-GPU keys; engines of the 8B shape, --layers)."""
     from pdserve.engine.quant.fp8_convert import convert_checkpoint
 
     fmts = args.weights.split(",")
-    assert set(fmts) <= {"bf16", *FP8_FORMATS}, fmts
+    assert set(fmts) <= {"bf16", "fp8-block", "fp8-channel"}, fmts
     results: dict = {}
     results.update(section(results, "gemm", lambda: fp8_gemm_rows(table, copy_bw)))
-    ctx = dict(n_params=write_checkpoint(model_dir, args.layers), layers=args.layers, copy_bw=copy_bw,
-               steps=args.steps)  # fmt: skip
+    ctx = dict(n_params=write_checkpoint(model_dir, args.layers), layers=args.layers, copy_bw=copy_bw, steps=args.steps)
+    keys: dict = {"layers": args.layers, "copy_bw": copy_bw}  # e.g. itl_ms_b1_bf16, itl_ms_b1_fp8_block
     with tempfile.TemporaryDirectory(dir=model_dir.parent) as tmp:
-        block = lambda: convert_checkpoint(model_dir, Path(tmp) / "block", "block")
         for fmt in fmts:
-            src = lambda f=fmt: block() if f == "fp8-block" else model_dir
-            results[fmt] = section(results, fmt, lambda f=fmt, s=src: weights_engine(table, s(), f, ctx))
-    keys: dict = {"layers": args.layers, "copy_bw": copy_bw}  # figures of an 8B shape with `layers` layers
-    names = {f: f.replace("-", "_") for f in fmts}
-    for fmt, name in ((f, n) for f, n in names.items() if results[f]):  # e.g. itl_ms_b1_bf16, itl_ms_b1_fp8_block
-        keys.update({f"{k}_{name}": results[fmt][k] for k in ("prefill_8k_tflops", "itl_ms_b1", "step_ms_b128")})
-        keys[f"itl_roofline_ms_b1_{name}"] = results[fmt]["itl_roofline_ms_b1"]
-    fp8 = [names[f] for f in fmts if f in FP8_FORMATS and results[f]]
+            src = lambda f=fmt: convert_checkpoint(model_dir, Path(tmp) / f, "block") if f == "fp8-block" else model_dir
+            r = results[fmt] = section(results, fmt, lambda f=fmt, s=src: weights_engine(table, s(), f, ctx))
+            keys.update({f"{k}_{fmt.replace('-', '_')}": v for k, v in r.items() if k in KEYS})
+    fp8 = [f.replace("-", "_") for f in fmts if f != "bf16" and results[f]]
     if fp8:  # FP8 = the better of the formats run (the roofline: that of the faster ITL)
-        keys["prefill_8k_tflops_fp8"] = max(keys[f"prefill_8k_tflops_{f}"] for f in fp8)
         best = min(fp8, key=lambda f: keys[f"itl_ms_b1_{f}"])
-        keys["itl_ms_b1_fp8"], keys["itl_roofline_ms_b1_fp8"] = (
-            keys[f"{k}_{best}"] for k in ("itl_ms_b1", "itl_roofline_ms_b1")
-        )
-        keys["step_ms_b128_fp8"] = min(keys[f"step_ms_b128_{f}"] for f in fp8)
-    quality = fp8_quality() if args.quality else {}
-    merge_json(args.json or "docs/bench/fp8_weights.json", {**keys, **quality, **provenance(
-        args.commit, torch.cuda.get_device_name(DEV)), "details": results})  # fmt: skip
+        keys.update(prefill_8k_tflops_fp8=max(keys[f"prefill_8k_tflops_{f}"] for f in fp8),
+                    itl_ms_b1_fp8=keys[f"itl_ms_b1_{best}"], itl_roofline_ms_b1_fp8=keys[f"itl_roofline_ms_b1_{best}"],
+                    step_ms_b128_fp8=min(keys[f"step_ms_b128_{f}"] for f in fp8))  # fmt: skip
+    merge_json(args.json or "docs/bench/fp8_weights.json", {**keys, **(fp8_quality() if args.quality else {}),
+               **provenance(args.commit, torch.cuda.get_device_name(DEV)), "details": results})  # fmt: skip
     table.print()
 
 

@@ -31,16 +31,15 @@ def model_id(model_dir: str | Path) -> str:
 
 
 def serve(cfg: RouterConfig) -> None:
-    from transformers import AutoTokenizer
-
     from pdserve.models.generation_config import GenerationDefaults
     from pdserve.router.instances import COLOCATED
     from pdserve.router.registry import RegistryServicer
     from pdserve.router.servicer import RouterServicer, add_generation_servicer
     from pdserve.router.slo import register_metrics as register_slo_metrics
+    from pdserve.router.tokenizer import load_tokenizer
 
     auth = Authenticator.from_config(cfg.auth_tokens_file, os.environ)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
     model_cfg = json.loads((Path(cfg.model) / "config.json").read_text())
     defaults = GenerationDefaults.from_model_dir(cfg.model)
     log.info("sampling defaults from the model's generation_config.json: %s", defaults.describe())

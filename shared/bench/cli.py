@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.plots import load_label
-from pdserve.bench.report import SLO, request_rows, summarize, sweep, table
+from pdserve.bench.report import SLO, SLO_PRESETS, request_rows, summarize, sweep, table
 from pdserve.bench.runner import ClientOptions, Load, run_load, run_workers
 from pdserve.bench.workload import (
     LengthDist,
@@ -34,7 +34,9 @@ from pdserve.bench.workload import (
 from pdserve.cli.client_args import add_client_args, add_target_arg, client_options
 
 SCHEMA = "pdserve.bench/1"
-LAG_WARN_MS = 20.0  # open loop: a p99 send delay past this means the client, not the server, set the pace
+LAG_WARN_MS = 20.0  # open loop: a p99 send delay past this means requests left later than planned
+# output tokens/s one client process reads with time to spare: below it a late send is not the client's own load
+WORKER_TOKENS_PER_S = 2000.0
 
 
 def _rates(text: str) -> list[float]:
@@ -69,7 +71,9 @@ def parser() -> argparse.ArgumentParser:
         prog="pdserve bench",
         description="Load a pdserve router with streamed requests of exact lengths (fresh prompts, ignore_eos) and "
         "report TTFT, TPOT, ITL, end-to-end latency, throughput, errors and goodput. "
-        "`pdserve bench plot RESULT.json...` redraws plots from saved results.",
+        "`pdserve bench plot RESULT.json...` redraws plots from saved results. "
+        "The SLO defaults are GPU figures (--slo-preset gpu: TTFT <= 350 ms, TPOT <= 15 ms); on CPU use "
+        "--slo-preset cpu or set --slo-ttft-ms / --slo-tpot-ms.",
     )
     add_target_arg(p)
     add_client_args(p)  # --token, --tls-ca, --tls (docs/security.md)
@@ -91,8 +95,11 @@ def parser() -> argparse.ArgumentParser:
                    "lengths: fixed:N, uniform:LO,HI or lognormal:MEAN,SIGMA,MAX (default %(default)s)")  # fmt: skip
     p.add_argument("--output-dist", type=_dist, default=LengthDist.parse("lognormal:256,0.5,512"), help="output "
                    "lengths, exact (ignore_eos): same forms (default %(default)s)")  # fmt: skip
-    p.add_argument("--slo-ttft-ms", type=float, default=350.0, help="TTFT SLO (default %(default)s)")
-    p.add_argument("--slo-tpot-ms", type=float, default=15.0, help="TPOT SLO (default %(default)s)")
+    presets = ", ".join(f"{k}: TTFT {t:g} ms, TPOT {o:g} ms" for k, (t, o) in SLO_PRESETS.items())
+    p.add_argument("--slo-preset", choices=sorted(SLO_PRESETS), default="gpu",
+                   help=f"the SLO's TTFT and TPOT ({presets}; default %(default)s, GPU figures)")  # fmt: skip
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO in ms (default: the preset's)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO in ms (default: the preset's)")
     p.add_argument("--slo-attainment", type=float, default=0.9, help="share that must meet both (default 0.9)")
     p.add_argument("--json", help="write the results here (after each run)")
     p.add_argument("--append", action="store_true", help="add this invocation's runs to the --json file's")
@@ -107,6 +114,49 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
+
+
+def slo_of(args: argparse.Namespace) -> SLO:
+    """The SLO of the flags: --slo-ttft-ms / --slo-tpot-ms where given, else the preset's figures."""
+    ttft, tpot = SLO_PRESETS[args.slo_preset]
+    return SLO(
+        ttft if args.slo_ttft_ms is None else args.slo_ttft_ms,
+        tpot if args.slo_tpot_ms is None else args.slo_tpot_ms,
+        args.slo_attainment,
+    )
+
+
+def slo_lines(runs: list[dict[str, Any]], best: float | None, slo: SLO, preset: str) -> list[str]:
+    """What the runs say about the SLO: the highest rate meeting it, and a plain line when no run met it."""
+    what = f"TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms"
+    lines = []
+    if any(r.get("rate") is not None for r in runs):
+        best_text = "none" if best is None else f"{best:g} req/s"
+        lines.append(f"highest rate with >= {slo.attainment:.0%} of requests meeting {what}: {best_text}")
+    met = [r for r in runs if (r["summary"]["slo_attainment"] or 0.0) >= slo.attainment - 1e-12]
+    if runs and not met:
+        kind = "rate" if all(r.get("rate") is not None for r in runs) else "run"
+        hint = "raise --slo-ttft-ms / --slo-tpot-ms" if preset == "cpu" else "on CPU try --slo-preset cpu or raise them"
+        lines.append(f"no {kind} met the SLO ({what} for >= {slo.attainment:.0%} of requests; {hint})")
+    return lines
+
+
+def lag_warning(run: dict[str, Any], workers: int) -> str | None:
+    """A warning when open-loop requests left the client late (p99 past LAG_WARN_MS), naming the likely cause: the
+    client processes' own reading (many tokens/s each: more --workers help) or a CPU the client shares with busy
+    processes (few tokens/s each: more workers would not help)."""
+    lag = run["summary"]["client_lag_ms"]["p99"]
+    if lag is None or lag <= LAG_WARN_MS:
+        return None
+    per_worker = (run["summary"]["output_tokens_per_s"] or 0.0) / max(1, workers)
+    head = f"warning ({load_label(run)}): requests left the client {lag:.0f} ms late (p99)"
+    if per_worker > WORKER_TOKENS_PER_S:
+        return f"{head}: each of the {workers} client processes read {per_worker:.0f} tokens/s: raise --workers"
+    return (
+        f"{head} while each client process read only {per_worker:.0f} tokens/s: the client was short of CPU "
+        f"(the server on the same cores?), not of workers; run it on other cores or another host, and read "
+        f"latencies as including up to that delay"
+    )
 
 
 def _command(argv: list[str]) -> str:
@@ -209,7 +259,7 @@ def cmd_bench(argv: list[str]) -> int:
     if args.append and not args.json:
         p.error("--append needs --json")
     workers = args.workers or max(1, min(8, (os.cpu_count() or 1) // 4))
-    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_attainment)
+    slo = slo_of(args)
     opts = ClientOptions(args.target, args.timeout, args.retry, args.temperature, **client_options(args))
     prompts = PromptMaker.fresh(vocab, args.prompt_seed)
     old = None
@@ -270,16 +320,11 @@ def cmd_bench(argv: list[str]) -> int:
         return 130
     final = merge(old, doc) if old else doc
     print(table(final["runs"]))
-    best = final["sweep"]["max_rate_meeting_slo"]
-    if any(r["rate"] is not None for r in final["runs"]):
-        print(
-            f"highest rate with >= {slo.attainment:.0%} of requests meeting TTFT <= {slo.ttft_ms:g} ms and "
-            f"TPOT <= {slo.tpot_ms:g} ms: {'none' if best is None else f'{best:g} req/s'}"
-        )
+    for line in slo_lines(final["runs"], final["sweep"]["max_rate_meeting_slo"], slo, args.slo_preset):
+        print(line)
     for run in doc["runs"]:
-        lag = run["summary"]["client_lag_ms"]["p99"]
-        if lag is not None and lag > LAG_WARN_MS:
-            print(f"warning ({load_label(run)}): requests left the client {lag:.0f} ms late (p99): raise --workers")
+        if (warning := lag_warning(run, workers)) is not None:
+            print(warning)
     for run in final["runs"]:
         if run["summary"]["errors"]:
             print(f"errors ({load_label(run)}): {run['summary']['errors']} e.g. {run['summary']['error_examples']}")

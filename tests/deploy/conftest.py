@@ -98,12 +98,21 @@ def prefill_redis_query(redis_url: str) -> dict[str, str]:
 
 
 def kustomize(directory: Path) -> list[dict]:
-    """Render a kustomization (the parts used here: resources, labels, images, strategic-merge patches)."""
-    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    """Render a kustomization (the parts used here: resources, components, labels, images, strategic-merge
+    patches)."""
     docs: list[dict] = []
+    return _apply(directory, yaml.safe_load((directory / "kustomization.yaml").read_text()), docs)
+
+
+def _apply(directory: Path, k: dict, docs: list[dict]) -> list[dict]:
+    """Add `k`'s resources to `docs`, then apply its components (in order) and its own patches, images, labels."""
     for res in k.get("resources", []):
         path = directory / res
         docs += kustomize(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for comp in k.get("components", []):
+        component = yaml.safe_load((directory / comp / "kustomization.yaml").read_text())
+        assert component["kind"] == "Component", f"{comp}: not a kustomize Component"
+        _apply(directory / comp, component, docs)
     for patch in k.get("patches", []):
         for p in yaml.safe_load_all((directory / patch["path"]).read_text()):
             matches = [d for d in docs if (d["kind"], d["metadata"]["name"]) == (p["kind"], p["metadata"]["name"])]
@@ -121,7 +130,8 @@ def kustomize(directory: Path) -> list[dict]:
 
 
 def merge(base: dict, patch: dict) -> None:
-    """Strategic merge as kustomize does it for these files: maps merge, lists of named maps merge by name."""
+    """Strategic merge as kustomize does it for these files: maps merge, lists of named maps merge by name (an
+    item `{name: X, $patch: delete}` removes X), null deletes a field."""
     for key, value in patch.items():
         old = base.get(key)
         if isinstance(old, dict) and isinstance(value, dict):
@@ -129,10 +139,14 @@ def merge(base: dict, patch: dict) -> None:
         elif isinstance(old, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
             by_name = {o["name"]: o for o in old}
             for v in value:
-                if v["name"] in by_name:
+                if v.get("$patch") == "delete":
+                    old.remove(by_name[v["name"]])
+                elif v["name"] in by_name:
                     merge(by_name[v["name"]], v)
                 else:
                     old.append(v)
+        elif value is None:  # `field: null` deletes it
+            base.pop(key, None)
         else:
             base[key] = value
 

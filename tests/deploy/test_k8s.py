@@ -237,3 +237,43 @@ def test_redis_is_tls_acl_only_and_reachable_only_from_its_users(files, rendered
     store = urlsplit(env["PDSERVE_ROUTER_ESTIMATOR_STORE"]["value"])
     assert (store.scheme, store.username, store.password) == ("rediss", "router", "$(REDIS_ROUTER_PASSWORD)")
     assert list(env).index("REDIS_ROUTER_PASSWORD") < list(env).index("PDSERVE_ROUTER_ESTIMATOR_STORE")  # $(...)
+
+
+def test_images_are_named_by_the_overlay(files, rendered):
+    """The manifests name logical images (`pdserve-cpu`, `pdserve-cuda`) that each overlay's `images:` maps to a
+    real name and tag, so a registry is set in one place; nothing renders with a logical name left over."""
+    kind, objs = rendered
+    overlay = yaml.safe_load((files.DEPLOY / "k8s/overlays" / kind / "kustomization.yaml").read_text())
+    mapped = {i["name"] for i in overlay["images"]}
+    assert mapped == ({"pdserve-cpu", "pdserve-cuda"} if kind == "gpu" else {"pdserve-cpu"})
+    images = {c["image"] for d in objs.values() for c in files.containers(d)}
+    assert images == {"pdserve:cpu", "redis:7.4.1-alpine"} | ({"pdserve:cuda"} if kind == "gpu" else set())
+    for path in (files.DEPLOY / "k8s/base").glob("*.yaml"):  # the base names only logical pdserve images
+        for d in yaml.safe_load_all(path.read_text()):
+            for c in files.containers(d or {}):
+                assert c["image"] == "pdserve-cpu" or not c["image"].startswith("pdserve"), (path.name, c["image"])
+
+
+def test_model_pvc_component_seeds_the_model_without_a_download(files, tmp_path):
+    """components/model-pvc: router, prefill and decode mount the PVC `pdserve-model` read-only where the model
+    is read from, run no init container (no download), and the loader pod fills that same claim."""
+    comp = files.DEPLOY / "k8s/components/model-pvc"
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": [str(files.DEPLOY / "k8s/overlays/cpu")], "components": [str(comp)]})
+    )
+    objs = {(d["kind"], d["metadata"]["name"]): d for d in files.kustomize(tmp_path)}
+    pvc = objs[("PersistentVolumeClaim", "pdserve-model")]
+    loader = yaml.safe_load((comp / "loader.yaml").read_text())
+    for doc in (pvc, loader, *objs.values()):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    (loader_volume,) = loader["spec"]["volumes"]
+    assert loader_volume["persistentVolumeClaim"]["claimName"] == "pdserve-model"
+    for name in ("router", *ENGINES):
+        pod = objs[("Deployment", name)]["spec"]["template"]["spec"]
+        assert not pod.get("initContainers"), name
+        (model,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert model == {"name": "model", "persistentVolumeClaim": {"claimName": "pdserve-model", "readOnly": True}}
+        (c,) = pod["containers"]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "model")
+        assert mount["mountPath"] == env_of(objs, c)[f"PDSERVE_{name.upper()}_MODEL"] == "/models/model"
+        assert loader["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == mount["mountPath"]

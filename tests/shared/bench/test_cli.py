@@ -85,3 +85,55 @@ def test_usage_errors(args):
     with pytest.raises(SystemExit) as e:
         cmd_bench(["--target", "127.0.0.1:1", *args, *FAST])
     assert e.value.code == 2
+
+
+def _parse(*flags: str):
+    from pdserve.bench.cli import parser
+
+    return parser().parse_args(["--target", "h:1", "--rate", "1", "--vocab-size", "10", *flags])
+
+
+def test_slo_presets_and_overrides():
+    from pdserve.bench.cli import parser, slo_of
+
+    assert (slo_of(_parse()).ttft_ms, slo_of(_parse()).tpot_ms) == (350.0, 15.0)  # GPU figures by default
+    cpu = slo_of(_parse("--slo-preset", "cpu"))
+    assert cpu.ttft_ms > 350.0 and cpu.tpot_ms > 15.0
+    mixed = slo_of(_parse("--slo-preset", "cpu", "--slo-tpot-ms", "40", "--slo-attainment", "0.5"))
+    assert (mixed.ttft_ms, mixed.tpot_ms, mixed.attainment) == (cpu.ttft_ms, 40.0, 0.5)
+    helptext = parser().format_help()
+    assert "GPU figures" in helptext and "--slo-preset" in helptext and "cpu" in helptext
+    with pytest.raises(SystemExit):
+        _parse("--slo-preset", "tpu")
+
+
+def test_no_run_meeting_the_slo_says_so(capsys):
+    with PaceServer(0.03, 0.002) as server:  # TTFT 30 ms: above a 5 ms SLO, below a 5 s one
+        common = ["--target", server.target, "--rates", "20,40", "--num-requests", "4", "--warmup", "0",
+                  "--input-dist", "fixed:5", "--output-dist", "fixed:3", *FAST]  # fmt: skip
+        assert cmd_bench([*common, "--slo-ttft-ms", "5"]) == 0
+        out = capsys.readouterr().out
+        assert "no rate met the SLO (TTFT <= 5 ms and TPOT <= 15 ms" in out and "--slo-preset cpu" in out
+        assert cmd_bench([*common, "--slo-preset", "cpu"]) == 0
+        out = capsys.readouterr().out
+        assert "no rate met" not in out and "highest rate with >= 90% of requests meeting TTFT <= 5000 ms" in out
+        assert cmd_bench([*common[:2], "--concurrency", "1", *common[4:], "--slo-preset", "cpu",
+                          "--slo-tpot-ms", "0.001"]) == 0  # fmt: skip
+        out = capsys.readouterr().out
+        assert "no run met the SLO" in out and "raise --slo-ttft-ms / --slo-tpot-ms" in out
+
+
+def _run(lag_p99: float | None, tokens_per_s: float) -> dict:
+    return {"rate": 1.0, "summary": {"client_lag_ms": {"p99": lag_p99}, "output_tokens_per_s": tokens_per_s}}
+
+
+def test_lag_warning_names_the_cause():
+    from pdserve.bench.cli import LAG_WARN_MS, WORKER_TOKENS_PER_S, lag_warning
+
+    assert lag_warning(_run(None, 0.0), 1) is None and lag_warning(_run(LAG_WARN_MS, 1e6), 1) is None
+    starved = lag_warning(_run(80.0, 30.0), 1)  # 1 req/s of a slow CPU server: the client had nothing to read
+    assert starved is not None and "80 ms late" in starved and "raise --workers" not in starved
+    assert "short of CPU" in starved
+    busy = lag_warning(_run(80.0, 3 * WORKER_TOKENS_PER_S), 2)  # each process reads 1.5x what it can
+    assert busy is not None and busy.endswith("raise --workers") and "1 req/s" in busy
+    assert "raise --workers" not in (lag_warning(_run(80.0, 3 * WORKER_TOKENS_PER_S), 4) or "")
