@@ -127,7 +127,7 @@ def parse_gpus(text: str, visible) -> list[int]:
         raise ValueError(f"--gpus wants comma-separated GPU ids or 'none', got {text!r}") from None
 
 
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")  # an NVIDIA driver / ROCm: torch.cuda may see devices
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")  # NVIDIA (Linux, WSL2), ROCm: torch.cuda may see GPUs
 
 
 def visible_gpus() -> list[int]:

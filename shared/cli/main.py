@@ -185,7 +185,7 @@ def cmd_generate(argv: list[str]) -> int:
         "seed": args.seed,
         "stop": args.stop,
     }
-    chat = {"messages": [{"role": "user", "content": args.prompt}]}
+    turn = [{"role": "user", "content": args.prompt}]
     chat_max = args.max_tokens if args.max_tokens is not None else GENERATE_CHAT_MAX_TOKENS
     with Client(args.target, timeout=args.timeout, **client_options(args)) as c:
         try:
@@ -194,7 +194,7 @@ def cmd_generate(argv: list[str]) -> int:
                 chunks = (
                     c.stream(args.prompt, max_tokens=args.max_tokens, **sampling)
                     if args.raw
-                    else c.stream(**chat, max_tokens=chat_max, **sampling)
+                    else c.stream(messages=turn, max_tokens=chat_max, **sampling)
                 )
                 first = next(chunks, None)
             except grpc.RpcError as e:

@@ -22,6 +22,7 @@ import triton.language as tl
 
 MAX_M = 16  # rows one program multiplies (the tensor-core tile's M); Fp8Linear routes larger batches elsewhere
 GROUP = 128  # columns of one K step: one block-scale group
+K_STEP = tl.constexpr(GROUP)  # the same, as kernels read globals
 DEFAULT_CONFIG = dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4)
 
 
@@ -34,14 +35,14 @@ def _fp8_gemv_kernel(
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
-    kk = tl.arange(0, GROUP)
+    kk = tl.arange(0, K_STEP)
     n_ok, m_ok = n < N, m < M
     w_rows = w_ptr + n[:, None].to(tl.int64) * w_stride  # [BLOCK_N, 1]
     x_rows = x_ptr + m[:, None] * x_stride  # [BLOCK_M, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g0 = pid_k * groups_per_split
     for g in range(g0, tl.minimum(g0 + groups_per_split, KG)):
-        k = g * GROUP + kk
+        k = g * K_STEP + kk
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, GROUP] e4m3
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, GROUP]

@@ -1,6 +1,8 @@
 """`pdserve up` GPU placement as a pure plan, and the placement flags reaching EngineConfig (CPU)."""
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -73,3 +75,20 @@ def test_placement_flags_reach_engine_config():
     ec = cfg.engine
     assert (ec.device, ec.gpu_memory_utilization, ec.cuda_graph_max_context) == ("cuda:1", 0.425, 0)
     ec.validate()
+
+
+def test_visible_gpus_asks_torch_in_a_child_only_where_a_gpu_driver_is(monkeypatch, tmp_path):
+    from pdserve.cli import launch
+
+    asked = []
+
+    def probe(cmd, **kw):
+        asked.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="2\n", stderr="")
+
+    monkeypatch.setattr(launch.subprocess, "run", probe)
+    monkeypatch.setattr(launch, "GPU_DEVICE_NODES", (str(tmp_path / "nvidiactl"),))
+    assert launch.visible_gpus() == [] and asked == []  # no driver: torch is not even asked
+    (tmp_path / "nvidiactl").touch()
+    assert launch.visible_gpus() == [0, 1]
+    assert asked[0][0] == sys.executable and "torch.cuda.device_count()" in asked[0][-1]
