@@ -30,11 +30,14 @@ def read_banner(proc: subprocess.Popen, timeout_s: float, gateway: bool = True) 
     it); then a daemon thread keeps reading into `lines`, since the services log to that pipe and a full pipe
     would block them. Raises RuntimeError with the output when the process ends first, TimeoutError when
     `timeout_s` passes."""
+    if proc.stdout is None:
+        raise ValueError("read_banner needs a process started with stdout=subprocess.PIPE")
+    out = proc.stdout
     lines: list[str] = []
     deadline = time.monotonic() + timeout_s
     router = gateway_at = None
     while router is None or (gateway and gateway_at is None):
-        line = proc.stdout.readline()
+        line = out.readline()
         if not line and proc.poll() is not None:
             raise RuntimeError(f"pdserve up exited ({proc.returncode}) before it was ready:\n{''.join(lines)}")
         lines.append(line)
@@ -44,7 +47,7 @@ def read_banner(proc: subprocess.Popen, timeout_s: float, gateway: bool = True) 
             gateway_at = m.group(1), m.group(2)
         if time.monotonic() >= deadline:
             raise TimeoutError(f"pdserve up not ready after {timeout_s:.0f} s:\n{''.join(lines)}")
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(out), daemon=True).start()
     banner = UpBanner(router=router[0], internal=router[1], lines=lines)
     if gateway_at is not None:
         banner.gateway, banner.model_name = gateway_at
