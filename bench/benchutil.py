@@ -107,18 +107,8 @@ def ttft_ms(client: pdserve.Client, ids: list[int]) -> float:
 def pdserve_bench(target: str, out: str | Path, *flags: str) -> dict[str, Any]:
     """Run `pdserve bench --target target --json out FLAGS...` (the load generator, in its own processes) and return
     its JSON (schema pdserve.bench/1: `runs`, each with `summary` and the `requests` table; `sweep`)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "bench",
-        "--target",
-        target,
-        "--json",
-        str(out),
-        "--no-progress",
-        *flags,
-    ]
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--target", target, "--json", str(out), "--no-progress"]
+    cmd += flags
     log(shlex.join(cmd))
     subprocess.run(cmd, check=True)
     return json.loads(Path(out).read_text())

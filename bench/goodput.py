@@ -137,14 +137,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "pdserve.cli", "bench", "plot", *paths, "--labels", ",".join(results)]
         subprocess.run([*cmd, "--out", args.plots], check=False)
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    out: dict = {
-        **provenance(args.commit, device),
-        "slo_ttft_ms": SLO_TTFT_MS,
-        "slo_tpot_ms": SLO_TPOT_MS,
-        "input_dist": args.input_dist,
-        "output_dist": args.output_dist,
-        "num_requests_per_rate": args.num_requests,
-    }
+    out: dict = dict(**provenance(args.commit, device), slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=SLO_TPOT_MS)
+    out.update(input_dist=args.input_dist, output_dist=args.output_dist, num_requests_per_rate=args.num_requests)
     if "disagg" in results:
         out["disagg_goodput_rps"] = goodput_rate(results["disagg"])
         kv = results["disagg"]["where_time_goes"].get("kv_transfer", {})

@@ -263,11 +263,8 @@ def quality(args) -> None:
         long_len = args.long_prompt + args.long_forced
         if args.long_forced and long_len <= json.loads((path / "config.json").read_text())["max_position_embeddings"]:
             rows += quality_set(name, path, "long", [ids[:long_len]], args.long_prompt, args.device, formats)
-    print(
-        "\n| model | set | KV | scored | context | ppl | ppl / fp32 | top-1 agree | max abs dlogit |\n"
-        + "|---" * 9
-        + "|"
-    )
+    header = "| model | set | KV | scored | context | ppl | ppl / fp32 | top-1 agree | max abs dlogit |"
+    print(f"\n{header}\n" + "|---" * 9 + "|")
     for r in rows:
         print(f"| {r.model} | {r.set} | {r.format} | {r.scored} | {r.context} | {r.ppl:.4f} | {r.ppl_ratio:.5f} | "
               f"{r.top1_agree:.4f} | {r.max_abs_dlogit:.4f} |")  # fmt: skip
@@ -279,9 +276,8 @@ def quality(args) -> None:
         short = {r.format: r for r in rows if r.model == main_model and r.set == "short"}
         keys = {f"ppl_{k}_kv": short[f].ppl for k, f in (("fp32", "fp32"), ("bf16", "bf16"), ("int8", "int8-g64"),
                                                           ("fp8", "fp8")) if f in short}  # fmt: skip
-        keys.update(
-            {f"top1_agree_{k}": short[f].top1_agree for k, f in (("int8", "int8-g64"), ("fp8", "fp8")) if f in short}
-        )
+        agree = (("int8", "int8-g64"), ("fp8", "fp8"))
+        keys.update({f"top1_agree_{k}": short[f].top1_agree for k, f in agree if f in short})
         prov = provenance(args.commit, args.device)
         merge_json(path, {**keys, "model": MODELS[main_model], **{f"quality_{k}": v for k, v in prov.items()},
                           "quality_rows": [r for r in old if (r["model"], r["set"], r["format"]) not in new]

@@ -26,6 +26,7 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.value import value_bytes
+from pdserve.cache.value_auth import CacheKeyring
 from pdserve.cli.launch import start_stack
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import PagePayload, quantize_payload
@@ -33,14 +34,10 @@ from pdserve.models.checkpoints import build_checkpoint
 from pdserve.testing.redis_server import RedisServer
 
 PAGE = 16
-SHAPES = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=8192,
-)
+SHAPES = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=4, max_position_embeddings=8192)  # fmt: skip
+# every cache of the run on one secret: values are MAC'd under it, so caches without a shared one share no pages
+KEYRING = CacheKeyring.generate("bench/prompt_cache.py")
 LAYOUT = KVLayoutSpec(dtype="int8", page_size=PAGE, num_layers=4, num_kv_heads=4, head_dim=64, group_size=64)
 
 
@@ -81,8 +78,8 @@ def ttft_table(router: str, rds, prompt_len: int, repeats: int) -> dict[str, tup
 
 def filled_cache(url: str, tokens: list[int], local_bytes: int = 0) -> tuple[PromptCache, CacheNamespace]:
     """A PromptCache on `url` holding int8 pages of random K/V for `tokens` (one page quantized, re-indexed: the
-    bytes do not matter here)."""
-    cache = PromptCache(RedisStore(url, timeout_s=10.0), local_bytes=local_bytes, write_queue=1 << 16)
+    bytes do not matter here), under the run's one cache secret (KEYRING)."""
+    cache = PromptCache(RedisStore(url, timeout_s=10.0), local_bytes=local_bytes, write_queue=1 << 16, keyring=KEYRING)
     ns = CacheNamespace("bench", LAYOUT)
     dense = torch.randn(2, LAYOUT.num_layers, PAGE, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     q = quantize_payload(PagePayload(0, PAGE, 0, dense, None, None), LAYOUT.group_size, False)

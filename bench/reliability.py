@@ -58,6 +58,7 @@ from pdserve.v1 import (
 )  # fmt: skip
 
 SCHEMA = "pdserve.reliability/1"
+GenerateRequest = generate_pb2.GenerateRequest
 VOCAB = 512  # build_checkpoint's tiny tokenizer
 PAGE, CHUNK = 4, 16
 DECODE_MAX_STREAMS = 24  # each decode's stream budget (--max-streams) in the main stack
@@ -76,16 +77,12 @@ class Suite:
         tokens_file.write_text(json.dumps({tok: t for t, tok in self.tenants.items()}))
         self.redis = RedisServer(work / "redis").start()
         self.identity = Identity.with_tls(work / "pki") if tls else Identity.with_token()
-        self.engine_args = [
-            *("--torch-threads", "1", "--page-size", str(PAGE), "--chunk-size", str(CHUNK)),
-            *("--num-pages", "2048", "--kv-dtype", "auto", "--max-num-seqs", "16", "--log-level", "INFO"),
-        ]
-        router_args = [
-            *("--auth-tokens-file", str(tokens_file), "--drain-grace-s", str(DRAIN_GRACE_S)),
-            *("--max-queue-wait-s", "20", "--default-timeout-s", "120"),
-            # SLO admission targets for a shared CPU host (the defaults are GPU figures: 15 ms per token)
-            *("--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS)),
-        ]
+        self.engine_args = ["--torch-threads", "1", "--page-size", str(PAGE), "--chunk-size", str(CHUNK), "--num-pages",
+                            "2048", "--kv-dtype", "auto", "--max-num-seqs", "16", "--log-level", "INFO"]  # fmt: skip
+        router_args = ["--auth-tokens-file", str(tokens_file), "--drain-grace-s", str(DRAIN_GRACE_S),
+                       "--max-queue-wait-s", "20", "--default-timeout-s", "120",
+                       # SLO admission targets for a shared CPU host (the defaults are GPU figures: 15 ms per token)
+                       "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS)]  # fmt: skip
         prefill_args = ["--redis-url", self.redis.url, "--cache-local-mb", "0", "--max-streams", "64"]
         decode_args = ["--max-streams", str(DECODE_MAX_STREAMS)]
         self.stack = FaultStack(self.model, work / "stack", prefill=prefill, decode=decode, identity=self.identity,
@@ -117,24 +114,34 @@ class Suite:
     def stub(self) -> generate_pb2_grpc.GenerationStub:
         return generate_pb2_grpc.GenerationStub(self.channel)
 
-    async def stream(self, req: generate_pb2.GenerateRequest, tenant="tenant-a", retry=True, **kw) -> Outcome:
-        """One stream as `tenant`. `retry`: RESOURCE_EXHAUSTED before the first token is retried after the router's
-        pushback, as the SDK does (a caller of pdserve.Client never sees it unless the overload lasts); False:
-        the first answer counts (storms and the thread-budget scenario, where that answer is the point)."""
+    async def stream(self, req: GenerateRequest, tenant="tenant-a", retry=True, stub=None, **kw) -> Outcome:
+        """One stream as `tenant` (through `stub`, default the main stack's router). `retry`: RESOURCE_EXHAUSTED
+        before the first token is retried after the router's pushback, as the SDK does (a caller of pdserve.Client
+        never sees it unless the overload lasts); False: the first answer counts (storms and the thread-budget
+        scenario, where that answer is the point)."""
+        stub, metadata = stub or self.stub, self.metadata(tenant)
         if retry:
-            out = await stream_retrying(self.stub, req, metadata=self.metadata(tenant), **kw)
+            out = await stream_retrying(stub, req, metadata=metadata, **kw)
             self.retried += out.retries
             return out
-        return await stream_once(self.stub, req, metadata=self.metadata(tenant), **kw)
+        return await stream_once(stub, req, metadata=metadata, **kw)
 
-    async def run_all(self, reqs: Sequence[generate_pb2.GenerateRequest], concurrency: int, retry=True, **kw):
+    async def run_all(self, reqs: Sequence[GenerateRequest], concurrency: int, retry=True, each=(), **kw):
+        """`reqs`, `concurrency` at once; `each`: per-request `stream` keywords (beside the shared `kw`)."""
         sem = asyncio.Semaphore(concurrency)
 
-        async def one(r):
+        async def one(r, more):
             async with sem:
-                return await self.stream(r, retry=retry, **kw)
+                return await self.stream(r, retry=retry, **kw, **more)
 
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
+        return list(await asyncio.gather(*(one(r, m) for r, m in zip(reqs, each or [{}] * len(reqs)))))
+
+    async def started(self, req: GenerateRequest, tenant="tenant-a", **kw) -> asyncio.Task:
+        """A stream running in a task, returned once it has its first token (or has failed)."""
+        first = asyncio.Event()
+        task = asyncio.create_task(self.stream(req, tenant, on_first=first, **kw))
+        await first.wait()
+        return task
 
     async def reference(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
         """Greedy outputs of `prompts` on the unfaulted stack (each computed once, then kept)."""
@@ -146,6 +153,15 @@ class Suite:
                     raise RuntimeError(f"reference run failed: {o.code} {o.details} ({len(o.tokens)} tokens)")
                 self._refs[(p, max_tokens)] = o.tokens
         return [self._refs[(tuple(p), max_tokens)] for p in prompts]
+
+    async def exact(self, tally: Tally, prompts, max_tokens: int, concurrency: int, label="control", first=0, **kw):
+        """Greedy streams of `prompts`, each owed its whole reference output (tallied as `label i`, i from `first`);
+        `kw`: `stream`'s keywords. Their outcomes."""
+        refs = await self.reference(prompts, max_tokens)
+        outs = await self.run_all([token_request(p, max_tokens) for p in prompts], concurrency, **kw)
+        for i, (o, ref) in enumerate(zip(outs, refs), first):
+            tally.add(o, ["OK"], ref, must_complete=True, label=f"{label} {i}")
+        return outs
 
     # ---- stack health ----------------------------------------------------------------------------------------
     def heal(self) -> None:
@@ -182,6 +198,11 @@ class Suite:
             in_flight = {i.address: i.in_flight for i in listing.instances}
             extras["router_held"] = dict(queued=listing.queued, in_flight=in_flight)
 
+    def result(self, tally: Tally, expected: dict, extras: dict, **kw) -> Result:
+        """A scenario's Result, once what it left held is counted (`leaked`)."""
+        self.leaked(tally, extras)
+        return Result(tally, expected, extras, **kw)
+
     def close(self) -> None:
         self.stack.stop()
         self.redis.stop()
@@ -192,12 +213,10 @@ async def _closed_loop(suite: Suite, prompts, max_tokens: int, concurrency: int,
     """Send prompts round-robin from `concurrency` workers until `until(sent)` is true; (prompt index, outcome).
     `live["streaming"]` counts the requests that have their first token and have not ended."""
     out: list[tuple[int, Outcome]] = []
-    sent = 0
+    sent = 0  # requests started, over all workers
 
     async def one(i: int) -> Outcome:
-        first = asyncio.Event()
-        task = asyncio.create_task(suite.stream(token_request(prompts[i], max_tokens), timeout=180, on_first=first))
-        await first.wait()
+        task = await suite.started(token_request(prompts[i], max_tokens), timeout=180)
         live["streaming"] += 1
         try:
             return await task
@@ -222,11 +241,9 @@ async def _kill_scenario(suite: Suite, role: str, name: str, prompt_len: tuple, 
     n, min_kills = suite.count(120, 8), 4 if suite.scale >= 0.5 else 1
     prompts = suite.prompts(name, n, *prompt_len)
     refs = await suite.reference(prompts, max_tokens)
-    retries0 = st.listing().retries
+    retries0, rng = st.listing().retries, random.Random(name)
     kills: list[dict] = []
-    done = asyncio.Event()
-    rng = random.Random(name)
-    live = {"streaming": 0}
+    done, live = asyncio.Event(), {"streaming": 0}
 
     async def killer():
         victims = st.addresses(role)
@@ -254,12 +271,11 @@ async def _kill_scenario(suite: Suite, role: str, name: str, prompt_len: tuple, 
     outs = await _closed_loop(suite, prompts, max_tokens, 12, lambda sent: sent >= n and len(kills) >= min_kills, live)
     done.set()
     await task
-    tally, extras = Tally(), {}
+    tally = Tally()
     for i, o in outs:
         tally.add(o, ["OK"], refs[i], must_complete=True, label=f"prompt {i}")
-    extras.update(kills=kills, retried_or_resumed=st.listing().retries - retries0, max_tokens=max_tokens)
-    suite.leaked(tally, extras)
-    return Result(tally, {"stream": ["OK"]}, extras, exercised=len(kills) >= min_kills)
+    extras = dict(kills=kills, retried_or_resumed=st.listing().retries - retries0, max_tokens=max_tokens)
+    return suite.result(tally, {"stream": ["OK"]}, extras, exercised=len(kills) >= min_kills)
 
 
 async def decode_kill(suite: Suite) -> Result:
@@ -274,11 +290,10 @@ async def prefill_kill(suite: Suite) -> Result:
 
 async def redis_outage(suite: Suite) -> Result:
     """The prompt cache's Redis killed mid-load and started again (empty) later: requests must not notice."""
-    n = suite.count(120, 9)
-    rng = random.Random("redis")
+    n, rng = suite.count(120, 9), random.Random("redis")
     prefixes = suite.prompts("redis-prefix", 6, 48, 48)
     prompts = [prefixes[i % 6] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(3, 9))] for i in range(n)]
-    refs = await suite.reference(prompts, 16)
+    await suite.reference(prompts, 16)  # on the whole stack
     tally, phases = Tally(), {}
     third = n // 3
     for phase, lo, hi in (("before", 0, third), ("outage", third, 2 * third), ("after", 2 * third, n)):
@@ -286,48 +301,32 @@ async def redis_outage(suite: Suite) -> Result:
             suite.redis.kill()
         elif phase == "after":
             suite.redis.start()
-        idx = list(range(lo, hi))
-        outs = await suite.run_all([token_request(prompts[i], 16) for i in idx], 6)
-        for i, o in zip(idx, outs):
-            tally.add(o, ["OK"], refs[i], must_complete=True, label=f"{phase} {i}")
-        phases[phase] = dict(requests=len(idx), ok=sum(o.completed for o in outs),
+        outs = await suite.exact(tally, prompts[lo:hi], 16, 6, phase, first=lo)
+        phases[phase] = dict(requests=hi - lo, ok=sum(o.completed for o in outs),
                              cached_tokens=sum(o.cached_tokens for o in outs))  # fmt: skip
-    suite.leaked(tally, extras := dict(phases=phases))
     # exercised: the cache served prompts before the outage (so losing it mattered) and none during it
     used = phases["before"]["cached_tokens"] > 0 and phases["outage"]["cached_tokens"] == 0
-    return Result(tally, {"stream": ["OK"]}, extras, exercised=used)
+    return suite.result(tally, {"stream": ["OK"]}, dict(phases=phases), exercised=used)
 
 
 # ---- storms -----------------------------------------------------------------------------------------------------
 STORM_OK = ["OK", "RESOURCE_EXHAUSTED"]  # a storm may meet admission's overload answer; nothing else
 
 
-async def _controls(suite: Suite, tally: Tally, name: str) -> None:
-    """After a storm: 20 fresh requests must complete exactly (the stack is still whole)."""
-    prompts = suite.prompts(name + "-control", suite.count(20, 4), 16, 40)
-    refs = await suite.reference(prompts, 16)
-    for i, o in enumerate(await suite.run_all([token_request(p, 16) for p in prompts], 8)):
-        tally.add(o, ["OK"], refs[i], must_complete=True, label=f"control {i}")
-
-
-async def _storm(suite: Suite, name: str, prompts: list, plan: list, code: str, count: str, least: int) -> Result:
-    """A storm: `plan`'s streams ((prompt index, `suite.stream` keywords)), 48 at once and never retried, each
-    ending OK, overloaded or with `code` (counted as extras[`count`], at least `least` to have exercised it);
-    then controls."""
+async def _storm(suite: Suite, name: str, shape: tuple, plan: list, code: str, count: str, least: int) -> Result:
+    """A storm over `suite.prompts(name, *shape)`: `plan`'s streams ((prompt index, `suite.stream` keywords)), 48 at
+    once, never retried, each ending OK, overloaded or with `code` (counted as extras[`count`], at least `least` to
+    have exercised it); then controls: 20 fresh requests that must complete exactly (the stack is still whole)."""
+    prompts = suite.prompts(name, *shape)
     refs = await suite.reference(prompts, 32)
-    sem = asyncio.Semaphore(48)
-
-    async def one(i, kw):
-        async with sem:
-            return await suite.stream(token_request(prompts[i], 32), retry=False, **kw)
-
-    outs = await asyncio.gather(*(one(i, kw) for i, kw in plan))
+    reqs, each = [token_request(prompts[i], 32) for i, _ in plan], [kw for _, kw in plan]
+    outs = await suite.run_all(reqs, 48, retry=False, each=each)
     tally, extras = Tally(), {}
     for (i, _kw), o in zip(plan, outs):
         tally.add(o, [*STORM_OK, code], refs[i], must_complete=False, label=f"{name} {i}")
     extras[count] = sum(o.code == code for o in outs)
     suite.leaked(tally, extras)
-    await _controls(suite, tally, name)
+    await suite.exact(tally, suite.prompts(name + "-control", suite.count(20, 4), 16, 40), 16, 8)
     return Result(tally, {"storm": [*STORM_OK, code], "control": ["OK"]}, extras, exercised=extras[count] >= least)
 
 
@@ -335,24 +334,21 @@ async def cancel_storm(suite: Suite) -> Result:
     """1,000 streams cancelled by their callers at random points (before the first token, mid-stream), 20% left
     to finish; then controls."""
     n = suite.count(1000, 20)
-    prompts = suite.prompts("cancel", 40, 12, 48)
     rng = random.Random("cancel")
     plan = []
-    for k in range(n):
+    for k in range(n):  # 40% cancelled after a time, 40% after some tokens, 20% left to finish
         r = rng.random()
-        plan.append((k % 40, dict(cancel_after_s=rng.uniform(0.0, 0.25)) if r < 0.4 else {}))
-        if 0.4 <= r < 0.8:
-            plan[-1] = (k % 40, dict(cancel_after_tokens=rng.randint(1, 24)))
-    return await _storm(suite, "cancel", prompts, plan, "CANCELLED", "cancelled", n // 2)
+        kw = dict(cancel_after_s=rng.uniform(0.0, 0.25)) if r < 0.4 else {}
+        plan.append((k % 40, dict(cancel_after_tokens=rng.randint(1, 24)) if 0.4 <= r < 0.8 else kw))
+    return await _storm(suite, "cancel", (40, 12, 48), plan, "CANCELLED", "cancelled", n // 2)
 
 
 async def deadline_storm(suite: Suite) -> Result:
     """300 streams with deadlines from 5 ms to 1 s (most expire mid-prefill, mid-transfer or mid-stream)."""
     n = suite.count(300, 10)
-    prompts = suite.prompts("deadline", 30, 12, 120)
     rng = random.Random("deadline")
     plan = [(k % 30, dict(timeout=rng.uniform(0.005, 1.0))) for k in range(n)]
-    return await _storm(suite, "deadline", prompts, plan, "DEADLINE_EXCEEDED", "expired", n // 4)
+    return await _storm(suite, "deadline", (30, 12, 120), plan, "DEADLINE_EXCEEDED", "expired", n // 4)
 
 
 async def duplicate_ids(suite: Suite) -> Result:
@@ -361,17 +357,12 @@ async def duplicate_ids(suite: Suite) -> Result:
     pairs = suite.count(50, 4)
     prompts = suite.prompts("dup", 2 * pairs, 16, 40)
     refs = await suite.reference(prompts, 48)
-    tally = Tally()
-    sem = asyncio.Semaphore(8)
+    tally, sem = Tally(), asyncio.Semaphore(8)
 
     async def pair(k):
         async with sem:
             rid = f"dup-{k}-{os.urandom(3).hex()}"
-            first_tok = asyncio.Event()
-            a = asyncio.create_task(
-                suite.stream(token_request(prompts[2 * k], 48, request_id=rid), timeout=30, on_first=first_tok)
-            )
-            await first_tok.wait()
+            a = await suite.started(token_request(prompts[2 * k], 48, request_id=rid), timeout=30)
             other = "tenant-a" if k % 2 == 0 else "tenant-b"
             b = await suite.stream(token_request(prompts[2 * k + 1], 48, request_id=rid), other, timeout=30)
             return await a, b
@@ -379,8 +370,7 @@ async def duplicate_ids(suite: Suite) -> Result:
     for k, (a, b) in enumerate(await asyncio.gather(*(pair(k) for k in range(pairs)))):
         tally.add(a, ["OK"], refs[2 * k], must_complete=True, label=f"first {k}")
         tally.add(b, ["OK", "ALREADY_EXISTS"], refs[2 * k + 1], must_complete=False, label=f"second {k}")
-    suite.leaked(tally, extras := {})
-    return Result(tally, {"first": ["OK"], "second": ["OK", "ALREADY_EXISTS"]}, extras)
+    return suite.result(tally, {"first": ["OK"], "second": ["OK", "ALREADY_EXISTS"]}, {})
 
 
 async def thread_budget(suite: Suite) -> Result:
@@ -392,13 +382,12 @@ async def thread_budget(suite: Suite) -> Result:
     refs = await suite.reference(prompts, 96)
     failures0 = {i.address: i.failures for i in suite.stack.listing().instances}
     seen_down: set[str] = set()
-    done = asyncio.Event()
+    done = asyncio.Event()  # the streams ended: stop watching
 
     async def watch():
         while not done.is_set():
-            for i in (await asyncio.to_thread(suite.stack.listing)).instances:
-                if i.state != "up":
-                    seen_down.add(i.address)
+            listing = await asyncio.to_thread(suite.stack.listing)
+            seen_down.update(i.address for i in listing.instances if i.state != "up")
             await asyncio.sleep(0.2)
 
     w = asyncio.create_task(watch())
@@ -411,9 +400,8 @@ async def thread_budget(suite: Suite) -> Result:
     failures = {i.address: i.failures - failures0.get(i.address, 0) for i in suite.stack.listing().instances}
     extras.update(streams=n, stream_budget_total=budget, rejected=sum(o.code == "RESOURCE_EXHAUSTED" for o in outs),
                   instances_seen_not_up=sorted(seen_down), health_failures=failures)  # fmt: skip
-    suite.leaked(tally, extras)
     checks = {"no instance marked down": not seen_down, "some streams completed": tally.completed > 0}
-    return Result(tally, {"stream": STORM_OK}, extras, checks=checks)
+    return suite.result(tally, {"stream": STORM_OK}, extras, checks=checks)
 
 
 async def router_sigterm(suite: Suite) -> Result:
@@ -422,10 +410,8 @@ async def router_sigterm(suite: Suite) -> Result:
     A last cycle restarts the router with a 0.5 s grace and streams that cannot finish in it: they end with
     UNAVAILABLE, having received only correct tokens."""
     st = suite.stack
-    cycles = 2 if suite.scale >= 0.5 else 1
-    n = suite.count(24, 3)
-    tally, extras = Tally(), {"cycles": []}
-    honoured = 0
+    cycles, n = 2 if suite.scale >= 0.5 else 1, suite.count(24, 3)
+    tally, extras, honoured = Tally(), {"cycles": []}, 0
     for cycle in range(cycles + 1):
         short = cycle == cycles
         max_tokens = 400 if short else 700  # long-grace cycles: streams that outlast the old fixed 5 s grace
@@ -436,14 +422,8 @@ async def router_sigterm(suite: Suite) -> Result:
             await asyncio.to_thread(st.wait_exit, st.router, DRAIN_GRACE_S + 15)
             await asyncio.to_thread(st.restart, st.router, ["--drain-grace-s", "0.5"])
             await suite.open()
-        started = [asyncio.Event() for _ in prompts]
-        tasks = [
-            asyncio.create_task(suite.stream(token_request(p, max_tokens), timeout=300, on_first=e))
-            for p, e in zip(prompts, started)
-        ]
-        await asyncio.gather(*(e.wait() for e in started))
-        router = st.router
-        t_term = time.monotonic()
+        tasks = await asyncio.gather(*(suite.started(token_request(p, max_tokens), timeout=300) for p in prompts))
+        router, t_term = st.router, time.monotonic()
         st.kill(router, signal.SIGTERM)
         await asyncio.sleep(0.2)
         late = await suite.stream(token_request(prompts[0], 4), retry=False, timeout=10)
@@ -467,14 +447,13 @@ async def router_sigterm(suite: Suite) -> Result:
         await asyncio.to_thread(st.wait_up)
         await suite.open()
     extras["sigterms_honoured"] = f"{honoured}/{cycles + 1}"
-    suite.leaked(tally, extras)
-    long_drains = [c["exit_s"] for c in extras["cycles"][:-1]]
-    exercised = all(t > 5.0 for t in long_drains) if suite.scale >= 0.5 else True  # streams outlasted 5 s
-    expected = {"stream (grace long enough)": ["OK"], "stream (grace too short)": ["UNAVAILABLE"]}
-    expected["call during drain"] = ["UNAVAILABLE"]
-    expected["stream retried into the drain (first attempt refused by admission)"] = ["UNAVAILABLE"]
+    long_drains = [c["exit_s"] > 5.0 for c in extras["cycles"][:-1]]  # the streams outlasted the old 5 s grace
+    exercised = all(long_drains) if suite.scale >= 0.5 else True
+    refused = ("stream (grace too short)", "call during drain",
+               "stream retried into the drain (first attempt refused by admission)")  # fmt: skip
+    expected = {"stream (grace long enough)": ["OK"], **{k: ["UNAVAILABLE"] for k in refused}}
     checks = {"every SIGTERM honoured": honoured == cycles + 1}
-    return Result(tally, expected, extras, exercised=exercised, checks=checks)
+    return suite.result(tally, expected, extras, exercised=exercised, checks=checks)
 
 
 # ---- abuse: calls a hostile or clumsy party makes ------------------------------------------------------------
@@ -487,66 +466,57 @@ def _call(fn) -> tuple[str, str]:
     try:
         out = fn()
         if hasattr(out, "__next__"):
-            for _ in out:
-                break
+            next(out, None)
             out.cancel()
         return "OK", ""
     except grpc.RpcError as e:
         return status_name(e), e.details() or ""
 
 
-def _layout(model_dir, kv_dtype: str) -> kv_pb2.KVLayout:
+def _layout(model_dir) -> kv_pb2.KVLayout:
+    """The main stack's KV layout (kv-dtype auto on CPU: float32 pages), as a PrefillRequest carries it."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    dtype = kv_pb2.KV_DTYPE_INT8 if kv_dtype == "int8" else kv_pb2.KV_DTYPE_FLOAT32
-    return kv_pb2.KVLayout(format_version=1, dtype=dtype, page_size=PAGE, num_layers=cfg["num_hidden_layers"],
-                           num_kv_heads=kv_heads, head_dim=cfg["hidden_size"] // heads,
-                           group_size=64 if kv_dtype == "int8" else 0)  # fmt: skip
+    return kv_pb2.KVLayout(format_version=1, dtype=kv_pb2.KV_DTYPE_FLOAT32, page_size=PAGE, group_size=0,
+                           num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg["num_key_value_heads"],
+                           head_dim=cfg["hidden_size"] // cfg["num_attention_heads"])  # fmt: skip
 
 
 def _internal_calls(suite, impostor: str) -> list[tuple[str, str, object]]:
     """(label, address, call(channel)) for every internal RPC on every port of the stack, the public one included."""
     st = suite.stack
-    rid = "anon-" + os.urandom(4).hex()
-    prompt = [5 + i for i in range(12)]
+    rid, prompt = "anon-" + os.urandom(4).hex(), [5 + i for i in range(12)]
     s = generate_pb2.SamplingParams(max_tokens=4, temperature=0.0)
-    stats = internal_pb2.StatsRequest()
     preq = internal_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=s,
-                                       kv_layout=_layout(suite.model, "auto"))  # fmt: skip
+                                       kv_layout=_layout(suite.model))  # fmt: skip
     msg = internal_pb2.PrefillClientMessage(request=preq)
-    prefill_stats = lambda ch: internal_pb2_grpc.PrefillStub(ch).Stats(stats, timeout=10)
-    decode_stats = lambda ch: internal_pb2_grpc.DecodeStub(ch).Stats(stats, timeout=10)
+    P, D, R = internal_pb2_grpc.PrefillStub, internal_pb2_grpc.DecodeStub, router_admin_pb2_grpc.RegistryStub
+    prefill_stats, decode_stats = (_rpc(stub, "Stats", internal_pb2.StatsRequest()) for stub in (P, D))
     dreq = internal_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=s, prefill_target=impostor)
-    out = [c for a in st.prefill for c in (
-        ("Prefill.Prefill", a, lambda ch: internal_pb2_grpc.PrefillStub(ch).Prefill(iter([msg]), timeout=10)),
-        ("Prefill.Stats", a, prefill_stats))]  # fmt: skip
-    out += [c for a in st.decode for c in (
-        ("Decode.Generate", a, lambda ch: internal_pb2_grpc.DecodeStub(ch).Generate(dreq, timeout=10)),
-        ("Decode.Stats", a, decode_stats))]  # fmt: skip
+    out = [c for a in st.prefill for c in (("Prefill.Prefill", a, _rpc(P, "Prefill", lambda: iter([msg]))),
+                                           ("Prefill.Stats", a, prefill_stats))]  # fmt: skip
+    out += [c for a in st.decode for c in (("Decode.Generate", a, _rpc(D, "Generate", dreq)),
+                                           ("Decode.Stats", a, decode_stats))]  # fmt: skip
     pb, role = router_admin_pb2, router_admin_pb2.INSTANCE_ROLE_DECODE
-    registry = [
-        ("Register", pb.RegisterRequest(role=role, address=impostor)),
-        ("Heartbeat", pb.HeartbeatRequest(role=role, address=impostor)),
-        ("Deregister", pb.DeregisterRequest(role=role, address=st.decode[0])),
-        ("ListInstances", pb.ListInstancesRequest()),
-    ]
+    registry = [("Register", pb.RegisterRequest(role=role, address=impostor)),
+                ("Heartbeat", pb.HeartbeatRequest(role=role, address=impostor)),
+                ("Deregister", pb.DeregisterRequest(role=role, address=st.decode[0])),
+                ("ListInstances", pb.ListInstancesRequest())]  # fmt: skip
     for a in sorted({st.registry_address(), st.router}):
-        for method, msg in registry:
-            out.append((f"Registry.{method}", a, _registry_call(method, msg)))
+        out += [(f"Registry.{method}", a, _rpc(R, method, msg)) for method, msg in registry]
         if a == st.router and a != st.registry_address():  # the internal services on the public port
             out += [("Decode.Stats@public", a, decode_stats), ("Prefill.Stats@public", a, prefill_stats)]
     return out
 
 
-def _registry_call(method: str, msg):
-    return lambda ch: getattr(router_admin_pb2_grpc.RegistryStub(ch), method)(msg, timeout=10)
+def _rpc(stub, method: str, msg):
+    """call(channel): `stub`'s `method` with `msg` (a callable: called for a fresh message, e.g. a request stream)."""
+    return lambda ch: getattr(stub(ch), method)(msg() if callable(msg) else msg, timeout=10)
 
 
 def _anonymous_channels(suite) -> dict[str, ChannelSecurity]:
     """The ways an outsider calls: plaintext without identity or with a guessed token; with TLS on, also TLS without
     a client certificate, and with a well-formed certificate from another CA."""
-    wrong = "wrong-" + os.urandom(12).hex()
-    tls = suite.identity.tls
+    wrong, tls = "wrong-" + os.urandom(12).hex(), suite.identity.tls
     if not tls.on:
         return {"no identity": ChannelSecurity.anonymous(), "wrong token": ChannelSecurity(token=wrong)}
     from pdserve.testing.certs import CertAuthority
@@ -558,6 +528,18 @@ def _anonymous_channels(suite) -> dict[str, ChannelSecurity]:
         "TLS, no client certificate, wrong token": ChannelSecurity(TlsConfig(ca=tls.ca), token=wrong),
         "TLS, certificate from another CA": ChannelSecurity(TlsConfig(rogue.cert, rogue.key, tls.ca)),
     }
+
+
+async def _refuse_all(suite, tally: Tally, calls: list[tuple[str, str, object]]) -> list[str]:
+    """Each (label, address, call(channel)) through each of `_anonymous_channels`: each must be refused."""
+    seen = []
+    for variant, sec in _anonymous_channels(suite).items():
+        for label, target, fn in calls:
+            with sec.open(target, CHANNEL_OPTIONS) as ch:
+                code, details = await asyncio.to_thread(_call, lambda: fn(ch))
+            tally.refusal(code, _refused(suite), label=f"{label} on {target} ({variant})", details=details)
+            seen.append(f"{label} ({variant}): {code}")
+    return seen
 
 
 def _refused(suite) -> list[str]:
@@ -572,15 +554,10 @@ async def anonymous_internal(suite) -> Result:
     served), and nothing may reach the impostor prefill a decode was told to dial."""
     impostor = ImpostorPrefill(lambda p: VALID, PAGE)
     addr, server = impostor.start()
-    tally, extras = Tally(), {"calls": []}
+    tally, extras = Tally(), {}
     try:
         calls = _internal_calls(suite, addr)
-        for variant, sec in _anonymous_channels(suite).items():
-            for label, target, fn in calls:
-                with sec.open(target, CHANNEL_OPTIONS) as ch:
-                    code, details = await asyncio.to_thread(_call, lambda: fn(ch))
-                tally.refusal(code, _refused(suite), label=f"{label} on {target} ({variant})", details=details)
-                extras["calls"].append(f"{label} ({variant}): {code}")
+        extras["calls"] = await _refuse_all(suite, tally, calls)
         insider = {}
         for label, target, fn in calls:  # the same calls as an insider, read-only ones only: the ports do serve
             registry_here = not label.startswith("Registry") or target == suite.stack.registry_address()
@@ -592,14 +569,13 @@ async def anonymous_internal(suite) -> Result:
     finally:
         server.stop(0)
     extras.update(insider_calls=insider, impostor_prefill_calls=impostor.calls, instances_after=states)
-    suite.leaked(tally, extras)
     checks = {
         "every anonymous call refused": tally.completed == 0,
         "decode never dialled the caller's prefill target": impostor.calls == 0,
         "insider calls served (the ports are up)": all(c == "OK" for c in insider.values()),
         "no impostor in the router's table, every instance still up": _all_up(states, suite.stack),
     }  # fmt: skip
-    return Result(tally, {"anonymous internal call": _refused(suite)}, extras, checks=checks)
+    return suite.result(tally, {"anonymous internal call": _refused(suite)}, extras, checks=checks)
 
 
 def _all_up(states: dict[str, str], st: FaultStack) -> bool:
@@ -614,38 +590,25 @@ async def bogus_registration(suite) -> Result:
     (dec_addr, dec_server), (pre_addr, pre_server) = dec.start(), pre.start()
     pb, tally, extras = router_admin_pb2, Tally(), {}
     try:
-        reqs = [pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address=dec_addr),
-                pb.RegisterRequest(role=pb.INSTANCE_ROLE_PREFILL, address=pre_addr)]  # fmt: skip
-        beats = [pb.HeartbeatRequest(role=pb.INSTANCE_ROLE_DECODE, address=dec_addr)]
-        dereg = [pb.DeregisterRequest(role=pb.INSTANCE_ROLE_DECODE, address=a) for a in st.decode]
-        dereg += [pb.DeregisterRequest(role=pb.INSTANCE_ROLE_PREFILL, address=a) for a in st.prefill]
-        for variant, sec in _anonymous_channels(suite).items():
-            for target in sorted({st.registry_address(), st.router}):
-                with sec.open(target, CHANNEL_OPTIONS) as ch:
-                    stub = router_admin_pb2_grpc.RegistryStub(ch)
-                    for _rounds in range(suite.count(5, 1)):
-                        for label, fn, msgs in (("Register", stub.Register, reqs), ("Heartbeat", stub.Heartbeat, beats),
-                                                ("Deregister", stub.Deregister, dereg)):  # fmt: skip
-                            for m in msgs:
-                                code, details = await asyncio.to_thread(_call, lambda: fn(m, timeout=10))
-                                where = f"{label} on {target} ({variant})"
-                                tally.refusal(code, _refused(suite), label=where, details=details)
-        prompts = suite.prompts("bogus", suite.count(40, 4), 16, 40)
-        refs = await suite.reference(prompts, 16)
-        outs = await suite.run_all([token_request(p, 16) for p in prompts], 8)
-        for i, o in enumerate(outs):
-            tally.add(o, ["OK"], refs[i], must_complete=True, label=f"prompt {i}")
+        D, P = pb.INSTANCE_ROLE_DECODE, pb.INSTANCE_ROLE_PREFILL
+        reqs = [pb.RegisterRequest(role=D, address=dec_addr), pb.RegisterRequest(role=P, address=pre_addr)]
+        dereg = [pb.DeregisterRequest(role=r, address=a) for r, ads in ((D, st.decode), (P, st.prefill)) for a in ads]
+        beats = [pb.HeartbeatRequest(role=D, address=dec_addr)]
+        rpcs = (("Register", reqs), ("Heartbeat", beats), ("Deregister", dereg))
+        targets, stub = sorted({st.registry_address(), st.router}), router_admin_pb2_grpc.RegistryStub
+        calls = [(method, t, _rpc(stub, method, m)) for t in targets for method, msgs in rpcs for m in msgs]
+        await _refuse_all(suite, tally, calls * suite.count(5, 1))
+        await suite.exact(tally, suite.prompts("bogus", suite.count(40, 4), 16, 40), 16, 8, "prompt")
         states = await asyncio.to_thread(st.states)
     finally:
         dec_server.stop(0)
         pre_server.stop(0)
     extras.update(impostor_decode_calls=dec.calls, impostor_prefill_calls=pre.calls, instances_after=states)
-    suite.leaked(tally, extras)
     checks = {
         "no prompt reached an impostor": dec.calls == 0 and pre.calls == 0,
         "router table unchanged, all up": _all_up(states, st),
     }  # fmt: skip
-    return Result(tally, {"registry call": _refused(suite), "prompt": ["OK"]}, extras, checks=checks)
+    return suite.result(tally, {"registry call": _refused(suite), "prompt": ["OK"]}, extras, checks=checks)
 
 
 async def hostile_kv(suite) -> Result:
@@ -653,7 +616,6 @@ async def hostile_kv(suite) -> Result:
     pages damaged one way (NaN / inf scales, flipped byte, sizes, indexes, identity fields, out-of-vocab first
     token, missing pages, garbage). Decode (int8 pool) must refuse each with its status, send no token, free every
     page; the impostor's well-formed pages ("valid", the control) must generate."""
-    per = suite.count(8, 1)
     impostor = ImpostorPrefill(lambda p: VARIANTS[p[0] - 100] if 100 <= p[0] < 100 + len(VARIANTS) else VALID, PAGE)
     addr, server = impostor.start(suite.identity.tls)  # a prefill gone bad: it holds the stack's certificate
     stack = FaultStack(suite.model, suite.work / "hostile", prefill=0, decode=1,
@@ -665,15 +627,10 @@ async def hostile_kv(suite) -> Result:
         await asyncio.to_thread(stack.start)
         rng = random.Random("hostile")
         plan = [(v, [100 + VARIANTS.index(v)] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(9, 24))])
-                for v in VARIANTS for _ in range(per)]  # fmt: skip
+                for v in VARIANTS for _ in range(suite.count(8, 1))]  # fmt: skip
         async with suite.identity.public_channel(stack.router) as ch:
-            stub, sem = generate_pb2_grpc.GenerationStub(ch), asyncio.Semaphore(8)
-
-            async def one(p):
-                async with sem:
-                    return await stream_once(stub, token_request(p, 8), metadata=suite.metadata(), timeout=60)
-
-            outs = await asyncio.gather(*(one(p) for _, p in plan))
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            outs = await suite.run_all([token_request(p, 8) for _, p in plan], 8, retry=False, timeout=60, stub=stub)
         for (v, _), o in zip(plan, outs):
             if v == VALID:
                 tally.add(o, ["OK"], None, must_complete=True, label=v)
@@ -694,19 +651,16 @@ async def hostile_kv(suite) -> Result:
 
 def _raw_call(st: FaultStack, address: str, method: str, body: bytes, unary: bool = False):
     """A call of `method` with `body` as the serialized request, over the stack's insider channel."""
-    ch = st.channel_for(address)
-    ident = lambda b: b
-    if unary:
-        return lambda: ch.unary_unary(method, request_serializer=ident, response_deserializer=ident)(body, timeout=30)
-    return lambda: ch.unary_stream(method, request_serializer=ident, response_deserializer=ident)(body, timeout=30)
+    ch, ident = st.channel_for(address), (lambda b: b)
+    kind = ch.unary_unary if unary else ch.unary_stream
+    return lambda: kind(method, request_serializer=ident, response_deserializer=ident)(body, timeout=30)
 
 
 def _oversized(suite) -> list[tuple[str, object, list[str]]]:
     """(name, request or raw call, allowed statuses): public requests far over the limits, and insider messages
     over the internal ports' size limits."""
-    mb = 1 << 20
+    mb, G = 1 << 20, GenerateRequest
     s = lambda **kw: generate_pb2.SamplingParams(max_tokens=4, temperature=0.0, **kw)
-    G = generate_pb2.GenerateRequest
     cases: list[tuple[str, object, list[str]]] = [
         ("prompt 10 MB", G(prompt="a" * (10 * mb), sampling=s()), TOO_BIG),
         ("prompt 10 MB of 3-byte characters", G(prompt="€" * (10 * mb // 3), sampling=s()), TOO_BIG),
@@ -722,45 +676,44 @@ def _oversized(suite) -> list[tuple[str, object, list[str]]]:
     # an 80 MB DecodeRequest (request_id, then 80M packed token ids of one byte each), built as bytes
     big = _field(1, b"big") + _field(2, b"\x05" * (80 * mb))
     reg = router_admin_pb2.RegisterRequest(role=router_admin_pb2.INSTANCE_ROLE_DECODE, address="h" * (16 * mb))
-    decode_call = _raw_call(st, st.decode[0], "/pdserve.v1.Decode/Generate", big)
-    registry_call = _raw_call(st, st.registry_address(), "/pdserve.v1.Registry/Register", reg.SerializeToString(), True)
-    cases += [
-        ("decode: 80 MB DecodeRequest (insider)", decode_call, TOO_BIG),
-        ("registry: 16 MB Register (insider)", registry_call, TOO_BIG),
-    ]
-    return cases
+    decode = _raw_call(st, st.decode[0], "/pdserve.v1.Decode/Generate", big)
+    registry = _raw_call(st, st.registry_address(), "/pdserve.v1.Registry/Register", reg.SerializeToString(), True)
+    return cases + [("decode: 80 MB DecodeRequest (insider)", decode, TOO_BIG),
+                    ("registry: 16 MB Register (insider)", registry, TOO_BIG)]  # fmt: skip
 
 
 async def oversized_inputs(suite) -> Result:
     """Requests far over every limit (10 MB prompts, 100k stop strings, 1M token ids, 100 MB messages, ...), each
     repeated, while exact control streams run: each refused at once, the controls unharmed."""
-    reps = suite.count(3, 1)
     prompts = suite.prompts("oversized-control", 8, 16, 40)
-    refs = await suite.reference(prompts, 96)
-    tally, extras = Tally(), {"seconds_to_refuse": {}}
+    await suite.reference(prompts, 96)  # before the abuse starts
+    tally = Tally()
     router_rss0 = suite.stack.rss_mb().get(f"router@{suite.stack.router}")
-    controls = asyncio.create_task(suite.run_all([token_request(p, 96) for p in prompts], 8, timeout=180))
-    for name, req, allowed in _oversized(suite):
+    controls = asyncio.create_task(suite.exact(tally, prompts, 96, 8, timeout=180))
+    seen = await _refusals(suite, tally, _oversized(suite), suite.count(3, 1), 60)
+    extras: dict = {"seconds_to_refuse": {name: round(s, 3) for name, (_, s) in seen.items()}}
+    await controls
+    extras["router_rss_mb"] = [router_rss0, suite.stack.rss_mb().get(f"router@{suite.stack.router}")]
+    extras["slowest_refusal_s"] = slowest = max(extras["seconds_to_refuse"].values())
+    checks = {"every refusal within 2 s": slowest < 2.0}
+    return suite.result(tally, {"oversized": TOO_BIG, "control": ["OK"]}, extras, checks=checks)
+
+
+async def _refusals(suite, tally: Tally, cases, reps: int, timeout: float) -> dict[str, tuple[str, float]]:
+    """Each (name, public request or blocking call, allowed statuses) `reps` times, never retried; a request must
+    send no token. Per name: its last status and its slowest answer (seconds)."""
+    seen: dict[str, tuple[str, float]] = {}
+    for name, req, allowed in cases:
         for _ in range(reps):
             t0 = time.monotonic()
-            if isinstance(req, generate_pb2.GenerateRequest):
-                o = await suite.stream(req, retry=False, timeout=60)
-                code, details, n = o.code, o.details, len(o.tokens)
-            else:
-                (code, details), n = await asyncio.to_thread(_call, req), 0
-            dt = time.monotonic() - t0
-            extras["seconds_to_refuse"][name] = round(max(dt, extras["seconds_to_refuse"].get(name, 0.0)), 3)
+            is_request = isinstance(req, GenerateRequest)
+            o = await suite.stream(req, retry=False, timeout=timeout) if is_request else None
+            code, details = (o.code, o.details) if o is not None else await asyncio.to_thread(_call, req)
             tally.refusal(code, allowed, label=name, details=details)
-            if n:
+            if o is not None:
                 tally.no_tokens(o, name)
-    for i, o in enumerate(await controls):
-        tally.add(o, ["OK"], refs[i], must_complete=True, label=f"control {i}")
-    extras["router_rss_mb"] = [router_rss0, suite.stack.rss_mb().get(f"router@{suite.stack.router}")]
-    suite.leaked(tally, extras)
-    slowest = max(extras["seconds_to_refuse"].values())
-    extras["slowest_refusal_s"] = slowest
-    checks = {"every refusal within 2 s": slowest < 2.0}
-    return Result(tally, {"oversized": TOO_BIG, "control": ["OK"]}, extras, checks=checks)
+            seen[name] = (code, max(time.monotonic() - t0, seen.get(name, ("", 0.0))[1]))
+    return seen
 
 
 def _field(num: int, data: bytes) -> bytes:
@@ -771,12 +724,6 @@ def _field(num: int, data: bytes) -> bytes:
         n >>= 7
         if not n:
             return bytes(out) + data
-
-
-def _raw_generate(prompt_bytes: bytes) -> bytes:
-    """A GenerateRequest whose `prompt` holds `prompt_bytes` as they are (invalid UTF-8 cannot be built otherwise)."""
-    s = generate_pb2.SamplingParams(max_tokens=4, temperature=0.0).SerializeToString()
-    return _field(2, prompt_bytes) + _field(4, s)
 
 
 async def malformed_inputs(suite) -> Result:
@@ -799,27 +746,17 @@ async def malformed_inputs(suite) -> Result:
         ("top_logprobs 50", G(prompt="hi", sampling=S(max_tokens=4, top_logprobs=50))),
         ("unknown chat role", G(messages=[generate_pb2.ChatMessage(role="wizard", content="hi")])),
     ]  # fmt: skip
-    tally, extras = Tally(), {"statuses_by_case": {}}
-    reps = suite.count(4, 1)
-    for name, req in cases:
-        for _ in range(reps):
-            o = await suite.stream(req, retry=False, timeout=30)
-            tally.refusal(o.code, ["INVALID_ARGUMENT"], label=name, details=o.details)
-            tally.no_tokens(o, name)
-            extras["statuses_by_case"][name] = o.code
-    ident = lambda b: b
-    raw = suite.channel.unary_stream("/pdserve.v1.Generation/GenerateStream", ident, ident)
-    for _ in range(reps):
-        try:
-            call = raw(_raw_generate(b"\xff\xfe bad utf-8 \xc3\x28"), metadata=suite.metadata(), timeout=30)
-            _ = [m async for m in call]
-            code, details = "OK", ""
-        except grpc.RpcError as e:
-            code, details = status_name(e), e.details() or ""
-        tally.refusal(code, ["INVALID_ARGUMENT"], label="invalid UTF-8 prompt", details=details)
-        extras["statuses_by_case"]["invalid UTF-8 prompt"] = code
-    suite.leaked(tally, extras)
-    return Result(tally, {"malformed": ["INVALID_ARGUMENT"]}, extras)
+    # a GenerateRequest whose `prompt` (field 2) is invalid UTF-8: built as bytes (a message cannot hold it)
+    sampling = _field(4, generate_pb2.SamplingParams(max_tokens=4, temperature=0.0).SerializeToString())
+    body, tls, ident = _field(2, b"\xff\xfe bad utf-8 \xc3\x28") + sampling, suite.identity.tls, (lambda b: b)
+    public = ChannelSecurity(TlsConfig(ca=tls.ca)) if tls.on else ChannelSecurity.anonymous()
+    with public.open(suite.stack.router, CHANNEL_OPTIONS) as ch:
+        raw = ch.unary_stream("/pdserve.v1.Generation/GenerateStream", ident, ident)
+        cases.append(("invalid UTF-8 prompt", lambda: raw(body, metadata=suite.metadata(), timeout=30)))
+        cases = [(name, req, ["INVALID_ARGUMENT"]) for name, req in cases]
+        seen = await _refusals(suite, tally := Tally(), cases, suite.count(4, 1), 30)
+    extras = {"statuses_by_case": {name: code for name, (code, _) in seen.items()}}
+    return suite.result(tally, {"malformed": ["INVALID_ARGUMENT"]}, extras)
 
 
 SCENARIOS = {f.__name__: f for f in (decode_kill, prefill_kill, redis_outage, cancel_storm, deadline_storm,
@@ -842,10 +779,8 @@ async def soak(suite: Suite, minutes: float, sample_s: float = 15.0) -> Result:
     refs = await suite.reference(prompts, 24)
     tally = Tally()
     series: dict[str, list[tuple[float, float]]] = {}
-    t0 = time.monotonic()
+    t0, rng, big = time.monotonic(), random.Random("soak"), "x" * (2 << 20)
     end = t0 + minutes * 60
-    rng = random.Random("soak")
-    big = "x" * (2 << 20)
 
     async def worker():
         while time.monotonic() < end:
@@ -873,15 +808,13 @@ async def soak(suite: Suite, minutes: float, sample_s: float = 15.0) -> Result:
             await asyncio.sleep(sample_s)
 
     await asyncio.gather(sampler(), *(worker() for _ in range(3)))
-    half = minutes * 30
-    slopes = {k: round(slope_per_min([s for s in v if s[0] >= half]), 3) for k, v in series.items()}
+    slopes = {k: round(slope_per_min([s for s in v if s[0] >= minutes * 30]), 3) for k, v in series.items()}
     extras = dict(minutes=minutes, rss_slope_mb_per_min=max(slopes.values(), default=0.0), rss_slope_by_process=slopes,
                   rss_mb_first={k: round(v[0][1], 1) for k, v in series.items()},
                   rss_mb_last={k: round(v[-1][1], 1) for k, v in series.items()},
                   rss_samples=len(next(iter(series.values()), [])))  # fmt: skip
-    suite.leaked(tally, extras)
-    return Result(tally, {"stream": ["OK"], "cancel": ["OK", "CANCELLED"], "deadline": ["OK", "DEADLINE_EXCEEDED"],
-                          "oversized": ["INVALID_ARGUMENT"]}, extras)  # fmt: skip
+    expected = {"stream": ["OK"], "cancel": ["OK", "CANCELLED"], "deadline": ["OK", "DEADLINE_EXCEEDED"]}
+    return suite.result(tally, {**expected, "oversized": ["INVALID_ARGUMENT"]}, extras)
 
 
 # ---- driver -------------------------------------------------------------------------------------------------------
@@ -963,9 +896,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--merge", action="store_true", help="update only the scenarios run now in an existing --json")
     ap.add_argument("--work", default="", help="working directory (model, logs); default: a new one under $TMPDIR")
     ap.add_argument("--commit", default="", help="the commit measured (a copied tree may lack git)")
-    args = ap.parse_args(argv)
-    doc = asyncio.run(run(args))
-    print(json.dumps(doc["summary"]))
+    print(json.dumps(asyncio.run(run(ap.parse_args(argv)))["summary"]))
 
 
 if __name__ == "__main__":

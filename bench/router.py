@@ -128,9 +128,8 @@ def end_to_end(model: Path, work_dir: Path, args) -> dict[str, dict]:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     trace = write_trace(work_dir / "trace.jsonl", args.requests, args.rate, args.long_frac, args.seed)
     try:
-        static = [f for a in stack.prefill for f in ("--prefill", a)] + [
-            f for a in stack.decode for f in ("--decode", a)
-        ]
+        pairs = [("--prefill", a) for a in stack.prefill] + [("--decode", a) for a in stack.decode]
+        static = [f for pair in pairs for f in pair]
         for name in names[1:]:
             rargs = ["--model", str(model), *static, *base, *VARIANTS[name]]
             r = start_service("router", rargs, work_dir / "stack", env={"PDSERVE_INTERNAL_TOKEN": stack.internal_token})
