@@ -435,7 +435,9 @@ def fp8_quality(seqs: int = 8, prompt: int = 32, forced: int = 96) -> dict:
         for name in ("fp32", "bf16", "fp8_block", "fp8_channel"):
             fmt = name.removeprefix("fp8_")
             model_dir = convert_checkpoint(path, Path(tmp) / fmt, fmt) if name.startswith("fp8") else path
-            cfg = EngineConfig(model_dir=str(model_dir), dtype="bfloat16" if name == "bf16" else "float32", **kw)
+            cfg = EngineConfig(
+                model_dir=str(model_dir), dtype="bfloat16" if name == "bf16" else "float32", kv_dtype="auto", **kw
+            )
             lg = torch.cat(forced_logits(LLMEngine(cfg), [w[:prompt] for w in wins], [w[prompt:] for w in wins]))
             out[f"ppl_{name}"] = math.exp(torch.nn.functional.cross_entropy(lg.float(), target).item())
             log(f"ppl {name}: {out[f'ppl_{name}']:.4f} ({out[f'ppl_{name}'] / out['ppl_fp32']:.4f} x fp32)")

@@ -36,7 +36,7 @@ class EngineConfig:
     )
     max_num_seqs: int = opt(64, "largest decode batch / sequences admitted at once")
     kv_dtype: str = opt(
-        "auto", "KV pool format: auto (the model dtype) | int8 | fp8 (e4m3fn, one fp16 scale per token and KV head)"
+        "int8", "KV pool format: int8 | fp8 (e4m3fn, one fp16 scale per token and KV head) | auto (the model dtype)"
     )
     kv_group_size: int = opt(64, "int8 KV quantization group size along head_dim (clamped to head_dim)")
     kv_asymmetric: bool = opt(False, "int8 KV with zero points (scale + zero point) instead of symmetric")

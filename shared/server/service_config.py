@@ -71,12 +71,12 @@ class ServerOptions:
 
 def engine_settings(helps: dict[str, str] | None = None, **defaults: Any) -> Any:
     """The `engine` field of an engine service's config: EngineConfig's fields as this service's settings of the
-    same names (`--model` fills model_dir). The services' defaults are set here, once: no model until one is
-    given, and KV pages in int8 (`--kv-dtype`); `defaults` and `helps` add a service's own."""
+    same names (`--model` fills model_dir; no model until one is given). Every other default is EngineConfig's own
+    (`--kv-dtype` int8 among them); `defaults` and `helps` add a service's own."""
     return nested(
         EngineConfig,
         names={"model_dir": "model"},
-        defaults={"model_dir": "", "kv_dtype": "int8", **defaults},
+        defaults={"model_dir": "", **defaults},
         helps=helps,
     )
 

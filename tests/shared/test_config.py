@@ -65,14 +65,19 @@ def test_every_engine_field_is_a_setting_of_each_engine_service(cls):
 
 
 def test_kv_dtype_default_is_defined_once():
-    """Every engine service, and `pdserve up` through them, defaults to int8 KV from one place (engine_settings);
-    the engine as a library keeps its own default (unquantized)."""
+    """Every engine service, `pdserve up` through them, and the engine as a library default to int8 KV from one
+    place: EngineConfig's field (no service restates it)."""
     from pdserve.cli.up import engine_settings, up_parser
 
     for cls in ENGINE_SERVICES:
         (s,) = [s for s in settings(cls) if s.name == "kv_dtype"]
         assert s.default == "int8" == parse(cls, ["--model", "m"], {}).engine.kv_dtype
-    assert EngineConfig(model_dir="m").kv_dtype == "auto"
+    assert EngineConfig(model_dir="m").kv_dtype == "int8"
+    import inspect
+
+    from pdserve.server import service_config
+
+    assert '"kv_dtype"' not in inspect.getsource(service_config)  # not restated for the services
     up = up_parser().parse_args([])
     assert all(getattr(up, s.name) is None for s in engine_settings() if s.name != "torch_threads")
 

@@ -75,7 +75,9 @@ def make_engine(checkpoint):
     """make_engine(name, **EngineConfig overrides) -> LLMEngine on CPU/fp32 with small pages and chunks."""
 
     def make(name: str = "llama", **kw) -> LLMEngine:
-        cfg = dict(page_size=4, chunk_size=8, num_pages=128, max_num_seqs=16, device="cpu", dtype="float32")
+        cfg = dict(
+            page_size=4, chunk_size=8, num_pages=128, max_num_seqs=16, device="cpu", dtype="float32", kv_dtype="auto"
+        )
         cfg.update(kw)
         return LLMEngine(EngineConfig(model_dir=str(checkpoint(name)), **cfg))
 

@@ -70,7 +70,9 @@ def gpu_llama_hd128(tmp_path_factory):
 
 
 def engine(model_dir, device: str = "cpu", **kw) -> LLMEngine:
-    cfg = dict(device=device, dtype="float32", page_size=PAGE, chunk_size=96, num_pages=256, max_num_seqs=16)
+    cfg = dict(
+        device=device, dtype="float32", page_size=PAGE, chunk_size=96, num_pages=256, max_num_seqs=16, kv_dtype="auto"
+    )
     if device == "cuda":
         cfg.update(dtype="bfloat16")
     return LLMEngine(EngineConfig(model_dir=str(model_dir), **{**cfg, **kw}))

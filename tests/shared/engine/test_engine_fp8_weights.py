@@ -52,7 +52,10 @@ def models(tmp_path_factory):
 
 
 def engine(model_dir, **kw) -> LLMEngine:
-    cfg = {**dict(page_size=4, chunk_size=8, num_pages=64, max_num_seqs=4, device="cpu", dtype="float32"), **kw}
+    cfg = {
+        **dict(page_size=4, chunk_size=8, num_pages=64, max_num_seqs=4, device="cpu", dtype="float32", kv_dtype="auto"),
+        **kw,
+    }
     return LLMEngine(EngineConfig(model_dir=str(model_dir), **cfg))
 
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 DEV = torch.device("cuda")
 BLOCK = Fp8Scheme(weights="block", block_size=(128, 128), source="fp8")
-KW = dict(device="cuda", dtype="bfloat16", page_size=16, chunk_size=48, num_pages=96, max_num_seqs=8)
+KW = dict(device="cuda", dtype="bfloat16", page_size=16, chunk_size=48, num_pages=96, max_num_seqs=8, kv_dtype="auto")
 PROMPTS = [random_prompt(n, seed=n) for n in (1, 15, 17, 70, 33)]
 
 
