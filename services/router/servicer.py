@@ -39,14 +39,12 @@ from pdserve.router.reasoning import ReasoningSplitter, reasoning_tags
 from pdserve.router.retry_policy import Action, Decision, after_failure
 from pdserve.router.scheduler import Cancelled, Job, Scheduler, Unavailable
 from pdserve.router.shaping import ChunkShaper, merge_chunks
+from pdserve.router.trailers import RETRY_AFTER_KEY, RETRY_PUSHBACK_KEY
 from pdserve.server.proto_convert import MalformedMessage, lenient_parser, sampling_from_proto, with_model_defaults
 from pdserve.telemetry.service import Telemetry
 from pdserve.v1 import generate_pb2, generate_pb2_grpc, internal_pb2
 
 log = logging.getLogger("pdserve.router")
-
-RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of RESOURCE_EXHAUSTED: when to try again
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # the same delay in gRPC's own key (its retry policies honour it)
 
 
 @dataclass

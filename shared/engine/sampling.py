@@ -8,8 +8,7 @@ temperature, and greedy requests have them too. They come from the same logits r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.engine.request_limits import (
     MAX_LOGIT_BIAS,
@@ -21,6 +20,9 @@ from pdserve.engine.request_limits import (
 )
 from pdserve.engine.structured_spec import StructuredSpec
 from pdserve.errors import InvalidRequest
+
+if TYPE_CHECKING:  # torch loads with the first sampling call: the router and gateway use only the params
+    import torch
 
 
 @dataclass
@@ -126,6 +128,8 @@ class SamplingParams:
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    import torch
+
     g = torch.Generator(device=device)
     g.manual_seed(seed % 2**64)
     return g
@@ -134,6 +138,8 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 def skip_draws(generator: torch.Generator, vocab_size: int, n: int) -> None:
     """Advance a request's generator past `n` sampled tokens (each `sample` draws one [V] exponential vector), so
     that a request continued elsewhere (prefill -> decode, or a failover resume) samples as if uninterrupted."""
+    import torch
+
     for _ in range(n):
         torch.empty(vocab_size, device=generator.device).exponential_(1.0, generator=generator)
 
@@ -142,6 +148,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token from a float32 logits row [V]. Greedy when temperature == 0, else temperature -> top-k ->
     top-p -> exponential-race sampling with the request's own generator (so results depend only on the
     request's seed and its own logits, never on the batch)."""
+    import torch
+
     if params.greedy:
         return int(torch.argmax(logits))
     x = logits.float() / params.temperature
@@ -161,6 +169,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """Logprobs of the chosen tokens from their logits rows [S, V] (S = len(token_ids)), with `k` alternatives."""
+    import torch
+
     logp = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
     chosen = logp.gather(-1, torch.tensor(token_ids, device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
     if k > 0:
