@@ -112,7 +112,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(5, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def wait_keys(rds, n: int, timeout: float = 10.0) -> None:
+def wait_keys(rds, n: int, timeout: float = 30.0) -> None:
     """Wait for the asynchronous write-back: at least `n` page values in Redis."""
     deadline = time.monotonic() + timeout
     while rds.dbsize() < n:
