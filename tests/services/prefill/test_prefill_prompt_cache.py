@@ -103,9 +103,15 @@ def cluster(tmp_path_factory, model_dir):
 
 @pytest.fixture
 def rds(cluster):
-    """The cluster's Redis, emptied (the instances' local tiers keep what they hold)."""
-    cluster.redis.client().flushall()
-    return cluster.redis.client()
+    """The cluster's Redis, emptied once the earlier tests' asynchronous write-backs have landed (the instances'
+    local tiers keep what they hold)."""
+    client = cluster.redis.client()
+    deadline, count = time.monotonic() + 10, -1
+    while client.dbsize() != count and time.monotonic() < deadline:  # quiet for 0.5 s: no write-back in flight
+        count = client.dbsize()
+        time.sleep(0.5)
+    client.flushall()
+    return client
 
 
 def prompt(n: int, seed: int) -> list[int]:
