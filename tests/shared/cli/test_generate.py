@@ -6,11 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent import futures
 from contextlib import contextmanager
 
 import grpc
 
+from pdserve.testing.generation_server import generation_server
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 NO_TEMPLATE = "this model has no chat template; send prompt or token_ids instead of messages"  # router/chat.py
@@ -36,14 +36,8 @@ class Router(generate_pb2_grpc.GenerationServicer):
 @contextmanager
 def router(has_template: bool) -> Iterator[tuple[Router, str]]:
     servicer = Router(has_template)
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
+    with generation_server(servicer, threads=4) as target:
+        yield servicer, target
 
 
 def generate(target: str, *args: str) -> subprocess.CompletedProcess:

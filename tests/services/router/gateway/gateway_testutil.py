@@ -8,13 +8,13 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 
 from pdserve.cli.launch import start_service, wait_ready
+from pdserve.testing.generation_server import generation_server
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 INVALID_PREFIX = "invalid:"  # a prompt "invalid:REASON" is answered INVALID_ARGUMENT with REASON
@@ -63,14 +63,8 @@ class ScriptedRouter(generate_pb2_grpc.GenerationServicer):
 def scripted_router() -> Iterator[tuple[ScriptedRouter, str]]:
     """A ScriptedRouter on a free loopback port: (servicer, host:port)."""
     servicer = ScriptedRouter()
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
+    with generation_server(servicer) as target:
+        yield servicer, target
 
 
 @contextmanager
