@@ -27,8 +27,8 @@ from pdserve.engine.quant.fp8_quant import (
     quantize_activations_torch,
 )
 
-# decode batches: at M <= 16 the quantize + GEMM paths read FP8 weights at ~2 TB/s on an H200 (bf16: ~3.6 TB/s);
-# up to this many tokens take the weight-only GEMV (fp8_gemv); bench/gpu_engine.py --weights times both sides
+# decode batches: a few tokens' GEMM is bound by the weight bytes, and quantizing the activations first only adds a
+# launch; up to this many tokens take the weight-only GEMV (fp8_gemv); bench/gpu_engine.py --weights times both
 GEMV_MAX_ROWS = 16  # = fp8_gemv.MAX_M, the most the GEMV takes
 
 
