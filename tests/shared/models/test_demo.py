@@ -48,14 +48,15 @@ def test_smol_answers_like_transformers(smol_dir, stack):
     assert "Paris" in answer.text and answer.finish_reason == "stop"  # a real model, not noise
 
 
-def test_smol_answers_with_the_model_cards_sampling_by_default(smol_dir, stack):
-    """No sampling field in the request: the model card's temperature 0.2 / top_p 0.9 from the converted
-    directory's generation_config.json (seeded, so the draw is reproducible), still a real answer."""
+def test_smol_answers_greedily_by_default(smol_dir, stack):
+    """No sampling field in the request: the converted directory's generation_config.json says greedy
+    (`do_sample` false), so every seed gives the same real answer."""
     cfg = json.loads((smol_dir / "generation_config.json").read_text())
     assert {k: cfg[k] for k in demo.SMOL_SAMPLING} == demo.SMOL_SAMPLING
     with pdserve.Client(stack.router, timeout=300) as c:
         answers = [c.generate(messages=QUESTION, max_tokens=16, seed=s) for s in range(3)]
     assert all("Paris" in a.text and a.finish_reason == "stop" for a in answers), [a.text for a in answers]
+    assert len({a.text for a in answers}) == 1, [a.text for a in answers]
 
 
 def test_sampling_defaults_are_added_once_and_never_override(tmp_path):
@@ -68,6 +69,10 @@ def test_sampling_defaults_are_added_once_and_never_override(tmp_path):
     demo.add_sampling_defaults(tmp_path, demo.SMOL_SAMPLING)  # converted before the defaults existed: added
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": 2, **demo.SMOL_SAMPLING}
     assert [p.name for p in tmp_path.iterdir()] == ["generation_config.json"]  # no temporary file left
+    earlier = {"eos_token_id": 2, "do_sample": True, "temperature": 0.2, "top_p": 0.9}  # an earlier pdserve wrote it
+    (tmp_path / "generation_config.json").write_text(json.dumps(earlier))
+    demo.add_sampling_defaults(tmp_path, demo.SMOL_SAMPLING)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": 2, **demo.SMOL_SAMPLING}
 
 
 def test_converted_directory_is_plain_hf(smol_dir):
