@@ -15,10 +15,7 @@ docs/bench/gpu_engine.json). Also the GPU helpers of bench/kv_formats.py.
    8k-token chunked prefill; ITL at batch 1 / context 512; decode steps at batch 128 and 64 / context 2k against
    the roofline (all weight bytes + the batch's KV bytes, over the copy bandwidth); KV capacity at context 4k.
 
-`--weights bf16,fp8-block,fp8-channel` (issue 30) writes docs/bench/fp8_weights.json instead: one 8B layer's GEMMs
-per format and the FP8 decode GEMV's tiles; per format an engine (int8 KV, graphs; block: a CPU-quantized copy,
-channel: online `--quantization fp8`): 8k prefill TFLOP/s, ITL b1 ctx 512 and its roofline (weight + KV bytes a
-step reads / copy bandwidth), step b128 ctx 2k; `--quality`: the demo model's perplexity per format (CPU).
+FP8 weights (issue 30) are bench/fp8_weights.py (docs/bench/fp8_weights.json).
 
 FLOPs of a prefill: 2 * params * tokens + attention 2 * T^2 * head_dim * heads * layers (causal).
 """
@@ -27,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -342,134 +337,6 @@ def capacity_gain(table: Table) -> dict:
     return dict(budget_gib=budget / 2**30, dense_seqs=dense, int8_seqs=int8, gain=int8 / dense)
 
 
-# ---- FP8 weights (issue 30): --weights -------------------------------------------------------------------------
-KEYS = ("prefill_8k_tflops", "itl_ms_b1", "itl_roofline_ms_b1", "step_ms_b128")  # per format in the JSON
-PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # 8B (N, K)
-
-
-def fp8_gemm_rows(table: Table, copy_bw: float) -> dict:
-    """CUDA-graph ms of one 8B layer's four projections per token count: bf16, FP8 per channel (_scaled_mm) and
-    block (Triton GEMM), activation quantization included, and the weight-only GEMV (M <= 16); at M = 1 a sweep of
-    GEMV tiles (block scales)."""
-    from pdserve.engine.quant import fp8_quant as Q
-    from pdserve.engine.quant.fp8_checkpoint import ONLINE_FP8, Fp8Scheme
-    from pdserve.engine.quant.fp8_gemv import fp8_gemv
-    from pdserve.engine.quant.fp8_linear import Fp8Linear
-
-    w = {p: torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k**-0.5 for p, (n, k) in PROJ.items()}
-    lin, rows, sweep = {}, [], []
-    for kind, scheme, quant in (("channel", ONLINE_FP8, Q.quantize_weight_per_channel), ("block", Fp8Scheme(
-            weights="block", block_size=(128, 128), source="fp8"), Q.quantize_weight_blocks)):  # fmt: skip
-        for p, (n, k) in PROJ.items():
-            lin[kind, p] = Fp8Linear(k, n, False, scheme).to(DEV)
-            lin[kind, p].weight[:], lin[kind, p].weight_scale[:] = quant(w[p])
-    for m in (1, 16, 128, 2048, 8192):
-        x = {p: torch.randn(m, k, device=DEV, dtype=torch.bfloat16) for p, (_, k) in PROJ.items()}
-        row = {"tokens": m, "bf16_ms": graph_ms(lambda: [torch.nn.functional.linear(x[p], w[p]) for p in PROJ])}
-        for name, kind, gemv_rows in (("channel",) * 2 + (0,), ("block",) * 2 + (0,), ("gemv_channel", "channel", 16),
-                                      ("gemv_block", "block", 16)):  # fmt: skip
-            if gemv_rows == 0 or m <= gemv_rows:  # 0: quantized activations + _scaled_mm / the block GEMM
-                for p in PROJ:
-                    lin[kind, p].gemv_max_rows = gemv_rows
-                row[f"fp8_{name}_ms"] = graph_ms(lambda kind=kind: [lin[kind, p](x[p]) for p in PROJ])
-        flops = sum(2 * m * n * k for n, k in PROJ.values())
-        row.update({k.replace("_ms", "_tflops"): flops / v / 1e9 for k, v in list(row.items()) if k.endswith("_ms")})
-        rows.append(row)
-        table.row(f"8B layer GEMMs M={m}", " ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k[-3:] == "_ms"))
-    x1 = {p: torch.randn(1, k, device=DEV, dtype=torch.bfloat16) for p, (_, k) in PROJ.items()}
-    for bn, pps, warps in ((16, 4, 4), (32, 4, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 4, 4), (128, 4, 8)):
-        cfg, b = dict(block_n=bn, programs_per_sm=pps, num_warps=warps), {p: lin["block", p] for p in PROJ}
-        try:  # a tile that does not compile or fit is logged; the others still count
-            ms = graph_ms(lambda c=cfg: [fp8_gemv(x1[p], b[p].weight, b[p].weight_scale, None, 128, **c) for p in PROJ])
-            sweep.append({**cfg, "ms": ms, "weight_tb_s": sum(n * k for n, k in PROJ.values()) / ms / 1e9})
-        except Exception as exc:
-            log(f"GEMV tile {cfg}: {type(exc).__name__}: {exc}")
-    best = min(sweep, key=lambda r: r["ms"])
-    table.row("FP8 GEMV M=1 best tile", f"{best['weight_tb_s']:.2f} TB/s", f"{best}; copy {copy_bw / 2e12:.2f} TB/s")
-    return dict(gemm_8b_layer=rows, gemv_sweep_m1_block=sweep)
-
-
-def weights_engine(table: Table, model_dir: Path, fmt: str, ctx: dict) -> dict:
-    """One engine (int8 KV, graphs) with weights `fmt`: 8k prefill FLOP rate, ITL b1 ctx 512 and its roofline,
-    decode step b128 ctx 2k. Frees the engine before returning."""
-    g = torch.Generator().manual_seed(8)
-    e = make_engine(model_dir, "int8", num_pages=18400, **({"quantization": "fp8"} if fmt == "fp8-channel" else {}))
-    ms = time_prefill(e, torch.randint(5, SHAPE["vocab_size"], (8192,), generator=g).tolist())
-    out = {"prefill_8k_ms": ms, "prefill_8k_tflops": prefill_flops(ctx["n_params"], 8192, ctx["layers"]) / ms / 1e9}
-    sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-    submit(e, "itl", torch.randint(5, SHAPE["vocab_size"], (512,), generator=g).tolist(), sp)
-    e.step()  # prefill
-    out["itl_ms_b1"] = statistics.median(time_decode_steps(e, 10 + ctx["steps"])[10:])
-    kv_bytes = (512 + 10 + ctx["steps"] // 2) * e.runner.page_bytes() // e.page_size  # mean context timed
-    tensors = [*e.runner.model.named_parameters(), *e.runner.model.named_buffers()]  # all read but the embeddings
-    out["weight_bytes_read"] = sum(t.numel() * t.element_size() for n, t in tensors if "embed_tokens" not in n)
-    out["itl_roofline_ms_b1"] = (out["weight_bytes_read"] + kv_bytes) / ctx["copy_bw"] * 1e3
-    e.abort("itl")
-    e.step()
-    fill_decode_batch(e, 128, 2048, g)
-    out["step_ms_b128"] = statistics.median(time_decode_steps(e, 5 + ctx["steps"])[5:])
-    table.row(f"[{fmt}] prefill 8k / ITL b1 / step b128", f"{out['prefill_8k_tflops']:.0f} TFLOP/s, "
-              f"{out['itl_ms_b1']:.3f} ms (roofline {out['itl_roofline_ms_b1']:.3f}), {out['step_ms_b128']:.2f} ms",
-              f"{ctx['layers']} layers")  # fmt: skip
-    del e
-    free_memory()  # the engine and its handoff refer to each other: gc before the next engine's pool
-    return out
-
-
-def fp8_quality(seqs: int = 8, prompt: int = 32, forced: int = 96) -> dict:
-    """Perplexity of SmolLM2-135M-Instruct (the demo model) on the shipped corpus on the CPU through the dequantized
-    path (fp32 math): its own weights, bf16 (weights and math), FP8 block and per-channel copies."""
-    from transformers import AutoTokenizer
-
-    from pdserve.engine.quant.fp8_convert import convert_checkpoint
-    from pdserve.models.demo import ensure_smol
-    from pdserve.models.train_tiny import split_corpus
-
-    path = ensure_smol()
-    ids = AutoTokenizer.from_pretrained(str(path))("\n".join(split_corpus()))["input_ids"]
-    wins = [ids[i * (len(ids) // seqs) :][: prompt + forced] for i in range(seqs)]
-    target = torch.tensor([t for w in wins for t in w[prompt:]])
-    out: dict = {"quality_model": path.name, "quality_scored_tokens": target.numel()}
-    kw = dict(device="cpu", num_pages=seqs * (-(-(prompt + forced) // 16) + 1), max_num_seqs=seqs)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("fp32", "bf16", "fp8_block", "fp8_channel"):
-            fmt = name.removeprefix("fp8_")
-            model_dir = convert_checkpoint(path, Path(tmp) / fmt, fmt) if name.startswith("fp8") else path
-            cfg = EngineConfig(
-                model_dir=str(model_dir), dtype="bfloat16" if name == "bf16" else "float32", kv_dtype="auto", **kw
-            )
-            lg = torch.cat(forced_logits(LLMEngine(cfg), [w[:prompt] for w in wins], [w[prompt:] for w in wins]))
-            out[f"ppl_{name}"] = math.exp(torch.nn.functional.cross_entropy(lg.float(), target).item())
-            log(f"ppl {name}: {out[f'ppl_{name}']:.4f} ({out[f'ppl_{name}'] / out['ppl_fp32']:.4f} x fp32)")
-    return out
-
-
-def weights_main(args, table: Table, copy_bw: float, model_dir: Path) -> None:
-    """--weights: docs/bench/fp8_weights.json (issue 30's single-GPU keys; engines of the 8B shape, --layers)."""
-    from pdserve.engine.quant.fp8_convert import convert_checkpoint
-
-    fmts = args.weights.split(",")
-    assert set(fmts) <= {"bf16", "fp8-block", "fp8-channel"}, fmts
-    results: dict = {}
-    results.update(section(results, "gemm", lambda: fp8_gemm_rows(table, copy_bw)))
-    ctx = dict(n_params=write_checkpoint(model_dir, args.layers), layers=args.layers, copy_bw=copy_bw, steps=args.steps)
-    keys: dict = {"layers": args.layers, "copy_bw": copy_bw}  # e.g. itl_ms_b1_bf16, itl_ms_b1_fp8_block
-    with tempfile.TemporaryDirectory(dir=model_dir.parent) as tmp:
-        for fmt in fmts:
-            src = lambda f=fmt: convert_checkpoint(model_dir, Path(tmp) / f, "block") if f == "fp8-block" else model_dir
-            r = results[fmt] = section(results, fmt, lambda f=fmt, s=src: weights_engine(table, s(), f, ctx))
-            keys.update({f"{k}_{fmt.replace('-', '_')}": v for k, v in r.items() if k in KEYS})
-    fp8 = [f.replace("-", "_") for f in fmts if f != "bf16" and results[f]]
-    if fp8:  # FP8 = the better of the formats run (the roofline: that of the faster ITL)
-        best = min(fp8, key=lambda f: keys[f"itl_ms_b1_{f}"])
-        keys.update(prefill_8k_tflops_fp8=max(keys[f"prefill_8k_tflops_{f}"] for f in fp8),
-                    itl_ms_b1_fp8=keys[f"itl_ms_b1_{best}"], itl_roofline_ms_b1_fp8=keys[f"itl_roofline_ms_b1_{best}"],
-                    step_ms_b128_fp8=min(keys[f"step_ms_b128_{f}"] for f in fp8))  # fmt: skip
-    merge_json(args.json or "docs/bench/fp8_weights.json", {**keys, **(fp8_quality() if args.quality else {}),
-               **provenance(args.commit, torch.cuda.get_device_name(DEV)), "details": results})  # fmt: skip
-    table.print()
-
-
 def section(results: dict, name: str, fn: Callable[[], dict]) -> dict:
     """fn(), or {} with `name` added to results["failed"] when it raises (the other sections still run)."""
     try:
@@ -486,20 +353,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=None, help="default: /dev/shm/llama3-8b-random if it has room, else /tmp")
     ap.add_argument("--layers", type=int, default=32, help="fewer for a quick smoke run (figures then meaningless)")
-    ap.add_argument("--json", default=None, help="default: docs/bench/gpu_engine.json (--weights: fp8_weights.json)")
+    ap.add_argument("--json", default="docs/bench/gpu_engine.json")
     ap.add_argument("--commit", default="", help="the commit measured (a copied tree may lack git)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--weights", default="", help="instead, FP8 weights (issue 30): e.g. bf16,fp8-block,fp8-channel")
-    ap.add_argument("--steps", type=int, default=40, help="--weights: timed decode steps per figure")
-    ap.add_argument("--quality", action="store_true", help="--weights: also the demo model's perplexity (CPU)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     shm_ok = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 24e9
     model_dir = Path(args.model_dir or ("/dev/shm" if shm_ok else "/tmp") + "/llama3-8b-random")
     table, results = Table(), {}
     copy_bw, matmul = ceilings(table)
-    if args.weights:
-        return weights_main(args, table, copy_bw, model_dir)
     n_params = write_checkpoint(model_dir, args.layers)
     ctx = dict(n_params=n_params, copy_bw=copy_bw, matmul=matmul)
     ctx["prompts"] = torch.randint(5, SHAPE["vocab_size"], (64, 64), device=DEV,
@@ -525,7 +387,7 @@ def main() -> None:
     }
     hf_plain = {k: v for k, v in hf.items() if not isinstance(v, torch.Tensor)}
     details = {"layers": args.layers, "n_params": n_params, "copy_bw": copy_bw, "matmul_flops": matmul, "hf": hf_plain}
-    merge_json(args.json or "docs/bench/gpu_engine.json", {**keys, **provenance(args.commit,
+    merge_json(args.json, {**keys, **provenance(args.commit,
                torch.cuda.get_device_name(DEV)), "details": {**details, **results}})  # fmt: skip
     table.print()
 

@@ -9,7 +9,10 @@ flattery) except where a cached prefix is the point. Prints a table; writes the 
 Parts (`--part`, comma-separated; `all` = every part): engine, raw, grpc and ipc (served 2k TTFT with that transport
 forced, the second token's time (`served_t2t_ms_2k_<part>`: the first leaves ahead of the KV pages, the second waits
 for them), KV GB/s, and where the TTFT goes, span by span: `ttft_breakdown_2k_<part>`), load (ITL, 32 concurrent, local
-cache tier), cache (Redis tier).
+cache tier), choices (n = 4 against four separate requests of each prompt: `n4_out_tok_s` / `n1x4_out_tok_s`, and
+the KV bytes shipped per prompt), cache (Redis tier), loop (`bench/kv_loopback.py` on cuda:0: the KV stream against
+a raw stream of the same bytes on loopback without the services, alone and beside a GIL-holding thread per process:
+`kv_loop_ratio*`).
 The JSON is merged after every part, so parts may run in separate calls. The per-step costs of the KV paths are
 in docs/kv_transfer.md; goodput under load is bench/goodput.py.
 """
@@ -37,8 +40,8 @@ from pdserve.v1 import internal_pb2, internal_pb2_grpc
 VOCAB = 128256
 
 
-def fresh(n: int, rng: torch.Generator) -> list[int]:
-    return torch.randint(5, VOCAB, (n,), generator=rng).tolist()
+def fresh(n: int, rng: torch.Generator, vocab: int = VOCAB) -> list[int]:
+    return torch.randint(5, vocab, (n,), generator=rng).tolist()
 
 
 # ---- the in-process engine ------------------------------------------------------------------------------
@@ -178,6 +181,44 @@ def throughput_c32(stack: Stack, model: Path, workdir: Path, n: int = 64, conc: 
     }
 
 
+def choices_figures(
+    stack: Stack, rng: torch.Generator, prompts: int = 8, prompt_len: int = 2048, out: int = 128, vocab: int = VOCAB
+) -> dict:
+    """`prompts` fresh prompts at once, each asked for 4 completions of `out` tokens: as one request with n = 4 (the
+    prompt prefilled and shipped once, decode forks), then (other fresh prompts) as four separate requests each.
+    Output tokens per second of wall time over each batch, and the KV bytes prefill shipped per prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kw = dict(max_tokens=out, temperature=1.0, ignore_eos=True)
+    with pdserve.Client(stack.router, timeout=300) as c, ThreadPoolExecutor(4 * prompts) as ex:
+        c.generate(token_ids=fresh(prompt_len, rng, vocab), n=4, **kw)  # warm-up: the fork path's first shapes
+        c.generate(token_ids=fresh(prompt_len, rng, vocab), **kw)
+
+        def run(n: int, batch: list[list[int]]) -> tuple[float, float]:
+            before = sum(b for b, _, _ in kv_counters(stack).values())
+            t0 = time.perf_counter()
+            tokens = sum(ex.map(lambda p: c.generate(token_ids=p, n=n, **kw).usage.completion_tokens, batch))
+            rate = tokens / (time.perf_counter() - t0)
+            time.sleep(0.5)  # the last acks
+            shipped = (sum(b for b, _, _ in kv_counters(stack).values()) - before) / prompts
+            return rate, shipped
+
+        n4, n4_bytes = run(4, [fresh(prompt_len, rng, vocab) for _ in range(prompts)])
+        batch = [fresh(prompt_len, rng, vocab) for _ in range(prompts)]
+        n1x4, n1x4_bytes = run(1, [p for p in batch for _ in range(4)])
+    return {
+        "n4_out_tok_s": n4,
+        "n1x4_out_tok_s": n1x4,
+        "n4_speedup": n4 / n1x4,
+        "n4_kv_bytes_per_prompt": n4_bytes,
+        "n1x4_kv_bytes_per_prompt": n1x4_bytes,
+        "choices_shape": f"{prompts} prompts x {prompt_len} -> 4 x {out}",
+    }
+
+
+REDIS_ONLY = {"PDSERVE_PREFILL_CACHE_LOCAL_MB": "0", "PDSERVE_PREFILL_PREFIX_REUSE": "false"}  # prefill's env
+
+
 def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -> dict:
     """4096-token prompts: cold (fresh) and 90% cached (a 3680-token prefix sent once before, then fresh tails)."""
     cold, warm, cached = [], [], []
@@ -197,6 +238,28 @@ def cache_figures(stack: Stack, rng: torch.Generator, tag: str, reps: int = 5) -
         f"served_ttft_ms_4k_cold_{tag}_all": cold,
         f"served_ttft_ms_4k_90pct_{tag}_all": warm,
         f"cached_tokens_4k_90pct_{tag}_all": cached,  # prompt tokens the cache served (usage), per warm request
+    }
+
+
+def redis_repeat_figures(stack: Stack, rng: torch.Generator, hits: int = 6) -> dict:
+    """4096-token prompts on a stack whose prefix hits come from Redis only: cold medians, then one 3680-token prefix
+    written once and hit `hits` times with fresh tails (the first hit, then the median of the later ones: a fetch
+    policy must keep using Redis, issue 32 item 5)."""
+    with pdserve.Client(stack.router, timeout=120) as c:
+        ttft_ms(c, fresh(4096, rng))  # warm-up
+        cold = [ttft_ms(c, fresh(4096, rng)) for _ in range(5)]
+        prefix = fresh(3680, rng)
+        ttft_ms(c, prefix + fresh(416, rng))  # writes the prefix's pages to Redis
+        time.sleep(1.5)  # the write-back runs behind the engine
+        runs = [token_times_ms(c, prefix + fresh(416, rng)) for _ in range(hits)]
+    later = [t[0] for t, _ in runs[1:]]
+    return {
+        "ttft_ms_4k_cold": statistics.median(cold),
+        "ttft_ms_4k_redis_first": runs[0][0][0],
+        "ttft_ms_4k_redis_p50": statistics.median(later),
+        "ttft_ms_4k_cold_all": cold,
+        "ttft_ms_4k_redis_all": [t[0] for t, _ in runs],
+        "cached_tokens_4k_redis_all": [n for _, n in runs],
     }
 
 
@@ -276,7 +339,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.raw_server:
         return raw_server(args.raw_server, args.raw_msg_mb)
-    parts = {"engine", "raw", "grpc", "ipc", "load", "cache"} if args.part == "all" else set(args.part.split(","))
+    parts = (
+        {"engine", "raw", "loop", "grpc", "ipc", "load", "cache", "choices"}
+        if args.part == "all"
+        else set(args.part.split(","))
+    )
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / f"llama8b-{args.layers}l"
@@ -295,6 +362,14 @@ def main() -> None:
     if "raw" in parts:
         save(got := raw_grpc(workdir))
         table.row("raw gRPC stream", f"{got['raw_grpc_gbps']:.2f} GB/s", f"{got['raw_grpc_msg_mb']} MiB messages")
+    if "loop" in parts:
+        from kv_loopback import figures
+
+        for sfx, extra in (("", []), ("_engine_load", ["--engine-load"])):
+            save(got := figures(workdir, ["--device", "cuda:0", "--raw-channels", "2", *extra]))
+            kv, raw = got[f"loop_kv_gbps{sfx}"], got[f"loop_raw_grpc_gbps{sfx}"]
+            table.row(f"KV / raw stream, loopback{sfx.replace('_', ' ')}", f"{kv:.2f} / {raw:.2f} GB/s",
+                      f"ratio {got[f'kv_loop_ratio{sfx}']:.2f}")  # fmt: skip
     from pdserve.testing.redis_server import RedisServer
 
     redis = RedisServer(workdir / "redis").start() if parts & {"grpc", "ipc", "load", "cache"} else None
@@ -336,14 +411,26 @@ def main() -> None:
                           f"{got['served_ttft_ms_4k_90pct_local']:.0f} ms")  # fmt: skip
             finally:
                 stack.stop()
-        if "cache" in parts and redis is not None:
-            # no local tier and no pool prefixes: the prefix is where another instance's write left it, in Redis
-            no_local = {"PDSERVE_PREFILL_CACHE_LOCAL_MB": "0", "PDSERVE_PREFILL_PREFIX_REUSE": "false"}
-            stack = start(model, workdir / "redis-only", "auto", {**cache_env, **no_local})
+        if "choices" in parts:
+            stack = start(model, workdir / "choices", "auto", {})
             try:
-                save(got := cache_figures(stack, rng, "redis"))
+                save(got := choices_figures(stack, rng))
             finally:
                 stack.stop()
+            table.row("n=4 / 4 x n=1, output", f"{got['n4_out_tok_s']:.0f} / {got['n1x4_out_tok_s']:.0f} tok/s",
+                      f"x{got['n4_speedup']:.2f}; KV bytes per prompt {got['n4_kv_bytes_per_prompt']:.0f} / "
+                      f"{got['n1x4_kv_bytes_per_prompt']:.0f}")  # fmt: skip
+        if "cache" in parts and redis is not None:
+            # no local tier and no pool prefixes: the prefix is where another instance's write left it, in Redis
+            stack = start(model, workdir / "redis-only", "auto", {**cache_env, **REDIS_ONLY})
+            try:
+                save(got := cache_figures(stack, rng, "redis"))
+                save(rep := redis_repeat_figures(stack, rng))
+            finally:
+                stack.stop()
+            table.row("TTFT 4k cold / Redis first / later p50", f"{rep['ttft_ms_4k_cold']:.0f} / "
+                      f"{rep['ttft_ms_4k_redis_first']:.0f} / {rep['ttft_ms_4k_redis_p50']:.0f} ms",
+                      f"cached {rep['cached_tokens_4k_redis_all']}")  # fmt: skip
             table.row("TTFT 4k cold / 90% in Redis only", f"{got['served_ttft_ms_4k_cold_redis']:.0f} / "
                       f"{got['served_ttft_ms_4k_90pct_redis']:.0f} ms")  # fmt: skip
     finally:

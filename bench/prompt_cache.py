@@ -2,11 +2,17 @@
 (Redis vs the local tier) and what a cached token costs in Redis.
 
     python bench/prompt_cache.py [--prompt-len 2048] [--repeats 5] [--json docs/bench/prompt_cache.json]
+    python bench/prompt_cache.py --fetch-only [--device cuda:0] [--fetch-connections 8]   # redis_fetch_gbps only
 
 Model: a random-weight Llama large enough for prefill to dominate TTFT on CPU (hidden 512, 4 layers, 8 heads /
 4 KV heads, head_dim 64). Stack: router + prefill + decode as real processes (`--torch-threads 1`, int8 KV, page
 16), the prefill on a private redis-server (allkeys-lru) with its local tier off, so every hit is read from Redis
 (the cross-instance case). The served GPU figures of the cache tiers are bench/gpu_serving.py's `load` / `cache`.
+
+`redis_fetch_gbps`: the background prefix fetch (`PrefixFetch`: parallel connections, values read straight into one
+arena, pinned with a device copy on CUDA, every MAC and checksum checked) of a 3680-token prefix of the 8B shape (int8
+KV, page 16: 230 values of ~1.1 MB) from the private redis-server, start to last page landed, median of the runs;
+`redis_lookup_gbps`: the same pages through the synchronous lookup (redis-py pipeline) for comparison.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from benchutil import log, machine, merge_json, provenance, token_times_ms
 
 import pdserve
 from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.prefix_fetch import PrefixFetch
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.value import value_bytes
@@ -39,6 +46,7 @@ SHAPES = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_
 # every cache of the run on one secret: values are MAC'd under it, so caches without a shared one share no pages
 KEYRING = CacheKeyring.generate("bench/prompt_cache.py")
 LAYOUT = KVLayoutSpec(dtype="int8", page_size=PAGE, num_layers=4, num_kv_heads=4, head_dim=64, group_size=64)
+LAYOUT_8B = KVLayoutSpec(dtype="int8", page_size=PAGE, num_layers=32, num_kv_heads=8, head_dim=128, group_size=128)
 
 
 def rand_tokens(n: int, seed: int) -> list[int]:
@@ -76,17 +84,50 @@ def ttft_table(router: str, rds, prompt_len: int, repeats: int) -> dict[str, tup
     return out
 
 
-def filled_cache(url: str, tokens: list[int], local_bytes: int = 0) -> tuple[PromptCache, CacheNamespace]:
+def filled_cache(
+    url: str, tokens: list[int], local_bytes: int = 0, layout: KVLayoutSpec = LAYOUT, **kw
+) -> tuple[PromptCache, CacheNamespace]:
     """A PromptCache on `url` holding int8 pages of random K/V for `tokens` (one page quantized, re-indexed: the
     bytes do not matter here), under the run's one cache secret (KEYRING)."""
-    cache = PromptCache(RedisStore(url, timeout_s=10.0), local_bytes=local_bytes, write_queue=1 << 16, keyring=KEYRING)
-    ns = CacheNamespace("bench", LAYOUT)
-    dense = torch.randn(2, LAYOUT.num_layers, PAGE, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    q = quantize_payload(PagePayload(0, PAGE, 0, dense, None, None), LAYOUT.group_size, False)
+    store = RedisStore(url, timeout_s=10.0)
+    cache = PromptCache(store, local_bytes=local_bytes, write_queue=1 << 16, keyring=KEYRING, **kw)
+    ns = CacheNamespace("bench", layout)
+    dense = torch.randn(2, layout.num_layers, PAGE, layout.num_kv_heads, layout.head_dim)
+    q = quantize_payload(PagePayload(0, PAGE, 0, dense, None, None), layout.group_size, False)
     for i, k in enumerate(ns.page_keys(tokens)):
-        cache.put(ns, k, PagePayload(i, PAGE, 0, q.data, q.scales, None, LAYOUT.group_size))
-    assert cache.flush(120)
+        cache.put(ns, k, PagePayload(i, PAGE, 0, q.data, q.scales, None, layout.group_size))
+    assert cache.flush(300)
     return cache, ns
+
+
+def fetch_gbps(url: str, repeats: int, device: str, connections: int, n_tokens: int = 3680) -> dict:
+    """GB/s of fetching the 8B shape's pages of an `n_tokens` prefix: the background fetch (`PrefixFetch`, straight
+    into the arena, device copy included on CUDA) and the synchronous lookup, medians over `repeats` runs."""
+    tokens = rand_tokens(n_tokens + 1, 4242)
+    pages = n_tokens // PAGE
+    cache, ns = filled_cache(url, tokens, layout=LAYOUT_8B, fetch_connections=connections)
+    keys = ns.page_keys(tokens)
+    fast, sync = [], []
+    for _ in range(repeats + 1):  # the first run warms the connections and the pinned allocator
+        t0 = time.perf_counter()
+        f = PrefixFetch(cache, ns, keys, 0, pages, device=device, batch_pages=cache.fetch_batch_pages).start()
+        assert f.wait(pages, 120) == pages
+        if device.startswith("cuda"):
+            f.take(pages - 1, pages)  # the device copy of the last batch is queued behind its event
+            torch.cuda.synchronize(device)
+        fast.append(f.landed_bytes / (time.perf_counter() - t0) / 1e9)
+        f.close()
+        t0 = time.perf_counter()
+        assert cache.lookup(ns, tokens, pages).num_pages == pages
+        sync.append(f.landed_bytes / (time.perf_counter() - t0) / 1e9)
+    cache.close()
+    out = {"redis_fetch_gbps": round(statistics.median(fast[1:]), 2),
+           "redis_lookup_gbps": round(statistics.median(sync[1:]), 2),
+           "redis_fetch_connections": connections, "redis_fetch_device": device}  # fmt: skip
+    log(f"fetch of {pages} pages ({f.landed_bytes / 1e6:.0f} MB, {connections} connections, {device}): "
+        f"{out['redis_fetch_gbps']} GB/s (runs {', '.join(f'{g:.2f}' for g in fast[1:])}); synchronous lookup "
+        f"{out['redis_lookup_gbps']} GB/s")  # fmt: skip
+    return out
 
 
 def lookup_ms(url: str, n_tokens: int, repeats: int, local: bool = False) -> float:
@@ -123,9 +164,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default="", help="merge the figures into this JSON (docs/bench/prompt_cache.json)")
     ap.add_argument("--commit", default="", help="the commit measured (a copied tree may lack git)")
+    ap.add_argument("--fetch-only", action="store_true", help="only redis_fetch_gbps (no served stack)")
+    ap.add_argument("--device", default="cpu", help="the fetch's engine device (cuda:0: pinned arena + device copy)")
+    ap.add_argument("--fetch-connections", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-cache-"))
+    if args.fetch_only:
+        srv = RedisServer(work / "redis", args=["--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"]).start()
+        try:
+            got = fetch_gbps(srv.url, args.repeats, args.device, args.fetch_connections)
+        finally:
+            srv.stop()
+        if args.json:
+            merge_json(args.json, {**got, **provenance(args.commit, machine())})
+        return
     model = build_checkpoint(work / "model", arch="llama", seed=0, **SHAPES)
     redis_srv = RedisServer(work / "redis", args=["--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"]).start()
     rds = redis_srv.client()

@@ -21,15 +21,22 @@ import os
 import random
 import signal
 import statistics
+import struct
 import time
 import traceback
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import crc32c
 import grpc
 from benchutil import provenance
 
+from pdserve.cache.fetch_policy import PROBE_AFTER_S
+from pdserve.cache.value_auth import TAG_BYTES
+from pdserve.cli.launch import start_service, wait_ready
+from pdserve.engine.config import EngineConfig
 from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import CHANNEL_OPTIONS
 from pdserve.server.security import ChannelSecurity
@@ -759,9 +766,358 @@ async def malformed_inputs(suite) -> Result:
     return suite.result(tally, {"malformed": ["INVALID_ARGUMENT"]}, extras)
 
 
+# ---- fairness and determinism under load (issue 35) ---------------------------------------------------------------
+def _ttft_s(o: Outcome) -> float:
+    return (o.first_s if o.first_s is not None else o.end_s) - o.sent_s
+
+
+async def long_prompt_fairness(suite) -> Result:
+    """A tenant's long prompt (900 tokens: 57 chunks of 16) beside another tenant's short requests: the short ones
+    complete exactly (as alone), none reaching its first token later than alone by more than one chunk's time (plus
+    the host's noise); the long one completes exactly too (its page wait scales with its work; nothing fails its
+    batch mates). Every request asks for prompt logprobs, so each prompt is computed, none served from a cache."""
+    lp = dict(prompt_logprobs=True)  # every prompt token computed: nothing from the pool or the prompt cache
+    long_req = token_request(suite.prompts("fair-long", 1, 900, 900)[0], 8, **lp)
+    shorts = [token_request(p, 8, **lp) for p in suite.prompts("fair-short", suite.count(24, 6), 8, 16)]
+    long_alone = await suite.stream(long_req, timeout=300)
+    alone = await suite.run_all(shorts, 2, tenant="tenant-b", timeout=120)
+    chunk_s = _ttft_s(long_alone) / -(-len(long_req.token_ids.ids) // CHUNK)  # its time to first token per chunk
+    long_task = asyncio.create_task(suite.stream(long_req, timeout=300))
+    await asyncio.sleep(3 * chunk_s)  # its first chunks are in the engine
+    beside = await suite.run_all(shorts, 2, tenant="tenant-b", timeout=120)
+    long_beside = await long_task
+    tally = Tally()
+    tally.add(long_alone, ["OK"], None, must_complete=True, label="long alone")
+    tally.add(long_beside, ["OK"], long_alone.tokens, must_complete=True, label="long beside")
+    for i, (a, b) in enumerate(zip(alone, beside)):
+        tally.add(a, ["OK"], None, must_complete=True, label=f"short alone {i}")
+        tally.add(b, ["OK"], a.tokens, must_complete=True, label=f"short beside {i}")
+    worst = max(_ttft_s(b) - _ttft_s(a) for a, b in zip(alone, beside))
+    noise_s = 0.3 + statistics.median(map(_ttft_s, alone))  # a shared 2-core host's jitter
+    ms = lambda xs: [round(1e3 * _ttft_s(o)) for o in xs]
+    extras = dict(chunk_ms=round(1e3 * chunk_s, 1), short_ttft_ms_alone=ms(alone), short_ttft_ms_beside=ms(beside),
+                  long_ttft_ms_alone=ms([long_alone])[0], long_ttft_ms_beside=ms([long_beside])[0],
+                  worst_short_delay_ms=round(1e3 * worst),
+                  allowed_delay_ms=round(1e3 * (chunk_s + noise_s)))  # fmt: skip
+    checks = {"short requests' first tokens delayed by at most a chunk (+ noise)": worst <= chunk_s + noise_s}
+    overlapped = (long_beside.first_s or long_beside.end_s) > min(o.sent_s for o in beside)  # shorts met its chunks
+    return suite.result(tally, {"stream": ["OK"]}, extras, exercised=overlapped, checks=checks)
+
+
+WIDE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+async def greedy_under_load(suite) -> Result:
+    """N concurrent greedy streams against the same prompts run one at a time, per KV mode, each on a 1+1 stack of
+    a random llama of SmolLM2-135M's widths (6 layers: its GEMMs take MKL's shape-dependent paths, the tiny model's
+    do not; 128 tokens a stream, 48 below --scale 0.5: differences show late). Modes: unquantized KV (`auto`), the
+    default int8 (`--batch-invariant` as EngineConfig sets it) and int8 with `--batch-invariant`. Differing streams
+    are counted per mode (`differing_<mode>`); where the mode promises the same tokens (auto, batch-invariant) a
+    differing stream is a wrong output."""
+    n, max_tokens = suite.count(48, 6), 128 if suite.scale >= 0.5 else 48
+    model = suite.work / "wide-model"
+    if not (model / "config.json").exists():
+        build_checkpoint(model, arch="llama", seed=3, num_hidden_layers=6, **WIDE)
+    prompts = suite.prompts("greedy-load", n, 16, 48)
+    tally, extras = Tally(), dict(streams=n, max_tokens=max_tokens, int8_batch_invariant=EngineConfig.batch_invariant)
+    modes = {
+        "auto": ("auto", True),
+        "int8": ("int8", EngineConfig.batch_invariant),
+        "int8_batch_invariant": ("int8", True),
+    }
+    for mode, (kv, invariant) in modes.items():
+        args = [a if a != "auto" else kv for a in suite.engine_args] + ["--batch-invariant"] * (
+            kv != "auto" and invariant
+        )
+        args += ["--max-num-seqs", str(max(16, n)), "--num-pages", "4096"]  # all in one batch (a later flag wins)
+        stack = FaultStack(model, suite.work / f"greedy-{mode}", prefill=1, decode=1, engine_args=args,
+                           decode_args=["--max-streams", str(2 * n)],
+                           router_args=["--auth-tokens-file", str(suite.work / "auth-tokens.json")],
+                           identity=suite.identity)  # fmt: skip
+        try:
+            await asyncio.to_thread(stack.start)
+            async with suite.identity.public_channel(stack.router) as ch:
+                stub = generate_pb2_grpc.GenerationStub(ch)
+                alone = [await suite.stream(token_request(p, max_tokens), stub=stub, timeout=120) for p in prompts]
+                reqs = [token_request(p, max_tokens) for p in prompts]
+                together = await suite.run_all(reqs, n, stub=stub, timeout=300)
+            for i, (a, t) in enumerate(zip(alone, together)):
+                tally.add(a, ["OK"], None, must_complete=True, label=f"{mode} alone {i}")
+                tally.add(t, ["OK"], a.tokens if invariant else None, must_complete=True, label=f"{mode} together {i}")
+            pairs = [(a, t) for a, t in zip(alone, together) if a.completed and t.completed]
+            extras[f"differing_{mode}"] = sum(a.tokens != t.tokens for a, t in pairs)
+            used = await asyncio.to_thread(stack.wait_drained, 30)
+            tally.leaked_pages += sum(p for p, _ in used.values())
+        finally:
+            await asyncio.to_thread(stack.stop)
+    return Result(tally, {"stream": ["OK"]}, extras)
+
+
+# ---- cache forgery (issue 35 item 1) ------------------------------------------------------------------------------
+def _value_parts(value: bytes) -> tuple[int, int]:
+    """(page index, header length) of a stored prompt-cache value: header (its three block lengths last) | CRC32C |
+    data | scales | zeros | MAC tag (pdserve.cache.value, value_auth)."""
+    for end in range(60, len(value)):  # the header's end: where its block lengths add up to the value's size
+        if end + 4 + sum(struct.unpack_from("<QQQ", value, end - 24)) + TAG_BYTES == len(value):
+            return struct.unpack_from("<I", value, 40)[0], end
+    raise ValueError("not a prompt-cache value")
+
+
+def _new_page0(rds, before: set[bytes], pages: int) -> tuple[bytes, set[bytes]]:
+    """Wait for `pages` new keys (a prompt's write-back) beyond `before`: the key of its page 0, and all keys now."""
+    deadline = time.monotonic() + 30
+    while len(new := set(rds.keys("*")) - before) < pages:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the write-back stored {len(new)} of {pages} pages")
+        time.sleep(0.05)
+    page0 = next(k for k in new if _value_parts(rds.get(k))[0] == 0)
+    return page0, before | new
+
+
+def _mac_failures(member) -> float:
+    """The prefill's `pdserve_prompt_cache_total{event="mac_failures"}` (its /metrics)."""
+    with urllib.request.urlopen(f"http://{member.info['metrics']}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if "prompt_cache_total" in x and "mac_failures" in x)
+
+
+async def cache_forgery(suite) -> Result:
+    """An attacker with write access to Redis forges alice's cached page 0: alice's stored header, bob's page data,
+    a recomputed CRC32C and alice's old MAC tag. Alice's next request must miss (cached_tokens 0) with her exact
+    output and the prefill's mac_failures counter up; the recomputed page's write-back replaces the forgery. A 1+1
+    stack on the suite's Redis, prefix reuse off (a hit must come from Redis) and no local tier."""
+    pre_args = ["--redis-url", suite.redis.url, "--cache-local-mb", "0", "--no-prefix-reuse"]
+    stack = FaultStack(suite.model, suite.work / "forgery", prefill=1, decode=1, engine_args=suite.engine_args,
+                       prefill_args=pre_args, router_args=["--auth-tokens-file", str(suite.work / "auth-tokens.json")],
+                       identity=suite.identity)  # fmt: skip
+    rds, tally, checks, extras = suite.redis.client(), Tally(), {}, {}
+    alice, bob = suite.prompts("forgery", 2, 4 * PAGE + 1, 4 * PAGE + 1)
+    try:
+        await asyncio.to_thread(stack.start)
+        prefill = stack.members[stack.prefill[0]]
+        async with suite.identity.public_channel(stack.router) as ch:
+            run = lambda p, tenant: suite.stream(token_request(p, 8), tenant, stub=generate_pb2_grpc.GenerationStub(ch),
+                                                 timeout=60)  # fmt: skip
+            keys = set(rds.keys("*"))
+            cold = await run(alice, "tenant-a")
+            a_key, keys = await asyncio.to_thread(_new_page0, rds, keys, 4)
+            await run(bob, "tenant-b")
+            b_key, keys = await asyncio.to_thread(_new_page0, rds, keys, 4)
+            a_value, b_value = rds.get(a_key), rds.get(b_key)
+            _, head = _value_parts(a_value)
+            data = b_value[head + 4 : len(b_value) - TAG_BYTES]  # bob's page bytes (same layout: same lengths)
+            crc = crc32c.crc32c(data, crc32c.crc32c(a_value[:head])).to_bytes(4, "little")
+            rds.set(a_key, a_value[:head] + crc + data + a_value[len(a_value) - TAG_BYTES :])
+            macs = _mac_failures(prefill)
+            # the tiny model computes faster than Redis fetches: the store is asked again once that is stale
+            await asyncio.sleep(PROBE_AFTER_S + 0.5)
+            forged = await run(alice, "tenant-a")
+            extras.update(mac_failures_added=_mac_failures(prefill) - macs, forged_cached_tokens=forged.cached_tokens)
+            deadline = time.monotonic() + 30
+            while (replaced := rds.get(a_key) == a_value) is False and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the recomputed page's write-back
+        tally.add(cold, ["OK"], None, must_complete=True, label="alice cold")
+        tally.add(forged, ["OK"], cold.tokens, must_complete=True, label="alice over the forged page")
+        checks = {"the forged page is a miss (cached_tokens 0)": forged.cached_tokens == 0,
+                  "mac_failures counted it": extras["mac_failures_added"] >= 1,
+                  "the recomputed page replaced the forgery": replaced}  # fmt: skip
+        used = await asyncio.to_thread(stack.wait_drained, 30)
+        tally.leaked_pages = sum(p for p, _ in used.values())
+        extras["leaked_requests"] = sum(r for _, r in used.values())
+    finally:
+        rds.close()
+        await asyncio.to_thread(stack.stop)
+    return Result(tally, {"stream": ["OK"]}, extras, checks=checks)
+
+
+# ---- the OpenAI gateway (issue 35 items 2 and 3) ----------------------------------------------------------------
+GATEWAY_LIMITS = ["--header-timeout-s", "2", "--body-timeout-s", "2", "--max-body-mb", "1", "--max-connections", "256"]
+
+
+class Gateway:
+    """`pdserve serve gateway` in front of the main stack's router (HTTP on loopback; TLS to the router with --tls),
+    with short header / body deadlines (`GATEWAY_LIMITS`)."""
+
+    def __init__(self, suite) -> None:
+        tls = suite.identity.tls
+        args = ["--router", suite.stack.router, "--model-name", "tiny", *GATEWAY_LIMITS]
+        args += ["--tls-ca", str(tls.ca)] if tls.on else []
+        self.work = suite.work / "gateway"
+        self.work.mkdir(exist_ok=True)
+        self.proc, ready, log = start_service("gateway", args, self.work)
+        try:
+            self.host, port = str(wait_ready(self.proc, ready, log, timeout=60)).rsplit(":", 1)
+        except BaseException:
+            self.proc.kill()
+            raise
+        self.port, self.auth = int(port), f"Bearer {suite.tenants['tenant-a']}"
+
+    def request(self, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> bytes:
+        """A whole HTTP/1.1 request (Connection: close; Content-Length set)."""
+        head = {"Host": "gw", "Authorization": self.auth, "Content-Type": "application/json", **(headers or {})}
+        head |= {"Content-Length": str(len(body)), "Connection": "close"}
+        lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+        return f"{method} {path} HTTP/1.1\r\n".encode() + lines.encode("latin-1") + b"\r\n" + body
+
+    async def send(self, raw: bytes, timeout: float = 60.0) -> tuple[int, bytes]:
+        """(status, body) of one raw request; status 0 when the connection closed without a response."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        data = b""
+        try:
+            writer.write(raw)
+            await writer.drain()
+        except ConnectionError:  # refused before the whole body was sent (413): its answer may be read still
+            pass
+        try:
+            async with asyncio.timeout(timeout):
+                while chunk := await reader.read(1 << 16):
+                    data += chunk
+        except ConnectionError:  # reset after the answer
+            pass
+        finally:
+            writer.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        parts = head.split(b" ", 2)
+        return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0), body
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+
+
+def _fuzz_cases(rng: random.Random, n: int) -> list[tuple[str, str, bytes, list[str]]]:
+    """(label, path, body, allowed status classes): hand-made malformed bodies (4xx only), then `n` seeded
+    mutations of a valid chat body, one field given a hostile value (2xx or 4xx: never 5xx, never no answer)."""
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    bad = [
+        ("truncated JSON", comp, b"{"),
+        ("an array", comp, b"[]"),
+        ("NaN", comp, b'{"prompt":"hi","temperature":NaN}'),
+        ("Infinity", comp, b'{"prompt":"hi","top_p":Infinity}'),
+        ("nesting 100 deep", comp, b'{"prompt":' + b"[" * 100 + b"]" * 100 + b"}"),
+        ("a 5000-digit integer", comp, b'{"prompt":"hi","max_tokens":' + b"9" * 5000 + b"}"),
+        ("lone surrogate", comp, b'{"prompt":"\\ud800"}'),
+        ("invalid UTF-8", comp, b'{"prompt":"\xff\xfe"}'),
+        ("messages a string", chat, b'{"messages":"hi"}'),
+        ("content a number", chat, b'{"messages":[{"role":"user","content":5}]}'),
+        ("unknown role", chat, b'{"messages":[{"role":"wizard","content":"hi"}]}'),
+        ("max_tokens a string", comp, b'{"prompt":"hi","max_tokens":"ten"}'),
+        ("max_tokens 0", comp, b'{"prompt":"hi","max_tokens":0}'),
+        ("temperature 5", comp, b'{"prompt":"hi","temperature":5}'),
+        ("top_p -1", comp, b'{"prompt":"hi","top_p":-1}'),
+        ("n 3", comp, b'{"prompt":"hi","n":3}'),
+        ("logprobs 50", comp, b'{"prompt":"hi","logprobs":50}'),
+        ("seed 2^70", comp, b'{"prompt":"hi","seed":1180591620717411303424}'),
+        ("token id -1", comp, b'{"prompt":[5,-1]}'),
+        ("no prompt", comp, b'{"max_tokens":4}'),
+        ("empty body", comp, b""),
+        ("1.5 MiB body", comp, b" " * (3 << 19)),
+    ]
+    cases = [(label, path, body, ["4xx"]) for label, path, body in bad]
+    hostile = [None, True, -1, 0, 1e308, -1e308, "", "x" * 300, [], {}, [[]], {"a": {"b": [1]}}, "\u0000", 2**64]
+    fields = ["model", "messages", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "logprobs", "tools",
+              "top_logprobs", "stream", "presence_penalty", "frequency_penalty", "response_format", "user"]  # fmt: skip
+    for k in range(n):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        field_, value = rng.choice(fields), rng.choice(hostile)
+        body[field_] = value
+        raw = json.dumps(body).encode()
+        cases.append((f"mutation {k}: {field_}={json.dumps(value)[:40]}", chat, raw, ["2xx", "4xx"]))
+    return cases
+
+
+async def gateway_fuzz(suite) -> Result:
+    """Malformed and hostile OpenAI requests through the gateway: each answered 4xx (a mutation of a valid body: 2xx
+    or 4xx), never 500 nor a dropped connection; wrong routes 404 / 405; controls complete."""
+    gw = await asyncio.to_thread(Gateway, suite)
+    tally, statuses = Tally(), Counter()
+    try:
+        cases = _fuzz_cases(random.Random("gateway-fuzz"), suite.count(120, 20))
+        cases += [("unknown route", "/v1/nothing", b"{}", ["4xx"])]
+        sem = asyncio.Semaphore(8)
+
+        async def one(label, path, body, allowed):
+            async with sem:
+                status, reply = await gw.send(gw.request("POST", path, body))
+            statuses[status] += 1
+            tally.refusal(f"{status // 100}xx", allowed, label=label, details=reply[:200].decode(errors="replace"))
+
+        await asyncio.gather(*(one(*c) for c in cases))
+        status, reply = await gw.send(gw.request("GET", "/v1/completions"))  # a POST route
+        statuses[status] += 1
+        tally.refusal(f"{status // 100}xx", ["4xx"], label="GET on a POST route", details=str(status))
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0}).encode()
+        controls = await asyncio.gather(*(gw.send(gw.request("POST", "/v1/completions", body)) for _ in range(4)))
+        for status, reply in controls:
+            tally.refusal(
+                "OK" if status == 200 else f"HTTP {status}", ["OK"], label="control", details=str(reply[:200])
+            )
+    finally:
+        await asyncio.to_thread(gw.stop)
+    extras = dict(cases=len(cases) + 1, http_statuses={str(k): v for k, v in sorted(statuses.items())})
+    checks = {"no 5xx": not any(500 <= k < 600 for k in statuses), "no dropped connection": 0 not in statuses}
+    return suite.result(tally, {"malformed": ["4xx"], "mutation": ["2xx", "4xx"], "control": ["OK"]}, extras,
+                        checks=checks)  # fmt: skip
+
+
+async def _slow_client(gw: Gateway, body_stall: bool, hold_s: float) -> tuple[float, int]:
+    """A connection that sends half its headers (or all headers and half its body), then one byte a second: how
+    long until the gateway closed it, and the status it answered (0: none)."""
+    reader, writer = await asyncio.open_connection(gw.host, gw.port)
+    t0 = time.monotonic()
+    body = b'{"prompt":"hi","max_tokens":4}'
+    raw = gw.request("POST", "/v1/completions", body)
+    cut = len(raw) - len(body) // 2 if body_stall else raw.index(b"\r\n") + 10
+    writer.write(raw[:cut])
+    data = b""
+    try:
+        for _ in range(int(hold_s)):
+            await writer.drain()
+            try:
+                data = await asyncio.wait_for(reader.read(-1), 1.0)
+                break  # closed by the gateway
+            except TimeoutError:
+                writer.write(b" " if body_stall else b"X")  # a trickle that never completes the request
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+    parts = data.split(b" ", 2)
+    return time.monotonic() - t0, int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+async def slow_clients(suite) -> Result:
+    """Many slow-header and stalled-body connections at once: the gateway closes each within its deadline (2 s here,
+    `--header-timeout-s` / `--body-timeout-s`) with 408 or a close, while normal requests through it complete."""
+    gw = await asyncio.to_thread(Gateway, suite)
+    n, tally = suite.count(100, 10), Tally()
+    try:
+        slow = [asyncio.create_task(_slow_client(gw, k % 2 == 1, 20)) for k in range(n)]
+        await asyncio.sleep(0.5)
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}).encode()
+        normal = await asyncio.gather(*(gw.send(gw.request("POST", "/v1/completions", body)) for _ in range(n // 2)))
+        closed = await asyncio.gather(*slow)
+    finally:
+        await asyncio.to_thread(gw.stop)
+    for status, reply in normal:
+        tally.refusal("OK" if status == 200 else f"HTTP {status}", ["OK"], label="normal", details=str(reply[:200]))
+    for k, (held, status) in enumerate(closed):
+        in_time = 1.5 <= held < 2 + 3  # held until its 2 s deadline, closed by it (plus a loaded host's noise)
+        code = "closed in time" if in_time else f"closed after {held:.1f} s"
+        tally.refusal(code, ["closed in time"], label=f"slow {'body' if k % 2 else 'header'} {k}", details=str(status))
+    extras = dict(slow_connections=n, normal_requests=n // 2, held_s_max=round(max(h for h, _ in closed), 2),
+                  slow_statuses=dict(Counter(str(s) for _, s in closed)))  # fmt: skip
+    return suite.result(tally, {"normal": ["OK"], "slow": ["closed in time"]}, extras)
+
+
 SCENARIOS = {f.__name__: f for f in (decode_kill, prefill_kill, redis_outage, cancel_storm, deadline_storm,
                                       duplicate_ids, anonymous_internal, bogus_registration, hostile_kv,
-                                      oversized_inputs, malformed_inputs, thread_budget, router_sigterm)}  # fmt: skip
+                                      oversized_inputs, malformed_inputs, thread_budget, router_sigterm,
+                                      cache_forgery, gateway_fuzz, slow_clients, long_prompt_fairness,
+                                      greedy_under_load)}  # fmt: skip
 
 
 # ---- soak -------------------------------------------------------------------------------------------------------

@@ -6,7 +6,17 @@ SDK: `pdserve.Client(target)` and `pdserve.AsyncClient(target)`; see `pdserve.cl
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Client", "AsyncClient", "Completion", "CompletionChunk", "Usage", "TokenLogprob", "PromptLogprobs"]
+__all__ = [
+    "Client",
+    "AsyncClient",
+    "Completion",
+    "CompletionChunk",
+    "Usage",
+    "TokenLogprob",
+    "PromptLogprobs",
+    "ToolCall",
+    "ToolCallDelta",
+]
 
 
 def __getattr__(name: str):  # lazy: importing pdserve.engine must not pull in gRPC and vice versa

@@ -41,6 +41,7 @@ from typing import Any, Literal, overload
 import grpc
 
 from pdserve.client_retry import RetryPolicy
+from pdserve.client_tools import ToolCall, ToolCallDelta, add_tools, chat_message, tool_call_deltas, tool_calls
 from pdserve.server.auth import bearer_metadata
 from pdserve.server.grpc_util import CHANNEL_OPTIONS
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -49,6 +50,7 @@ _FINISH = {
     generate_pb2.FINISH_REASON_STOP: "stop",
     generate_pb2.FINISH_REASON_LENGTH: "length",
     generate_pb2.FINISH_REASON_ABORT: "abort",
+    generate_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 _PRIORITY = {
     None: generate_pb2.PRIORITY_UNSPECIFIED,
@@ -107,6 +109,8 @@ class CompletionChunk:
     reasoning_text: str = ""  # new thinking text (reasoning models; `text` is the answer)
     logprobs: list[TokenLogprob] | None = None  # one per token id (logprobs=True / top_logprobs=N)
     prompt_logprobs: PromptLogprobs | None = None  # on the first chunk (prompt_logprobs=True)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces of tool calls (tools=); `text` is the rest
+    index: int = 0  # the choice (n > 1: the choices' chunks interleave, each ends with its finish_reason)
 
 
 @dataclass
@@ -122,13 +126,16 @@ class Completion:
     reasoning_text: str = ""
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the calls the model made (tools=)
+    index: int = 0  # the choice
+    choices: list[Completion] = field(default_factory=list)  # n > 1: every choice (this one's fields: choice 0's)
 
 
 def build_request(
     prompt: str | None = None,
     token_ids: Sequence[int] | None = None,
     *,
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -155,9 +162,20 @@ def build_request(
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
     stream_usage: bool = False,
+    model: str = "",
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
+    n: int | None = None,
+    best_of: int | None = None,
 ) -> generate_pb2.GenerateRequest:
     """The GenerateRequest of these arguments. Structured output: at most one of `json_schema` (a dict or its JSON
-    text), `json_object`, `regex`, `choice`, `grammar` (EBNF). `stream_usage`: running usage on every chunk."""
+    text), `json_object`, `regex`, `choice`, `grammar` (EBNF). `stream_usage`: running usage on every chunk.
+    `model`: the served model to run (`list_models()`; "" = the router's only one). Tools (messages only; OpenAI's
+    shapes, `pdserve.client_tools`): `tools`, `tool_choice` ("auto", "none", "required" or {"type": "function",
+    "function": {"name": ...}}), `parallel_tool_calls`; tool turns in `messages` carry `tool_calls` /
+    `tool_call_id`. `n`: completions of the prompt (choices, 1..16), out of `best_of` candidates (the highest
+    cumulative logprob; best_of > n: generate only)."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise ValueError("pass exactly one of prompt=, token_ids= or messages=")
     s = generate_pb2.SamplingParams(
@@ -187,16 +205,23 @@ def build_request(
     if structured is not None:
         s.structured.CopyFrom(structured)
     req = generate_pb2.GenerateRequest(
-        request_id=request_id or "", sampling=s, priority=_PRIORITY[priority], stream_usage=stream_usage
+        request_id=request_id or "",
+        sampling=s,
+        priority=_PRIORITY[priority],
+        stream_usage=stream_usage,
+        model=model,
+        n=n or 0,
+        best_of=best_of or 0,
     )
     if split_reasoning is not None:
         req.split_reasoning = split_reasoning
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:  # [{"role": ..., "content": ...}], rendered by the router's chat template
-        req.messages.extend(generate_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.messages.extend(chat_message(m) for m in messages)
     else:
         req.token_ids.ids.extend(token_ids)
+    add_tools(req, tools, tool_choice, parallel_tool_calls)
     return req
 
 
@@ -257,6 +282,8 @@ def _chunk(msg: generate_pb2.GenerateStreamResponse) -> CompletionChunk:
         reasoning_text=msg.reasoning_text,
         logprobs=_logprobs(msg),
         prompt_logprobs=_prompt_logprobs(msg),
+        tool_calls=tool_call_deltas(msg),
+        index=msg.index,
     )
 
 
@@ -273,6 +300,9 @@ def _completion(msg: generate_pb2.GenerateResponse) -> Completion:
         reasoning_text=msg.reasoning_text,
         logprobs=_logprobs(msg),
         prompt_logprobs=_prompt_logprobs(msg),
+        tool_calls=tool_calls(msg),
+        index=msg.index,
+        choices=[_completion(c) for c in msg.choices],
     )
 
 
@@ -391,18 +421,25 @@ class Client(_ClientBase):
                 call.cancel()  # no-op when finished; stops generation when the caller breaks out early
 
     @overload
-    def chat(self, messages: Sequence[dict[str, str]], *, stream: Literal[False] = False, **kw) -> Completion: ...
+    def chat(self, messages: Sequence[dict[str, Any]], *, stream: Literal[False] = False, **kw) -> Completion: ...
 
     @overload
-    def chat(self, messages: Sequence[dict[str, str]], *, stream: Literal[True], **kw) -> Iterator[CompletionChunk]: ...
+    def chat(self, messages: Sequence[dict[str, Any]], *, stream: Literal[True], **kw) -> Iterator[CompletionChunk]: ...
 
     def chat(
-        self, messages: Sequence[dict[str, str]], *, stream: bool = False, **kw
+        self, messages: Sequence[dict[str, Any]], *, stream: bool = False, **kw
     ) -> Completion | Iterator[CompletionChunk]:
         """The assistant's next turn after `messages` ([{"role", "content"}], rendered with the model's chat
         template): a Completion, or its chunks with `stream=True`. Takes `generate`'s keywords; max_tokens unset
         means until EOS or the end of the context."""
         return self.stream(messages=messages, **kw) if stream else self.generate(messages=messages, **kw)
+
+    def list_models(self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()) -> list[str]:
+        """The names of the models the router serves (what `model=` may name)."""
+        resp = self._stub.ListModels(
+            generate_pb2.ListModelsRequest(), timeout=timeout or self.timeout, metadata=[*self.metadata, *metadata]
+        )
+        return [m.name for m in resp.models]
 
     def close(self) -> None:
         self._channel.close()
@@ -458,9 +495,16 @@ class AsyncClient(_ClientBase):
             finally:
                 call.cancel()
 
-    def chat(self, messages: Sequence[dict[str, str]], *, stream: bool = False, **kw):
+    def chat(self, messages: Sequence[dict[str, Any]], *, stream: bool = False, **kw):
         """As `Client.chat`: `await client.chat(messages)`, or `async for c in client.chat(messages, stream=True)`."""
         return self.stream(messages=messages, **kw) if stream else self.generate(messages=messages, **kw)
+
+    async def list_models(self, *, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()) -> list[str]:
+        """The names of the models the router serves (what `model=` may name)."""
+        resp = await self._stub.ListModels(
+            generate_pb2.ListModelsRequest(), timeout=timeout or self.timeout, metadata=[*self.metadata, *metadata]
+        )
+        return [m.name for m in resp.models]
 
     async def close(self) -> None:
         await self._channel.close()

@@ -3,6 +3,7 @@
 //	c, err := pdserve.Dial("localhost:50051", pdserve.WithToken(tok), pdserve.WithTimeout(30*time.Second))
 //	resp, err := c.Generate(ctx, pdserve.PromptRequest("hello", pdserve.MaxTokens(32), pdserve.Greedy()))
 //	s, err := c.Stream(ctx, req) // then s.Next() until io.EOF; cancel ctx (or s.Close()) to stop generation
+//	names, err := c.ListModels(ctx) // the served models; pdserve.Model(name) picks one for a request
 //
 // The metadata contract (docs/api.md): `authorization: Bearer <token>`, `x-priority: low|normal|high` (the request's
 // priority field wins), a W3C `traceparent` continued by the server's trace, and the call's deadline. RESOURCE_EXHAUSTED
@@ -180,6 +181,21 @@ func (c *Client) Generate(ctx context.Context, req *pb.GenerateRequest) (*pb.Gen
 		}
 		waited += d
 	}
+}
+
+// ListModels returns the names of the models the router serves (what Model may name), sorted.
+func (c *Client) ListModels(ctx context.Context) ([]string, error) {
+	ctx, cancel := c.callContext(ctx)
+	defer cancel()
+	resp, err := c.stub.ListModels(ctx, &pb.ListModelsRequest{})
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, 0, len(resp.Models))
+	for _, m := range resp.Models {
+		names = append(names, m.Name)
+	}
+	return names, nil
 }
 
 func sleep(ctx context.Context, d time.Duration) error {

@@ -77,5 +77,9 @@ func Logprobs(top int32) RequestOption {
 // Priority sets the request's priority field (it wins over the x-priority metadata).
 func Priority(p pb.Priority) RequestOption { return func(r *pb.GenerateRequest) { r.Priority = p } }
 
+// Model names the served model to run (Client.ListModels lists them; unset = the router's only model). A model the
+// router does not serve gives NOT_FOUND.
+func Model(name string) RequestOption { return func(r *pb.GenerateRequest) { r.Model = name } }
+
 // RequestID names the request (the router assigns one when empty).
 func RequestID(id string) RequestOption { return func(r *pb.GenerateRequest) { r.RequestId = id } }

@@ -75,8 +75,8 @@ func (s *Stream) Next() (*pb.GenerateStreamResponse, error) {
 // Close cancels the call (a no-op after the last chunk).
 func (s *Stream) Close() { s.cancel() }
 
-// Collect reads the rest of the stream into one response (token ids and text concatenated, the last chunk's
-// finish reason and usage).
+// Collect reads the rest of the stream into one response (token ids and text concatenated, tool call pieces
+// joined, the last chunk's finish reason and usage).
 func (s *Stream) Collect() (*pb.GenerateResponse, error) {
 	out := &pb.GenerateResponse{}
 	for {
@@ -92,6 +92,7 @@ func (s *Stream) Collect() (*pb.GenerateResponse, error) {
 		out.Text += chunk.Text
 		out.ReasoningText += chunk.ReasoningText
 		out.Logprobs = append(out.Logprobs, chunk.Logprobs...)
+		out.ToolCalls = mergeToolCalls(out.ToolCalls, chunk.ToolCalls)
 		if chunk.PromptLogprobs != nil {
 			out.PromptLogprobs = chunk.PromptLogprobs
 		}

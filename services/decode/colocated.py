@@ -1,13 +1,14 @@
 """Colocated mode: one engine that prefills and decodes, behind the same router and API (`pdserve serve colocated`).
 
 It serves the Decode service: `Decode.Generate` without a prefill target. Instead of importing KV pages from a
-prefill instance, the engine computes the prompt itself in chunks of at most `--chunk-size` tokens per step,
-alternating with decode steps of the running batch (`pdserve.engine.scheduler`: a prefill step is always followed
-by a decode step while sequences run, so a long prompt delays the others' next token by at most one chunk). The
-prompt cache works as on a prefill instance: the longest cached prefix of full pages is loaded instead of
-computed, and the newly computed full pages are written back after the first token. `Stats` reports the KV pool
-and the measured prefill rate (prompt tokens per second of prefill steps), which the router's admission uses as it
-does for a prefill instance. A failover resume (`resumed_tokens`) re-prefills prompt + generated tokens.
+prefill instance, the engine computes the prompt itself, in the same steps as it decodes (`pdserve.engine.scheduler`:
+every step decodes each running sequence and prefills chunks of one or more prompts within `--step-token-budget`
+tokens, default `--chunk-size`; a long prompt delays the others' next token by about one such step, and a short
+prompt arriving beside a long one is prefilled in the next step). The prompt cache works as on a prefill instance:
+the longest cached prefix of full pages is loaded instead of computed, and the newly computed full pages are
+written back after the first token. `Stats` reports the KV pool and the prefill capacity measured on those mixed
+steps (`PrefillRateMeter`), which the router's admission uses to predict a request's TTFT. A failover resume
+(`resumed_tokens`) re-prefills prompt + generated tokens.
 """
 
 from __future__ import annotations
@@ -40,12 +41,17 @@ log = logging.getLogger("pdserve.colocated")
 
 
 class PrefillRateMeter:
-    """Prompt tokens per second of the engine's prefill steps (a step listener on the engine thread). On CUDA a
-    prefill step without a sampled token returns before the device finished it; the meter waits for the device
-    after such a step, so the time counted is the chunk's and not the next decode step's."""
+    """Prompt tokens per second the engine prefills while it also decodes (a step listener on the engine thread):
+    prefill tokens over the whole time of the steps that prefilled, their decode rows included (the price of
+    prefilling beside the running batch). The capacity is what steps that used at least half their prefill budget
+    achieve (`full`): a lightly loaded instance prefills small prompts in small steps, whose rate (`any`) understates
+    what it could do, so that one counts only until a full step was measured. On CUDA a step without a sampled
+    token returns before the device finished it; the meter waits for the device after a step that prefilled, so
+    the time counted is that step's and not the next one's."""
 
     def __init__(self, engine: LLMEngine):
-        self.rate = WorkRate()
+        self.full = WorkRate()  # steps whose prefill rows took >= half the step's prefill budget
+        self.any = WorkRate()  # every step that prefilled
         self._device = engine.runner.device
 
     def __call__(self, engine: LLMEngine, start_ns: int, end_ns: int) -> None:
@@ -57,7 +63,14 @@ class PrefillRateMeter:
 
             torch.cuda.current_stream(self._device).synchronize()
             end_ns = time.time_ns()
-        self.rate.add(n, (end_ns - start_ns) / 1e9)
+        seconds = (end_ns - start_ns) / 1e9
+        self.any.add(n, seconds)
+        if 2 * n >= engine.last_step_prefill_budget:
+            self.full.add(n, seconds)
+
+    def rate(self) -> float | None:
+        """Prompt tokens per second of prefill capacity beside decoding (None until measured)."""
+        return self.full.rate() or self.any.rate()
 
 
 class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
@@ -103,14 +116,15 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
         # prompt_logprobs score every prompt token, and a resume recomputes: neither takes pages from the cache
         ns = dataclasses.replace(self.namespace, scope=request.cache_scope)  # the router's scope: tenant or shared
-        plan = self.prefix.plan(ns, prompt, bool(sampling.prompt_logprobs or resumed), self.meter.rate.rate())
+        plan = self.prefix.plan(ns, prompt, bool(sampling.prompt_logprobs or resumed), self.meter.rate())
         cached = plan.hit.num_pages * self.page_size
         outputs: queue.Queue = queue.Queue()
         to_cache: list[ExportedPages] = []  # filled on the engine thread before the first token's output is queued
         admitted_ns = time.time_ns()
 
         def on_output(out) -> None:  # engine thread
-            if not isinstance(out, BaseException) and out.new_token_ids and out.num_completion_tokens == resumed + 1:
+            first = not isinstance(out, BaseException) and bool(out.new_token_ids) and out.index == 0
+            if first and out.num_completion_tokens == resumed + 1:  # choice 0's first token (n > 1: pages once)
                 req.record("colocated.prefill", admitted_ns, {"pdserve.cached_tokens": cached})
                 if not out.finished:  # its pages are still held: copy the new full pages out for the cache
                     try:
@@ -130,6 +144,8 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
                     cached_pages=plan.cached_pages,
                     resumed_tokens=resumed,
                     resumed_text_chars=request.resumed_text_chars,
+                    n=request.n or 1,
+                    best_of=request.best_of,
                 ),
                 on_output,
             )
@@ -141,7 +157,7 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
             ms = (time.perf_counter() - t0) * 1e3
             log.info(fmt, rid, len(prompt), cached, end.completion_tokens, end.finish, ms)
 
-        with generate_call(self.loop, rid, self.active, summary) as end:
+        with generate_call(self.loop, rid, self.active, summary, context) as end:
             deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
             for msg in relay(outputs, context, deadline, "colocated request", req, cached, end):
                 yield msg
@@ -158,7 +174,7 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         return self.loop.engine.export_batch(rid, pages, self.layout)
 
     def Stats(self, request, context):
-        rate = self.meter.rate.rate() or 0.0
+        rate = self.meter.rate() or 0.0
         return instance_stats(self.loop, self.active.count, prefill_tokens_per_s=rate)
 
 

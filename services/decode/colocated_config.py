@@ -13,9 +13,10 @@ from pdserve.engine.config import EngineConfig
 from pdserve.server.service_config import EngineServiceConfig, engine_settings
 
 HELPS = {
-    "chunk_size": "prefill token budget per step: a prefill step (chunks of one or more prompts) computes at most "
-    "this many tokens and is always followed by a decode step while sequences run, so a long prompt stalls "
-    "decoding by at most one such step",
+    "chunk_size": "prefill tokens per step: every step decodes the running batch and prefills chunks of one or more "
+    "prompts beside it, at most this many prompt tokens (and --step-token-budget in all)",
+    "step_token_budget": "tokens one step computes, decode rows + prefill tokens (0: --chunk-size): it bounds the "
+    "step's time, so TPOT while prompts are prefilled; prefill gets what the decode rows leave (at least a quarter)",
     "kv_dtype": "int8|fp8|auto: what the KV pool stores (and the prompt cache pages' format)",
 }
 

@@ -18,8 +18,14 @@ class DecodeConfig(EngineServiceConfig):
     engine: EngineConfig = engine_settings(helps={"kv_dtype": KV_DTYPE_HELP})
     page_timeout_s: float = opt(
         30.0,
-        "longest wait for the next message (KV page or done) from prefill; then "
-        "the request fails DEADLINE_EXCEEDED and its pages are freed",
+        "shortest bound on the wait for the next message (KV page or done) from prefill; past the bound the "
+        "request fails DEADLINE_EXCEEDED and its pages are freed. The bound scales with the work ahead: the prompt "
+        "tokens this instance still awaits from that prefill (the request's batch mates included) at the rate they "
+        "arrived, times --page-timeout-slack, up to --page-timeout-max-s",
+    )
+    page_timeout_max_s: float = opt(300.0, "longest bound on the wait for the next KV page, however much work is ahead")
+    page_timeout_slack: float = opt(
+        3.0, "the page wait's margin over the expected time of the work ahead (a later chunk attends to more tokens)"
     )
     kv_transport: str = opt(
         "auto",
@@ -40,6 +46,10 @@ class DecodeConfig(EngineServiceConfig):
         problems = kv_link_problems(self.kv_transport, self.kv_copy_threads)
         if not self.page_timeout_s > 0:
             problems.append(f"--page-timeout-s must be > 0, got {self.page_timeout_s}")
+        if not self.page_timeout_max_s >= self.page_timeout_s:
+            problems.append(f"--page-timeout-max-s must be >= --page-timeout-s, got {self.page_timeout_max_s}")
+        if not self.page_timeout_slack >= 1:
+            problems.append(f"--page-timeout-slack must be >= 1, got {self.page_timeout_slack}")
         if problems:
             raise SystemExit("; ".join(problems))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import threading
 import time
 from collections.abc import Generator
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from pdserve.decode.token_stream import (
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import InvalidRequest, PdserveError, PeerUnavailable, TransferError
 from pdserve.kv.transfer import IncomingTransfer, for_decode
+from pdserve.kv.transfer.layers import LayerRange
 from pdserve.server.grpc_util import remaining
 from pdserve.server.instance_stats import instance_stats
 from pdserve.server.proto_convert import sampling_from_proto
@@ -37,6 +39,22 @@ from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
+
+
+def finish_stream(call, rid: str) -> None:
+    """After PrefillDone: read the Prefill stream to its end on a thread. Prefill finishes its side after PrefillDone
+    (decode's last acks, then its prompt-cache write-back); a call object dropped unread would be cancelled when
+    collected, ending the RPC before that write-back."""
+
+    def drain() -> None:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+
+    threading.Thread(target=drain, name=f"prefill-end-{rid[:8]}", daemon=True).start()
+
 
 ReceiveKV = Generator[internal_pb2.DecodeResponse, None, internal_pb2.PrefillDone]
 
@@ -71,13 +89,16 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
         outputs: queue.Queue = queue.Queue()
         try:
-            self.loop.begin_import(rid, prompt, sampling, outputs.put, resumed, request.resumed_text_chars)
+            self.loop.begin_import(
+                rid, prompt, sampling, outputs.put, resumed, request.resumed_text_chars, request.n or 1, request.best_of
+            )
         except Exception as e:
             context.abort(engine_error_code(e), f"decode could not admit request: {e}")
         deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
         summary = functools.partial(self._summary, rid, len(prompt), t0)
-        with generate_call(self.loop, rid, self.active, summary) as end:
+        with generate_call(self.loop, rid, self.active, summary, context) as end:
             early = EarlyFirst(outputs, context, deadline, req, end)
+            early.forks = request.n > 1 or request.best_of > 1
             try:
                 done = yield from self._receive_kv(request, prompt, context, req, early)
             except CallerGone:
@@ -92,8 +113,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 if not end.finished:
                     yield from relay(outputs, context, deadline, "decode", req, done.cached_tokens, end)
                 return
-            # the first token's logprob and the prompt's came from prefill: they lead the first message
-            lead = [done.first_token_logprob] if done.HasField("first_token_logprob") else []
+            # the first token's logprob and the prompt's came from prefill: they lead the first message (n > 1: the
+            # forks sample their own first tokens here, prefill's is not used)
+            forks = request.n > 1 or request.best_of > 1
+            lead = [done.first_token_logprob] if done.HasField("first_token_logprob") and not forks else []
             scores = PromptScores(list(done.prompt_logprobs), list(done.prompt_top_logprobs))
             yield from relay(outputs, context, deadline, "decode", req, done.cached_tokens, end, lead, scores)
 
@@ -142,13 +165,17 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         call = self.prefill.prefill_stream(target)(
             rx.messages(ask), timeout=timeout, metadata=req.outgoing_metadata(span)
         )
-        context.add_callback(call.cancel)  # our caller went away: stop prefill too
+        # our caller went away: stop prefill too, unless every page is in (prefill then ends its side: last acks,
+        # the prompt-cache write-back after PrefillDone)
+        context.add_callback(lambda: rx.pages.completed or call.cancel())
         rx.attach(call.cancel)
         try:
             done = yield from self._take(rx, call, early)
             rx.finish(done)
+            finish_stream(call, rid)
             self.telemetry.metrics.kv_bytes.inc(rx.pages.bytes_received)
-            attrs: dict[str, int | str] = {"pdserve.kv.pages": done.num_pages, "pdserve.kv.transport": rx.transport}
+            pages = rx.pages.pages_claimed  # done.num_pages counts shipments: layer groups too
+            attrs: dict[str, int | str] = {"pdserve.kv.pages": pages, "pdserve.kv.transport": rx.transport}
             attrs |= {"pdserve.kv.bytes": rx.pages.bytes_received, "pdserve.cached_tokens": done.cached_tokens}
             req.end_child(span, ok=True, attributes={**attrs, "pdserve.first_token_id": done.first_token_id})
             return done
@@ -166,6 +193,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 continue
             if msg.HasField("done"):
                 return msg.done
+            if early.forks:  # n > 1: prefill's first token is not used (the forks sample their own)
+                continue
             try:
                 yield from early.send(self.loop, rx.pages.request_id, msg.first_token)
             except InvalidRequest as e:  # outside the vocabulary, or the request cannot take it
@@ -193,9 +222,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         context.abort(code, f"prefill {rx.peer}: {e.details()}")
         raise AssertionError("unreachable: abort raises")
 
-    def _import_rows(self, rid: str, indexes: list[int], tokens: list[int], rows: torch.Tensor) -> Future:
-        """A checked batch into the pool, on the engine thread (`ImportRows`)."""
-        return self.loop.submit(lambda e: e.import_batch(rid, indexes, tokens, rows, self.layout))
+    def _import_rows(
+        self, rid: str, indexes: list[int], tokens: list[int], rows: torch.Tensor, layers: LayerRange | None
+    ) -> Future:
+        """A checked batch (all layers, or a layer group's) into the pool, on the engine thread (`ImportRows`)."""
+        return self.loop.submit(lambda e: e.import_batch(rid, indexes, tokens, rows, self.layout, layers))
 
     def close(self) -> None:
         """Service shutdown: the channels to prefill instances, the copy threads."""

@@ -2,7 +2,7 @@
 (`colocated.py`) servicers: the engine thread's outputs, taken from a queue, relayed as `DecodeResponse`s.
 
     generate_call(loop, rid, active, summary)    a call from admission on: counted, its engine request freed
-    relay(outputs, context, deadline, what, req, cached_tokens, end, ...)   the messages, up to the finished one
+    relay(outputs, context, deadline, what, req, cached_tokens, end, ...)   the messages, up to the last choice's end
     next_output(outputs, deadline, context, what)                          one item, or None: the caller left
     decode_response(out, req, cached_tokens, lead_logprobs, prompt)   the message of one output
     EarlyFirst(...).send(loop, rid, first)        the first token's message, ahead of its KV pages
@@ -67,11 +67,13 @@ def decode_response(
         logprobs=[*lead_logprobs, *map(logprob_to_proto, out.logprobs)],
         prompt_logprobs=prompt.values,
         prompt_top_logprobs=prompt.tops,
+        index=out.index,
     )
     req.first_token()
-    if out.finished:
+    if out.finished:  # this choice's end (n > 1: the request's once `request_done`)
         reason = out.finish_reason or "abort"  # always set on a finished output
-        req.finish(out.num_completion_tokens, reason, {"pdserve.cached_tokens": cached_tokens})
+        if out.request_done:
+            req.finish(out.num_completion_tokens, reason, {"pdserve.cached_tokens": cached_tokens})
         msg.finish_reason = FINISH.get(reason, generate_pb2.FINISH_REASON_ABORT)
         msg.stop_reason = out.stop_reason or ""
         msg.usage.CopyFrom(
@@ -137,7 +139,7 @@ def relay(
         end.completion_tokens = out.num_completion_tokens
         msg = decode_response(out, req, cached_tokens, lead, prompt_lps)
         lead, prompt_lps = [], PromptScores()
-        if out.finished:
+        if out.request_done:  # n > 1: every choice finished
             end.finished, end.finish = True, out.finish_reason or "abort"
         yield msg
         if end.finished:
@@ -154,6 +156,7 @@ class EarlyFirst:
     ):
         self.outputs, self.context, self.deadline, self.req, self.end = outputs, context, deadline, req, end
         self.sent = False
+        self.forks = False  # n / best_of > 1: no first token ahead (the forks sample their own on decode)
 
     def send(
         self, loop: EngineLoop, rid: str, first: internal_pb2.PrefillFirstToken
@@ -169,7 +172,7 @@ class EarlyFirst:
         self.end.completion_tokens = out.num_completion_tokens
         lead = [first.logprob] if first.HasField("logprob") else []
         msg = decode_response(out, self.req, first.cached_tokens, lead, PromptScores())
-        if out.finished:
+        if out.request_done:
             self.end.finished, self.end.finish = True, out.finish_reason or "abort"
         yield msg
 
@@ -193,15 +196,31 @@ class ActiveCalls:
 
 @contextmanager
 def generate_call(
-    loop: EngineLoop, rid: str, active: ActiveCalls, summary: Callable[[StreamEnd], None]
+    loop: EngineLoop,
+    rid: str,
+    active: ActiveCalls,
+    summary: Callable[[StreamEnd], None],
+    context: grpc.ServicerContext | None = None,
 ) -> Iterator[StreamEnd]:
     """A Generate call from the admission of its engine request `rid` on, counted in `active`. However it ends,
-    an engine request left unfinished is aborted (its pages freed) and `summary(end)` logs the call."""
+    an engine request left unfinished is aborted (its pages freed) and `summary(end)` logs the call. With the call's
+    `context`, a caller that cancels or whose deadline passes aborts the request at once, from gRPC's callback:
+    its remaining prompt chunks and decode steps never run (the stream's reader notices only at its next poll)."""
     end = StreamEnd()
+    live = threading.Event()  # set while this call owns `rid` in the engine (a later call may reuse the id)
+    live.set()
+
+    def caller_gone() -> None:
+        if live.is_set() and not end.finished:
+            loop.abort(rid)
+
     active.add(1)
     try:
+        if context is not None and not context.add_callback(caller_gone):
+            caller_gone()  # the RPC ended already
         yield end
     finally:
+        live.clear()
         if not end.finished:
             loop.abort(rid)
         active.add(-1)

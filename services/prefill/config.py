@@ -44,6 +44,12 @@ class PrefillConfig(CacheOptions, EngineServiceConfig):
     kv_copy_threads: int = opt(
         4, "grpc transport: threads building KV batch messages (checksum, serialization) ahead of the stream; 0: none"
     )
+    kv_layer_group: int = opt(
+        4,
+        "layers per KV shipment: a computed chunk's pages leave in groups of this many layers as the forward "
+        "writes them, so even a one-chunk prompt's transfer overlaps its compute (smaller: more overlap, more "
+        "messages); 0 or >= the model's layers: whole chunks after the forward. Only to a decode that accepts them",
+    )
 
     def default_max_streams(self) -> int:
         """KV streams at once: every decode instance's requests in prefill (several decode instances per prefill)."""
@@ -66,6 +72,8 @@ class PrefillConfig(CacheOptions, EngineServiceConfig):
             problems.append(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         if not (self.kv_batch_mb > 0 and self.kv_ipc_staging_mb > 0):
             problems.append("--kv-batch-mb and --kv-ipc-staging-mb must be > 0")
+        if self.kv_layer_group < 0:
+            problems.append(f"--kv-layer-group must be >= 0, got {self.kv_layer_group}")
         if problems:
             raise SystemExit("; ".join(problems))
         self.validate_cache()

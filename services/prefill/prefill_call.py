@@ -1,6 +1,8 @@
 """One Prefill call from admission on: the engine thread's outputs become events in an outbox (`on_output`), and the
-stream writer turns them into the stream's messages (`messages`): a chunk's pages as soon as the chunk computed, the
-first token ahead of the last chunk's pages when decode asked for it, and PrefillDone last."""
+stream writer turns them into the stream's messages (`messages`): a chunk's pages as soon as the chunk computed (in
+layer groups as the forward computes them, when decode accepts them and --kv-layer-group splits the model: the
+engine hands each group to `layer_stream`'s sink during the forward), the first token ahead of the last chunk's pages
+when decode asked for it, and PrefillDone last."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pdserve.engine.sampling import TokenLogprob
 from pdserve.errors import DeadlineExceeded
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import ExportedPages, OutgoingTransfer
+from pdserve.kv.transfer.layers import LayerStream
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.server.proto_convert import logprob_to_proto, prompt_logprobs_to_proto
 from pdserve.telemetry.rates import WorkRate
@@ -69,10 +72,15 @@ class PrefillCall:
         self.started = started  # time.perf_counter() when the RPC began (PrefillDone.prefill_ms)
         self.outbox: queue.Queue[Event] = queue.Queue()
         self.computed_from: int | None = None  # engine thread: the first prompt token this request computed
+        self.computed_tokens = 0  # engine thread: prompt tokens this request computed (the rest came cached)
         self.prompt_logprobs: list[TokenLogprob] = []  # sampling.prompt_logprobs, chunk by chunk (engine thread)
         self.first: StepOutput | None = None  # engine thread -> writer: the prompt's last output (early_first)
         self.first_sent = False
-        self.shipped: list[ExportedPages] = []  # for the prompt cache's write-back, after PrefillDone
+        self.shipped: list[ExportedPages] = []  # whole pages for the prompt cache's write-back, after PrefillDone
+        # Layer groups: the engine thread hands each group of a chunk's pages to `_group_computed` during the forward
+        # (EngineRequest.layer_stream); `streamed`: the pages that went out so (not exported again after the step).
+        self.layer_stream = LayerStream(layout, tx.layer_group, self._group_computed) if tx.layer_group else None
+        self.streamed: set[int] = set()
         self.ship: Span | None = None  # prefill.kv_ship span: first page shipped -> PrefillDone
         # The cached prefix ships as stored: the exact cached bytes (the pool may hold them at another precision).
         # A host transport sends the host copies now, beside the compute. A device-to-device one sends the device
@@ -85,7 +93,7 @@ class PrefillCall:
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens this request did not compute (from the prompt cache or the pool's prefixes)."""
-        return max(0, self.computed_from or 0)
+        return max(0, len(self.prompt) - self.computed_tokens) if self.computed_from is not None else 0
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def on_output(self, out: StepOutput | BaseException) -> None:
@@ -98,23 +106,46 @@ class PrefillCall:
                 self.outbox.put(RuntimeError("prefill aborted"))
                 return
             self.prompt_logprobs.extend(out.prompt_logprobs)
+            fetched = self.plan.fetch.take_loaded() if self.plan.fetch is not None else []
+            if fetched:  # prefix pages the engine loaded from the prompt cache's fetch: shipped from the pool
+                self.outbox.put(self.loop.engine.export_batch(self.request_id, fetched, self.layout))
             if out.token_range:  # this step computed one chunk of the prompt
                 self._chunk_computed(out)
             if out.finished and self.early_first:  # decode streams it while the pages below are on their way
                 self.first = out  # the writer takes it between an earlier chunk's messages too
                 self.outbox.put(FirstToken(out))
-            if out.ready_pages:  # one device gather per chunk; the writer ships it
-                self.outbox.put(self.loop.engine.export_batch(self.request_id, out.ready_pages, self.layout))
+            ready = [p for p in out.ready_pages if p not in self.streamed]  # streamed: left during the forward
+            if ready:  # one device gather per chunk; the writer ships it
+                self.outbox.put(self.loop.engine.export_batch(self.request_id, ready, self.layout))
+            self._keep_streamed(out.ready_pages)
             if out.finished:
                 self.outbox.put(PromptDone(out))
         except Exception as e:
             self.outbox.put(e)
+
+    def _group_computed(self, exported: ExportedPages) -> None:
+        """Engine thread, during the forward: one layer group of the pages this chunk completes; the writer ships it
+        (after its `ready` event) while the forward computes the next layers."""
+        self.streamed.update(exported.page_indexes)
+        self.outbox.put(exported)
+
+    def _keep_streamed(self, ready_pages: list[int]) -> None:
+        """Engine thread, after a chunk whose pages streamed in layer groups: the prompt cache's write-back wants
+        whole pages, so its full pages with a key are gathered whole once more (device rows, held like a shipped
+        batch until the write-back)."""
+        keys, ps = len(self.plan.write_keys), self.layout.page_size
+        if not self.streamed or not keys:
+            return
+        keep = [p for p in ready_pages if p in self.streamed and p < keys and (p + 1) * ps <= len(self.prompt)]
+        if keep:
+            self.shipped.append(self.loop.engine.export_batch(self.request_id, keep, self.layout))
 
     def _chunk_computed(self, out: StepOutput) -> None:
         token_range, start_ns = out.token_range, self.loop.step_started_ns  # its step's start (outputs follow it)
         assert token_range is not None
         if self.computed_from is None:
             self.computed_from = token_range[0] or -1  # -1: computed from the start
+        self.computed_tokens += token_range[1] - token_range[0]
         self.rate.add_to_step(start_ns, token_range[1] - token_range[0], start_ns / 1e9, time.time_ns() / 1e9)
         if self.scope.recording:
             attrs = {"pdserve.chunk.start": token_range[0], "pdserve.chunk.end": token_range[1]}
@@ -160,10 +191,12 @@ class PrefillCall:
                 self.tx.connect()  # cuda-ipc: decode opened the buffer (or this request falls back to grpc)
                 attrs = {"pdserve.kv.dtype": self.layout.dtype, "pdserve.kv.transport": self.tx.transport}
                 self.ship = self.scope.child("prefill.kv_ship", attrs)
+            yield from self._first_token()  # ready already: ahead of this batch (a last chunk's last layer group)
             for msg in self.tx.send(event):  # an earlier chunk's batches: the first token overtakes the rest
                 yield msg
                 yield from self._first_token()
-            self.shipped.append(event)
+            if event.layers is None:  # a layer group's rows are no page of the write-back (`_keep_streamed`)
+                self.shipped.append(event)
 
     def _next_event(
         self, deadline: float, ack_timeout: float, is_active: Callable[[], bool]
@@ -210,7 +243,7 @@ class PrefillCall:
     def record_done(self, done: internal_pb2.PrefillDone) -> None:
         """The spans of a finished prefill (before PrefillDone is sent)."""
         pages = self.tx.pages
-        kv = {"pdserve.kv.pages": pages.num_shipped, "pdserve.kv.bytes": pages.bytes_shipped}
+        kv = {"pdserve.kv.pages": pages.num_pages_shipped, "pdserve.kv.bytes": pages.bytes_shipped}
         if self.ship is not None:
             self.scope.end_child(self.ship, ok=True, attributes=kv)
         self.scope.first_token()
@@ -228,13 +261,15 @@ class PrefillCall:
     def log_done(self, done: internal_pb2.PrefillDone) -> None:
         pages = self.tx.pages
         log.info(
-            "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s ms=%.1f",
+            "prefill rid=%s prompt_tokens=%d cached_tokens=%d pages=%d bytes=%d kv=%s transport=%s layer_group=%d "
+            "ms=%.1f",
             self.request_id,
             len(self.prompt),
             done.cached_tokens,
-            pages.num_shipped,
+            pages.num_pages_shipped,
             pages.bytes_shipped,
             self.layout.dtype,
             self.tx.transport,
+            self.tx.layer_group,
             done.prefill_ms,
         )

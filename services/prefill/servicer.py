@@ -67,7 +67,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 on_drop=lambda pages: cache.stats.add(write_drops=pages),
             )
         )
-        self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind)
+        # the store's pages race the compute: the engine loads those that land before it reaches them
+        race = cfg.fetch_race_device(engine.runner.device)
+        self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind, race)
         self.kv = for_prefill(cfg, engine.runner.device, self.fingerprint, release=loop.release)
         self.prefill_rate = WorkRate()  # prompt tokens per busy second of the engine (Stats; cache decisions)
         self.ship_format = ShipFormatCheck(cfg.engine.kv_dtype, cfg.engine.batch_invariant)
@@ -165,7 +167,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     ) -> OutgoingTransfer:
         offer = req.kv_transport if req.HasField("kv_transport") else None
         try:
-            return self.kv.open(req.request_id, -(-prompt_tokens // self.page_size), layout, offer)
+            pages = -(-prompt_tokens // self.page_size)
+            return self.kv.open(req.request_id, pages, layout, offer, req.kv_layer_groups)  # groups: if decode takes
         except TransportUnusable as e:
             context.abort(engine_error_code(e), str(e))
             raise  # unreachable: abort raises
@@ -189,6 +192,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             sampled_before=req.sampled_before,
             keep_cached_upload=call.upload_pending,
             prefix_keys=call.plan.prefix_keys,
+            layer_stream=call.layer_stream,  # pages leave layer group by layer group during the forward
+            prefix_fetch=call.plan.fetch,  # the store's pages, loaded where they land before the compute
         )
         with self._lock:
             self._active += 1

@@ -12,7 +12,11 @@ queueing more than the instances can serve in time.
   estimated output each); it admits while its pool (`kv_pages_total` from Stats) could hold all of them. Before
   its first Stats nothing is known and it admits (the dispatch gate still waits for free pages).
 
-- colocated (prefills and decodes itself): both of the above on the same instance.
+- colocated (prefills and decodes itself): both of the above on the same instance. Its prefill rate is what it
+  measures on its mixed steps (prefill chunks computed beside the decode batch, `pdserve.decode.colocated`), so the
+  prefill rule reads as a TTFT prediction: a request is admitted, and waits in the router's queue for the
+  dispatch gate if need be, while (prompt tokens queued and computing there + its own) / rate fits the TTFT
+  budget (`predicted_ttft_s`); only beyond is it rejected.
 
 The SLO controller (`pdserve.router.slo`) scales these per instance: `ttft_factor` multiplies the prefill
 capacity (budget × rate and the floor), `tpot_factor` the share of the KV pool decode admission fills.
@@ -180,6 +184,15 @@ def admit_decode(candidates: list[Instance], need_pages: int, drain_pages: Drain
 
 
 # ---- colocated: both on one instance ----------------------------------------------------------------------------
+def predicted_ttft_s(inst: Instance, prompt_len: int, ttft_budget_s: float, floor_tokens: float) -> float:
+    """Seconds until a request of `prompt_len` prompt tokens admitted on `inst` now would have its first token: the
+    prompt tokens queued for and computing on `inst` plus its own, at the prefill rate `inst` measures (a colocated
+    instance: beside its decode batch), or `floor_tokens` per TTFT budget before it measured one. `prefill_fits`
+    admits exactly while this is within the budget (× the SLO factor), or the load within the floor."""
+    rate = inst.prefill_tokens_per_s or floor_tokens / ttft_budget_s
+    return (prefill_load_tokens(inst) + prompt_len) / rate
+
+
 def admit_colocated(
     candidates: list[Instance],
     prompt_len: int,
@@ -188,13 +201,19 @@ def admit_colocated(
     floor_tokens: float,
     drain_pages: DrainRate,
 ) -> Instance:
-    """The colocated instance to reserve the request on: among those whose prefill budget and KV pool both fit
-    it, the one whose prefill queue drains first (then most pool left); else Rejected with the reason of the
-    instances' binding constraint."""
+    """The colocated instance to reserve the request on: among those where its predicted TTFT fits the budget
+    (`predicted_ttft_s`, at the rate measured on mixed steps) and whose KV pool can hold it, the one whose prefill
+    queue drains first (then most pool left); else Rejected with the reason of the instances' binding constraint."""
     fits_p = [i for i in candidates if prefill_fits(i, prefill_load_tokens(i), prompt_len, ttft_budget_s, floor_tokens)]
     fits_both = [i for i in fits_p if decode_fits(i, decode_load_pages(i), need_pages)]
     if fits_both:
         return admit_prefill(fits_both, prompt_len, ttft_budget_s, floor_tokens)
     if not fits_p:
-        return admit_prefill(candidates, prompt_len, ttft_budget_s, floor_tokens)  # raises: the prefill reason
+        try:
+            return admit_prefill(candidates, prompt_len, ttft_budget_s, floor_tokens)  # raises: the prefill reason
+        except Rejected as e:
+            best = min(predicted_ttft_s(i, prompt_len, ttft_budget_s, floor_tokens) for i in candidates)
+            e.reason = f"{e.reason}; predicted TTFT at best {best * 1e3:.0f} ms"
+            e.args = (e.reason,)
+            raise
     return admit_decode(fits_p, need_pages, drain_pages)  # raises: none of them has KV pool left

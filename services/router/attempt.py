@@ -60,7 +60,7 @@ def relay(
     first_of_attempt = True
     for msg in call:
         out = generate_pb2.GenerateStreamResponse(
-            request_id=rid, token_ids=msg.token_ids, text=msg.text, logprobs=msg.logprobs
+            request_id=rid, token_ids=msg.token_ids, text=msg.text, logprobs=msg.logprobs, index=msg.index
         )
         if msg.prompt_logprobs:
             out.prompt_logprobs.logprobs.extend(msg.prompt_logprobs)

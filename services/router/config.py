@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.router.limits import RouterLimits  # limits: request size bounds, prompt-cache sharing
+from pdserve.router.tools.formats import FORMATS as TOOL_FORMATS
 from pdserve.server.service_config import ServerOptions, opt
 
 POLICIES = ("pcs", "round_robin", "least_requests")
@@ -18,7 +19,16 @@ DECODE_CHOICES = ("least", "p2c")
 @dataclass
 class RouterConfig(RouterLimits, ServerOptions):
     config: str = opt("", "TOML file with any of these settings (flags and PDSERVE_ROUTER_* override it)")
-    model: str = opt("", "HF model directory (the router loads its tokenizer and config only)")
+    model: str = opt("", "HF model directory (the router loads its tokenizer and config only): the default model")
+    served_model_name: str = opt(
+        "",
+        "the name requests use for --model (default: its hub id or directory name); instances that name no model "
+        "and the static lists serve it, others announce their own (docs/router.md: several models)",
+    )
+    max_models: int = opt(8, "served models whose tokenizer the router keeps loaded (least recently used unloaded)")
+    tool_call_parser: str = opt(
+        "", "tool-call format of the model's output: hermes | llama3_json | mistral ('' = from its chat template)"
+    )
     prefill: list[str] = field(default_factory=list, metadata={"help": "static prefill instances host:port (repeat)"})
     decode: list[str] = field(default_factory=list, metadata={"help": "static decode instances host:port (repeat)"})
     colocated: list[str] = field(
@@ -148,6 +158,7 @@ class RouterConfig(RouterLimits, ServerOptions):
             "lease_s",
             "max_queue_wait_s",
             "decode_active_norm",
+            "max_models",
         ):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0")
@@ -160,6 +171,10 @@ class RouterConfig(RouterLimits, ServerOptions):
             problems.append("slo_decrease must be in (0, 1), slo_min_factor in (0, 1], slo_increase > 0")
         if not 0 < self.slo_relax_below <= 1:
             problems.append(f"slo_relax_below must be in (0, 1], got {self.slo_relax_below}")
+        if len(self.served_model_name) > 256 or not self.served_model_name.isprintable():
+            problems.append("served_model_name must be at most 256 printable characters")
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_FORMATS:
+            problems.append(f"tool_call_parser must be one of {', '.join(TOOL_FORMATS)} or empty")
         problems += self.limit_problems()  # limits
         problems += self.server_problems()  # security
         if not self.internal_max_receive_mb > 0:  # security

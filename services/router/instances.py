@@ -1,6 +1,9 @@
 """What the router knows about one prefill, decode or colocated instance: health state, load it accounts, last
 Stats, and the SLO controller's budget factors (`pdserve.router.slo`).
 
+Every instance serves one model (`model`, the name requests use): the scheduler groups instances by it, and a
+request only ever goes to instances of its model (a prefill never ships KV to a decode of another model).
+
 A colocated instance (prefills and decodes itself) carries both kinds of load: prompt tokens until the first
 token (as a prefill instance) and KV pages until the request finishes (as a decode instance).
 
@@ -41,6 +44,8 @@ class Instance:
     address: str
     capacity_pcs: float  # admission capacity in PCS units
     registered: bool = False  # announced itself (lease applies) vs static config
+    model: str = ""  # the served model name (its group); "" only in a router without model names (tests)
+    model_path: str = ""  # its model directory as it announced it ("" = the router's --model)
     state: State = State.UP
     leaving: bool = False  # deregistered: forgotten once its in-flight requests are done
     refused: str = ""  # why an up instance gets no requests (its KV page size differs from the cluster's)

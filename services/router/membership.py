@@ -10,6 +10,9 @@ One background thread, every `health_interval_s`:
     an instance reporting another is refused: up, but given no request), for decode and colocated instances the
     free KV pages and active sequences the decode policy uses, for prefill and colocated ones the measured prefill
     rate. Also once at start and when an instance registers. (A colocated instance serves the Decode service.)
+Every instance serves one model: a registered one names it (RegisterRequest.model_name, with the directory the
+router may load its tokenizer from); static instances and those that name none serve the router's own --model
+(Scheduler.default_model). The scheduler keeps them grouped by it.
 Static instances are never forgotten: a static instance that recovers (restarted on its address) comes back up.
 A request that fails UNAVAILABLE makes the router check both of its instances at once (`blame`): the one that
 fails is marked down immediately and the retry avoids it.
@@ -72,12 +75,23 @@ class Membership:
                 ch.close()
 
     # ---- registry RPCs --------------------------------------------------------------------------------------
-    def register(self, role: str, address: str, capacity_pcs: float = 0.0) -> None:
-        self.scheduler.add(role, address, registered=(role, address) not in self.static, capacity_pcs=capacity_pcs)
+    def register(
+        self, role: str, address: str, capacity_pcs: float = 0.0, model_name: str = "", model_path: str = ""
+    ) -> None:
+        """`model_name`: the model it serves ("" = the router's --model); `model_path`: its model directory."""
+        model = model_name or self.scheduler.default_model
+        self.scheduler.add(
+            role,
+            address,
+            registered=(role, address) not in self.static,
+            capacity_pcs=capacity_pcs,
+            model=model,
+            model_path=model_path if model_name else "",
+        )
         with self.scheduler.lock:
             inst = self.scheduler.instances[role][address]
             inst.leaving = False
-        log.info("%s %s registered", role, address)
+        log.info("%s %s registered (model %r)", role, address, model)
         self.poll_stats([inst])  # its page size (and pool) before it gets a request
 
     def heartbeat(self, role: str, address: str) -> bool:

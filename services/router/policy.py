@@ -32,6 +32,7 @@ class Job(Protocol):
     pcs: float
     need_pages: int
     page_hash: bytes | None
+    model: str
 
 
 class Policy(Protocol):
@@ -60,13 +61,13 @@ class PCSPolicy:
         self.p2c = cfg.decode_choice == "p2c"
         self.prefill_norm = float(cfg.prefill_max_inflight_tokens or cfg.prefill_floor_tokens)
         self._rng = random.Random(cfg.seed)
-        self._table: OrderedDict[bytes, str] = OrderedDict()  # leading page hash -> prefill address
+        self._table: OrderedDict[tuple[str, bytes], str] = OrderedDict()  # (model, leading page hash) -> address
 
     def pick_prefill(self, job: Job, candidates: list[Instance]) -> Instance:
         best = min(candidates, key=lambda i: (i.load_pcs / i.capacity_pcs, i.in_flight, i.assigned))
-        h = job.page_hash if self.affinity else None
-        if h is None:
+        if job.page_hash is None or not self.affinity:
             return best
+        h = (job.model, job.page_hash)  # two models' prompts may share a leading page: never each other's
         prev = self._table.get(h)
         choice = best
         if prev is not None:

@@ -12,6 +12,17 @@ from pdserve.v1 import router_admin_pb2_grpc
 
 ROLES = {pb.INSTANCE_ROLE_PREFILL: PREFILL, pb.INSTANCE_ROLE_DECODE: DECODE, pb.INSTANCE_ROLE_COLOCATED: COLOCATED}
 ROLE_ENUM = {v: k for k, v in ROLES.items()}
+MAX_MODEL_NAME_CHARS = 256
+MAX_MODEL_PATH_CHARS = 4096
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a served model name (None: it can): at most 256 printable characters."""
+    if len(name) > MAX_MODEL_NAME_CHARS:
+        return f"model_name is longer than {MAX_MODEL_NAME_CHARS} characters"
+    if not name.isprintable():
+        return "model_name must be printable characters"
+    return None
 
 
 def _role_and_address(request, context: grpc.ServicerContext) -> tuple[str, str]:
@@ -38,7 +49,12 @@ class RegistryServicer(router_admin_pb2_grpc.RegistryServicer):
         role, address = _role_and_address(request, context)
         if not request.capacity_pcs >= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capacity_pcs must be >= 0")
-        self.membership.register(role, address, request.capacity_pcs)
+        problem = model_name_problem(request.model_name)
+        if problem is None and (len(request.model_path) > MAX_MODEL_PATH_CHARS or not request.model_path.isprintable()):
+            problem = f"model_path must be at most {MAX_MODEL_PATH_CHARS} printable characters"
+        if problem is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        self.membership.register(role, address, request.capacity_pcs, request.model_name, request.model_path)
         cfg = self.membership.cfg
         return pb.RegisterResponse(heartbeat_interval_s=cfg.heartbeat_interval_s, lease_s=cfg.lease_s)
 
@@ -72,6 +88,7 @@ class RegistryServicer(router_admin_pb2_grpc.RegistryServicer):
                         kv_pages_free=s.pages_free if s else 0,
                         kv_pages_total=s.pages_total if s else 0,
                         active_requests=s.active if s else 0,
+                        model=i.model,
                     )
             resp.queued, resp.rejected, resp.retries = len(sched.queue), sched.rejected, sched.retries
         resp.estimator_samples = self.estimator.samples

@@ -19,6 +19,10 @@ Colocated instances (prefill and decode in one engine): while the router has any
 to one of them; the job's prefill and decode are that one instance, which carries the prompt tokens until the
 first token and the KV pages until the end, and must pass both gates and both admission budgets.
 
+Models (`pdserve.router.model_groups`): every instance serves one model and every job names one; a job is admitted
+against, queued for and dispatched to instances of its model only (one queue per model, strict order within it),
+so its prefill and decode instances always serve the same model.
+
 SLO (`pdserve.router.slo`): first_token / finish feed each instance's TTFT / TPOT window; submit runs the
 controllers (at most every `slo_interval_s`) and stores their factors on the instances, which admission applies.
 """
@@ -32,7 +36,6 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from pdserve.router.admission import (
-    DrainRate,
     Rejected,
     RetrySlots,
     admit_colocated,
@@ -43,8 +46,8 @@ from pdserve.router.admission import (
 )
 from pdserve.router.config import RouterConfig
 from pdserve.router.instances import COLOCATED, DECODE, PREFILL, ROLES, DecodeStats, Instance, State
+from pdserve.router.model_groups import ModelDrainRates, ModelQueues, for_model
 from pdserve.router.policy import Policy, make_policy
-from pdserve.router.priority import PriorityQueue
 from pdserve.router.slo import TPOT, TTFT, SloTracker
 
 log = logging.getLogger("pdserve.router.scheduler")
@@ -72,6 +75,7 @@ class Job:
     prompt_len: int
     need_pages: int  # KV pages for prompt + estimated output on the decode instance
     page_hash: bytes | None  # leading page (prefix affinity)
+    model: str = ""  # the served model it runs on (its instances' group)
     arrival: float = field(default_factory=time.monotonic)
     key: float = 0.0  # heap key (set by the queue)
     queued: bool = False
@@ -98,32 +102,73 @@ class RoleView:
 
 
 class Scheduler:
-    def __init__(self, cfg: RouterConfig, policy: Policy | None = None):
+    def __init__(self, cfg: RouterConfig, policy: Policy | None = None, default_model: str = ""):
+        """`default_model`: the model of instances that name none (the static list, older engines)."""
         self.cfg = cfg
+        self.default_model = default_model
         self.lock = threading.Lock()
         self.instances: dict[str, dict[str, Instance]] = {role: {} for role in ROLES}
-        self.queue = PriorityQueue(cfg.priority_aging_pcs_per_s)
+        self.queue = ModelQueues(cfg.priority_aging_pcs_per_s)  # one per model
         self.policy = policy or make_policy(cfg)
-        self.drain_pages = DrainRate()  # KV pages of finished decode requests per second (retry hints)
+        self.drain = ModelDrainRates()  # KV pages of finished decode requests per second, per model (retry hints)
         self.rejected = 0
         self.retry_slots = RetrySlots()  # rejected callers sent back one after another
         self.retries = 0
-        self.page_size: int | None = None  # tokens per KV page, learned from instances' Stats
+        self.page_sizes: dict[str, int] = {}  # model -> tokens per KV page, learned from its instances' Stats
         self.slo = SloTracker(cfg.slo_settings())
 
+    @property
+    def page_size(self) -> int | None:
+        """The default model's KV page size (None until one of its instances reported it)."""
+        return self.page_sizes.get(self.default_model)
+
+    def page_size_of(self, model: str) -> int | None:
+        with self.lock:
+            return self.page_sizes.get(model)
+
+    def models(self) -> dict[str, str]:
+        """Every model some known instance serves (any state) -> a model directory one of them announced ("" =
+        the router's --model). The router's own --model is added by its caller."""
+        with self.lock:
+            out: dict[str, str] = {}
+            for insts in self.instances.values():
+                for i in insts.values():
+                    if not out.get(i.model):
+                        out[i.model] = i.model_path
+            return out
+
     # ---- membership side -----------------------------------------------------------------------------------
-    def add(self, role: str, address: str, registered: bool = False, capacity_pcs: float = 0.0) -> Instance:
-        """Add an instance (or bring a known one back up)."""
+    def add(
+        self,
+        role: str,
+        address: str,
+        registered: bool = False,
+        capacity_pcs: float = 0.0,
+        model: str | None = None,
+        model_path: str = "",
+    ) -> Instance:
+        """Add an instance (or bring a known one back up); `model`: the model it serves (None: as known, else the
+        default model). An instance that comes back serving another model (restarted) moves to that group."""
         with self.lock:
             inst = self.instances[role].get(address)
             if inst is None:
                 inst = self.instances[role][address] = Instance(
-                    role, address, self._capacity(role, capacity_pcs), registered=registered
+                    role,
+                    address,
+                    self._capacity(role, capacity_pcs),
+                    registered=registered,
+                    model=self.default_model if model is None else model,
+                    model_path=model_path,
                 )
             else:
                 inst.registered = inst.registered or registered
                 if capacity_pcs:
                     inst.capacity_pcs = capacity_pcs
+                if model is not None and (model, model_path) != (inst.model, inst.model_path):
+                    if model != inst.model:
+                        log.info("%s %s now serves model %r (was %r)", role, address, model, inst.model)
+                        inst.refused, inst.stats = "", None  # its page size is checked against its new group
+                    inst.model, inst.model_path = model, model_path
                 inst.state, inst.consecutive_failures, inst.down_since = State.UP, 0, None
             inst.last_heartbeat = time.monotonic()
             self._dispatch()
@@ -157,9 +202,10 @@ class Scheduler:
             inst.stats = DecodeStats(pages_free, pages_total, active, inst.in_flight, inst.pages)
             if prefill_tokens_per_s > 0:
                 inst.prefill_tokens_per_s = prefill_tokens_per_s
-            if inst.role != PREFILL and not self.cfg.decode_capacity_pcs and pages_total and self.page_size:
+            model_page_size = self.page_sizes.get(inst.model)
+            if inst.role != PREFILL and not self.cfg.decode_capacity_pcs and pages_total and model_page_size:
                 w = max(self.cfg.pcs_w_in, self.cfg.pcs_w_out)
-                inst.capacity_pcs = w * self.page_size * pages_total  # PCS of prompts+outputs filling the pool
+                inst.capacity_pcs = w * model_page_size * pages_total  # PCS of prompts+outputs filling the pool
             self._dispatch()
 
     def observe_page_size(self, inst: Instance, page_size: int, prefill_tokens_per_s: float = 0.0) -> None:
@@ -172,17 +218,19 @@ class Scheduler:
             self._dispatch()
 
     def _observe_page_size(self, inst: Instance, page_size: int) -> None:
-        """The first instance to report sets the cluster's page size; one that reports another is refused (up
-        but never given a request: its pages could not be exchanged with the others') until it agrees."""
+        """The first instance of a model to report sets that model's page size; one that reports another is
+        refused (up but never given a request: its pages could not be exchanged with the others') until it
+        agrees. Models do not exchange pages: each has its own."""
         if not page_size:
             return
-        if self.page_size is None:
-            self.page_size = page_size
-            log.info("KV page size %d (from %s %s)", page_size, inst.role, inst.address)
+        known = self.page_sizes.get(inst.model)
+        if known is None:
+            known = self.page_sizes[inst.model] = page_size
+            log.info("KV page size %d%s (from %s %s)", page_size, for_model(inst.model), inst.role, inst.address)
         refused = (
             ""
-            if page_size == self.page_size
-            else f"KV page size {page_size} differs from the cluster's {self.page_size}"
+            if page_size == known
+            else f"KV page size {page_size} differs from the cluster's {known}{for_model(inst.model)}"
         )
         if refused and not inst.refused:
             log.error("%s %s refused: %s", inst.role, inst.address, refused)
@@ -200,16 +248,17 @@ class Scheduler:
             return self.cfg.prefill_capacity_pcs
         return self.cfg.decode_capacity_pcs or DEFAULT_DECODE_CAPACITY_PCS
 
-    def _eligible(self, role: str, exclude: AbstractSet[str] = frozenset()) -> list[Instance]:
-        up = [i for i in self.instances[role].values() if i.state == State.UP and not i.refused]
+    def _eligible(self, role: str, model: str, exclude: AbstractSet[str] = frozenset()) -> list[Instance]:
+        """Up, accepted instances of `role` serving `model` (those in `exclude` only when there is no other)."""
+        up = [i for i in self.instances[role].values() if i.state == State.UP and not i.refused and i.model == model]
         return [i for i in up if i.address not in exclude] or up
 
-    def _colocated_mode(self) -> bool:
-        """Requests go to colocated instances while any is up (else to prefill/decode pairs)."""
-        return bool(self._eligible(COLOCATED))
+    def _colocated_mode(self, model: str) -> bool:
+        """A model's requests go to its colocated instances while any is up (else to prefill/decode pairs)."""
+        return bool(self._eligible(COLOCATED, model))
 
-    def _roles(self) -> tuple[str, ...]:
-        return (COLOCATED,) if self._colocated_mode() else (PREFILL, DECODE)
+    def _roles(self, model: str) -> tuple[str, ...]:
+        return (COLOCATED,) if self._colocated_mode(model) else (PREFILL, DECODE)
 
     def update_slo(self) -> None:
         """Run the SLO controllers now (membership calls it every Stats poll, so an idle router relaxes too)."""
@@ -228,19 +277,21 @@ class Scheduler:
         """Admit and queue (dispatching at once when there is room). Raises Rejected or Unavailable."""
         with self.lock:
             self._update_slo(time.monotonic())
-            cands = {role: self._eligible(role) for role in self._roles()}
+            model = job.model
+            cands = {role: self._eligible(role, model) for role in self._roles(model)}
             for role, insts in cands.items():
                 if not insts:
-                    raise Unavailable(f"no healthy {role} instance")
+                    raise Unavailable(f"no healthy {role} instance{for_model(model)}")
             try:
                 budget_s, floor = self.cfg.ttft_budget_ms / 1e3, self.cfg.prefill_floor_tokens
                 if COLOCATED in cands:
                     c = cands[COLOCATED]
-                    targets = [admit_colocated(c, job.prompt_len, job.need_pages, budget_s, floor, self.drain_pages)]
+                    drain = self.drain.of(model)
+                    targets = [admit_colocated(c, job.prompt_len, job.need_pages, budget_s, floor, drain)]
                 else:
                     targets = [
                         admit_prefill(cands[PREFILL], job.prompt_len, budget_s, floor),
-                        admit_decode(cands[DECODE], job.need_pages, self.drain_pages),
+                        admit_decode(cands[DECODE], job.need_pages, self.drain.of(model)),
                     ]
             except Rejected as e:
                 self.rejected += 1
@@ -250,8 +301,8 @@ class Scheduler:
                 self.rejected += 1
                 raise Rejected(f"router queue is full ({self.cfg.max_queue} requests)", 1.0)
             self._reserve(job, targets)
-            self.queue.push(job, job.weighted_pcs, job.arrival)
-            self._dispatch()
+            self.queue.of(model).push(job, job.weighted_pcs, job.arrival)
+            self._dispatch(model)
 
     def wait(self, job: Job, timeout: float) -> tuple[Instance, Instance]:
         """Block until `job` is dispatched; raise QueueTimeout (or Unavailable) after `timeout` seconds,
@@ -261,11 +312,11 @@ class Scheduler:
             raise Cancelled(job.rid)
         if not woke:
             with self.lock:
-                if self.queue.remove(job):
+                if self.queue.of(job.model).remove(job):
                     self._unreserve(job)
-                    for role in self._roles():
-                        if not any(i.state == State.UP for i in self.instances[role].values()):
-                            raise Unavailable(f"no healthy {role} instance")
+                    for role in self._roles(job.model):
+                        if not any(i.state == State.UP and i.model == job.model for i in self.instances[role].values()):
+                            raise Unavailable(f"no healthy {role} instance{for_model(job.model)}")
                     waited = time.monotonic() - job.arrival
                     raise QueueTimeout(f"no instance had room for this request within {waited:.1f}s", 1.0)
         assert job.prefill is not None and job.decode is not None, "a woken, uncancelled job is dispatched"
@@ -275,7 +326,7 @@ class Scheduler:
         """The caller is gone: drop `job` from the queue and wake its waiter (what it holds: `finish`)."""
         with self.lock:
             job.cancelled = True
-            if self.queue.remove(job):
+            if self.queue.of(job.model).remove(job):
                 self._unreserve(job)
             job.event.set()
 
@@ -285,7 +336,7 @@ class Scheduler:
                 job.first_token_at = now = time.monotonic()
                 self.slo.observe(job.prefill.address, TTFT, now - job.arrival, now)
             self._release_prefill(job, done=True)
-            self._dispatch()
+            self._dispatch(job.model)
 
     def retry(self, job: Job, blamed: list[Instance]) -> None:
         """Back into the queue (same place), excluding `blamed` (or, when none could be blamed, both instances
@@ -299,10 +350,10 @@ class Scheduler:
                 job.excluded.add(inst.address)
             self.retries += 1
             job.event.clear()
-            cands = [self._eligible(r, job.excluded) for r in self._roles()]
+            cands = [self._eligible(r, job.model, job.excluded) for r in self._roles(job.model)]
             self._reserve(job, [min(c, key=lambda i: i.load_pcs / i.capacity_pcs) for c in cands if c])
-            self.queue.requeue(job)
-            self._dispatch()
+            self.queue.of(job.model).requeue(job)
+            self._dispatch(job.model)
 
     def finish(self, job: Job, completed: bool = False, completion_tokens: int = 0) -> None:
         """Release everything `job` holds (idempotent); `completed` counts its PCS as drained by decode and, with
@@ -315,11 +366,11 @@ class Scheduler:
                     tpot = (now - job.first_token_at) / (completion_tokens - 1)
                     self.slo.observe(job.decode.address, TPOT, tpot, now)
                 self.slo.finished(job.first_token_at - job.arrival, tpot)
-            if self.queue.remove(job):
+            if self.queue.of(job.model).remove(job):
                 self._unreserve(job)
             self._release_prefill(job, done=False)
             self._release_decode(job, done=completed)
-            self._dispatch()
+            self._dispatch(job.model)
 
     # ---- internals (lock held) ----------------------------------------------------------------------------
     def _reserve(self, job: Job, targets: list[Instance]) -> None:
@@ -365,7 +416,7 @@ class Scheduler:
             self._charge(job.decode, job, -1, DECODE)
             job.decode_open = False
             if done:
-                self.drain_pages.add(job.need_pages)
+                self.drain.of(job.model).add(job.need_pages)
 
     def _in_budget(self, inst: Instance, job: Job) -> bool:
         """Dispatching `job`, the head of the queue, keeps `inst` within its admission budget: the policy may
@@ -392,18 +443,24 @@ class Scheduler:
         free = inst.pages_free_estimate()
         return free is None or inst.in_flight == 0 or free >= job.need_pages
 
-    def _dispatch(self) -> None:
-        """Start queued jobs in priority order while the head one finds room (strict order: no overtaking)."""
-        while (job := self.queue.peek()) is not None:
-            if self._colocated_mode():
+    def _dispatch(self, model: str | None = None) -> None:
+        """Start queued jobs of `model` (None: of every model) in priority order while the head one finds room
+        (strict order within a model: no overtaking)."""
+        for m in self.queue.models() if model is None else [model]:
+            self._dispatch_model(m)
+
+    def _dispatch_model(self, model: str) -> None:
+        queue = self.queue.of(model)
+        while (job := queue.peek()) is not None:
+            if self._colocated_mode(model):
                 cs = [
                     i
-                    for i in self._eligible(COLOCATED, job.excluded)
+                    for i in self._eligible(COLOCATED, model, job.excluded)
                     if self._prefill_room(i) and self._decode_room(i, job) and self._in_budget(i, job)
                 ]
                 if not cs:
                     return
-                self.queue.pop()
+                queue.pop()
                 self._unreserve(job)
                 c = self.policy.pick_colocated(job, cs)
                 self._charge(c, job, +1, PREFILL)
@@ -412,15 +469,23 @@ class Scheduler:
                 job.prefill, job.decode, job.prefill_open, job.decode_open = c, c, True, True
                 job.event.set()
                 continue
-            ps = [i for i in self._eligible(PREFILL, job.excluded) if self._prefill_room(i) and self._in_budget(i, job)]
+            ps = [
+                i
+                for i in self._eligible(PREFILL, model, job.excluded)
+                if self._prefill_room(i) and self._in_budget(i, job)
+            ]
             ds = [
-                i for i in self._eligible(DECODE, job.excluded) if self._decode_room(i, job) and self._in_budget(i, job)
+                i
+                for i in self._eligible(DECODE, model, job.excluded)
+                if self._decode_room(i, job) and self._in_budget(i, job)
             ]
             if not ps or not ds:
                 return
-            self.queue.pop()
+            queue.pop()
             self._unreserve(job)  # before picking: its own reservation must not count against an instance
             p, d = self.policy.pick_prefill(job, ps), self.policy.pick_decode(job, ds)
+            # the pairing is within one model: the prefill ships its KV to a decode of the same model only
+            assert p.model == d.model == job.model, (p.model, d.model, job.model)
             for inst, part in ((p, PREFILL), (d, DECODE)):
                 self._charge(inst, job, +1, part)
                 inst.assigned += 1

@@ -3,7 +3,6 @@ port (`--internal-port`, internal identity required), the Registry instances ann
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,18 +19,9 @@ REGISTRY = router_admin_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 log = logging.getLogger("pdserve.router")
 
 
-def model_id(model_dir: str | Path) -> str:
-    """Identity of the tokenizer + config (what the estimator's signatures depend on), stable across restarts."""
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        p = Path(model_dir) / name
-        if p.exists():
-            h.update(name.encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def serve(cfg: RouterConfig) -> None:
     from pdserve.models.generation_config import GenerationDefaults
+    from pdserve.router.catalog import model_id
     from pdserve.router.instances import COLOCATED
     from pdserve.router.registry import RegistryServicer
     from pdserve.router.servicer import RouterServicer, add_generation_servicer
@@ -60,6 +50,7 @@ def serve(cfg: RouterConfig) -> None:
         telemetry.metrics.gauge(
             "queue_depth", "Requests in the router's priority queue", lambda: len(servicer.scheduler.queue)
         )
+        register_model_metrics(telemetry.metrics, servicer)
         add_generation_servicer(servicer, server)  # malformed requests (bad UTF-8): INVALID_ARGUMENT
         router_admin_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(servicer.membership, servicer.estimator, cfg.pcs_fallback_mode), internal
@@ -68,3 +59,21 @@ def serve(cfg: RouterConfig) -> None:
         return servicer.close
 
     run_service("router", cfg, [SERVICE], register, public=auth, internal_services=[REGISTRY])
+
+
+def register_model_metrics(metrics, servicer) -> None:
+    """Per-model router gauges: `pdserve_instance_model{role,address,model}` (1 per known instance: join the
+    per-instance series on `address` to group them by model) and `pdserve_model_queue_depth{model}`."""
+    sched = servicer.scheduler
+
+    def instance_models() -> dict[tuple[str, ...], float]:
+        with sched.lock:
+            return {(r, i.address, i.model): 1.0 for r, insts in sched.instances.items() for i in insts.values()}
+
+    def queue_depths() -> dict[tuple[str, ...], float]:
+        models = servicer.served_models()  # takes the scheduler's lock itself
+        with sched.lock:
+            return {(m,): float(sched.queue.depth(m)) for m in models}
+
+    metrics.gauge("instance_model", "The model each instance serves (1)", instance_models, ["role", "address", "model"])
+    metrics.gauge("model_queue_depth", "Requests in the router's queue per model", queue_depths, ["model"])

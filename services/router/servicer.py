@@ -2,7 +2,11 @@
 stream tokens back. An attempt that fails UNAVAILABLE is retried on another pair: before the first token from
 scratch, after it as a resume (prompt + the tokens already streamed, which the new pair counts as completion), so
 the caller sees one uninterrupted stream (transparent failover). `attempt.relay` runs one attempt,
-`retry_policy.after_failure` decides what follows a failed one."""
+`retry_policy.after_failure` decides what follows a failed one.
+
+Several models behind one router: a request's `model` names the served model (`catalog.resolve`: none named is
+the only one served, else INVALID_ARGUMENT; one not served is NOT_FOUND); its tokenizer, limits, defaults and
+estimator are that model's (`catalog.ModelContext`) and it runs on that model's instances only."""
 
 from __future__ import annotations
 
@@ -11,34 +15,39 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from pdserve.engine.reasoning_budget import ThinkTags
 from pdserve.errors import InvalidRequest
 from pdserve.models.generation_config import GenerationDefaults
 from pdserve.router.admission import Rejected
 from pdserve.router.attempt import AttemptHooks, Progress, relay
+from pdserve.router.catalog import (
+    AmbiguousModel,
+    ModelCatalog,
+    ModelContext,
+    ModelUnavailable,
+    UnknownModel,
+    load_model_context,
+    resolve,
+)
+from pdserve.router.choices import ChoiceShaping, choice_counts, merge_choices, request_usage
 from pdserve.router.config import RouterConfig
 from pdserve.router.estimator import Features, OutputLengthEstimator, features
 from pdserve.router.estimator_store import Persistence, open_store
 from pdserve.router.instances import DECODE, PREFILL, Instance
 from pdserve.router.limits import DEFAULT_TENANT
 from pdserve.router.membership import Membership
-from pdserve.router.pcs import (
-    PCS,
-    PCSWeights,
-    count_special,
-    fallback_output_len,
-    leading_page_hash,
-    score,
-    special_token_ids,
-)
-from pdserve.router.priority import Priority, resolve
-from pdserve.router.reasoning import ReasoningSplitter, reasoning_tags
+from pdserve.router.pcs import PCS, PCSWeights, count_special, fallback_output_len, leading_page_hash, score
+from pdserve.router.priority import Priority
+from pdserve.router.priority import resolve as resolve_priority
+from pdserve.router.reasoning import ReasoningSplitter
+from pdserve.router.registry import model_name_problem
 from pdserve.router.retry_policy import Action, Decision, after_failure
 from pdserve.router.scheduler import Cancelled, Job, Scheduler, Unavailable
-from pdserve.router.shaping import ChunkShaper, merge_chunks
+from pdserve.router.shaping import ChunkShaper
+from pdserve.router.tools.calling import ToolCalling
 from pdserve.router.trailers import RETRY_AFTER_KEY, RETRY_PUSHBACK_KEY
 from pdserve.server.proto_convert import MalformedMessage, lenient_parser, sampling_from_proto, with_model_defaults
 from pdserve.telemetry.service import Telemetry
@@ -57,6 +66,7 @@ class Plan:
     features: Features
     predicted: int | None  # the learned estimate (kept to measure the estimator, also while it is not used)
     mode: str  # learned | length_only | max_tokens
+    model: ModelContext | None = None  # whose estimator learns from it (None: the default model's)
 
 
 class RouterServicer(generate_pb2_grpc.GenerationServicer):
@@ -70,48 +80,99 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         model_id: str = "",
         tenant_of: Callable[[grpc.ServicerContext], str] | None = None,
         generation_defaults: GenerationDefaults | None = None,
+        model_name: str = "",
+        load_model: Callable[[str, str], ModelContext] | None = None,
     ):
-        """`tenant_of(context)`: the authenticated caller's tenant (it may abort the RPC, e.g. UNAUTHENTICATED);
+        """`tokenizer`, `max_model_len`, `vocab_size`, `model_id`, `generation_defaults`: those of the router's
+        own --model (the default model), served as `model_name` (default: cfg.served_model_name, else the model
+        directory's name); other models are loaded with `load_model(name, directory)` when a request first names
+        them (default: `catalog.load_model_context`).
+        `tenant_of(context)`: the authenticated caller's tenant (it may abort the RPC, e.g. UNAUTHENTICATED);
         None: every caller is tenant "default". The tenant scopes the prompt cache (docs/router.md).
         `generation_defaults`: the model's sampling defaults (its generation_config.json), filled into the sampling
         fields a request leaves unset."""
         self.cfg = cfg
-        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.tenant_of = tenant_of
         self.telemetry = telemetry or Telemetry.off("router")
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.special_ids = special_token_ids(tokenizer)
-        self.think_tags = ThinkTags.from_tokenizer(tokenizer)  # max_reasoning_tokens needs them
-        self.split_tags = reasoning_tags(tokenizer)  # the reasoning split's default: on when the tags show in text
+        name = model_name or cfg.served_model_name or (Path(cfg.model).name if cfg.model else "")
+        estimator = OutputLengthEstimator(cfg.estimator_min_samples, cfg.estimator_max_error, model=model_id)
+        persistence = Persistence(estimator, open_store(cfg.estimator_store, model_id), cfg.estimator_save_interval_s)
+        default = ModelContext(
+            name,
+            tokenizer,
+            max_model_len,
+            vocab_size,
+            generation_defaults or GenerationDefaults(),
+            estimator,
+            persistence,
+            path=cfg.model,
+        )
+
+        def load(model: str, path: str) -> ModelContext:
+            ctx = load_model_context(
+                model,
+                path,
+                cfg.estimator_store,
+                cfg.estimator_min_samples,
+                cfg.estimator_max_error,
+                cfg.estimator_save_interval_s,
+            )
+            ctx.start()
+            return ctx
+
+        self.catalog = ModelCatalog(default, load_model or load, cfg.max_models)
         self.weights = PCSWeights(cfg.pcs_w_in, cfg.pcs_w_out, cfg.pcs_w_special)
         self.multiplier = {
             Priority.HIGH: cfg.priority_high,
             Priority.NORMAL: cfg.priority_normal,
             Priority.LOW: cfg.priority_low,
         }
-        self.scheduler = Scheduler(cfg)
+        self.scheduler = Scheduler(cfg, default_model=name)
         self.membership = Membership(cfg, self.scheduler)
-        self.estimator = OutputLengthEstimator(cfg.estimator_min_samples, cfg.estimator_max_error, model=model_id)
-        self.persistence = Persistence(
-            self.estimator, open_store(cfg.estimator_store, model_id), cfg.estimator_save_interval_s
-        )
+        self.estimator = estimator  # the default model's (ListInstances reports it)
         self.prefill = self.scheduler.view(PREFILL)  # .role/.snapshot() for the metrics gauges
         self.decode = self.scheduler.view(DECODE)
 
     def start(self) -> None:
         """Restore the estimator and start health checks / Stats polls / periodic saves."""
-        self.persistence.load()
-        self.persistence.start()
+        self.catalog.default.start()
         self.membership.start()
 
     def close(self) -> None:
         self.membership.close()
-        self.persistence.close()
+        self.catalog.close()
+
+    # ---- models -------------------------------------------------------------------------------------------
+    def served_models(self) -> dict[str, str]:
+        """Every model the router serves: its own --model and those its instances announced -> a directory."""
+        return {self.catalog.default.name: self.cfg.model, **self.scheduler.models()}
+
+    def _model(self, request: generate_pb2.GenerateRequest, context) -> ModelContext:
+        """The model the request names (resolved as `catalog.resolve`), loaded."""
+        problem = model_name_problem(request.model)
+        if problem is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem.replace("model_name", "model"))
+        served = self.served_models()
+        try:
+            name = resolve(request.model, served)
+            return self.catalog.get(name, served[name])
+        except UnknownModel as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except AmbiguousModel as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ModelUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        raise AssertionError("context.abort raises")
+
+    def ListModels(self, request: generate_pb2.ListModelsRequest, context) -> generate_pb2.ListModelsResponse:
+        return generate_pb2.ListModelsResponse(
+            models=[generate_pb2.ModelInfo(name=n) for n in sorted(self.served_models())]
+        )
 
     # ---- validation ---------------------------------------------------------------------------------------
-    def _prompt_ids(self, request: generate_pb2.GenerateRequest, context) -> list[int]:
+    def _prompt_ids(
+        self, request: generate_pb2.GenerateRequest, context, m: ModelContext, tools: ToolCalling | None = None
+    ) -> list[int]:
         which = request.WhichOneof("input")
         if request.messages:  # a conversation, rendered with the model's chat template
             from pdserve.router.chat import ChatLimits, chat_prompt_ids
@@ -120,48 +181,50 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set one of prompt, token_ids or messages")
             try:
                 limits = ChatLimits(max_messages=self.cfg.max_messages, max_bytes=self.cfg.max_prompt_bytes)
-                ids = chat_prompt_ids(self.tokenizer, request.messages, limits)
+                ids = chat_prompt_ids(m.tokenizer, request.messages, limits, tools.rendered if tools else None)
             except InvalidRequest as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         elif which == "prompt":
             if not request.prompt:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
-            ids = list(self.tokenizer(request.prompt).input_ids)
+            ids = list(m.tokenizer(request.prompt).input_ids)
         elif which == "token_ids":
-            if len(request.token_ids.ids) >= self.max_model_len:  # before copying them
+            if len(request.token_ids.ids) >= m.max_model_len:  # before copying them
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"prompt has {len(request.token_ids.ids)} tokens; the model context is {self.max_model_len}",
+                    f"prompt has {len(request.token_ids.ids)} tokens; the model context is {m.max_model_len}",
                 )
             ids = list(request.token_ids.ids)
-            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            if ids and (min(ids) < 0 or max(ids) >= m.vocab_size):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"token_ids contain an id outside the vocabulary [0, {self.vocab_size})",
+                    f"token_ids contain an id outside the vocabulary [0, {m.vocab_size})",
                 )
         else:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, token_ids or messages is required")
         if not ids:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= m.max_model_len:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt has {len(ids)} tokens; the model context is {self.max_model_len} tokens "
+                f"prompt has {len(ids)} tokens; the model context is {m.max_model_len} tokens "
                 f"(at least one must remain for the completion)",
             )
         return ids
 
-    def _splitter(self, request: generate_pb2.GenerateRequest, ids: list[int], context) -> ReasoningSplitter | None:
+    def _splitter(
+        self, request: generate_pb2.GenerateRequest, ids: list[int], context, m: ModelContext
+    ) -> ReasoningSplitter | None:
         """The request's reasoning split (GenerateRequest.split_reasoning, default: the model's think tags)."""
-        if request.sampling.HasField("max_reasoning_tokens") and self.think_tags is None:
+        if request.sampling.HasField("max_reasoning_tokens") and m.think_tags is None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "max_reasoning_tokens needs a reasoning model: this tokenizer has no <think>/</think> tokens",
             )
-        split = request.split_reasoning if request.HasField("split_reasoning") else self.split_tags is not None
+        split = request.split_reasoning if request.HasField("split_reasoning") else m.split_tags is not None
         if not split:
             return None
-        tags = self.split_tags
+        tags = m.split_tags
         if tags is None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -170,30 +233,42 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             return None  # not reached: abort raises
         return ReasoningSplitter(inside=tags.inside_after(ids))
 
-    def _max_tokens(self, s: generate_pb2.SamplingParams, num_prompt_tokens: int, context, chat: bool = False) -> int:
+    def _max_tokens(
+        self, s: generate_pb2.SamplingParams, num_prompt_tokens: int, context, m: ModelContext, chat: bool = False
+    ) -> int:
         """The request's max_tokens, clamped to the context left. Unset: SamplingParams' default (16) for a prompt,
         the whole context left for a chat (OpenAI's defaults for the two API shapes). Every sampling field is
         checked here (SamplingParams.validate), where the request enters."""
         if chat and not s.HasField("max_tokens"):
             copy = generate_pb2.SamplingParams()
             copy.CopyFrom(s)
-            copy.max_tokens = self.max_model_len - num_prompt_tokens
+            copy.max_tokens = m.max_model_len - num_prompt_tokens
             s = copy
-        params = sampling_from_proto(s, self.max_model_len - num_prompt_tokens)
+        params = sampling_from_proto(s, m.max_model_len - num_prompt_tokens)
         try:
-            params.validate(self.max_model_len, self.vocab_size)
+            params.validate(m.max_model_len, m.vocab_size)
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return params.max_tokens
 
     # ---- the decision --------------------------------------------------------------------------------------
-    def plan(self, rid: str, ids: list[int], max_tokens: int, priority: Priority, page_size: int) -> Plan:
-        """Score the request (PCS with the learned or the fallback output estimate) and build its queue job;
-        `page_size`: the instances' KV page size (Scheduler.page_size)."""
-        n_special = count_special(ids, self.special_ids)
-        f = features(ids, self.special_ids, n_special)
-        predicted = self.estimator.predict(f, max_tokens)
-        mode = self.estimator.mode(self.cfg.pcs_fallback_mode)
+    def plan(
+        self,
+        rid: str,
+        ids: list[int],
+        max_tokens: int,
+        priority: Priority,
+        page_size: int,
+        model: ModelContext | None = None,
+        sequences: int = 1,
+    ) -> Plan:
+        """Score the request (PCS with the learned or the fallback output estimate of `model`, default: the
+        router's own) and build its queue job; `page_size`: the model's KV page size (Scheduler.page_size_of)."""
+        m = model or self.catalog.default
+        n_special = count_special(ids, m.special_ids)
+        f = features(ids, m.special_ids, n_special)
+        predicted = m.estimator.predict(f, max_tokens)
+        mode = m.estimator.mode(self.cfg.pcs_fallback_mode)
         est = (
             predicted
             if mode == "learned" and predicted is not None
@@ -205,10 +280,11 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             pcs.score,
             pcs.score / self.multiplier[priority],
             len(ids),
-            need_pages=-(-(len(ids) + est) // page_size),
+            need_pages=-(-(len(ids) + est * sequences) // page_size),  # n / best_of: the prompt's pages once
             page_hash=leading_page_hash(ids, page_size),
+            model=m.name,
         )
-        return Plan(job, pcs, priority, f, predicted, mode)
+        return Plan(job, pcs, priority, f, predicted, mode, m)
 
     @staticmethod
     def _reject(context: grpc.ServicerContext, e: Rejected) -> None:
@@ -218,6 +294,10 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
+        return self._generate(request, context, stream=True)
+
+    def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext, stream: bool):
+        """GenerateStream's chunks (`stream` False: for Generate, which allows best_of > n)."""
         t0 = time.perf_counter()
         # The id on every internal hop and in every engine: unique per request, whatever the caller sends. The
         # caller's request_id is only a label echoed back (reusing one in flight is allowed and touches nothing).
@@ -228,7 +308,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         tenant = self.tenant_of(context) if self.tenant_of is not None else DEFAULT_TENANT
         try:
             self.cfg.check_request(request)  # sizes, before any tokenizing
-            priority = resolve(request.priority, context.invocation_metadata())
+            n, best_of = choice_counts(request, stream)
+            priority = resolve_priority(request.priority, context.invocation_metadata())
         except (InvalidRequest, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         label = request.request_id or rid
@@ -239,15 +320,32 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 "pdserve.priority": generate_pb2.Priority.Name(request.priority),  # a valid value by now
             }
         )
-        ids = self._prompt_ids(request, context)
-        sampling = with_model_defaults(request.sampling, self.generation_defaults)  # unset fields: the model's
-        max_tokens = self._max_tokens(sampling, len(ids), context, chat=bool(request.messages))
-        shaper = ChunkShaper(self.tokenizer, ids, self._splitter(request, ids, context))
-        page_size = self.scheduler.page_size
+        m = self._model(request, context)
+        req.set({"pdserve.model": m.name})
+        try:  # tools: rendered by the template, an enforced choice's grammar, calls parsed out of the output
+            tools = ToolCalling.of(request, m.tokenizer, self.cfg.tool_call_parser, self.cfg.max_prompt_bytes)
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = self._prompt_ids(request, context, m, tools)
+        sampling = with_model_defaults(request.sampling, m.generation_defaults)  # unset fields: the model's
+        if tools is not None:
+            try:
+                tools.constrain(sampling)
+            except InvalidRequest as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        call_stream = tools.stream() if tools is not None else None
+        max_tokens = self._max_tokens(sampling, len(ids), context, m, chat=bool(request.messages))
+        shaper = ChunkShaper(m.tokenizer, ids, self._splitter(request, ids, context, m))
+        if n > 1:  # each choice its own shaper and tool-call parse (choices.py)
+            choices = ChoiceShaping(lambda: self._stages(request, ids, context, m, tools))
+        page_size = self.scheduler.page_size_of(m.name)
         if page_size is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no instance has reported its KV page size yet (Stats)")
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no instance of model {m.name!r} has reported its KV page size yet (Stats): none is up",
+            )
         assert page_size is not None  # context.abort raised otherwise
-        plan = self.plan(rid, ids, max_tokens, priority, page_size)
+        plan = self.plan(rid, ids, max_tokens, priority, page_size, m, sequences=best_of)
         job, pcs = plan.job, plan.pcs
         req.set(
             {
@@ -265,7 +363,12 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         deadline = time.monotonic() + timeout
         sampling.max_tokens = max_tokens
         decode_req = internal_pb2.DecodeRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=sampling, cache_scope=self.cfg.cache_scope(tenant)
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            cache_scope=self.cfg.cache_scope(tenant),
+            n=n if n > 1 else 0,
+            best_of=best_of if best_of > n else 0,
         )
         metadata = req.outgoing_metadata()  # decode.request continues this trace
 
@@ -303,7 +406,13 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 if not context.add_callback(call.cancel):  # the RPC already ended
                     call.cancel()
                 try:
-                    chunks = shaper.shape(relay(call, label, progress, self._hooks(job, plan, req)))
+                    relayed = relay(call, label, progress, self._hooks(job, plan, req, n))
+                    if n > 1:
+                        chunks = choices.shape(relayed)
+                        chunks = request_usage(chunks, n) if stream else chunks
+                    else:
+                        chunks = shaper.shape(relayed)
+                        chunks = call_stream.shape(chunks) if call_stream is not None else chunks
                     yield from running_usage(chunks, len(ids), progress) if request.stream_usage else chunks
                     return
                 except grpc.RpcError as e:
@@ -318,6 +427,9 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                     )
                     if decision.action is Action.DROP:
                         return
+                    if decision.action is Action.RESUME and n > 1:  # the choices' streams are not resumed
+                        lost = f"decode failed after the first tokens of an n > 1 request: {e.details()}"
+                        context.abort(e.code(), lost)
                     if decision.action is Action.FAIL:
                         context.abort(decision.code, decision.details)
                     self._next_attempt(decision, job, p, d, decode_req, ids, progress, req, e)
@@ -357,12 +469,24 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         except Unavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
-    def _hooks(self, job: Job, plan: Plan, req) -> AttemptHooks:
+    def _stages(self, request: generate_pb2.GenerateRequest, ids: list[int], context, m: ModelContext, tools):
+        """A choice's shaping stages (n > 1): its own ChunkShaper and tool-call stream."""
+        stages = [ChunkShaper(m.tokenizer, ids, self._splitter(request, ids, context, m)).shape]
+        call_stream = tools.stream() if tools is not None else None
+        return stages + ([call_stream.shape] if call_stream is not None else [])
+
+    def _hooks(self, job: Job, plan: Plan, req, choices: int = 1) -> AttemptHooks:
+        ended: list[int] = []  # completion tokens of the choices that finished (n > 1: the hook runs after the last)
+
         def finished(msg: internal_pb2.DecodeResponse) -> None:
+            ended.append(msg.usage.completion_tokens)
+            if len(ended) < choices:
+                return
+            total = sum(ended)
             reason = generate_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
-            req.finish(msg.usage.completion_tokens, reason)
-            self.estimator.observe(plan.features, msg.usage.completion_tokens, plan.predicted)
-            self.scheduler.finish(job, completed=True, completion_tokens=msg.usage.completion_tokens)
+            req.finish(total, reason)
+            (plan.model or self.catalog.default).estimator.observe(plan.features, total // choices, plan.predicted)
+            self.scheduler.finish(job, completed=True, completion_tokens=total)
 
         return AttemptHooks(
             attempt_first_token=lambda: self.scheduler.first_token(job), first_token=req.first_token, finished=finished
@@ -412,7 +536,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         self.scheduler.retry(job, self.membership.blame(p, d))
 
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
-        return merge_chunks(self.GenerateStream(request, context))
+        return merge_choices(self._generate(request, context, stream=False), request.n or 1)
 
 
 def running_usage(
@@ -440,6 +564,11 @@ def add_generation_servicer(servicer: RouterServicer, server: grpc.Server) -> No
             servicer.GenerateStream,
             request_deserializer=parse,
             response_serializer=generate_pb2.GenerateStreamResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=generate_pb2.ListModelsRequest.FromString,
+            response_serializer=generate_pb2.ListModelsResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Generation", handlers),))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from pdserve.router.reasoning import ReasoningSplitter
+from pdserve.router.tools.stream import merge_calls
 from pdserve.v1 import generate_pb2
 
 
@@ -49,7 +50,7 @@ class ChunkShaper:
 def merge_chunks(chunks: Iterable[generate_pb2.GenerateStreamResponse]) -> generate_pb2.GenerateResponse:
     """A whole GenerateResponse from a request's stream."""
     resp = generate_pb2.GenerateResponse()
-    text, reasoning = [], []
+    text, reasoning, calls = [], [], []
     for chunk in chunks:
         resp.request_id = chunk.request_id
         resp.token_ids.extend(chunk.token_ids)
@@ -58,6 +59,7 @@ def merge_chunks(chunks: Iterable[generate_pb2.GenerateStreamResponse]) -> gener
             resp.prompt_logprobs.CopyFrom(chunk.prompt_logprobs)
         text.append(chunk.text)
         reasoning.append(chunk.reasoning_text)
+        calls.extend(chunk.tool_calls)
         if chunk.finish_reason:
             resp.finish_reason = chunk.finish_reason
             resp.stop_reason = chunk.stop_reason
@@ -65,4 +67,5 @@ def merge_chunks(chunks: Iterable[generate_pb2.GenerateStreamResponse]) -> gener
             resp.timing.CopyFrom(chunk.timing)
     resp.text = "".join(text)
     resp.reasoning_text = "".join(reasoning)
+    resp.tool_calls.extend(merge_calls(calls))
     return resp

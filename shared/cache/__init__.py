@@ -2,10 +2,11 @@
 
 keys.py (chained page keys + namespace), value.py (one value per page: header, CRC32C, raw page bytes),
 value_auth.py (the cache secret: MACed values, keyed store key names, rotation), store.py /
-redis_store.py (byte stores), local_tier.py (in-memory LRU in front of Redis), writer.py (async write-back),
-breaker.py (circuit breaker), stats.py (counters), prompt_cache.py (PromptCache, build_prompt_cache), config.py
-(CacheOptions), serving.py (lookup and write-back around one request on a prefill or colocated instance); the
-private redis-server launcher for tests lives in pdserve.testing.
+redis_store.py (byte stores; resp_fetch.py: GETEX values read straight into buffers), prefix_fetch.py (a
+prompt's pages fetched in the background, racing the engine's compute), local_tier.py (in-memory LRU in front of
+Redis), writer.py (async write-back), breaker.py (circuit breaker), stats.py (counters), prompt_cache.py
+(PromptCache, build_prompt_cache), config.py (CacheOptions), serving.py (lookup and write-back around one request
+on a prefill or colocated instance); the private redis-server launcher for tests lives in pdserve.testing.
 """
 
 from __future__ import annotations

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.server.available_memory import available_memory_bytes
 from pdserve.server.service_config import opt
+
+if TYPE_CHECKING:
+    import torch  # not at run time: the launcher reads these options without torch
 
 MiB = 1 << 20
 AUTO = -1.0
@@ -55,6 +59,12 @@ class CacheOptions:
         2.0, "longest wait of a waiting write-back for an idle moment; then the rest of its pages are not cached"
     )
     cache_lookup_batch: int = opt(32, "pages fetched per pipelined Redis round trip")
+    cache_fetch_race: str = opt(
+        "auto",
+        "Redis pages of a prompt race its compute: the engine loads those that land before it reaches them and "
+        "computes the rest (on; auto: on GPU engines; off: the lookup waits for them)",
+    )
+    cache_fetch_connections: int = opt(8, "Redis connections (threads) that fetch cached prefixes in parallel")
     cache_key_prefix: str = opt("pdserve:kv:", "prefix of every Redis key the cache writes")
 
     def validate_cache(self) -> None:
@@ -70,10 +80,17 @@ class CacheOptions:
             raise SystemExit("cache sizes must be >= 0 (--cache-memory-mb > 0)")
         if self.cache_write_behind_mb <= 0 or self.cache_write_wait_s <= 0:
             raise SystemExit("--cache-write-behind-mb and --cache-write-wait-s must be > 0")
-        if self.cache_write_queue < 1 or self.cache_lookup_batch < 1:
-            raise SystemExit("--cache-write-queue and --cache-lookup-batch must be >= 1")
+        if self.cache_write_queue < 1 or self.cache_lookup_batch < 1 or self.cache_fetch_connections < 1:
+            raise SystemExit("--cache-write-queue, --cache-lookup-batch and --cache-fetch-connections must be >= 1")
+        if self.cache_fetch_race not in ("auto", "on", "off"):
+            raise SystemExit(f"--cache-fetch-race must be auto, on or off, got {self.cache_fetch_race!r}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SystemExit(f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+
+    def fetch_race_device(self, device: torch.device) -> torch.device | None:
+        """The engine device whose prompts race the store's pages (`PrefixPolicy(fetch_device=)`), None: no race."""
+        race = self.cache_fetch_race == "on" or (self.cache_fetch_race == "auto" and device.type == "cuda")
+        return device if race else None
 
     def local_tier_mb(self, available_bytes: int | None = None) -> float:
         """The local tier's size in MiB: as given, or for auto (-1) a share of `available_bytes` (default: what

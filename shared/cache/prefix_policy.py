@@ -10,6 +10,11 @@ token): the engine pool's own prefix pages (`--prefix-reuse`: no compute, no cop
 as the prompt cache's copy; else the prompt cache's tiers (`PromptCache.lookup`: local tier, then the store when
 fetching beats computing); else compute. Prompt logprobs (every prompt token is scored) and a colocated resume
 (it recomputes) take nothing from either.
+
+With `fetch_device` (an engine that races fetches: prefill), the store's pages are not waited for: the plan holds
+the local tier's pages and a started `PrefixFetch` of the store's pages after them (`plan.fetch`,
+`EngineRequest.prefix_fetch`); the engine loads the pages that land before its compute reaches them
+(`pdserve.engine.prefix_fetch`), and the write-back skips the pages the store had.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.prefix_fetch import PrefixFetch
 from pdserve.cache.prompt_cache import CacheLookup, PromptCache
 from pdserve.cache.serving import pages_to_write, write_back
 from pdserve.cache.write_behind import WriteBehind
@@ -35,6 +43,7 @@ class PrefixPlan:
     keys: list[bytes] = field(default_factory=list)  # its full pages' keys when the pool may reuse them, else []
     hit: CacheLookup = field(default_factory=lambda: CacheLookup([], []))  # the cache's pages (none: pool serves)
     pool_pages: int = 0  # the pool's prefix, when it beats the cache's copy (admission may find fewer)
+    fetch: PrefixFetch | None = None  # the store's pages after `hit`, racing the compute (fetch_device engines)
 
     @property
     def cached_pages(self) -> list[PagePayload] | None:
@@ -51,9 +60,19 @@ class PrefixPlan:
         """Keys of the prompt's full pages for the write-back ([]: nothing to write)."""
         return self.hit.keys or self.keys  # hit.keys: none when the pool made the lookup moot
 
+    @property
+    def cached_end(self) -> int:
+        """Page end of what the cache holds of the prompt: its tiers' pages, and the fetch's (so far)."""
+        return max(self.hit.num_pages, self.fetch.found if self.fetch is not None else 0)
+
     def new_pages(self) -> list[int]:
         """Indexes of the full prompt pages neither cache tier supplied (what a write-back would store)."""
-        return list(range(self.hit.num_pages, len(self.write_keys)))
+        return list(range(self.cached_end, len(self.write_keys)))
+
+    def close(self) -> None:
+        """The request is done with its prefix: a fetch still running stops, its buffers are let go."""
+        if self.fetch is not None:
+            self.fetch.close()
 
     def attributes(self, cache_enabled: bool) -> dict[str, Any]:
         """Span attributes of the lookup (`prefill.cache_lookup`)."""
@@ -64,13 +83,16 @@ class PrefixPlan:
             "pdserve.cache.pool_pages": self.pool_pages,  # the pool's own prefix (admission may find fewer)
             "pdserve.cache.pages_miss": max(0, self.max_reuse - hit.num_pages - self.pool_pages),
             "pdserve.cache.local_hits": hit.local_hits,
+            "pdserve.cache.fetch_pages": self.fetch.num_pages if self.fetch is not None else 0,
             **(hit.decision.attributes() if hit.decision is not None else {}),
         }
 
 
 class PrefixPolicy:
     """`cache`: the prompt cache (None: off); `pool_reuse`: the engine keeps computed prompt pages as prefixes
-    (`--prefix-reuse`); `write_behind`: write-backs queued behind the engine's work (None: written at once)."""
+    (`--prefix-reuse`); `write_behind`: write-backs queued behind the engine's work (None: written at once);
+    `fetch_device`: the device of an engine that races the store's pages (`EngineRequest.prefix_fetch`; None: the
+    lookup waits for them)."""
 
     def __init__(
         self,
@@ -78,8 +100,10 @@ class PrefixPolicy:
         page_size: int,
         pool_reuse: bool,
         write_behind: WriteBehind | None = None,
+        fetch_device: torch.device | str | None = None,
     ) -> None:
         self.cache = cache
+        self.fetch_device = fetch_device
         self.page_size = page_size
         self.pool_reuse = pool_reuse
         self.write_behind = write_behind
@@ -100,8 +124,14 @@ class PrefixPolicy:
             return plan
         plan.keys = ns.page_keys(prompt) if self.pool_reuse else []
         in_pool = pool_held(plan.keys[: plan.max_reuse]) if plan.keys and pool_held is not None else 0
-        if not (in_pool and in_pool == plan.max_reuse) and self.cache is not None:  # the pool may serve it all
-            plan.hit = self.cache.lookup(ns, prompt, plan.max_reuse, tokens_per_s, plan.keys or None)
+        cache = self.cache
+        if not (in_pool and in_pool == plan.max_reuse) and cache is not None:  # the pool may serve it all
+            if self.fetch_device is not None:
+                plan.hit, plan.fetch = cache.lookup_racing(
+                    ns, prompt, plan.max_reuse, tokens_per_s, plan.keys or None, self.fetch_device
+                )
+            else:
+                plan.hit = cache.lookup(ns, prompt, plan.max_reuse, tokens_per_s, plan.keys or None)
         if in_pool and in_pool >= plan.hit.num_pages:  # the pool's pages beat a copy of the same prefix
             plan.pool_pages = in_pool
             plan.hit = CacheLookup(plan.hit.keys, [], 0, plan.hit.decision)
@@ -119,6 +149,8 @@ class PrefixPolicy:
         cache. Behind the engine (`write_behind`): queued, the batches' device rows held until it ran (counted
         against its bytes) while their pinned host copies are let go now, so the next send reuses that pinned
         memory instead of pinning more. Without: written now."""
+        plan.close()
+        first_page = max(first_page, plan.cached_end)  # what the store had (fetched or not) is not written again
         cache, keys = self.cache, plan.write_keys
         if cache is None or not keys:
             return

@@ -3,7 +3,12 @@
     lookup(ns, prompt, max_pages, prefill_tokens_per_s)
                                     longest cached prefix of full pages: local tier first, then the store in
                                     pipelined batches, stopping at the first miss (or corrupt value); the store
-                                    only where fetching beats computing at the measured rates (fetch_policy.py)
+                                    only where fetching beats computing at the measured rates (fetch_policy.py),
+                                    or to measure it again when its last measurement is old
+    lookup_racing(ns, prompt, max_pages, prefill_tokens_per_s, device)
+                                    the local tier's prefix now, and the store's pages after it as a PrefixFetch
+                                    running in the background (prefix_fetch.py): the engine loads the pages that
+                                    land before it reaches them and computes the rest
     put(ns, key, payload)           a newly computed full page: into the local tier now, into the store by the
                                     write-back thread (never blocks; dropped and counted when the queue is full)
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,13 +41,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import torch
+
 from pdserve.cache.breaker import CircuitBreaker
 from pdserve.cache.config import CacheOptions, MiB
 from pdserve.cache.fetch_policy import FetchDecision, decide_fetch
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.local_tier import LocalTier
+from pdserve.cache.prefix_fetch import PrefixFetch
 from pdserve.cache.stats import CacheStats
-from pdserve.cache.store import MemoryStore, PageStore, StoreError
+from pdserve.cache.store import MemoryStore, PageStore, StoreError, get_many_into
 from pdserve.cache.value import decode_value, encode_value
 from pdserve.cache.value_auth import CacheKeyring, keyring_from
 from pdserve.cache.writer import WriteBack
@@ -93,8 +102,12 @@ class PromptCache:
         breaker: CircuitBreaker | None = None,
         key_prefix: str = "pdserve:kv:",
         keyring: CacheKeyring | None = None,
+        fetch_connections: int = 8,
+        fetch_batch_pages: int = 8,
     ):
-        """`keyring`: the deployment's cache secrets (None: a random one, private to this cache)."""
+        """`keyring`: the deployment's cache secrets (None: a random one, private to this cache);
+        `fetch_connections`: store connections (threads) of the background prefix fetches, `fetch_batch_pages`
+        pages each fetches per pipelined round trip."""
         self.store = store
         self.keyring = keyring or CacheKeyring.generate()
         self.ttl_ms = max(1, int(ttl_s * 1000))
@@ -106,8 +119,12 @@ class PromptCache:
         self.stats = CacheStats()
         self._writer: WriteBack[_Write | _Touch] = WriteBack(self._write_batch, write_queue)
         self._verify_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="cache-verify")
-        self.fetch_rate = WorkRate()  # store value bytes per second of fetching (remote stores)
+        self.fetch_rate = WorkRate(min_seconds=1e-3)  # store value bytes per second of fetching (remote stores)
         self.page_value_bytes = 0.0  # stored size of a page, from the last fetch (0: none yet)
+        self.fetch_measured_at: float | None = None  # time.monotonic() of the last fetch measurement
+        self.fetch_connections, self.fetch_batch_pages = max(1, fetch_connections), max(1, fetch_batch_pages)
+        self._fetch_pool: ThreadPoolExecutor | None = None
+        self._fetch_lock = threading.Lock()
 
     # ---- counters (for metrics) ------------------------------------------------------------------------
     hits = property(lambda self: self.stats.hits)
@@ -130,14 +147,28 @@ class PromptCache:
         the digest under the current cache secret (the digest already pins `ns`)."""
         return self.keyring.current.name(self.key_prefix, digest)
 
-    def _verify(self, batch: list[bytes], stored: list[bytes | None]) -> list[memoryview | bool | None]:
+    def _get_many(self, names: list[bytes]) -> list[bytes | bytearray | None]:
+        """The stored values of `names` (None: absent): a remote store's read straight into one buffer each
+        (`store.get_many_into`), skipping redis-py's parser and its copies."""
+        if not self.store.remote:
+            return list(self.store.get_many(names, self.ttl_ms))
+        bufs: list[bytearray | None] = [None] * len(names)
+
+        def dest(i: int, n: int) -> memoryview:
+            bufs[i] = bytearray(n)
+            return memoryview(bufs[i])  # type: ignore[arg-type]
+
+        lens = get_many_into(self.store, names, self.ttl_ms, dest, self.max_value_bytes)
+        return [b if n is not None else None for b, n in zip(bufs, lens)]
+
+    def _verify(self, batch: list[bytes], stored: list[bytes | bytearray | None]) -> list[memoryview | bool | None]:
         """MAC check of `stored` (the values of each digest of `batch` under each accepted key, current first):
         per slot None (absent), False (fails its MAC) or the value. Large batches are checked on the verify
         threads (hashlib releases the GIL), so a long cached prefix costs its hashing time / cores."""
         n = len(self.keyring.keys)
         jobs = [(i, v) for i, v in enumerate(stored) if v is not None]
 
-        def check(job: tuple[int, bytes]) -> memoryview | bool:
+        def check(job: tuple[int, bytes | bytearray]) -> memoryview | bool:
             i, v = job
             value = self.keyring.keys[i % n].verify(batch[i // n], v)
             return False if value is None else value
@@ -169,10 +200,68 @@ class PromptCache:
 
     # ---- lookup ------------------------------------------------------------------------------------------
     def fetch_decision(self, page_size: int, prefill_tokens_per_s: float | None) -> FetchDecision:
-        """Whether the store beats computing now (an in-process store always does: it is memory)."""
+        """Whether the store beats computing now (an in-process store always does: it is memory); a store measured
+        slower is asked again once its measurement is `PROBE_AFTER_S` old (it may have been a slow moment)."""
         if not self.store.remote:
             return FetchDecision(True, "faster", 0.0, prefill_tokens_per_s or 0.0)
-        return decide_fetch(self.fetch_rate.rate(), self.page_value_bytes, page_size, prefill_tokens_per_s)
+        age = None if self.fetch_measured_at is None else time.monotonic() - self.fetch_measured_at
+        return decide_fetch(self.fetch_rate.rate(), self.page_value_bytes, page_size, prefill_tokens_per_s, age)
+
+    def measured_fetch(self, nbytes: int, seconds: float, page_value_bytes: float) -> None:
+        """One fetch's figures: `nbytes` of store values in `seconds` (wall time), pages of `page_value_bytes`."""
+        if nbytes > 0 and seconds > 0:
+            self.fetch_rate.add(nbytes, seconds)
+            self.page_value_bytes = page_value_bytes
+            self.fetch_measured_at = time.monotonic()
+
+    def fetch_pool(self) -> ThreadPoolExecutor:
+        """The threads of the background prefix fetches (`fetch_connections`: one store connection each)."""
+        with self._fetch_lock:
+            if self._fetch_pool is None:
+                self._fetch_pool = ThreadPoolExecutor(self.fetch_connections, thread_name_prefix="cache-fetch")
+            return self._fetch_pool
+
+    def rekey(self, ns: CacheNamespace, digest: bytes, page: PagePayload, value: bytes | memoryview) -> bool:
+        """Write a page found under a previous secret again under the current one (asynchronously)."""
+        return self._writer.submit(_Write(ns, digest, page, value))
+
+    def lookup_racing(
+        self,
+        ns: CacheNamespace,
+        token_ids: list[int],
+        max_pages: int,
+        prefill_tokens_per_s: float | None = None,
+        keys: list[bytes] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> tuple[CacheLookup, PrefixFetch | None]:
+        """The local tier's prefix of at most `max_pages` full pages now, and a started PrefixFetch of the store's
+        pages after it (None: nothing left to fetch, an in-process store, or the breaker open), for an engine on
+        `device` that races it (`pdserve.engine.prefix_fetch`). Counted in the stats when the fetch ends."""
+        if not self.store.remote:
+            return self.lookup(ns, token_ids, max_pages, prefill_tokens_per_s, keys), None
+        keys = ns.page_keys(token_ids) if keys is None else keys
+        want = keys[: max(0, max_pages)]
+        pages: list[PagePayload] = self.local.get_prefix(want) if self.local is not None else []
+        n_local = len(pages)
+        if n_local:
+            self._writer.submit(_Touch([self.store_key(ns, k) for k in want[:n_local]]))
+        decision = None
+        if n_local < len(want):  # always fetched: what the measured rates say only weighs the engine's waits
+            d = self.fetch_decision(ns.layout.page_size, prefill_tokens_per_s)
+            decision = FetchDecision(True, f"race ({d.reason})", d.fetch_tokens_per_s, d.prefill_tokens_per_s)
+        fetch = None
+        if n_local < len(want):
+            if self.breaker.allow():
+                fetch = PrefixFetch(
+                    self, ns, want, n_local, len(want), device=device, batch_pages=self.fetch_batch_pages,
+                    prefill_tokens_per_s=prefill_tokens_per_s, local_pages=n_local,
+                ).start()  # fmt: skip
+            else:
+                self.stats.add(skipped=1)
+        if fetch is None:
+            self.stats.add(lookups=1, lookup_pages=len(want), hits=n_local, local_hits=n_local)
+            self.stats.add_scope(ns.scope, len(want), n_local)
+        return CacheLookup(keys, pages, n_local, decision), fetch
 
     def lookup(
         self,
@@ -212,7 +301,7 @@ class PromptCache:
             t0 = time.perf_counter()
             try:
                 names = [n for k in batch for n in self.keyring.names(self.key_prefix, k)]
-                values = self.store.get_many(names, self.ttl_ms)
+                values = self._get_many(names)
             except StoreError as e:
                 self.breaker.failure()
                 errors += 1
@@ -222,8 +311,7 @@ class PromptCache:
             verified = self._verify(batch, values)
             found = [len(v) for v in values if v is not None]
             if found:  # what fetching costs: the round trip and the MAC check
-                self.fetch_rate.add(sum(found), time.perf_counter() - t0)
-                self.page_value_bytes = sum(found) / len(found)
+                self.measured_fetch(sum(found), time.perf_counter() - t0, sum(found) / len(found))
             stop = False
             for j, k in enumerate(batch):
                 p, value, key_index, bad = self._open(ns, k, len(pages), verified[j * n_keys : (j + 1) * n_keys])
@@ -328,6 +416,9 @@ class PromptCache:
     def close(self, timeout: float = 5.0) -> None:
         self._writer.close(timeout)
         self._verify_pool.shutdown(wait=False)
+        with self._fetch_lock:
+            if self._fetch_pool is not None:
+                self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
 
@@ -402,6 +493,7 @@ def build_prompt_cache(opts: CacheOptions, environ: Mapping[str, str] | None = N
         breaker=breaker,
         key_prefix=opts.cache_key_prefix,
         keyring=cache_keyring(opts, env, url),
+        fetch_connections=opts.cache_fetch_connections,
     )
     if not url:
         log.info(

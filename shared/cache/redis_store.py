@@ -10,7 +10,9 @@
   breaker in front (see prompt_cache) stops further calls for a while.
 - After a connection error the client is dropped and rebuilt on the next call, so a restarted server is used
   again without stale pooled sockets.
-- Reads are pipelined GETEX (value + TTL refresh in one command); writes are pipelined SET PX. Works with any
+- Reads are pipelined GETEX (value + TTL refresh in one command); writes are pipelined SET PX. `get_many_into`
+  reads the values straight into the caller's buffers (resp_fetch.py) on a pooled connection of its own, so
+  several threads fetch one prefix at once (the prompt cache's prefix fetch). Works with any
   `maxmemory-policy`; `allkeys-lru` (or -lfu) is what a cache deployment should use: each page is one key, so
   an eviction can only shorten a cached prefix, never leave half a page.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import redis
@@ -28,7 +31,8 @@ from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-from pdserve.cache.store import StoreError
+from pdserve.cache.resp_fetch import getex_into
+from pdserve.cache.store import StoreError, copy_into
 
 log = logging.getLogger("pdserve.cache")
 
@@ -129,6 +133,39 @@ class RedisStore:
         if not keys:
             return []
         return self._pipeline(lambda p: [p.getex(k, px=ttl_ms) for k in keys])
+
+    def get_many_into(
+        self, keys: list[bytes], ttl_ms: int, dest: Callable[[int, int], memoryview | None], max_value_bytes: int
+    ) -> list[int | None]:
+        """GETEX of `keys`, value i of n bytes read straight into `dest(i, n)` (`resp_fetch.getex_into`), on a
+        pooled connection of its own (thread-safe: parallel calls use parallel connections). Returns each value's
+        length (None: absent or declined). Cluster: through redis-py's pipeline, then copied."""
+        if not keys:
+            return []
+        if self.cluster:
+            return copy_into(self.get_many(keys, ttl_ms), dest, max_value_bytes)
+        client = conn = None
+        try:
+            client = self._get_client()
+            conn = client.connection_pool.get_connection()
+            sock = getattr(conn, "_sock", None)
+            if sock is None:  # a redis-py without the socket attribute: its own parser, then a copy
+                conn.send_packed_command(conn.pack_commands([("GETEX", k, "PX", ttl_ms) for k in keys]))
+                return copy_into([conn.read_response() for _ in keys], dest, max_value_bytes)
+            return getex_into(sock, keys, ttl_ms, dest, max_value_bytes)
+        except Exception as e:
+            if conn is not None:
+                conn.disconnect()  # mid-pipeline: its state is unknown
+            if isinstance(e, RedisError | OSError):
+                if isinstance(e, _CONNECTION_ERRORS):
+                    self._reset(client)
+                why = refusal(e)
+                if why:
+                    raise StoreRefused(why) from e
+            raise StoreError(f"redis fetch failed: {type(e).__name__}: {e}") from e
+        finally:
+            if conn is not None and client is not None:
+                client.connection_pool.release(conn)
 
     def set_many(self, items: list[tuple[bytes, bytes]], ttl_ms: int) -> None:
         if items:

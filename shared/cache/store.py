@@ -32,6 +32,32 @@ class PageStore(Protocol):
     def close(self) -> None: ...
 
 
+def copy_into(
+    values: list[bytes | None], dest: Callable[[int, int], memoryview | None], max_value_bytes: int
+) -> list[int | None]:
+    """`get_many_into` for values already read: each copied into `dest(i, len)`; lengths, None where absent."""
+    out: list[int | None] = []
+    for i, v in enumerate(values):
+        buf = dest(i, len(v)) if v is not None and len(v) <= max_value_bytes else None
+        if buf is not None and v is not None:
+            buf[:] = v
+            out.append(len(v))
+        else:
+            out.append(None)
+    return out
+
+
+def get_many_into(
+    store: PageStore, keys: list[bytes], ttl_ms: int, dest: Callable[[int, int], memoryview | None], max_bytes: int
+) -> list[int | None]:
+    """GETEX of `keys` with value i of n bytes written into `dest(i, n)`: straight from the socket where the store
+    can (`RedisStore.get_many_into`), else copied from `get_many`. Lengths, None where absent or declined."""
+    into = getattr(store, "get_many_into", None)
+    if into is not None:
+        return into(keys, ttl_ms, dest, max_bytes)
+    return copy_into(store.get_many(keys, ttl_ms), dest, max_bytes)
+
+
 class MemoryStore:
     """In-process store for a single instance (the embedded default, no Redis): LRU by total value bytes,
     TTL per key. Thread-safe."""

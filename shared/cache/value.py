@@ -189,6 +189,22 @@ def encoded_bytes(ns: CacheNamespace, page_index: int) -> int:
     return len(_header(ns, bytes(CHAIN_BYTES), page_index)) + _CRC.size + sum(_block_bytes(ns.layout))
 
 
+def value_header_bytes(ns: CacheNamespace) -> int:
+    """Bytes of a value before its page data: the header and the CRC (the same for every page of `ns`)."""
+    return len(_header(ns, bytes(CHAIN_BYTES), 0)) + _CRC.size
+
+
+def value_blocks(layout: KVLayoutSpec) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
+    """(bytes, dtype, shape of one page) of a value's data, scales and zeros blocks, in order (0 bytes: absent)."""
+    n_data, n_scales, n_zeros = _block_bytes(layout)
+    data_shape, scales_shape = _shapes(layout)
+    return [
+        (n_data, layout.torch_dtype, data_shape),
+        (n_scales, torch.float16, scales_shape),
+        (n_zeros, torch.float16, scales_shape),
+    ]
+
+
 def value_bytes(ns: CacheNamespace, page_index: int) -> int:
     """Size of a page's value in the store: the encoded value and its MAC tag."""
     return encoded_bytes(ns, page_index) + TAG_BYTES

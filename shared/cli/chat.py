@@ -36,6 +36,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-reasoning-tokens", type=int, default=None, help="reasoning models: thinking budget")
     p.add_argument("--hide-reasoning", action="store_true", help="do not print a reasoning model's thinking")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument(
+        "--model", default="", help="the served model to use (default: the router's only one; several served: name one)"
+    )
     add_client_args(p)  # --token, --tls-ca, --tls
     return p.parse_args(argv)
 
@@ -66,6 +69,7 @@ def run_chat(
         top_k=args.top_k,
         seed=args.seed,
         max_reasoning_tokens=args.max_reasoning_tokens,
+        model=args.model,
     )
     with Client(args.target, timeout=args.timeout, **client_options(args)) as client:
         while True:

@@ -44,6 +44,7 @@ class Stack:
     gateway: str = ""  # the OpenAI-compatible HTTP gateway's host:port, when started
     internal_token: str = ""  # the stack's internal token (its processes got it as $PDSERVE_INTERNAL_TOKEN)
     colocated: list[str] = field(default_factory=list)  # colocated instances (instead of prefill + decode)
+    models: dict[str, list[str]] = field(default_factory=dict)  # further models: served name -> engine addresses
 
     def signal_all(self) -> None:
         """SIGTERM to every live process: the first makes a service drain (pdserve.server.shutdown), a second one
@@ -201,6 +202,7 @@ def start_stack(
     gateway_extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
     metrics_port: int = 0,
+    more_models: Sequence[tuple[str, str]] = (),
 ) -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
     `kv_dtype`, `page_size`, `chunk_size`: engine flags, None = each service's default;
@@ -214,7 +216,10 @@ def start_stack(
     environment's, else a new random one) and one prompt-cache secret its prefill / colocated instances share
     ($PDSERVE_CACHE_SECRET_FILE: the caller's, else a new one in workdir/cache_secret, mode 0400); TLS / auth flags
     go in `extra`, `router_extra`, `gateway_extra`. `metrics_port` > 0: the services' /metrics ports count up from
-    it (router, then the engine instances in order); 0: each picks a free port, -1: off."""
+    it (router, then the engine instances in order); 0: each picks a free port, -1: off.
+    Several models: `model` is served as `model_name` (the router's own --model: static instances); each of
+    `more_models` ((served name, model directory)) gets as many instances again, which register with the router
+    under that name (`Stack.models`); every model's instances share the GPUs (the memory split among them all)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = dict(env or {})
     token = env.get("PDSERVE_INTERNAL_TOKEN") or os.environ.get("PDSERVE_INTERNAL_TOKEN") or new_token()
@@ -224,10 +229,12 @@ def start_stack(
     if not any(env.get(k) or os.environ.get(k) for k in (ENV_SECRET, ENV_SECRET_FILE)):
         env[ENV_SECRET_FILE] = str(write_secret_file(workdir / "cache_secret"))
     given = (("--page-size", page_size), ("--chunk-size", chunk_size), ("--kv-dtype", kv_dtype))
-    common = ["--model", str(model), *[a for flag, v in given if v is not None for a in (flag, str(v))], *extra]
+    engine_flags = [*[a for flag, v in given if v is not None for a in (flag, str(v))], *extra]
+    common = ["--model", str(model), *engine_flags]
     if num_colocated:  # placed like decode instances: one per GPU, round-robin
         num_prefill, num_decode = 0, num_colocated
-    plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization)
+    n_models = 1 + len(more_models)
+    plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization / n_models)
     metrics = lambda k: ["--metrics-port", str(metrics_port + k if metrics_port > 0 else metrics_port)]  # noqa: E731
     started = [
         start_service(
@@ -246,7 +253,7 @@ def start_stack(
         pre, dec = addrs[:num_prefill], addrs[num_prefill:]
         store = [] if persist_estimator else ["--estimator-store", str(workdir / "router-estimator.json")]
         rargs = ["--model", str(model), "--host", router_host, "--port", str(router_port), *store, *metrics(0)]
-        rargs += router_extra
+        rargs += ["--served-model-name", model_name, *router_extra]
         for a in pre:
             rargs += ["--prefill", a]
         for a in dec:
@@ -255,6 +262,28 @@ def start_stack(
         procs.append(r[0])
         logs.append(r[2])
         router = wait_ready(*r, timeout=timeout)
+        models: dict[str, list[str]] = {}
+        for j, (name, path) in enumerate(more_models):  # they register with the router under their name
+            first = 1 + len(plan) * (j + 1)
+            more = [
+                start_service(
+                    "colocated" if num_colocated else p.role,
+                    [
+                        *("--model", str(path), "--served-model-name", name, "--router", router.internal),
+                        *engine_flags,
+                        *p.args(),
+                        *metrics(first + k),
+                    ],
+                    workdir,
+                    env=env,
+                    to_terminal=to_terminal,
+                )
+                for k, p in enumerate(plan)
+            ]
+            procs += [m[0] for m in more]
+            logs += [m[2] for m in more]
+            models[name] = [wait_ready(*m, timeout=timeout) for m in more]
+            wait_registered(router.internal, models[name], name, env, timeout)
         gateway = ""
         if gateway_port is not None:
             g = start_service(
@@ -274,5 +303,34 @@ def start_stack(
         Stack("", [], [], procs, logs).stop()
         raise
     if num_colocated:
-        return Stack(router, [], [], procs, logs, gateway, token, colocated=dec)
-    return Stack(router, pre, dec, procs, logs, gateway, token)
+        return Stack(router, [], [], procs, logs, gateway, token, colocated=dec, models=models)
+    return Stack(router, pre, dec, procs, logs, gateway, token, models=models)
+
+
+def wait_registered(registry: str, addresses: list[str], model: str, env: dict[str, str], timeout: float) -> None:
+    """Until the router's Registry (`registry`: its internal port) lists every one of `addresses` up, serving
+    `model`. A registry this process cannot call (TLS given by flags only) is not waited for after a few seconds:
+    the instances register right after they are ready."""
+    import grpc
+
+    from pdserve.server.grpc_util import CHANNEL_OPTIONS
+    from pdserve.server.security import ChannelSecurity
+    from pdserve.v1 import router_admin_pb2, router_admin_pb2_grpc
+
+    start = time.monotonic()
+    with ChannelSecurity.from_env({**os.environ, **env}).open(registry, CHANNEL_OPTIONS) as ch:
+        stub = router_admin_pb2_grpc.RegistryStub(ch)
+        while True:
+            try:
+                listed = stub.ListInstances(router_admin_pb2.ListInstancesRequest(), timeout=5).instances
+                up = {i.address for i in listed if i.model == model and i.state == "up"}
+                if set(map(str, addresses)) <= up:
+                    return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start > 5:
+                    return  # cannot ask this registry (e.g. TLS given by flags): they register on their own
+            if time.monotonic() - start > timeout:
+                raise RuntimeError(
+                    f"the instances of model {model!r} did not register with the router in {timeout:.0f}s"
+                )
+            time.sleep(0.1)

@@ -91,8 +91,10 @@ def cmd_serve(name: str, argv: list[str]) -> int:
     setup_logging(cfg.log_level)
     _preflight(name, cfg)
     if getattr(cfg, "model", ""):  # a hub id (org/name) is fetched into the HF cache first (pdserve.models.hub)
-        from pdserve.models.hub import model_dir_or_exit
+        from pdserve.models.hub import model_dir_or_exit, served_name
 
+        if hasattr(cfg, "served_model_name") and not cfg.served_model_name:  # as vLLM: the name --model gives
+            cfg.served_model_name = served_name(cfg.model)
         cfg.model = model_dir_or_exit(cfg.model)
     _server_main(name)(cfg)
     return 0
@@ -168,6 +170,9 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh draw)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for the whole call (default: %(default)s)")
+    p.add_argument(
+        "--model", default="", help="the served model to use (default: the router's only one; several served: name one)"
+    )
     add_client_args(p)  # --token, --tls-ca, --tls
     return p
 
@@ -184,6 +189,7 @@ def cmd_generate(argv: list[str]) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop,
+        "model": args.model,
     }
     turn = [{"role": "user", "content": args.prompt}]
     chat_max = args.max_tokens if args.max_tokens is not None else GENERATE_CHAT_MAX_TOKENS

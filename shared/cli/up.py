@@ -46,9 +46,11 @@ def up_parser() -> argparse.ArgumentParser:
     stack = p.add_argument_group("the stack")
     stack.add_argument(
         "--model",
-        default=os.environ.get("PDSERVE_MODEL", ""),
+        action="append",
         help="HF model directory or Hugging Face Hub id org/name (default: $PDSERVE_MODEL, else the demo model "
-        "SmolLM2-135M-Instruct, fetched once)",
+        "SmolLM2-135M-Instruct, fetched once); repeat it to serve several models behind the one router, each with "
+        "its own instances (--prefill / --decode or --colocated of them) and named by its hub id or directory "
+        "name in requests' `model`",
     )
     stack.add_argument(
         "--port",
@@ -71,8 +73,8 @@ def up_parser() -> argparse.ArgumentParser:
         help="Prometheus /metrics ports counting up from this one: the router's, then each engine instance's; "
         "0 = any free ports, -1 = off (default: %(default)s; $PDSERVE_METRICS_PORT)",
     )
-    stack.add_argument("--prefill", type=int, default=1, help="prefill instances (default: %(default)s)")
-    stack.add_argument("--decode", type=int, default=1, help="decode instances (default: %(default)s)")
+    stack.add_argument("--prefill", type=int, default=None, help="prefill instances (default: 1)")
+    stack.add_argument("--decode", type=int, default=None, help="decode instances (default: 1)")
     stack.add_argument(
         "--colocated",
         type=int,
@@ -81,8 +83,15 @@ def up_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="instead of prefill + decode: N colocated instances (N default 1), each one engine that prefills in "
-        "chunks between decode steps (--chunk-size: the prefill tokens per step, the colocated default then) "
-        "(default: off)",
+        "chunks in its decode steps (--chunk-size: the prefill tokens per step, the colocated default then) "
+        "(default: on one GPU the mode that measured the higher goodput, see --disaggregated; else off)",
+    )
+    stack.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="prefill + decode instances even where the measured choice is colocated (default: with neither flag "
+        "nor --prefill / --decode, one GPU runs the mode of the higher goodput measured by bench/one_gpu.py, "
+        "pdserve/data/mode_choice.json; two GPUs or more and CPU run prefill + decode)",
     )
     stack.add_argument(
         "--gpus",
@@ -114,18 +123,19 @@ def up_parser() -> argparse.ArgumentParser:
 def cmd_up(argv: list[str]) -> int:
     p = up_parser()
     args = p.parse_args(argv)
-    if args.prefill < 1 or args.decode < 1 or args.colocated < 0:
-        p.error("--prefill and --decode must be >= 1 (--colocated >= 0)")
+    model_args = args.model or [os.environ.get("PDSERVE_MODEL", "")]  # several: pdserve.router.catalog
+    args.model = model_args[0]
+    gpus, mode = _choose_mode(p, args)  # sets args.colocated / args.prefill / args.decode
+    print(mode.line(), flush=True)
     if args.colocated:  # one colocated instance per engine: the placement treats them as decode instances
         args.prefill, args.decode = 0, args.colocated
     if args.torch_threads is None:  # the cores shared among the engine processes
-        args.torch_threads = max(1, (os.cpu_count() or 2) // (args.prefill + args.decode))
+        args.torch_threads = max(1, (os.cpu_count() or 2) // ((args.prefill + args.decode) * len(model_args)))
     engine = _engine_config(args)  # refuses bad engine settings before anything starts
 
-    from pdserve.cli.launch import parse_gpus, plan_placement, start_stack, visible_gpus
+    from pdserve.cli.launch import plan_placement, start_stack
 
     try:
-        gpus = parse_gpus(args.gpus, visible_gpus)
         plan = plan_placement(args.prefill, args.decode, gpus, engine.gpu_memory_utilization)
     except ValueError as e:
         p.error(str(e))
@@ -134,21 +144,12 @@ def cmd_up(argv: list[str]) -> int:
             role = "colocated" if args.colocated else pl.role
             print(f"{role} {pl.index}: cuda:{pl.gpu}, {pl.memory_fraction:.0%} of its memory", flush=True)
 
-    model, model_name = args.model, ""
-    if not model:
-        from pdserve.models.demo import ensure_demo_model
-
-        model = str(ensure_demo_model(say=lambda line: print(line, flush=True)))
-        model_name = Path(model).name
-    else:  # a model directory, or a hub id fetched into the HF cache (pdserve.models.hub)
-        from pdserve.models.hub import ModelNotFound, resolve_model
-
-        try:
-            resolved = resolve_model(model, say=lambda line: print(line, flush=True))
-        except ModelNotFound as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        model, model_name = str(resolved.path), resolved.name
+    try:
+        served = _served_models(model_args)  # [(name, directory)], the first one the router's own
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    (model_name, model), more_models = served[0], served[1:]
 
     shared = {name: given_flags(args, [s for s in settings(ServerOptions) if s.name == name]) for name in SHARED}
     tls = [*shared["tls_cert"], *shared["tls_key"], *shared["tls_ca"]]
@@ -190,6 +191,7 @@ def cmd_up(argv: list[str]) -> int:
             gpu_memory_utilization=engine.gpu_memory_utilization,
             num_colocated=args.colocated,
             metrics_port=args.metrics_port,
+            more_models=more_models,
         )
         engines = (
             f"colocated {', '.join(stack.colocated)}"
@@ -201,8 +203,12 @@ def cmd_up(argv: list[str]) -> int:
             f"pdserve is up: router at {stack.router}  (internal {internal}; {engines}, kv {engine.kv_dtype})",
             flush=True,
         )
+        for name, addrs in stack.models.items():
+            print(f"model {name!r}: {', '.join(addrs)}", flush=True)
         if stack.gateway:
             print(f"OpenAI-compatible gateway at http://{stack.gateway}/v1  (model {model_name!r})", flush=True)
+        if more_models:
+            print(f"models served (requests' `model`): {', '.join(repr(n) for n, _ in served)}", flush=True)
         metrics = _metrics_lines(stack)
         if metrics:
             print("metrics (Prometheus):  " + "  ".join(metrics), flush=True)
@@ -226,11 +232,62 @@ def cmd_up(argv: list[str]) -> int:
             stack.stop()
 
 
+def _choose_mode(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """The GPUs of `--gpus` and the serving mode: the one a flag forces (`--colocated N`, `--disaggregated`,
+    `--prefill` / `--decode`), else `pdserve.cli.mode_choice`'s rule (one GPU: the measured better mode). Sets
+    `args.colocated` (0: prefill + decode), `args.prefill`, `args.decode`; conflicting flags stop it."""
+    from pdserve.cli.launch import parse_gpus, visible_gpus
+    from pdserve.cli.mode_choice import choose_mode, forced_mode, load_measurements
+
+    split_given = args.disaggregated or args.prefill is not None or args.decode is not None
+    if args.colocated and split_given:
+        p.error("--colocated runs colocated engines: it excludes --disaggregated, --prefill and --decode")
+    if args.colocated < 0 or any(n is not None and n < 1 for n in (args.prefill, args.decode)):
+        p.error("--prefill and --decode must be >= 1 (--colocated >= 0)")
+    args.prefill, args.decode = args.prefill or 1, args.decode or 1
+    try:
+        gpus = parse_gpus(args.gpus, visible_gpus)
+    except ValueError as e:
+        p.error(str(e))
+    if args.colocated or split_given:
+        return gpus, forced_mode(args.colocated, args.disaggregated)
+    mode = choose_mode(gpus, load_measurements())
+    args.colocated = 1 if mode.colocated else 0
+    return gpus, mode
+
+
+def _served_models(model_args: list[str]) -> list[tuple[str, str]]:
+    """(served name, local directory) of each `--model` ("": the demo model), fetching hub ids; ValueError when
+    one names no usable model or two share a name."""
+    from pdserve.models.hub import ModelNotFound, resolve_model
+
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    served: list[tuple[str, str]] = []
+    for value in model_args:
+        if not value:
+            from pdserve.models.demo import ensure_demo_model
+
+            path = str(ensure_demo_model(say=say))
+            served.append((Path(path).name, path))
+            continue
+        try:  # a model directory, or a hub id fetched into the HF cache (pdserve.models.hub)
+            resolved = resolve_model(value, say=say)
+        except ModelNotFound as e:
+            raise ValueError(str(e)) from None
+        served.append((resolved.name, str(resolved.path)))
+    names = [n for n, _ in served]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two --model values are served under one name: {', '.join(names)}")
+    return served
+
+
 def _metrics_lines(stack) -> list[str]:
     """`name http://host:port/metrics` of every service that serves /metrics (the gateway on its own port)."""
     named = [("router", stack.router)]
     for role in ("prefill", "decode", "colocated"):
         named += [(f"{role}{i}", a) for i, a in enumerate(getattr(stack, role))]
+    for name, addrs in getattr(stack, "models", {}).items():
+        named += [(f"{name}:{i}", a) for i, a in enumerate(addrs)]
     lines = [f"{name} http://{a.metrics}/metrics" for name, a in named if getattr(a, "metrics", "")]
     return [*lines, f"gateway http://{stack.gateway}/metrics"] if stack.gateway else lines
 

@@ -2,6 +2,11 @@
 
 A forward batch holds, per sequence, `q_len` new tokens at positions `start .. start+q_len-1`; the new K/V
 are first written to the pool, then query i (absolute position start+i) attends to keys 0..start+i.
+A mixed step (scheduler.py) puts `num_decode` decode rows (one token each) before the prefill chunks: the model's
+linear layers run once over all rows, and FA3Backend attends the two parts separately (`AttentionMetadata.split`),
+decode rows through the decode kernels (int8 / fp8 / dense Triton or FA3 decode), prefill rows through the prefill
+path, so a long decode context never enters the prefill's dequantized scratch. SdpaBackend attends one sequence at
+a time anyway: a decode row there is the same call a pure decode step makes.
 A backend only attends (`attend`): the model stores this step's K/V in the pool first (`KernelChoice.rope_and_store`).
 The backend is chosen once at start-up (`select_backend`).
 """
@@ -48,21 +53,48 @@ class AttentionMetadata:
     page_tables: list[list[int]]  # per sequence: physical pages (covering start + q_len tokens)
     page_size: int
     device: torch.device
-    positions: torch.Tensor = field(init=False)  # [T] long
-    slot_mapping: torch.Tensor = field(init=False)  # [T] long: page * page_size + offset of each new token
+    num_decode: int = 0  # the first num_decode sequences are decode rows (q_len 1) of a mixed step
+    _rows: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)  # (positions, slots)
     _page_ids: list[torch.Tensor] | None = field(init=False, default=None)
     _fa3: dict = field(init=False, default_factory=dict)  # lazily built int32 tensors for FA3
+    _split: tuple[AttentionMetadata, AttentionMetadata] | None = field(init=False, default=None)
 
-    def __post_init__(self) -> None:
-        ps = self.page_size
-        pos: list[int] = []
-        slots: list[int] = []
-        for start, n, table in zip(self.starts, self.q_lens, self.page_tables):
-            p = list(range(start, start + n))
-            pos.extend(p)
-            slots.extend(table[i // ps] * ps + i % ps for i in p)
-        self.positions = _to_device(pos, torch.long, self.device)
-        self.slot_mapping = _to_device(slots, torch.long, self.device)
+    def _row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rows is None:
+            ps = self.page_size
+            pos: list[int] = []
+            slots: list[int] = []
+            for start, n, table in zip(self.starts, self.q_lens, self.page_tables):
+                p = list(range(start, start + n))
+                pos.extend(p)
+                slots.extend(table[i // ps] * ps + i % ps for i in p)
+            self._rows = (_to_device(pos, torch.long, self.device), _to_device(slots, torch.long, self.device))
+        return self._rows
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] long: the position of each new token."""
+        return self._row_tensors()[0]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[T] long: page * page_size + offset of each new token."""
+        return self._row_tensors()[1]
+
+    @property
+    def is_mixed(self) -> bool:
+        """Decode rows and prefill rows in one step (attended apart by FA3Backend)."""
+        return 0 < self.num_decode < self.num_seqs
+
+    def split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """(the decode rows' metadata, the prefill rows') of a mixed step; built once per step."""
+        if self._split is None:
+            d, ps, dev = self.num_decode, self.page_size, self.device
+            self._split = (
+                AttentionMetadata(self.starts[:d], self.q_lens[:d], self.page_tables[:d], ps, dev, d),
+                AttentionMetadata(self.starts[d:], self.q_lens[d:], self.page_tables[d:], ps, dev),
+            )
+        return self._split
 
     @property
     def page_ids(self) -> list[torch.Tensor]:
@@ -197,7 +229,19 @@ class FA3Backend:
 
     def attend(self, layer: int, q: torch.Tensor, meta, cache: KVCache, scale: float) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]. `meta` is an AttentionMetadata or a CUDA-graph StaticDecodeMeta (only
-        `is_decode` and `fa3_tensors()` are used, so the call is graph-safe for decode)."""
+        `is_mixed`, `is_decode` and `fa3_tensors()` are used, so the call is graph-safe for decode). A mixed step's
+        decode rows (the first `meta.num_decode`) go through the decode kernels, its prefill rows through the
+        prefill path."""
+        if meta.is_mixed:
+            decode, prefill = meta.split()
+            d = meta.num_decode
+            return torch.cat(
+                [self._attend(layer, q[:d], decode, cache, scale), self._attend(layer, q[d:], prefill, cache, scale)]
+            )  # [T, H, D]
+        return self._attend(layer, q, meta, cache, scale)
+
+    def _attend(self, layer: int, q: torch.Tensor, meta, cache: KVCache, scale: float) -> torch.Tensor:
+        """q [T, H, D] of rows all decode (`meta.is_decode`) or a prefill batch -> out [T, H, D]."""
         kc = self.kernels
         t = meta.fa3_tensors()
         seqlens, table = t["cache_seqlens"], t["page_table"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.config import opt
+from pdserve.engine.tp.layout import MAX_TP_SIZE
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +29,12 @@ class EngineConfig:
     device: str = opt("auto", "auto|cpu|cuda|cuda:N (auto: cuda if available)")
     page_size: int = opt(16, "tokens per KV page")
     chunk_size: int = opt(2048, "prefill tokens per step (across sequences)")
+    # a step decodes every running sequence and prefills in the same forward (scheduler.py): the budget bounds
+    # decode rows + prefill tokens, so a step's time (TPOT while prompts are prefilled) stays about that of
+    # chunk_size tokens; decode rows are never dropped, prefill keeps at least a quarter of the budget
+    step_token_budget: int = opt(
+        0, "tokens one step computes, decode rows + prefill tokens (0: --chunk-size); prefill gets the rest"
+    )
     num_pages: int = opt(0, "KV pool pages (0 = sized by --kv-cache-memory); overrides --kv-cache-memory")
     kv_cache_memory: str = opt(
         "auto",
@@ -44,6 +51,12 @@ class EngineConfig:
         "none",
         "none|fp8: fp8 quantizes a bf16/fp32 checkpoint's projections at load to e4m3 per output channel, with "
         "per-token activation scales at run time; FP8 checkpoints load as FP8 either way (docs/fp8.md)",
+    )
+    load_format: str = opt(
+        "auto",
+        "auto|dummy: dummy builds the model from config.json alone with random weights generated on the device "
+        "(bf16, or e4m3 + scales in the layout of config.json's FP8 quantization_config; no safetensors read): "
+        "benchmarks of model shapes without a checkpoint",
     )
     attention_backend: str = opt("auto", "auto|fa3|sdpa")
     # ---- GPU kernels (CPU always runs plain torch ops; see kernel_choice.py) ----
@@ -79,12 +92,21 @@ class EngineConfig:
     overlap_decode: str = opt(
         "auto", "auto|on|off: greedy decode launches the next step of an unchanged batch before processing this one"
     )
+    # tensor parallel (pdserve.engine.tp): the instance's process is rank 0 (scheduler, gRPC) and starts ranks
+    # 1..N-1 as child processes, each on its device (cuda:<index + rank> on GPUs; gloo on CPU)
+    tensor_parallel_size: int = opt(
+        1,
+        "processes (ranks) that split the model's heads, FFN and vocabulary; the model's attention heads must "
+        "divide by it. Colocated instances only for now (no KV handoff or prompt cache across TP layouts)",
+    )
 
     def validate(self) -> None:
         if self.page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
+        if self.step_token_budget < 0:
+            raise ValueError(f"step_token_budget must be >= 0 (0: chunk_size), got {self.step_token_budget}")
         if self.num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {self.num_pages}")
         self.kv_cache_bytes()
@@ -94,6 +116,8 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_dtype!r}")
         if self.quantization not in ("none", "fp8"):
             raise ValueError(f"quantization must be 'none' or 'fp8', got {self.quantization!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kv_group_size <= 0:
             raise ValueError(f"kv_group_size must be > 0, got {self.kv_group_size}")
         if self.int8_decode_kernel not in ("triton", "dequant"):
@@ -116,6 +140,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.overlap_decode not in ("auto", "on", "off"):
             raise ValueError(f"overlap_decode must be auto|on|off, got {self.overlap_decode!r}")
+        if not 1 <= self.tensor_parallel_size <= MAX_TP_SIZE:
+            raise ValueError(f"tensor_parallel_size must be in 1..{MAX_TP_SIZE}, got {self.tensor_parallel_size}")
 
     def kv_cache_bytes(self) -> int | None:
         """`kv_cache_memory` in bytes (None: auto)."""

@@ -1,7 +1,8 @@
-"""CUDA graphs for decode steps: one graph per batch size in a fixed set, each capturing the whole model
-forward plus the LM head, replayed over static input buffers. The graph also takes the argmax of the logits and
-copies it into pinned host memory, so a greedy step costs the host one event wait (no argmax launch, no
-separate device-to-host copy).
+"""CUDA graphs for pure decode steps: one graph per batch size in a fixed set, each capturing the whole model
+forward plus the LM head, replayed over static input buffers. A step that also prefills (a mixed step,
+scheduler.py) runs eagerly: its row count and chunk shapes vary from step to step. The graph also takes the
+argmax of the logits and copies it into pinned host memory, so a greedy step costs the host one event wait (no
+argmax launch, no separate device-to-host copy).
 
 Static inputs live in one int32 device buffer: input ids, positions, KV slots, cache_seqlens [max_bs] each, then
 the page table [max_bs, W] with W = ceil(max_context / page_size). max_context is the model's whole context (or
@@ -67,6 +68,7 @@ class StaticDecodeMeta:
     cache_seqlens: torch.Tensor  # [bs] int32: keys per sequence, this step's token included
     page_table: torch.Tensor  # [bs, W] int32
     is_decode: bool = True
+    is_mixed: bool = False
 
     def fa3_tensors(self) -> dict:
         return {"cache_seqlens": self.cache_seqlens, "page_table": self.page_table}
@@ -113,6 +115,11 @@ class DecodeGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}
         self._argmax: dict[int, torch.Tensor] = {}  # [bs] int64 on the device: each replay's argmax (graph memory)
         self._last_bs = 0  # the batch size of the last replay
+        # structured output (engine overlapped decode): per size, a second graph that draws the argmax among the
+        # tokens of a grammar bitmask [max_bs, ceil(V / 32)] int32 (device, copied from the host after the forward
+        # was launched) into the same argmax buffer: a chained step's inputs and take_greedy read the masked draw
+        self._bitmask: torch.Tensor | None = None
+        self._mask_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def _meta(self, bs: int) -> StaticDecodeMeta:
         mb = self.max_batch
@@ -133,6 +140,7 @@ class DecodeGraphRunner:
         self.graphs.clear()
         self.logits.clear()
         self._argmax.clear()
+        self._mask_graphs.clear()
         torch.cuda.empty_cache()
         dtype_size = torch.empty((), dtype=self.cache.dtype).element_size()
         scratch = scratch_bytes_per_row(self.cache, self.model.kernels, self.width, self.page_size, dtype_size)
@@ -160,6 +168,7 @@ class DecodeGraphRunner:
                     self._argmax[bs] = argmax_rows(self.logits[bs])
                     self._greedy_host[:bs].copy_(self._argmax[bs], non_blocking=True)
                 self.graphs[bs] = graph
+                self._mask_graphs[bs] = self._capture_masked_argmax(bs, pool, stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         static = static_buffer_bytes(self.max_batch, self.width)
@@ -174,6 +183,34 @@ class DecodeGraphRunner:
             (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
             f"; dense scratch {scratch * self.sizes[-1] / 2**20:.0f} MiB" if scratch else "",
         )
+
+    def _capture_masked_argmax(self, bs: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        """The graph that re-draws size `bs`'s argmax among the bitmask's tokens (`sample_masked`)."""
+        from pdserve.engine.kernels.argmax import argmax_rows
+        from pdserve.engine.logits_processors import masked_logits
+
+        if self._bitmask is None:
+            words = (self.logits[bs].shape[-1] + 31) // 32
+            self._bitmask = torch.full((self.max_batch, words), -1, dtype=torch.int32, device=self.device)
+        argmax_rows(masked_logits(self.logits[bs], self._bitmask[:bs]))  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self._argmax[bs].copy_(argmax_rows(masked_logits(self.logits[bs], self._bitmask[:bs])))
+            self._greedy_host[:bs].copy_(self._argmax[bs], non_blocking=True)
+        return graph
+
+    def sample_masked(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Redo the last run's argmax among the tokens `bitmask` [B, ceil(V / 32)] int32 (pinned host memory, B the
+        last run's rows) allows: queued after that run's forward, before the next run (a chained step reads it).
+        Returns `take_greedy(B)` of the masked draw."""
+        bs, b = self._last_bs, bitmask.shape[0]
+        assert self._bitmask is not None and b <= bs
+        self._bitmask[:b].copy_(bitmask, non_blocking=True)
+        if b < bs:
+            self._bitmask[b:bs].fill_(-1)
+        self._mask_graphs[bs].replay()
+        self._replayed.record()
+        return self.take_greedy(b)
 
     def can_run(self, batch_size: int, max_kv_len: int) -> bool:
         return bool(self.graphs) and batch_size <= self.sizes[-1] and max_kv_len <= self.max_context

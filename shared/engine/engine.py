@@ -9,48 +9,38 @@ pages (`export_batch`) as `ready_pages` reports them; a decode instance imports 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from pdserve.engine.config import EngineConfig, dtype_name
+from pdserve.engine.forks import ChoicePlan, ForkGroup, fork_id, fork_sampling
 from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.loader import load_tokenizer, model_fingerprint, parse_model_config
 from pdserve.engine.model_runner import DecodeLaunch, ModelRunner
 from pdserve.engine.page_table import PageAllocator
+from pdserve.engine.prefix_fetch import load_landed
 from pdserve.engine.reasoning_budget import ReasoningBudget, ThinkTags
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams, TokenLogprob
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import IncrementalDetokenizer, Sequence, SequenceStatus
+from pdserve.engine.step_output import StepOutput
 from pdserve.engine.structured import StructuredCompiler
 from pdserve.errors import DuplicateRequest, InvalidRequest, OutOfPages
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import CachedUpload, PagePayload
 from pdserve.kv.transfer.base import ExportedPages
+from pdserve.kv.transfer.layers import LayerRange
 
 log = logging.getLogger("pdserve.engine")
 
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "prefill_done" | "abort" when finished
-    num_prompt_tokens: int
-    num_completion_tokens: int
-    ready_pages: list[int] = field(default_factory=list)  # prefill-only: logical pages whose KV became final
-    logits: torch.Tensor | None = None  # step(return_logits=True): float32 [vocab] row used for the last token
-    stop_reason: str | None = None  # "eos", "token:<id>" or the matched stop string (finish_reason "stop")
-    token_range: tuple[int, int] | None = None  # prefill-only: prompt tokens [start, end) this step computed
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token id (sampling.logprobs)
-    # next prompt-token logprobs computed this step (token_id: the prompt token scored; `top` with top_logprobs)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+__all__ = ["LLMEngine", "StepOutput"]
 
 
 @dataclass
@@ -71,13 +61,16 @@ class LLMEngine:
         self.max_model_len = mc.max_position_embeddings
         self.page_size = cfg.page_size
         self.tokenizer = load_tokenizer(cfg.model_dir)
-        self.fingerprint = model_fingerprint(cfg.model_dir, cfg.quantization)
+        self.fingerprint = model_fingerprint(cfg.model_dir, cfg.quantization, cfg.load_format)
         self.think_tags = ThinkTags.from_tokenizer(self.tokenizer)  # reasoning models: max_reasoning_tokens
         self.runner = ModelRunner(cfg, mc)
         self.allocator = PageAllocator(self.runner.num_pages)
-        self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.allocator, cfg.page_size, cfg.chunk_size, cfg.max_num_seqs, cfg.step_token_budget
+        )
 
         self._seqs: dict[str, Sequence] = {}  # live requests, incl. finished prefill-only ones holding pages
+        self._groups: dict[str, ForkGroup] = {}  # forked requests (n / best_of > 1) until their last output
         self._pending: list[StepOutput] = []  # outputs produced between steps (abort, finish_import)
         self._arrival = itertools.count()
         self._structured: StructuredCompiler | None = None  # built on the first structured-output request
@@ -86,6 +79,8 @@ class LLMEngine:
         self._overlap = mode == "on" or (mode == "auto" and self.runner.graph_runner is not None)
         self.last_step_scheduled = False  # whether the last step() ran a forward pass
         self.last_step_prefill_tokens = 0  # tokens the last step prefilled (0: a decode step or none)
+        self.last_step_decode_rows = 0  # sequences the last step decoded beside them
+        self.last_step_prefill_budget = 0  # prefill tokens the last step could have taken (its full size)
         self.handoff = KVHandoff(
             self.runner,
             self.allocator,
@@ -98,14 +93,15 @@ class LLMEngine:
             emit=lambda seq, new_ids, text: self._pending.append(self._output(seq, new_ids, text)),
         )
         log.info(
-            "engine ready: arch=%s dtype=%s device=%s pages=%d page_size=%d chunk_size=%d max_num_seqs=%d "
-            "kv=%s backend=%s",
+            "engine ready: arch=%s dtype=%s device=%s pages=%d page_size=%d chunk_size=%d step_token_budget=%d "
+            "max_num_seqs=%d kv=%s backend=%s",
             mc.arch,
             dtype_name(self.runner.dtype),
             self.runner.device,
             self.allocator.num_pages,
             cfg.page_size,
             cfg.chunk_size,
+            self.scheduler.step_token_budget,
             cfg.max_num_seqs,
             self.runner.kv_description(),
             self.runner.backend.name,
@@ -130,7 +126,7 @@ class LLMEngine:
             dtype=self.cfg.kv_dtype if quantized else self.kv_storage_dtype_name,
             page_size=self.page_size,
             num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
+            num_kv_heads=self.runner.num_local_kv_heads,  # tensor parallel: this rank's heads
             head_dim=mc.head_dim,
             group_size=self.kv_group_size if quantized else 0,
             asymmetric=self.kv_asymmetric,  # False unless the pool is int8
@@ -182,6 +178,14 @@ class LLMEngine:
                         f"prefix_keys: at most one non-empty key per full prompt page, got {len(r.prefix_keys)}"
                     )
                 seq.prefix_keys = list(r.prefix_keys)
+            if r.layer_stream is not None and not r.prefill_only:
+                raise InvalidRequest("layer_stream is for prefill_only requests")
+            seq.layer_stream = r.layer_stream  # its chunks' pages leave layer group by layer group (kv_handoff)
+            plan = ChoicePlan.of(r.n, r.best_of)
+            if plan.forks:
+                if r.prefill_only or r.resumed_tokens or r.sampled_before or r.forced_token_ids is not None:
+                    raise InvalidRequest("n / best_of > 1 excludes prefill_only, forced_token_ids and a resume")
+                self._plan_forks(seq, plan)
             if seq.grammar is not None:  # a resume continues the structured output where it was
                 seq.grammar.replay(seq.output_token_ids())
         except Exception:
@@ -192,6 +196,7 @@ class LLMEngine:
             seq.cached_pages = list(r.cached_pages)
             seq.keep_cached_upload = r.keep_cached_upload
             seq.num_computed_tokens = len(r.cached_pages) * self.page_size
+        seq.prefix_fetch = r.prefix_fetch  # cached pages racing the compute: prefix_fetch.load_landed
         return seq
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kw) -> Sequence:
@@ -277,7 +282,12 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a request in any state and free its pages. If it had not finished, the next `step()` returns a
-        final StepOutput with finish_reason "abort". Returns False for unknown ids."""
+        final StepOutput with finish_reason "abort" (a forked request: one per choice still running). Returns
+        False for unknown ids."""
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            self._abort_forks(group)
+            return True
         seq = self._drop(request_id)
         if seq is None:
             return False
@@ -289,7 +299,77 @@ class LLMEngine:
     def release(self, request_id: str) -> bool:
         """Free the pages of a request (normally a finished prefill-only one whose pages were shipped). Works in
         any state like `abort`, but never produces an output. Returns False for unknown ids."""
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            for m in group.members:
+                self._drop(m.request_id)
+            return True
         return self._drop(request_id) is not None
+
+    # ---- n / best_of > 1 (forks.py) ------------------------------------------------------------------------
+    def _plan_forks(self, seq: Sequence, plan: ChoicePlan) -> None:
+        """`seq` forks into `plan.best_of` sequences once its prompt's KV is complete."""
+        seq.choices = dataclasses.replace(plan, keep_logprobs=seq.sampling.wants_logprobs)
+        if plan.buffered:  # the candidates are ranked by their tokens' logprobs
+            seq.sampling = dataclasses.replace(seq.sampling, logprobs=True)
+
+    def _fork(self, seq: Sequence) -> None:
+        """The prompt's KV of `seq` is complete (its token sampled after it, if any, is discarded): fork it. Every
+        fork computes the last prompt position again as a decode row (its first token); the full pages before it
+        are shared, the page holding it is copied for each new fork (copy-on-write). New forks wait in the queue
+        (decode-ready); `seq` itself is left where it is for the caller."""
+        plan, seq.choices = seq.choices, None
+        assert plan is not None  # the caller checked
+        rid = seq.request_id
+        last_pos = seq.num_tokens - 1  # the prompt's last token (no completion yet: forks exclude a resume)
+        seq.num_computed_tokens = last_pos
+        last = last_pos // self.page_size
+        shared, own = seq.page_table[:last], seq.page_table[last]
+        group = ForkGroup(rid, plan, [seq])
+        seq.group, seq.index = group, 0
+        for i in range(1, plan.best_of):
+            child = self._new_sequence(fork_id(rid, i), seq.prompt_token_ids, fork_sampling(seq.sampling, i))
+            child.group, child.index = group, i
+            if self.allocator.num_free:  # else it computes the prompt itself when the pool has room
+                (copy,) = self.allocator.allocate(1)
+                self.allocator.hold(shared)
+                self.runner.kv_cache.copy_pages([own], [copy])
+                child.page_table = [*shared, copy]
+                child.num_computed_tokens = last_pos
+            group.members.append(child)
+            self._seqs[child.request_id] = child
+            self.scheduler.add(child)
+        self._groups[rid] = group
+
+    def _abort_forks(self, group: ForkGroup) -> None:
+        """Abort every fork of a request: an "abort" output per choice still running (best_of > n: n of them)."""
+        live = [cast(Sequence, m) for m in group.members if not m.finished]  # the engine's members are Sequences
+        for m in group.members:
+            self._drop(m.request_id)
+        if group.plan.buffered:
+            if live:
+                self._pending.extend(group.collect(self._aborted(m) for m in live))
+            return
+        for m in live:
+            self._pending.append(self._aborted(m))
+
+    def _aborted(self, seq: Sequence) -> StepOutput:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return self._output(seq, [], "")
+
+    def _released(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """A step's outputs as the caller gets them: best_of > n candidates' held until the best are known; a
+        forked request forgotten after its last output."""
+        result = []
+        for o in outputs:
+            group = self._groups.get(o.request_id)
+            if group is None:
+                result.append(o)
+                continue
+            result.extend(group.collect([o]) if group.plan.buffered else [o])
+            if o.request_done:
+                del self._groups[o.request_id]
+        return result
 
     def prefix_pages_held(self, prefix_keys: list[bytes]) -> int:
         """How many leading pages of `prefix_keys` the pool holds now (any thread; a later admission may find
@@ -336,23 +416,52 @@ class LLMEngine:
         sampling: SamplingParams,
         resumed_tokens: int = 0,
         resumed_text_chars: int = 0,
+        n: int = 1,
+        best_of: int = 0,
     ) -> None:
-        """`KVHandoff.begin_import`: reserve pages for a prompt whose KV comes from a prefill instance."""
+        """`KVHandoff.begin_import`: reserve pages for a prompt whose KV comes from a prefill instance. `n`,
+        `best_of` as EngineRequest's: the request forks at `finish_import` (prefill's first token is not used)."""
+        plan = ChoicePlan.of(n, best_of)
+        if plan.forks and resumed_tokens:
+            raise InvalidRequest("n / best_of > 1 excludes a failover resume")
         self.handoff.begin_import(request_id, prompt_token_ids, sampling, resumed_tokens, resumed_text_chars)
+        if plan.forks:
+            self._plan_forks(self._seqs[request_id], plan)
 
     def import_batch(
-        self, request_id: str, page_indexes: list[int], num_tokens: list[int], rows: torch.Tensor, layout: KVLayoutSpec
+        self,
+        request_id: str,
+        page_indexes: list[int],
+        num_tokens: list[int],
+        rows: torch.Tensor,
+        layout: KVLayoutSpec,
+        layers: LayerRange | None = None,
     ) -> None:
-        """`KVHandoff.import_batch`: write received whole pages in one scatter."""
-        self.handoff.import_batch(request_id, page_indexes, num_tokens, rows, layout)
+        """`KVHandoff.import_batch`: write received pages (all layers, or a layer group's) in one scatter."""
+        self.handoff.import_batch(request_id, page_indexes, num_tokens, rows, layout, layers)
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """`KVHandoff.emit_first_token`: stream the first token before the pages are in."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and seq.choices is not None:
+            raise InvalidRequest(f"request {request_id!r} forks (n / best_of > 1): its first tokens are sampled here")
         return self.handoff.emit_first_token(request_id, first_token_id)
 
     def finish_import(self, request_id: str, first_token_id: int) -> None:
-        """`KVHandoff.finish_import`: all pages are in, the request joins the running batch."""
-        self.handoff.finish_import(request_id, first_token_id)
+        """`KVHandoff.finish_import`: all pages are in, the request joins the running batch (a forking one forks)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.choices is None:
+            self.handoff.finish_import(request_id, first_token_id)
+            return
+        if seq.status != SequenceStatus.IMPORTING or seq.pages_imported is None:
+            raise InvalidRequest(f"request {request_id!r} is not importing")
+        missing = [i for i, n in enumerate(seq.pages_imported) if n != self.model_config.num_layers]
+        if missing:
+            raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
+        seq.pages_imported = None
+        self.runner.skip_draws(request_id, 1)  # prefill drew its first token from this seed (as a prompt step does)
+        self._fork(seq)
+        self.scheduler.add(seq)  # decode-ready: its next step computes its first token
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
@@ -380,17 +489,18 @@ class LLMEngine:
         """Outputs produced outside a step (first token of an import, aborts), without running a step: lets the
         caller stream a decode request's first token before the next batch computes."""
         pending, self._pending = self._pending, []
-        return pending
+        return self._released(pending)
 
     def step(self, return_logits: bool = False) -> list[StepOutput]:
-        """Run one prefill-chunk batch or one decode batch; return outputs (at most one per request).
+        """Run one step (scheduler.py: a decode row for every running sequence and prefill chunks within the step's
+        token budget, in one forward); return outputs (at most one per request).
 
         overlap_decode: a greedy decode batch is launched and its tokens are processed by the next call, which
         first launches the following step of the same batch (its inputs are the launched step's tokens, still on
         the device) when nothing else waits to be scheduled: the host's per-token work runs beside the GPU's next
         step. A sequence that finished meanwhile drops its row of that step (its KV write landed in its own pages,
         freed after it in stream order)."""
-        outputs: dict[str, StepOutput] = {}
+        outputs: dict[tuple[str, int], StepOutput] = {}
         for o in self._pending:
             self._merge(outputs, o)
         self._pending = []
@@ -399,24 +509,30 @@ class LLMEngine:
             self._inflight = self._chain(done)
             for o in self._finish_decode(done):
                 self._merge(outputs, o)
+            if self._inflight is not None:  # structured output: its masks fill while the launched step computes
+                self._inflight.launch.start_masks()
             self.last_step_scheduled, self.last_step_prefill_tokens = True, 0
-            return list(outputs.values())
+            self.last_step_decode_rows, self.last_step_prefill_budget = len(done.seqs), 0
+            return self._released(list(outputs.values()))
+        load_landed(self)  # prefix pages fetched before the compute reached them (prefix_fetch.py)
         batch = self.scheduler.schedule()
         self.last_step_scheduled = batch is not None
-        self.last_step_prefill_tokens = sum(batch.num_new_tokens) if batch is not None and batch.is_prefill else 0
+        self.last_step_prefill_tokens = batch.num_prefill_tokens if batch is not None else 0
+        self.last_step_decode_rows = batch.num_decode if batch is not None else 0
+        self.last_step_prefill_budget = batch.prefill_budget if batch is not None else 0
         if batch is not None and not return_logits and self._overlappable(batch):
             positions = [s.num_computed_tokens for s in batch.seqs]
             self._inflight = _InflightDecode(batch.seqs, self.runner.launch_decode(batch.seqs, positions, None))
         elif batch is not None:
             for o in self._run(batch, return_logits):
                 self._merge(outputs, o)
-        return list(outputs.values())
+        return self._released(list(outputs.values()))
 
     # ---- overlapped greedy decode (EngineConfig.overlap_decode) ---------------------------------------------
     def _overlappable(self, batch: ScheduledBatch) -> bool:
         """A decode batch whose every token is a plain greedy draw: no logprobs, forced tokens or reasoning budget
         (those need the host between steps), and room for one more position in every sequence."""
-        if not self._overlap or batch.is_prefill:
+        if not self._overlap or not batch.is_decode:
             return False
         limit = self.max_model_len - 2  # the chained step computes position num_computed_tokens + 1
         for s in batch.seqs:
@@ -424,9 +540,10 @@ class LLMEngine:
             if (
                 not sp.greedy
                 or sp.wants_logprobs
-                or sp.processes_logits
+                or sp.needs_host_logits  # a structured output alone: the decode graph draws among its tokens
                 or s.forced_token_ids is not None
                 or s.reasoning is not None
+                or s.choices is not None  # forks after this token (`_fork` resets it)
                 or s.num_computed_tokens > limit
             ):
                 return False
@@ -438,7 +555,7 @@ class LLMEngine:
         seqs = done.seqs
         if self.scheduler.running != seqs or self.scheduler.has_schedulable_waiting():
             return None
-        if not self._overlappable(ScheduledBatch(seqs, [1] * len(seqs), False)):
+        if not self._overlappable(ScheduledBatch(seqs, [1] * len(seqs), len(seqs))):
             return None
         need = [self.scheduler.pages_for(s, s.num_computed_tokens + 2) for s in seqs]
         if sum(need) > self.allocator.num_free:
@@ -461,17 +578,10 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _merge(outputs: dict[str, StepOutput], o: StepOutput) -> None:
-        prev = outputs.get(o.request_id)
-        if prev is None:
-            outputs[o.request_id] = o
-            return
-        o.new_token_ids = prev.new_token_ids + o.new_token_ids
-        o.text_delta = prev.text_delta + o.text_delta
-        o.ready_pages = prev.ready_pages + o.ready_pages
-        o.logprobs = prev.logprobs + o.logprobs
-        o.prompt_logprobs = prev.prompt_logprobs + o.prompt_logprobs
-        outputs[o.request_id] = o
+    def _merge(outputs: dict[tuple[str, int], StepOutput], o: StepOutput) -> None:
+        key = (o.request_id, o.index)
+        prev = outputs.get(key)
+        outputs[key] = o if prev is None else o.after(prev)
 
     def _output(
         self,
@@ -481,8 +591,9 @@ class LLMEngine:
         ready: list[int] | None = None,
         logits: torch.Tensor | None = None,
     ) -> StepOutput:
+        group = seq.group
         return StepOutput(
-            seq.request_id,
+            seq.request_id if group is None else group.request_id,
             new_ids,
             text,
             seq.finished,
@@ -492,6 +603,8 @@ class LLMEngine:
             ready or [],
             logits,
             seq.stop_reason,
+            index=seq.index,
+            choices_left=0 if group is None else group.live(),
         )
 
     def _run(self, batch: ScheduledBatch, return_logits: bool) -> list[StepOutput]:
@@ -503,25 +616,31 @@ class LLMEngine:
             for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
             if s.num_computed_tokens + n == s.num_tokens
         ]
-        tokens, logits, logprobs, prompt_lps = self.runner.run(
-            batch.seqs, batch.num_new_tokens, sample_rows, batch.is_prefill, return_logits
-        )
+        with self.handoff.layer_export(batch):  # a streaming chunk's layer groups leave during the forward
+            tokens, logits, logprobs, prompt_lps = self.runner.run(
+                batch.seqs, batch.num_new_tokens, sample_rows, batch.num_decode, return_logits
+            )
         outputs = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
             row = logits.get(i)
             new_prompt_lps = self._new_prompt_logprobs(seq, start, prompt_lps.get(i))
+            forks = i in tokens and seq.choices is not None
+            if forks:  # the prompt's KV is complete: the request forks (its token here is not used)
+                self._fork(seq)
+                if i >= batch.num_decode:
+                    self.scheduler.prefill_done(seq)
             if seq.prefill_only:
                 out = self._postprocess_prefill_only(seq, start, tokens.get(i), row)[0]
-            elif i in tokens:
-                out = self._postprocess_token(seq, tokens[i], batch.is_prefill, row)
+            elif i in tokens and not forks:
+                out = self._postprocess_token(seq, tokens[i], i >= batch.num_decode, row)
             elif new_prompt_lps:  # a prompt chunk before the last: its scores go out now
                 out = self._output(seq, [], "")
             else:
                 continue
             out.prompt_logprobs = new_prompt_lps
-            if i in logprobs:
+            if i in logprobs and not forks:
                 out.logprobs = [logprobs[i]]
             outputs.append(out)
         return outputs

@@ -25,6 +25,7 @@ from pdserve.kv.dtypes import DTYPES, QUANTIZED
 from pdserve.kv.payload import PagePayload
 
 QUANTIZED_DTYPES = tuple(DTYPES[n].torch_dtype for n in QUANTIZED)  # torch.int8, torch.float8_e4m3fn
+_ALL = slice(None)  # every layer of a batch
 
 
 def _ids(ids, device: torch.device) -> torch.Tensor:
@@ -92,6 +93,15 @@ class KVCache:
         flat = self.data[:, layer].view(2, -1, self.num_kv_heads, self.head_dim)
         return flat[0][slot_ids], flat[1][slot_ids]
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages `src` to `dst` (every layer, K and V; a quantized pool's scales and zero points too):
+        a fork's own copy of its request's last, partial prompt page (copy-on-write)."""
+        s, d = _ids(src, self.device), _ids(dst, self.device)
+        for t in (self.data, getattr(self, "scales", None), getattr(self, "zeros", None)):
+            if t is not None:  # [2, L, P, ps, kvh, d | G]
+                view = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # no fp8 index kernels
+                view[:, :, d] = view[:, :, s]
+
     # ---- page transfer ---------------------------------------------------------------------------------
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         """Write a payload (dense or int8) into `physical_page`; int8 payloads are dequantized."""
@@ -112,9 +122,9 @@ class KVCache:
         )
 
     # ---- batches of whole pages (pdserve.kv.transfer) -------------------------------------------------------
-    def _gather_dense(self, ids: torch.Tensor) -> torch.Tensor:
-        """[N, 2, L, ps, kvh, d] of the pages `ids`, model dtype (one gather)."""
-        return self.data.permute(2, 0, 1, 3, 4, 5)[ids]
+    def _gather_dense(self, ids: torch.Tensor, layers: slice = _ALL) -> torch.Tensor:
+        """[N, 2, L, ps, kvh, d] of the pages `ids` (L: the `layers` slice), model dtype (one gather)."""
+        return self.data[:, layers].permute(2, 0, 1, 3, 4, 5)[ids]
 
     def gather_pages(
         self,
@@ -124,12 +134,17 @@ class KVCache:
         group_size: int = 0,
         asymmetric: bool = False,
         dtype: torch.dtype | None = None,
+        layers: tuple[int, int] | None = None,
+        index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Whole pages, page-major, on the pool's device: data [N, 2, L, ps, kvh, d] (quantized: `dtype` int8 by
         default or float8_e4m3fn; dense: `dtype` or the model dtype), scales / zeros [N, 2, L, ps, kvh, d // group]
-        float16 or None. Tokens past each page's `num_tokens` are zero."""
+        float16 or None. Tokens past each page's `num_tokens` are zero. `layers` (start, stop): only those (L of
+        them: a layer group's rows, the same values as the whole pages' at those layers). `index`: `page_ids` as a
+        long tensor on the pool's device, made ahead (inside a forward, no host-to-device copy, so no host sync)."""
         self._check_pages(page_ids, num_tokens)
-        dense = self._gather_dense(_ids(page_ids, self.device))
+        ids = index if index is not None else _ids(page_ids, self.device)
+        dense = self._gather_dense(ids, self._layer_slice(layers))
         _zero_tails(dense, num_tokens, self.page_size)
         if quantized:
             return self.quant.quantize(dense, group_size, asymmetric, dtype or torch.int8)
@@ -142,20 +157,34 @@ class KVCache:
         scales: torch.Tensor | None,
         zeros: torch.Tensor | None,
         group_size: int,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        """Write whole pages (the layout of `gather_pages`, all layers) into `page_ids`; quantized data (int8 or
-        fp8, by its dtype) is dequantized."""
-        self._check_batch(page_ids, data, scales, group_size)
+        """Write whole pages (the layout of `gather_pages`: all layers, or the `layers` (start, stop) it names) into
+        `page_ids`; quantized data (int8 or fp8, by its dtype) is dequantized."""
+        sl = self._layer_slice(layers)
+        self._check_batch(page_ids, data, scales, group_size, sl)
         if group_size > 0:
             dense = self.quant.dequantize(data, scales, zeros, group_size, self.dtype)
         else:
             dense = data.to(self.dtype)
-        self.data.permute(2, 0, 1, 3, 4, 5)[_ids(page_ids, self.device)] = dense
+        self.data[:, sl].permute(2, 0, 1, 3, 4, 5)[_ids(page_ids, self.device)] = dense
 
-    def _check_batch(self, page_ids: list[int], data: torch.Tensor, scales: torch.Tensor | None, g: int) -> None:
+    def _layer_slice(self, layers: tuple[int, int] | None) -> slice:
+        """The pool's layer axis slice of a batch: every layer, or [start, stop)."""
+        if layers is None:
+            return _ALL
+        start, stop = layers
+        if not 0 <= start < stop <= self.num_layers:
+            raise InvalidRequest(f"layers [{start}, {stop}) outside the pool's {self.num_layers}")
+        return slice(start, stop)
+
+    def _check_batch(
+        self, page_ids: list[int], data: torch.Tensor, scales: torch.Tensor | None, g: int, layers: slice = _ALL
+    ) -> None:
         for p in page_ids:
             self._check_page(p, self.page_size)
-        want = (len(page_ids), 2, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+        num_layers = len(range(self.num_layers)[layers])
+        want = (len(page_ids), 2, num_layers, self.page_size, self.num_kv_heads, self.head_dim)
         if tuple(data.shape) != want:
             raise InvalidRequest(f"batch data shape {tuple(data.shape)} != {want}")
         if g > 0 and (scales is None or self.head_dim % g or tuple(scales.shape) != (*want[:-1], self.head_dim // g)):
@@ -302,16 +331,18 @@ class QuantizedKVCache(KVCache):
         kv = self._dequant(*self._select(layer, slot_ids, by_page=False))
         return kv[0], kv[1]
 
-    def _gather_quantized(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _gather_quantized(
+        self, ids: torch.Tensor, layers: slice = _ALL
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q [N, 2, L, ps, kvh, d], scales / zeros (or None) [N, 2, L, ps, kvh, d // g] of the pages `ids`."""
 
         def pages(t: torch.Tensor) -> torch.Tensor:
-            return t.permute(2, 0, 1, 3, 4, 5)[ids]
+            return t[:, layers].permute(2, 0, 1, 3, 4, 5)[ids]
 
         return pages(self.data), pages(self.scales), None if self.zeros is None else pages(self.zeros)
 
-    def _gather_dense(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._dequant(*self._gather_quantized(ids))
+    def _gather_dense(self, ids: torch.Tensor, layers: slice = _ALL) -> torch.Tensor:
+        return self._dequant(*self._gather_quantized(ids, layers))
 
     def gather_pages(
         self,
@@ -321,11 +352,14 @@ class QuantizedKVCache(KVCache):
         group_size: int = 0,
         asymmetric: bool = False,
         dtype: torch.dtype | None = None,
+        layers: tuple[int, int] | None = None,
+        index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         if not (quantized and self.same_format(group_size, asymmetric, dtype)):
-            return super().gather_pages(page_ids, num_tokens, quantized, group_size, asymmetric, dtype)
+            return super().gather_pages(page_ids, num_tokens, quantized, group_size, asymmetric, dtype, layers, index)
         self._check_pages(page_ids, num_tokens)
-        q, s, z = self._gather_quantized(_ids(page_ids, self.device))  # straight copy
+        ids = index if index is not None else _ids(page_ids, self.device)
+        q, s, z = self._gather_quantized(ids, self._layer_slice(layers))  # straight copy
         for t in (q, s, z):
             if t is not None:
                 _zero_tails(t, num_tokens, self.page_size)
@@ -338,8 +372,10 @@ class QuantizedKVCache(KVCache):
         scales: torch.Tensor | None,
         zeros: torch.Tensor | None,
         group_size: int,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        self._check_batch(page_ids, data, scales, group_size)
+        sl = self._layer_slice(layers)
+        self._check_batch(page_ids, data, scales, group_size, sl)
         ids = _ids(page_ids, self.device)
         if group_size > 0 and self.same_format(group_size, zeros is not None, data.dtype):  # straight copy
             q, s, z = data, scales, zeros
@@ -349,7 +385,7 @@ class QuantizedKVCache(KVCache):
         for dst, src in ((self.data, q), (self.scales, s), (self.zeros, z)):
             if dst is not None:
                 assert src is not None  # _check_batch: int8 input has scales; zeros present iff the pool's are
-                dst.permute(2, 0, 1, 3, 4, 5)[ids] = src.to(self.device)
+                dst[:, sl].permute(2, 0, 1, 3, 4, 5)[ids] = src.to(self.device)
 
     def import_page(self, physical_page: int, payload: PagePayload) -> None:
         self._check_payload(physical_page, payload)

@@ -5,11 +5,19 @@ prefill side's first token, and joins its running batch.
 `KVHandoff` is an object `LLMEngine` owns (`engine.handoff`; the engine keeps methods of the same names that call
 it). It reads and updates the engine's live sequences, page allocator, scheduler and model runner, and asks the
 engine, through the three callables it was given, to admit a sequence, drop one, and queue an output.
+
+Layer groups (`pdserve.kv.transfer.layers`): around each forward the engine enters `layer_export(batch)`. When a
+prefill-only sequence of the batch streams its pages (`Sequence.layer_stream`), the model's per-layer hook is set for
+that forward: after the last layer of each group, the chunk's pages that the step completes are gathered at those
+layers on the compute stream, a CUDA event is recorded (no host sync) and the rows go to the stream's sink; the
+sender copies them after the event while the forward runs on. Decode imports each group into its pages
+(`import_batch(..., layers)`); a page is in once all its layers landed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -18,12 +26,17 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.page_table import PageAllocator
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.errors import InvalidRequest
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.base import ExportedPages
+from pdserve.kv.transfer.layers import LayerRange, LayerStream
 from pdserve.kv.transfer.page_format import PageFormat
+
+# One sequence's part of a layer-streaming forward: (sequence, logical pages the step completes, their token counts,
+# their physical pages on the device (made before the forward), its stream, the group ending at each layer)
+_LayerPlan = tuple[Sequence, list[int], list[int], torch.Tensor, LayerStream, dict[int, LayerRange]]
 
 
 def _kv_tokens(seq: Sequence) -> int:
@@ -90,6 +103,20 @@ class KVHandoff:
         """The computed pages `page_indexes` of a request as one page-major buffer in `layout`
         (`pdserve.kv.transfer.page_format`), gathered on the device; its `ready` event marks the gather."""
         seq, num_tokens = self._computed_pages(request_id, page_indexes)
+        return self._gather(seq, list(page_indexes), num_tokens, layout, None)
+
+    def _gather(
+        self,
+        seq: Sequence,
+        page_indexes: list[int],
+        num_tokens: list[int],
+        layout: KVLayoutSpec,
+        layers: LayerRange | None,
+        index: torch.Tensor | None = None,
+    ) -> ExportedPages:
+        """Pages of `seq` (their `layers`; None: all) as one page-major buffer uint8 [N, row bytes] in `layout`,
+        gathered on the compute stream (`index`: their physical pages on the device, made ahead); its `ready` event
+        is recorded after the gather."""
         data, scales, zeros = self.runner.kv_cache.gather_pages(
             [seq.page_table[i] for i in page_indexes],
             num_tokens,
@@ -97,9 +124,53 @@ class KVHandoff:
             layout.group_size,
             layout.asymmetric,
             layout.torch_dtype,
+            None if layers is None else (layers.start, layers.stop),
+            index,
         )
-        rows = PageFormat(layout).pack(data, scales, zeros)
-        return ExportedPages(list(page_indexes), num_tokens, rows, self.runner.record_event())
+        rows = PageFormat(layout, 0 if layers is None else layers.count).pack(data, scales, zeros)
+        return ExportedPages(page_indexes, num_tokens, rows, self.runner.record_event(), layers=layers)
+
+    @contextmanager
+    def layer_export(self, batch: ScheduledBatch) -> Iterator[None]:
+        """Around one forward of `batch`: the model's per-layer hook exports the layer groups of the chunks whose
+        sequence streams its pages (`Sequence.layer_stream`); no hook (no cost) when none does."""
+        plans = self._layer_plans(batch)
+        model = self.runner.model
+        if not plans:
+            yield
+            return
+        model.layer_hook = lambda layer: self._export_layer(plans, layer)
+        try:
+            yield
+        finally:
+            model.layer_hook = None
+
+    def _layer_plans(self, batch: ScheduledBatch) -> list[_LayerPlan]:
+        """The streaming chunks of a batch: the pages each completes (its full pages; the last, partial one too
+        when the chunk ends the prompt, as `ready_pages` will report them) with their token counts."""
+        plans: list[_LayerPlan] = []
+        ps = self.page_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            stream = seq.layer_stream
+            if stream is None or not seq.prefill_only:
+                continue
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            pages = list(range(start // ps, end // ps))
+            if end == seq.num_tokens and end % ps:
+                pages.append(end // ps)
+            if pages:
+                tokens = [min(ps, end - i * ps) for i in pages]
+                physical = [seq.page_table[i] for i in pages]
+                index = torch.tensor(physical, dtype=torch.long, device=self.runner.kv_cache.device)  # [N]
+                plans.append((seq, pages, tokens, index, stream, stream.ending_at()))
+        return plans
+
+    def _export_layer(self, plans: list[_LayerPlan], layer: int) -> None:
+        """The model's hook after `layer`'s K/V are written: each group ending at it goes to its stream's sink."""
+        for seq, pages, tokens, index, stream, ending_at in plans:
+            group = ending_at.get(layer)
+            if group is not None:
+                stream.sink(self._gather(seq, list(pages), list(tokens), stream.layout, group, index))
 
     # ---- decode side: page import --------------------------------------------------------------------------
     def begin_import(
@@ -132,7 +203,7 @@ class KVHandoff:
             self.runner.drop_request(request_id)
             raise
         seq.status = SequenceStatus.IMPORTING
-        seq.pages_imported = [False] * n_pages
+        seq.pages_imported = [0] * n_pages
         self._seqs[request_id] = seq
 
     def _importing(self, request_id: str) -> Sequence:
@@ -142,26 +213,39 @@ class KVHandoff:
         return seq
 
     def import_batch(
-        self, request_id: str, page_indexes: list[int], num_tokens: list[int], rows: torch.Tensor, layout: KVLayoutSpec
+        self,
+        request_id: str,
+        page_indexes: list[int],
+        num_tokens: list[int],
+        rows: torch.Tensor,
+        layout: KVLayoutSpec,
+        layers: LayerRange | None = None,
     ) -> None:
-        """Write received whole pages (rows uint8 [N, page_bytes] in `layout`, on the pool's device) in one
-        scatter. Raises InvalidRequest on any mismatch."""
+        """Write received pages (rows uint8 [N, row bytes] in `layout`, on the pool's device: every layer, or the
+        `layers` of a layer group) in one scatter. A page's layers land in order from layer 0. Raises
+        InvalidRequest on any mismatch."""
         seq = self._importing(request_id)
         imported = seq.pages_imported
-        assert imported is not None  # an importing sequence has its flags
+        assert imported is not None  # an importing sequence has its per-page layer counts
+        num_layers = self.model_config.num_layers
+        r = layers or LayerRange(0, num_layers)
+        if not 0 <= r.start < r.stop <= num_layers:
+            raise InvalidRequest(f"layers [{r.start}, {r.stop}) outside the model's {num_layers}")
         for idx, n in zip(page_indexes, num_tokens, strict=True):
             if not 0 <= idx < len(seq.page_table):
                 raise InvalidRequest(f"page_index {idx} outside 0..{len(seq.page_table) - 1}")
             want = min(self.page_size, _kv_tokens(seq) - idx * self.page_size)
             if n != want:
                 raise InvalidRequest(f"page {idx} carries {n} tokens, expected {want}")
-            if imported[idx]:
-                raise InvalidRequest(f"page {idx} imported twice")
-        data, scales, zeros = PageFormat(layout).unpack(rows)
+            if imported[idx] != r.start:
+                what = "imported twice" if imported[idx] >= r.stop else "out of order"
+                raise InvalidRequest(f"page {idx}: layers [{r.start}, {r.stop}) {what} ({imported[idx]} landed)")
+        data, scales, zeros = PageFormat(layout, r.count).unpack(rows)
         physical_pages = [seq.page_table[i] for i in page_indexes]
-        self.runner.kv_cache.scatter_pages(physical_pages, data, scales, zeros, layout.group_size)
+        span = None if layers is None else (r.start, r.stop)
+        self.runner.kv_cache.scatter_pages(physical_pages, data, scales, zeros, layout.group_size, span)
         for idx in page_indexes:
-            imported[idx] = True
+            imported[idx] = r.stop
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """Before the pages are all in: append the first token (stop checks apply) and stream it now (the next
@@ -182,7 +266,8 @@ class KVHandoff:
         be the same one, and nothing more is output here."""
         seq = self._importing(request_id)
         assert seq.pages_imported is not None  # set by begin_import while IMPORTING
-        missing = [i for i, done in enumerate(seq.pages_imported) if not done]
+        num_layers = self.model_config.num_layers
+        missing = [i for i, landed in enumerate(seq.pages_imported) if landed != num_layers]
         if missing:
             raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
         early = seq.early_first_token

@@ -156,14 +156,67 @@ def iter_weights(model_dir: str | Path, device: torch.device, dtype: torch.dtype
                 yield name, t
 
 
-def model_fingerprint(model_dir: str | Path, quantization: str = "none") -> str:
+LOAD_FORMATS = ("auto", "dummy")  # EngineConfig.load_format: the checkpoint's safetensors | random weights
+DUMMY_SEED = 0  # the dummy weights' generator seed (fixed: every instance of one config holds the same weights)
+
+
+def iter_dummy_weights(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = DUMMY_SEED
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield what `iter_weights` yields for a checkpoint of `cfg`'s shape, random and made on `device` (load_format
+    "dummy": no file read): projection weights ~ N(0, 1/K), in e4m3 with the scales of `cfg.quantization`'s
+    layout when the config says FP8 (quant/fp8_convert.random_tensors), else in `dtype`; embeddings and lm_head in
+    `dtype`; norms near 1, biases small. One generator seeded `seed`: the same config gives the same weights."""
+    from pdserve.engine.quant.fp8_convert import random_tensors, scheme_format
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    fmt = scheme_format(cfg.quantization) if cfg.quantization is not None else None
+    h, hd, ffn = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def mat(rows: int, cols: int, std: float) -> torch.Tensor:  # [rows, cols] in dtype
+        return torch.randn(rows, cols, device=device, generator=g).mul_(std).to(dtype)
+
+    def vec(n: int, mean: float, std: float) -> torch.Tensor:  # [n] in dtype
+        return torch.randn(n, device=device, generator=g).mul_(std).add_(mean).to(dtype)
+
+    yield "model.embed_tokens.weight", mat(cfg.vocab_size, h, 0.25)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        projections = {"self_attn.q_proj": (qd, h, cfg.qkv_bias), "self_attn.k_proj": (kvd, h, cfg.qkv_bias),
+                       "self_attn.v_proj": (kvd, h, cfg.qkv_bias), "self_attn.o_proj": (h, qd, cfg.attention_bias),
+                       "mlp.gate_proj": (ffn, h, cfg.mlp_bias), "mlp.up_proj": (ffn, h, cfg.mlp_bias),
+                       "mlp.down_proj": (h, ffn, cfg.mlp_bias)}  # fmt: skip
+        for proj, (n, k, bias) in projections.items():
+            name = f"{p}{proj}.weight"
+            if fmt is None:
+                yield name, mat(n, k, k**-0.5)
+            else:
+                yield from random_tensors(name, n, k, k**-0.5, fmt, g).items()
+            if bias:
+                yield f"{p}{proj}.bias", vec(n, 0.0, 0.02)
+        if cfg.qk_norm:
+            yield f"{p}self_attn.q_norm.weight", vec(hd, 1.0, 0.1)
+            yield f"{p}self_attn.k_norm.weight", vec(hd, 1.0, 0.1)
+        yield f"{p}input_layernorm.weight", vec(h, 1.0, 0.1)
+        yield f"{p}post_attention_layernorm.weight", vec(h, 1.0, 0.1)
+    yield "model.norm.weight", vec(h, 1.0, 0.1)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", mat(cfg.vocab_size, h, h**-0.5)
+
+
+def model_fingerprint(model_dir: str | Path, quantization: str = "none", load_format: str = "auto") -> str:
     """sha256 over config.json and, per safetensors shard (sorted), its name, size, JSON header and 16 samples
     of 4 KiB at evenly spaced offsets. Cheap on huge checkpoints; catches different weights in practice.
-    `quantization` other than "none" (online FP8: other weights, other KV) is hashed in too."""
+    `quantization` other than "none" (online FP8: other weights, other KV) is hashed in too. `load_format`
+    "dummy": config.json, the quantization and the dummy weights' seed (no shard is read; there may be none)."""
     h = hashlib.sha256()
     h.update((Path(model_dir) / "config.json").read_bytes())
     if quantization != "none":
         h.update(b"quantization=" + quantization.encode())
+    if load_format == "dummy":
+        h.update(f"load_format=dummy seed={DUMMY_SEED}".encode())
+        return h.hexdigest()[:32]
     sample = 4096
     for path in safetensors_files(model_dir):
         size = path.stat().st_size

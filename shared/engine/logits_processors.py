@@ -57,12 +57,24 @@ def apply_penalties(
     return x - frequency * output_counts - presence * (output_counts > 0).float()
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, vocab_size] bool: the tokens `bitmask` [R, ceil(V / 32)] int32 allows (bit j of word w allows token
+    32 w + j, xgrammar's layout). Device ops only, no host sync (a decode CUDA graph captures it)."""
+    bits = (1 << torch.arange(8, dtype=torch.int32, device=bitmask.device)).to(torch.uint8)  # no host copy: capturable
+    # little-endian words: byte k of word w holds tokens 32 w + 8 k ... + 7 (one byte temporary a token, not four)
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4 ceil(V / 32)]
+    return (as_bytes.unsqueeze(-1) & bits).ne(0).flatten(1)[:, :vocab_size]
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [R, V] with the tokens not allowed by `bitmask` [R, ceil(V / 32)] int32 (bit j of word w allows
-    token 32 w + j, xgrammar's layout) set to -inf, in place."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[-1]]  # [R, V]
-    return logits.masked_fill_(~allowed, NEG_INF)
+    """`logits` [R, V] with the tokens not allowed by `bitmask` [R, ceil(V / 32)] int32 set to -inf, in place."""
+    return logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[-1]), NEG_INF)
+
+
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` [R, V] with the tokens `bitmask` [R, ceil(V / 32)] does not allow at -inf (the decode
+    graph's masked greedy draw: the model's logits stay as computed). Graph-capturable."""
+    return logits.masked_fill(~allowed_tokens(bitmask, logits.shape[-1]), NEG_INF)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 - Commands (`submit(fn)`, and the wrappers below) run on the engine thread between steps, in order.
 - Per-request callbacks receive each StepOutput of their request on the engine thread (keep them short; they
   may call engine methods directly, e.g. `engine.export_batch`, since they run on the engine thread). A callback is
-  dropped after its request's final output. If a step raises, every live request is aborted and its callback
+  dropped after its request's final output (`StepOutput.request_done`: with n > 1, the last choice's). If a step
+  raises, every live request is aborted and its callback
   receives the exception instead of a StepOutput.
 - Idle means blocked on a condition variable: no busy-spinning, also when work exists but cannot be scheduled
   (e.g. waiting for pages that another request holds) until the next command arrives.
@@ -75,9 +76,11 @@ class EngineLoop:
         callback: OutputCallback,
         resumed_tokens: int = 0,
         resumed_text_chars: int = 0,
+        n: int = 1,
+        best_of: int = 0,
     ) -> None:
         def fn(engine: LLMEngine) -> None:
-            engine.begin_import(request_id, prompt_token_ids, sampling, resumed_tokens, resumed_text_chars)
+            engine.begin_import(request_id, prompt_token_ids, sampling, resumed_tokens, resumed_text_chars, n, best_of)
             self._callbacks[request_id] = callback
 
         self.call(fn)
@@ -162,7 +165,7 @@ class EngineLoop:
         cb = self._callbacks.get(rid)
         if cb is None:
             return
-        if isinstance(out, BaseException) or out.finished:
+        if isinstance(out, BaseException) or out.request_done:  # n > 1: after the last choice's
             del self._callbacks[rid]
         try:
             cb(out)

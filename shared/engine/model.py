@@ -17,9 +17,9 @@ dequantized values (the reference the tests compare with transformers).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -27,10 +27,14 @@ from torch import nn
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.loader import ModelConfig, iter_weights
+from pdserve.engine.loader import ModelConfig, iter_dummy_weights, iter_weights
 from pdserve.engine.quant.fp8_checkpoint import ONLINE_FP8, Fp8Scheme, normalize_state
 from pdserve.engine.quant.fp8_linear import Fp8Linear
 from pdserve.engine.quant.fp8_quant import FP8, dequantize_weight, quantize_weight_per_channel
+
+if TYPE_CHECKING:
+    from pdserve.engine.tp.comm import TPGroup
+    from pdserve.engine.tp.layers import RankShard
 
 QUANTIZATIONS = ("none", "fp8")  # EngineConfig.quantization: online quantization of an unquantized checkpoint
 
@@ -38,7 +42,7 @@ QUANTIZATIONS = ("none", "fp8")  # EngineConfig.quantization: online quantizatio
 def project(kc: KernelChoice, layer: nn.Module, x: torch.Tensor, proj: str) -> torch.Tensor:
     """x [T, in] -> layer(x) [T, out]: an `Fp8Linear` runs itself; an nn.Linear goes through the kernel choice."""
     if isinstance(layer, Fp8Linear):
-        return layer(x)
+        return layer(x, pdl=kc.pdl)
     linear = cast(nn.Linear, layer)
     return kc.linear(x, linear.weight, linear.bias, proj)
 
@@ -116,6 +120,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None  # Qwen3: per head
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.kernels = KernelChoice()
+        self.tp: TPGroup | None = None  # tensor parallel: o_proj's partial sums are all-reduced over this group
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, rotary: RotaryEmbedding, cache: KVCache, backend
@@ -133,7 +138,8 @@ class Attention(nn.Module):
             k = kc.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm).view(t, self.num_kv_heads, self.head_dim)
         q = kc.rope_and_store(self.layer_idx, q, k, v, meta, rotary, cache)
         o = backend.attend(self.layer_idx, q, meta, cache, self.scale)  # [T, H, D]
-        return project(kc, self.o_proj, o.reshape(t, qd), "o")
+        out = project(kc, self.o_proj, o.reshape(t, qd), "o")  # [T, hidden]
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -143,16 +149,21 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=b)  # rows: gate | up
         self.down_proj = nn.Linear(i, h, bias=b)
         self.kernels = KernelChoice()
+        self.tp: TPGroup | None = None  # tensor parallel: down_proj's partial sums are all-reduced over this group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]."""
+        out = self._swiglu_down(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _swiglu_down(self, x: torch.Tensor) -> torch.Tensor:
         kc = self.kernels
         gate_up = project(kc, self.gate_up_proj, x, "gate_up")  # [T, 2I]
         if isinstance(self.down_proj, Fp8Linear):
             if kc.fused:
                 from pdserve.engine.kernels.silu_mul import silu_mul
 
-                return self.down_proj(silu_mul(gate_up, pdl=kc.pdl))
+                return self.down_proj(silu_mul(gate_up, pdl=kc.pdl), pdl=kc.pdl)
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(torch.nn.functional.silu(gate) * up)
         return kc.swiglu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
@@ -176,13 +187,22 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: RankShard | None = None):
+        """`tp`: this rank of a tensor-parallel group (pdserve.engine.tp): the modules hold the rank's heads, FFN
+        columns and vocabulary rows (`config` stays the whole model's)."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        local = cfg if tp is None else _tp_local_config(cfg, tp)
+        self.model = DecoderModel(local)
+        self.lm_head = nn.Linear(cfg.hidden_size, local.vocab_size, bias=False)
+        if tp is not None:
+            _use_tp_layers(self, tp)
         self.rotary: RotaryEmbedding | None = None  # set by load_model on the real device
         self.kernels = KernelChoice()
+        # Called with layer i once layer i's K/V are written (the KV handoff's layer-group export, installed for the
+        # steps whose pages stream layer by layer; None otherwise: nothing is called).
+        self.layer_hook: Callable[[int], None] | None = None
 
     def use_kernels(self, choice: KernelChoice) -> None:
         """Hand `choice` to every module (load time; the bench re-chooses, then re-captures its graphs)."""
@@ -201,8 +221,11 @@ class CausalLM(nn.Module):
         kc, layers = self.kernels, cast(Sequence[DecoderLayer], self.model.layers)
         residual = self.model.embed_tokens(input_ids)  # [T, hidden]
         h = kc.rmsnorm(residual, layers[0].input_layernorm)
+        hook = self.layer_hook
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, meta, self.rotary, cache, backend)
+            if hook is not None:  # layer i's K/V are in the pool (written before its attention)
+                hook(i)
             h = kc.add_rmsnorm(a, residual, layer.post_attention_layernorm)  # residual += a; h = norm(residual)
             m = layer.mlp(h)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
@@ -212,7 +235,31 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return project(self.kernels, self.lm_head, hidden, "lm_head").float()
+        logits = project(self.kernels, self.lm_head, hidden, "lm_head").float()  # [N, vocab or this rank's part]
+        if self.tp is None:
+            return logits
+        from pdserve.engine.tp.layers import gather_logits
+
+        return gather_logits(logits, self.tp)
+
+
+def _tp_local_config(cfg: ModelConfig, tp: RankShard) -> ModelConfig:
+    from pdserve.engine.tp.layout import local_config
+
+    return local_config(cfg, tp.rank)
+
+
+def _use_tp_layers(model: CausalLM, tp: RankShard) -> None:
+    """A tensor-parallel rank's collectives: all-reduce after o_proj and down_proj, the vocabulary-parallel
+    embedding (the LM head's gather is in `compute_logits`)."""
+    from pdserve.engine.tp.layers import VocabParallelEmbedding
+
+    start, stop = tp.rank.vocab
+    embedding = VocabParallelEmbedding(start, stop - start, model.config.hidden_size, tp.group)
+    model.model.embed_tokens = embedding  # type: ignore[assignment]  # an nn.Embedding's drop-in (weight, forward)
+    for m in model.modules():
+        if isinstance(m, (Attention, MLP)):
+            m.tp = tp.group
 
 
 _CONCATENATED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -252,23 +299,35 @@ def _concatenate_projections(state: dict[str, torch.Tensor], block: tuple[int, i
 
 
 def _read_state(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, scheme: Fp8Scheme | None, online: bool
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    scheme: Fp8Scheme | None,
+    online: bool,
+    dummy: ModelConfig | None = None,
+    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by HF name, FP8 ones with `weight_scale` (fp8_checkpoint.normalize_state).
     `online`: each projection weight quantized per channel as it streams in (peak memory: the FP8 model plus one
-    bf16 tensor; on CPU dequantized back at once, so the CPU model carries the rounding)."""
+    bf16 tensor; on CPU dequantized back at once, so the CPU model carries the rounding). `dummy`: random
+    tensors of that config's shape instead of the checkpoint's (load_format "dummy", loader.iter_dummy_weights).
+    `shard`: (name, full tensor) -> this tensor-parallel rank's part (tp.shard.RankSharder), applied as each
+    tensor streams in (after online quantization, so every rank holds the TP=1 model's values)."""
     state: dict[str, torch.Tensor] = {}
-    for name, t in iter_weights(model_dir, device, dtype):
+    keep = shard or (lambda _name, x: x)
+    tensors = iter_dummy_weights(dummy, device, dtype) if dummy is not None else iter_weights(model_dir, device, dtype)
+    for name, t in tensors:
         if name.endswith("rotary_emb.inv_freq"):
             continue
         if online and name.endswith(_PROJECTIONS):
             q, scale = quantize_weight_per_channel(t)
             if device.type == "cuda":
-                state[name.removesuffix(".weight") + ".weight_scale"] = scale
+                scale_name = name.removesuffix(".weight") + ".weight_scale"
+                state[scale_name] = keep(scale_name, scale)
                 t = q
             else:
                 t = dequantize_weight(q, scale, None, dtype)
-        state[name] = t
+        state[name] = keep(name, t)
     if scheme is not None and not online:
         normalize_state(state, scheme)
     return state
@@ -314,11 +373,15 @@ def load_model(
     dtype: torch.dtype,
     choice: KernelChoice,
     quantization: str = "none",
+    load_format: str = "auto",
+    tp: RankShard | None = None,
 ) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors by name (strict), q/k/v and gate/up
     concatenated; the modules then run the kernels of `choice`. FP8: the checkpoint's own format
     (`cfg.quantization`), else `quantization="fp8"` quantizes the projections at load (per channel, dynamic
-    per-token activations); an FP8 checkpoint keeps its format either way."""
+    per-token activations); an FP8 checkpoint keeps its format either way. `load_format="dummy"`: random weights
+    made on `device` from `cfg` alone (no safetensors read). `tp`: load this tensor-parallel rank's part only
+    (pdserve.engine.tp; tied embeddings share the embedding's vocabulary slice)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     online = cfg.quantization is None and quantization == "fp8"
@@ -331,8 +394,13 @@ def load_model(
     if scheme is not None and device.type == "cuda" and scheme.weights == "block" and not triton:
         raise ValueError("block-scaled FP8 weights on CUDA need the Triton kernels (triton=true)")
     with torch.device("meta"):
-        model = CausalLM(cfg)
-    state = _read_state(model_dir, device, dtype, scheme, online)
+        model = CausalLM(cfg, tp)
+    shard = None
+    if tp is not None:
+        from pdserve.engine.tp.shard import RankSharder
+
+        shard = RankSharder(cfg, tp.layout, tp.group.rank)
+    state = _read_state(model_dir, device, dtype, scheme, online, cfg if load_format == "dummy" else None, shard)
     if "lm_head.weight" not in state:
         if not cfg.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")

@@ -5,12 +5,20 @@ generators. It also moves pages in and out of the pool.
 
 The engine (`pdserve.engine.engine`) hands it sequences and integers (page ids, token counts) and never touches
 a tensor, except the logits rows it returns on request (`return_logits`).
+
+Tensor parallel (`EngineConfig.tensor_parallel_size` N > 1, `pdserve.engine.tp`): the instance's runner is rank 0;
+it starts ranks 1..N-1 (`tp.supervisor`), loads its shard, sizes its pool with its own KV heads, and broadcasts
+every forward (`_forward`), every logits block (`_logits`) and every page copy so that the followers
+(`tp.follower`, the same runner on their shard) run the same steps. No decode CUDA graphs and no page import /
+export at N > 1 yet (the pool holds a rank's heads only).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +36,7 @@ from pdserve.engine.cuda_graphs import GRAPH_BACKENDS, graph_context, make_decod
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import ModelConfig
-from pdserve.engine.logits_processors import LogitsPlan
+from pdserve.engine.logits_processors import LogitsPlan, masked_logits
 from pdserve.engine.model import load_model
 from pdserve.engine.sampling import (
     SamplingParams,
@@ -39,8 +47,15 @@ from pdserve.engine.sampling import (
     token_logprobs,
 )
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.structured import MaskedDraw, MaskFiller
+from pdserve.engine.tp.layout import local_config, make_layout
 from pdserve.kv.dtypes import DTYPES
 from pdserve.kv.payload import CachedUpload, PagePayload
+
+if TYPE_CHECKING:
+    from pdserve.engine.tp.layers import RankShard
+    from pdserve.engine.tp.supervisor import RankSupervisor
+    from pdserve.engine.tp.worker import PlanLeader
 
 log = logging.getLogger("pdserve.engine")
 
@@ -48,27 +63,79 @@ PROMPT_LOGPROB_BLOCK = 256  # prompt rows per logits block (a [256, vocab] float
 
 
 class DecodeLaunch:
-    """A queued greedy decode step's tokens: `tokens()` waits for them."""
+    """A queued greedy decode step's tokens: `tokens()` waits for them. With structured-output rows (`masked`) the
+    forward is queued first and the draw among the grammar's tokens once the masks are filled (`sample`)."""
 
-    def __init__(self, greedy: torch.Tensor, done: torch.cuda.Event | None):
+    def __init__(self, greedy: torch.Tensor | None, done: torch.cuda.Event | None, masked: MaskedDraw | None = None):
         self._greedy = greedy  # [B] int64 (pinned host memory on CUDA)
         self._done = done
+        self._masked = masked
+
+    def start_masks(self) -> None:
+        """Start filling the grammar masks (once the host has fed the sequences' previous tokens to them)."""
+        if self._masked is not None:
+            self._masked.start()
+
+    def sample(self) -> None:
+        """Queue the masked draw (waits for the masks); a no-op without grammar rows or when done already."""
+        if self._masked is not None:
+            self._greedy, self._done = self._masked.finish()
+            self._masked = None
 
     def tokens(self) -> list[int]:
+        self.sample()
         if self._done is not None:
             self._done.synchronize()
+        assert self._greedy is not None
         return self._greedy.tolist()
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_config: ModelConfig):
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig, tp: RankShard | None = None):
+        """`tp`: this process is a follower rank of a tensor-parallel instance (`tp.follower`); None with
+        `cfg.tensor_parallel_size` > 1: this process is the instance, rank 0, and starts the followers."""
         self.cfg = cfg
         self.model_config = mc = model_config
         self.device = resolve_device(cfg.device)
         self.bind_thread()
         self.dtype = resolve_dtype(cfg.dtype, self.device, mc.torch_dtype)
         self.page_size = cfg.page_size
-        self.kernels = KernelChoice.select(cfg, self.device, mc)
+        # fp8: one scale per (token, KV head) (group = head_dim): e4m3's error is relative, so finer groups buy
+        # little, and the fp8 decode kernel folds that one scale into the scores / probabilities
+        self.kv_group_size = mc.head_dim if cfg.kv_dtype == "fp8" else min(cfg.kv_group_size, mc.head_dim)
+        if mc.head_dim % self.kv_group_size:
+            raise ValueError(f"kv_group_size {cfg.kv_group_size} does not divide head_dim {mc.head_dim}")
+        self.kv_asymmetric = cfg.kv_asymmetric and cfg.kv_dtype == "int8"
+        self.tp_size = cfg.tensor_parallel_size if tp is None else tp.layout.tp_size
+        layout = make_layout(mc, self.tp_size) if self.tp_size > 1 else None  # the model splits: ValueError if not
+        self._supervisor: RankSupervisor | None = None
+        if layout is not None and tp is None:  # rank 0: start ranks 1..N-1 before loading anything
+            from pdserve.engine.tp.layers import RankShard
+            from pdserve.engine.tp.supervisor import RankSupervisor
+
+            self._supervisor = RankSupervisor.start(cfg, self.device)
+            assert self._supervisor.group is not None
+            tp = RankShard(self._supervisor.group, layout)
+        self.tp = tp
+        self._leader: PlanLeader | None = None
+        try:
+            self._load(cfg, mc, tp)
+        except BaseException:
+            if self._supervisor is not None:  # no follower outlives a failed start
+                self._supervisor.stop(timeout_s=0.0)
+            raise
+        if self._supervisor is not None:
+            self._lead(self._supervisor)
+        self._seed_rng = torch.Generator().manual_seed(cfg.seed)  # seeds of requests without one
+        self._generators: dict[str, torch.Generator] = {}  # sampled (non-greedy) live requests
+        self._eos_token_ids = list(mc.eos_token_ids)  # banned before a request's min_tokens
+        self._mask_filler: MaskFiller | None = None  # structured output in overlapped decode: masks' worker thread
+
+    def _load(self, cfg: EngineConfig, mc: ModelConfig, tp: RankShard | None) -> None:
+        """Kernels, backend, the model (this rank's shard at TP > 1), the KV pool and the decode graphs."""
+        local = mc if tp is None else local_config(mc, tp.rank)  # the shapes this rank's kernels see
+        self.num_local_kv_heads = local.num_kv_heads  # KV heads of this rank's pool
+        self.kernels = KernelChoice.select(cfg, self.device, local)
         self.backend, reason = select_backend(cfg.attention_backend, self.device, self.dtype, self.kernels)
         log.info(
             "attention backend: %s (%s); fused kernels %s, PDL %s",
@@ -77,16 +144,15 @@ class ModelRunner:
             self.kernels.fused,
             self.kernels.pdl,
         )
-        self.model = load_model(cfg.model_dir, mc, self.device, self.dtype, self.kernels, cfg.quantization)
+        self.model = load_model(
+            cfg.model_dir, mc, self.device, self.dtype, self.kernels, cfg.quantization, cfg.load_format, tp=tp
+        )
 
-        # fp8: one scale per (token, KV head) (group = head_dim): e4m3's error is relative, so finer groups buy
-        # little, and the fp8 decode kernel folds that one scale into the scores / probabilities
-        self.kv_group_size = mc.head_dim if cfg.kv_dtype == "fp8" else min(cfg.kv_group_size, mc.head_dim)
-        if mc.head_dim % self.kv_group_size:
-            raise ValueError(f"kv_group_size {cfg.kv_group_size} does not divide head_dim {mc.head_dim}")
-        self.kv_asymmetric = cfg.kv_asymmetric and cfg.kv_dtype == "int8"
         self.num_pages = cfg.num_pages or self._auto_num_pages()
-        shape = (mc.num_layers, self.num_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        if tp is not None:  # one pool size on every rank (each sized its own from its device's memory)
+            self.num_pages = tp.group.min_int(self.num_pages)
+        kv_heads = self.num_local_kv_heads
+        shape = (mc.num_layers, self.num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
         self.kv_cache: KVCache = (
             QuantizedKVCache(
                 *shape,
@@ -106,11 +172,61 @@ class ModelRunner:
             cfg.max_num_seqs,
             graph_context(mc.max_position_embeddings, cfg.cuda_graph_max_context, cfg.page_size),
             self.device,
-            cfg.cuda_graphs,
+            cfg.cuda_graphs and tp is None,  # TP: the captured all-reduce is not wired yet
         )
-        self._seed_rng = torch.Generator().manual_seed(cfg.seed)  # seeds of requests without one
-        self._generators: dict[str, torch.Generator] = {}  # sampled (non-greedy) live requests
-        self._eos_token_ids = list(mc.eos_token_ids)  # banned before a request's min_tokens
+
+    # ---- tensor parallel (rank 0) ------------------------------------------------------------------------
+    def _lead(self, supervisor: RankSupervisor) -> None:
+        """Rank 0: every forward, logits block and page copy from now on is broadcast to the followers first (under
+        the supervisor's guard: a failure ends the instance). Page import / export would move rank 0's heads
+        only: refused."""
+        from pdserve.engine.tp.worker import PlanLeader, copy_message
+
+        group = supervisor.group
+        assert group is not None
+        self._leader = leader = PlanLeader(self.model, self.kv_cache, self.backend, group, self.page_size)
+        cache = self.kv_cache
+        local_copy = cache.copy_pages
+
+        def copy_pages(src: list[int], dst: list[int]) -> None:
+            with supervisor.guard():
+                group.broadcast_ints(copy_message(src, dst))
+                local_copy(src, dst)
+
+        def refused(*args, **kwargs):
+            raise RuntimeError(
+                f"KV page import / export is not supported with tensor_parallel_size {self.tp_size} yet (each "
+                "rank's pool holds its own heads)"
+            )
+
+        # the engine, handoff and prompt cache call the pool directly: its page copies go through the group
+        cache.copy_pages = copy_pages  # type: ignore[method-assign]
+        for name in ("import_page", "gather_pages", "scatter_pages"):
+            setattr(cache, name, refused)
+        supervisor.lead(leader)
+
+    def _forward(
+        self, ids: list[int], starts: list[int], q_lens: list[int], tables: list[list[int]], num_decode: int
+    ) -> torch.Tensor:
+        """One forward of the model over the pool -> hidden [T, hidden] (T = sum(q_lens)); at TP > 1 the
+        followers run the same step."""
+        if self._leader is not None:
+            from pdserve.engine.tp.worker import StepPlan
+
+            plan = StepPlan(ids, starts, q_lens, [list(t) for t in tables], num_decode, [])
+            assert self._supervisor is not None
+            with self._supervisor.guard():
+                return self._leader.forward(plan)
+        meta = AttentionMetadata(starts, q_lens, tables, self.page_size, self.device, num_decode)
+        return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits [len(rows), V] float32 of `rows` of the last forward's hidden states."""
+        if self._leader is not None:
+            assert self._supervisor is not None
+            with self._supervisor.guard():
+                return self._leader.logits(hidden, rows)
+        return self.model.compute_logits(hidden[rows])
 
     # ---- sizing ------------------------------------------------------------------------------------------
     @property
@@ -119,13 +235,13 @@ class ModelRunner:
         return self.cfg.kv_dtype in ("int8", "fp8")
 
     def page_bytes(self) -> int:
-        """Bytes of one KV page (all layers, K and V, scales included)."""
-        mc, cfg = self.model_config, self.cfg
+        """Bytes of one KV page of this rank's pool (all layers, K and V, scales included)."""
+        mc, cfg, kvh = self.model_config, self.cfg, self.num_local_kv_heads
         if self.kv_quantized:  # int8 and fp8 both hold one byte per value
             return QuantizedKVCache.int8_bytes_per_page(
-                mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.kv_group_size, self.kv_asymmetric
+                mc.num_layers, cfg.page_size, kvh, mc.head_dim, self.kv_group_size, self.kv_asymmetric
             )
-        return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        return KVCache.bytes_per_page(mc.num_layers, cfg.page_size, kvh, mc.head_dim, self.dtype)
 
     def _auto_num_pages(self) -> int:
         """Pages of `kv_cache_memory` when it names a size (either device); auto: on a GPU what
@@ -276,16 +392,37 @@ class ModelRunner:
         """Queue one greedy decode step: row i computes position positions[i] of seqs[i] (its pages allocated).
         prev None: the inputs are the sequences' tokens at those positions; else the rows of `prev` (the same
         sequences, in order) feed their sampled tokens, which the host has not read yet."""
+        if prev is not None:
+            prev.sample()  # its masked draw is this step's input: queued first
         if self.device.type == "cuda":
-            assert self.graph_runner is not None
+            graphs = self.graph_runner
+            assert graphs is not None
             ids = None if prev is not None else [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
-            self.graph_runner.run(ids, positions, [s.page_table for s in seqs])
-            host, done = self.graph_runner.take_greedy(len(seqs))
+            graphs.run(ids, positions, [s.page_table for s in seqs])
+            if any(s.grammar is not None for s in seqs):  # structured output: the graph's masked argmax
+                return self._masked_launch(seqs, prev, graphs.sample_masked)
+            host, done = graphs.take_greedy(len(seqs))
             return DecodeLaunch(host, done)
         ids = prev.tokens() if prev is not None else [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
-        meta = AttentionMetadata(positions, [1] * len(seqs), [s.page_table for s in seqs], self.page_size, self.device)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend)
-        return DecodeLaunch(self.model.compute_logits(hidden).argmax(dim=-1), None)
+        tables = [s.page_table for s in seqs]
+        hidden = self._forward(ids, positions, [1] * len(seqs), tables, len(seqs))  # [B, hidden]
+        logits = self._logits(hidden, list(range(len(seqs))))  # [B, V] float32
+        if any(s.grammar is not None for s in seqs):
+            return self._masked_launch(seqs, prev, lambda m: (masked_logits(logits, m).argmax(dim=-1), None))
+        return DecodeLaunch(logits.argmax(dim=-1), None)
+
+    def _masked_launch(
+        self, seqs: list[Sequence], prev: DecodeLaunch | None, draw: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]
+    ) -> DecodeLaunch:
+        """A launch whose draw waits for the grammar masks (MaskedDraw); filled from now on for a first step (the
+        sequences' tokens are all fed), after the engine fed `prev`'s tokens for a chained one (`start_masks`)."""
+        if self._mask_filler is None:
+            pin = self.device.type == "cuda"
+            self._mask_filler = MaskFiller(self.cfg.max_num_seqs, self.model_config.vocab_size, pin)
+        launch = DecodeLaunch(None, None, MaskedDraw(self._mask_filler, [s.grammar for s in seqs], draw))
+        if prev is None:
+            launch.start_masks()
+        return launch
 
     # ---- one forward -------------------------------------------------------------------------------------
     def run(
@@ -293,11 +430,14 @@ class ModelRunner:
         seqs: list[Sequence],
         num_new_tokens: list[int],
         sample_rows: list[int],
-        is_prefill: bool,
+        num_decode: int,
         return_logits: bool,
     ) -> tuple[dict[int, int], dict[int, torch.Tensor], dict[int, TokenLogprob], dict[int, list[TokenLogprob]]]:
         """Compute `num_new_tokens[i]` tokens of each sequence from its `num_computed_tokens` on (its pages are
-        allocated); sample one token for each row in `sample_rows` (a forced token, `Sequence.forced_token`,
+        allocated), in one forward: the first `num_decode` sequences are decode rows (one token each; attention
+        through the decode path), the rest prefill chunks (the prefill path); linear layers run once over all rows.
+        A pure decode step runs through the decode CUDA graphs when captured; a step with prefill rows runs eagerly.
+        Sample one token for each row in `sample_rows` (a forced token, `Sequence.forced_token`,
         replaces the draw; the generator still advances). Returns (row -> token, row -> float32 logits [V] when
         `return_logits`, row -> the token's logprob when its sampling asks, row -> log P(prompt[p + 1]) (with
         `top_logprobs` alternatives) for the prompt positions p this step computed, when its sampling asks for
@@ -309,21 +449,13 @@ class ModelRunner:
         graphs = self.graph_runner
         if (
             graphs is not None
-            and not is_prefill
+            and num_decode == len(seqs)
             and graphs.can_run(len(seqs), max(s.num_computed_tokens for s in seqs) + 1)
         ):
             graph_logits = graphs.run(ids, [s.num_computed_tokens for s in seqs], [s.page_table for s in seqs])
         else:
-            meta = AttentionMetadata(
-                [s.num_computed_tokens for s in seqs],
-                list(num_new_tokens),
-                [s.page_table for s in seqs],
-                self.page_size,
-                self.device,
-            )
-            hidden = self.model(
-                torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend
-            )  # [T, hidden]
+            starts = [s.num_computed_tokens for s in seqs]
+            hidden = self._forward(ids, starts, list(num_new_tokens), [s.page_table for s in seqs], num_decode)
         # penalties / bias / grammar masks of the sampled rows, built on the host while the device runs the step
         plan = LogitsPlan.build([seqs[i] for i in sample_rows], self.model_config.vocab_size, self._eos_token_ids)
         prompt_lps = {} if graph_logits is not None else self._prompt_logprobs(seqs, num_new_tokens, hidden)
@@ -336,7 +468,7 @@ class ModelRunner:
             greedy = [greedy[i] for i in sample_rows]
         else:
             last = list(itertools.accumulate(num_new_tokens))
-            logits = self.model.compute_logits(hidden[[last[i] - 1 for i in sample_rows]])  # [S, V] float32
+            logits = self._logits(hidden, [last[i] - 1 for i in sample_rows])  # [S, V] float32
             greedy = logits.argmax(dim=-1).tolist()
         draw_logits = logits  # what the draws see; `logits` stays the model's (logprobs, return_logits)
         if plan is not None:
@@ -376,8 +508,8 @@ class ModelRunner:
                 k = seq.sampling.top_logprobs
                 vals: list[TokenLogprob] = []
                 for b in range(0, len(targets), PROMPT_LOGPROB_BLOCK):
-                    h = hidden[offset + b : offset + min(b + PROMPT_LOGPROB_BLOCK, len(targets))]  # [<=B, hidden]
-                    vals.extend(token_logprobs(self.model.compute_logits(h), targets[b : b + len(h)], k))
+                    rows = list(range(offset + b, offset + min(b + PROMPT_LOGPROB_BLOCK, len(targets))))  # <= B
+                    vals.extend(token_logprobs(self._logits(hidden, rows), targets[b : b + len(rows)], k))
                 out[i] = vals
             offset += n
         return out

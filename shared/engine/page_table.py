@@ -7,6 +7,9 @@ namespace: `pdserve.cache.keys`) may be `register`ed. Pages are reference counte
 holder frees it is not returned to the free list but kept as *evictable*, still holding its KV, so a later request
 with the same prefix takes it (`share`) instead of recomputing or re-importing it. Evictable pages count as free:
 `allocate` takes plain free pages first, then evicts the least recently released registered ones.
+
+Forks (n > 1 / best_of): the sequences of one request hold the prompt's full pages together (`hold`: one more
+hold on pages already held); each page returns to the pool when its last holder frees it.
 """
 
 from __future__ import annotations
@@ -110,6 +113,20 @@ class PageAllocator:
     def num_evictable(self, pages: Iterable[int]) -> int:
         """How many of `pages` nobody holds (taking them lowers `num_free` by as many)."""
         return sum(1 for p in pages if p in self._evictable)
+
+    def hold(self, pages: Iterable[int]) -> None:
+        """Take one more hold on each of `pages`, all already held (a fork sharing its request's prompt pages).
+        Raises ValueError, holding none, when one is not held."""
+        pages = list(pages)
+        bad = [p for p in pages if p not in self._refs]
+        if bad:
+            raise ValueError(f"cannot hold pages nobody holds: {bad}")
+        for p in pages:
+            self._refs[p] += 1
+
+    def refcount(self, page: int) -> int:
+        """Holders of `page` (0: free or evictable)."""
+        return self._refs.get(page, 0)
 
     def share(self, pages: Iterable[int]) -> None:
         """Take one more hold on each registered page (`held_prefix`'s result)."""

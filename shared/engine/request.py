@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.payload import PagePayload
+from pdserve.kv.transfer.layers import LayerStream
+
+if TYPE_CHECKING:
+    from pdserve.cache.prefix_fetch import PrefixFetch
 
 
 @dataclass
@@ -21,7 +26,14 @@ class EngineRequest:
     last `resumed_tokens` prompt tokens count as completion tokens, their first `resumed_text_chars` characters
     were delivered already.
     `prefix_keys`: keys of the prompt's full pages (`pdserve.cache.keys`); the request starts on the pool pages that
-    hold its longest registered prefix, and registers the full pages it computed when it ends."""
+    hold its longest registered prefix, and registers the full pages it computed when it ends.
+    `layer_stream`: prefill-only; each chunk's completed pages go to its sink layer group by layer group during the
+    forward (`pdserve.kv.transfer.layers`), besides `ready_pages`.
+    `prefix_fetch`: the prompt cache's pages after `cached_pages`, fetched while the prompt computes; those that
+    land before the compute reaches them are loaded instead (`pdserve.engine.prefix_fetch`).
+    `n`, `best_of` (0: n): the prompt is computed once, then the request forks into `best_of` sequences over its
+    shared pages and returns `n` completions (StepOutput.index), the best by cumulative logprob when best_of > n
+    (`pdserve.engine.forks`); not with prefill_only, forced_token_ids or a failover resume."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -34,3 +46,7 @@ class EngineRequest:
     resumed_text_chars: int = 0
     keep_cached_upload: bool = False
     prefix_keys: list[bytes] | None = None
+    layer_stream: LayerStream | None = None
+    prefix_fetch: PrefixFetch | None = None
+    n: int = 1
+    best_of: int = 0

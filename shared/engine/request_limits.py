@@ -11,3 +11,4 @@ MAX_LOGIT_BIAS = 300  # OpenAI's ceiling on logit_bias entries
 MAX_REPETITION_PENALTY = 2.0
 MAX_STRUCTURED_CHARS = 65536  # a JSON schema / regex / grammar / choice list, in characters
 MAX_CHOICES = 256
+MAX_N = 16  # GenerateRequest.n and best_of: sequences one request may fork into

@@ -69,6 +69,13 @@ class SamplingParams:
         structured output); requests without any cost nothing."""
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
 
+    @property
+    def needs_host_logits(self) -> bool:
+        """Whether the draw needs the step's logits processed by the host-built plan (penalties, bias, a min_tokens
+        EOS ban): a structured output alone only masks, which a decode graph applies itself (`processes_logits`
+        minus that)."""
+        return self.has_penalties or bool(self.logit_bias) or (self.min_tokens > 0 and self.structured is None)
+
     def validate(self, max_model_len: int | None = None, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest(reason) for values the engine cannot honour."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

@@ -1,15 +1,28 @@
-"""Continuous-batching scheduler: chunked prefill steps and decode steps over a paged KV pool.
+"""Continuous-batching scheduler: mixed steps of decode rows and prefill chunks over a paged KV pool.
 
 Policy (kept simple and correct):
-- A step is either a prefill batch (up to `chunk_size` new tokens across waiting sequences, FIFO; a long prompt
-  spans several steps) or a decode batch (one token for every running sequence). Prefill goes first, except
-  that a prefill step is always followed by a decode step when sequences are running (bounded decode stall).
+- Every step decodes one token for every running sequence (the decode rows) and, in the same forward, computes
+  prefill chunks of waiting sequences with what is left of the step's token budget (the prefill rows): a step of
+  D decode rows prefills at most `prefill_budget(D)` = min(`chunk_size`, `step_token_budget` − D) tokens, never
+  fewer than a quarter of min(`chunk_size`, `step_token_budget`) (`MIN_PREFILL_SHARE`), so prompts progress beside
+  a full decode batch. Decode rows are never dropped: the budget bounds the step's time, and so TPOT. A step with
+  no prefill is a pure decode step (the decode CUDA graphs), one with no running sequence a pure prefill step (a
+  prefill-only instance's steps are all of that kind).
+- Prefill rows of several sequences share a step. The budget goes first to the oldest waiting sequence (queue
+  order), up to a quarter of it (`HEAD_SHARE`), then to every candidate by fewest uncomputed tokens first
+  (shortest remaining first, the oldest counted after its share; ties in queue order). A long prompt thus
+  never holds back a short one that arrived after it by more than a step (a short prompt of up to three quarters
+  of the budget is computed in the next step), and it still advances by at least a quarter of the budget every
+  step while it is the oldest, so no prompt starves; prompts of equal length run in arrival order (the one that
+  started has fewer tokens left).
 - A sequence gets the pages for all its uncomputed tokens when its prefill starts (so partially prefilled
-  sequences can never deadlock each other); decode takes one more page on a page boundary.
+  sequences can never deadlock each other); decode takes one more page on a page boundary. The sequences a step
+  gives tokens to start in queue order: once one does not fit (pages or `max_num_seqs`), no later one starts in
+  that step; the oldest waiting sequence is always given tokens, so it starts as soon as the pool can hold it.
 - Out of pages while decoding: the newest running sequence is preempted back to the front of the waiting
   queue, its pages freed; it is recomputed later (prompt + completion so far, via prefill).
 - A waiting sequence with exactly one uncomputed token (an imported request, or a one-token prompt) joins the
-  running batch directly: its next step is a plain decode step.
+  running batch directly: its next step decodes it.
 - At most `max_num_seqs` sequences are admitted (running + partially prefilled) at once.
 - A sequence with `prefix_keys` is admitted onto the pool pages that already hold its longest registered prefix
   (PageAllocator prefix reuse); only the tokens after them are computed.
@@ -23,23 +36,41 @@ from dataclasses import dataclass
 from pdserve.engine.page_table import PageAllocator
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
+MIN_PREFILL_SHARE = 4  # a step's prefill budget is never below 1/4 of min(chunk_size, step_token_budget)
+HEAD_SHARE = 4  # the oldest prefilling sequence is given up to 1/4 of the step's prefill budget first
+
 
 @dataclass
 class ScheduledBatch:
+    """One step: `seqs[:num_decode]` decode one token each (running sequences), `seqs[num_decode:]` compute
+    prompt chunks (`num_new_tokens[i]` tokens from `seqs[i].num_computed_tokens` on)."""
+
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # per sequence: tokens computed this step, from seq.num_computed_tokens
-    is_prefill: bool
+    num_new_tokens: list[int]
+    num_decode: int
+    prefill_budget: int = 0  # prefill tokens this step could have taken (the capacity meter's "full step")
+
+    @property
+    def is_decode(self) -> bool:
+        """A pure decode step (no prefill rows)."""
+        return self.num_decode == len(self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.num_new_tokens[self.num_decode :])
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, chunk_size: int, max_num_seqs: int):
+    def __init__(
+        self, allocator: PageAllocator, page_size: int, chunk_size: int, max_num_seqs: int, step_token_budget: int = 0
+    ):
         self.allocator = allocator
         self.page_size = page_size
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
+        self.step_token_budget = step_token_budget or chunk_size  # 0: chunk_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order
-        self._last_was_prefill = False
 
     # ---- membership --------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -82,15 +113,21 @@ class Scheduler:
         """Whether a waiting sequence could join the next step (to prefill or to decode): not one importing."""
         return any(s.status in (SequenceStatus.WAITING, SequenceStatus.PREFILLING) for s in self.waiting)
 
+    def prefill_budget(self, num_decode: int) -> int:
+        """Prefill tokens a step with `num_decode` decode rows may compute (module docstring)."""
+        cap = min(self.chunk_size, self.step_token_budget)
+        return min(cap, max(self.step_token_budget - num_decode, max(1, cap // MIN_PREFILL_SHARE)))
+
     # ---- scheduling --------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        """The next step: every running sequence's decode row, then prefill chunks within the budget left."""
         self._admit_decode_ready()
-        if self._last_was_prefill and self.running:
-            batch = self._schedule_decode() or self._schedule_prefill()
-        else:
-            batch = self._schedule_prefill() or self._schedule_decode()
-        self._last_was_prefill = batch is not None and batch.is_prefill
-        return batch
+        decode = self._schedule_decode()
+        budget = self.prefill_budget(len(decode))
+        prefill, counts = self._schedule_prefill(budget)
+        if not decode and not prefill:
+            return None
+        return ScheduledBatch(decode + prefill, [1] * len(decode) + counts, len(decode), budget)
 
     def _admit_decode_ready(self) -> None:
         admitted = self._num_admitted()
@@ -103,41 +140,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self._join_running(seq)
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget, admitted = self.chunk_size, self._num_admitted()
-        seqs: list[Sequence] = []
-        counts: list[int] = []
-        for seq in self.waiting:
-            if budget == 0:
-                break
-            if seq.status == SequenceStatus.WAITING:  # not started: admit it with all its pages, or stop (FIFO)
-                shared = self._reusable_prefix(seq)
-                need = self.pages_for(seq, seq.num_tokens) - len(shared)
-                free = self.allocator.num_free - self.allocator.num_evictable(shared)
-                if admitted >= self.max_num_seqs or need > free:
-                    break
-                if shared:  # the prefix's KV is in the pool already: hold those pages, compute after them
-                    self.allocator.share(shared)
-                    seq.page_table = shared
-                    seq.num_computed_tokens = len(shared) * self.page_size
-                    seq.num_shared_pages, seq.shared_pages_reported = len(shared), False
-                seq.page_table.extend(self.allocator.allocate(need))
-                seq.status = SequenceStatus.PREFILLING
-                admitted += 1
-            n = min(seq.num_uncomputed, budget)
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
-        return ScheduledBatch(seqs, counts, True) if seqs else None
-
-    def _reusable_prefix(self, seq: Sequence) -> list[int]:
-        """Registered pool pages holding the longest prefix of `seq`'s full pages, leaving at least its last token
-        to compute; none for a sequence that has pages or computed tokens already (a prompt-cache import)."""
-        if not seq.prefix_keys or seq.page_table or seq.num_computed_tokens:
-            return []
-        return self.allocator.held_prefix(seq.prefix_keys[: (seq.num_tokens - 1) // self.page_size])
-
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _schedule_decode(self) -> list[Sequence]:
+        """The running sequences, each with a page for one more token (preempting the newest when out of pages)."""
         i = 0
         while i < len(self.running):  # oldest first; victims are taken from the end (newest)
             seq = self.running[i]
@@ -149,9 +153,66 @@ class Scheduler:
                 break
             seq.page_table.extend(self.allocator.allocate(need))
             i += 1
-        if not self.running:
-            return None
-        return ScheduledBatch(list(self.running), [1] * len(self.running), False)
+        return list(self.running)
+
+    def _schedule_prefill(self, budget: int) -> tuple[list[Sequence], list[int]]:
+        """Prefill rows within `budget` tokens: (sequences in queue order, tokens of each)."""
+        cands: list[Sequence] = []
+        startable = self.max_num_seqs - self._num_admitted()
+        for seq in self.waiting:
+            if seq.status == SequenceStatus.PREFILLING:
+                cands.append(seq)
+            elif seq.status == SequenceStatus.WAITING and startable > 0:
+                cands.append(seq)
+                startable -= 1
+        if not cands or budget <= 0:
+            return [], []
+        plan = share_prefill_budget([s.num_uncomputed for s in cands], budget)
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        blocked = False  # a sequence could not start: none after it in the queue starts this step
+        for seq, n in zip(cands, plan):
+            if seq.status == SequenceStatus.WAITING:
+                if blocked or not n:
+                    continue
+                if not self._start(seq):
+                    blocked = True
+                    continue
+            if n:
+                seqs.append(seq)
+                counts.append(min(n, seq.num_uncomputed))  # a reused prefix may have shortened it
+        left = budget - sum(counts)
+        for i, seq in enumerate(seqs):  # budget of sequences that could not start: to the others, oldest first
+            if left <= 0:
+                break
+            more = min(seq.num_uncomputed - counts[i], left)
+            counts[i] += more
+            left -= more
+        return seqs, counts
+
+    def _start(self, seq: Sequence) -> bool:
+        """Admit a waiting sequence to prefill with all its pages (onto a reusable pool prefix when it has one);
+        False when the pool cannot hold it now."""
+        shared = self._reusable_prefix(seq)
+        need = self.pages_for(seq, seq.num_tokens) - len(shared)
+        free = self.allocator.num_free - self.allocator.num_evictable(shared)
+        if need > free:
+            return False
+        if shared:  # the prefix's KV is in the pool already: hold those pages, compute after them
+            self.allocator.share(shared)
+            seq.page_table = shared
+            seq.num_computed_tokens = len(shared) * self.page_size
+            seq.num_shared_pages, seq.shared_pages_reported = len(shared), False
+        seq.page_table.extend(self.allocator.allocate(need))
+        seq.status = SequenceStatus.PREFILLING
+        return True
+
+    def _reusable_prefix(self, seq: Sequence) -> list[int]:
+        """Registered pool pages holding the longest prefix of `seq`'s full pages, leaving at least its last token
+        to compute; none for a sequence that has pages or computed tokens already (a prompt-cache import)."""
+        if not seq.prefix_keys or seq.page_table or seq.num_computed_tokens:
+            return []
+        return self.allocator.held_prefix(seq.prefix_keys[: (seq.num_tokens - 1) // self.page_size])
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free all pages; the sequence re-prefills prompt + completion later."""
@@ -160,3 +221,19 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_imported_pages = seq.num_shared_pages = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+
+def share_prefill_budget(remaining: list[int], budget: int) -> list[int]:
+    """Tokens for each prefill candidate (`remaining[i]` uncomputed tokens, in queue order) out of `budget`: the
+    oldest (index 0) first gets up to budget / HEAD_SHARE, then candidates by fewest tokens left (the oldest's
+    after that share) first, ties in queue order."""
+    give = [0] * len(remaining)
+    give[0] = min(remaining[0], max(1, budget // HEAD_SHARE))
+    left = budget - give[0]
+    for i in sorted(range(len(remaining)), key=lambda i: (remaining[i] - give[i], i)):
+        if left <= 0:
+            break
+        n = min(remaining[i] - give[i], left)
+        give[i] += n
+        left -= n
+    return give

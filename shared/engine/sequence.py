@@ -5,11 +5,17 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from pdserve.engine.forks import ChoicePlan, ForkGroup
 from pdserve.engine.reasoning_budget import ReasoningBudget
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.structured import GrammarState
 from pdserve.kv.payload import CachedUpload, PagePayload
+from pdserve.kv.transfer.layers import LayerStream
+
+if TYPE_CHECKING:
+    from pdserve.cache.prefix_fetch import PrefixFetch
 
 
 class SequenceStatus(enum.Enum):
@@ -75,7 +81,7 @@ class Sequence:
     text: str = ""  # decoded completion text (may extend past what was emitted)
     num_emitted_chars: int = 0
     max_model_len: int = 0
-    pages_imported: list[bool] | None = None  # IMPORTING: per logical page, whether its KV arrived
+    pages_imported: list[int] | None = None  # IMPORTING: per logical page, how many of its layers arrived
     early_first_token: int | None = None  # IMPORTING: the first token, streamed before the pages were all in
     early_finished: bool = False  # ... and it ended the request: `finish_import` drops the sequence
     reasoning: ReasoningBudget | None = None  # sampling.max_reasoning_tokens: forces the think close tag
@@ -89,6 +95,11 @@ class Sequence:
     shared_pages_reported: bool = True  # prefill-only: the shared pages went out in a `ready_pages` already
     num_prior_output_tokens: int = 0  # the prompt's last tokens were generated elsewhere (`sampled_before`)
     grammar: GrammarState | None = None  # sampling.structured: the matcher, fed every appended token
+    layer_stream: LayerStream | None = None  # prefill-only: its pages leave layer group by layer group (kv_handoff)
+    prefix_fetch: PrefixFetch | None = None  # cached prefix pages racing the compute (engine/prefix_fetch.py)
+    choices: ChoicePlan | None = None  # n / best_of > 1: forks once its prompt's KV is complete (forks.py)
+    group: ForkGroup | None = None  # once forked: the request's forks, this one among them
+    index: int = 0  # ... and which of them this is (its choice, or best_of candidate)
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property

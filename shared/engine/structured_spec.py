@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from pdserve.engine.request_limits import MAX_CHOICES, MAX_STRUCTURED_CHARS
 from pdserve.errors import InvalidRequest
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """`kind` one of KINDS; `value`: the JSON schema text, the regex or the EBNF grammar ("" for json_object);
+    """`kind` one of KINDS; `value`: the JSON schema text, the regex, the EBNF grammar or the xgrammar structural
+    tag (JSON text) ("" for json_object);
     `choices`: the allowed outputs (kind "choice")."""
 
     kind: str
@@ -29,7 +30,7 @@ class StructuredSpec:
         size = len(self.value) + sum(len(c) for c in self.choices)
         if size > MAX_STRUCTURED_CHARS:
             raise InvalidRequest(f"structured output of {size} characters: at most {MAX_STRUCTURED_CHARS}")
-        if self.kind in ("json_schema", "regex", "grammar") and not self.value:
+        if self.kind in ("json_schema", "regex", "grammar", "structural_tag") and not self.value:
             raise InvalidRequest(f"structured output {self.kind} is empty")
         if self.kind == "json_schema":
             try:
@@ -38,6 +39,13 @@ class StructuredSpec:
                 raise InvalidRequest(f"json_schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequest("json_schema must be a JSON object (a JSON Schema)")
+        if self.kind == "structural_tag":
+            try:
+                tag = json.loads(self.value)
+            except ValueError as e:
+                raise InvalidRequest(f"structural_tag is not valid JSON: {e}") from None
+            if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
+                raise InvalidRequest('structural_tag must be a JSON object with "type": "structural_tag"')
         if self.kind == "choice":
             if not self.choices or len(self.choices) > MAX_CHOICES:
                 raise InvalidRequest(f"choice needs 1 to {MAX_CHOICES} strings, got {len(self.choices)}")

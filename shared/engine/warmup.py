@@ -7,8 +7,8 @@ prefill, and the first prompt-cache hit pays again (its int8 pages are dequantiz
 by a kernel nothing else compiles).
 
 Paths covered: prompts of 1 token, one page plus one token, and one chunk plus one page plus one token (a chunk that
-attends to an earlier chunk); a decode step; a prefill-only request exported in each format a prefill ships; a
-cached prefix imported in each of those formats.
+attends to an earlier chunk); a decode step; a mixed step (decode rows beside a prefill chunk, run eagerly); a
+prefill-only request exported in each format a prefill ships; a cached prefix imported in each of those formats.
 
 It pays on a GPU only. On CPU nothing compiles and a first request costs what a later one does, while the full
 warm-up (a chunk-long prompt through plain torch ops) took over a minute on a 2-core host: `light` runs one
@@ -42,14 +42,18 @@ def warm_up(engine: LLMEngine, ship_formats: Sequence[tuple[str, int]] = (), lig
     limit = max(1, min(engine.max_model_len - 2, engine.allocator.num_pages // 2 * ps - 2))  # context, half the pool
     lengths = [1] if light else sorted({min(n, limit) for n in (1, ps + 1, chunk + ps + 1)})
     ship_formats = () if light else ship_formats
-    steps = len(lengths) + len(ship_formats)
+    mixed = not light and len(lengths) > 1  # two prompts at once: decode rows beside a prefill chunk (mixed step)
+    steps = len(lengths) + len(ship_formats) + mixed
     log.info("engine warm-up: %s (%d requests) before reporting ready ...",
              "light, CPU" if light else "compiling kernels and first-use paths", steps)  # fmt: skip
     greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     for i, n in enumerate(lengths):  # one at a time: a small pool never preempts
         engine.generate([_prompt(engine, n)], greedy)
         _progress(i + 1, steps, t0, f"{n}-token prompt")
-    for done, (dtype, group) in enumerate(ship_formats, start=len(lengths) + 1):
+    if mixed:  # the short one decodes while the long one's chunks compute: the eager decode kernels' launches
+        engine.generate([_prompt(engine, lengths[1]), _prompt(engine, lengths[-1])], greedy)
+        _progress(len(lengths) + 1, steps, t0, "a mixed decode + prefill step")
+    for done, (dtype, group) in enumerate(ship_formats, start=len(lengths) + mixed + 1):
         layout = _layout(engine, dtype, group)
         n = min(2 * ps + 1, limit)
         rid = _run(engine, _prompt(engine, n), prefill_only=True)
@@ -61,7 +65,7 @@ def warm_up(engine: LLMEngine, ship_formats: Sequence[tuple[str, int]] = (), lig
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize(engine.runner.device)
     seconds = time.perf_counter() - t0
-    log.info("engine warm-up: %d prompts, formats %s, %.2f s", len(lengths) + 2 * len(ship_formats),
+    log.info("engine warm-up: %d prompts, formats %s, %.2f s", len(lengths) + 2 * mixed + 2 * len(ship_formats),
              [f"{d}/{g}" for d, g in ship_formats] or "-", seconds)  # fmt: skip
     return seconds
 

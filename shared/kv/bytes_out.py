@@ -62,3 +62,14 @@ def concat(parts: Sequence) -> bytes:
             small[at : at + n] = v
         at += n
     return out
+
+
+def copy_into(dst: torch.Tensor, src) -> None:
+    """Copy `src` (any contiguous buffer of `dst`'s size) into the contiguous CPU tensor `dst` with the GIL released
+    (one `memmove`; pinned destinations included)."""
+    view = memoryview(src).cast("B")
+    n = view.nbytes
+    if not dst.is_contiguous() or dst.device.type != "cpu" or dst.numel() * dst.element_size() != n:
+        raise ValueError(f"copy_into: {n} bytes into a {tuple(dst.shape)} {dst.dtype} tensor on {dst.device}")
+    if n:
+        ctypes.memmove(dst.data_ptr(), tensor_view(view).data_ptr(), n)

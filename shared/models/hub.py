@@ -39,6 +39,11 @@ def is_hub_id(value: str) -> bool:
     return HUB_ID.fullmatch(value) is not None and not Path(value).expanduser().exists()
 
 
+def served_name(value: str) -> str:
+    """How the API names the model `--model value` names (as ResolvedModel.name, without fetching anything)."""
+    return value if is_hub_id(value) else Path(value).expanduser().resolve().name
+
+
 def resolve_model(value: str, say: Callable[[str], None] = print) -> ResolvedModel:
     """The local directory `value` names, downloading a hub id first; raises ModelNotFound with the reason."""
     path = Path(value).expanduser()

@@ -42,12 +42,16 @@ class Announcer:
         address: str,
         capacity_pcs: float = 0.0,
         security: ChannelSecurity | None = None,
+        model_name: str = "",
+        model_path: str = "",
     ):
         """`router`: the router's internal (Registry) port; `security`: this instance's internal identity (None:
-        the environment's, `pdserve.server.grpc_util.channel`)."""
+        the environment's, `pdserve.server.grpc_util.channel`); `model_name`: the served model name requests use
+        ("" = the router's own --model), `model_path`: the model directory (the router loads its tokenizer)."""
         self.router, self.address = router, address
         self.role = ROLES[role]
         self.capacity_pcs = capacity_pcs
+        self.model_name, self.model_path = model_name, model_path
         self._channel = channel(router, security)
         self._stub = router_admin_pb2_grpc.RegistryStub(self._channel)
         self._stop = threading.Event()
@@ -59,10 +63,16 @@ class Announcer:
 
     def _register(self) -> float:
         r = self._stub.Register(
-            pb.RegisterRequest(role=self.role, address=self.address, capacity_pcs=self.capacity_pcs),
+            pb.RegisterRequest(
+                role=self.role,
+                address=self.address,
+                capacity_pcs=self.capacity_pcs,
+                model_name=self.model_name,
+                model_path=self.model_path,
+            ),
             timeout=RPC_TIMEOUT_S,
         )
-        log.info("registered %s with router %s", self.address, self.router)
+        log.info("registered %s (model %r) with router %s", self.address, self.model_name, self.router)
         return r.heartbeat_interval_s
 
     def _run(self) -> None:

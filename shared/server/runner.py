@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.server.auth import Authenticator
@@ -39,6 +40,7 @@ def build_engine(
     from pdserve.engine.warmup import warm_up
 
     tune_malloc()  # KV batches are multi-MB host buffers: reuse faulted-in memory (pdserve.server.host_memory)
+    check_tensor_parallel(cfg, engine_cfg or cfg.engine)
     if cfg.torch_threads > 0:
         import torch
 
@@ -50,6 +52,22 @@ def build_engine(
         log.info("engine warm-up: off (--no-warmup)")
     release_free_heap()  # the load's freed copies (checkpoint tensors before q/k/v, gate/up concatenation)
     return EngineLoop(engine)
+
+
+def check_tensor_parallel(cfg: EngineServiceConfig, engine_cfg: EngineConfig) -> None:
+    """At `--tensor-parallel-size` > 1 (the engine's ModelRunner starts the other ranks): refuse prefill and decode
+    instances (their KV handoff would move rank 0's heads only) and turn the prompt cache off (its pages likewise)."""
+    tp = engine_cfg.tensor_parallel_size
+    if tp <= 1:
+        return
+    if hasattr(cfg, "kv_transport"):  # prefill and decode instances: the KV link settings
+        raise SystemExit(
+            f"--tensor-parallel-size {tp}: only colocated instances run tensor parallel for now (the KV handoff "
+            "between prefill and decode does not split pages by rank yet)"
+        )
+    if getattr(cfg, "prompt_cache", False):
+        log.warning("--tensor-parallel-size %d: prompt cache off (its pages would hold rank 0's heads only)", tp)
+        cfg.prompt_cache = False  # type: ignore[attr-defined]
 
 
 DRAIN_END_MARGIN_S = 2.0  # after the drain grace: time for ended streams to send their status before the cut
@@ -136,7 +154,15 @@ def run_service(
     if router:  # register with the router and heartbeat (pdserve.server.announce)
         from pdserve.server.announce import Announcer, advertised
 
-        announcer = Announcer(router, name, advertised(cfg.host, port), security=security.channel()).start()
+        model_dir = getattr(cfg, "model", "")  # the served model it announces (pdserve.router.catalog)
+        announcer = Announcer(
+            router,
+            name,
+            advertised(cfg.host, port),
+            security=security.channel(),
+            model_name=getattr(cfg, "served_model_name", ""),
+            model_path=str(Path(model_dir).resolve()) if model_dir else "",
+        ).start()
 
     shutdown.wait()
     log.info("%s draining (grace %.1fs)", name, cfg.drain_grace_s)

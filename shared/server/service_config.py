@@ -95,6 +95,9 @@ class EngineServiceConfig(ServerOptions):
         "costs (kernel compiles, library handles)",
     )
     router: str = opt("", "router host:port to register with and heartbeat to (empty: the router's static list)")
+    served_model_name: str = opt(
+        "", "the model name announced to the router, which requests use (default: the --model hub id or directory name)"
+    )
 
     @property
     def model(self) -> str:

@@ -133,6 +133,11 @@ def watch_engine(metrics: ServiceMetrics, loop) -> None:
     metrics.gauge(
         "running_requests", "Requests in the running (decode) batch", lambda: len(loop.engine.scheduler.running)
     )
+    metrics.gauge(
+        "tensor_parallel_size",
+        "Ranks (processes) of this instance's tensor-parallel group (1: no tensor parallelism)",
+        lambda: loop.engine.runner.tp_size,
+    )
 
 
 def watch_pools(metrics: ServiceMetrics, *pools) -> None:

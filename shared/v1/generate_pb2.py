@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xde\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12!\n\x14max_reasoning_tokens\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\t\x88\x01\x01\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x17\n\x15_max_reasoning_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\x96\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"2\n\x0bTopLogprobs\x12#\n\x03top\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"k\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x08priority\x18\x05 \x01(\x0e\x32\x14.pdserve.v1.Priority\x12)\n\x08messages\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1c\n\x0fsplit_reasoning\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x14\n\x0cstream_usage\x18\x08 \x01(\x08\x42\x07\n\x05inputB\x12\n\x10_split_reasoning\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"+\n\x06Timing\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\"\xd2\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\x12\x16\n\x0ereasoning_text\x18\n \x01(\t\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\x12\x16\n\x0ereasoning_text\x18\n \x01(\t*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa8\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.pdserve.v1.GenerateRequest\x1a\".pdserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xde\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12!\n\x14max_reasoning_tokens\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\t\x88\x01\x01\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x17\n\x15_max_reasoning_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xb0\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"2\n\x0bTopLogprobs\x12#\n\x03top\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"k\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"V\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xe7\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x08priority\x18\x05 \x01(\x0e\x32\x14.pdserve.v1.Priority\x12)\n\x08messages\x18\x06 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1c\n\x0fsplit_reasoning\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x14\n\x0cstream_usage\x18\x08 \x01(\x08\x12\r\n\x05model\x18\t \x01(\t\x12\x1f\n\x05tools\x18\n \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x02\x88\x01\x01\x12\t\n\x01n\x18\r \x01(\x05\x12\x0f\n\x07\x62\x65st_of\x18\x0e \x01(\x05\x42\x07\n\x05inputB\x12\n\x10_split_reasoningB\x16\n\x14_parallel_tool_calls\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"+\n\x06Timing\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\"\x90\x03\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\x12\x16\n\x0ereasoning_text\x18\n \x01(\t\x12-\n\ntool_calls\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\x12\r\n\x05index\x18\x0c \x01(\x05\"\xb4\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1a.pdserve.v1.PromptLogprobs\x12\x16\n\x0ereasoning_text\x18\n \x01(\t\x12(\n\ntool_calls\x18\x0b \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\r\n\x05index\x18\x0c \x01(\x05\x12-\n\x07\x63hoices\x18\r \x03(\x0b\x32\x1c.pdserve.v1.GenerateResponse\"\x13\n\x11ListModelsRequest\"\x19\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xf5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.pdserve.v1.GenerateRequest\x1a\".pdserve.v1.GenerateStreamResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,56 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=2475
-  _globals['_PRIORITY']._serialized_end=2569
-  _globals['_FINISHREASON']._serialized_start=2571
-  _globals['_FINISHREASON']._serialized_end=2691
+  _globals['_PRIORITY']._serialized_start=3304
+  _globals['_PRIORITY']._serialized_end=3398
+  _globals['_TOOLCHOICEMODE']._serialized_start=3401
+  _globals['_TOOLCHOICEMODE']._serialized_end=3536
+  _globals['_FINISHREASON']._serialized_start=3539
+  _globals['_FINISHREASON']._serialized_end=3689
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=776
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=562
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=610
   _globals['_STRUCTUREDOUTPUT']._serialized_start=779
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=929
-  _globals['_CHOICELIST']._serialized_start=931
-  _globals['_CHOICELIST']._serialized_end=960
-  _globals['_TOPLOGPROB']._serialized_start=962
-  _globals['_TOPLOGPROB']._serialized_end=1024
-  _globals['_TOKENLOGPROB']._serialized_start=1026
-  _globals['_TOKENLOGPROB']._serialized_end=1127
-  _globals['_TOPLOGPROBS']._serialized_start=1129
-  _globals['_TOPLOGPROBS']._serialized_end=1179
-  _globals['_PROMPTLOGPROBS']._serialized_start=1181
-  _globals['_PROMPTLOGPROBS']._serialized_end=1288
-  _globals['_TOKENIDS']._serialized_start=1290
-  _globals['_TOKENIDS']._serialized_end=1313
-  _globals['_CHATMESSAGE']._serialized_start=1315
-  _globals['_CHATMESSAGE']._serialized_end=1359
-  _globals['_GENERATEREQUEST']._serialized_start=1362
-  _globals['_GENERATEREQUEST']._serialized_end=1670
-  _globals['_USAGE']._serialized_start=1672
-  _globals['_USAGE']._serialized_end=1752
-  _globals['_TIMING']._serialized_start=1754
-  _globals['_TIMING']._serialized_end=1797
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1800
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2138
-  _globals['_GENERATERESPONSE']._serialized_start=2141
-  _globals['_GENERATERESPONSE']._serialized_end=2473
-  _globals['_GENERATION']._serialized_start=2694
-  _globals['_GENERATION']._serialized_end=2862
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=955
+  _globals['_CHOICELIST']._serialized_start=957
+  _globals['_CHOICELIST']._serialized_end=986
+  _globals['_TOPLOGPROB']._serialized_start=988
+  _globals['_TOPLOGPROB']._serialized_end=1050
+  _globals['_TOKENLOGPROB']._serialized_start=1052
+  _globals['_TOKENLOGPROB']._serialized_end=1153
+  _globals['_TOPLOGPROBS']._serialized_start=1155
+  _globals['_TOPLOGPROBS']._serialized_end=1205
+  _globals['_PROMPTLOGPROBS']._serialized_start=1207
+  _globals['_PROMPTLOGPROBS']._serialized_end=1314
+  _globals['_TOKENIDS']._serialized_start=1316
+  _globals['_TOKENIDS']._serialized_end=1339
+  _globals['_CHATMESSAGE']._serialized_start=1341
+  _globals['_CHATMESSAGE']._serialized_end=1449
+  _globals['_TOOL']._serialized_start=1451
+  _globals['_TOOL']._serialized_end=1512
+  _globals['_TOOLCHOICE']._serialized_start=1514
+  _globals['_TOOLCHOICE']._serialized_end=1600
+  _globals['_TOOLCALL']._serialized_start=1602
+  _globals['_TOOLCALL']._serialized_end=1657
+  _globals['_TOOLCALLDELTA']._serialized_start=1659
+  _globals['_TOOLCALLDELTA']._serialized_end=1734
+  _globals['_GENERATEREQUEST']._serialized_start=1737
+  _globals['_GENERATEREQUEST']._serialized_end=2224
+  _globals['_USAGE']._serialized_start=2226
+  _globals['_USAGE']._serialized_end=2306
+  _globals['_TIMING']._serialized_start=2308
+  _globals['_TIMING']._serialized_end=2351
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2354
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2754
+  _globals['_GENERATERESPONSE']._serialized_start=2757
+  _globals['_GENERATERESPONSE']._serialized_end=3193
+  _globals['_LISTMODELSREQUEST']._serialized_start=3195
+  _globals['_LISTMODELSREQUEST']._serialized_end=3214
+  _globals['_MODELINFO']._serialized_start=3216
+  _globals['_MODELINFO']._serialized_end=3241
+  _globals['_LISTMODELSRESPONSE']._serialized_start=3243
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3302
+  _globals['_GENERATION']._serialized_start=3692
+  _globals['_GENERATION']._serialized_end=3937
 # @@protoc_insertion_point(module_scope)

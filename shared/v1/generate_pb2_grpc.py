@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=pdserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generate__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/pdserve.v1.Generation/ListModels',
+                request_serializer=pdserve_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -61,6 +66,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """the models GenerateRequest.model may name
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=pdserve_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generate__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=pdserve_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class Generation:
             '/pdserve.v1.Generation/GenerateStream',
             pdserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_generate__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/ListModels',
+            pdserve_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+            pdserve_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

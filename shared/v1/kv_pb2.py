@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"\xbd\x01\n\x08KVLayout\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.pdserve.v1.KVDType\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12\x12\n\nasymmetric\x18\x08 \x01(\x08\"\xdc\x01\n\rKVBatchHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x66irst_seq_no\x18\x04 \x01(\x04\x12\x14\n\x0cpage_indexes\x18\x05 \x03(\r\x12\x12\n\nnum_tokens\x18\x06 \x03(\r\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x14\n\x0chas_checksum\x18\x08 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\t \x01(\x07\"I\n\x0bKVPageBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"Z\n\nKVIpcBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbuffer_id\x18\x03 \x01(\t\"\x84\x01\n\x10KVTransportOffer\x12\x12\n\ntransports\x18\x01 \x03(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\x0e\n\x06\x66orced\x18\x06 \x01(\x08\"\x97\x02\n\x0bKVIpcBuffer\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\x05\x12\x0e\n\x06handle\x18\x05 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0b \x01(\x08\x12\x0c\n\x04path\x18\x0c \x01(\t\"c\n\x11KVTransportChoice\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\nipc_buffer\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KVIpcBuffer\".\n\x10KVTransportReady\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x93\x01\n\x10KVTransportStats\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x11\n\tfallbacks\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x07 \x01(\x04*\x90\x01\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DTYPE_INT8\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x04\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"\xbd\x01\n\x08KVLayout\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.pdserve.v1.KVDType\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12\x12\n\nasymmetric\x18\x08 \x01(\x08\"\x86\x02\n\rKVBatchHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x66irst_seq_no\x18\x04 \x01(\x04\x12\x14\n\x0cpage_indexes\x18\x05 \x03(\r\x12\x12\n\nnum_tokens\x18\x06 \x03(\r\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x14\n\x0chas_checksum\x18\x08 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\t \x01(\x07\x12\x13\n\x0blayer_start\x18\n \x01(\r\x12\x13\n\x0blayer_count\x18\x0b \x01(\r\"I\n\x0bKVPageBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"Z\n\nKVIpcBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbuffer_id\x18\x03 \x01(\t\"\x84\x01\n\x10KVTransportOffer\x12\x12\n\ntransports\x18\x01 \x03(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\x0e\n\x06\x66orced\x18\x06 \x01(\x08\"\x97\x02\n\x0bKVIpcBuffer\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\x05\x12\x0e\n\x06handle\x18\x05 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0b \x01(\x08\x12\x0c\n\x04path\x18\x0c \x01(\t\"c\n\x11KVTransportChoice\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\nipc_buffer\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KVIpcBuffer\".\n\x10KVTransportReady\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x93\x01\n\x10KVTransportStats\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x11\n\tfallbacks\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x07 \x01(\x04*\x90\x01\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DTYPE_INT8\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x04\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=1334
-  _globals['_KVDTYPE']._serialized_end=1478
+  _globals['_KVDTYPE']._serialized_start=1376
+  _globals['_KVDTYPE']._serialized_end=1520
   _globals['_KVLAYOUT']._serialized_start=36
   _globals['_KVLAYOUT']._serialized_end=225
   _globals['_KVBATCHHEADER']._serialized_start=228
-  _globals['_KVBATCHHEADER']._serialized_end=448
-  _globals['_KVPAGEBATCH']._serialized_start=450
-  _globals['_KVPAGEBATCH']._serialized_end=523
-  _globals['_KVIPCBATCH']._serialized_start=525
-  _globals['_KVIPCBATCH']._serialized_end=615
-  _globals['_KVTRANSPORTOFFER']._serialized_start=618
-  _globals['_KVTRANSPORTOFFER']._serialized_end=750
-  _globals['_KVIPCBUFFER']._serialized_start=753
-  _globals['_KVIPCBUFFER']._serialized_end=1032
-  _globals['_KVTRANSPORTCHOICE']._serialized_start=1034
-  _globals['_KVTRANSPORTCHOICE']._serialized_end=1133
-  _globals['_KVTRANSPORTREADY']._serialized_start=1135
-  _globals['_KVTRANSPORTREADY']._serialized_end=1181
-  _globals['_KVTRANSPORTSTATS']._serialized_start=1184
-  _globals['_KVTRANSPORTSTATS']._serialized_end=1331
+  _globals['_KVBATCHHEADER']._serialized_end=490
+  _globals['_KVPAGEBATCH']._serialized_start=492
+  _globals['_KVPAGEBATCH']._serialized_end=565
+  _globals['_KVIPCBATCH']._serialized_start=567
+  _globals['_KVIPCBATCH']._serialized_end=657
+  _globals['_KVTRANSPORTOFFER']._serialized_start=660
+  _globals['_KVTRANSPORTOFFER']._serialized_end=792
+  _globals['_KVIPCBUFFER']._serialized_start=795
+  _globals['_KVIPCBUFFER']._serialized_end=1074
+  _globals['_KVTRANSPORTCHOICE']._serialized_start=1076
+  _globals['_KVTRANSPORTCHOICE']._serialized_end=1175
+  _globals['_KVTRANSPORTREADY']._serialized_start=1177
+  _globals['_KVTRANSPORTREADY']._serialized_end=1223
+  _globals['_KVTRANSPORTSTATS']._serialized_start=1226
+  _globals['_KVTRANSPORTSTATS']._serialized_end=1373
 # @@protoc_insertion_point(module_scope)

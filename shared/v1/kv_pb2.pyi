@@ -43,7 +43,7 @@ class KVLayout(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., group_size: _Optional[int] = ..., asymmetric: _Optional[bool] = ...) -> None: ...
 
 class KVBatchHeader(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "layout", "first_seq_no", "page_indexes", "num_tokens", "nbytes", "has_checksum", "checksum")
+    __slots__ = ("request_id", "model_fingerprint", "layout", "first_seq_no", "page_indexes", "num_tokens", "nbytes", "has_checksum", "checksum", "layer_start", "layer_count")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class KVBatchHeader(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     HAS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     layout: KVLayout
@@ -62,7 +64,9 @@ class KVBatchHeader(_message.Message):
     nbytes: int
     has_checksum: bool
     checksum: int
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_seq_no: _Optional[int] = ..., page_indexes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., checksum: _Optional[int] = ...) -> None: ...
+    layer_start: int
+    layer_count: int
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_seq_no: _Optional[int] = ..., page_indexes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., checksum: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ...) -> None: ...
 
 class KVPageBatch(_message.Message):
     __slots__ = ("header", "payload")

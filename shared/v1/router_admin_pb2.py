@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve/v1/router_admin.proto\x12\npdserve.v1\"`\n\x0fRegisterRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61pacity_pcs\x18\x03 \x01(\x01\"A\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"K\n\x10HeartbeatRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"L\n\x11\x44\x65registerRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\x16\n\x14ListInstancesRequest\"\xa8\x02\n\x0cInstanceInfo\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x12\n\nregistered\x18\x04 \x01(\x08\x12\x14\n\x0c\x63\x61pacity_pcs\x18\x05 \x01(\x01\x12\x10\n\x08load_pcs\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x10\n\x08\x61ssigned\x18\x08 \x01(\x04\x12\x15\n\raffinity_hits\x18\t \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\n \x01(\x04\x12\x15\n\rkv_pages_free\x18\x0b \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x0c \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\r \x01(\r\"\xc3\x01\n\x15ListInstancesResponse\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.InstanceInfo\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\x04\x12\x0f\n\x07retries\x18\x04 \x01(\x04\x12\x19\n\x11\x65stimator_samples\x18\x05 \x01(\x04\x12\x17\n\x0f\x65stimator_error\x18\x06 \x01(\x01\x12\x16\n\x0e\x65stimator_mode\x18\x07 \x01(\t*\x7f\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x01\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x02\x12\x1b\n\x17INSTANCE_ROLE_COLOCATED\x10\x03\x32\xbe\x02\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12T\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a!.pdserve.v1.ListInstancesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve/v1/router_admin.proto\x12\npdserve.v1\"\x88\x01\n\x0fRegisterRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61pacity_pcs\x18\x03 \x01(\x01\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x12\n\nmodel_path\x18\x05 \x01(\t\"A\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"K\n\x10HeartbeatRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"L\n\x11\x44\x65registerRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\x16\n\x14ListInstancesRequest\"\xb7\x02\n\x0cInstanceInfo\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x12\n\nregistered\x18\x04 \x01(\x08\x12\x14\n\x0c\x63\x61pacity_pcs\x18\x05 \x01(\x01\x12\x10\n\x08load_pcs\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x10\n\x08\x61ssigned\x18\x08 \x01(\x04\x12\x15\n\raffinity_hits\x18\t \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\n \x01(\x04\x12\x15\n\rkv_pages_free\x18\x0b \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x0c \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\r \x01(\r\x12\r\n\x05model\x18\x0e \x01(\t\"\xc3\x01\n\x15ListInstancesResponse\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.InstanceInfo\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x01(\x04\x12\x0f\n\x07retries\x18\x04 \x01(\x04\x12\x19\n\x11\x65stimator_samples\x18\x05 \x01(\x04\x12\x17\n\x0f\x65stimator_error\x18\x06 \x01(\x01\x12\x16\n\x0e\x65stimator_mode\x18\x07 \x01(\t*\x7f\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x01\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x02\x12\x1b\n\x17INSTANCE_ROLE_COLOCATED\x10\x03\x32\xbe\x02\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12T\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a!.pdserve.v1.ListInstancesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.router_admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INSTANCEROLE']._serialized_start=944
-  _globals['_INSTANCEROLE']._serialized_end=1071
-  _globals['_REGISTERREQUEST']._serialized_start=45
-  _globals['_REGISTERREQUEST']._serialized_end=141
-  _globals['_REGISTERRESPONSE']._serialized_start=143
-  _globals['_REGISTERRESPONSE']._serialized_end=208
-  _globals['_HEARTBEATREQUEST']._serialized_start=210
-  _globals['_HEARTBEATREQUEST']._serialized_end=285
-  _globals['_HEARTBEATRESPONSE']._serialized_start=287
-  _globals['_HEARTBEATRESPONSE']._serialized_end=321
-  _globals['_DEREGISTERREQUEST']._serialized_start=323
-  _globals['_DEREGISTERREQUEST']._serialized_end=399
-  _globals['_DEREGISTERRESPONSE']._serialized_start=401
-  _globals['_DEREGISTERRESPONSE']._serialized_end=421
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=423
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=445
-  _globals['_INSTANCEINFO']._serialized_start=448
-  _globals['_INSTANCEINFO']._serialized_end=744
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=747
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=942
-  _globals['_REGISTRY']._serialized_start=1074
-  _globals['_REGISTRY']._serialized_end=1392
+  _globals['_INSTANCEROLE']._serialized_start=1000
+  _globals['_INSTANCEROLE']._serialized_end=1127
+  _globals['_REGISTERREQUEST']._serialized_start=46
+  _globals['_REGISTERREQUEST']._serialized_end=182
+  _globals['_REGISTERRESPONSE']._serialized_start=184
+  _globals['_REGISTERRESPONSE']._serialized_end=249
+  _globals['_HEARTBEATREQUEST']._serialized_start=251
+  _globals['_HEARTBEATREQUEST']._serialized_end=326
+  _globals['_HEARTBEATRESPONSE']._serialized_start=328
+  _globals['_HEARTBEATRESPONSE']._serialized_end=362
+  _globals['_DEREGISTERREQUEST']._serialized_start=364
+  _globals['_DEREGISTERREQUEST']._serialized_end=440
+  _globals['_DEREGISTERRESPONSE']._serialized_start=442
+  _globals['_DEREGISTERRESPONSE']._serialized_end=462
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=464
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=486
+  _globals['_INSTANCEINFO']._serialized_start=489
+  _globals['_INSTANCEINFO']._serialized_end=800
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=803
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=998
+  _globals['_REGISTRY']._serialized_start=1130
+  _globals['_REGISTRY']._serialized_end=1448
 # @@protoc_insertion_point(module_scope)

@@ -19,14 +19,18 @@ INSTANCE_ROLE_DECODE: InstanceRole
 INSTANCE_ROLE_COLOCATED: InstanceRole
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "address", "capacity_pcs")
+    __slots__ = ("role", "address", "capacity_pcs", "model_name", "model_path")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_PCS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     role: InstanceRole
     address: str
     capacity_pcs: float
-    def __init__(self, role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., capacity_pcs: _Optional[float] = ...) -> None: ...
+    model_name: str
+    model_path: str
+    def __init__(self, role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., capacity_pcs: _Optional[float] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "lease_s")
@@ -67,7 +71,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("role", "address", "state", "registered", "capacity_pcs", "load_pcs", "in_flight", "assigned", "affinity_hits", "failures", "kv_pages_free", "kv_pages_total", "active_requests")
+    __slots__ = ("role", "address", "state", "registered", "capacity_pcs", "load_pcs", "in_flight", "assigned", "affinity_hits", "failures", "kv_pages_free", "kv_pages_total", "active_requests", "model")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,7 @@ class InstanceInfo(_message.Message):
     KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     role: InstanceRole
     address: str
     state: str
@@ -94,7 +99,8 @@ class InstanceInfo(_message.Message):
     kv_pages_free: int
     kv_pages_total: int
     active_requests: int
-    def __init__(self, role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., registered: _Optional[bool] = ..., capacity_pcs: _Optional[float] = ..., load_pcs: _Optional[float] = ..., in_flight: _Optional[int] = ..., assigned: _Optional[int] = ..., affinity_hits: _Optional[int] = ..., failures: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., registered: _Optional[bool] = ..., capacity_pcs: _Optional[float] = ..., load_pcs: _Optional[float] = ..., in_flight: _Optional[int] = ..., assigned: _Optional[int] = ..., affinity_hits: _Optional[int] = ..., failures: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., active_requests: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances", "queued", "rejected", "retries", "estimator_samples", "estimator_error", "estimator_mode")

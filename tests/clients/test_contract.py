@@ -4,8 +4,10 @@
 spec and prints what it observed: greedy token ids (unary and streamed) equal to the Python SDK's; a 1 ms deadline
 gives DEADLINE_EXCEEDED; RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms` (a proxy rejecting each request twice)
 is retried, streams too; no token gives UNAUTHENTICATED and an unknown one PERMISSION_DENIED; chat messages with
-logprobs give the Python SDK's tokens and log-probabilities; a stream cancelled after 3 tokens frees its KV pages
-(Stats: all pages free, no active request) and decode ended it as an abort well short of its 1000 tokens (its log)."""
+logprobs give the Python SDK's tokens and log-probabilities; ListModels returns the served model, a request naming it
+runs, and one naming a model the router does not serve gives NOT_FOUND; a stream cancelled after 3 tokens frees its
+KV pages (Stats: all pages free, no active request) and decode ended it as an abort well short of its 1000 tokens
+(its log)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ SPEC = {
     "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
     "top_logprobs": 3,
     "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "model": "contract-model",  # the stack's served model name (start_stack model_name=)
+    "bad_model": "no-such-model",
 }
 POOL_FREE_WITHIN_S = 10.0
 
@@ -57,6 +61,7 @@ def stack(tmp_path_factory):
         chunk_size=8,
         extra=["--num-pages", "512", "--torch-threads", "1"],
         router_extra=["--auth-tokens-file", str(tokens)],
+        model_name=SPEC["model"],
     )
     try:
         yield s
@@ -124,7 +129,11 @@ def python_run(stack, proxy) -> dict:
     greedy = dict(token_ids=sp["prompt_ids"], max_tokens=sp["max_tokens"], temperature=0, ignore_eos=True)
     out: dict = {}
     with pdserve.Client(stack.router, token=TOKEN, timeout=120) as c:
-        out["greedy"] = c.generate(**greedy, metadata=meta, request_id="py-greedy").token_ids
+        out["greedy"] = c.generate(**greedy, metadata=meta, request_id="py-greedy", model=sp["model"]).token_ids
+        out["models"] = c.list_models(metadata=meta)
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(**greedy, request_id="py-bad-model", model=sp["bad_model"])
+        out["unknown_model"] = _code(e.value)
         out["stream_greedy"] = [t for ch in c.stream(**greedy, request_id="py-stream") for t in ch.token_ids]
         with pytest.raises(grpc.RpcError) as e:
             c.generate(token_ids=sp["prompt_ids"], max_tokens=sp["long_tokens"], ignore_eos=True, timeout=0.001)
@@ -184,6 +193,8 @@ def test_python_sdk_keeps_the_contract(python_run, proxy):
     assert python_run["retry"] == python_run["greedy"] == python_run["retry_stream"]
     assert proxy.attempts["py-retry"] == 3 and proxy.attempts["py-retry-stream"] == 3  # rejected twice, then served
     assert python_run["deadline"] == "DEADLINE_EXCEEDED"
+    assert python_run["models"] == [SPEC["model"]]
+    assert python_run["unknown_model"] == "NOT_FOUND"
     assert python_run["unauthenticated"] == "UNAUTHENTICATED"
     assert python_run["wrong_token"] == "PERMISSION_DENIED"
     assert len(python_run["chat"]["logprobs"]) == SPEC["max_tokens"]
@@ -198,6 +209,8 @@ def test_sdk_keeps_the_python_sdk_contract(lang, stack, proxy, python_run):
     assert out["retry"] == out["retry_stream"] == python_run["greedy"]
     assert proxy.attempts[f"{lang}-retry"] == 3 and proxy.attempts[f"{lang}-retry-stream"] == 3
     assert out["deadline"] == "DEADLINE_EXCEEDED"
+    assert out["models"] == [SPEC["model"]]
+    assert out["unknown_model"] == "NOT_FOUND"
     assert out["unauthenticated"] == "UNAUTHENTICATED"
     assert out["wrong_token"] == "PERMISSION_DENIED"
     assert out["chat"]["token_ids"] == python_run["chat"]["token_ids"]

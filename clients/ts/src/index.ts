@@ -5,6 +5,7 @@
  *   const c = new PdserveClient("localhost:50051", { token, timeoutMs: 30_000 });
  *   const out = await c.generate(promptRequest("hello", { maxTokens: 32, temperature: 0 }));
  *   for await (const chunk of c.stream(req, { signal })) process.stdout.write(chunk.text);
+ *   const names = await c.listModels(); // the served models; `{ model: name }` in a request picks one
  *
  * Metadata contract (docs/api.md): `authorization: Bearer <token>`, `x-priority: low|normal|high` (the request's
  * priority field wins), a W3C `traceparent` continued by the server's trace, the call's deadline (timeoutMs).
@@ -21,6 +22,9 @@ import {
   GenerateRequestSchema,
   SamplingParamsSchema,
   TokenIdsSchema,
+  ToolChoiceMode,
+  ToolChoiceSchema,
+  ToolSchema,
   type GenerateRequest,
   type GenerateResponse,
   type GenerateStreamResponse,
@@ -57,13 +61,15 @@ export type Sampling = Partial<Omit<SamplingParams, "$typeName" | "$unknown">>;
 
 export interface RequestOptions extends Sampling {
   requestId?: string;
+  model?: string; // the served model to run (listModels() names them; unset = the router's only model)
 }
 
 function request(opts: RequestOptions, input: MessageInitShape<typeof GenerateRequestSchema>): GenerateRequest {
-  const { requestId, ...sampling } = opts;
+  const { requestId, model, ...sampling } = opts;
   return create(GenerateRequestSchema, {
     ...input,
     requestId: requestId ?? "",
+    model: model ?? "",
     sampling: create(SamplingParamsSchema, sampling),
   });
 }
@@ -78,9 +84,37 @@ export function tokenRequest(ids: number[], opts: RequestOptions = {}): Generate
   return request(opts, { input: { case: "tokenIds", value: create(TokenIdsSchema, { ids }) } });
 }
 
-/** The assistant's next turn after `messages` (rendered with the model's chat template). */
-export function chatRequest(messages: { role: string; content: string }[], opts: RequestOptions = {}): GenerateRequest {
-  return request(opts, { messages: messages.map((m) => create(ChatMessageSchema, m)) });
+/** One chat turn: role and content; an assistant turn's `toolCalls`, a tool turn's `toolCallId`. */
+export type ChatTurn = MessageInitShape<typeof ChatMessageSchema>;
+
+/** Tool calling (chat requests): functions the model may call and whether / which one it must call. */
+export interface ToolOptions {
+  tools?: MessageInitShape<typeof ToolSchema>[]; // name, description, parameters (JSON Schema as JSON text)
+  toolChoice?: "auto" | "none" | "required" | { function: string }; // required / a function: grammar-enforced
+  parallelToolCalls?: boolean; // false: at most one call
+}
+
+const TOOL_MODES = { auto: ToolChoiceMode.AUTO, none: ToolChoiceMode.NONE, required: ToolChoiceMode.REQUIRED };
+
+/** The assistant's next turn after `messages` (rendered with the model's chat template); its calls come back in
+ * `toolCalls` (streamed as ToolCallDelta pieces: a call's id and name first, then its arguments). */
+export function chatRequest(messages: ChatTurn[], opts: RequestOptions & ToolOptions = {}): GenerateRequest {
+  const { tools, toolChoice, parallelToolCalls, ...rest } = opts;
+  const choice =
+    toolChoice === undefined
+      ? undefined
+      : create(ToolChoiceSchema, {
+          choice:
+            typeof toolChoice === "string"
+              ? { case: "mode", value: TOOL_MODES[toolChoice] }
+              : { case: "function", value: toolChoice.function },
+        });
+  return request(rest, {
+    messages: messages.map((m) => create(ChatMessageSchema, m)),
+    tools: (tools ?? []).map((t) => create(ToolSchema, t)),
+    toolChoice: choice,
+    parallelToolCalls,
+  });
 }
 
 function sleep(ms: number, signal?: AbortSignal): Promise<void> {
@@ -146,6 +180,13 @@ export class PdserveClient {
         waited += await this.backoff(err, attempt, waited, deadline, o);
       }
     }
+  }
+
+  /** The names of the models the router serves (what `model` may name), sorted. */
+  async listModels(o: CallOptions = {}): Promise<string[]> {
+    const timeoutMs = o.timeoutMs ?? this.timeoutMs;
+    const resp = await this.client.listModels({}, { signal: o.signal, timeoutMs, headers: this.callHeaders(o) });
+    return resp.models.map((m) => m.name);
   }
 
   /** The chunks of a streamed completion; abort `o.signal` (or leave the loop) to cancel it. */

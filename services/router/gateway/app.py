@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.client import AsyncClient, CompletionChunk, PromptLogprobs, TokenLogprob
-from pdserve.router.gateway import logprobs, protocol
+from pdserve.router.gateway import logprobs, models, protocol, tools
 from pdserve.router.gateway.config import GatewayConfig
 from pdserve.router.gateway.errors import (
     APIError,
@@ -32,9 +32,9 @@ from pdserve.router.gateway.errors import (
     rpc_error_response,
     rpc_error_status,
 )
-from pdserve.router.gateway.fields import short
 from pdserve.router.gateway.inbound import forwarded_metadata, parse_json, read_body
 from pdserve.router.gateway.metrics import CountRequests, GatewayMetrics
+from pdserve.router.gateway.model_cache import ModelListCache
 
 GENERATION_SERVICE = "pdserve.v1.Generation"
 log = logging.getLogger("pdserve.gateway")
@@ -81,13 +81,6 @@ async def _body(request: Request, cfg: GatewayConfig) -> dict:
     model = body.get("model")
     if not isinstance(model, str):
         raise APIError(400, "'model' must be given, as a string", param="model", code="invalid_type")
-    if model != cfg.model_name:
-        raise APIError(
-            404,
-            f"the model {short(model)} does not exist; this server serves {cfg.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
     return body
 
 
@@ -133,6 +126,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         tls = bool(ca) or cfg.router_tls
         async with AsyncClient(cfg.router, timeout=cfg.request_timeout_s, tls=tls, tls_ca=ca or None) as client:
             app.state.client = client
+            app.state.models = ModelListCache(  # the router's models per credential, briefly (model_cache.py)
+                functools.partial(models.router_models, client), cfg.models_cache_s, cfg.models_cache_size
+            )
             app.state.health_channel = (
                 grpc.aio.secure_channel(cfg.router, grpc.ssl_channel_credentials(Path(ca).read_bytes() if ca else None))
                 if tls
@@ -184,24 +180,32 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         return JSONResponse(error_body(f"not ready: {reason}", "service_unavailable_error"), status_code=503)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def list_models(request: Request) -> dict:
+        """Every model the router serves (`models.listed`)."""
+        names = await models.router_models(app.state.client, forwarded_metadata(request))
         return {
             "object": "list",
-            "data": [{"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}],
+            "data": [
+                {"id": n, "object": "model", "created": 0, "owned_by": "pdserve"}
+                for n in models.listed(names, cfg.model_name)
+            ],
         }
 
     async def complete(request: Request, chat: bool):
         metadata = forwarded_metadata(request)
         body = await _body(request, cfg)
+        names = await app.state.models.get(metadata)  # which model it runs on (models.py; cached per caller)
+        model = body["model"]
+        kw_model = {"model": models.forward_name(model, names, cfg.model_name)}
         aliases = request.state.param_aliases = param_aliases(body, chat)
         if chat:
-            inputs: dict[str, Any] = {"messages": protocol.chat_messages(body)}
+            inputs: dict[str, Any] = {"messages": protocol.chat_messages(body), **tools.tool_args(body)}
             echo = False
             lp_args = logprobs.chat_logprob_args(body)
         else:
             inputs = protocol.completion_input(body)
             lp_args, echo = logprobs.completion_logprob_args(body, prompt_is_text="prompt" in inputs)
-        kw = {**inputs, **protocol.sampling_args(body, chat), **lp_args}
+        kw = {**inputs, **protocol.sampling_args(body, chat), **lp_args, **kw_model}
         prompt_text = inputs["prompt"] if echo and "prompt" in inputs else None
         shape = _Shape(chat, bool(lp_args.get("logprobs")), prompt_text, echo)
         stream, include_usage = protocol.stream_flags(body)
@@ -211,8 +215,12 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         if not stream:
             out = await client.generate(request_id=rid, metadata=metadata, **kw)
             echo_text = shape.echo_text(out.prompt_logprobs)
-            lps = shape.logprobs_json(out.logprobs, out.prompt_logprobs, 0)
-            return JSONResponse(protocol.completion_json(oid, cfg.model_name, out, chat, echo_text, lps))
+            prompt_lps = out.prompt_logprobs  # on the response (choice 0 with n > 1)
+            return JSONResponse(
+                protocol.completion_json(
+                    oid, model, out, chat, echo_text, lambda c: shape.logprobs_json(c.logprobs, prompt_lps, 0)
+                )
+            )
         chunks = client.stream(request_id=rid, metadata=metadata, **kw)
         try:  # the first chunk decides the HTTP status: errors before it are plain HTTP errors
             first = await anext(chunks)
@@ -220,7 +228,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             await chunks.aclose()
             raise
         return StreamingResponse(
-            _events(chunks, first, oid, shape, include_usage, aliases, bool(kw.get("stream_usage"))),
+            _events(
+                chunks, first, oid, shape, include_usage, aliases, bool(kw.get("stream_usage")), model, kw.get("n") or 1
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -233,29 +243,37 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         include_usage: bool,
         aliases: dict[str, str],
         continuous_usage: bool = False,
+        model: str = "",
+        n: int = 1,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
-        model = cfg.model_name
+        model = model or cfg.model_name
         chat = shape.chat
         event = functools.partial(protocol.chunk_json, oid, model, created, chat)  # one choice's event, by its text
         try:
-            if chat:  # the role comes first, alone, as OpenAI sends it
-                yield _sse(event("", role=True))
+            if chat:  # the role comes first, alone, as OpenAI sends it (n > 1: each choice's)
+                for index in range(n):
+                    yield _sse(event("", role=True, index=index))
             chunk: CompletionChunk | None = first
             usage = None
-            sent = 0  # characters of choice text sent (completions' text_offset)
+            sent: dict[int, int] = {}  # characters of each choice's text sent (completions' text_offset)
+            prompt_lps = first.prompt_logprobs  # on the stream's first chunk (whichever choice it is)
             while chunk is not None:
-                text = chunk.text
-                if chunk is first:  # echo: the prompt leads the text
-                    text = shape.echo_text(chunk.prompt_logprobs) + text
-                lps = shape.logprobs_json(chunk.logprobs, chunk.prompt_logprobs, sent)
+                text, i = chunk.text, chunk.index
+                fresh = i not in sent  # this choice's first chunk
+                if fresh:  # echo: the prompt leads each choice's text
+                    text = shape.echo_text(prompt_lps) + text
+                    sent[i] = 0
+                lps = shape.logprobs_json(chunk.logprobs, prompt_lps if fresh else None, sent[i])
                 running = chunk.usage if continuous_usage else None
-                if text or chunk.reasoning_text or lps:
-                    yield _sse(event(text, logprobs=lps, reasoning=chunk.reasoning_text, usage=running))
-                    sent += len(text)
+                if text or chunk.reasoning_text or lps or chunk.tool_calls:
+                    reasoning, calls = chunk.reasoning_text, chunk.tool_calls
+                    yield _sse(event(text, logprobs=lps, reasoning=reasoning, usage=running, tool_calls=calls, index=i))
+                    sent[i] += len(text)
                 if chunk.finish_reason is not None:
-                    usage = chunk.usage
-                    yield _sse(event(None if chat else "", finish_reason=chunk.finish_reason, usage=running))
+                    usage = chunk.usage  # n > 1: the last one's is the request's
+                    finish = event(None if chat else "", finish_reason=chunk.finish_reason, usage=running, index=i)
+                    yield _sse(finish)
                 chunk = await anext(chunks, None)
             if include_usage and usage is not None:
                 yield _sse(protocol.usage_chunk_json(oid, model, created, chat, usage))

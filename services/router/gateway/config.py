@@ -16,8 +16,16 @@ class GatewayConfig:
     router: str = opt("", "router host:port (the gRPC Generation service)")
     host: str = opt("127.0.0.1", "interface to bind")
     port: int = opt(0, "HTTP port to bind (0 = any free port)")
-    model_name: str = opt("pdserve", "the model id /v1/models lists and requests must name")
+    model_name: str = opt(
+        "pdserve",
+        "the model id /v1/models lists and requests name while the router serves one model (an alias of its "
+        "name); a router serving several: their own names (Generation.ListModels)",
+    )
     request_timeout_s: float = opt(600.0, "deadline of each call to the router")
+    models_cache_s: float = opt(
+        2.0, "reuse the router's model list (ListModels) this long per caller credential; 0 = ask on every request"
+    )
+    models_cache_size: int = opt(1024, "caller credentials whose model list is kept (the least recently used goes)")
     max_body_mb: float = opt(8.0, "largest request body accepted, MiB (larger: 413 at once, before parsing)")
     # slow or too many clients (docs/security.md, "Gateway limits")
     header_timeout_s: float = opt(
@@ -45,7 +53,10 @@ class GatewayConfig:
             raise SystemExit(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.request_timeout_s <= 0:
             raise SystemExit(f"--request-timeout-s must be > 0, got {self.request_timeout_s}")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections", "max_header_kb"):
+        if self.models_cache_s < 0:
+            raise SystemExit(f"--models-cache-s must be >= 0, got {self.models_cache_s}")
+        names = ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections", "max_header_kb")
+        for name in (*names, "models_cache_size"):
             if not getattr(self, name) > 0:
                 raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -50,7 +50,7 @@ def api_error_response(e: APIError) -> JSONResponse:
 # the gRPC API's field names a router reason may start with or mention (the earliest one names the field)
 _ROUTER_FIELD = re.compile(
     r"\b(max_tokens|temperature|top_p|top_k|seed|stop_token_ids|stop|top_logprobs|max_reasoning_tokens|prompt"
-    r"|token_ids|messages)\b"
+    r"|token_ids|messages|tool_choice|tools|parallel_tool_calls)\b"
 )
 
 
@@ -96,6 +96,8 @@ def rpc_error_status(e: grpc.RpcError, aliases: dict[str, str] | None = None) ->
         if after is not None:
             headers["Retry-After"] = str(after)
     reason = e.details() or code.name
+    if code == grpc.StatusCode.NOT_FOUND:  # the router's only NOT_FOUND: a model it does not serve
+        return 404, error_body(reason, "invalid_request_error", param="model", code="model_not_found"), headers
     param = router_param(reason, aliases) if code == grpc.StatusCode.INVALID_ARGUMENT and aliases else None
     return status, error_body(reason, type_, param=param, code=code.name.lower()), headers
 

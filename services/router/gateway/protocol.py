@@ -1,10 +1,12 @@
 """OpenAI request bodies → SDK call arguments, and SDK results → OpenAI response objects.
 
 Supported: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or up to 4),
-`stream`, `stream_options.include_usage`, `n=1`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
+`stream`, `stream_options.include_usage`, `n` (1..16 choices; chat and completions) and `best_of` (completions,
+n..16; not streamed), `presence_penalty`, `frequency_penalty`, `logit_bias`,
 `response_format` (text, json_object, json_schema), `user` (an identifier: no effect on the output),
 `max_reasoning_tokens` (an extension), `logprobs` / `top_logprobs` (chat) and `logprobs: N` + `echo` (completions,
-`gateway.logprobs`); and the fields vLLM-style clients send: `top_k` (-1 = off), `repetition_penalty`,
+`gateway.logprobs`), `tools` / `tool_choice` / `parallel_tool_calls` and tool turns in `messages` (chat,
+`gateway.tools`); and the fields vLLM-style clients send: `top_k` (-1 = off), `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`
 and `stream_options.continuous_usage_stats` (usage on every chunk). Any other field is a 400 naming it.
 Unset parameters keep the pdserve defaults, which are OpenAI's and the SDK's / CLI's: max_tokens 16 for
@@ -19,29 +21,30 @@ router's own checks (e.g. top_p > 0, the context length) come back as 400 too.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from pdserve.client import Completion, Usage
-from pdserve.engine.request_limits import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS
-from pdserve.router.gateway import fields
+from pdserve.client import Completion, ToolCallDelta, Usage
+from pdserve.engine.request_limits import MAX_LOGIT_BIAS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS
+from pdserve.router.gateway import fields, tools
 from pdserve.router.gateway.errors import APIError
 from pdserve.router.gateway.fields import INT32_MAX
 
 MAX_STOP = 4
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
 # parameters accepted only at their no-op value: name -> (that value, OpenAI's range)
-NEUTRAL = {"n": (1, 1, 128), "best_of": (1, 1, 20)}
-UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "suffix")
+NEUTRAL = {"best_of": (1, 1, 20)}  # chat only (completions take best_of)
+UNSUPPORTED = ("functions", "function_call", "suffix")  # the legacy function calling: use tools
 # every field a body may have; any other is a 400 naming it (OpenAI's "Unrecognized request argument")
 COMMON_FIELDS = {
     "model", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format",
+    "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format", "n",
     *NEUTRAL, *UNSUPPORTED,
     # pdserve and vLLM extensions
     "max_reasoning_tokens", "top_k", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }  # fmt: skip
-CHAT_FIELDS = {"messages", "top_logprobs"}
+CHAT_FIELDS = {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = {"prompt", "echo"}
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -59,8 +62,9 @@ def sampling_args(body: dict, chat: bool) -> dict:
     """The SDK keyword arguments of an OpenAI body's sampling fields (`check_fields` first: every other field is
     refused)."""
     check_fields(body, chat)
-    for name, (neutral, lo, hi) in NEUTRAL.items():
-        fields.neutral_only(body, name, neutral, lo, hi)
+    if chat:
+        for name, (neutral, lo, hi) in NEUTRAL.items():
+            fields.neutral_only(body, name, neutral, lo, hi)
     for name in UNSUPPORTED:
         if body.get(name):
             raise APIError(400, f"'{name}' is not supported", param=name, code="unsupported_parameter")
@@ -98,9 +102,23 @@ def sampling_args(body: dict, chat: bool) -> dict:
         logit_bias=fields.token_bias(body, limit=MAX_LOGIT_BIAS),
         min_tokens=min_tokens,
         **structured_args(body),
+        **choice_args(body, chat),
     )
     if continuous_usage(body):
         args["stream_usage"] = True
+    return args
+
+
+def choice_args(body: dict, chat: bool) -> dict:
+    """`n` (choices of the prompt, 1..MAX_N) and, completions, `best_of` (candidates, n..MAX_N; the router refuses
+    it on a stream, as OpenAI)."""
+    n = fields.integer(body, "n", 1, MAX_N)
+    args: dict[str, int] = {} if n is None else {"n": n}
+    best_of = None if chat else fields.integer(body, "best_of", 1, MAX_N)
+    if best_of is not None:
+        if best_of < (n or 1):
+            raise APIError(400, f"'best_of' {best_of} must be at least n ({n or 1})", param="best_of")
+        args["best_of"] = best_of
     return args
 
 
@@ -213,8 +231,9 @@ def _content_text(content: Any, i: int) -> str:
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """`messages=` for the SDK: role + text content; the router validates roles against its template."""
+def chat_messages(body: dict) -> list[dict[str, Any]]:
+    """`messages=` for the SDK: role + text content, an assistant turn's `tool_calls`, a tool turn's `tool_call_id`;
+    the router validates roles against its template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
@@ -223,7 +242,14 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+        message: dict[str, Any] = {"role": role, "content": _content_text(m.get("content"), i)}
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = tools.history_calls(m["tool_calls"], i)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise APIError(400, f"messages[{i}]: a tool message needs a 'tool_call_id' string", param="messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
@@ -237,24 +263,36 @@ def usage_json(u: Usage) -> dict:
 
 
 def completion_json(
-    rid: str, model: str, out: Completion, chat: bool, echo_text: str = "", logprobs: dict | None = None
+    rid: str,
+    model: str,
+    out: Completion,
+    chat: bool,
+    echo_text: str = "",
+    logprobs: Callable[[Completion], dict | None] = lambda _: None,
 ) -> dict:
-    """A whole `chat.completion` or `text_completion` object (`echo_text`: the prompt, completions with echo)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason, "logprobs": logprobs}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": out.text}
-        if out.reasoning_text:
-            choice["message"]["reasoning_content"] = out.reasoning_text
-    else:
-        choice["text"] = echo_text + out.text
+    """A whole `chat.completion` or `text_completion` object (`echo_text`: the prompt, completions with echo;
+    `logprobs(choice)`: a choice's logprobs object). n > 1: one choice per `out.choices`, usage the request's."""
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": [_choice_json(c, chat, echo_text, logprobs(c)) for c in (out.choices or [out])],
         "usage": usage_json(out.usage),
     }
+
+
+def _choice_json(out: Completion, chat: bool, echo_text: str, logprobs: dict | None) -> dict:
+    choice: dict[str, Any] = {"index": out.index, "finish_reason": out.finish_reason, "logprobs": logprobs}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": out.text}
+        if out.tool_calls:  # OpenAI: content null when the turn is only calls
+            choice["message"].update(content=out.text or None, tool_calls=tools.calls_json(out.tool_calls))
+        if out.reasoning_text:
+            choice["message"]["reasoning_content"] = out.reasoning_text
+    else:
+        choice["text"] = echo_text + out.text
+    return choice
 
 
 def chunk_json(
@@ -268,16 +306,20 @@ def chunk_json(
     logprobs: dict | None = None,
     reasoning: str = "",
     usage: Usage | None = None,
+    tool_calls: list[ToolCallDelta] | None = None,
+    index: int = 0,
 ) -> dict:
-    """One streamed `chat.completion.chunk` / `text_completion` event with a single choice (`usage`: the running
-    usage, with `stream_options.continuous_usage_stats`)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+    """One streamed `chat.completion.chunk` / `text_completion` event with a single choice, number `index` (`usage`:
+    the running usage, with `stream_options.continuous_usage_stats`; `tool_calls`: pieces of tool calls, chat)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if text is not None:
+        if text is not None and (text or not tool_calls):
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tools.deltas_json(tool_calls)
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

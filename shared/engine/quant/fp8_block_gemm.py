@@ -10,7 +10,9 @@ sync: capturable in CUDA graphs. Tails of M, N and K are masked.
 
 The same kernel with PER_CHANNEL scales (a_scale [M, 1] per token, b_scale [N] per output channel) applies them
 once after the K loop: `channel_gemm`, a Triton alternative to `torch._scaled_mm` with quantized activations (the
-bench's comparison row; decode-sized M in Fp8Linear takes the weight-only GEMV, fp8_gemv.py).
+bench's comparison row; decode-sized M in Fp8Linear takes the weight-only GEMV, fp8_gemv.py). Fp8Linear runs
+block-scaled layers through cuBLAS's block-scaled `torch._scaled_mm` where it can (N and K multiples of 128);
+this kernel is the fallback (and the path of fused parts whose scales are per row).
 """
 
 from __future__ import annotations
@@ -60,14 +62,24 @@ def _block_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def default_config(m: int, n: int) -> dict:
-    """Tile shape by token count: decode rows take narrow N tiles (more programs over the weight), prefill takes
-    128x128 tiles. The bench (bench/gpu_engine.py --weights) measures the alternatives on the device."""
+# prefill / large-batch tiles, largest first: (BM, BN, num_warps, num_stages); `default_config` takes the first
+# whose grid fills the GPU (H200: 132 SMs), so M = 128 no longer runs 32 programs of 128x128 on 132 SMs
+TILES = ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4))
+# the alternatives to `TILES` bench/fp8_weights.py times at M = 128 and 2048 (details of docs/bench/fp8_weights.json)
+SWEEP_CONFIGS = [
+    dict(BM=bm, BN=bn, GROUP_M=8, num_warps=nw, num_stages=ns)
+    for bm, bn, nw, ns in [(128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 3), (128, 64, 4, 4), (64, 256, 8, 3)]
+]  # fmt: skip
+
+
+def default_config(m: int, n: int, sms: int = 132) -> dict:
+    """Tile shape by token count: decode rows take narrow N tiles (more programs over the weight), larger M the
+    largest of `TILES` whose grid covers the `sms` SMs (the smallest where none does). The bench
+    (bench/fp8_weights.py) times the alternatives on the device."""
     if m <= 16:
         return dict(BM=16, BN=64 if n >= 16384 else 32, GROUP_M=1, num_warps=4, num_stages=4)
-    if m <= 64:
-        return dict(BM=64, BN=64, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3)
+    tile = next((t for t in TILES if triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]) >= sms), TILES[-1])
+    return dict(BM=tile[0], BN=tile[1], GROUP_M=8, num_warps=tile[2], num_stages=tile[3])
 
 
 def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_rows: int = 1) -> torch.Tensor:
@@ -76,7 +88,8 @@ def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return c
-    cfg = dict(config or default_config(m, n))
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 132
+    cfg = dict(config or default_config(m, n, sms))
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _block_gemm_kernel[grid](

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.quant.fp8_checkpoint import Fp8Scheme
 from pdserve.engine.quant.fp8_quant import FP8_MAX, quantize_weight_blocks, quantize_weight_per_channel
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -63,6 +64,38 @@ def quantize_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Te
         f"{prefix}.weight_scale": scale.reshape(1),
         f"{prefix}.input_scale": torch.tensor([STATIC_INPUT_SCALE]),
     }
+
+
+RANDOM_Q_STD = 64.0  # random e4m3 codes: standard deviation in e4m3 units (±448 clips at 7 sigma)
+
+
+def random_tensors(name: str, n: int, k: int, std: float, fmt: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random tensors an FP8 checkpoint of `fmt` holds for one projection weight [N, K] (HF `name`), made on the
+    generator's device without a bf16 weight first: e4m3 codes ~ N(0, 64^2) and scales std / 64 (dequantized
+    weights ~ N(0, std^2)) in the layout of `fmt` (what `quantize_tensors` writes)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    dev, prefix = g.device, name.removesuffix(".weight")
+    codes = torch.randn(n, k, device=dev, generator=g).mul_(RANDOM_Q_STD).clamp_(-FP8_MAX, FP8_MAX)
+    q = codes.to(torch.float8_e4m3fn)  # [N, K]
+    del codes
+    s = std / RANDOM_Q_STD
+    if fmt == "block":
+        return {name: q, f"{prefix}.weight_scale_inv": torch.full((-(-n // 128), -(-k // 128)), s, device=dev)}
+    if fmt == "channel":
+        return {name: q, f"{prefix}.weight_scale": torch.full((n, 1), s, device=dev)}
+    return {
+        name: q,
+        f"{prefix}.weight_scale": torch.full((1,), s, device=dev),
+        f"{prefix}.input_scale": torch.full((1,), STATIC_INPUT_SCALE, device=dev),
+    }
+
+
+def scheme_format(scheme: Fp8Scheme) -> str:
+    """The `FORMATS` name of a checkpoint scheme (block / channel / tensor: static per-tensor activations)."""
+    if scheme.weights == "block":
+        return "block"
+    return "tensor" if scheme.activations == "static" else "channel"
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, fmt: str) -> Path:

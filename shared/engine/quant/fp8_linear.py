@@ -3,10 +3,12 @@
 - per-channel weights (online FP8, compressed-tensors): activations quantized per token (or with the checkpoint's
   static scale), then `torch._scaled_mm` with rowwise scales: scale_a [M, 1] and scale_b [1, N] float32, the
   weight stored [N, K] row-major, which is the column-major [K, N] operand `_scaled_mm` wants (`weight.t()`).
-- block-scaled weights (DeepSeek / Qwen3 `-FP8`): activations quantized per token per 128 columns, then the Triton
-  block GEMM (`fp8_block_gemm`).
-- decode-sized batches (<= `gemv_max_rows` tokens), either layout: the split-K weight-only GEMV (`fp8_gemv`),
-  activations unquantized, reading the e4m3 weights near copy bandwidth.
+- block-scaled weights (DeepSeek / Qwen3 `-FP8`): activations quantized per token per 128 columns, then
+  `torch._scaled_mm` with block scales (cuBLAS: scale_a [M, K/128] column-major, scale_b the transpose of the
+  [N/128, K/128] weight scales) where N and K are multiples of 128 and this torch / GPU runs it (`block_backend`
+  "auto": tried eagerly, the Triton block GEMM `fp8_block_gemm` for good after a refusal), else the Triton GEMM.
+- decode-sized batches (<= `gemv_max_rows` tokens), either layout: the weight-only GEMV (`fp8_gemv`), activations
+  unquantized, reading the e4m3 weights near copy bandwidth (split-K in one launch, tickets in `gemv_counters`).
 Every op is a device launch without host syncs: the layer runs inside the decode CUDA graphs.
 
 The engine builds this module on CUDA only; on CPU it dequantizes FP8 weights once at load (model.py). `forward`
@@ -28,7 +30,7 @@ from pdserve.engine.quant.fp8_quant import (
 )
 
 # decode batches: a few tokens' GEMM is bound by the weight bytes, and quantizing the activations first only adds a
-# launch; up to this many tokens take the weight-only GEMV (fp8_gemv); bench/gpu_engine.py --weights times both
+# launch; up to this many tokens take the weight-only GEMV (fp8_gemv); bench/fp8_weights.py times both
 GEMV_MAX_ROWS = 16  # = fp8_gemv.MAX_M, the most the GEMV takes
 
 
@@ -52,6 +54,10 @@ class Fp8Linear(nn.Module):
         # CUDA with triton: up to this many tokens through the weight-only GEMV (`fp8_gemv`), more through
         # _scaled_mm (per channel) or the block GEMM; 0: never the GEMV
         self.gemv_max_rows = GEMV_MAX_ROWS
+        # block scheme above the GEMV: "auto" (cuBLAS block-scaled _scaled_mm where it runs, else triton) |
+        # "scaled_mm" | "triton" (the Triton block GEMM)
+        self.block_backend = "auto"
+        self.gemv_counters: torch.Tensor | None = None  # int32 split-K tickets of the GEMV (zero between calls)
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -63,22 +69,23 @@ class Fp8Linear(nn.Module):
         w = f"block={self.block}" if self.block else "per-channel"
         return f"in={self.in_features}, out={self.out_features}, {w}, static_input={self.static_input}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, N] in x.dtype."""
+    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x.dtype. `pdl`: the GEMV as a programmatic dependent launch (Hopper)."""
         if not x.is_cuda:
             return self.reference(x)
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         if self.triton and x.shape[0] <= min(self.gemv_max_rows, GEMV_MAX_ROWS):
-            from pdserve.engine.quant.fp8_gemv import fp8_gemv
+            from pdserve.engine.quant.fp8_gemv import counter_slots, fp8_gemv
 
+            capturing = torch.cuda.is_current_stream_capturing()
+            if self.gemv_counters is None and not capturing:  # allocated eagerly (warm-up), reused by the graphs
+                self.gemv_counters = torch.zeros(counter_slots(self.out_features), dtype=torch.int32, device=x.device)
             scale_rows = 0 if self.block is None else self.block[0]
-            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows)  # [T, N] in x.dtype
+            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl,
+                            counters=self.gemv_counters)  # fmt: skip
         if self.block is not None:
-            from pdserve.engine.quant.fp8_block_gemm import block_gemm
-
-            xq, xs = quantize_activations(x, self.block[1])  # [T, K] e4m3, [T, K/128] (Triton)
-            out = block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, scale_rows=self.block[0])
+            out = self._block_gemm(x)
         else:
             if self.input_scale is not None:
                 xq = quantize_activations_static(x, self.input_scale)
@@ -92,6 +99,40 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.to(x.dtype)
+
+    def _block_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Block scheme, x [T, K] -> [T, N] bf16: activations quantized per token per 128 columns (one Triton
+        launch), then cuBLAS's block-scaled `_scaled_mm` or the Triton block GEMM (`block_backend`)."""
+        from pdserve.engine.quant.fp8_block_gemm import block_gemm
+
+        assert self.block is not None
+        if self.block_backend != "triton" and self._cublas_block_shape(x.shape[0]):
+            xq, xs = quantize_activations(x, self.block[1], col_major=True)  # [T, K] e4m3, [T, K/128] col-major
+            try:  # scale_b: [K/128, N/128], the transpose of the checkpoint's [N/128, K/128] (a view)
+                return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(),
+                                        out_dtype=torch.bfloat16)  # fmt: skip
+            except (RuntimeError, NotImplementedError, ValueError):
+                if self.block_backend == "scaled_mm" or torch.cuda.is_current_stream_capturing():
+                    raise
+                self.block_backend = "triton"  # this torch / GPU has no block-scaled _scaled_mm
+        xq, xs = quantize_activations(x, self.block[1])  # [T, K] e4m3, [T, K/128] (Triton)
+        return block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, scale_rows=self.block[0])
+
+    def _cublas_block_shape(self, m: int) -> bool:
+        """Whether cuBLAS's block-scaled `_scaled_mm` takes this layer at `m` tokens. Measured on an H200 (torch
+        2.11): right at N/128 and K/128 multiples of 4 with M a multiple of 16; refused at M = 17; silently wrong at
+        N = 384, K = 256 (3 x 2 scale blocks). Other shapes take the Triton block GEMM."""
+        from pdserve.engine.quant.fp8_block_gemm import SCALE_BLOCK
+
+        n_blocks, k_blocks = self.out_features // SCALE_BLOCK, self.in_features // SCALE_BLOCK
+        return (
+            self.block == (SCALE_BLOCK, SCALE_BLOCK)
+            and self.out_features % SCALE_BLOCK == 0
+            and self.in_features % SCALE_BLOCK == 0
+            and n_blocks % 4 == 0
+            and k_blocks % 4 == 0
+            and m % 16 == 0
+        )
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] weight in `dtype` (what the CPU path runs)."""

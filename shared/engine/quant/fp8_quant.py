@@ -70,12 +70,23 @@ def quantize_activations_torch(x: torch.Tensor, group: int | None) -> tuple[torc
     return _to_fp8(tiles, scale[:, :, None]).view(m, g * group)[:, :k].contiguous(), scale
 
 
-def quantize_activations(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `quantize_activations_torch`; on CUDA one Triton launch (`quantize_activations_triton`)."""
-    return quantize_activations_triton(x, group) if x.is_cuda else quantize_activations_torch(x, group)
+def quantize_activations(
+    x: torch.Tensor, group: int | None, col_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `quantize_activations_torch`; on CUDA one Triton launch (`quantize_activations_triton`). `col_major`:
+    the scales [M, G] column-major (the layout `torch._scaled_mm` wants for 1x128 blocks)."""
+    if x.is_cuda:
+        return quantize_activations_triton(x, group, col_major)
+    q, s = quantize_activations_torch(x, group)
+    return q, (s.t().contiguous().t() if col_major else s)
 
 
-def quantize_activations_triton(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+ACT_QUANT_ONE_PASS = 8192  # columns of a group the kernel keeps in registers (one read of x)
+
+
+def quantize_activations_triton(
+    x: torch.Tensor, group: int | None, col_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of `quantize_activations` (rows x groups programs; CUDA, or Triton's interpreter)."""
     import triton
 
@@ -87,10 +98,14 @@ def quantize_activations_triton(x: torch.Tensor, group: int | None) -> tuple[tor
     span = k if group is None else group
     g = -(-k // span)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scale = torch.empty(m, g, dtype=torch.float32, device=x.device)
+    buf = torch.empty(g, m, dtype=torch.float32, device=x.device) if col_major else None
+    scale = buf.t() if buf is not None else torch.empty(m, g, dtype=torch.float32, device=x.device)  # [M, G]
     if m:
-        block = min(triton.next_power_of_2(span), 1024)
-        act_quant_kernel[(m, g)](x, q, scale, k, x.stride(0), SPAN=span, BLOCK=block, AMAX_MIN=AMAX_FLOOR)
+        block = min(triton.next_power_of_2(span), ACT_QUANT_ONE_PASS)
+        act_quant_kernel[(m, g)](
+            x, q, scale, m, k, x.stride(0), AMAX_FLOOR, SPAN=span, BLOCK=block, COL_MAJOR=col_major,
+            num_warps=8 if block >= 4096 else 4,
+        )  # fmt: skip
     return q, scale
 
 

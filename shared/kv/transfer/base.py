@@ -27,31 +27,33 @@ from typing import Any
 import torch
 
 from pdserve.kv.codec import KVLayoutSpec, check_values
+from pdserve.kv.transfer.layers import LayerRange
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.kv.transfer.pages import ReceiverPages, SenderPages, TransferError
 from pdserve.kv.transfer.stats import BusyClock, TransferStats
-from pdserve.kv.transfer.wire import BatchExpectation, make_header, verify_header
+from pdserve.kv.transfer.wire import BatchExpectation, header_layers, make_header, verify_header
 from pdserve.v1 import kv_pb2
 
 
 @dataclass
 class ExportedPages:
-    """A chunk's ready pages, gathered by the engine into one buffer."""
+    """A chunk's ready pages (all layers, or one layer group of them), gathered by the engine into one buffer."""
 
     page_indexes: list[int]
     num_tokens: list[int]
     rows: torch.Tensor  # uint8 [N, page_bytes] on the engine's device (CPU for prompt-cache hits)
     ready: Any = None  # torch.cuda.Event recorded after the gather on the engine's stream (None: ready now)
     host: torch.Tensor | None = None  # a host copy, when the transport made one (the prompt cache reuses it)
+    layers: LayerRange | None = None  # the layers the rows hold (PageFormat(layout, layers.count)); None: all
 
     @property
     def nbytes(self) -> int:
         return self.rows.numel()
 
 
-# Import a batch into the pool: (page_indexes, num_tokens, rows uint8 [N, page_bytes] on the pool's device)
-# -> a Future of the engine-thread write.
-ImportRows = Callable[[list[int], list[int], torch.Tensor], Future]
+# Import a batch into the pool: (page_indexes, num_tokens, rows uint8 [N, page_bytes] on the pool's device, the
+# layers the rows hold: None for all) -> a Future of the engine-thread write.
+ImportRows = Callable[[list[int], list[int], torch.Tensor, LayerRange | None], Future]
 
 
 class KVSender(ABC):
@@ -73,7 +75,8 @@ class KVSender(ABC):
         self.fmt = PageFormat(layout)
         self.fingerprint = fingerprint
         self.stats = stats
-        self.rows_per_batch = max(1, max_batch_bytes // self.fmt.page_bytes)
+        self.max_batch_bytes = max_batch_bytes
+        self.rows_per_batch = max(1, max_batch_bytes // self.fmt.page_bytes)  # whole pages per batch
         self.clock = BusyClock()
         self._spans: list[tuple[int, int]] = []  # unacked batches: (last seq_no, its clock span), in seq order
         self._lock = threading.Lock()
@@ -86,16 +89,43 @@ class KVSender(ABC):
         """Ship the pages; returns the stream messages to yield (protobuf messages or pre-serialized bytes). Every
         batch is booked (seq_nos, page states) before this returns; the messages may be built as they are taken."""
 
-    def _shipped(self, page_indexes: list[int], nbytes: int, span: int) -> int:
-        """Book a batch: page states, counters, its clock span. Returns its first seq_no."""
-        first = self.pages.ship(page_indexes, nbytes)
+    @staticmethod
+    def wait_ready(exported: ExportedPages) -> None:
+        """Block until the engine's gather of `exported` is done (its `ready` event). Senders start a batch's clock
+        after it, so the transfer time counts the bytes' trip, not the compute before them: a layer group is handed
+        over when the engine thread queued its gather, while the device may still be computing earlier layers."""
+        if exported.ready is not None:
+            exported.ready.synchronize()
+
+    def layers_of(self, exported: ExportedPages) -> LayerRange | None:
+        """The layer group `exported` holds; None for whole pages (every layer)."""
+        r = exported.layers
+        return None if r is None or r.is_all(self.layout.num_layers) else r
+
+    def rows_per(self, exported: ExportedPages) -> int:
+        """Rows of `exported` per batch: as many as fit the batch bound (a layer group's rows are shorter)."""
+        layers = self.layers_of(exported)
+        if layers is None:
+            return self.rows_per_batch
+        return max(1, self.max_batch_bytes // PageFormat(self.layout, layers.count).page_bytes)
+
+    def _shipped(self, page_indexes: list[int], nbytes: int, span: int, layers: LayerRange | None = None) -> int:
+        """Book a batch (of `layers` of its pages; None: all): page states, counters (a page counts once, with its
+        last layer), its clock span. Returns its first seq_no."""
+        first = self.pages.ship(page_indexes, nbytes, layers)
         with self._lock:
             self._spans.append((first + len(page_indexes) - 1, span))
-        self.stats.add(self.transport, pages=len(page_indexes), bytes=nbytes, batches=1)
+        whole = layers is None or layers.stop == self.layout.num_layers
+        self.stats.add(self.transport, pages=len(page_indexes) if whole else 0, bytes=nbytes, batches=1)
         return first
 
     def _header(
-        self, first_seq_no: int, page_indexes: list[int], num_tokens: list[int], payload=None
+        self,
+        first_seq_no: int,
+        page_indexes: list[int],
+        num_tokens: list[int],
+        payload=None,
+        layers: LayerRange | None = None,
     ) -> kv_pb2.KVBatchHeader:
         """The header of a batch of this request (`wire.make_header`; with `payload`, its checksum)."""
         return make_header(
@@ -106,6 +136,7 @@ class KVSender(ABC):
             page_indexes=page_indexes,
             num_tokens=num_tokens,
             payload=payload,
+            layers=layers,
         )
 
     def ack(self, seq_no: int) -> bool:
@@ -185,8 +216,8 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def _fetch(self, header: kv_pb2.KVBatchHeader, source: Any) -> torch.Tensor:
-        """Verify the transport part and return the batch as uint8 [N, page_bytes] in memory this process owns
-        on `self.device`, complete (no pending copy)."""
+        """Verify the transport part and return the batch as uint8 [N, row bytes] (a layer group's rows: that many
+        layers) in memory this process owns on `self.device`, complete (no pending copy)."""
 
     def receive(self, header: kv_pb2.KVBatchHeader, source: Any) -> int:
         """One batch, on this thread: verified before any byte reaches the pool. Returns the seq_no to
@@ -200,7 +231,11 @@ class KVReceiver(ABC):
         acknowledge, or the CorruptPage / TransferError (this batch's or an earlier one's)."""
         verify_header(header, self.expect)
         indexes, tokens = list(header.page_indexes), list(header.num_tokens)
-        self.pages.check(header.first_seq_no, indexes)
+        layers = header_layers(header, self.expect.layout)
+        whole = layers.is_all(self.expect.layout.num_layers)
+        group = None if whole else layers  # None: whole pages (every layer of each)
+        self.pages.check(header.first_seq_no, indexes, group)
+        fmt = PageFormat(self.expect.layout, layers.count)
         span = self.clock.start()
         earlier, done = self._last, Future[int]()
         self._last = done
@@ -210,13 +245,14 @@ class KVReceiver(ABC):
                 rows = self._fetch(header, source)
                 # NaN / inf pass a checksum: CorruptPage (DATA_LOSS). `_fetch` returned the rows complete, so the
                 # check does not queue behind the decode step in flight on the engine's stream.
-                check_values(*self.fmt.unpack(rows), complete=True)
+                check_values(*fmt.unpack(rows), complete=True)
                 self.clock.end(span)
                 if earlier is not None:
                     earlier.result()  # submitted (so started) before this one: in order, and its error is ours
-                seq = self.pages.filled(indexes, header.nbytes)
-                self._writes.append(self.import_rows(indexes, tokens, rows))
-                self.stats.add(self.transport, pages=len(indexes), bytes=header.nbytes, batches=1)
+                seq = self.pages.filled(indexes, header.nbytes, group)
+                self._writes.append(self.import_rows(indexes, tokens, rows, group))
+                pages = len(indexes) if layers.stop == self.expect.layout.num_layers else 0  # once, with its last
+                self.stats.add(self.transport, pages=pages, bytes=header.nbytes, batches=1)
                 done.set_result(seq)
             except BaseException as e:
                 done.set_exception(e)

@@ -228,9 +228,17 @@ class IpcSender(KVSender):
         self._regions: list[tuple[int, int, int]] = []  # (last seq_no, offset, nbytes) not yet acked
         self._cv = threading.Condition()
 
+    def rows_per(self, exported: ExportedPages) -> int:
+        """At most half the staging buffer per region."""
+        row_bytes = exported.rows.shape[1] if exported.rows.dim() == 2 else self.fmt.page_bytes
+        return max(1, min(super().rows_per(exported), self.staging.nbytes // 2 // max(row_bytes, 1)))
+
     def send(self, exported: ExportedPages) -> list[Any]:
+        """Per region: reserve, copy the rows in after `exported.ready` (a layer group's: while the forward computes
+        the next layers), book, describe."""
         msgs: list[Any] = []
-        n, k = len(exported.page_indexes), self.rows_per_batch
+        self.wait_ready(exported)  # the transfer's clock starts once the rows exist on the device
+        n, k, layers = len(exported.page_indexes), self.rows_per(exported), self.layers_of(exported)
         for i in range(0, n, k):
             rows = exported.rows[i : i + k]
             nbytes = rows.numel()
@@ -239,13 +247,13 @@ class IpcSender(KVSender):
             try:
                 self.staging.copier.stage(self.staging.region(offset, nbytes), exported, rows)
                 idx, tok = exported.page_indexes[i : i + k], exported.num_tokens[i : i + k]
-                first = self._shipped(idx, nbytes, span)
+                first = self._shipped(idx, nbytes, span, layers)
             except BaseException:
                 self.staging.release(offset, nbytes)
                 raise
             with self._cv:
                 self._regions.append((first + len(idx) - 1, offset, nbytes))
-            header = self._header(first, idx, tok)
+            header = self._header(first, idx, tok, layers=layers)
             batch = kv_pb2.KVIpcBatch(header=header, offset=offset, buffer_id=self.staging.desc.buffer_id)
             msgs.append(internal_pb2.PrefillServerMessage(ipc_batch=batch))
         return msgs
@@ -315,4 +323,4 @@ class IpcReceiver(KVReceiver):
         if source.offset % ALIGN or end > buf.numel():
             raise CorruptPage(f"region [{source.offset}, {end}) outside the peer's {buf.numel()}-byte buffer")
         rows = self.buffers.copier.fetch(buf[source.offset : end])
-        return rows.view(len(header.page_indexes), self.fmt.page_bytes)
+        return rows.view(len(header.page_indexes), -1)  # [N, row bytes] (verified: all layers, or a group's)

@@ -30,7 +30,7 @@ from pdserve.kv.transfer.grpc_transport import GrpcReceiver
 from pdserve.kv.transfer.handshake import CUDA_IPC, GRPC, fall_back, make_offer
 from pdserve.kv.transfer.pages import ReceiverPages
 from pdserve.kv.transfer.stats import TransferStats
-from pdserve.kv.transfer.timeouts import Watchdog
+from pdserve.kv.transfer.timeouts import PageBudget, PeerLoads, Watchdog
 from pdserve.kv.transfer.wire import BatchExpectation, parse_server_message
 from pdserve.v1 import internal_pb2, kv_pb2
 
@@ -42,7 +42,9 @@ class ReceiverConfig(Protocol):
 
     kv_transport: str  # auto | grpc | cuda-ipc (offered in each request)
     kv_copy_threads: int  # threads checking and copying batches off the stream's reader (0: none)
-    page_timeout_s: float  # longest wait for the next message from prefill
+    page_timeout_s: float  # shortest bound on the wait for the next message from prefill (`timeouts.PageBudget`)
+    page_timeout_max_s: float  # its longest, however much work is ahead
+    page_timeout_slack: float  # its margin over the expected time of the work ahead
     first_token_early: bool  # ask prefill for the first token ahead of the pages
 
 
@@ -56,6 +58,8 @@ class DecodeConnector:
         self.layout = layout
         self.fingerprint = fingerprint
         self.stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
+        budget = PageBudget(cfg.page_timeout_s, cfg.page_timeout_max_s, cfg.page_timeout_slack)
+        self.loads = PeerLoads(budget)  # per prefill instance: tokens awaited, arrival rate (the page timeout)
         self.offer = make_offer(cfg.kv_transport, device)
         self.buffers = IpcBufferCache(copier_for(device))  # prefill staging buffers, opened once each
         self.copy_pool = (
@@ -72,7 +76,8 @@ class DecodeConnector:
     ) -> IncomingTransfer:
         """The transfer of one request's `num_pages` pages from prefill `peer`; `free` gives the reserved pages back
         (once, on failure), `import_rows` writes a checked batch into the pool."""
-        return IncomingTransfer(self, ReceiverPages(request_id, num_pages, free=free), import_rows, peer)
+        pages = ReceiverPages(request_id, num_pages, free=free, num_layers=self.layout.num_layers)
+        return IncomingTransfer(self, pages, import_rows, peer)
 
     def receiver(self, transport: str, pages: ReceiverPages, import_rows: ImportRows, buffer_id: str) -> KVReceiver:
         args = (pages, BatchExpectation(self.layout, self.fingerprint, pages.request_id), self.stats, self.device)
@@ -104,6 +109,7 @@ class IncomingTransfer:
         self._cancel: Callable[[], object] = lambda: None
         self._watchdog: Watchdog | None = None
         self._first_token = False
+        self.work = connector.loads.open(peer, len(pages.states) * connector.layout.page_size)  # the page timeout
 
     @property
     def transport(self) -> str:
@@ -116,6 +122,7 @@ class IncomingTransfer:
         request.kv_layout.CopyFrom(c.layout.to_proto())
         request.model_fingerprint = c.fingerprint
         request.first_token_early = c.cfg.first_token_early
+        request.kv_layer_groups = True  # batches of a layer range are taken (`layers`): prefill may stream them
         request.kv_transport.CopyFrom(c.offer)
         first = internal_pb2.PrefillClientMessage(request=request)
 
@@ -130,7 +137,7 @@ class IncomingTransfer:
         """The stream is open: `cancel` ends it (prefill silent past page_timeout_s, a batch failed its checks)."""
         self._cancel = cancel
         name = f"pages-{self.pages.request_id[:8]}"
-        self._watchdog = Watchdog(self._connector.cfg.page_timeout_s, cancel, name=name)
+        self._watchdog = Watchdog(self.work.timeout_s, cancel, name=name)  # scaled with the work ahead
 
     def receive(self, raw: bytes) -> internal_pb2.PrefillServerMessage | None:
         """One message from prefill. The transport choice and KV batches are taken here (None); PrefillFirstToken
@@ -138,10 +145,13 @@ class IncomingTransfer:
         open prefill's buffer."""
         if self._watchdog is not None:
             self._watchdog.feed()
+        claimed = self.pages.pages_claimed  # pages whose last layer arrived (a layer group is part of a page)
         try:
             return self._take(raw)
         except _BAD_PEER as e:
             raise TransferError(f"bad KV batch from prefill: {e}") from e
+        finally:
+            self.work.arrived((self.pages.pages_claimed - claimed) * self._connector.layout.page_size)
 
     def _take(self, raw: bytes) -> internal_pb2.PrefillServerMessage | None:
         msg, header, payload = parse_server_message(raw)
@@ -225,8 +235,8 @@ class IncomingTransfer:
             return TransferError(f"bad KV batch from prefill: {bad}")
         if self._watchdog is not None and self._watchdog.expired:
             return DeadlineExceeded(
-                f"no KV page from prefill {self.peer} within page_timeout_s={self._connector.cfg.page_timeout_s}s "
-                f"({self.pages.next_seq_no} pages received)"
+                f"no KV page from prefill {self.peer} within {self._watchdog.expired_after:.3g}s "
+                f"({self.work.describe()}; {self.pages.next_seq_no} pages received)"
             )
         return None
 
@@ -235,6 +245,7 @@ class IncomingTransfer:
         the stream and free the reserved pages."""
         if self._watchdog is not None:
             self._watchdog.stop()
+        self.work.close()
         self._outbox.put(None)
         if self.pages.completed:
             return

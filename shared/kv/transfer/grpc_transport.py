@@ -5,10 +5,11 @@ pinned buffer on a side CUDA stream; each message carries up to `max_batch_bytes
 hardware CRC32C and serialized with the payload copied once (`wire.batch_message_bytes`). With a `pool`, the
 messages are built by its threads, a few ahead of the stream writer (CRC32C and the copy release the GIL), so
 building message i+1 overlaps gRPC sending message i instead of preceding the chunk's first message.
-Receiver: the payload is a view of the received bytes (no copy), verified (sizes, ids, seq, CRC32C), copied
-host -> device in one copy, and written into the pool by one scatter on the engine thread. With the receiver's
-`pool` (`KVReceiver.receive_async`), batches are checked and copied on its threads while the stream's reader
-takes the next message: batch i's CRC32C overlaps batch i+1's copy.
+Receiver: the payload is a view of the received bytes (no copy), verified (sizes, ids, seq, CRC32C), on CUDA copied
+into pinned host memory (outside the GIL) and from there to the device in one DMA, and written into the pool by one
+scatter on the engine thread. With the receiver's `pool` (`KVReceiver.receive_async`), batches are checked and
+copied on its threads while the stream's reader takes the next message: batch i's CRC32C overlaps batch i+1's
+copy.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Any
 import torch
 
 from pdserve.errors import CorruptPage
-from pdserve.kv.bytes_out import tensor_view
+from pdserve.kv.bytes_out import copy_into, tensor_view
 from pdserve.kv.transfer.base import ExportedPages, KVReceiver, KVSender
 from pdserve.kv.transfer.handshake import GRPC
+from pdserve.kv.transfer.layers import LayerRange
 from pdserve.kv.transfer.wire import batch_message_bytes, verify_header
 from pdserve.v1 import kv_pb2
 
@@ -45,7 +47,7 @@ def to_host(exported: ExportedPages) -> torch.Tensor:
     return host
 
 
-_Job = tuple[int, list[int], list[int], memoryview]  # (first seq_no, page indexes, num_tokens, payload)
+_Job = tuple[int, list[int], list[int], memoryview, LayerRange | None]  # (first seq_no, pages, tokens, payload, layers)
 
 
 class GrpcSender(KVSender):
@@ -58,21 +60,23 @@ class GrpcSender(KVSender):
 
     def send(self, exported: ExportedPages) -> Iterator[bytes]:
         """Books every batch of the chunk now (seq_nos, page states), copies the rows to the host now, and returns
-        the messages as an iterator that builds them (checksum + serialization) as the writer takes them."""
+        the messages as an iterator that builds them (checksum + serialization) as the writer takes them. A layer
+        group's rows are copied after its `ready` event, while the engine's forward computes the next layers."""
+        self.wait_ready(exported)  # the transfer's clock starts once the rows exist on the device
         span = self.clock.start()
         host = to_host(exported)  # [N, page_bytes]
         exported.host = host
         jobs: list[_Job] = []
-        n, k = len(exported.page_indexes), self.rows_per_batch
+        n, k, layers = len(exported.page_indexes), self.rows_per(exported), self.layers_of(exported)
         for i in range(0, n, k):
             payload = memoryview(host[i : i + k].numpy()).cast("B")  # type: ignore[arg-type]
             idx, tok = exported.page_indexes[i : i + k], exported.num_tokens[i : i + k]
-            jobs.append((self._shipped(idx, payload.nbytes, span), idx, tok, payload))
+            jobs.append((self._shipped(idx, payload.nbytes, span, layers), idx, tok, payload, layers))
         return self._messages(jobs)
 
     def _message(self, job: _Job) -> bytes:
-        first, idx, tok, payload = job
-        return batch_message_bytes(self._header(first, idx, tok, payload), payload)
+        first, idx, tok, payload, layers = job
+        return batch_message_bytes(self._header(first, idx, tok, payload, layers), payload)
 
     def _messages(self, jobs: list[_Job]) -> Iterator[bytes]:
         """The first `lookahead` messages start building now; each one taken starts the next."""
@@ -99,12 +103,17 @@ class GrpcReceiver(KVReceiver):
         if not isinstance(source, memoryview):
             raise CorruptPage(f"{type(source).__name__} received on the grpc transport")
         verify_header(header, self.expect, source)  # sizes and CRC32C before any use of the bytes
-        rows = tensor_view(source).view(len(header.page_indexes), self.fmt.page_bytes)
+        rows = tensor_view(source).view(len(header.page_indexes), -1)  # [N, row bytes] (verified: all, or a group)
         if self.device.type != "cuda":
             return rows
+        # Into pinned memory first (one memcpy outside the GIL), then one DMA: a copy from the received (pageable)
+        # bytes ran at 7.7 GB/s on the H200 host and pageable copies queue behind one another in the driver, while
+        # memcpys on the pool's threads run side by side (docs/benchmarks.md, KV transfer paths).
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)  # torch's pinned cache reuses blocks
+        copy_into(host, source)
         dst = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
         stream = torch.cuda.Stream(device=self.device)
         with torch.cuda.stream(stream):
-            dst.copy_(rows, non_blocking=True)
+            dst.copy_(host, non_blocking=True)
         stream.synchronize()
         return dst

@@ -4,8 +4,9 @@ A batch of N pages is a uint8 buffer [N, page_bytes]; row i holds page i as
     data   [2, num_layers, page_size, kv_heads, head_dim]           layout dtype (K = 0, V = 1)
     scales [2, num_layers, page_size, kv_heads, head_dim // group]  float16 (int8 and fp8 only)
     zeros  same as scales                                            float16 (asymmetric int8 only)
-in C order, little-endian. Tokens past a page's `num_tokens` are zero. Rows are contiguous, so any run of
-pages is one contiguous byte range (a message, a staging region) and one device copy.
+in C order, little-endian (a layer group's batch: the same with that group's layers, `PageFormat(layout, n)`;
+its rows are the whole rows' bytes of those layers). Tokens past a page's `num_tokens` are zero. Rows are
+contiguous, so any run of pages is one contiguous byte range (a message, a staging region) and one device copy.
 """
 
 from __future__ import annotations
@@ -23,19 +24,25 @@ from pdserve.kv.payload import PagePayload
 
 @dataclass(frozen=True)
 class PageFormat:
-    """Segment sizes of one page row for a layout (all layers, page_size tokens)."""
+    """Segment sizes of one page row for a layout (page_size tokens; all layers, or `num_layers` of them: a layer
+    group's rows, `pdserve.kv.transfer.layers`, laid out alike with that many layers)."""
 
     layout: KVLayoutSpec
+    num_layers: int = 0  # layers in a row; 0: the layout's (whole pages)
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers or self.layout.num_layers
 
     @property
     def data_shape(self) -> tuple[int, ...]:
         lay = self.layout
-        return (2, lay.num_layers, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        return (2, self.layers, lay.page_size, lay.num_kv_heads, lay.head_dim)
 
     @property
     def scales_shape(self) -> tuple[int, ...]:
         lay = self.layout
-        return (2, lay.num_layers, lay.page_size, lay.num_kv_heads, lay.head_dim // max(lay.group_size, 1))
+        return (2, self.layers, lay.page_size, lay.num_kv_heads, lay.head_dim // max(lay.group_size, 1))
 
     @property
     def data_bytes(self) -> int:

@@ -1,7 +1,7 @@
 """Prefill's end of the KV handoff: one `PrefillConnector` per process (`for_prefill`), one `OutgoingTransfer` per
 request. The servicer only calls these; transports, the handshake, the fallback, staging and the ack bound are here.
 
-    tx = connector.open(request_id, num_pages, layout, offer)   # transport agreed (TransportUnusable: forced, cannot)
+    tx = connector.open(request_id, num_pages, layout, offer, layer_groups)  # transport agreed; tx.layer_group
     yield tx.choice                  # the stream's first message
     tx.listen(request_iterator)      # decode's acks and readiness, on a thread of its own
     yield from tx.send(exported)     # per chunk: its batches' messages (the first call waits for decode's readiness)
@@ -27,6 +27,7 @@ from pdserve.kv.transfer.base import ExportedPages, KVSender
 from pdserve.kv.transfer.cuda_ipc import IpcSender, IpcStaging, copier_for
 from pdserve.kv.transfer.grpc_transport import GrpcSender
 from pdserve.kv.transfer.handshake import CUDA_IPC, choose, fall_back, host_id
+from pdserve.kv.transfer.layers import effective_group
 from pdserve.kv.transfer.pages import SenderPages
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.kv.transfer.timeouts import AckClock
@@ -43,6 +44,7 @@ class SenderConfig(Protocol):
     kv_ipc_staging_mb: float  # cuda-ipc: the staging buffer
     kv_copy_threads: int  # grpc: threads building messages ahead of the writer (0: none)
     ack_timeout_s: float  # longest a shipped page may stay unacknowledged
+    kv_layer_group: int  # layers per shipment of a computed chunk (0: whole chunks), for a decode that accepts them
 
 
 class PrefillConnector:
@@ -66,10 +68,17 @@ class PrefillConnector:
         )
 
     def open(
-        self, request_id: str, num_pages: int, layout: KVLayoutSpec, offer: kv_pb2.KVTransportOffer | None
+        self,
+        request_id: str,
+        num_pages: int,
+        layout: KVLayoutSpec,
+        offer: kv_pb2.KVTransportOffer | None,
+        layer_groups: bool = False,
     ) -> OutgoingTransfer:
         """The transfer of one request's `num_pages` pages in `layout`, on the transport agreed with decode's
-        `offer` and --kv-transport. Raises TransportUnusable when a forced transport cannot work."""
+        `offer` and --kv-transport; in layer groups of --kv-layer-group layers when decode accepts them
+        (`layer_groups`, `PrefillRequest.kv_layer_groups`). Raises TransportUnusable when a forced transport cannot
+        work."""
         mode = self.cfg.kv_transport
         may_ipc = mode == CUDA_IPC or (
             mode == "auto" and offer is not None and CUDA_IPC in offer.transports and offer.host_id == self.host_id
@@ -84,8 +93,10 @@ class PrefillConnector:
         if choice.transport == CUDA_IPC:
             assert self._staging is not None  # choose() picks cuda-ipc only with the buffer registered
             message.ipc_buffer.CopyFrom(self._staging.desc)
-        pages = SenderPages(request_id, num_pages, free=lambda: self.release(request_id))
-        return OutgoingTransfer(self, message, pages, layout, forced)
+        pages = SenderPages(request_id, num_pages, free=lambda: self.release(request_id), num_layers=layout.num_layers)
+        tx = OutgoingTransfer(self, message, pages, layout, forced)
+        tx.layer_group = effective_group(self.cfg.kv_layer_group, layout.num_layers, layer_groups)
+        return tx
 
     def sender(self, transport: str, pages: SenderPages, layout: KVLayoutSpec) -> KVSender:
         args = (pages, layout, self.fingerprint, self.stats)
@@ -143,6 +154,7 @@ class OutgoingTransfer:
         self.choice = internal_pb2.PrefillServerMessage(transport=choice)
         self.sender = connector.sender(choice.transport, pages, layout)  # switched to grpc on decode's refusal
         self.clock = AckClock()
+        self.layer_group = 0  # layers per shipment of a computed chunk (0: whole chunks; `layers.effective_group`)
         self._forced = forced  # cuda-ipc forced by either end: no fallback
         self._confirmed = choice.transport != CUDA_IPC  # cuda-ipc: decode must open the buffer first
         self._answered = threading.Event()

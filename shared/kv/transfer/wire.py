@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from pdserve.errors import CorruptPage
 from pdserve.kv.bytes_out import concat
 from pdserve.kv.codec import KVLayoutSpec, pack_layout, pack_str
+from pdserve.kv.transfer.layers import LayerRange
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.v1 import internal_pb2, kv_pb2
 
@@ -52,18 +53,20 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def canonical_header(h: kv_pb2.KVBatchHeader) -> bytes:
-    """Every header field except the checksum, in a fixed byte order (what the checksum covers)."""
-    return b"".join(
-        [
-            b"PDKB",
-            pack_str(h.request_id),
-            pack_str(h.model_fingerprint),
-            pack_layout(h.layout),
-            struct.pack("<QQQB", h.first_seq_no, len(h.page_indexes), h.nbytes, int(h.has_checksum)),
-            struct.pack(f"<{len(h.page_indexes)}I", *h.page_indexes),
-            struct.pack(f"<{len(h.num_tokens)}I", *h.num_tokens),
-        ]
-    )
+    """Every header field except the checksum, in a fixed byte order (what the checksum covers). The layer range
+    only when set (a whole-page batch's bytes are those of peers that predate layer groups)."""
+    parts = [
+        b"PDKB",
+        pack_str(h.request_id),
+        pack_str(h.model_fingerprint),
+        pack_layout(h.layout),
+        struct.pack("<QQQB", h.first_seq_no, len(h.page_indexes), h.nbytes, int(h.has_checksum)),
+        struct.pack(f"<{len(h.page_indexes)}I", *h.page_indexes),
+        struct.pack(f"<{len(h.num_tokens)}I", *h.num_tokens),
+    ]
+    if h.layer_count:
+        parts.append(struct.pack("<4sII", b"LAYR", h.layer_start, h.layer_count))
+    return b"".join(parts)
 
 
 def checksum(h: kv_pb2.KVBatchHeader, payload) -> int:
@@ -80,9 +83,12 @@ def make_header(
     page_indexes: list[int],
     num_tokens: list[int],
     payload=None,
+    layers: LayerRange | None = None,
 ) -> kv_pb2.KVBatchHeader:
-    """A header for N pages; with `payload` (the [N, page_bytes] bytes) it carries their checksum."""
-    fmt = PageFormat(layout)
+    """A header for N pages (`layers` of each; None: all); with `payload` (the [N, page_bytes] bytes of those
+    layers) it carries their checksum."""
+    partial = layers is not None and not layers.is_all(layout.num_layers)
+    fmt = PageFormat(layout, layers.count if partial and layers is not None else 0)
     h = kv_pb2.KVBatchHeader(
         request_id=request_id,
         model_fingerprint=fingerprint,
@@ -93,6 +99,8 @@ def make_header(
         nbytes=len(page_indexes) * fmt.page_bytes,
         has_checksum=payload is not None,
     )
+    if partial and layers is not None:
+        h.layer_start, h.layer_count = layers.start, layers.count
     if payload is not None:
         h.checksum = checksum(h, payload)
     return h
@@ -128,7 +136,8 @@ def verify_header(h: kv_pb2.KVBatchHeader, want: BatchExpectation, payload=None)
     bad = [k for k in h.num_tokens if not 1 <= k <= layout.page_size]
     if bad:
         raise CorruptPage(f"num_tokens {bad[0]} outside [1, page_size {layout.page_size}]")
-    want_bytes = n * PageFormat(layout).page_bytes
+    layers = header_layers(h, layout)  # CorruptPage outside the model's layers
+    want_bytes = n * PageFormat(layout, layers.count).page_bytes
     if h.nbytes != want_bytes:
         raise CorruptPage(f"batch announces {h.nbytes} bytes, layout and {n} pages require {want_bytes}")
     if payload is not None:
@@ -138,6 +147,19 @@ def verify_header(h: kv_pb2.KVBatchHeader, want: BatchExpectation, payload=None)
             raise CorruptPage(f"batch payload has {len(payload)} bytes, header requires {want_bytes}")
         if checksum(h, payload) != h.checksum:
             raise CorruptPage(f"checksum mismatch (pages from seq_no {h.first_seq_no})")
+
+
+def header_layers(h: kv_pb2.KVBatchHeader, layout: KVLayoutSpec) -> LayerRange:
+    """The layers a batch carries (all of them when its header names none); CorruptPage outside the model's."""
+    if h.layer_count == 0:
+        if h.layer_start:
+            raise CorruptPage(f"batch names layer_start {h.layer_start} without a layer_count")
+        return LayerRange(0, layout.num_layers)
+    if h.layer_start + h.layer_count > layout.num_layers:
+        raise CorruptPage(
+            f"batch layers [{h.layer_start}, {h.layer_start + h.layer_count}) outside the model's {layout.num_layers}"
+        )
+    return LayerRange(h.layer_start, h.layer_start + h.layer_count)
 
 
 def batch_message_bytes(header: kv_pb2.KVBatchHeader, payload) -> bytes:

@@ -52,6 +52,24 @@ def test_auto_kv_token_identical_to_hf(auto_stack, hf_model):
     wait_until(lambda: stack_pools_empty(auto_stack), timeout=10, what="colocated KV pool empty")
 
 
+def test_n_choices_fork_after_one_prefill(auto_stack, hf_model):
+    """n = 4 greedy: four identical completions equal to HF's (the prompt computed once, forked); n = 3 seeded:
+    reproducible, and streamed as generated."""
+    ids = prompts(PAGE + 1, seed=7)
+    with pdserve.Client(auto_stack.router, timeout=120) as c:
+        four = c.generate(token_ids=ids, max_tokens=8, temperature=0, ignore_eos=True, n=4)
+        assert [ch.token_ids for ch in four.choices] == [hf_greedy(hf_model, ids, 8)] * 4
+        assert (four.usage.prompt_tokens, four.usage.completion_tokens) == (PAGE + 1, 32)
+        kw = dict(token_ids=ids, max_tokens=8, temperature=1.0, seed=4, ignore_eos=True, n=3)
+        three = [ch.token_ids for ch in c.generate(**kw).choices]
+        assert three == [ch.token_ids for ch in c.generate(**kw).choices] and len({tuple(t) for t in three}) > 1
+        streamed: dict[int, list[int]] = {}
+        for chunk in c.stream(**kw):
+            streamed.setdefault(chunk.index, []).extend(chunk.token_ids)
+        assert streamed == dict(enumerate(three))
+    wait_until(lambda: stack_pools_empty(auto_stack), timeout=10, what="colocated KV pool empty")
+
+
 def test_concurrent_requests_interleave_prefill_chunks_with_decode(auto_stack, hf_model):
     """Long prompts (several chunks) arrive while others decode: every stream is still exactly HF's."""
     reqs = [prompts(n, seed=5) for n in (40, 3, 29, 17, 2, 33)]

@@ -72,13 +72,15 @@ class ScriptedPrefill:
         if kind == "stall":
             self.stalled.set()
             ended = threading.Event()
-            context.add_callback(ended.set)
+            if not context.add_callback(ended.set):  # the RPC ended already (decode cancelled it at once)
+                ended.set()
             ended.wait(60)
             self.ended.set()
             return
         if kind == "scale-stall":  # the bad batch, then silence: only decode can end the stream
             ended = threading.Event()
-            context.add_callback(ended.set)
+            if not context.add_callback(ended.set):  # the RPC ended already (decode cancelled it at once)
+                ended.set()
             ended.wait(60)
             self.ended_rids.add(req.request_id)
             return

@@ -194,6 +194,9 @@ def test_blame_marks_a_dead_instance_down_at_once(router):
         (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="nohost"), "host:port"),
         (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:99999"), "host:port"),
         (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:1", capacity_pcs=-1), "capacity_pcs"),
+        (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:1", model_name="m" * 257), "model_name"),
+        (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:1", model_name="a\nb"), "model_name"),
+        (pb.RegisterRequest(role=pb.INSTANCE_ROLE_DECODE, address="h:1", model_path="p" * 4097), "model_path"),
     ],
 )
 def test_register_rejects_bad_input(router, req, reason):
@@ -201,3 +204,24 @@ def test_register_rejects_bad_input(router, req, reason):
     with channel(addr) as ch, pytest.raises(grpc.RpcError) as e:
         router_admin_pb2_grpc.RegistryStub(ch).Register(req, timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in e.value.details()
+
+
+def test_an_announced_model_groups_the_instance(router):
+    """An instance that names its model is in that model's group (listing, scheduler); one that names none
+    serves the router's own model."""
+    addr, m = router()
+    named, unnamed = HealthOnly().start(), HealthOnly().start()
+    announcers = [
+        Announcer(addr, "prefill", named.address, model_name="beta", model_path="/models/beta").start(),
+        Announcer(addr, "decode", unnamed.address).start(),
+    ]
+    try:
+        wait_states(addr, {named.address: "up", unnamed.address: "up"}, timeout=10.0)
+        listed = instances(addr)
+        assert (listed[named.address].model, listed[unnamed.address].model) == ("beta", m.scheduler.default_model)
+        assert m.scheduler.models() == {"beta": "/models/beta", m.scheduler.default_model: ""}
+    finally:
+        for a in announcers:
+            a.stop()
+        named.stop()
+        unnamed.stop()

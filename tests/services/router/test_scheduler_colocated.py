@@ -110,3 +110,34 @@ def test_no_healthy_instance_is_unavailable():
     s = make(n=0)
     with pytest.raises(Unavailable, match="prefill"):
         s.submit(job())
+
+
+@pytest.mark.parametrize(("rate", "admitted"), [(12_900.0, 1), (40_000.0, 5)])
+def test_requests_queue_while_their_predicted_ttft_fits_and_only_then_are_rejected(rate, admitted):
+    """Issue 32's case: 350 ms budget, SLO factor 0.8, 2048-token prompts. At the rate measured on prefill-only
+    steps beside decode steps (12.9k tokens/s) one prompt in the instance already rejects the next; at a mixed-step
+    capacity (40k tokens/s) requests are admitted and wait at the dispatch gate while (queued + own) / rate stays
+    within 280 ms: five prompts (10240 tokens, 256 ms), the sixth would be 307 ms."""
+    s = make(
+        n=1,
+        rate=rate,
+        ttft_budget_ms=350,
+        prefill_floor_tokens=4096,
+        prefill_max_inflight_tokens=4096,
+        slo_control=False,
+    )  # slo_control off: the TTFT factor stays where it is set
+    (c,) = s.instances[COLOCATED].values()
+    s.slo._get(c.address).controllers["ttft"].factor = 0.8
+    jobs = [job(f"j{k}", prompt_len=2048, pages=1) for k in range(admitted)]
+    for j in jobs:
+        s.submit(j)
+    assert c.ttft_factor == 0.8
+    with pytest.raises(Rejected, match="predicted TTFT at best") as e:
+        s.submit(job("over", prompt_len=2048, pages=1))
+    best_ms = (admitted + 1) * 2048 / rate * 1e3
+    assert f"{best_ms:.0f} ms" in e.value.reason
+    dispatched = [j for j in jobs if j.event.is_set()]
+    assert dispatched == jobs[:2]  # the gate (4096 tokens in flight) holds the rest in the queue, not rejected
+    for j in jobs:
+        s.finish(j)
+    assert load(c) == (0, 0, 0, 0, 0, 0.0)

@@ -50,6 +50,35 @@ def test_fa3_matches_sdpa_on_paged_pool(fa3, head_dim, int8):
         assert (out.float() - ref.float()).abs().max().item() < 2e-2, (starts, q_lens)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("int8", [False, True])
+def test_fa3_mixed_step_matches_sdpa(fa3, head_dim, int8):
+    """A mixed step (decode rows first, then prefill chunks): the decode rows through the decode kernels (int8:
+    the Triton kernel reading int8 pages), the chunks through the prefill path; the SDPA backend's output."""
+    dev, dt, ps, H, KVH = torch.device("cuda"), torch.bfloat16, 16, 8, 2
+    g = torch.Generator(device=dev).manual_seed(1)
+    pool = (
+        Int8KVCache(1, 64, ps, KVH, head_dim, dt, dev, 64, False)
+        if int8
+        else KVCache(1, 64, ps, KVH, head_dim, dt, dev)
+    )
+    perm = torch.randperm(64, generator=g, device=dev).tolist()
+    tables = [perm[0:8], perm[8:16], perm[16:24], perm[24:32]]
+    full = AttentionMetadata([0, 0, 0, 0], [120, 45, 30, 1], tables, ps, dev)  # earlier steps' K/V
+    kv = [torch.randn(sum(full.q_lens), KVH, head_dim, device=dev, dtype=dt, generator=g) for _ in range(2)]
+    pool.write(0, full.slot_mapping, *kv)
+    starts, q_lens = [120, 45, 30, 1], [1, 1, 37, 50]
+    T = sum(q_lens)
+    q = torch.randn(T, H, head_dim, device=dev, dtype=dt, generator=g)
+    k, v = (torch.randn(T, KVH, head_dim, device=dev, dtype=dt, generator=g) for _ in range(2))
+    meta = AttentionMetadata(starts, q_lens, tables, ps, dev, num_decode=2)
+    pool.write(0, meta.slot_mapping, k, v)
+    ref = SdpaBackend().attend(0, q, AttentionMetadata(starts, q_lens, tables, ps, dev), pool, head_dim**-0.5)
+    out = fa3.attend(0, q, meta, pool, head_dim**-0.5)
+    assert out.shape == ref.shape
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
 def test_fa3_engine_matches_sdpa_engine(make_engine):
     """Same token stream through three engines; FA3-bf16 must be as close to SDPA-fp32 as SDPA-bf16 is."""
     kw = dict(device="cuda", page_size=16, chunk_size=32, num_pages=64)

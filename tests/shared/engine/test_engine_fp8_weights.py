@@ -263,6 +263,8 @@ for m, n, k, cfg in [(3, 200, 320, dict(BM=16, BN=32, GROUP_M=1)), (33, 256, 256
     assert max(err_block, err_rows, err_channel) < 1e-5, (m, n, k, err_block, err_rows, err_channel)
     for group in (None, 128):  # the quantizer kernel's scales (its e4m3 bytes: GPU only, see below)
         assert torch.equal(quantize_activations_triton(x, group)[1], quantize_activations_torch(x, group)[1])
+    cm = quantize_activations_triton(x, 128, col_major=True)[1]  # [M, K/128] column-major (_scaled_mm's blocks)
+    assert cm.stride(0) == 1 and torch.equal(cm, quantize_activations_torch(x, 128)[1])
     print(m, n, k, f"{err_block:.1e} {err_rows:.1e} {err_channel:.1e}")
 """
 
@@ -287,15 +289,19 @@ from pdserve.engine.quant.fp8_quant import expand_block_scales, quantize_weight_
 def rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 torch.manual_seed(0)
-# (M, N, K, split, activation dtype): N and K not multiples of 128 (tails), a split that leaves the last program
-# fewer groups, the split from the SM count (0), no split (one kernel writes y); fp16 stands in for bf16 (the
-# interpreter's bf16 dot is wrong)
-for m, n, k, split, dt in [(1, 200, 320, 2, torch.float32), (3, 136, 400, 0, torch.float16),
-                           (16, 72, 264, 3, torch.float32), (2, 300, 256, 1, torch.float32)]:
+# (M, N, K, split, activation dtype, block_k): N and K not multiples of 128 (tails), a split that leaves the last
+# program fewer steps, the split from the SM count (0), no split (1); M <= 4 the CUDA-core path (block_k columns a
+# step), M > 4 the tensor-core path; fp16 stands in for bf16 (the interpreter's bf16 dot is wrong)
+for m, n, k, split, dt, bk in [(1, 200, 320, 2, torch.float32, 256), (3, 136, 400, 0, torch.float16, 0),
+                               (16, 72, 264, 3, torch.float32, 0), (2, 300, 256, 1, torch.float32, 0),
+                               (1, 64, 1000, 3, torch.float16, 128), (5, 40, 300, 2, torch.float32, 0)]:
     w, x, b = torch.randn(n, k), (torch.randn(m, k) * 3).to(dt), torch.randn(n)
     wq, ws = quantize_weight_blocks(w)
     ref = x.double() @ (wq.double() * expand_block_scales(ws, n, k, (128, 128)).double()).t() + b.double()
-    errs = [rel(fp8_gemv(x, wq, ws, b, 128, torch.float32, block_n=32, split=split), ref)]
+    counters = torch.zeros(64, dtype=torch.int32)  # split-K tickets: the kernel leaves them zero for the next call
+    errs = [rel(fp8_gemv(x, wq, ws, b, 128, torch.float32, block_n=32, block_k=bk, split=split, counters=counters),
+                ref) for _ in range(2)]
+    assert int(counters.abs().sum()) == 0, counters
     rows = ws.repeat_interleave(128, 0)[:n].contiguous()  # one scale per row per 128 columns
     errs.append(rel(fp8_gemv(x, wq, rows, b, 1, torch.float32, block_n=32, split=split), ref))
     wq, ws = quantize_weight_per_channel(w)
@@ -307,10 +313,11 @@ for m, n, k, split, dt in [(1, 200, 320, 2, torch.float32), (3, 136, 400, 0, tor
 
 
 def test_fp8_gemv_in_the_triton_interpreter():
-    """The decode GEMV (weight-only dequantization, split-K) with block, per-row and per-channel scales at M = 1,
-    3, 16 against the float64 product of the unquantized activations and the dequantized weight."""
+    """The decode GEMV (weight-only dequantization, one-launch split-K) with block, per-row and per-channel scales
+    at M = 1, 2, 3 (CUDA-core path), 5, 16 (tensor-core path) against the float64 product of the unquantized
+    activations and the dequantized weight."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", GEMV_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert len(r.stdout.splitlines()) == 4
+    assert len(r.stdout.splitlines()) == 6

@@ -117,7 +117,7 @@ def test_fp8_gemm_graph_capturable():
 
 
 @pytest.mark.parametrize("scheme", [ONLINE_FP8, BLOCK], ids=["channel", "block"])
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
 def test_fp8_gemv_8b_shapes_in_a_graph(scheme, m):
     """The decode GEMV at the four 8B projections (qkv, o, gate_up, down), captured in one CUDA graph, against the
     dequantized weight times the bf16 activations."""
@@ -170,3 +170,64 @@ def test_engine_fp8_weights_graphs_and_eager(checkpoint, tmp_path, bf16_referenc
     first = sum(g[0] == f[0] for g, f in zip(greedy, forced)) / len(forced)
     assert first >= 0.6, first
     assert graph.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+def test_fp8_gemv_split_k_tickets_pdl_and_sweep_configs(m):
+    """The GEMV's one-launch split-K (forced splits; the counters end zero, results equal the unsplit ones to
+    fp32 summation order), as a programmatic dependent launch in a graph, and every bench sweep config."""
+    from pdserve.engine.quant.fp8_gemv import SWEEP_CONFIGS, fp8_gemv
+
+    lin, _ = layer(4096, 14336, BLOCK, seed=m)
+    x = torch.randn(m, 14336, device=DEV).bfloat16()
+    ref = x.float() @ lin.dequantized_weight().t() + lin.bias.float()
+    counters = torch.zeros(4096 // 8, dtype=torch.int32, device=DEV)
+    one = fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, split=1)
+    for split in (2, 7, 28):
+        out = fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, split=split, counters=counters)
+        assert rel(out, one) < 1e-2 and rel(out, ref) < 1e-2, split
+        assert int(counters.abs().sum()) == 0
+    pdl = kernels.pdl_supported(DEV)
+    eager, out = captured(lambda: fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, split=4, pdl=pdl,
+                                           counters=counters))  # fmt: skip
+    assert torch.equal(out, eager) and int(counters.abs().sum()) == 0
+    for cfg in SWEEP_CONFIGS:
+        assert rel(fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, **cfg), ref) < 1e-2, cfg
+
+
+@pytest.mark.parametrize("m", [17, 128, 2048])
+def test_block_scaled_mm_matches_the_triton_block_gemm(m):
+    """Block-scaled layers above the GEMV: cuBLAS's block-scaled `_scaled_mm` (block_backend auto) and the Triton
+    block GEMM give the same product of the same quantized operands; auto keeps cuBLAS on an H200 (M = 17 is not
+    a shape it takes: the Triton GEMM runs that call, and auto stays)."""
+    lin, _ = layer(4096, 1024, BLOCK, seed=m)
+    x = torch.randn(m, 1024, device=DEV).bfloat16()
+    assert lin._cublas_block_shape(m) == (m % 16 == 0)
+    auto = lin(x)
+    assert lin.block_backend == "auto", "this torch / GPU refused the block-scaled _scaled_mm"
+    lin.block_backend = "triton"
+    assert rel(auto, lin(x)) < 1e-2 and rel(auto, lin.reference(x.float())) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+def test_dummy_fp8_engine_from_config_only(checkpoint, tmp_path, fmt):
+    """`load_format="dummy"` on CUDA: a directory without weights, FP8 config, e4m3 layers made on the device,
+    decode through the graphs equal to eager."""
+    import json
+    import shutil
+
+    from pdserve.engine.quant.fp8_convert import quantization_config
+
+    src, d = checkpoint("llama_hd64"), tmp_path / "m"
+    d.mkdir()
+    for f in src.iterdir():
+        if not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, d / f.name)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config(fmt)}))
+    graph, eager = (fp8_engine(d, load_format="dummy", cuda_graphs=g) for g in (True, False))
+    qkv = graph.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.weight.is_cuda and qkv.weight.dtype == torch.float8_e4m3fn
+    forced = [random_prompt(12, seed=i) for i in range(len(PROMPTS))]
+    lg, le = forced_logits(graph, PROMPTS, forced), forced_logits(eager, PROMPTS, forced)
+    assert lg.isfinite().all() and rel(lg, le) < 2e-2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_testutil import random_prompt, run_to_completion
+from engine_testutil import assert_same_greedy, hf_generate, random_prompt, run_to_completion
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.request import EngineRequest
@@ -12,7 +12,6 @@ from pdserve.engine.sampling import SamplingParams
 
 PAGE, CHUNK, NEW = 4, 8, 16
 LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
-NOISE_MARGIN = 1e-4  # a top-2 logit gap below this is float noise: divergence there is not a bug
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
@@ -24,40 +23,10 @@ def hf_greedy(hf_model):
     def run(name: str, prompt: list[int]):
         key = (name, tuple(prompt))
         if key not in cache:
-            out = hf_model(name).generate(
-                torch.tensor([prompt]),
-                do_sample=False,
-                max_new_tokens=NEW,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            tokens = out.sequences[0, len(prompt) :].tolist()
-            assert len(tokens) == NEW
-            cache[key] = (tokens, torch.stack([lg[0] for lg in out.logits]).float())
+            cache[key] = hf_generate(hf_model(name), prompt, NEW)
         return cache[key]
 
     return run
-
-
-def assert_same_greedy(ours: list[int], ref: list[int], ref_logits: torch.Tensor, what: str) -> None:
-    """Token-identical, unless the first divergence sits on a float-noise tie in HF's logits (then skip)."""
-    if ours == ref:
-        return
-    j = (
-        next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
-        if len(ours) == len(ref)
-        else min(len(ours), len(ref))
-    )
-    if j < len(ref):
-        top2 = torch.topk(ref_logits[j], 2).values
-        margin = float(top2[0] - top2[1])
-        if margin < NOISE_MARGIN:
-            pytest.skip(
-                f"{what}: diverges at step {j} where HF's top-2 logit margin is {margin:.2e} "
-                f"(< {NOISE_MARGIN}): float noise, not a mismatch"
-            )
-    raise AssertionError(f"{what}: greedy tokens differ at step {j}\nours={ours}\nhf  ={ref}")
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama_variant"])

@@ -1,9 +1,10 @@
-"""`concat` equals `b"".join` for every mix of part sizes and kinds, and returns a real, independent bytes object."""
+"""`concat` equals `b"".join` for every mix of part sizes and kinds, and returns a real, independent bytes object;
+`copy_into` fills a tensor from any buffer of its size and refuses any other."""
 
 import pytest
 import torch
 
-from pdserve.kv.bytes_out import LARGE, concat
+from pdserve.kv.bytes_out import LARGE, concat, copy_into
 
 
 @pytest.mark.parametrize(
@@ -25,3 +26,16 @@ def test_result_does_not_alias_its_parts():
     got = concat([b"h", memoryview(src.numpy())])
     src.fill_(7)  # the source changes afterwards: the bytes keep what was copied
     assert got == b"h" + bytes(2 * LARGE)
+
+
+def test_copy_into_fills_a_tensor_from_received_bytes():
+    src = bytes(torch.randint(0, 256, (3 * LARGE + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+    dst = torch.zeros(3, LARGE + 2, dtype=torch.uint8)[:, :-1]  # not contiguous: refused
+    with pytest.raises(ValueError, match="copy_into"):
+        copy_into(dst, src[: dst.numel()])
+    dst = torch.zeros(3 * LARGE + 5, dtype=torch.uint8)
+    copy_into(dst, memoryview(src))  # a read-only view, as the receiver holds
+    assert bytes(dst.numpy()) == src
+    with pytest.raises(ValueError, match="copy_into"):
+        copy_into(dst, src[:-1])  # a size mismatch is never a partial copy
+    copy_into(torch.empty(0, dtype=torch.uint8), b"")

@@ -147,6 +147,36 @@ def test_unusable_data_with_a_valid_checksum_raises(dtype, how):
     assert cache_round_trip(page, lay).data.view(torch.uint8).equal(page.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_host_check_agrees_with_torch_on_every_bit_pattern(dtype):
+    """On CPU the check reads exponent bits in numpy (no OpenMP fan-out): for every fp8 byte, every 16-bit pattern
+    whose exponent is all ones (fp16, bf16: infinities and NaNs) plus a spread of the others, and float32's
+    specials, on strided views as the batch rows give, it refuses exactly what torch's own test refuses."""
+    width = torch.finfo(dtype).bits
+    if width == 8:
+        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    elif width == 16:
+        top = 0x7C00 if dtype == torch.float16 else 0x7F80  # the exponent bits
+        patterns = [p for p in range(2**16) if p % 61 == 0 or p & top == top]
+        values = torch.tensor(patterns, dtype=torch.int32).to(torch.uint16).view(torch.int16).view(dtype)
+    else:
+        values = torch.tensor([0.0, -0.0, 1.5, 3.4e38, 1e-45, float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    for v in values.split(1):
+        if dtype == torch.float8_e4m3fn:
+            usable = int(v.view(torch.uint8)) & 0x7F != 0x7F
+        else:
+            usable = bool(torch.isfinite(v).all())
+        rows = torch.ones(3, 8, dtype=dtype)
+        rows[1, 4] = v  # a strided view: every other column, as scales are a column range of the batch rows
+        strided = rows[:, ::2]
+        try:
+            check_scales(strided, None) if dtype.itemsize > 1 else check_values(strided, None, None)
+            refused = False
+        except CorruptPage:
+            refused = True
+        assert refused == (not usable), (dtype, v)
+
+
 def test_int8_data_is_never_refused_for_its_values():
     lay = layout("int8")
     p = payload(lay)

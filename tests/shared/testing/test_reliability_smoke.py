@@ -1,6 +1,7 @@
 """The fault suite's harness: its counters on hand-made outcomes (lost, duplicated, wrong tokens; unexpected
 statuses), and `bench/reliability.py` itself run as its one command on a small stack with tiny counts: anonymous
-internal calls, malformed requests and duplicate request ids, each with its record in the JSON and at its targets."""
+internal calls, malformed requests, duplicate request ids, a long prompt beside short requests and greedy streams
+under load (alone vs together, per KV mode), each with its record in the JSON and at its targets."""
 
 from __future__ import annotations
 
@@ -60,14 +61,14 @@ def test_a_scenario_passes_only_at_its_targets_and_when_exercised():
     assert not Result(t, {"s": ["OK"]}).record(1.0)["passed"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_the_suite_command_on_a_small_stack(tmp_path):
     """The one command, end to end: a router, one prefill and one decode as processes, a private Redis."""
     out = tmp_path / "reliability.json"
-    scenarios = ["anonymous_internal", "malformed_inputs", "duplicate_ids"]
+    scenarios = ["anonymous_internal", "malformed_inputs", "duplicate_ids", "long_prompt_fairness", "greedy_under_load"]
     cmd = [sys.executable, str(ROOT / "bench" / "reliability.py"), "--json", str(out), "--instances", "1,1"]
     cmd += ["--scenarios", ",".join(scenarios), "--scale", "0.02", "--work", str(tmp_path / "work")]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["schema"] == "pdserve.reliability/1" and set(doc["scenarios"]) == set(scenarios)
@@ -80,3 +81,7 @@ def test_the_suite_command_on_a_small_stack(tmp_path):
     assert anon["completed"] == 0 and anon["impostor_prefill_calls"] == 0  # every anonymous call refused
     dup = doc["scenarios"]["duplicate_ids"]
     assert dup["completed"] >= dup["requests"] // 2  # every first request of a pair, exact
+    fair = doc["scenarios"]["long_prompt_fairness"]
+    assert fair["exercised"] and fair["chunk_ms"] > 0 and len(fair["short_ttft_ms_beside"]) >= 6
+    greedy = doc["scenarios"]["greedy_under_load"]
+    assert greedy["differing_auto"] == 0 and "differing_int8" in greedy

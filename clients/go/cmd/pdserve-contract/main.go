@@ -27,6 +27,8 @@ type spec struct {
 	Messages    []map[string]string `json:"messages"`
 	TopLogprobs int32               `json:"top_logprobs"`
 	Traceparent string              `json:"traceparent"`
+	Model       string              `json:"model"`
+	BadModel    string              `json:"bad_model"`
 }
 
 type logprob struct {
@@ -61,13 +63,19 @@ func main() {
 	defer c.Close()
 	out := map[string]any{}
 
-	greedy := func(id string) *pb.GenerateRequest {
-		return pdserve.TokenRequest(sp.PromptIDs, pdserve.MaxTokens(sp.MaxTokens), pdserve.Greedy(), pdserve.IgnoreEOS(),
-			pdserve.RequestID(id))
+	greedy := func(id string, opts ...pdserve.RequestOption) *pb.GenerateRequest {
+		return pdserve.TokenRequest(sp.PromptIDs, append([]pdserve.RequestOption{pdserve.MaxTokens(sp.MaxTokens),
+			pdserve.Greedy(), pdserve.IgnoreEOS(), pdserve.RequestID(id)}, opts...)...)
 	}
-	resp, err := c.Generate(ctx, greedy("go-greedy"))
+	resp, err := c.Generate(ctx, greedy("go-greedy", pdserve.Model(sp.Model)))
 	must(err)
 	out["greedy"] = resp.TokenIds
+
+	models, err := c.ListModels(ctx)
+	must(err)
+	out["models"] = models
+	_, err = c.Generate(ctx, greedy("go-bad-model", pdserve.Model(sp.BadModel)))
+	out["unknown_model"] = codeName(err)
 
 	s, err := c.Stream(ctx, greedy("go-stream"))
 	must(err)

@@ -14,6 +14,8 @@ interface Spec {
   messages: { role: string; content: string }[];
   top_logprobs: number;
   traceparent: string;
+  model: string;
+  bad_model: string;
 }
 
 /** The canonical status name (DEADLINE_EXCEEDED) of an error, OK for none. */
@@ -47,11 +49,13 @@ async function collect(it: AsyncIterable<GenerateStreamResponse>): Promise<numbe
 const sp: Spec = JSON.parse(await text(process.stdin));
 const call = { traceparent: sp.traceparent };
 const c = new PdserveClient(sp.target, { token: sp.token, timeoutMs: 120_000 });
-const greedy = (requestId: string) =>
-  tokenRequest(sp.prompt_ids, { maxTokens: sp.max_tokens, temperature: 0, ignoreEos: true, requestId });
+const greedy = (requestId: string, model?: string) =>
+  tokenRequest(sp.prompt_ids, { maxTokens: sp.max_tokens, temperature: 0, ignoreEos: true, requestId, model });
 const out: Record<string, unknown> = {};
 
-out.greedy = (await c.generate(greedy("ts-greedy"), call)).tokenIds;
+out.greedy = (await c.generate(greedy("ts-greedy", sp.model), call)).tokenIds;
+out.models = await c.listModels(call);
+out.unknown_model = await failure(c.generate(greedy("ts-bad-model", sp.bad_model), call));
 out.stream_greedy = await collect(c.stream(greedy("ts-stream"), call));
 
 const long = tokenRequest(sp.prompt_ids, { maxTokens: sp.long_tokens, ignoreEos: true });

@@ -48,12 +48,21 @@ MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "developer"]), "content": st.text(max_size=40)}
 )
 CHAT_FIELDS = {"messages": st.lists(MESSAGE, min_size=1, max_size=3)}
-CHAT_OPTIONAL = {**SAMPLING, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)}
+TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"enum": [1]}}}},
+}
+TOOLS = {  # tool calling: a valid tool, each choice (a named one enforced by the grammar engine)
+    "tools": st.just([TOOL]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
+    "parallel_tool_calls": st.booleans(),
+}
+CHAT_OPTIONAL = {**SAMPLING, **TOOLS, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)}
 COMPLETION_FIELDS = {
     "prompt": st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 511), min_size=1, max_size=8)),
 }
 COMPLETION_OPTIONAL = {**SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans()}
-EXTRA_FIELDS = ("logit_bias", "best_of", "max_reasoning_tokens", "tools")  # fields only a wild value gets
+EXTRA_FIELDS = ("logit_bias", "best_of", "max_reasoning_tokens")  # fields only a wild value gets
 
 
 @st.composite

@@ -28,7 +28,7 @@ def scripted(tmp_path_factory):
         ("DEADLINE_EXCEEDED", 504),
         ("UNAVAILABLE", 503),
         ("INTERNAL", 500),
-        ("NOT_FOUND", 500),
+        ("NOT_FOUND", 404),  # the router's only NOT_FOUND: a model it does not serve
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
@@ -38,7 +38,8 @@ def test_status_mapping(scripted, code, status, stream):
         client.completions.create(model="m", prompt=code, stream=stream)
     e = info.value
     assert e.status_code == status
-    assert e.body["message"] == f"scripted {code}" and e.body["code"] == code.lower()
+    assert e.body["message"] == f"scripted {code}"
+    assert e.body["code"] == ("model_not_found" if code == "NOT_FOUND" else code.lower())
     if code == "RESOURCE_EXHAUSTED":
         assert e.response.headers["retry-after"] == "3"  # 2500 ms, rounded up to whole seconds
     else:

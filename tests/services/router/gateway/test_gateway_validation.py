@@ -98,7 +98,10 @@ def _case_id(case) -> str:
         ({"guided_regex": 5}, "guided_regex"),
         ({"mystery": 1}, "mystery"),  # unknown: a 400 naming it, never silently ignored
         ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),  # a chat field on /v1/completions
-        ({"n": 3}, "n"),
+        ({"n": 17}, "n"),  # MAX_N choices
+        ({"n": 0}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 17}, "best_of"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 2**31}, "max_tokens"),  # the gRPC API's int32
         ({"max_tokens": 1.5}, "max_tokens"),

@@ -37,7 +37,10 @@ class Settings:
     kv_copy_threads: int = 2
     ack_timeout_s: float = 5.0
     page_timeout_s: float = 5.0
+    page_timeout_max_s: float = 5.0
+    page_timeout_slack: float = 3.0
     first_token_early: bool = False
+    kv_layer_group: int = 0
 
 
 def rows(n: int = N) -> torch.Tensor:
@@ -65,7 +68,7 @@ class Pair:
         self.client = self.rx.messages(internal_pb2.PrefillRequest(request_id="r", prompt_token_ids=[5] * 17))
         self.offer = next(self.client).request.kv_transport  # the request leads the stream
 
-    def import_rows(self, indexes: list[int], tokens: list[int], batch: torch.Tensor) -> Future:
+    def import_rows(self, indexes: list[int], tokens: list[int], batch: torch.Tensor, layers=None) -> Future:
         f: Future = Future()
         self.imported.append((indexes, batch.clone()))
         f.set_result(None)

@@ -42,7 +42,7 @@ def test_grpc_transport_device_to_pinned_to_device(threads):
     ready.record()
     imported = []
 
-    def import_rows(idx, tok, r):
+    def import_rows(idx, tok, r, layers=None):
         from concurrent.futures import Future
 
         assert r.device.type == "cuda"

@@ -79,7 +79,7 @@ def run_pair(sender, receiver, exported: ExportedPages, imported: list) -> list[
 
 
 def importer(imported: list):
-    def import_rows(idx, tok, rows) -> Future:
+    def import_rows(idx, tok, rows, layers=None) -> Future:
         f: Future = Future()
         imported.append((idx, tok, rows.clone()))
         f.set_result(None)
@@ -189,6 +189,41 @@ def test_sender_clock_spans_a_whole_send_and_drain_waits_for_the_last_ack():
     list(other.send(ExportedPages([0], [PS], rows[:1])))
     other.acks_ended()  # decode closed its side: nothing left to wait for
     other.drain(0.05)
+
+
+class SlowGather:
+    """A `ready` event whose gather completes `seconds` after the sender asks (the device still computing)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.waited = seconds, 0
+
+    def synchronize(self) -> None:
+        time.sleep(self.seconds)
+        self.waited += 1
+
+
+@pytest.mark.parametrize("transport", ["grpc", "cuda-ipc"])
+def test_sender_clock_starts_when_the_rows_exist(transport, tmp_path):
+    """A layer group reaches the sender when the engine thread queued its gather; the device may still compute the
+    layers before it. The transfer clock starts after the `ready` event, so kv_gbps counts the bytes' trip only."""
+    fmt = PageFormat(F32)
+    rows = torch.randn(2, fmt.page_bytes // 4).view(torch.uint8)
+    if transport == "grpc":
+        sender = GrpcSender(SenderPages("r", 2), F32, "fp", TransferStats(), max_batch_bytes=2 * fmt.page_bytes)
+    else:
+        staging = IpcStaging(ShmCopier(str(tmp_path)), 4 * fmt.page_bytes)
+        sender = IpcSender(
+            SenderPages("r", 2), F32, "fp", TransferStats(), 2 * fmt.page_bytes, staging=staging, reserve_timeout=5
+        )
+    gather = SlowGather(0.3)
+    t0 = time.perf_counter()
+    assert len(list(sender.send(ExportedPages([0, 1], [PS, PS], rows, ready=gather)))) == 1
+    sender.ack(1)
+    assert gather.waited == 1 and time.perf_counter() - t0 >= 0.3
+    assert 0 < sender.clock.seconds() < 0.3
+    sender.close()
+    if transport == "cuda-ipc":
+        staging.close()
 
 
 def test_ipc_pair_reuses_staging_only_after_acks(tmp_path):

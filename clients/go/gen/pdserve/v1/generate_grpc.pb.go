@@ -19,6 +19,7 @@ const _ = grpc.SupportPackageIsVersion7
 type GenerationClient interface {
 	Generate(ctx context.Context, in *GenerateRequest, opts ...grpc.CallOption) (*GenerateResponse, error)
 	GenerateStream(ctx context.Context, in *GenerateRequest, opts ...grpc.CallOption) (Generation_GenerateStreamClient, error)
+	ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error)
 }
 
 type generationClient struct {
@@ -70,12 +71,22 @@ func (x *generationGenerateStreamClient) Recv() (*GenerateStreamResponse, error)
 	return m, nil
 }
 
+func (c *generationClient) ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error) {
+	out := new(ListModelsResponse)
+	err := c.cc.Invoke(ctx, "/pdserve.v1.Generation/ListModels", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // GenerationServer is the server API for Generation service.
 // All implementations must embed UnimplementedGenerationServer
 // for forward compatibility
 type GenerationServer interface {
 	Generate(context.Context, *GenerateRequest) (*GenerateResponse, error)
 	GenerateStream(*GenerateRequest, Generation_GenerateStreamServer) error
+	ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error)
 	mustEmbedUnimplementedGenerationServer()
 }
 
@@ -88,6 +99,9 @@ func (UnimplementedGenerationServer) Generate(context.Context, *GenerateRequest)
 }
 func (UnimplementedGenerationServer) GenerateStream(*GenerateRequest, Generation_GenerateStreamServer) error {
 	return status.Errorf(codes.Unimplemented, "method GenerateStream not implemented")
+}
+func (UnimplementedGenerationServer) ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ListModels not implemented")
 }
 func (UnimplementedGenerationServer) mustEmbedUnimplementedGenerationServer() {}
 
@@ -141,6 +155,24 @@ func (x *generationGenerateStreamServer) Send(m *GenerateStreamResponse) error {
 	return x.ServerStream.SendMsg(m)
 }
 
+func _Generation_ListModels_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListModelsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GenerationServer).ListModels(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/pdserve.v1.Generation/ListModels",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GenerationServer).ListModels(ctx, req.(*ListModelsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _Generation_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "pdserve.v1.Generation",
 	HandlerType: (*GenerationServer)(nil),
@@ -148,6 +180,10 @@ var _Generation_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Generate",
 			Handler:    _Generation_Generate_Handler,
+		},
+		{
+			MethodName: "ListModels",
+			Handler:    _Generation_ListModels_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file pdserve/v1/generate.proto.
  */
 export const file_pdserve_v1_generate: GenFile = /*@__PURE__*/
-  fileDesc("ChlwZHNlcnZlL3YxL2dlbmVyYXRlLnByb3RvEgpwZHNlcnZlLnYxIt4FCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgFSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEQoEc2VlZBgFIAEoBEgEiAEBEgwKBHN0b3AYBiADKAkSFgoOc3RvcF90b2tlbl9pZHMYByADKAUSEgoKaWdub3JlX2VvcxgIIAEoCBIQCghsb2dwcm9icxgJIAEoCBIUCgx0b3BfbG9ncHJvYnMYCiABKAUSFwoPcHJvbXB0X2xvZ3Byb2JzGAsgASgIEiEKFG1heF9yZWFzb25pbmdfdG9rZW5zGAwgASgFSAWIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgNIAEoAkgGiAEBEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GA4gASgCSAeIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GA8gASgCSAiIAQESPQoKbG9naXRfYmlhcxgQIAMoCzIpLnBkc2VydmUudjEuU2FtcGxpbmdQYXJhbXMuTG9naXRCaWFzRW50cnkSFwoKbWluX3Rva2VucxgRIAEoBUgJiAEBEjAKCnN0cnVjdHVyZWQYEiABKAsyHC5wZHNlcnZlLnYxLlN0cnVjdHVyZWRPdXRwdXQaMAoOTG9naXRCaWFzRW50cnkSCwoDa2V5GAEgASgFEg0KBXZhbHVlGAIgASgCOgI4AUINCgtfbWF4X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQggKBl90b3Bfa0IHCgVfc2VlZEIXChVfbWF4X3JlYXNvbmluZ190b2tlbnNCEwoRX3ByZXNlbmNlX3BlbmFsdHlCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QhUKE19yZXBldGl0aW9uX3BlbmFsdHlCDQoLX21pbl90b2tlbnMilgEKEFN0cnVjdHVyZWRPdXRwdXQSFQoLanNvbl9zY2hlbWEYASABKAlIABIVCgtqc29uX29iamVjdBgCIAEoCEgAEg8KBXJlZ2V4GAMgASgJSAASKAoGY2hvaWNlGAQgASgLMhYucGRzZXJ2ZS52MS5DaG9pY2VMaXN0SAASEQoHZ3JhbW1hchgFIAEoCUgAQgYKBGtpbmQiHQoKQ2hvaWNlTGlzdBIPCgdjaG9pY2VzGAEgAygJIj4KClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKAUSDwoHbG9ncHJvYhgCIAEoAhINCgV0b2tlbhgDIAEoCSJlCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKAUSDwoHbG9ncHJvYhgCIAEoAhIjCgN0b3AYAyADKAsyFi5wZHNlcnZlLnYxLlRvcExvZ3Byb2ISDQoFdG9rZW4YBCABKAkiMgoLVG9wTG9ncHJvYnMSIwoDdG9wGAEgAygLMhYucGRzZXJ2ZS52MS5Ub3BMb2dwcm9iImsKDlByb21wdExvZ3Byb2JzEhEKCXRva2VuX2lkcxgBIAMoBRIQCghsb2dwcm9icxgCIAMoAhIOCgZ0b2tlbnMYAyADKAkSJAoDdG9wGAQgAygLMhcucGRzZXJ2ZS52MS5Ub3BMb2dwcm9icyIXCghUb2tlbklkcxILCgNpZHMYASADKAUiLAoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJIrQCCg9HZW5lcmF0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIQCgZwcm9tcHQYAiABKAlIABIpCgl0b2tlbl9pZHMYAyABKAsyFC5wZHNlcnZlLnYxLlRva2VuSWRzSAASLAoIc2FtcGxpbmcYBCABKAsyGi5wZHNlcnZlLnYxLlNhbXBsaW5nUGFyYW1zEiYKCHByaW9yaXR5GAUgASgOMhQucGRzZXJ2ZS52MS5Qcmlvcml0eRIpCghtZXNzYWdlcxgGIAMoCzIXLnBkc2VydmUudjEuQ2hhdE1lc3NhZ2USHAoPc3BsaXRfcmVhc29uaW5nGAcgASgISAGIAQESFAoMc3RyZWFtX3VzYWdlGAggASgIQgcKBWlucHV0QhIKEF9zcGxpdF9yZWFzb25pbmciUAoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIVCg1jYWNoZWRfdG9rZW5zGAIgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAMgASgNIisKBlRpbWluZxIPCgd0dGZ0X21zGAEgASgBEhAKCHRvdGFsX21zGAIgASgBItICChZHZW5lcmF0ZVN0cmVhbVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEgwKBHRleHQYAyABKAkSLwoNZmluaXNoX3JlYXNvbhgEIAEoDjIYLnBkc2VydmUudjEuRmluaXNoUmVhc29uEhMKC3N0b3BfcmVhc29uGAUgASgJEiAKBXVzYWdlGAYgASgLMhEucGRzZXJ2ZS52MS5Vc2FnZRIiCgZ0aW1pbmcYByABKAsyEi5wZHNlcnZlLnYxLlRpbWluZxIqCghsb2dwcm9icxgIIAMoCzIYLnBkc2VydmUudjEuVG9rZW5Mb2dwcm9iEjMKD3Byb21wdF9sb2dwcm9icxgJIAEoCzIaLnBkc2VydmUudjEuUHJvbXB0TG9ncHJvYnMSFgoOcmVhc29uaW5nX3RleHQYCiABKAkizAIKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKAUSDAoEdGV4dBgDIAEoCRIvCg1maW5pc2hfcmVhc29uGAQgASgOMhgucGRzZXJ2ZS52MS5GaW5pc2hSZWFzb24SEwoLc3RvcF9yZWFzb24YBSABKAkSIAoFdXNhZ2UYBiABKAsyES5wZHNlcnZlLnYxLlVzYWdlEiIKBnRpbWluZxgHIAEoCzISLnBkc2VydmUudjEuVGltaW5nEioKCGxvZ3Byb2JzGAggAygLMhgucGRzZXJ2ZS52MS5Ub2tlbkxvZ3Byb2ISMwoPcHJvbXB0X2xvZ3Byb2JzGAkgASgLMhoucGRzZXJ2ZS52MS5Qcm9tcHRMb2dwcm9icxIWCg5yZWFzb25pbmdfdGV4dBgKIAEoCSpeCghQcmlvcml0eRIYChRQUklPUklUWV9VTlNQRUNJRklFRBAAEhAKDFBSSU9SSVRZX0xPVxABEhMKD1BSSU9SSVRZX05PUk1BTBACEhEKDVBSSU9SSVRZX0hJR0gQAyp4CgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISFwoTRklOSVNIX1JFQVNPTl9BQk9SVBADMqgBCgpHZW5lcmF0aW9uEkUKCEdlbmVyYXRlEhsucGRzZXJ2ZS52MS5HZW5lcmF0ZVJlcXVlc3QaHC5wZHNlcnZlLnYxLkdlbmVyYXRlUmVzcG9uc2USUwoOR2VuZXJhdGVTdHJlYW0SGy5wZHNlcnZlLnYxLkdlbmVyYXRlUmVxdWVzdBoiLnBkc2VydmUudjEuR2VuZXJhdGVTdHJlYW1SZXNwb25zZTABQqgBCg5jb20ucGRzZXJ2ZS52MUINR2VuZXJhdGVQcm90b1ABWj5naXRodWIuY29tL3Bkc2VydmUvcGRzZXJ2ZS9jbGllbnRzL2dvL2dlbi9wZHNlcnZlL3YxO3Bkc2VydmV2MaICA1BYWKoCClBkc2VydmUuVjHKAgpQZHNlcnZlXFYx4gIWUGRzZXJ2ZVxWMVxHUEJNZXRhZGF0YeoCC1Bkc2VydmU6OlYxYgZwcm90bzM");
+  fileDesc("ChlwZHNlcnZlL3YxL2dlbmVyYXRlLnByb3RvEgpwZHNlcnZlLnYxIt4FCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgFSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEQoEc2VlZBgFIAEoBEgEiAEBEgwKBHN0b3AYBiADKAkSFgoOc3RvcF90b2tlbl9pZHMYByADKAUSEgoKaWdub3JlX2VvcxgIIAEoCBIQCghsb2dwcm9icxgJIAEoCBIUCgx0b3BfbG9ncHJvYnMYCiABKAUSFwoPcHJvbXB0X2xvZ3Byb2JzGAsgASgIEiEKFG1heF9yZWFzb25pbmdfdG9rZW5zGAwgASgFSAWIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgNIAEoAkgGiAEBEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GA4gASgCSAeIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GA8gASgCSAiIAQESPQoKbG9naXRfYmlhcxgQIAMoCzIpLnBkc2VydmUudjEuU2FtcGxpbmdQYXJhbXMuTG9naXRCaWFzRW50cnkSFwoKbWluX3Rva2VucxgRIAEoBUgJiAEBEjAKCnN0cnVjdHVyZWQYEiABKAsyHC5wZHNlcnZlLnYxLlN0cnVjdHVyZWRPdXRwdXQaMAoOTG9naXRCaWFzRW50cnkSCwoDa2V5GAEgASgFEg0KBXZhbHVlGAIgASgCOgI4AUINCgtfbWF4X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQggKBl90b3Bfa0IHCgVfc2VlZEIXChVfbWF4X3JlYXNvbmluZ190b2tlbnNCEwoRX3ByZXNlbmNlX3BlbmFsdHlCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QhUKE19yZXBldGl0aW9uX3BlbmFsdHlCDQoLX21pbl90b2tlbnMisAEKEFN0cnVjdHVyZWRPdXRwdXQSFQoLanNvbl9zY2hlbWEYASABKAlIABIVCgtqc29uX29iamVjdBgCIAEoCEgAEg8KBXJlZ2V4GAMgASgJSAASKAoGY2hvaWNlGAQgASgLMhYucGRzZXJ2ZS52MS5DaG9pY2VMaXN0SAASEQoHZ3JhbW1hchgFIAEoCUgAEhgKDnN0cnVjdHVyYWxfdGFnGAYgASgJSABCBgoEa2luZCIdCgpDaG9pY2VMaXN0Eg8KB2Nob2ljZXMYASADKAkiPgoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoBRIPCgdsb2dwcm9iGAIgASgCEg0KBXRva2VuGAMgASgJImUKDFRva2VuTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoBRIPCgdsb2dwcm9iGAIgASgCEiMKA3RvcBgDIAMoCzIWLnBkc2VydmUudjEuVG9wTG9ncHJvYhINCgV0b2tlbhgEIAEoCSIyCgtUb3BMb2dwcm9icxIjCgN0b3AYASADKAsyFi5wZHNlcnZlLnYxLlRvcExvZ3Byb2IiawoOUHJvbXB0TG9ncHJvYnMSEQoJdG9rZW5faWRzGAEgAygFEhAKCGxvZ3Byb2JzGAIgAygCEg4KBnRva2VucxgDIAMoCRIkCgN0b3AYBCADKAsyFy5wZHNlcnZlLnYxLlRvcExvZ3Byb2JzIhcKCFRva2VuSWRzEgsKA2lkcxgBIAMoBSJsCgtDaGF0TWVzc2FnZRIMCgRyb2xlGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSKAoKdG9vbF9jYWxscxgDIAMoCzIULnBkc2VydmUudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJIj0KBFRvb2wSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRISCgpwYXJhbWV0ZXJzGAMgASgJIlYKClRvb2xDaG9pY2USKgoEbW9kZRgBIAEoDjIaLnBkc2VydmUudjEuVG9vbENob2ljZU1vZGVIABISCghmdW5jdGlvbhgCIAEoCUgAQggKBmNob2ljZSI3CghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3VtZW50cxgDIAEoCSJLCg1Ub29sQ2FsbERlbHRhEg0KBWluZGV4GAEgASgFEgoKAmlkGAIgASgJEgwKBG5hbWUYAyABKAkSEQoJYXJndW1lbnRzGAQgASgJIucDCg9HZW5lcmF0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIQCgZwcm9tcHQYAiABKAlIABIpCgl0b2tlbl9pZHMYAyABKAsyFC5wZHNlcnZlLnYxLlRva2VuSWRzSAASLAoIc2FtcGxpbmcYBCABKAsyGi5wZHNlcnZlLnYxLlNhbXBsaW5nUGFyYW1zEiYKCHByaW9yaXR5GAUgASgOMhQucGRzZXJ2ZS52MS5Qcmlvcml0eRIpCghtZXNzYWdlcxgGIAMoCzIXLnBkc2VydmUudjEuQ2hhdE1lc3NhZ2USHAoPc3BsaXRfcmVhc29uaW5nGAcgASgISAGIAQESFAoMc3RyZWFtX3VzYWdlGAggASgIEg0KBW1vZGVsGAkgASgJEh8KBXRvb2xzGAogAygLMhAucGRzZXJ2ZS52MS5Ub29sEisKC3Rvb2xfY2hvaWNlGAsgASgLMhYucGRzZXJ2ZS52MS5Ub29sQ2hvaWNlEiAKE3BhcmFsbGVsX3Rvb2xfY2FsbHMYDCABKAhIAogBARIJCgFuGA0gASgFEg8KB2Jlc3Rfb2YYDiABKAVCBwoFaW5wdXRCEgoQX3NwbGl0X3JlYXNvbmluZ0IWChRfcGFyYWxsZWxfdG9vbF9jYWxscyJQCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhUKDWNhY2hlZF90b2tlbnMYAiABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAyABKA0iKwoGVGltaW5nEg8KB3R0ZnRfbXMYASABKAESEAoIdG90YWxfbXMYAiABKAEikAMKFkdlbmVyYXRlU3RyZWFtUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIRCgl0b2tlbl9pZHMYAiADKAUSDAoEdGV4dBgDIAEoCRIvCg1maW5pc2hfcmVhc29uGAQgASgOMhgucGRzZXJ2ZS52MS5GaW5pc2hSZWFzb24SEwoLc3RvcF9yZWFzb24YBSABKAkSIAoFdXNhZ2UYBiABKAsyES5wZHNlcnZlLnYxLlVzYWdlEiIKBnRpbWluZxgHIAEoCzISLnBkc2VydmUudjEuVGltaW5nEioKCGxvZ3Byb2JzGAggAygLMhgucGRzZXJ2ZS52MS5Ub2tlbkxvZ3Byb2ISMwoPcHJvbXB0X2xvZ3Byb2JzGAkgASgLMhoucGRzZXJ2ZS52MS5Qcm9tcHRMb2dwcm9icxIWCg5yZWFzb25pbmdfdGV4dBgKIAEoCRItCgp0b29sX2NhbGxzGAsgAygLMhkucGRzZXJ2ZS52MS5Ub29sQ2FsbERlbHRhEg0KBWluZGV4GAwgASgFIrQDChBHZW5lcmF0ZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSEQoJdG9rZW5faWRzGAIgAygFEgwKBHRleHQYAyABKAkSLwoNZmluaXNoX3JlYXNvbhgEIAEoDjIYLnBkc2VydmUudjEuRmluaXNoUmVhc29uEhMKC3N0b3BfcmVhc29uGAUgASgJEiAKBXVzYWdlGAYgASgLMhEucGRzZXJ2ZS52MS5Vc2FnZRIiCgZ0aW1pbmcYByABKAsyEi5wZHNlcnZlLnYxLlRpbWluZxIqCghsb2dwcm9icxgIIAMoCzIYLnBkc2VydmUudjEuVG9rZW5Mb2dwcm9iEjMKD3Byb21wdF9sb2dwcm9icxgJIAEoCzIaLnBkc2VydmUudjEuUHJvbXB0TG9ncHJvYnMSFgoOcmVhc29uaW5nX3RleHQYCiABKAkSKAoKdG9vbF9jYWxscxgLIAMoCzIULnBkc2VydmUudjEuVG9vbENhbGwSDQoFaW5kZXgYDCABKAUSLQoHY2hvaWNlcxgNIAMoCzIcLnBkc2VydmUudjEuR2VuZXJhdGVSZXNwb25zZSITChFMaXN0TW9kZWxzUmVxdWVzdCIZCglNb2RlbEluZm8SDAoEbmFtZRgBIAEoCSI7ChJMaXN0TW9kZWxzUmVzcG9uc2USJQoGbW9kZWxzGAEgAygLMhUucGRzZXJ2ZS52MS5Nb2RlbEluZm8qXgoIUHJpb3JpdHkSGAoUUFJJT1JJVFlfVU5TUEVDSUZJRUQQABIQCgxQUklPUklUWV9MT1cQARITCg9QUklPUklUWV9OT1JNQUwQAhIRCg1QUklPUklUWV9ISUdIEAMqhwEKDlRvb2xDaG9pY2VNb2RlEiAKHFRPT0xfQ0hPSUNFX01PREVfVU5TUEVDSUZJRUQQABIZChVUT09MX0NIT0lDRV9NT0RFX0FVVE8QARIZChVUT09MX0NIT0lDRV9NT0RFX05PTkUQAhIdChlUT09MX0NIT0lDRV9NT0RFX1JFUVVJUkVEEAMqlgEKDEZpbmlzaFJlYXNvbhIdChlGSU5JU0hfUkVBU09OX1VOU1BFQ0lGSUVEEAASFgoSRklOSVNIX1JFQVNPTl9TVE9QEAESGAoURklOSVNIX1JFQVNPTl9MRU5HVEgQAhIXChNGSU5JU0hfUkVBU09OX0FCT1JUEAMSHAoYRklOSVNIX1JFQVNPTl9UT09MX0NBTExTEAQy9QEKCkdlbmVyYXRpb24SRQoIR2VuZXJhdGUSGy5wZHNlcnZlLnYxLkdlbmVyYXRlUmVxdWVzdBocLnBkc2VydmUudjEuR2VuZXJhdGVSZXNwb25zZRJTCg5HZW5lcmF0ZVN0cmVhbRIbLnBkc2VydmUudjEuR2VuZXJhdGVSZXF1ZXN0GiIucGRzZXJ2ZS52MS5HZW5lcmF0ZVN0cmVhbVJlc3BvbnNlMAESSwoKTGlzdE1vZGVscxIdLnBkc2VydmUudjEuTGlzdE1vZGVsc1JlcXVlc3QaHi5wZHNlcnZlLnYxLkxpc3RNb2RlbHNSZXNwb25zZUKoAQoOY29tLnBkc2VydmUudjFCDUdlbmVyYXRlUHJvdG9QAVo+Z2l0aHViLmNvbS9wZHNlcnZlL3Bkc2VydmUvY2xpZW50cy9nby9nZW4vcGRzZXJ2ZS92MTtwZHNlcnZldjGiAgNQWFiqAgpQZHNlcnZlLlYxygIKUGRzZXJ2ZVxWMeICFlBkc2VydmVcVjFcR1BCTWV0YWRhdGHqAgtQZHNlcnZlOjpWMWIGcHJvdG8z");
 
 /**
  * Sampling parameters. Unset optional fields take the documented default. temperature, top_p and top_k unset take
@@ -214,6 +214,15 @@ export type StructuredOutput = Message<"pdserve.v1.StructuredOutput"> & {
      */
     value: string;
     case: "grammar";
+  } | {
+    /**
+     * An xgrammar structural tag (JSON text, {"type": "structural_tag", "format": {...}}): literal text, JSON
+     * values and tags in sequence. The router builds one for tool_choice required / a named function.
+     *
+     * @generated from field: string structural_tag = 6;
+     */
+    value: string;
+    case: "structuralTag";
   } | { case: undefined; value?: undefined };
 };
 
@@ -403,6 +412,20 @@ export type ChatMessage = Message<"pdserve.v1.ChatMessage"> & {
    * @generated from field: string content = 2;
    */
   content: string;
+
+  /**
+   * an assistant turn: the calls it made (rendered by the chat template)
+   *
+   * @generated from field: repeated pdserve.v1.ToolCall tool_calls = 3;
+   */
+  toolCalls: ToolCall[];
+
+  /**
+   * a tool turn: the id of the call whose result `content` is
+   *
+   * @generated from field: string tool_call_id = 4;
+   */
+  toolCallId: string;
 };
 
 /**
@@ -411,6 +434,144 @@ export type ChatMessage = Message<"pdserve.v1.ChatMessage"> & {
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
   messageDesc(file_pdserve_v1_generate, 8);
+
+/**
+ * A function the model may call (OpenAI's tools[].function). At most 128 tools; name, description and parameters
+ * together count against the request's max_prompt_bytes.
+ *
+ * @generated from message pdserve.v1.Tool
+ */
+export type Tool = Message<"pdserve.v1.Tool"> & {
+  /**
+   * 1..64 characters of a-z, A-Z, 0-9, _ and - (OpenAI's rule); unique in the request
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * what the function does (rendered for the model)
+   *
+   * @generated from field: string description = 2;
+   */
+  description: string;
+
+  /**
+   * a JSON Schema object (JSON text) for the arguments; empty: any JSON object
+   *
+   * @generated from field: string parameters = 3;
+   */
+  parameters: string;
+};
+
+/**
+ * Describes the message pdserve.v1.Tool.
+ * Use `create(ToolSchema)` to create a new message.
+ */
+export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 9);
+
+/**
+ * Whether and which tool the model calls (OpenAI's tool_choice).
+ *
+ * @generated from message pdserve.v1.ToolChoice
+ */
+export type ToolChoice = Message<"pdserve.v1.ToolChoice"> & {
+  /**
+   * @generated from oneof pdserve.v1.ToolChoice.choice
+   */
+  choice: {
+    /**
+     * @generated from field: pdserve.v1.ToolChoiceMode mode = 1;
+     */
+    value: ToolChoiceMode;
+    case: "mode";
+  } | {
+    /**
+     * exactly one call of this tool (one of `tools`), enforced by the grammar engine
+     *
+     * @generated from field: string function = 2;
+     */
+    value: string;
+    case: "function";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message pdserve.v1.ToolChoice.
+ * Use `create(ToolChoiceSchema)` to create a new message.
+ */
+export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 10);
+
+/**
+ * A call the model made: its arguments are JSON text (an object; valid against the tool's parameters when the
+ * grammar enforced them: tool_choice required or a named function).
+ *
+ * @generated from message pdserve.v1.ToolCall
+ */
+export type ToolCall = Message<"pdserve.v1.ToolCall"> & {
+  /**
+   * unique in the response ("call_..."; 9 letters and digits for Mistral models)
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * @generated from field: string arguments = 3;
+   */
+  arguments: string;
+};
+
+/**
+ * Describes the message pdserve.v1.ToolCall.
+ * Use `create(ToolCallSchema)` to create a new message.
+ */
+export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 11);
+
+/**
+ * A streamed piece of a call: the first piece of call `index` carries its id and name, the next ones the arguments'
+ * text, in order (concatenated they are ToolCall.arguments).
+ *
+ * @generated from message pdserve.v1.ToolCallDelta
+ */
+export type ToolCallDelta = Message<"pdserve.v1.ToolCallDelta"> & {
+  /**
+   * 0, 1, ... in the order the calls were made
+   *
+   * @generated from field: int32 index = 1;
+   */
+  index: number;
+
+  /**
+   * @generated from field: string id = 2;
+   */
+  id: string;
+
+  /**
+   * @generated from field: string name = 3;
+   */
+  name: string;
+
+  /**
+   * @generated from field: string arguments = 4;
+   */
+  arguments: string;
+};
+
+/**
+ * Describes the message pdserve.v1.ToolCallDelta.
+ * Use `create(ToolCallDeltaSchema)` to create a new message.
+ */
+export const ToolCallDeltaSchema: GenMessage<ToolCallDelta> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 12);
 
 /**
  * @generated from message pdserve.v1.GenerateRequest
@@ -477,6 +638,54 @@ export type GenerateRequest = Message<"pdserve.v1.GenerateRequest"> & {
    * @generated from field: bool stream_usage = 8;
    */
   streamUsage: boolean;
+
+  /**
+   * The served model to run (ListModels names them). Empty: the one model the router serves (INVALID_ARGUMENT
+   * naming the choices when it serves several); a model it does not serve: NOT_FOUND.
+   *
+   * @generated from field: string model = 9;
+   */
+  model: string;
+
+  /**
+   * Functions the model may call (messages only): rendered with the model's chat template, calls parsed out of the
+   * output in the model's format (router --tool-call-parser, else chosen from the template and model type).
+   *
+   * @generated from field: repeated pdserve.v1.Tool tools = 10;
+   */
+  tools: Tool[];
+
+  /**
+   * unset: auto (none without tools)
+   *
+   * @generated from field: pdserve.v1.ToolChoice tool_choice = 11;
+   */
+  toolChoice?: ToolChoice | undefined;
+
+  /**
+   * false: at most one call per response. Unset: true.
+   *
+   * @generated from field: optional bool parallel_tool_calls = 12;
+   */
+  parallelToolCalls?: boolean | undefined;
+
+  /**
+   * Completions (choices) of the one prompt: 0 or 1 = one; at most 16. The prompt is computed once; its KV is shared
+   * by the choices. Each chunk / response says its choice (`index`). A seeded request's choice i samples with
+   * seed + i (choice 0: with the seed, one draw on). Not with a failover resume: a stream of n > 1 that loses its
+   * decode instance after the first token fails UNAVAILABLE instead.
+   *
+   * @generated from field: int32 n = 13;
+   */
+  n: number;
+
+  /**
+   * Candidates run (0 = n; n..16): the n with the highest cumulative logprob (the sampled tokens' logprobs, summed)
+   * are returned, best first. best_of > n: Generate only (GenerateStream: INVALID_ARGUMENT, as OpenAI).
+   *
+   * @generated from field: int32 best_of = 14;
+   */
+  bestOf: number;
 };
 
 /**
@@ -484,7 +693,7 @@ export type GenerateRequest = Message<"pdserve.v1.GenerateRequest"> & {
  * Use `create(GenerateRequestSchema)` to create a new message.
  */
 export const GenerateRequestSchema: GenMessage<GenerateRequest> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 9);
+  messageDesc(file_pdserve_v1_generate, 13);
 
 /**
  * @generated from message pdserve.v1.Usage
@@ -513,7 +722,7 @@ export type Usage = Message<"pdserve.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 10);
+  messageDesc(file_pdserve_v1_generate, 14);
 
 /**
  * @generated from message pdserve.v1.Timing
@@ -539,7 +748,7 @@ export type Timing = Message<"pdserve.v1.Timing"> & {
  * Use `create(TimingSchema)` to create a new message.
  */
 export const TimingSchema: GenMessage<Timing> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 11);
+  messageDesc(file_pdserve_v1_generate, 15);
 
 /**
  * One chunk of a streamed completion.
@@ -612,6 +821,21 @@ export type GenerateStreamResponse = Message<"pdserve.v1.GenerateStreamResponse"
    * @generated from field: string reasoning_text = 10;
    */
   reasoningText: string;
+
+  /**
+   * pieces of tool calls (tools given); `text` is the text outside them
+   *
+   * @generated from field: repeated pdserve.v1.ToolCallDelta tool_calls = 11;
+   */
+  toolCalls: ToolCallDelta[];
+
+  /**
+   * The choice this chunk belongs to (GenerateRequest.n > 1: chunks of the choices interleave; each ends with its own
+   * finish_reason; `usage` (prompt once, every choice's completion tokens) is on the stream's last chunk).
+   *
+   * @generated from field: int32 index = 12;
+   */
+  index: number;
 };
 
 /**
@@ -619,7 +843,7 @@ export type GenerateStreamResponse = Message<"pdserve.v1.GenerateStreamResponse"
  * Use `create(GenerateStreamResponseSchema)` to create a new message.
  */
 export const GenerateStreamResponseSchema: GenMessage<GenerateStreamResponse> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 12);
+  messageDesc(file_pdserve_v1_generate, 16);
 
 /**
  * @generated from message pdserve.v1.GenerateResponse
@@ -678,6 +902,28 @@ export type GenerateResponse = Message<"pdserve.v1.GenerateResponse"> & {
    * @generated from field: string reasoning_text = 10;
    */
   reasoningText: string;
+
+  /**
+   * the calls the model made (tools given); `text` is the text outside them
+   *
+   * @generated from field: repeated pdserve.v1.ToolCall tool_calls = 11;
+   */
+  toolCalls: ToolCall[];
+
+  /**
+   * the choice (0 here; choices[i].index = i)
+   *
+   * @generated from field: int32 index = 12;
+   */
+  index: number;
+
+  /**
+   * GenerateRequest.n > 1: every choice, in index order, each a whole response (its own text, token_ids, finish,
+   * usage.completion_tokens); the fields above are choice 0's, with `usage` the request's (prompt once, all choices).
+   *
+   * @generated from field: repeated pdserve.v1.GenerateResponse choices = 13;
+   */
+  choices: GenerateResponse[];
 };
 
 /**
@@ -685,7 +931,58 @@ export type GenerateResponse = Message<"pdserve.v1.GenerateResponse"> & {
  * Use `create(GenerateResponseSchema)` to create a new message.
  */
 export const GenerateResponseSchema: GenMessage<GenerateResponse> = /*@__PURE__*/
-  messageDesc(file_pdserve_v1_generate, 13);
+  messageDesc(file_pdserve_v1_generate, 17);
+
+/**
+ * @generated from message pdserve.v1.ListModelsRequest
+ */
+export type ListModelsRequest = Message<"pdserve.v1.ListModelsRequest"> & {
+};
+
+/**
+ * Describes the message pdserve.v1.ListModelsRequest.
+ * Use `create(ListModelsRequestSchema)` to create a new message.
+ */
+export const ListModelsRequestSchema: GenMessage<ListModelsRequest> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 18);
+
+/**
+ * @generated from message pdserve.v1.ModelInfo
+ */
+export type ModelInfo = Message<"pdserve.v1.ModelInfo"> & {
+  /**
+   * what GenerateRequest.model names
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+};
+
+/**
+ * Describes the message pdserve.v1.ModelInfo.
+ * Use `create(ModelInfoSchema)` to create a new message.
+ */
+export const ModelInfoSchema: GenMessage<ModelInfo> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 19);
+
+/**
+ * @generated from message pdserve.v1.ListModelsResponse
+ */
+export type ListModelsResponse = Message<"pdserve.v1.ListModelsResponse"> & {
+  /**
+   * every model the router currently serves, sorted by name
+   *
+   * @generated from field: repeated pdserve.v1.ModelInfo models = 1;
+   */
+  models: ModelInfo[];
+};
+
+/**
+ * Describes the message pdserve.v1.ListModelsResponse.
+ * Use `create(ListModelsResponseSchema)` to create a new message.
+ */
+export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PURE__*/
+  messageDesc(file_pdserve_v1_generate, 20);
 
 /**
  * @generated from enum pdserve.v1.Priority
@@ -721,6 +1018,45 @@ export const PrioritySchema: GenEnum<Priority> = /*@__PURE__*/
   enumDesc(file_pdserve_v1_generate, 0);
 
 /**
+ * @generated from enum pdserve.v1.ToolChoiceMode
+ */
+export enum ToolChoiceMode {
+  /**
+   * auto when tools are given
+   *
+   * @generated from enum value: TOOL_CHOICE_MODE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * the model writes text or calls; calls are parsed out of the text
+   *
+   * @generated from enum value: TOOL_CHOICE_MODE_AUTO = 1;
+   */
+  AUTO = 1,
+
+  /**
+   * no calls: the tools are not rendered, nothing is parsed
+   *
+   * @generated from enum value: TOOL_CHOICE_MODE_NONE = 2;
+   */
+  NONE = 2,
+
+  /**
+   * one or more calls, enforced by the grammar engine (no free text)
+   *
+   * @generated from enum value: TOOL_CHOICE_MODE_REQUIRED = 3;
+   */
+  REQUIRED = 3,
+}
+
+/**
+ * Describes the enum pdserve.v1.ToolChoiceMode.
+ */
+export const ToolChoiceModeSchema: GenEnum<ToolChoiceMode> = /*@__PURE__*/
+  enumDesc(file_pdserve_v1_generate, 1);
+
+/**
  * @generated from enum pdserve.v1.FinishReason
  */
 export enum FinishReason {
@@ -751,13 +1087,20 @@ export enum FinishReason {
    * @generated from enum value: FINISH_REASON_ABORT = 3;
    */
   ABORT = 3,
+
+  /**
+   * the model ended its turn with tool calls (`tool_calls`)
+   *
+   * @generated from enum value: FINISH_REASON_TOOL_CALLS = 4;
+   */
+  TOOL_CALLS = 4,
 }
 
 /**
  * Describes the enum pdserve.v1.FinishReason.
  */
 export const FinishReasonSchema: GenEnum<FinishReason> = /*@__PURE__*/
-  enumDesc(file_pdserve_v1_generate, 1);
+  enumDesc(file_pdserve_v1_generate, 2);
 
 /**
  * @generated from service pdserve.v1.Generation
@@ -778,6 +1121,16 @@ export const Generation: GenService<{
     methodKind: "server_streaming";
     input: typeof GenerateRequestSchema;
     output: typeof GenerateStreamResponseSchema;
+  },
+  /**
+   * the models GenerateRequest.model may name
+   *
+   * @generated from rpc pdserve.v1.Generation.ListModels
+   */
+  listModels: {
+    methodKind: "unary";
+    input: typeof ListModelsRequestSchema;
+    output: typeof ListModelsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_pdserve_v1_generate, 0);

@@ -1,0 +1,399 @@
+"""One GPU (issue 32): colocated serving against prefill + decode sharing the GPU, each started by `pdserve up` and
+loaded by `pdserve bench`, beside the in-process engine's figures of the same run and the goodput ceiling they imply.
+
+    python bench/one_gpu.py [--part all] [--json docs/bench/one_gpu.json] [--mode-data shared/data/mode_choice.json]
+        [--commit SHA] [--rates 2,6,8,10,12] [--num-requests 48]
+
+Workload (`pdserve bench`'s SLO defaults, TTFT <= 350 ms and TPOT <= 15 ms for >= 90%): an 8B Llama-shaped random
+bf16 checkpoint (written once into --workdir), int8 KV, fresh 2048-token prompts -> exactly 128 tokens, Poisson
+arrivals, --num-requests per rate, arrivals seeded by --seed. Parts (`--part`, comma-separated; `all`: each, in
+this order):
+
+- engine: the engine in a child process on cuda:0: TTFT of a 2048-token prompt (`engine_ttft_ms_2k`) and the decode
+  step time per batch size at context ~2k (the ceiling's inputs, in details).
+- coloc, disagg: `pdserve up --colocated 1` / `pdserve up --disaggregated` on --gpus, each loaded over the rate
+  sweep: goodput (`coloc_goodput_rps`, `disagg1_goodput_rps`) and TTFT p50 at 2 req/s; on the disaggregated
+  stack first one request at a time (`t2t_ms_2k_ipc`: the second token; its KV transport, cuda-ipc on one GPU).
+- raw, grpc, cache: bench/gpu_serving.py's parts: the raw gRPC stream (`raw_grpc_gbps`); one stack with the KV
+  transport forced to grpc (`t2t_ms_2k_grpc`, `kv_gbps_grpc`) whose prefill has no local cache tier and no pool
+  prefixes, so a 90% prefix comes from Redis only (`ttft_ms_4k_cold`, `ttft_ms_4k_redis_first` / `_p50`), and the
+  store's fetch rate (`redis_fetch_gbps`: `RedisStore.get_many` of a 4k prompt's 90% in pages).
+
+After each part: `goodput_limit_rps` once the engine part is in (`goodput_limit` below; docs/benchmarks.md), and
+once both modes are in (this call or an earlier one into the same --json) --mode-data (what `pdserve up` reads to
+pick the mode on one GPU; a run with `--gpus none` writes its `cpu` entry) and `default_mode`, the mode
+`pdserve up`'s rule then chooses. The JSON is merged after every part, so a run cut short keeps the parts done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import gpu_serving as gs
+import torch
+from benchutil import log, merge_json, pdserve_bench, provenance
+from goodput import SLO_TPOT_MS, SLO_TTFT_MS, at_rate, goodput_rate
+
+from pdserve.cli.launch import Stack
+from pdserve.cli.mode_choice import SCHEMA, choose_mode, load_measurements
+from pdserve.server.auth import new_token
+from pdserve.testing.up_process import read_banner, stop
+
+PARTS = ("engine", "coloc", "disagg", "raw", "grpc", "cache")  # run in this order: the mode choice's first
+MODES = {"coloc": ("--colocated", "1"), "disagg": ("--disaggregated",)}  # `pdserve up` flags of each mode
+KEY = {"coloc": "coloc", "disagg": "disagg1"}  # JSON key prefix: disagg1 = prefill + decode on one GPU
+BATCHES = (48, 32, 24, 16, 8, 4, 1)  # decode step times measured (the CUDA graph sizes up to 48)
+LOW_RATE = 2.0  # req/s: the TTFT p50 reported per mode
+KEYS = (  # the JSON's keys (issue 32), beside `details`
+    "date", "commit", "device", "engine_ttft_ms_2k", "coloc_goodput_rps", "disagg1_goodput_rps", "default_mode",
+    "coloc_ttft_ms_p50_2rps", "disagg1_ttft_ms_p50_2rps", "t2t_ms_2k_grpc", "t2t_ms_2k_ipc", "raw_grpc_gbps",
+    "kv_gbps_grpc", "goodput_limit_rps", "ttft_ms_4k_cold", "ttft_ms_4k_redis_first", "ttft_ms_4k_redis_p50",
+    "redis_fetch_gbps",
+)  # fmt: skip
+
+
+# ---- the goodput ceiling --------------------------------------------------------------------------------------
+def step_at(step_ms: dict[int, float], batch: float) -> float:
+    """The decode step time at `batch` (fractional), linear between measured batch sizes and beyond the last two."""
+    xs = sorted(step_ms)
+    if batch <= xs[0] or len(xs) == 1:
+        return step_ms[xs[0]]
+    hi = next((x for x in xs if x >= batch), xs[-1])
+    lo = xs[xs.index(hi) - 1]
+    return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (batch - lo) / (hi - lo)
+
+
+def tpot_at(rate: float, prefill_ms: float, step_ms: dict[int, float], output_tokens: int, cap_ms: float) -> float:
+    """Mean TPOT (ms) at `rate` req/s: prefill takes rho = rate * prefill_ms of the GPU, decode steps run back to
+    back in the rest, so TPOT = step(B) / (1 - rho), with B = rate * (output_tokens - 1) * TPOT in flight (Little).
+    The fixed point, iterated from below (it grows monotonically); inf once past `cap_ms` or rho >= 1."""
+    rho = rate * prefill_ms / 1e3
+    if rho >= 1:
+        return math.inf
+    tpot = step_at(step_ms, 1) / (1 - rho)
+    for _ in range(500):
+        nxt = step_at(step_ms, max(1.0, rate * (output_tokens - 1) * tpot / 1e3)) / (1 - rho)
+        if nxt > cap_ms:
+            return math.inf
+        if abs(nxt - tpot) < 1e-6:
+            return nxt
+        tpot = nxt
+    return tpot
+
+
+def goodput_limit(prefill_ms: float, step_ms: dict[int, float], output_tokens: int = 128,
+                  slo_tpot_ms: float = SLO_TPOT_MS, slo_ttft_ms: float = SLO_TTFT_MS) -> float:  # fmt: skip
+    """The highest rate (req/s) one GPU can serve within the SLO on average: mean TPOT (`tpot_at`) <= slo_tpot_ms
+    and mean TTFT <= slo_ttft_ms, TTFT = prefill_ms + the M/D/1 wait of the prefill queue, rho * P / (2 (1 - rho)).
+    Bisection (both grow with the rate). An upper bound on the measured goodput, which needs 90% within the SLO."""
+
+    def ok(rate: float) -> bool:
+        rho = rate * prefill_ms / 1e3
+        ttft = prefill_ms + rho * prefill_ms / (2 * (1 - rho)) if rho < 1 else math.inf
+        return ttft <= slo_ttft_ms and tpot_at(rate, prefill_ms, step_ms, output_tokens, slo_tpot_ms) <= slo_tpot_ms
+
+    lo, hi = 0.0, 1e3 / prefill_ms
+    if not ok(1e-9):
+        return 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+# ---- the parts ------------------------------------------------------------------------------------------------
+def engine_figures(model: Path, seed: int) -> tuple[dict, dict]:
+    """In-process engine on cuda:0 as served (bf16, int8 KV, FA3, chunk 2048, CUDA graphs): 2k TTFT, then the
+    decode step at each of BATCHES, requests of 2048 prompt tokens. Run in a child process (`in_child`): the
+    stacks after it size their memory by the GPU's total, so this process must not keep the engine's."""
+    rng = torch.Generator().manual_seed(seed)
+    from gpu_engine import fill_decode_batch, time_decode_steps, time_prefill
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model_dir=str(model), dtype="bfloat16", device="cuda:0", page_size=16, chunk_size=2048, kv_dtype="int8",
+        attention_backend="fa3", num_pages=8192, max_num_seqs=max(BATCHES),
+    )  # fmt: skip
+    e = LLMEngine(cfg)
+    ttft = time_prefill(e, lambda: gs.fresh(2048, rng), reps=5)
+    running = max(BATCHES)
+    fill_decode_batch(e, running, 2048, rng)  # requests d0.. d47
+    steps: dict[int, float] = {}
+    for b in BATCHES:  # descending: abort down to b
+        for i in range(b, running):
+            e.abort(f"d{i}")
+        running = b
+        e.step()
+        steps[b] = statistics.median(time_decode_steps(e, 25)[5:])
+        log(f"engine: decode step b{b} {steps[b]:.2f} ms")
+    page_bytes = e.runner.page_bytes()
+    return {"engine_ttft_ms_2k": ttft}, {"engine": {"decode_step_ms": steps, "page_bytes": page_bytes}}
+
+
+def in_child(fn, *args, **kw):
+    """`fn(*args, **kw)` in a fresh (spawned) process, so that its GPU memory is the driver's again when it ends."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kw).result()
+
+
+def redis_fetch_gbps(url: str, page_bytes: int, pages: int = 230, reps: int = 5) -> float:
+    """The store's fetch rate as prefill's cache reads it (`RedisStore.get_many`, one pipeline): `pages` values of
+    one KV page's size (230: the 90% prefix of a 4k prompt), median of `reps`."""
+    from pdserve.cache.redis_store import RedisStore
+
+    store = RedisStore(url, timeout_s=10.0, connect_timeout_s=5.0)
+    keys = [f"one_gpu-{i}".encode() for i in range(pages)]
+    store.set_many([(k, os.urandom(page_bytes)) for k in keys], ttl_ms=600_000)
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        got = store.get_many(keys, ttl_ms=600_000)
+        rates.append(sum(len(v or b"") for v in got) / (time.perf_counter() - t0) / 1e9)
+    store.close()
+    return statistics.median(rates)
+
+
+def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, cache: bool, page_bytes: int):
+    """One gpu_serving stack on GPU0 for the grpc part (its KV transport forced to grpc: one 2k request at a time,
+    the second token and the KV GB/s) and the cache part (prefill's cache in Redis only: 4k TTFT cold and with a 90%
+    prefix read from Redis, then the store's fetch rate). The first token leaves ahead of the KV pages, so the
+    transport leaves the cache part's TTFTs alone."""
+    from pdserve.testing.redis_server import RedisServer
+
+    keys: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    redis = RedisServer(workdir / "redis").start() if cache else None
+    try:
+        env = {"REDIS_URL": redis.url, **gs.REDIS_ONLY} if redis else {}
+        stack = gs.start(model, workdir / "served", "grpc" if grpc else "auto", env)
+        try:
+            if grpc:
+                details["grpc"] = got = gs.served_ttft(stack, "grpc", rng, reps=5)
+                keys.update(t2t_ms_2k_grpc=got["served_t2t_ms_2k_grpc"], kv_gbps_grpc=got["kv_gbps_grpc"])
+            if redis:
+                details["cache"] = got = gs.cache_figures(stack, rng, "redis")
+        finally:
+            stack.stop()
+        if redis:
+            warm = details["cache"]["served_ttft_ms_4k_90pct_redis_all"]
+            keys.update(
+                ttft_ms_4k_cold=details["cache"]["served_ttft_ms_4k_cold_redis"],
+                ttft_ms_4k_redis_first=warm[0],
+                ttft_ms_4k_redis_p50=statistics.median(warm),
+                redis_fetch_gbps=redis_fetch_gbps(redis.url, page_bytes),
+            )
+            details["cache"]["redis_fetch_page_bytes"] = page_bytes
+    finally:
+        if redis:
+            redis.stop()
+    return keys, details
+
+
+def up_stack(model: Path, mode: str, workdir: Path, args, token: str) -> tuple[subprocess.Popen, Any, Stack]:
+    """`pdserve up` in `mode` on --gpus as a child process; its banner, and the stack as gpu_serving reads it."""
+    from pdserve.server.grpc_util import channel
+    from pdserve.server.security import ChannelSecurity
+    from pdserve.v1 import router_admin_pb2 as pb
+    from pdserve.v1 import router_admin_pb2_grpc
+
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", "0", "--gateway-port", "-1",
+           "--metrics-port", "-1", "--gpus", args.gpus, "--drain-grace-s", "5", *MODES[mode]]  # fmt: skip
+    env = {**os.environ, "PDSERVE_INTERNAL_TOKEN": token, "PDSERVE_CACHE_DIR": str(workdir / mode)}
+    log(" ".join(cmd[2:]))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        banner = read_banner(proc, timeout_s=args.ready_timeout, gateway=False)
+        with channel(banner.internal, ChannelSecurity(token=token)) as ch:
+            listed = router_admin_pb2_grpc.RegistryStub(ch).ListInstances(pb.ListInstancesRequest(), timeout=10)
+    except BaseException:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGINT: `up` stops what it started, then SIGKILL
+            stop(proc, timeout_s=60)
+        raise
+    role = lambda r: [i.address for i in listed.instances if i.role == r]
+    stack = Stack(banner.router, role(pb.INSTANCE_ROLE_PREFILL), role(pb.INSTANCE_ROLE_DECODE), internal_token=token)
+    return proc, banner, stack
+
+
+def mode_part(model: Path, mode: str, workdir: Path, args, rng: torch.Generator) -> tuple[dict, dict]:
+    """One mode: `pdserve up`, (disagg on a GPU: one request's second token and KV GB/s first), the sweep."""
+    key = KEY[mode]
+    proc, banner, stack = up_stack(model, mode, workdir, args, new_token())
+    out: dict[str, Any] = {}
+    served: dict[str, Any] = {}  # the disaggregated stack's one-request figures (gpu_serving.served_ttft)
+    try:
+        if mode == "disagg" and args.gpus != "none":
+            served = gs.served_ttft(stack, "cuda-ipc", rng, reps=5)
+            out["t2t_ms_2k_ipc"] = served["served_t2t_ms_2k_ipc"]
+        res = pdserve_bench(stack.router, workdir / f"{mode}.json", "--tokenizer", str(model), "--rates", args.rates,
+                            "--num-requests", str(args.num_requests), "--input-dist", f"fixed:{args.prompt_tokens}",
+                            "--output-dist", f"fixed:{args.output_tokens}", "--seed", str(args.seed), "--timeout",
+                            "60", "--warmup", "4", "--slo-preset", args.slo_preset)  # fmt: skip
+    finally:
+        stop(proc, timeout_s=90)
+    out[f"{key}_goodput_rps"] = goodput_rate(res)
+    out[f"{key}_ttft_ms_p50_{LOW_RATE:g}rps"] = at_rate(res, LOW_RATE).get("ttft_ms", {}).get("p50", math.nan)
+    rows = []
+    for r in res["runs"]:
+        s = r["summary"]
+        rows.append(dict(rate=r["rate"], slo_attainment=s["slo_attainment"], ttft_ms=s["ttft_ms"],
+                         tpot_ms=s["tpot_ms"], goodput_rps=s["goodput_rps"], errors=s["errors"]))  # fmt: skip
+        log(f"{mode} rate {r['rate']}: SLO met {s['slo_attainment']:.0%}, TTFT p50 {s['ttft_ms']['p50']:.0f} ms, "
+            f"TPOT p90 {s['tpot_ms']['p90']:.1f} ms, errors {s['errors']}")  # fmt: skip
+    mode_line = next((ln.strip() for ln in banner.lines if "pdserve up: mode" in ln), "")
+    return out, {key: {"up_mode_line": mode_line, "sweep": rows, "slo": res["slo"], "served_2k": served}}
+
+
+# ---- the summary: the ceiling, the mode data, default_mode ---------------------------------------------------
+def finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+
+def mode_entry(doc: dict) -> dict:
+    """The data file's entry of this run's placement, from the merged JSON's figures."""
+    slo, load = doc["details"]["coloc"]["slo"], doc["details"]["workload"]  # slo: pdserve bench's
+    workload = (
+        f"{load['prompt_tokens']} -> {load['output_tokens']} tokens, SLO TTFT <= {slo['ttft_ms']:g} ms and TPOT <= "
+        f"{slo['tpot_ms']:g} ms for {slo['attainment']:.0%}"
+    )
+    return dict(
+        measured=True,
+        colocated_goodput_rps=doc["coloc_goodput_rps"],
+        disaggregated_goodput_rps=doc["disagg1_goodput_rps"],
+        colocated_ttft_ms_p50_2rps=finite(doc.get("coloc_ttft_ms_p50_2rps")),
+        disaggregated_ttft_ms_p50_2rps=finite(doc.get("disagg1_ttft_ms_p50_2rps")),
+        workload=workload,
+        device=doc["device"],
+        date=doc["date"],
+        commit=doc["commit"],
+        source="bench/one_gpu.py",
+    )
+
+
+def summarize(args, gpus: list[int]) -> tuple[dict, dict]:
+    """Keys computed from the merged JSON: goodput_limit_rps (with the engine part's figures) and, once both modes
+    are in, the mode data file and default_mode (+ the line `pdserve up` prints, in details)."""
+    doc = json.loads(Path(args.json).read_text())
+    out: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    steps = doc.get("details", {}).get("engine", {}).get("decode_step_ms")
+    if steps and "engine_ttft_ms_2k" in doc:
+        steps = {int(b): float(t) for b, t in steps.items()}
+        out["goodput_limit_rps"] = goodput_limit(doc["engine_ttft_ms_2k"], steps, args.output_tokens)
+    if "coloc_goodput_rps" in doc and "disagg1_goodput_rps" in doc:
+        path = Path(args.mode_data)
+        data = load_measurements(path) or load_measurements() or {"schema": SCHEMA}  # else the packaged file's
+        data["one_gpu" if gpus else "cpu"] = mode_entry(doc)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        log(f"wrote {path}")
+        choice = choose_mode(gpus, load_measurements(path))
+        out["default_mode"], details["default_mode_line"] = choice.mode, choice.line()
+        log(choice.line())
+    return out, details
+
+
+def kv_page_bytes(json_path: Path) -> int:
+    """A KV page's bytes (the Redis fetch's value size): the engine part's figure, else an 8B int8 page's (32 layers
+    x K and V x 16 tokens x 8 heads x 128 channels at one byte, plus a 2-byte scale per 64 channels)."""
+    doc = json.loads(json_path.read_text()) if json_path.exists() else {}
+    return int(doc.get("details", {}).get("engine", {}).get("page_bytes") or 32 * 2 * 16 * 8 * (128 + 4))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", default="all", help=f"comma-separated of {', '.join(PARTS)}, or all")
+    ap.add_argument("--json", default="docs/bench/one_gpu.json")
+    ap.add_argument("--mode-data", default="shared/data/mode_choice.json", help="the mode data file written")
+    ap.add_argument("--commit", default="", help="commit measured (a device copy of the tree may lack git)")
+    ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pdserve-one-gpu"))
+    ap.add_argument("--model", default="", help="an existing model directory instead of the random 8B checkpoint")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--gpus", default="0", help="`pdserve up --gpus` (none: CPU, a smoke run)")
+    ap.add_argument("--rates", default="2,6,8,10,12")
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-preset", default="gpu", help="pdserve bench --slo-preset (cpu: a smoke run)")
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--no-part-after-s", type=float, default=math.inf, help="start no part past this many seconds "
+                    "(a device call's limit: the parts left are logged as skipped)")  # fmt: skip
+    args = ap.parse_args()
+    t_start = time.perf_counter()  # the checkpoint's writing included
+    parts = set(PARTS) if args.part == "all" else set(args.part.split(","))
+    if parts - set(PARTS):
+        ap.error(f"unknown parts {sorted(parts - set(PARTS))}; known: {', '.join(PARTS)}")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else workdir / f"llama8b-{args.layers}l"
+    if not args.model and not (model / "model.safetensors.index.json").exists():
+        from pdserve.models.random_llama import write_random_llama
+
+        t0 = time.perf_counter()
+        in_child(write_random_llama, model, args.layers, device="cuda:0")
+        log(f"checkpoint written in {time.perf_counter() - t0:.0f}s")
+    gpus = [] if args.gpus == "none" else [int(g) for g in args.gpus.split(",")]
+    device = f"{len(gpus)}x {torch.cuda.get_device_name(gpus[0])}" if gpus else ""
+    rng = torch.Generator().manual_seed(args.seed)
+    workload = dict(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, rates=args.rates,
+                    num_requests_per_rate=args.num_requests, seed=args.seed, slo_preset=args.slo_preset)  # fmt: skip
+
+    def save(keys: dict, details: dict) -> None:
+        if set(keys) - set(KEYS):
+            raise ValueError(f"not keys of the JSON: {sorted(set(keys) - set(KEYS))} (details hold the rest)")
+        old = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
+        prov = provenance(args.commit, device)
+        merged = {**old.get("details", {}), **details, "workload": workload, "command": prov.pop("command")}
+        merged = {k: v for k, v in merged.items() if v is not None}  # None: an earlier error_<part> now cleared
+        merge_json(args.json, {**keys, **prov, "details": merged})
+
+    page_bytes = lambda: kv_page_bytes(Path(args.json))
+    runs = {  # in PARTS' order
+        "engine": lambda: in_child(engine_figures, model, args.seed),
+        "coloc": lambda: mode_part(model, "coloc", workdir, args, rng),
+        "disagg": lambda: mode_part(model, "disagg", workdir, args, rng),
+        "raw": lambda: ({"raw_grpc_gbps": gs.raw_grpc(workdir)["raw_grpc_gbps"]}, {}),
+        "grpc,cache": lambda: served_part(model, workdir, rng, "grpc" in parts, "cache" in parts, page_bytes()),
+    }
+    failed: list[str] = []
+    for name, run in runs.items():  # grpc and cache share one stack
+        if parts & set(name.split(",")):
+            t0 = time.perf_counter()
+            if t0 - t_start > args.no_part_after_s:
+                log(f"part {name}: skipped, {t0 - t_start:.0f} s in (--no-part-after-s {args.no_part_after_s:g})")
+                failed.append(name)
+                continue
+            log(f"part {name}: start, {t0 - t_start:.0f} s in")
+            try:
+                keys, details = run()
+            except Exception as e:  # the next parts still run: one device call measures what it can
+                traceback.print_exc()
+                failed.append(name)
+                save({}, {f"error_{name}": f"{type(e).__name__}: {e}"[:2000]})
+                continue
+            save(keys, {**details, f"error_{name}": None})
+            save(*summarize(args, gpus))  # after each part: a run cut short keeps what it had
+            log(f"part {name}: {json.dumps(keys)} in {time.perf_counter() - t0:.0f} s")
+    log(f"done in {time.perf_counter() - t_start:.0f} s" + (f"; not done: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

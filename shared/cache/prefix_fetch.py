@@ -1,0 +1,450 @@
+"""A prompt's cached pages fetched from the shared store in the background, racing the engine that computes them.
+
+    fetch = PrefixFetch(cache, ns, keys, first_page, end_page, device=..., prefill_tokens_per_s=...).start()
+    fetch.landed                         pages [first_page, landed) arrived, verified (MAC, CRC, values), usable
+    fetch.wait(page_end, timeout_s)      until pages up to `page_end` landed, the fetch ended, or the timeout
+    fetch.usable_end(page)               end of the landed pages usable from `page` (skipped ones are not)
+    fetch.take(start, end)               pages [start, end) for the engine: host views and, on CUDA, device copies
+    fetch.skip_to(page)                  the compute covers the pages before `page`: their batches are not fetched
+    fetch.mark_loaded(start, end)        the engine loaded them; `take_loaded()` lists them once (to ship them)
+    fetch.finished / found               no more pages will land / pages the store had ([first_page, found))
+    fetch.cancel()                       the engine went past the fetched range (or the request ended): stop
+
+The engine (`pdserve.engine.prefix_fetch`) polls it at each step start: a page range that landed before the
+engine reached it is loaded instead of computed; the rest is computed and its fetched copy discarded. So a hit
+never costs more than computing, however slow the store.
+
+Speed: the pages are split in batches of `batch_pages`, fetched on the cache's fetch threads (one pooled Redis
+connection each) as pipelined GETEX whose values are read from the socket straight into one arena (pinned host
+memory when `device` is CUDA: `resp_fetch.getex_into`), slot by slot, the page data of each slot 256-byte aligned.
+Each value's MAC and checksum are checked on the thread that read it (hashlib and crc32c release the GIL); on
+CUDA the batch is then copied to a device arena on a side stream, and `take` hands the engine device tensors
+(its stream waits on that copy's event). Batches land in page order: a page that is absent, fails its MAC or
+its checks ends the fetch there (those after it are useless: a prefix is used from its start).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.store import StoreError, get_many_into
+from pdserve.cache.value import value_blocks, value_bytes, value_header_bytes
+from pdserve.kv.payload import CachedUpload, PagePayload
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.cache.breaker import CircuitBreaker
+    from pdserve.cache.local_tier import LocalTier
+    from pdserve.cache.stats import CacheStats
+    from pdserve.cache.store import PageStore
+    from pdserve.cache.value_auth import CacheKeyring
+    from pdserve.telemetry.rates import WorkRate
+
+
+class PromptCache(Protocol):
+    """What a fetch uses of `pdserve.cache.prompt_cache.PromptCache` (a structural type: that module imports this
+    one, so it is not imported back)."""
+
+    store: PageStore
+    keyring: CacheKeyring
+    ttl_ms: int
+    local: LocalTier | None
+    max_value_bytes: int
+    breaker: CircuitBreaker
+    key_prefix: str
+    fetch_rate: WorkRate
+    stats: CacheStats
+
+    def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list) -> tuple: ...
+    def measured_fetch(self, nbytes: int, seconds: float, page_value_bytes: float) -> None: ...
+    def fetch_pool(self) -> ThreadPoolExecutor: ...
+    def rekey(self, ns: CacheNamespace, digest: bytes, page: PagePayload, value: bytes | memoryview) -> bool: ...
+
+
+log = logging.getLogger("pdserve.cache")
+ALIGN = 256  # a slot's page data starts on this boundary (device views of any dtype)
+
+
+@dataclass
+class LandedPages:
+    """Pages [first, first + len(payloads)) for the engine: `payloads` (host views, page_index set) and, when the
+    fetch runs for a CUDA engine, `upload` (the same pages stacked on the device, ready on the engine's stream)."""
+
+    first: int
+    payloads: list[PagePayload]
+    upload: CachedUpload | None = None
+
+
+@dataclass
+class _Batch:
+    start: int  # first page index
+    payloads: list[PagePayload]  # the leading pages of the batch that verified (fewer: a miss ends the fetch)
+    nbytes: int
+    event: object | None = None  # torch.cuda.Event of its device copy
+    failed: bool = False  # store error
+    skipped: int = 0  # pages not fetched: the compute was past them when the batch's turn came (`skip_to`)
+
+
+class PrefixFetch:
+    """Pages [first_page, end_page) of a prompt (chain digests `keys[i]` for page i) from `cache`'s store, in `ns`.
+    `device`: the engine's (CUDA: pinned arena + device copies); `prefill_tokens_per_s`: the engine's measured
+    rate (None: unmeasured), with `fetch_bytes_per_s` (the cache's measured fetch rate) what the engine weighs
+    before waiting for pages instead of computing them; `local_pages`: pages before `first_page` the local tier
+    served (counted with this fetch's figures in the cache's stats)."""
+
+    def __init__(
+        self,
+        cache: PromptCache,
+        ns: CacheNamespace,
+        keys: Sequence[bytes],
+        first_page: int,
+        end_page: int,
+        *,
+        device: torch.device | str = "cpu",
+        batch_pages: int = 8,
+        prefill_tokens_per_s: float | None = None,
+        local_pages: int = 0,
+    ):
+        if not 0 <= first_page <= end_page <= len(keys):
+            raise ValueError(f"page range [{first_page}, {end_page}) outside the prompt's {len(keys)} pages")
+        self.cache, self.ns, self.keys = cache, ns, list(keys)
+        self.first_page, self.end_page = first_page, end_page
+        self.device = torch.device(device)
+        self.batch_pages = max(1, batch_pages)
+        self.page_size = ns.layout.page_size
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.local_pages = local_pages
+        self.fetch_bytes_per_s = cache.fetch_rate.rate()  # before this fetch: what the store delivered lately
+        self.value_bytes = value_bytes(ns, 0)  # stored value (with its MAC tag) of one page
+        self._header = value_header_bytes(ns)
+        self._pad = -self._header % ALIGN
+        self._stride = -(-(self._pad + self.value_bytes) // ALIGN) * ALIGN
+        self._cv = threading.Condition()
+        self._batches: dict[int, _Batch] = {}  # by batch number, until they land in order
+        self._next_batch = 0
+        self._pages: list[PagePayload | None] = []  # landed, in order: pages first_page .. landed - 1 (None: skipped)
+        self._events: list[tuple[int, int, object]] = []  # (first page, page end, its device copy event) per batch
+        self.skip_before = first_page  # batches wholly before this page are not fetched (`skip_to`)
+        self.landed = first_page
+        self.real_pages = 0  # of the landed pages, those fetched (not skipped)
+        self.finished = first_page >= end_page
+        self.cancelled = False
+        self.landed_bytes = 0
+        self.started = 0.0
+        self.landed_s = 0.0  # seconds from start until the last batch landed
+        self._host: torch.Tensor | None = None  # uint8 [pages * stride] (pinned on CUDA)
+        self._dev: torch.Tensor | None = None  # its device copy (CUDA)
+        self._stream: torch.cuda.Stream | None = None
+        self._counts = dict(mac_failures=0, corrupt=0, errors=0, rekeyed=0)
+        self._loaded: list[int] = []  # page indexes the engine loaded from this fetch, not yet shipped
+        self._stats_done = False
+        self.probe_waited_s = 0.0  # engine thread: what the engine waited for it while a rate was unknown
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.end_page - self.first_page
+
+    @property
+    def found(self) -> int:
+        """Page end of what the store had and verified so far ([first_page, found)): final once `finished`."""
+        return self.landed
+
+    def start(self) -> PrefixFetch:
+        """Queue the fetch on the cache's fetch threads (returns at once: the arenas are allocated there too)."""
+        self.started = time.perf_counter()
+        if not self.finished:
+            self.cache.fetch_pool().submit(self._prepare)
+        return self
+
+    def _prepare(self) -> None:
+        """Fetch thread: the arenas, then one job per batch."""
+        try:
+            n = self.num_pages
+            pinned = self.device.type == "cuda"
+            host = torch.empty(n * self._stride, dtype=torch.uint8, pin_memory=pinned)  # [pages * stride]
+            if pinned:
+                self._stream = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(self._stream):
+                    self._dev = torch.empty(n * self._stride, dtype=torch.uint8, device=self.device)
+        except Exception:
+            log.exception("prompt cache: prefix fetch arena")
+            with self._cv:
+                self._finish_locked()
+            return
+        with self._cv:
+            if self.finished:
+                self._dev = None
+                return
+            self._host = host
+        pool = self.cache.fetch_pool()
+        for b, start in enumerate(range(self.first_page, self.end_page, self.batch_pages)):
+            pool.submit(self._run_batch, b, start, min(start + self.batch_pages, self.end_page))
+
+    def cancel(self) -> None:
+        """No more pages are wanted: batches not started are skipped, the arenas released once none runs."""
+        with self._cv:
+            if self.cancelled:
+                return
+            self.cancelled = True
+            self._finish_locked()
+
+    # ---- engine side ---------------------------------------------------------------------------------------
+    def wait(self, page_end: int, timeout_s: float) -> int:
+        """Until pages up to `page_end` landed, the fetch finished, or `timeout_s`: returns `landed`."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cv:
+            while self.landed < min(page_end, self.end_page) and not self.finished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            return self.landed
+
+    def expected_landing_s(self, page_end: int, from_page: int = 0) -> float | None:
+        """Seconds until the pages from `from_page` (and what landed or is skipped) up to `page_end` land, at the
+        rate this fetch runs so far (a stall lowers it; before its first batch: the store's recent rate); 0 when
+        they landed or never will; None while no rate is known."""
+        with self._cv:
+            missing = max(0, min(page_end, self.end_page) - max(self.landed, self.skip_before, from_page))
+            if self.finished or not missing:
+                return 0.0
+            elapsed = max(self.landed_s, time.perf_counter() - self.started)
+            rate = self.landed_bytes / elapsed if self.landed_bytes and elapsed > 0 else None
+            rate = rate or self.fetch_bytes_per_s
+            return missing * self.value_bytes / rate if rate else None
+
+    def take(self, start: int, end: int) -> LandedPages:
+        """Landed pages [start, end) for loading (engine thread): host views, and on CUDA their device copy
+        stacked page-major, the current stream made to wait for its arrival."""
+        with self._cv:
+            if not self.first_page <= start <= end <= self.landed:
+                raise ValueError(f"pages [{start}, {end}) not landed (landed: [{self.first_page}, {self.landed}))")
+            pages = self._pages[start - self.first_page : end - self.first_page]
+            if any(p is None for p in pages):
+                raise ValueError(f"pages [{start}, {end}) include skipped ones")
+            events = [ev for first, page_end, ev in self._events if page_end > start and first < end]
+            dev = self._dev
+        upload = None
+        if dev is not None and pages:
+            cur = torch.cuda.current_stream(self.device)
+            for ev in events:
+                cur.wait_event(ev)  # type: ignore[arg-type]
+            dev.record_stream(cur)
+            upload = self._device_pages(dev, start, end)
+        return LandedPages(start, pages, upload)  # type: ignore[arg-type]
+
+    def usable_end(self, page: int) -> int:
+        """End of the landed pages usable from `page` on (`page`: none)."""
+        with self._cv:
+            end = page
+            while end < self.landed and self._pages[end - self.first_page] is not None:
+                end += 1
+            return end
+
+    def skip_to(self, page: int) -> None:
+        """The compute covers the pages before `page`: batches wholly before it that have not started are skipped."""
+        with self._cv:
+            self.skip_before = max(self.skip_before, page)
+
+    def mark_loaded(self, start: int, end: int) -> None:
+        """The engine loaded pages [start, end) (engine thread): listed for `take_loaded`."""
+        with self._cv:
+            self._loaded.extend(range(start, end))
+
+    def take_loaded(self) -> list[int]:
+        """Page indexes the engine loaded from this fetch since the last call (the caller ships them)."""
+        with self._cv:
+            out, self._loaded = self._loaded, []
+            return out
+
+    def _device_pages(self, arena: torch.Tensor, start: int, end: int) -> CachedUpload:
+        """Pages [start, end) of an arena (the device one; any, for tests) as stacked tensors [N, 2, L, page_size, H,
+        D (or D/g)]: one strided view per block and one copy kernel each (slots and blocks are aligned)."""
+        out: list[torch.Tensor | None] = []
+        at = (start - self.first_page) * self._stride + self._pad + self._header
+        for size, dtype, shape in value_blocks(self.ns.layout):
+            if not size:
+                out.append(None)
+                continue
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            inner = torch.empty(shape, dtype=dtype, device="meta").stride()
+            typed = arena.view(dtype)  # the arena is a whole number of aligned slots
+            view = typed.as_strided((end - start, *shape), (self._stride // itemsize, *inner), at // itemsize)
+            out.append(view.contiguous())
+            at += size
+        return CachedUpload(out[0], out[1], out[2])  # type: ignore[arg-type]
+
+    # ---- fetch threads -----------------------------------------------------------------------------------
+    def _slot(self, host: torch.Tensor, page: int) -> memoryview:
+        o = (page - self.first_page) * self._stride + self._pad
+        return memoryview(host[o : o + self.value_bytes].numpy())  # type: ignore[arg-type]
+
+    def _run_batch(self, b: int, start: int, end: int) -> None:
+        with self._cv:
+            host = None if self.finished else self._host
+            skip = end <= self.skip_before
+        batch = _Batch(start, [], 0, skipped=end - start if skip else 0)
+        if host is not None and not skip:
+            try:
+                batch = self._fetch(host, start, end)
+            except Exception as e:  # a store error (or a bug): the fetch ends; the engine computes the rest
+                if not isinstance(e, StoreError):
+                    log.exception("prompt cache: prefix fetch failed")
+                batch = _Batch(start, [], 0, failed=True)
+        self._land(b, batch)
+
+    def _fetch(self, host: torch.Tensor, start: int, end: int) -> _Batch:
+        cache, ns = self.cache, self.ns
+        if not cache.breaker.allow():
+            raise StoreError("circuit breaker open")
+        keyring = cache.keyring
+        n_keys = len(keyring.keys)
+        digests = self.keys[start:end]
+        names = [n for k in digests for n in keyring.names(cache.key_prefix, k)]
+        extra: dict[int, memoryview] = {}  # values under a previous secret, or of another size: own buffers
+
+        def dest(i: int, n: int) -> memoryview | None:
+            page, key_index = start + i // n_keys, i % n_keys
+            if key_index == 0 and n == self.value_bytes:
+                return self._slot(host, page)
+            extra[i] = memoryview(bytearray(n))
+            return extra[i]
+
+        try:
+            lens = get_many_into(cache.store, names, cache.ttl_ms, dest, cache.max_value_bytes)
+        except StoreError as e:
+            cache.breaker.failure()
+            log.warning("prompt cache prefix fetch failed (pages computed instead): %s", e)
+            with self._cv:
+                self._counts["errors"] += 1
+            raise
+        cache.breaker.success()
+        pages: list[PagePayload] = []
+        nbytes = 0
+        for j, digest in enumerate(digests):
+            page = start + j
+            found: list[memoryview | bool | None] = []
+            for key_index in range(n_keys):
+                i = j * n_keys + key_index
+                n = lens[i]
+                if n is None:
+                    found.append(None)
+                    continue
+                nbytes += n
+                stored = extra[i] if i in extra else self._slot(host, page)
+                value = keyring.keys[key_index].verify(digest, stored)
+                found.append(False if value is None else value)
+            p, value, key_index, bad = cache._open(ns, digest, page, found)
+            with self._cv:
+                self._counts["mac_failures"] += bad[0]
+                self._counts["corrupt"] += bad[1]
+            if p is None:
+                break
+            if key_index > 0:  # under a previous secret: not in the arena (written into its slot for the device)
+                p = _copied(p)
+                if cache.rekey(ns, digest, p, value):
+                    with self._cv:
+                        self._counts["rekeyed"] += 1
+            pages.append(p)
+        batch = _Batch(start, pages, nbytes)
+        batch = _Batch(start, pages, nbytes)
+        dev = self._dev
+        if self._stream is not None and pages and dev is not None:
+            batch.event = self._to_device(host, dev, start, start + len(pages), pages)
+        return batch
+
+    def _to_device(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, pages: list[PagePayload]):
+        """Copy the arena slots of pages [start, end) to the device arena on the side stream; its event."""
+        for j, p in enumerate(pages):  # a page outside the arena (rekeyed): its bytes into its slot first
+            at = (start + j - self.first_page) * self._stride + self._pad + self._header
+            if p.data.data_ptr() != host.data_ptr() + at:
+                self._write_slot(host, at, p)
+        a, b = (start - self.first_page) * self._stride, (end - self.first_page) * self._stride
+        with torch.cuda.stream(self._stream):
+            dev[a:b].copy_(host[a:b], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        return ev
+
+    @staticmethod
+    def _write_slot(host: torch.Tensor, at: int, p: PagePayload) -> None:
+        for t in (p.data, p.scales, p.zeros):
+            if t is None:
+                continue
+            raw = t.contiguous().reshape(-1).view(torch.uint8)
+            host[at : at + raw.numel()].copy_(raw)
+            at += raw.numel()
+
+    def _land(self, b: int, batch: _Batch) -> None:
+        """Batches land in order: the next ones that completed join `landed`; a short or failed one ends it."""
+        local: list[tuple[bytes, PagePayload]] = []
+        with self._cv:
+            self._batches[b] = batch
+            while not self.finished and self._next_batch in self._batches:
+                got = self._batches.pop(self._next_batch)
+                self._next_batch += 1
+                if got.skipped:
+                    self._pages.extend([None] * got.skipped)
+                    self.landed += got.skipped
+                    if self.landed >= self.end_page:
+                        self._finish_locked()
+                    continue
+                self._pages.extend(got.payloads)
+                self.real_pages += len(got.payloads)
+                self.landed += len(got.payloads)
+                self.landed_bytes += got.nbytes
+                self.landed_s = time.perf_counter() - self.started
+                if got.event is not None:
+                    self._events.append((got.start, self.landed, got.event))
+                if self.cache.local is not None:
+                    local += [(self.keys[p.page_index], p) for p in got.payloads]
+                full = min(got.start + self.batch_pages, self.end_page) - got.start
+                if got.failed or len(got.payloads) < full or self.landed >= self.end_page:
+                    self._finish_locked()
+            self._cv.notify_all()
+        if local and self.cache.local is not None:  # the local tier keeps copies (the arena is let go)
+            self.cache.local.put_chain([(k, _copied(p)) for k, p in local])
+
+    def _finish_locked(self) -> None:
+        self.finished = True
+        self._cv.notify_all()
+        if self._stats_done:
+            return
+        self._stats_done = True
+        cache, ns = self.cache, self.ns
+        cache.measured_fetch(self.landed_bytes, self.landed_s, float(self.value_bytes))
+        c, hits = self._counts, self.local_pages + self.real_pages
+        cache.stats.add(
+            lookups=1,
+            lookup_pages=self.local_pages + self.num_pages,
+            hits=hits,
+            local_hits=self.local_pages,
+            mac_failures=c["mac_failures"],
+            corrupt=c["corrupt"],
+            errors=c["errors"],
+            rekeyed=c["rekeyed"],
+        )
+        cache.stats.add_scope(ns.scope, self.local_pages + self.num_pages, hits)
+
+    def close(self) -> None:
+        """Release the arenas (the request ended or every wanted page was loaded)."""
+        self.cancel()
+        with self._cv:
+            self._host = self._dev = None
+
+
+def _copied(p: PagePayload) -> PagePayload:
+    """`p` with tensors of its own (not views of a fetch arena or of a store value)."""
+    scales = None if p.scales is None else p.scales.clone()
+    zeros = None if p.zeros is None else p.zeros.clone()
+    return PagePayload(p.page_index, p.num_tokens, p.layer_start, p.data.clone(), scales, zeros, p.group_size)

@@ -1,0 +1,79 @@
+"""Prefill instances whose Redis pages race the compute (`--cache-fetch-race on`, the GPU default) through real
+processes: the pages that land first are loaded and shipped to decode from the pool, the rest computed; the output
+equals a cold run's, `cached_tokens` counts the loaded pages, and the write-back stores only what Redis lacked."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from pdserve.cache.value_auth import write_secret_file
+from pdserve.cli.launch import start_service, wait_ready
+from pdserve.server.grpc_util import channel
+from pdserve.testing.redis_server import RedisServer
+from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
+
+PAGE = 4
+ENGINE = ["--page-size", str(PAGE), "--chunk-size", "8", "--num-pages", "512", "--torch-threads", "1"]
+RACE = ["--cache-fetch-race", "on", "--cache-local-mb", "0", "--prefix-reuse", "false"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, model_dir):
+    """(redis client, [prefill addresses], decode address, channels): two racing prefills sharing one Redis."""
+    work = tmp_path_factory.mktemp("fetch-race")
+    redis = RedisServer(work / "redis").start()
+    env = {"REDIS_URL": redis.url, "PDSERVE_CACHE_SECRET_FILE": str(write_secret_file(work / "secret"))}
+    specs = [("prefill", RACE, env), ("prefill", RACE, env), ("decode", ["--kv-dtype", "auto"], {})]
+    started = [start_service(n, ["--model", str(model_dir), *ENGINE, *a], work, env=e) for n, a, e in specs]
+    try:
+        addrs = [wait_ready(*s, timeout=120) for s in started]
+        chans = {a: channel(a) for a in addrs}
+        yield redis.client(), addrs[:2], addrs[2], chans
+        for ch in chans.values():
+            ch.close()
+    finally:
+        for s in started:
+            s[0].terminate()
+        for s in started:
+            s[0].wait(20)
+        redis.stop()
+
+
+def generate(stack, prefill: int, ids: list[int]) -> tuple[list[int], int]:
+    _, prefills, decode, chans = stack
+    req = internal_pb2.DecodeRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=ids,
+        prefill_target=prefills[prefill],
+        sampling=generate_pb2.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+    )
+    tokens, cached = [], None
+    for msg in internal_pb2_grpc.DecodeStub(chans[decode]).Generate(req, timeout=60):
+        tokens += msg.token_ids
+        if msg.HasField("usage"):
+            cached = msg.usage.cached_tokens
+    assert cached is not None
+    return tokens, cached
+
+
+def test_racing_hits_output_identical_and_counted(stack):
+    rds = stack[0]
+    ids = torch.randint(5, 512, (11 * PAGE + 2,), generator=torch.Generator().manual_seed(5)).tolist()
+    cold, cached = generate(stack, 0, ids)
+    assert cached == 0
+    deadline = time.monotonic() + 30
+    while rds.dbsize() < 11:  # the write-back of p0's pages
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    want = 11 * PAGE
+    hits = [generate(stack, 1, ids) for _ in range(4)]  # p1 only has what Redis has
+    for tokens, n in hits:
+        assert tokens == cold
+        assert n % PAGE == 0 and 0 <= n <= want  # loaded pages, whichever landed before the compute
+    assert max(n for _, n in hits) == want  # an idle instance waits for pages measured to land sooner
+    time.sleep(1.0)
+    assert rds.dbsize() == 11  # nothing the store had was written again under another name

@@ -1,0 +1,169 @@
+"""The background prefix fetch against a real redis-server: GETEX values read straight into caller buffers
+(resp_fetch), PrefixFetch landing pages in order with every check kept, and the racing lookup that keeps using the
+store however its rate was measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_testutil import DENSE, INT8, KEYRING, PAGE, make_page, namespace
+
+from pdserve.cache.fetch_policy import PROBE_AFTER_S, decide_fetch
+from pdserve.cache.prefix_fetch import PrefixFetch
+from pdserve.cache.prompt_cache import PromptCache
+from pdserve.cache.redis_store import RedisStore
+from pdserve.cache.store import StoreError
+from pdserve.cache.value_auth import CacheKeyring
+
+N_PAGES = 10
+
+
+def filled(url: str, layout=INT8, keyring=KEYRING, n: int = N_PAGES) -> tuple[PromptCache, object, list[int]]:
+    cache = PromptCache(RedisStore(url, timeout_s=5.0), keyring=keyring, fetch_connections=3, fetch_batch_pages=3)
+    ns = namespace(layout)
+    tokens = list(range(n * PAGE + 1))
+    cache.put_many(ns, [(k, make_page(layout, i)) for i, k in enumerate(ns.page_keys(tokens))])
+    assert cache.flush()
+    return cache, ns, tokens
+
+
+def test_getex_into_reads_values_into_the_given_buffers(redis):
+    store = RedisStore(redis.url)
+    client = redis.client()
+    client.set(b"a", b"x" * 100_000)
+    client.set(b"b", b"")
+    client.set(b"big", b"y" * 5000)
+    bufs: dict[int, bytearray] = {}
+
+    def dest(i, n):
+        bufs[i] = bytearray(n)
+        return memoryview(bufs[i])
+
+    got = store.get_many_into([b"a", b"missing", b"b", b"big", b"a"], 60_000, dest, max_value_bytes=4096 * 25)
+    assert got == [100_000, None, 0, 5000, 100_000]
+    assert bytes(bufs[0]) == b"x" * 100_000 and bytes(bufs[3]) == b"y" * 5000 and bytes(bufs[4]) == bytes(bufs[0])
+    assert client.pttl(b"a") > 0  # GETEX refreshed the TTL
+    small = store.get_many_into([b"a", b"big"], 60_000, dest, max_value_bytes=4096)  # too large: read, dropped
+    assert small == [None, None]
+    client.rpush(b"list", b"v")
+    with pytest.raises(StoreError, match="WRONGTYPE"):
+        store.get_many_into([b"a", b"list"], 60_000, dest, 1 << 20)
+    assert store.get_many_into([b"big"], 60_000, dest, 1 << 20) == [5000]  # the connection was replaced
+    store.close()
+
+
+@pytest.mark.parametrize("layout", [INT8, DENSE])
+def test_fetch_lands_every_page_verified(redis, layout):
+    cache, ns, tokens = filled(redis.url, layout)
+    keys = ns.page_keys(tokens)
+    fetch = PrefixFetch(cache, ns, keys, 2, N_PAGES, batch_pages=3, local_pages=2).start()
+    assert fetch.wait(N_PAGES, 10) == N_PAGES and fetch.finished
+    landed = fetch.take(2, N_PAGES)
+    assert [p.page_index for p in landed.payloads] == list(range(2, N_PAGES)) and landed.upload is None
+    for p in landed.payloads:
+        want = make_page(layout, p.page_index)
+        assert torch.equal(p.data, want.data)
+        assert (p.scales is None) == (want.scales is None)
+        if p.scales is not None:
+            assert torch.equal(p.scales, want.scales)
+    stacked = fetch._device_pages(fetch._host, 3, 7)  # what CUDA takes from its device arena: the same bytes
+    assert torch.equal(stacked.data, torch.stack([p.data for p in landed.payloads[1:5]]))
+    if layout.quantized:
+        assert torch.equal(stacked.scales, torch.stack([p.scales for p in landed.payloads[1:5]]))
+    s = cache.stats
+    assert (s.lookups, s.lookup_pages, s.hits, s.local_hits) == (1, N_PAGES, N_PAGES, 2)
+    assert cache.fetch_rate.rate() and cache.page_value_bytes == fetch.value_bytes
+    fetch.close()
+    cache.close()
+
+
+def test_batches_before_the_compute_are_skipped(redis):
+    cache, ns, tokens = filled(redis.url)
+    fetch = PrefixFetch(cache, ns, ns.page_keys(tokens), 0, N_PAGES, batch_pages=3)
+    fetch.skip_to(6)  # the engine computes pages 0-5: batches [0, 3) and [3, 6) are not fetched
+    assert fetch.start().wait(N_PAGES, 10) == N_PAGES and fetch.finished
+    assert fetch.usable_end(0) == 0 and fetch.usable_end(6) == N_PAGES and fetch.real_pages == 4
+    assert [p.page_index for p in fetch.take(6, N_PAGES).payloads] == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match="skipped"):
+        fetch.take(4, 7)
+    assert cache.stats.hits == 4
+    fetch.close()
+    cache.close()
+
+
+def test_fetch_stops_at_a_missing_page_and_a_forged_one(redis):
+    cache, ns, tokens = filled(redis.url)
+    keys = ns.page_keys(tokens)
+    client = redis.client()
+    client.delete(cache.store_key(ns, keys[7]))
+    name = cache.store_key(ns, keys[4])
+    value = client.get(name)
+    client.set(name, value[:-1] + bytes([value[-1] ^ 1]))  # a forged tag
+    fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=3).start()
+    assert fetch.wait(N_PAGES, 10) == 4 and fetch.finished
+    assert cache.stats.mac_failures == 1 and cache.stats.hits == 4
+    fetch.close()
+    cache.close()
+
+
+def test_pages_under_a_previous_secret_land_and_are_rewritten(redis):
+    previous, current = "the-previous-secret-of-this-deployment-0123", "the-current-secret-of-this-deployment-01234"
+    writer, ns, tokens = filled(redis.url, keyring=CacheKeyring.of(previous))
+    writer.close()
+    rotated = CacheKeyring.of(current, previous)
+    cache = PromptCache(RedisStore(redis.url), keyring=rotated, fetch_batch_pages=4)
+    keys = ns.page_keys(tokens)
+    fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=4).start()
+    assert fetch.wait(N_PAGES, 10) == N_PAGES
+    assert torch.equal(fetch.take(0, 1).payloads[0].data, make_page(INT8, 0).data)
+    assert cache.flush() and cache.stats.rekeyed == N_PAGES
+    assert redis.client().exists(cache.store_key(ns, keys[9]))  # now under the current secret
+    fetch.close()
+    cache.close()
+
+
+def test_store_down_mid_fetch_ends_it_with_what_landed(start_redis):
+    srv = start_redis()
+    cache, ns, tokens = filled(srv.url)
+    keys = ns.page_keys(tokens)
+    srv.stop()
+    fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=3).start()
+    assert fetch.wait(N_PAGES, 10) == 0 and fetch.finished
+    assert cache.stats.errors >= 1 and cache.stats.hits == 0
+    fetch.close()
+    cache.close()
+
+
+def test_racing_lookups_keep_using_a_store_measured_slower(redis):
+    """Racing (prefill on a GPU): a slow fetch costs nothing, so every hit fetches, whatever the measured rates."""
+    cache, ns, tokens = filled(redis.url)
+    for i in range(5):
+        hit, fetch = cache.lookup_racing(ns, tokens, N_PAGES, prefill_tokens_per_s=1e12)
+        assert hit.decision is not None and hit.decision.fetch
+        assert hit.decision.reason == ("race (unmeasured)" if i == 0 else "race (slower)")
+        assert fetch is not None and fetch.wait(N_PAGES, 10) == N_PAGES  # fetched all the same
+        fetch.close()
+    assert cache.stats.hits == 5 * N_PAGES
+    cache.close()
+
+
+def test_a_store_measured_slower_is_probed_again_later():
+    page = 16 * 68 * 1024
+    assert decide_fetch(1e9, page, 16, 40_000.0, measured_age_s=1.0).reason == "slower"
+    d = decide_fetch(1e9, page, 16, 40_000.0, measured_age_s=PROBE_AFTER_S)
+    assert d.fetch and d.reason == "probe"
+    assert decide_fetch(1e9, page, 16, 2_000.0, measured_age_s=0.0).reason == "faster"
+
+
+def test_waiting_lookup_asks_a_slower_store_again_once_its_measurement_is_old(redis):
+    """Without the race (CPU engines, colocated): a store measured slower is skipped, then probed again later."""
+    cache, ns, tokens = filled(redis.url)
+    assert cache.lookup(ns, tokens, N_PAGES, prefill_tokens_per_s=1e12).num_pages == N_PAGES  # unmeasured: fetch
+    cache.measured_fetch(1000, 1.0, 1000.0)  # then one slow moment: 1 kB/s
+    skipped = cache.lookup(ns, tokens, N_PAGES, prefill_tokens_per_s=1e12)
+    assert skipped.num_pages == 0 and skipped.decision.reason == "slower"
+    cache.fetch_measured_at -= PROBE_AFTER_S  # ten seconds later
+    probed = cache.lookup(ns, tokens, N_PAGES, prefill_tokens_per_s=1e12)
+    assert probed.num_pages == N_PAGES and probed.decision.reason == "probe"
+    assert cache.lookup(ns, tokens, N_PAGES, prefill_tokens_per_s=1e12).decision.reason == "slower"  # measured anew
+    cache.close()

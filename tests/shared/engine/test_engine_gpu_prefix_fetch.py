@@ -1,0 +1,63 @@
+"""A prefix fetch for a CUDA engine: pages land in pinned memory, reach the device on a side stream, and the engine
+scatters them from there (its stream waiting on their copy). Same output as the host import of the same pages
+(`cached_pages`), CUDA only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_testutil import export_payloads, layout_for, random_prompt
+
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.prefix_fetch import PrefixFetch
+from pdserve.cache.prompt_cache import PromptCache
+from pdserve.cache.store import MemoryStore
+from pdserve.cache.value_auth import CacheKeyring
+from pdserve.engine.request import EngineRequest
+from pdserve.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PAGE = 16
+
+
+class RemoteMemoryStore(MemoryStore):
+    remote = True  # values read through the fetch's copy path, as from Redis
+
+    def touch_many(self, keys, ttl_ms):
+        pass
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype):
+    engine = make_engine("llama", device="cuda", dtype="bfloat16", page_size=PAGE, chunk_size=32, kv_dtype=kv_dtype)
+    prompt = random_prompt(9 * PAGE + 5, seed=3)
+    engine.add_request(EngineRequest("src", prompt, GREEDY, prefill_only=True))
+    while not any(o.finished for o in engine.step()):
+        pass
+    layout = layout_for(engine, kv_dtype)
+    pages = export_payloads(engine, "src", list(range(9)), layout)
+    engine.release("src")
+    engine.add_request(EngineRequest("ref", prompt, GREEDY, cached_pages=pages))  # the host import of the same pages
+    ref: list[int] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            ref += o.new_token_ids
+    cache = PromptCache(RemoteMemoryStore(64 << 20), keyring=CacheKeyring.generate(), fetch_connections=2)
+    ns = CacheNamespace(engine.fingerprint, layout)
+    keys = ns.page_keys(prompt)
+    cache.put_many(ns, list(zip(keys, pages)))
+    assert cache.flush()
+    fetch = PrefixFetch(cache, ns, keys, 0, 9, device=engine.runner.device, batch_pages=4).start()
+    assert fetch.wait(9, 30) == 9
+    assert fetch.take(0, 9).upload is not None and fetch._host.is_pinned()
+    engine.add_request(EngineRequest("hit", prompt, GREEDY, prefix_fetch=fetch))
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out += o.new_token_ids
+    assert fetch.take_loaded() == list(range(9))  # every cached page loaded, none computed
+    assert out == ref  # the same bytes in the pool as the host import's, the same compute after them
+    fetch.close()
+    cache.close()
+    assert engine.allocator.num_used == 0

@@ -1,0 +1,228 @@
+"""EngineRequest(prefix_fetch=...): cached pages fetched while the prompt computes; the engine loads those that land
+before it reaches them (pdserve.engine.prefix_fetch) and computes the rest, with the same output either way."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from engine_testutil import export_payloads, layout_for, random_prompt, run_to_completion
+
+from pdserve.cache.keys import CacheNamespace
+from pdserve.cache.prefix_fetch import PrefixFetch
+from pdserve.cache.prompt_cache import PromptCache
+from pdserve.cache.store import MemoryStore, StoreError
+from pdserve.cache.value_auth import CacheKeyring
+from pdserve.engine.request import EngineRequest
+from pdserve.engine.sampling import SamplingParams
+
+PAGE = 4  # make_engine: page 4, chunk 8 (two pages a chunk)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+KEYRING = CacheKeyring.of("engine-prefix-fetch-test-secret-0123456789")
+
+
+class GatedStore(MemoryStore):
+    """A remote-looking store whose reads wait for `gate` (one release per read); read number `fail_at` (0-based)
+    and later ones raise StoreError (the store went down)."""
+
+    remote = True
+
+    def __init__(self):
+        super().__init__(64 << 20)
+        self.gate = threading.Semaphore(0)
+        self.fail_at: int | None = None
+        self.reads = 0
+
+    def get_many(self, keys, ttl_ms):
+        self.gate.acquire()
+        n, self.reads = self.reads, self.reads + 1
+        if self.fail_at is not None and n >= self.fail_at:
+            raise StoreError("store down")
+        return super().get_many(keys, ttl_ms)
+
+    def touch_many(self, keys, ttl_ms):
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine):
+    return make_engine("llama")
+
+
+@pytest.fixture
+def cached(engine):
+    """(prompt, reference tokens, cache with every full page of the prompt stored, its store, namespace)."""
+    prompt = random_prompt(10 * PAGE + 3, seed=91)
+    ref = engine.generate([prompt], GREEDY)[0]
+    engine.add_request(EngineRequest("src", prompt, GREEDY, prefill_only=True))
+    while not any(o.finished for o in engine.step()):
+        pass
+    layout = layout_for(engine)
+    pages = export_payloads(engine, "src", list(range(len(prompt) // PAGE)), layout)
+    engine.release("src")
+    store = GatedStore()
+    cache = PromptCache(store, keyring=KEYRING, fetch_connections=1, fetch_batch_pages=2)
+    ns = CacheNamespace(engine.fingerprint, layout)
+    keys = ns.page_keys(prompt)
+    cache.put_many(ns, list(zip(keys, pages)))
+    assert cache.flush()
+    yield prompt, ref, cache, store, ns
+    cache.close()
+    assert engine.allocator.num_used == 0  # no page leaked
+
+
+def start_fetch(cache, ns, prompt, rate=None) -> PrefixFetch:
+    keys = ns.page_keys(prompt)
+    return PrefixFetch(cache, ns, keys, 0, (len(prompt) - 1) // PAGE, batch_pages=2, prefill_tokens_per_s=rate).start()
+
+
+def run(engine, rid, prompt, fetch, prefill_only=False, before_step=None) -> tuple[list[int], list[tuple]]:
+    """Tokens of a request racing `fetch`, and the token ranges its prompt chunks computed (prefill-only)."""
+    engine.add_request(EngineRequest(rid, prompt, GREEDY, prefill_only=prefill_only, prefix_fetch=fetch))
+    tokens, ranges, steps = [], [], 0
+    while engine.has_unfinished_requests() and steps < 500:
+        if before_step is not None:
+            before_step(steps)
+        steps += 1
+        for o in engine.step():
+            tokens += o.new_token_ids
+            if o.token_range:
+                ranges.append(o.token_range)
+            if o.finished and prefill_only:
+                engine.release(rid)
+    return tokens, ranges
+
+
+def test_fetch_landed_before_skips_every_cached_chunk(engine, cached):
+    prompt, ref, cache, store, ns = cached
+    fetch = start_fetch(cache, ns, prompt)
+    for _ in range(5):
+        store.gate.release()
+    assert fetch.wait(10, 10) == 10 and fetch.finished
+    tokens, _ = run(engine, "before", prompt, fetch)
+    assert tokens == ref
+    assert fetch.take_loaded() == list(range(10))  # every fetched page loaded: only the last 3 tokens computed
+    assert cache.stats.hits == 10 and cache.stats.lookup_pages == 10
+
+
+def test_prefill_only_computes_after_the_landed_pages(engine, cached):
+    prompt, ref, cache, store, ns = cached
+    fetch = start_fetch(cache, ns, prompt)
+    for _ in range(5):
+        store.gate.release()
+    fetch.wait(10, 10)
+    tokens, ranges = run(engine, "p", prompt, fetch, prefill_only=True)
+    assert tokens == ref[:1] and ranges == [(40, 43)]  # loaded pages are not in ready_pages: shipped by the caller
+
+
+def test_fetch_landing_partway_skips_some_chunks(engine, cached):
+    prompt, ref, cache, store, ns = cached
+    fetch = start_fetch(cache, ns, prompt)
+
+    def before_step(step: int) -> None:
+        if step == 1:  # the first chunk (pages 0-1) computed: pages 0-5 arrive before the second
+            for _ in range(3):
+                store.gate.release()
+            fetch.wait(6, 10)
+
+    tokens, ranges = run(engine, "partial", prompt, fetch, prefill_only=True, before_step=before_step)
+    assert tokens == ref[:1]
+    assert ranges[0] == (0, 8) and ranges[1] == (24, 32)  # pages 2-5 loaded, the compute went on from page 6
+    assert fetch.take_loaded() == [2, 3, 4, 5]
+    for _ in range(2):
+        store.gate.release()
+
+
+def test_fetch_landing_after_computes_everything(engine, cached):
+    prompt, ref, cache, store, ns = cached
+    fetch = start_fetch(cache, ns, prompt)
+    tokens, _ = run(engine, "after", prompt, fetch)
+    assert tokens == ref and fetch.take_loaded() == []
+    for _ in range(5):
+        store.gate.release()
+    fetch.wait(10, 10)
+    fetch.close()
+
+
+def test_value_failing_its_mac_ends_the_fetch_there(engine, cached):
+    prompt, ref, cache, store, ns = cached
+    keys = ns.page_keys(prompt)
+    name = cache.store_key(ns, keys[3])
+    value, expires = store._items[name]
+    store._items[name] = (value[:-1] + bytes([value[-1] ^ 1]), expires)  # a forged tag on page 3
+    fetch = start_fetch(cache, ns, prompt)
+    for _ in range(5):
+        store.gate.release()
+    assert fetch.wait(10, 10) == 3 and fetch.finished
+    tokens, _ = run(engine, "mac", prompt, fetch)
+    assert tokens == ref and fetch.take_loaded() == [0, 1, 2]
+    assert cache.stats.mac_failures == 1 and cache.stats.hits == 3
+
+
+def test_store_down_mid_fetch_computes_the_rest(engine, cached):
+    prompt, ref, cache, store, ns = cached
+    store.fail_at = 2
+    fetch = start_fetch(cache, ns, prompt)
+    for _ in range(5):
+        store.gate.release()
+    assert fetch.wait(10, 10) == 4 and fetch.finished
+    tokens, _ = run(engine, "down", prompt, fetch)
+    assert tokens == ref and fetch.take_loaded() == [0, 1, 2, 3]
+    assert cache.stats.errors == 1
+
+
+def test_idle_engine_waits_for_pages_measured_to_land_sooner(engine, cached):
+    """Rates measured (a slow engine, the store known fast): the step waits for the landing pages instead of
+    computing them; a first hit (unmeasured) never waits (test above: computes everything)."""
+    prompt, ref, cache, store, ns = cached
+    cache.measured_fetch(1 << 30, 1.0, 1000.0)  # the store delivered 1 GiB/s lately
+    fetch = start_fetch(cache, ns, prompt, rate=1.0)  # computing 8 tokens would take 8 s
+    opener = threading.Timer(0.05, lambda: [store.gate.release() for _ in range(5)])
+    opener.start()
+    tokens, ranges = run(engine, "wait", prompt, fetch, prefill_only=True)
+    opener.join()
+    assert tokens == ref[:1] and ranges == [(40, 43)]  # nothing of the cached prefix computed
+
+
+def test_aborted_request_racing_a_fetch_frees_its_pages(engine, cached):
+    prompt, _, cache, store, ns = cached
+    cache.measured_fetch(1 << 30, 1.0, 1000.0)
+    fetch = start_fetch(cache, ns, prompt, rate=1.0)
+    store.gate.release()
+    fetch.wait(2, 10)
+    engine.add_request(EngineRequest("gone", prompt, GREEDY, prefix_fetch=fetch))
+    engine.step()  # loads pages 0-1 (taking the request's pages before admission), then computes
+    assert engine.allocator.num_used > 0
+    engine.abort("gone")
+    run_to_completion(engine)
+    fetch.close()
+    for _ in range(4):
+        store.gate.release()
+
+
+def test_a_fetch_the_compute_passed_reads_no_more(engine, cached):
+    prompt, ref, cache, store, ns = cached
+    fetch = start_fetch(cache, ns, prompt)  # its first batch waits at the store's gate the whole time
+    tokens, ranges = run(engine, "passed", prompt, fetch)
+    assert tokens == ref and fetch.take_loaded() == [] and fetch.finished  # the engine passed it: cancelled
+    store.gate.release()
+    cache.fetch_pool().submit(lambda: None).result(10)  # one fetch thread: every batch job ran before this
+    assert store.reads == 1  # the four batches after the blocked one were skipped
+
+
+def test_computes_a_chunk_while_the_rest_lands_when_that_is_sooner(engine, cached):
+    """Measured: fetching all 10 pages takes 2 s, computing a chunk (2 pages) 1 s, fetching the 8 after it 1.6 s:
+    the engine computes the chunk at once and the fetch skips its pages."""
+    prompt, ref, cache, store, ns = cached
+    keys = ns.page_keys(prompt)
+    probe = PrefixFetch(cache, ns, keys, 0, 0)
+    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)  # 5 pages a second
+    fetch = start_fetch(cache, ns, prompt, rate=8.0)  # 8 tokens (a chunk) a second
+    engine.add_request(EngineRequest("hybrid", prompt, GREEDY, prefill_only=True, prefix_fetch=fetch))
+    (out,) = engine.step()
+    assert out.token_range == (0, 8) and fetch.skip_before == 2
+    for _ in range(5):
+        store.gate.release()
+    tokens, _ = run(engine, "next", prompt, None, prefill_only=True)
+    engine.release("hybrid")
+    assert tokens == ref[:1]
