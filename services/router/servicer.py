@@ -536,7 +536,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         self.scheduler.retry(job, self.membership.blame(p, d))
 
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
-        return merge_choices(self._generate(request, context, stream=False), request.n or 1)
+        n = 1 if isinstance(request, MalformedMessage) else request.n or 1  # malformed: `_generate` aborts, saying why
+        return merge_choices(self._generate(request, context, stream=False), n)
 
 
 def running_usage(

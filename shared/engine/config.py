@@ -97,7 +97,7 @@ class EngineConfig:
     tensor_parallel_size: int = opt(
         1,
         "processes (ranks) that split the model's heads, FFN and vocabulary; the model's attention heads must "
-        "divide by it. Colocated instances only for now (no KV handoff or prompt cache across TP layouts)",
+        "divide by it. Decode and colocated instances (prefill: 1 for now; the prompt cache is off at N > 1)",
     )
 
     def validate(self) -> None:

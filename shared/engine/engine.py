@@ -126,7 +126,7 @@ class LLMEngine:
             dtype=self.cfg.kv_dtype if quantized else self.kv_storage_dtype_name,
             page_size=self.page_size,
             num_layers=mc.num_layers,
-            num_kv_heads=self.runner.num_local_kv_heads,  # tensor parallel: this rank's heads
+            num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             group_size=self.kv_group_size if quantized else 0,
             asymmetric=self.kv_asymmetric,  # False unless the pool is int8

@@ -8,9 +8,9 @@ a tensor, except the logits rows it returns on request (`return_logits`).
 
 Tensor parallel (`EngineConfig.tensor_parallel_size` N > 1, `pdserve.engine.tp`): the instance's runner is rank 0;
 it starts ranks 1..N-1 (`tp.supervisor`), loads its shard, sizes its pool with its own KV heads, and broadcasts
-every forward (`_forward`), every logits block (`_logits`) and every page copy so that the followers
-(`tp.follower`, the same runner on their shard) run the same steps. No decode CUDA graphs and no page import /
-export at N > 1 yet (the pool holds a rank's heads only).
+every forward (`_forward`), every logits block (`_logits`), every page copy and every imported page batch (of all
+KV heads: each rank keeps its own) so that the followers (`tp.follower`, the same runner on their shard) run the
+same steps. No decode CUDA graphs and no page export at N > 1 yet (the pool holds a rank's heads only).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from pdserve.engine.sampling import (
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.structured import MaskedDraw, MaskFiller
 from pdserve.engine.tp.layout import local_config, make_layout
+from pdserve.errors import InvalidRequest
 from pdserve.kv.dtypes import DTYPES
 from pdserve.kv.payload import CachedUpload, PagePayload
 
@@ -177,9 +178,10 @@ class ModelRunner:
 
     # ---- tensor parallel (rank 0) ------------------------------------------------------------------------
     def _lead(self, supervisor: RankSupervisor) -> None:
-        """Rank 0: every forward, logits block and page copy from now on is broadcast to the followers first (under
-        the supervisor's guard: a failure ends the instance). Page import / export would move rank 0's heads
-        only: refused."""
+        """Rank 0: every forward, logits block, page copy and page import (`scatter_pages`: pages of every KV head,
+        each rank keeps its own) from now on is broadcast to the followers too (under the supervisor's guard: a
+        failure ends the instance). Page export and single-page import would move rank 0's heads only: refused."""
+        from pdserve.engine.tp.page_import import local_heads, send_scatter
         from pdserve.engine.tp.worker import PlanLeader, copy_message
 
         group = supervisor.group
@@ -193,15 +195,42 @@ class ModelRunner:
                 group.broadcast_ints(copy_message(src, dst))
                 local_copy(src, dst)
 
+        local_scatter = cache.scatter_pages
+        assert self.tp is not None
+        heads = torch.tensor(self.tp.rank.kv_heads, dtype=torch.long)
+        full = self.model_config.num_kv_heads
+
+        def scatter_pages(
+            page_ids: list[int],
+            data: torch.Tensor,
+            scales: torch.Tensor | None,
+            zeros: torch.Tensor | None,
+            group_size: int,
+            layers: tuple[int, int] | None = None,
+        ) -> None:
+            """Pages of every KV head (a TP=1 prefill's): rank 0 writes its heads (the pool's checks refuse a bad
+            batch before anything is broadcast), then every follower its own."""
+            if any(t is not None and (t.dim() != 6 or t.shape[4] != full) for t in (data, scales, zeros)):
+                raise InvalidRequest(
+                    f"KV batch of shape {tuple(data.shape)}: a tensor-parallel pool imports pages of all {full} KV "
+                    "heads ([pages, 2, layers, page_size, kv_heads, head_dim])"
+                )
+            mine = [local_heads(t, heads) for t in (data, scales, zeros)]
+            assert mine[0] is not None
+            local_scatter(page_ids, mine[0], mine[1], mine[2], group_size, layers)
+            with supervisor.guard():
+                send_scatter(group, page_ids, data, scales, zeros, group_size, layers)
+
         def refused(*args, **kwargs):
             raise RuntimeError(
-                f"KV page import / export is not supported with tensor_parallel_size {self.tp_size} yet (each "
-                "rank's pool holds its own heads)"
+                f"KV page export and single-page import are not supported with tensor_parallel_size {self.tp_size} "
+                "yet (each rank's pool holds its own heads)"
             )
 
-        # the engine, handoff and prompt cache call the pool directly: its page copies go through the group
+        # the engine, handoff and prompt cache call the pool directly: page copies and imports go through the group
         cache.copy_pages = copy_pages  # type: ignore[method-assign]
-        for name in ("import_page", "gather_pages", "scatter_pages"):
+        cache.scatter_pages = scatter_pages  # type: ignore[method-assign]
+        for name in ("import_page", "gather_pages"):
             setattr(cache, name, refused)
         supervisor.lead(leader)
 

@@ -55,15 +55,16 @@ def build_engine(
 
 
 def check_tensor_parallel(cfg: EngineServiceConfig, engine_cfg: EngineConfig) -> None:
-    """At `--tensor-parallel-size` > 1 (the engine's ModelRunner starts the other ranks): refuse prefill and decode
-    instances (their KV handoff would move rank 0's heads only) and turn the prompt cache off (its pages likewise)."""
+    """At `--tensor-parallel-size` > 1 (the engine's ModelRunner starts the other ranks): refuse prefill instances
+    (their pages leave for decode, and each rank's pool holds its own heads only) and turn the prompt cache off (its
+    pages likewise). Decode instances import a TP=1 prefill's pages of every head, each rank keeping its own."""
     tp = engine_cfg.tensor_parallel_size
     if tp <= 1:
         return
-    if hasattr(cfg, "kv_transport"):  # prefill and decode instances: the KV link settings
+    if hasattr(cfg, "ship_formats"):  # a prefill instance: the formats it ships
         raise SystemExit(
-            f"--tensor-parallel-size {tp}: only colocated instances run tensor parallel for now (the KV handoff "
-            "between prefill and decode does not split pages by rank yet)"
+            f"--tensor-parallel-size {tp}: prefill instances run at 1 for now (their pages would hold rank 0's KV "
+            "heads only); decode and colocated instances take N > 1"
         )
     if getattr(cfg, "prompt_cache", False):
         log.warning("--tensor-parallel-size %d: prompt cache off (its pages would hold rank 0's heads only)", tp)

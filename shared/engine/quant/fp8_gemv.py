@@ -4,10 +4,12 @@ Weight-only dequantization: the activations stay in their dtype (bf16 in the eng
 launch) and the work is reading the weight bytes, so the kernel keeps many of them in flight. Each program owns
 BLOCK_N output channels and a contiguous run of K; each step loads a [BLOCK_N, BLOCK_K] e4m3 tile (BLOCK_K a
 power-of-2 multiple of the 128-column scale group) and multiplies it in one of two ways:
-- M <= FMA_MAX_ROWS (batch 1..4): on the CUDA cores in float32, the tile viewed as [BLOCK_N, BLOCK_K / 128, 128]
+- path "fma" (M <= FMA_MAX_ROWS, batch 1..4; chosen explicitly, "auto" never takes it: AUTO_FMA_ROWS): on the CUDA
+  cores in float32, the tile viewed as [BLOCK_N, BLOCK_K / 128, 128]
   so that each 128-column group's partial sum meets its own block scale (no tensor-core tile of 16 rows mostly
   masked, no shared-memory round trip); BLOCK_K up to 2048 columns (one 16-byte load per thread per row chunk);
-- larger M: one 128-column group per step on the tensor cores (e4m3 -> activation dtype is exact, fp32 sum).
+- path "dot" (every M under "auto"): one 128-column group per step on the tensor cores (e4m3 -> activation dtype
+  is exact, fp32 sum).
 Scales: per channel (scale [N]) once per program at the end; per 128x128 block (scale [ceil(N/128), ceil(K/128)])
 or per row per 128 columns (`scale_rows=1`) per group, before the group's sum joins the accumulator.
 
@@ -31,7 +33,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_M = 16  # rows one program multiplies (the tensor-core tile's M); Fp8Linear routes larger batches elsewhere
-FMA_MAX_ROWS = 4  # up to this many rows the CUDA-core path, above it the tensor-core path
+FMA_MAX_ROWS = 4  # the CUDA-core path ("fma") takes at most this many rows
+# "auto" takes the tensor-core path at every M: on an H200 (bench/fp8_weights.py, bb19ff5) the 8B layer at M = 1
+# read its weights at 2.02 TB/s through it, against 0.68-1.17 TB/s for every CUDA-core configuration swept
+AUTO_FMA_ROWS = 0
 GROUP = 128  # columns of one block-scale group
 K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals
 FMA_WARP_ELEMENTS = 2048  # most BLOCK_M x BLOCK_N x BLOCK_K of the CUDA-core product a step, per warp (64 a thread)
@@ -175,7 +180,7 @@ def fp8_gemv(
     BLOCK_M); `split`: programs along K (0:
     from the SM count); `counters`: int32 [>= ceil(N / block_n)], zero (the kernel leaves them zero), for split-K
     (None: a zeroed tensor per call); `pdl`: programmatic dependent launch (Hopper); `path`: "auto" (CUDA cores
-    up to FMA_MAX_ROWS rows, else tensor cores), "fma" or "dot" (M <= 4 only: CUDA cores)."""
+    up to AUTO_FMA_ROWS rows, else tensor cores), "fma" or "dot" (M <= 4 only: CUDA cores)."""
     m, k = x.shape
     n = w.shape[0]
     kg = triton.cdiv(k, GROUP)
@@ -188,7 +193,7 @@ def fp8_gemv(
     if m == 0:
         return y
     assert path in ("auto", "fma", "dot") and (path != "fma" or m <= FMA_MAX_ROWS), (path, m)
-    dot = m > FMA_MAX_ROWS if path == "auto" else path == "dot"
+    dot = m > AUTO_FMA_ROWS if path == "auto" else path == "dot"
     cfg = dict(DEFAULT_DOT if dot else DEFAULT_FMA)
     block_n, num_warps = block_n or cfg["block_n"], num_warps or cfg["num_warps"]
     num_stages, programs_per_sm = num_stages or cfg["num_stages"], programs_per_sm or cfg["programs_per_sm"]

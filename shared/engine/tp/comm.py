@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective waiting this long on a missing rank fails (worker.py heartbeats idle time)
 MAX_BROADCAST_INTS = 1 << 24  # one broadcast's int64 count (128 MiB): a bound on a corrupt or hostile length
+MAX_BROADCAST_BYTES = 1 << 32  # one tensor broadcast (KV pages of an import): a bound on a corrupt length
 
 
 def free_tcp_init_method() -> str:
@@ -97,6 +98,21 @@ class TPGroup:
         buf = values.contiguous() if self.is_root and values is not None else torch.empty(n, dtype=torch.int64)
         if n:
             dist.broadcast(buf, src=0, group=self._plan_group)
+        return buf
+
+    def broadcast_bytes(self, values: torch.Tensor | None, numel: int) -> torch.Tensor:
+        """Rank 0 passes a 1-D uint8 tensor of `numel` bytes on this group's device (the others None); every rank
+        returns it on that device (the model's group: NCCL on a GPU, device to device)."""
+        if not 0 <= numel <= MAX_BROADCAST_BYTES:
+            raise ValueError(f"broadcast of {numel} bytes outside 0..{MAX_BROADCAST_BYTES}")
+        if self.is_root:
+            if values is None or values.dtype != torch.uint8 or values.dim() != 1 or values.numel() != numel:
+                raise ValueError(f"rank 0 broadcasts a 1-D uint8 tensor of {numel} bytes")
+            buf = values.to(self.device).contiguous()
+        else:
+            buf = torch.empty(numel, dtype=torch.uint8, device=self.device)
+        if numel:
+            dist.broadcast(buf, src=0)
         return buf
 
     def min_int(self, value: int) -> int:

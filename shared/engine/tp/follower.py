@@ -40,8 +40,9 @@ def engine_config_from_json(text: str):
         raise ValueError(f"engine config of {len(text)} bytes exceeds {MAX_CONFIG_BYTES}")
     values = json.loads(text)
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    if not isinstance(values, dict) or set(values) - names:
-        raise ValueError(f"engine config JSON must be an object over EngineConfig's fields, got {sorted(values)}")
+    unknown = sorted(set(values) - names) if isinstance(values, dict) else type(values).__name__
+    if unknown:
+        raise ValueError(f"engine config JSON must be an object over EngineConfig's fields, got {unknown}")
     cfg = EngineConfig(**values)
     cfg.validate()
     return cfg
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     mc = parse_model_config(cfg.model_dir)
     runner = ModelRunner(cfg, mc, tp=RankShard(group, make_layout(mc, args.world)))
     log.info("rank %d of %d ready on %s (%d KV pages)", args.rank, args.world, device, runner.num_pages)
-    steps = follow(runner.model, runner.kv_cache, runner.backend, group, cfg.page_size)
+    heads = runner.tp.rank.kv_heads if runner.tp is not None else ()
+    steps = follow(runner.model, runner.kv_cache, runner.backend, group, cfg.page_size, heads)
     log.info("rank %d: shutdown after %d steps", args.rank, steps)
     group.close()
     return 0

@@ -127,6 +127,7 @@ class RankSupervisor:
             with contextlib.suppress(Exception):
                 h.flush()
         self._kill_followers()
+        shutil.rmtree(self._workdir, ignore_errors=True)
         os._exit(FATAL_EXIT_CODE)
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -146,6 +147,9 @@ class RankSupervisor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, deadline - time.monotonic()))
         self._kill_followers()
+        if self.group is not None:  # one TP group per process: a later instance in this process may form its own
+            with contextlib.suppress(Exception):
+                self.group.close()
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     # ---- threads ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ rows, and the hidden-state rows whose logits are computed (every rank joins the 
     [LOGITS, rows...]          logits of these rows of the last step's hidden states (every rank joins the gather;
                                an engine step may compute several such blocks: prompt logprobs, sampled rows)
     [COPY, n, src(n), dst(n)]  copy whole KV pages (a fork's copy-on-write of its prompt's last page)
+    [SCATTER, ...]             imported KV pages of every head, then their bytes (`page_import`): each rank
+                               writes its own heads
 
 Failure: a collective with a dead rank fails (gloo: at once when the peer's connection closes, otherwise after the
 group's timeout); the runtime lets that error end the process. `exit_with_parent` ends a rank whose parent (the
@@ -32,6 +34,7 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import CausalLM
 from pdserve.engine.tp.comm import TPGroup
+from pdserve.engine.tp.page_import import SCATTER, local_heads, receive_scatter
 
 log = logging.getLogger("pdserve.engine.tp")
 
@@ -175,9 +178,12 @@ class PlanLeader:
         self.group.broadcast_ints(torch.tensor([SHUTDOWN], dtype=torch.int64))
 
 
-def follow(model: CausalLM, cache: KVCache, backend, group: TPGroup, page_size: int) -> int:
+def follow(
+    model: CausalLM, cache: KVCache, backend, group: TPGroup, page_size: int, kv_heads: tuple[int, ...] = ()
+) -> int:
     """A rank > 0's loop: run each broadcast plan until SHUTDOWN; returns the steps run. A failed collective
-    (a rank died, or rank 0 sent nothing within the group timeout) raises."""
+    (a rank died, or rank 0 sent nothing within the group timeout) raises. `kv_heads`: the global KV head of each
+    of this rank's pool heads (imported pages keep those)."""
     if group.is_root:
         raise ValueError("follow runs on ranks > 0")
     steps = 0
@@ -196,6 +202,15 @@ def follow(model: CausalLM, cache: KVCache, backend, group: TPGroup, page_size: 
             continue
         if kind == COPY:
             cache.copy_pages(*decode_copy(msg, cache.num_pages))
+            continue
+        if kind == SCATTER:
+            if not kv_heads:
+                raise ValueError("SCATTER message for a rank that was not told its KV heads")
+            pages, data, scales, zeros, g, span = receive_scatter(group, msg, cache.num_pages)
+            heads = torch.tensor(kv_heads, dtype=torch.long)
+            mine = [local_heads(t, heads) for t in (data, scales, zeros)]
+            assert mine[0] is not None
+            cache.scatter_pages(pages, mine[0], mine[1], mine[2], g, span)
             continue
         plan = StepPlan.decode(msg, model.config.vocab_size, cache.num_pages)
         hidden = forward_plan(model, cache, backend, plan, page_size)

@@ -27,6 +27,7 @@ import torch
 
 from pdserve.errors import CorruptPage
 from pdserve.kv.transfer.base import ExportedPages, KVReceiver, KVSender
+from pdserve.kv.transfer.device_copy import copy_to_device
 from pdserve.kv.transfer.handshake import CUDA_IPC
 from pdserve.v1 import internal_pb2, kv_pb2
 
@@ -67,6 +68,7 @@ class CudaIpcCopier(DeviceCopier):
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._fetch_stream: torch.cuda.Stream | None = None  # receiver copies (`device_copy`): one stream's blocks
 
     def register(self, nbytes: int) -> tuple[torch.Tensor, kv_pb2.KVIpcBuffer]:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -116,12 +118,9 @@ class CudaIpcCopier(DeviceCopier):
         return t
 
     def fetch(self, region: torch.Tensor) -> torch.Tensor:
-        dst = torch.empty(region.shape, dtype=torch.uint8, device=self.device)  # engine stream's pool
-        stream = torch.cuda.Stream(device=self.device)
-        with torch.cuda.stream(stream):
-            dst.copy_(region, non_blocking=True)
-        stream.synchronize()
-        return dst
+        if self._fetch_stream is None:  # made on first use (a CPU test builds this copier only to be refused)
+            self._fetch_stream = torch.cuda.Stream(device=self.device)
+        return copy_to_device(region, self.device, self._fetch_stream)  # never the engine stream's blocks
 
 
 class ShmCopier(DeviceCopier):

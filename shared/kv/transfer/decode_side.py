@@ -62,6 +62,8 @@ class DecodeConnector:
         self.loads = PeerLoads(budget)  # per prefill instance: tokens awaited, arrival rate (the page timeout)
         self.offer = make_offer(cfg.kv_transport, device)
         self.buffers = IpcBufferCache(copier_for(device))  # prefill staging buffers, opened once each
+        # grpc batches' host -> device copies: one side stream, so its cached blocks stay few (`device_copy`)
+        self.copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.copy_pool = (
             ThreadPoolExecutor(cfg.kv_copy_threads, thread_name_prefix="kv-copy") if cfg.kv_copy_threads else None
         )
@@ -86,6 +88,7 @@ class DecodeConnector:
             rx = IpcReceiver(*args, import_rows, buffers=self.buffers, buffer_id=buffer_id)
         else:
             rx = GrpcReceiver(*args, import_rows)
+            rx.copy_stream = self.copy_stream
         rx.pool = self.copy_pool  # batches checked and copied while the stream's reader takes the next
         return rx
 

@@ -25,6 +25,7 @@ import torch
 from pdserve.errors import CorruptPage
 from pdserve.kv.bytes_out import copy_into, tensor_view
 from pdserve.kv.transfer.base import ExportedPages, KVReceiver, KVSender
+from pdserve.kv.transfer.device_copy import copy_to_device
 from pdserve.kv.transfer.handshake import GRPC
 from pdserve.kv.transfer.layers import LayerRange
 from pdserve.kv.transfer.wire import batch_message_bytes, verify_header
@@ -98,6 +99,7 @@ class GrpcSender(KVSender):
 
 class GrpcReceiver(KVReceiver):
     transport = GRPC
+    copy_stream: torch.cuda.Stream | None = None  # the host -> device copies' side stream (the connector's)
 
     def _fetch(self, header: kv_pb2.KVBatchHeader, source: Any) -> torch.Tensor:
         if not isinstance(source, memoryview):
@@ -111,9 +113,6 @@ class GrpcReceiver(KVReceiver):
         # memcpys on the pool's threads run side by side (docs/benchmarks.md, KV transfer paths).
         host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)  # torch's pinned cache reuses blocks
         copy_into(host, source)
-        dst = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
-        stream = torch.cuda.Stream(device=self.device)
-        with torch.cuda.stream(stream):
-            dst.copy_(host, non_blocking=True)
-        stream.synchronize()
-        return dst
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device=self.device)
+        return copy_to_device(host, self.device, self.copy_stream)  # never the engine stream's blocks

@@ -61,7 +61,7 @@ def test_gateway_rejects_before_calling_the_router(scripted):
     servicer, client = scripted
     before = len(servicer.metadata)
     cases = [
-        dict(n=2),
+        dict(n=17),  # beyond MAX_N (n itself is served)
         dict(logprobs=21),
         dict(logprobs=-1),
         dict(echo="yes"),

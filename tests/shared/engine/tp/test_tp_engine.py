@@ -36,6 +36,8 @@ def test_logits_and_copy_messages_round_trip_and_refuse_bad_ones():
 def test_follower_config_json_refuses_unknown_fields():
     with pytest.raises(ValueError, match="EngineConfig's fields"):
         engine_config_from_json('{"model_dir": "x", "evil": 1}')
+    with pytest.raises(ValueError, match="EngineConfig's fields, got int"):
+        engine_config_from_json("7")
     with pytest.raises(ValueError, match="tensor_parallel_size must be in"):
         engine_config_from_json('{"model_dir": "x", "tensor_parallel_size": 0}')
 
@@ -85,3 +87,43 @@ def test_a_tp_size_the_model_cannot_split_fails_before_any_rank_starts(model_dir
     with pytest.raises(ValueError, match="num_attention_heads 6 is not divisible by tensor_parallel_size 4"):
         LLMEngine(cfg)
     assert psutil.Process().children() == before
+
+
+def prefill_batches(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[list, int]:
+    """A prefill-only request's exported page batches (the engine's pool layout) and its first token."""
+    engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=8, temperature=0.0), prefill_only=True))
+    batches, first = [], None
+    while first is None:
+        for o in engine.step():
+            if o.ready_pages:
+                batches.append(engine.export_batch(rid, o.ready_pages, engine.pool_layout))
+            if o.finished:
+                first = o.new_token_ids[0]
+    engine.release(rid)
+    return batches, first
+
+
+def decode_imported(engine: LLMEngine, rid: str, prompt: list[int], batches: list, first: int) -> list[int]:
+    engine.begin_import(rid, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for b in batches:
+        engine.import_batch(rid, b.page_indexes, b.num_tokens, b.rows, engine.pool_layout)
+    engine.finish_import(rid, first)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_tp3_decode_imports_a_tp1_prefills_quantized_pages(model_dir, kv_dtype):
+    """Pages of both KV heads (int8 / fp8 with scales) from a TP=1 prefill: each of 3 ranks keeps the heads it holds
+    ([0, 0], [0, 1], [1, 1]); the decoded tokens equal a TP=1 decode's of the same pages."""
+    common = dict(model_dir=str(model_dir), device="cpu", kv_dtype=kv_dtype, page_size=4, chunk_size=8, num_pages=32)
+    prompt = PROMPTS[2]
+    prefill = LLMEngine(EngineConfig(**common))
+    batches, first = prefill_batches(prefill, "p", prompt)
+    want = decode_imported(LLMEngine(EngineConfig(**common)), "d", prompt, batches, first)
+    engine = LLMEngine(EngineConfig(**common, tensor_parallel_size=3))
+    assert decode_imported(engine, "d", prompt, batches, first) == want
+    assert engine.runner._supervisor is not None
+    engine.runner._supervisor.stop()
