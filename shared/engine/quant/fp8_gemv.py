@@ -34,8 +34,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_M = 16  # rows one program multiplies (the tensor-core tile's M); Fp8Linear routes larger batches elsewhere
 FMA_MAX_ROWS = 4  # the CUDA-core path ("fma") takes at most this many rows
-# "auto" takes the tensor-core path at every M: on an H200 (bench/fp8_weights.py, bb19ff5) the 8B layer at M = 1
-# read its weights at 2.02 TB/s through it, against 0.68-1.17 TB/s for every CUDA-core configuration swept
+# "auto" takes the tensor-core path at every M: it keeps more weight bytes in flight per SM than the CUDA-core path,
+# whose float32 products are register-bound at the tile widths that would hide the load latency
 AUTO_FMA_ROWS = 0
 GROUP = 128  # columns of one block-scale group
 K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals

@@ -119,9 +119,10 @@ class Fp8Linear(nn.Module):
         return block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, scale_rows=self.block[0])
 
     def _cublas_block_shape(self, m: int) -> bool:
-        """Whether cuBLAS's block-scaled `_scaled_mm` takes this layer at `m` tokens. Measured on an H200 (torch
-        2.11): right at N/128 and K/128 multiples of 4 with M a multiple of 16; refused at M = 17; silently wrong at
-        N = 384, K = 256 (3 x 2 scale blocks). Other shapes take the Triton block GEMM."""
+        """Whether cuBLAS's block-scaled `_scaled_mm` takes this layer at `m` tokens: only where both scale grids have
+        whole groups of 4 blocks and M whole tiles of 16, the shapes its kernels cover; outside them it refuses some
+        shapes and returns wrong products for others without an error (the GPU tests check both sides), so every
+        other shape takes the Triton block GEMM."""
         from pdserve.engine.quant.fp8_block_gemm import SCALE_BLOCK
 
         n_blocks, k_blocks = self.out_features // SCALE_BLOCK, self.in_features // SCALE_BLOCK

@@ -109,7 +109,7 @@ class GrpcReceiver(KVReceiver):
         if self.device.type != "cuda":
             return rows
         # Into pinned memory first (one memcpy outside the GIL), then one DMA: a copy from the received (pageable)
-        # bytes ran at 7.7 GB/s on the H200 host and pageable copies queue behind one another in the driver, while
+        # bytes goes through the driver's staging buffer, and pageable copies queue behind one another there, while
         # memcpys on the pool's threads run side by side (docs/benchmarks.md, KV transfer paths).
         host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)  # torch's pinned cache reuses blocks
         copy_into(host, source)
