@@ -1,19 +1,22 @@
 """KV stream vs raw gRPC stream on loopback, one process pair, same bytes (issue 32 item 6): how close the `grpc`
 KV transport comes to the wire's speed without an engine in the way.
 
-    python bench/kv_loopback.py [--mb 138] [--rounds 3] [--kv-layer-group 4] [--device cpu|cuda]   # prints, JSON
+    python bench/kv_loopback.py [--tokens 2048] [--rounds 5] [--kv-layer-group 4] [--device cpu|cuda]   # prints, JSON
 
 A child process serves two streams: `Pull` (bytes messages of `--kv-batch-mb`, what `gpu_serving.py --part raw`
 measures) and `KV` (the Prefill stream's KV part: `pdserve.kv.transfer`'s prefill connector ships the pages of one
 2k-token request of the 8B layout, int8, in layer groups as the served prefill does, answering decode's acks).
 This process reads both: raw messages counted; KV messages through decode's connector (parse, checks, CRC32C, the
 copy to `--device`, acks) to PrefillDone and `finish`. Rounds alternate raw and KV; the medians and their ratio
-(`kv_loop_ratio`, the target is >= 0.7) are reported. `bench/gpu_serving.py --part loop` runs it on the GPU host.
+(`kv_loop_ratio`, the target is >= 0.7) are reported, and the CPU seconds both processes spent per GB moved in each
+kind of round (`loop_*_cpu_s_per_gb`: steadier than the wall time on a shared host). `bench/gpu_serving.py --part
+loop` runs it on the GPU host.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -78,6 +81,17 @@ def start_load(on: bool) -> threading.Event:
     return stop
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) of this process and process `pid` together: what a round costs the
+    host, which on a loaded host says more than its wall time (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        child = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return time.process_time() + child
+
+
 def serve(port_file: str, args) -> None:
     """Child: the raw stream and prefill's end of the KV stream."""
     from pdserve.kv.transfer import ExportedPages, for_prefill
@@ -98,6 +112,8 @@ def serve(port_file: str, args) -> None:
     def kv(request_iterator, context):
         req = next(request_iterator).request
         tx = connector.open(req.request_id, num_pages, layout(), req.kv_transport, req.kv_layer_groups)
+        if args.kv_ramp >= 0:
+            tx.sender.ramp = args.kv_ramp  # type: ignore[attr-defined]  # GrpcSender's (kv_transport is grpc here)
         yield tx.choice
         tx.listen(request_iterator)
         pages = list(range(num_pages))
@@ -143,11 +159,12 @@ def measure(args, workdir: Path) -> dict:
     port_file.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--serve", str(port_file), "--device", args.device, "--tokens", str(args.tokens)]
     cmd += ["--kv-batch-mb", str(args.kv_batch_mb), "--kv-layer-group", str(args.kv_layer_group)]
-    cmd += ["--engine-load"] if args.engine_load else []
+    cmd += ["--kv-ramp", str(args.kv_ramp)] + (["--engine-load"] if args.engine_load else [])
     proc = subprocess.Popen(cmd)
     load = start_load(args.engine_load)
     dc = for_decode(settings(args), device, lay, "fp")
     raw_rates, kv_rates, wide_rates = [], [], []
+    raw_cpu, kv_cpu = [], []  # CPU seconds of both processes per GB moved
     try:
         while not port_file.exists():
             time.sleep(0.05)
@@ -193,10 +210,15 @@ def measure(args, workdir: Path) -> dict:
                     rx.close()
                 return rx.pages.bytes_received / (time.perf_counter() - t0) / 1e9
 
+            def timed(f, rates: list, cpu: list) -> None:
+                c0 = cpu_seconds(proc.pid)
+                rates.append(f())
+                cpu.append((cpu_seconds(proc.pid) - c0) / (total / 1e9))
+
             raw_round(), kv_round(-1)  # warm-up: connection, threads, allocations
             for i in range(args.rounds):
-                raw_rates.append(raw_round())
-                kv_rates.append(kv_round(i))
+                timed(raw_round, raw_rates, raw_cpu)
+                timed(lambda: kv_round(i), kv_rates, kv_cpu)
                 if args.raw_channels > 1:
                     wide_rates.append(wide_round())
     finally:
@@ -208,13 +230,17 @@ def measure(args, workdir: Path) -> dict:
         "loop_raw_grpc_gbps": raw,
         "loop_kv_gbps": kvr,
         "kv_loop_ratio": kvr / raw,
+        "loop_raw_cpu_s_per_gb": statistics.median(raw_cpu),
+        "loop_kv_cpu_s_per_gb": statistics.median(kv_cpu),
         "loop_raw_all": raw_rates,
         "loop_kv_all": kv_rates,
+        "loop_kv_cpu_all": kv_cpu,
         "loop_request_mb": total / 2**20,
         "loop_kv_batch_mb": args.kv_batch_mb,
         "loop_kv_layer_group": args.kv_layer_group,
         "loop_device": args.device,
         "loop_engine_load": args.engine_load,
+        "loop_kv_ramp": args.kv_ramp,
         **({f"loop_raw_grpc_gbps_{args.raw_channels}ch": statistics.median(wide_rates)} if wide_rates else {}),
     }
 
@@ -233,6 +259,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens of a request (whole pages)")
     ap.add_argument("--kv-batch-mb", type=float, default=8.0, help="KV batch bound; the raw messages' size")
     ap.add_argument("--kv-layer-group", type=int, default=4, help="layers per shipment (0: whole pages)")
+    ap.add_argument("--kv-ramp", type=int, default=-1, help="sender ramp steps (-1: default)")
     ap.add_argument("--engine-load", action="store_true", help="a GIL-holding thread in both processes, as engines")
     ap.add_argument("--raw-channels", type=int, default=1, help="also time raw over this many connections at once")
     ap.add_argument("--rounds", type=int, default=5)
@@ -251,7 +278,8 @@ def main() -> None:
     print(
         f"raw {got['loop_raw_grpc_gbps']:.2f} GB/s, kv {got['loop_kv_gbps']:.2f} GB/s, "
         f"ratio {got['kv_loop_ratio']:.2f} ({got['loop_request_mb']:.0f} MiB requests, {args.device}"
-        f"{', engine load' if args.engine_load else ''})"
+        f"{', engine load' if args.engine_load else ''}); CPU s/GB of both processes: raw "
+        f"{got['loop_raw_cpu_s_per_gb']:.2f}, kv {got['loop_kv_cpu_s_per_gb']:.2f}"
     )
     wide = got.get(f"loop_raw_grpc_gbps_{args.raw_channels}ch")
     if wide is not None:

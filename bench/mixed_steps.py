@@ -4,8 +4,12 @@ prefill step of P tokens; and the prefill capacity beside decoding that gives (w
 in Stats: P / mixed step) against the schedule it replaced (a prefill step, then a decode step: P / (prefill +
 decode)). The mixed step's time is also the TPOT of the running sequences while prompts are prefilled.
 
-    python bench/mixed_steps.py [--model DIR] [--layers 32] [--batches 8,32,64] [--prefill 128,256,448,512]
+    python bench/mixed_steps.py [--model DIR] [--layers 32] [--batches 16,48] [--prefill 512,1024,2048,4096]
         [--context 2048] [--kv-dtype int8] [--json /tmp/mixed_steps.json]
+
+Then what a colocated instance with the auto step budget does at start-up (`pdserve.decode.step_budget`): its
+measurement of mixed steps at the --prefill sizes beside 16 short decoding requests, the fixed cost fitted to them
+and the prefill tokens per step it chooses, with the prefill capacity it reports until it measured its own.
 
 Engine as a colocated instance serves it (bf16, FA3, fused kernels, decode CUDA graphs, page 16) with a step token
 budget large enough that a step takes all P tokens beside its D decode rows, and overlapped decode off (each
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 from benchutil import Table, log, submit
 
+from pdserve.decode.step_budget import choose_prefill_tokens, fixed_cost_ms, measure_step_costs
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -69,8 +74,8 @@ def main() -> int:
     ap.add_argument("--model", default="", help="a model directory (default: a random 8B-shaped checkpoint)")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pdserve-one-gpu"))
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--batches", default="8,32,64", help="decode batch sizes D")
-    ap.add_argument("--prefill", default="128,256,448,512", help="prefill tokens P of a step")
+    ap.add_argument("--batches", default="16,48", help="decode batch sizes D")
+    ap.add_argument("--prefill", default="512,1024,2048,4096", help="prefill tokens P of a step")
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens of each decoding sequence")
     ap.add_argument("--kv-dtype", default="int8")
     ap.add_argument("--reps", type=int, default=10)
@@ -95,7 +100,8 @@ def main() -> int:
     pure_prefill = {p: prefill_step_ms(e, p, args.reps, g) for p in sizes}
     for p, ms in pure_prefill.items():
         table.row(f"prefill step P={p}", f"{ms:.2f} ms", f"{p / ms:.0f}k tokens/s alone")
-    sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    # decoding rows never finish during the measurement: as many tokens as the context leaves
+    sp = SamplingParams(max_tokens=e.max_model_len - args.context, temperature=0.0, ignore_eos=True)
     vocab, running = e.model_config.vocab_size, 0
     for d in batches:  # ascending: add sequences up to d, prefilled one at a time
         for i in range(running, d):
@@ -117,9 +123,22 @@ def main() -> int:
                 f"prefill capacity beside decoding {p / mixed:.1f}k tokens/s (alternating {p / alt:.1f}k); "
                 f"TPOT while prefilling {mixed:.1f} ms (alternating {alt:.1f} ms)",
             )
+    for i in range(running):  # the auto budget's measurement starts from an empty engine, as at start-up
+        e.abort(f"d{i}")
+    while e.has_unfinished_requests():
+        e.step()
+    costs = measure_step_costs(e, tuple(sizes))
+    chosen = choose_prefill_tokens(costs)
+    for p, ms in sorted(costs.mixed_ms.items()):
+        table.row(f"auto: mixed step D={costs.decode_rows} P={p}", f"{ms:.2f} ms",
+                  f"{costs.tokens_per_s(p) / 1e3:.1f}k tokens/s" + (" <- chosen" if p == chosen else ""))  # fmt: skip
+    table.row("auto: fixed cost (fit)", f"{fixed_cost_ms(costs):.2f} ms", f"decode step {costs.decode_ms:.2f} ms")
     table.print()
+    auto = dict(decode_rows=costs.decode_rows, decode_ms=costs.decode_ms, mixed_ms=costs.mixed_ms, chosen=chosen,
+                fixed_cost_ms=fixed_cost_ms(costs), prior_tokens_per_s=costs.tokens_per_s(chosen))  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1))
+        doc = {"device": torch.cuda.get_device_name(0), "rows": rows, "auto": auto}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
         log(f"wrote {args.json}")
     return 0
 

@@ -2,7 +2,7 @@
 loaded by `pdserve bench`, beside the in-process engine's figures of the same run and the goodput ceiling they imply.
 
     python bench/one_gpu.py [--part all] [--json docs/bench/one_gpu.json] [--mode-data shared/data/mode_choice.json]
-        [--commit SHA] [--rates 2,6,8,10,12] [--num-requests 48]
+        [--commit SHA] [--rates 2,6,8,10,12] [--num-requests 48] [--coloc-budgets auto,1024,2048,4096]
 
 Workload (`pdserve bench`'s SLO defaults, TTFT <= 350 ms and TPOT <= 15 ms for >= 90%): an 8B Llama-shaped random
 bf16 checkpoint (written once into --workdir), int8 KV, fresh 2048-token prompts -> exactly 128 tokens, Poisson
@@ -14,6 +14,10 @@ this order):
 - coloc, disagg: `pdserve up --colocated 1` / `pdserve up --disaggregated` on --gpus, each loaded over the rate
   sweep: goodput (`coloc_goodput_rps`, `disagg1_goodput_rps`) and TTFT p50 at 2 req/s; on the disaggregated
   stack first one request at a time (`t2t_ms_2k_ipc`: the second token; its KV transport, cuda-ipc on one GPU).
+  --coloc-budgets runs the colocated stack once per step size: `auto` (the default: chosen by the instance from its
+  measured step costs, `pdserve.decode.step_budget`; the only run that sets the `coloc_*` keys) or N (`--chunk-size
+  N --step-token-budget N+64`: N prefill tokens beside up to 64 decode rows); each run's sweep and the budget the
+  instance logged go in details (`coloc` for auto, `coloc_budget_N` for the others).
 - raw, grpc, cache: bench/gpu_serving.py's parts: the raw gRPC stream (`raw_grpc_gbps`); one stack with the KV
   transport forced to grpc (`t2t_ms_2k_grpc`, `kv_gbps_grpc`) whose prefill has no local cache tier and no pool
   prefixes, so a 90% prefix comes from Redis only (`ttft_ms_4k_cold`, `ttft_ms_4k_redis_first` / `_p50`), and the
@@ -206,15 +210,27 @@ def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, ca
     return keys, details
 
 
-def up_stack(model: Path, mode: str, workdir: Path, args, token: str) -> tuple[subprocess.Popen, Any, Stack]:
-    """`pdserve up` in `mode` on --gpus as a child process; its banner, and the stack as gpu_serving reads it."""
+def budget_flags(budget: str) -> list[str]:
+    """`pdserve up` engine flags of a colocated step size: none for auto, else N prefill tokens per step beside
+    every decode row (max_num_seqs 64), as auto sizes a step."""
+    if budget == "auto":
+        return []
+    n = int(budget)
+    return ["--chunk-size", str(n), "--step-token-budget", str(n + 64)]
+
+
+def up_stack(
+    model: Path, mode: str, workdir: Path, args, token: str, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, Any, Stack]:
+    """`pdserve up` in `mode` on --gpus as a child process (`extra`: more flags); its banner, and the stack as
+    gpu_serving reads it."""
     from pdserve.server.grpc_util import channel
     from pdserve.server.security import ChannelSecurity
     from pdserve.v1 import router_admin_pb2 as pb
     from pdserve.v1 import router_admin_pb2_grpc
 
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", "0", "--gateway-port", "-1",
-           "--metrics-port", "-1", "--gpus", args.gpus, "--drain-grace-s", "5", *MODES[mode]]  # fmt: skip
+           "--metrics-port", "-1", "--gpus", args.gpus, "--drain-grace-s", "5", *MODES[mode], *extra]  # fmt: skip
     env = {**os.environ, "PDSERVE_INTERNAL_TOKEN": token, "PDSERVE_CACHE_DIR": str(workdir / mode)}
     log(" ".join(cmd[2:]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -231,10 +247,15 @@ def up_stack(model: Path, mode: str, workdir: Path, args, token: str) -> tuple[s
     return proc, banner, stack
 
 
-def mode_part(model: Path, mode: str, workdir: Path, args, rng: torch.Generator) -> tuple[dict, dict]:
-    """One mode: `pdserve up`, (disagg on a GPU: one request's second token and KV GB/s first), the sweep."""
+def mode_part(
+    model: Path, mode: str, workdir: Path, args, rng: torch.Generator, budget: str = "auto"
+) -> tuple[dict, dict]:
+    """One mode: `pdserve up`, (disagg on a GPU: one request's second token and KV GB/s first), the sweep.
+    `budget` (colocated): the step size (`budget_flags`); a run at another than auto keeps its figures in details
+    only."""
     key = KEY[mode]
-    proc, banner, stack = up_stack(model, mode, workdir, args, new_token())
+    extra = tuple(budget_flags(budget)) if mode == "coloc" else ()
+    proc, banner, stack = up_stack(model, mode, workdir, args, new_token(), extra)
     out: dict[str, Any] = {}
     served: dict[str, Any] = {}  # the disaggregated stack's one-request figures (gpu_serving.served_ttft)
     try:
@@ -257,7 +278,30 @@ def mode_part(model: Path, mode: str, workdir: Path, args, rng: torch.Generator)
         log(f"{mode} rate {r['rate']}: SLO met {s['slo_attainment']:.0%}, TTFT p50 {s['ttft_ms']['p50']:.0f} ms, "
             f"TPOT p90 {s['tpot_ms']['p90']:.1f} ms, errors {s['errors']}")  # fmt: skip
     mode_line = next((ln.strip() for ln in banner.lines if "pdserve up: mode" in ln), "")
-    return out, {key: {"up_mode_line": mode_line, "sweep": rows, "slo": res["slo"], "served_2k": served}}
+    detail = {"up_mode_line": mode_line, "sweep": rows, "slo": res["slo"], "served_2k": served}
+    if mode == "coloc":
+        detail["step_budget"] = {"flags": " ".join(budget_flags(budget)) or "auto", "log": budget_line(banner.lines)}
+        if budget != "auto":
+            return {}, {f"coloc_budget_{budget}": {**detail, "goodput_rps": out[f"{key}_goodput_rps"]}}
+    return out, {key: detail}
+
+
+def budget_line(lines: list[str]) -> str:
+    """The colocated instance's step budget log line (`pdserve.decode.step_budget`) from `pdserve up`'s output
+    (the services log to it)."""
+    mark = "colocated step budget:"
+    return next((ln.split(mark, 1)[1].strip() for ln in list(lines) if mark in ln), "")
+
+
+def coloc_part(model: Path, workdir: Path, args, rng: torch.Generator) -> tuple[dict, dict]:
+    """The colocated mode at each of --coloc-budgets (one stack each, one after another)."""
+    keys: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for budget in args.coloc_budgets.split(","):
+        k, d = mode_part(model, "coloc", workdir, args, rng, budget.strip())
+        keys.update(k)
+        details.update(d)
+    return keys, details
 
 
 # ---- the summary: the ceiling, the mode data, default_mode ---------------------------------------------------
@@ -327,6 +371,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--gpus", default="0", help="`pdserve up --gpus` (none: CPU, a smoke run)")
     ap.add_argument("--rates", default="2,6,8,10,12")
+    ap.add_argument("--coloc-budgets", default="auto", help="colocated step sizes, comma-separated: auto and/or "
+                    "prefill tokens per step (each a stack of its own)")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--output-tokens", type=int, default=128)
@@ -367,7 +413,7 @@ def main() -> int:
     page_bytes = lambda: kv_page_bytes(Path(args.json))
     runs = {  # in PARTS' order
         "engine": lambda: in_child(engine_figures, model, args.seed),
-        "coloc": lambda: mode_part(model, "coloc", workdir, args, rng),
+        "coloc": lambda: coloc_part(model, workdir, args, rng),
         "disagg": lambda: mode_part(model, "disagg", workdir, args, rng),
         "raw": lambda: ({"raw_grpc_gbps": gs.raw_grpc(workdir)["raw_grpc_gbps"]}, {}),
         "grpc,cache": lambda: served_part(model, workdir, rng, "grpc" in parts, "cache" in parts, page_bytes()),

@@ -3,6 +3,8 @@ inter-token latency of a batch of 32 JSON-schema requests against 32 plain ones 
 
     python bench/structured.py --part cpu-fill [--batch 32] [--steps 60]
     python bench/structured.py --part structured [--json docs/bench/structured.json]   # one GPU, < 4 min
+    python bench/structured.py --part choices [--json docs/bench/structured.json]      # one GPU, ~6 min
+    python bench/structured.py --part choices,structured --json docs/bench/structured.json  # both keys' sets
 
 Tokenizer: a byte-level BPE with Llama-3's vocabulary size (128,256 tokens), so that a mask is as wide and the
 grammar's token checks as many as with a real model's: the shipped corpus's own BPE merges, then merges of a word
@@ -15,6 +17,13 @@ structured (GPU): Llama-3-8B-shaped random weights (load_format dummy), int8 KV,
 overlapped decode; 32 greedy requests of 256-token prompts decode, plain (ignore_eos) and then with SCHEMA; the ITL
 is the median wall time of an engine step over `--tokens` steps after 16 warm-up steps, while all 32 run (the
 time between two tokens of a request). The schema compiles once in a warm-up batch first (xgrammar caches it).
+
+choices (GPU, issue 34 item 3): bench/gpu_serving.py's `choices` part (router, prefill and decode processes on this
+GPU, 8B random bf16 checkpoint written once under `--workdir`): 8 fresh 2048-token prompts at once, 4 completions
+of 128 tokens each, as n = 4 (`n4_out_tok_s`) and as four separate requests (`n1x4_out_tok_s`), target >= 1.5x.
+It runs before `structured` when both are asked for: its processes are gone (their memory with them) before the
+in-process engine loads. Parts merge into `--json` (each part's provenance under `<part>_run`), so they may also
+run in separate calls.
 """
 
 from __future__ import annotations
@@ -246,26 +255,61 @@ def itl_section(table: Table, batch: int, tokens: int, mask_threads: int = 0) ->
     return res
 
 
+# ---- GPU: n = 4 against four separate requests, served -------------------------------------------------------
+def choices_section(table: Table, workdir: Path, layers: int = 32) -> dict[str, Any]:
+    """bench/gpu_serving.py's `choices` figures on a stack of this GPU (its 8B checkpoint written once in `workdir`)."""
+    import gpu_serving as gs
+    import torch
+
+    from pdserve.models.random_llama import write_random_llama
+
+    model = workdir / f"llama8b-{layers}l"
+    if not (model / "model.safetensors.index.json").exists():
+        t0 = time.perf_counter()
+        write_random_llama(model, layers, device="cuda:0")
+        log(f"random 8B checkpoint written in {time.perf_counter() - t0:.1f}s")
+    stack = gs.start(model, workdir / "choices", "auto", {})
+    try:
+        got = gs.choices_figures(stack, torch.Generator().manual_seed(int(time.time())))
+    finally:
+        stack.stop()
+    table.row("n=4 / 4 x n=1 output", f"{got['n4_out_tok_s']:.0f} / {got['n1x4_out_tok_s']:.0f} tok/s",
+              f"{got['n4_speedup']:.2f}x, target >= 1.5")  # fmt: skip
+    return {"device": torch.cuda.get_device_name(), **got}
+
+
+PARTS = ("cpu-fill", "choices", "structured")  # the order they run in
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["cpu-fill", "structured"], required=True)
+    ap.add_argument("--part", required=True, help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--tokens", type=int, default=96, help="decode tokens per request (structured part)")
     ap.add_argument("--mask-threads", type=int, default=0, help="xgrammar threads (0: the engine's default)")
+    ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pdserve-gpu-serving"), help="choices")
+    ap.add_argument("--commit", default="", help="commit measured (a device copy of the tree may lack git)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    table = Table()
-    if args.part == "cpu-fill":
-        res = cpu_fill(table, args.batch, args.steps)
-    else:
-        res = itl_section(table, args.batch, args.tokens, args.mask_threads)
-    table.print()
-    if args.json:
-        merge_json(args.json, {**provenance(device=res.pop("device", "")), **res})
-    else:
-        json.dump(res, sys.stdout, indent=1)
-        print()
+    parts = args.part.split(",")
+    if not parts or any(p not in PARTS for p in parts):
+        ap.error(f"--part: comma-separated names of {', '.join(PARTS)}, got {args.part!r}")
+    for part in (p for p in PARTS if p in parts):
+        table = Table()
+        if part == "cpu-fill":
+            res = cpu_fill(table, args.batch, args.steps)
+        elif part == "choices":
+            res = choices_section(table, Path(args.workdir))
+        else:
+            res = itl_section(table, args.batch, args.tokens, args.mask_threads)
+        table.print()
+        if args.json:
+            run = provenance(args.commit, device=res.pop("device", ""))
+            merge_json(args.json, {**run, **res, f"{part}_run": run})
+        else:
+            json.dump(res, sys.stdout, indent=1)
+            print()
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 It serves the Decode service: `Decode.Generate` without a prefill target. Instead of importing KV pages from a
 prefill instance, the engine computes the prompt itself, in the same steps as it decodes (`pdserve.engine.scheduler`:
 every step decodes each running sequence and prefills chunks of one or more prompts within `--step-token-budget`
-tokens, default `--chunk-size`; a long prompt delays the others' next token by about one such step, and a short
-prompt arriving beside a long one is prefilled in the next step). The prompt cache works as on a prefill instance:
-the longest cached prefix of full pages is loaded instead of computed, and the newly computed full pages are
-written back after the first token. `Stats` reports the KV pool and the prefill capacity measured on those mixed
-steps (`PrefillRateMeter`), which the router's admission uses to predict a request's TTFT. A failover resume
-(`resumed_tokens`) re-prefills prompt + generated tokens.
+tokens; a long prompt delays the others' next token by about one such step, and a short prompt arriving beside a
+long one is prefilled in the next step). The step sizes default to auto (`pdserve.decode.step_budget`): on a GPU
+chosen at start-up from the engine's measured mixed-step times, on CPU `--chunk-size`. The prompt cache works as on
+a prefill instance: the longest cached prefix of full pages is loaded instead of computed, and the newly computed
+full pages are written back after the first token. `Stats` reports the KV pool and the prefill capacity of those
+mixed steps (`PrefillRateMeter`: measured online, the start-up measurement until then), which the router's
+admission uses to predict a request's TTFT. A failover resume (`resumed_tokens`) re-prefills prompt + generated
+tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prefix_policy import PrefixPlan, PrefixPolicy
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.decode.colocated_config import ColocatedConfig
+from pdserve.decode.step_budget import AUTO, resolve_step_budget
 from pdserve.decode.token_stream import ActiveCalls, StreamEnd, generate_call, relay
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
@@ -47,11 +50,14 @@ class PrefillRateMeter:
     achieve (`full`): a lightly loaded instance prefills small prompts in small steps, whose rate (`any`) understates
     what it could do, so that one counts only until a full step was measured. On CUDA a step without a sampled
     token returns before the device finished it; the meter waits for the device after a step that prefilled, so
-    the time counted is that step's and not the next one's."""
+    the time counted is that step's and not the next one's. `prior`: the capacity measured at start-up
+    (`pdserve.decode.step_budget`), reported until a full step was measured (it stands above the small steps' rate,
+    which understates capacity)."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, prior: float | None = None):
         self.full = WorkRate()  # steps whose prefill rows took >= half the step's prefill budget
         self.any = WorkRate()  # every step that prefilled
+        self.prior = prior
         self._device = engine.runner.device
 
     def __call__(self, engine: LLMEngine, start_ns: int, end_ns: int) -> None:
@@ -70,7 +76,7 @@ class PrefillRateMeter:
 
     def rate(self) -> float | None:
         """Prompt tokens per second of prefill capacity beside decoding (None until measured)."""
-        return self.full.rate() or self.any.rate()
+        return self.full.rate() or self.prior or self.any.rate()
 
 
 class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
@@ -80,7 +86,9 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         loop: EngineLoop,
         telemetry: Telemetry | None = None,
         cache: PromptCache | None = None,
+        prior_tokens_per_s: float | None = None,
     ):
+        """`prior_tokens_per_s`: the prefill capacity beside decoding measured at start-up (None: not measured)."""
         self.cfg = cfg
         self.loop = loop
         self.cache = cache
@@ -93,7 +101,7 @@ class ColocatedServicer(internal_pb2_grpc.DecodeServicer):
         self.namespace = CacheNamespace(self.fingerprint, self.layout)
         # the prompt cache's prefixes, as on a prefill instance (the pool keeps no prefixes of its own here)
         self.prefix = PrefixPolicy(cache, self.page_size, pool_reuse=False)
-        self.meter = PrefillRateMeter(engine)
+        self.meter = PrefillRateMeter(engine, prior_tokens_per_s)
         loop.step_listener = self.meter
         self.active = ActiveCalls()
 
@@ -186,13 +194,16 @@ def serve(cfg: ColocatedConfig) -> None:
 
     service = internal_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
     loop = build_engine(cfg)  # its pool stores --kv-dtype (the prompt cache pages' format too)
+    prior = None
+    if cfg.engine.step_token_budget == AUTO:  # after the warm-up: the timed steps compile nothing but their shapes
+        prior = loop.call(lambda e: resolve_step_budget(e, measure=cfg.warmup)).prior_tokens_per_s
     cache = build_prompt_cache(cfg)
 
     def register(server, telemetry):
         watch_engine(telemetry.metrics, loop)
         if cache is not None:
             watch_prompt_cache(telemetry.metrics, cache)
-        servicer = ColocatedServicer(cfg, loop, telemetry, cache)
+        servicer = ColocatedServicer(cfg, loop, telemetry, cache, prior)
         internal_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
         def cleanup() -> None:

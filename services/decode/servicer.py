@@ -29,6 +29,7 @@ from pdserve.decode.token_stream import (
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import InvalidRequest, PdserveError, PeerUnavailable, TransferError
 from pdserve.kv.transfer import IncomingTransfer, for_decode
+from pdserve.kv.transfer.handshake import ShardLayout
 from pdserve.kv.transfer.layers import LayerRange
 from pdserve.server.grpc_util import remaining
 from pdserve.server.instance_stats import instance_stats
@@ -69,7 +70,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.max_model_len: int = engine.model_config.max_position_embeddings
         self.layout = engine.pool_layout  # what this instance asks prefill instances to ship
         self.prefill = PrefillChannels(ServiceSecurity.of(cfg).channel())
-        self.kv = for_decode(cfg, engine.runner.device, self.layout, self.fingerprint)
+        self.kv = for_decode(cfg, engine.runner.device, self.layout, self.fingerprint, ShardLayout.of(engine.runner))
         self.active = ActiveCalls()
 
     def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):

@@ -83,6 +83,7 @@ def decode_response(
                 completion_tokens=out.num_completion_tokens,
             )
         )
+        msg.unreturned_tokens = out.unreturned_tokens
     return msg
 
 

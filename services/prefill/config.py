@@ -5,6 +5,12 @@ shipped (each request carries it; prefill computes in full precision and quantiz
 can serve decode instances of several formats. The flag decides what prefill prepares: the warm-up's export and
 import format and, with `--batch-invariant`, what its own pool stores. A request whose layout differs is served
 and logged once per format (`pdserve.prefill.kv_format.ShipFormatCheck`).
+
+`--tensor-parallel-size N`: this process is rank 0 (gRPC server, scheduler) and starts ranks 1..N-1; each rank
+computes and quantizes its own KV heads, rank 0 assembles pages of every head (`pdserve.engine.tp.page_export`) and
+ships them as a TP=1 prefill would, so a decode instance at any TP size takes them (each of its ranks keeps its own
+heads) and the prompt cache's pages do not depend on N. Pages ship by whole chunks (`--kv-layer-group` is off: a
+layer group would leave mid-forward while the other ranks compute).
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ from pdserve.cache.write_behind import WriteBehind
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.tp.layout import make_layout
 from pdserve.errors import InvalidRequest, TransportUnusable
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import OutgoingTransfer, for_prefill
+from pdserve.kv.transfer.handshake import ShardLayout
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.kv_format import ShipFormatCheck
 from pdserve.prefill.prefill_call import PrefillCall
@@ -70,7 +72,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         # the store's pages race the compute: the engine loads those that land before it reaches them
         race = cfg.fetch_race_device(engine.runner.device)
         self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind, race)
-        self.kv = for_prefill(cfg, engine.runner.device, self.fingerprint, release=loop.release)
+        self.shards = ShardLayout.of(engine.runner)  # its KV heads over its TP ranks (the choice tells decode)
+        self.kv = for_prefill(cfg, engine.runner.device, self.fingerprint, release=loop.release, shards=self.shards)
         self.prefill_rate = WorkRate()  # prompt tokens per busy second of the engine (Stats; cache decisions)
         self.ship_format = ShipFormatCheck(cfg.engine.kv_dtype, cfg.engine.batch_invariant)
 
@@ -89,6 +92,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 "pdserve.request_id": req.request_id,
                 "pdserve.prompt_tokens": len(prompt),
                 "pdserve.kv.dtype": layout.dtype,
+                "pdserve.kv.tp": f"{self.shards.tp_size}->{self._decode_tp(req)}",  # prefill's TP -> decode's
             }
         )
         ns = CacheNamespace(self.fingerprint, layout, req.cache_scope)  # the router's scope: tenant or shared
@@ -160,7 +164,32 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"KV layout mismatch: decode wants (page, layers, kv_heads, head_dim)={got}, prefill has {expect}",
             )
+        why = self._split_problem(req)
+        if why:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"decode's tensor-parallel KV layout: {why}")
         return layout
+
+    def _split_problem(self, req: internal_pb2.PrefillRequest) -> str:
+        """Why decode's split of the KV heads over its ranks is not this model's at its TP size ("" when it is,
+        or when decode predates tensor parallelism). Pages ship with every head whatever the split: a wrong one
+        means another model or a broken peer, never a layout to convert."""
+        if not (req.HasField("kv_transport") and req.kv_transport.HasField("shards")):
+            return ""
+        kvh = self.model_config.num_kv_heads
+        peer = ShardLayout.from_proto(req.kv_transport.shards, kvh)
+        why = peer.problem(kvh)
+        if why:
+            return why
+        try:
+            want = make_layout(self.model_config, peer.tp_size).kv_per_rank
+        except ValueError as e:
+            return f"decode runs {peer}, which this model cannot be split into ({e})"
+        return "" if want == peer.kv_heads_per_rank else f"decode runs {peer}, this model splits into {want} per rank"
+
+    @staticmethod
+    def _decode_tp(req: internal_pb2.PrefillRequest) -> int:
+        """Decode's TP size, from its offer (1 for a decode that predates tensor parallelism)."""
+        return req.kv_transport.shards.tensor_parallel_size or 1
 
     def _open_transfer(
         self, req: internal_pb2.PrefillRequest, prompt_tokens: int, layout: KVLayoutSpec, context

@@ -13,17 +13,36 @@ from pdserve.v1 import generate_pb2, internal_pb2
 
 
 @dataclass
+class ChoiceProgress:
+    """What the caller has been sent of one choice (n > 1: each resumes on its own, `choice_resume`)."""
+
+    tokens: list[int] = field(default_factory=list)
+    chars: int = 0
+    finished: bool = False
+
+
+@dataclass
 class Progress:
     """What the caller has been sent, over every attempt of one request."""
 
     t0: float  # perf_counter at the request's arrival
-    tokens: list[int] = field(default_factory=list)  # token ids streamed (a resume re-sends them as prompt)
+    tokens: list[int] = field(default_factory=list)  # token ids streamed, every choice's (n = 1: a resume's prompt)
     chars: int = 0  # characters of text streamed
     ttft_ms: float | None = None
     finish: str = "abort"  # FinishReason name once the final chunk went out
+    choices: dict[int, ChoiceProgress] = field(default_factory=dict)  # by DecodeResponse.index
+    unreturned_tokens: int = 0  # best_of > n: completion tokens of the candidates not returned (usage counts them)
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1e3
+
+    def delivered(self) -> bool:
+        """The caller got something a retry from scratch would send again (a token, or a choice's end)."""
+        return bool(self.tokens) or any(c.finished for c in self.choices.values())
+
+    def forget(self) -> None:
+        """A retry from scratch of output the caller has not seen (best_of > n, held until the attempt ends)."""
+        self.tokens, self.chars, self.choices, self.unreturned_tokens = [], 0, {}, 0
 
 
 @dataclass
@@ -75,11 +94,16 @@ def relay(
             out.timing.ttft_ms = now_ms
         progress.tokens.extend(msg.token_ids)
         progress.chars += len(msg.text)
+        choice = progress.choices.setdefault(msg.index, ChoiceProgress())
+        choice.tokens.extend(msg.token_ids)
+        choice.chars += len(msg.text)
         if msg.finish_reason == generate_pb2.FINISH_REASON_ABORT:
             if msg.token_ids or msg.text:  # what came with it is the caller's; the resume continues after it
                 yield out
             raise AttemptAborted("decode ended the stream with finish reason ABORT (request dropped by its engine)")
         if msg.finish_reason:
+            choice.finished = True
+            progress.unreturned_tokens += msg.unreturned_tokens
             progress.finish = generate_pb2.FinishReason.Name(msg.finish_reason)
             out.finish_reason = msg.finish_reason
             out.stop_reason = msg.stop_reason

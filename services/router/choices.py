@@ -1,8 +1,9 @@
 """n > 1 on the router (GenerateRequest.n / best_of): the decode instance streams every choice's messages over the
 one call (DecodeResponse.index); the caller gets them as chunks with `index`, each choice shaped on its own (its
 token texts, reasoning split and tool-call parse: `ChoiceShaping`), each ending with its own finish_reason, and the
-request's usage (the prompt once, every choice's completion tokens) on the last chunk (`request_usage`), or one
-GenerateResponse with every choice (`merge_choices`)."""
+request's usage (the prompt once, every choice's completion tokens) on the last chunk (`RequestUsage`), or one
+GenerateResponse with every choice (`merge_choices`; best_of > n: usage counts every candidate's tokens). A decode
+instance lost mid-stream: the unfinished choices resume (`choice_resume`)."""
 
 from __future__ import annotations
 
@@ -49,27 +50,46 @@ class ChoiceShaping:
             yield from out
 
 
-def request_usage(chunks: Chunks, n: int) -> Iterator[generate_pb2.GenerateStreamResponse]:
+def pipeline(stages: list[Shape]) -> Shape:
+    """The stages applied in turn to a whole stream (n = 1)."""
+
+    def shape(chunks: Chunks) -> Iterator[generate_pb2.GenerateStreamResponse]:
+        for stage in stages:
+            chunks = stage(chunks)
+        yield from chunks
+
+    return shape
+
+
+class RequestUsage:
     """A stream of n > 1 choices: each choice's last chunk carries that choice's usage from decode; the stream's
     last one gets the request's instead (prompt and cached tokens once, every choice's completion tokens), the
-    others none."""
-    finished, completion = 0, 0
-    for chunk in chunks:
-        if chunk.finish_reason:
-            finished += 1
-            completion += chunk.usage.completion_tokens
-            if finished == n:
-                chunk.usage.completion_tokens = completion
-            else:
-                chunk.ClearField("usage")
-        yield chunk
+    others none. Counts across attempts (a failover resumes the unfinished choices only)."""
+
+    def __init__(self, n: int):
+        self.n, self.finished, self.completion = n, 0, 0
+
+    def shape(self, chunks: Chunks) -> Iterator[generate_pb2.GenerateStreamResponse]:
+        for chunk in chunks:
+            if chunk.finish_reason:
+                self.finished += 1
+                self.completion += chunk.usage.completion_tokens
+                if self.finished == self.n:
+                    chunk.usage.completion_tokens = self.completion
+                else:
+                    chunk.ClearField("usage")
+            yield chunk
 
 
-def merge_choices(chunks: Chunks, n: int) -> generate_pb2.GenerateResponse:
+def merge_choices(chunks: Chunks, n: int, unreturned: Callable[[], int] = lambda: 0) -> generate_pb2.GenerateResponse:
     """One GenerateResponse of a stream of `n` choices: n = 1 as `merge_chunks`; else the top-level fields are choice
-    0's, `choices` every choice in index order (each with its own usage), `usage` the request's."""
+    0's, `choices` every choice in index order (each with its own usage), `usage` the request's. `unreturned()`,
+    asked once the stream is consumed: best_of > n, the candidates' completion tokens not returned, which the
+    request's usage counts (OpenAI bills every candidate)."""
     if n == 1:
-        return merge_chunks(chunks)
+        resp = merge_chunks(chunks)
+        resp.usage.completion_tokens += unreturned()
+        return resp
     by_index: dict[int, list[generate_pb2.GenerateStreamResponse]] = {}
     for chunk in chunks:
         by_index.setdefault(chunk.index, []).append(chunk)
@@ -85,7 +105,7 @@ def merge_choices(chunks: Chunks, n: int) -> generate_pb2.GenerateResponse:
     scored = next((c for c in choices if c.HasField("prompt_logprobs")), None)  # on the stream's first chunk
     if scored is not None:
         top.prompt_logprobs.CopyFrom(scored.prompt_logprobs)
-    top.usage.completion_tokens = sum(c.usage.completion_tokens for c in choices)
+    top.usage.completion_tokens = sum(c.usage.completion_tokens for c in choices) + unreturned()
     top.timing.total_ms = max(c.timing.total_ms for c in choices)
     top.choices.extend(choices)
     return top

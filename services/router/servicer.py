@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -32,7 +33,8 @@ from pdserve.router.catalog import (
     load_model_context,
     resolve,
 )
-from pdserve.router.choices import ChoiceShaping, choice_counts, merge_choices, request_usage
+from pdserve.router.choice_resume import choice_requests, start_choice_calls
+from pdserve.router.choices import ChoiceShaping, RequestUsage, Shape, choice_counts, merge_choices, pipeline
 from pdserve.router.config import RouterConfig
 from pdserve.router.estimator import Features, OutputLengthEstimator, features
 from pdserve.router.estimator_store import Persistence, open_store
@@ -296,9 +298,16 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
     def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         return self._generate(request, context, stream=True)
 
-    def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext, stream: bool):
-        """GenerateStream's chunks (`stream` False: for Generate, which allows best_of > n)."""
-        t0 = time.perf_counter()
+    def _generate(
+        self,
+        request: generate_pb2.GenerateRequest,
+        context: grpc.ServicerContext,
+        stream: bool,
+        progress: Progress | None = None,
+    ):
+        """GenerateStream's chunks (`stream` False: for Generate, which allows best_of > n). `progress`: where the
+        caller's output stands (Generate reads the unreturned best_of candidates' tokens from it)."""
+        progress = progress or Progress(time.perf_counter())
         # The id on every internal hop and in every engine: unique per request, whatever the caller sends. The
         # caller's request_id is only a label echoed back (reusing one in flight is allowed and touches nothing).
         rid = uuid.uuid4().hex
@@ -333,11 +342,18 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 tools.constrain(sampling)
             except InvalidRequest as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        call_stream = tools.stream() if tools is not None else None
         max_tokens = self._max_tokens(sampling, len(ids), context, m, chat=bool(request.messages))
-        shaper = ChunkShaper(m.tokenizer, ids, self._splitter(request, ids, context, m))
-        if n > 1:  # each choice its own shaper and tool-call parse (choices.py)
-            choices = ChoiceShaping(lambda: self._stages(request, ids, context, m, tools))
+
+        def new_shaping() -> Shape:
+            if n > 1:  # each choice its own shaper and tool-call parse (choices.py)
+                return ChoiceShaping(lambda: self._stages(request, ids, context, m, tools)).shape
+            return pipeline(self._stages(request, ids, context, m, tools))
+
+        shape = new_shaping()  # checks the reasoning split now (n = 1), before the request is queued
+        usage = RequestUsage(n)
+        # best_of > n (Generate only): the candidates' outputs come at the attempt's end and reach the caller after
+        # it; a failed attempt is retried from scratch (its candidates cannot be resumed: none was seen)
+        buffered = best_of > n
         page_size = self.scheduler.page_size_of(m.name)
         if page_size is None:
             context.abort(
@@ -379,8 +395,9 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             self._reject(context, e)
         except Unavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        progress = Progress(t0)
         p = d = None
+        per_choice: dict[int, internal_pb2.DecodeRequest] | None = None  # n > 1 resumed: a request per open choice
+        hooks = self._hooks(job, plan, req, n)
         context.add_callback(lambda: self.scheduler.cancel(job))  # the caller went away while queued
         try:
             for attempt in range(self.cfg.max_attempts):
@@ -400,38 +417,46 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                         "pdserve.admission": "admitted",
                     }
                 )
-                call = self.membership.decode_stub(d.address).Generate(
-                    decode_req, timeout=max(0.001, deadline - time.monotonic()), metadata=metadata
-                )
+                stub, timeout_s = self.membership.decode_stub(d.address), max(0.001, deadline - time.monotonic())
+                if per_choice is None:
+                    call = stub.Generate(decode_req, timeout=timeout_s, metadata=metadata)
+                else:  # n > 1 after a failover: each unfinished choice on its own (choice_resume.py)
+                    for index, choice_req in per_choice.items():
+                        choice_req.prefill_target = decode_req.prefill_target
+                        choice_req.request_id = f"{decode_req.request_id}.c{index}"
+                    call = start_choice_calls(per_choice, partial(stub.Generate, timeout=timeout_s, metadata=metadata))
                 if not context.add_callback(call.cancel):  # the RPC already ended
                     call.cancel()
+                if buffered and attempt:  # a retry from scratch shapes and counts afresh
+                    shape, hooks = new_shaping(), self._hooks(job, plan, req, n)
                 try:
-                    relayed = relay(call, label, progress, self._hooks(job, plan, req, n))
-                    if n > 1:
-                        chunks = choices.shape(relayed)
-                        chunks = request_usage(chunks, n) if stream else chunks
-                    else:
-                        chunks = shaper.shape(relayed)
-                        chunks = call_stream.shape(chunks) if call_stream is not None else chunks
+                    chunks = shape(relay(call, label, progress, hooks))
+                    chunks = usage.shape(chunks) if n > 1 and stream else chunks
+                    if buffered:
+                        chunks = iter(list(chunks))
                     yield from running_usage(chunks, len(ids), progress) if request.stream_usage else chunks
                     return
                 except grpc.RpcError as e:
+                    call.cancel()  # n > 1 resumed: the other choices' calls too
+                    if buffered:
+                        progress.forget()
                     decision = after_failure(
                         e.code(),
                         e.details(),
                         attempt=attempt,
                         max_attempts=self.cfg.max_attempts,
-                        streamed_tokens=len(progress.tokens),
+                        streamed_tokens=len(progress.tokens) or int(progress.delivered()),
                         caller_active=context.is_active(),
                         time_left_s=deadline - time.monotonic(),
                     )
                     if decision.action is Action.DROP:
                         return
-                    if decision.action is Action.RESUME and n > 1:  # the choices' streams are not resumed
-                        lost = f"decode failed after the first tokens of an n > 1 request: {e.details()}"
-                        context.abort(e.code(), lost)
                     if decision.action is Action.FAIL:
                         context.abort(decision.code, decision.details)
+                    if decision.action is Action.RESUME and n > 1:
+                        per_choice = choice_requests(decode_req, n, progress)
+                        if not per_choice:  # every choice ended before the call failed: nothing is missing
+                            return
                     self._next_attempt(decision, job, p, d, decode_req, ids, progress, req, e)
         finally:
             self.scheduler.finish(job)
@@ -470,7 +495,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     def _stages(self, request: generate_pb2.GenerateRequest, ids: list[int], context, m: ModelContext, tools):
-        """A choice's shaping stages (n > 1): its own ChunkShaper and tool-call stream."""
+        """A choice's shaping stages (n > 1; n = 1: the stream's): its own ChunkShaper and tool-call stream."""
         stages = [ChunkShaper(m.tokenizer, ids, self._splitter(request, ids, context, m)).shape]
         call_stream = tools.stream() if tools is not None else None
         return stages + ([call_stream.shape] if call_stream is not None else [])
@@ -516,7 +541,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             self.scheduler.retry(job, [p, d])
             return
         generated = progress.tokens
-        if decision.action is Action.RESUME:  # mid-stream: continue where the caller is (transparent failover)
+        if decision.action is Action.RESUME and not decode_req.n:  # mid-stream: continue where the caller is
             del decode_req.prompt_token_ids[:]
             decode_req.prompt_token_ids.extend(ids + generated)
             decode_req.resumed_tokens = len(generated)
@@ -537,7 +562,9 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
 
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         n = 1 if isinstance(request, MalformedMessage) else request.n or 1  # malformed: `_generate` aborts, saying why
-        return merge_choices(self._generate(request, context, stream=False), n)
+        progress = Progress(time.perf_counter())
+        chunks = self._generate(request, context, stream=False, progress=progress)
+        return merge_choices(chunks, n, lambda: progress.unreturned_tokens)
 
 
 def running_usage(

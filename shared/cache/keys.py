@@ -8,7 +8,10 @@ h_k identifies the KV of page k: causal attention makes it a function of tokens 
 namespace pins everything else (model weights, KV dtype, group size, symmetry, page size, formats) and the scope:
 who may share the pages (the router sends each tenant's requests with the tenant's own scope unless its config names
 a shared one), so a prompt cached for one tenant is never a hit, or a `cached_tokens` count, for another. Only full
-pages get keys: a partial page is never shared. Deterministic across processes and hosts (never Python's
+pages get keys: a partial page is never shared. The layout is the model's, every KV head in global order, whatever
+the tensor-parallel size of the instance that writes or reads a page (its ranks' heads are gathered on export and
+split again on import, `pdserve.engine.tp.page_export` / `page_import`), so the TP size is not in the namespace: a
+page written at TP=2 is a hit at TP=1. Deterministic across processes and hosts (never Python's
 salted `hash()`). These digests are computable from public inputs: they never appear in the store; its key names
 and value MACs are keyed with the deployment's cache secret (value_auth.py).
 """

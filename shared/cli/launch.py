@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.engine.config import EngineConfig
+from pdserve.cli.placement import DECODE as DECODE  # placement's names, imported from here by callers
+from pdserve.cli.placement import GPU_MEMORY_UTILIZATION, plan_placement
+from pdserve.cli.placement import PREFILL as PREFILL
+from pdserve.cli.placement import Placement as Placement
 from pdserve.server.auth import new_token
-
-PREFILL, DECODE = "prefill", "decode"
-GPU_MEMORY_UTILIZATION: float = EngineConfig.gpu_memory_utilization  # what one GPU's instances share
 
 
 class Address(str):
@@ -45,6 +45,9 @@ class Stack:
     internal_token: str = ""  # the stack's internal token (its processes got it as $PDSERVE_INTERNAL_TOKEN)
     colocated: list[str] = field(default_factory=list)  # colocated instances (instead of prefill + decode)
     models: dict[str, list[str]] = field(default_factory=dict)  # further models: served name -> engine addresses
+    # per process of `procs`: what it serves, "router", "gateway" or an engine group "<role>" / "<role>:<model>"
+    # (the instances of one group stand in for each other: the router fails a dead one's requests over)
+    roles: list[str] = field(default_factory=list)
 
     def signal_all(self) -> None:
         """SIGTERM to every live process: the first makes a service drain (pdserve.server.shutdown), a second one
@@ -65,54 +68,27 @@ class Stack:
                 p.kill()
                 p.wait()
 
+    def unservable(self) -> str:
+        """Why the stack can no longer serve ("" while it can): its router or gateway exited, or every instance of an
+        engine group did. One instance of several exiting (a tensor-parallel rank died, it crashed) leaves its
+        requests to the router's failover."""
+        gone = [i for i, p in enumerate(self.procs) if p.poll() is not None]
+        if not self.roles:  # a stack not started by start_stack: any exit is fatal
+            return "a service exited" if gone else ""
+        for i in gone:
+            if self.roles[i] in ("router", "gateway"):
+                return f"the {self.roles[i]} exited with code {self.procs[i].returncode}"
+        groups: dict[str, list[int]] = {}
+        for i, role in enumerate(self.roles):
+            if role not in ("router", "gateway"):
+                groups.setdefault(role, []).append(i)
+        for role, members in groups.items():
+            if all(i in gone for i in members):
+                return f"every {role} instance exited"
+        return ""
+
     def log_text(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in self.logs if p.exists())
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one engine instance runs: its GPU (None: the engine's own `auto` device) and the fraction of that
-    GPU's total memory it may fill (None: the service's default)."""
-
-    role: str  # prefill | decode
-    index: int  # instance number within its role
-    gpu: int | None = None
-    memory_fraction: float | None = None
-
-    def args(self) -> list[str]:
-        """`pdserve serve` flags of this placement."""
-        if self.gpu is None:
-            return []
-        out = ["--device", f"cuda:{self.gpu}"]
-        if self.memory_fraction is not None:
-            out += ["--gpu-memory-utilization", f"{self.memory_fraction:.4f}"]
-        return out
-
-
-def plan_placement(
-    num_prefill: int, num_decode: int, gpus: list[int], gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
-) -> list[Placement]:
-    """Prefill instances first, then decode. Without GPUs every instance keeps the engine's default device.
-    With two or more GPUs the roles get disjoint GPU groups sized by their instance counts (prefill compute never
-    slows decode steps), instances round-robin within their group; with one GPU everything shares it. The
-    instances on one GPU split `gpu_memory_utilization` (a fraction of its total memory) evenly, so two instances
-    on one GPU at 0.85 get 0.425 each."""
-    roles = [(PREFILL, i) for i in range(num_prefill)] + [(DECODE, i) for i in range(num_decode)]
-    if not gpus:
-        return [Placement(r, i) for r, i in roles]
-    if len(gpus) != len(set(gpus)) or any(g < 0 for g in gpus):
-        raise ValueError(f"GPU ids must be distinct and >= 0, got {gpus}")
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if len(gpus) == 1 or not num_prefill or not num_decode:
-        groups = {PREFILL: gpus, DECODE: gpus}
-    else:
-        n_pre = round(len(gpus) * num_prefill / (num_prefill + num_decode))
-        n_pre = min(len(gpus) - 1, max(1, n_pre))
-        groups = {PREFILL: gpus[:n_pre], DECODE: gpus[n_pre:]}
-    chosen = [groups[r][i % len(groups[r])] for r, i in roles]
-    sharing = {g: chosen.count(g) for g in chosen}
-    return [Placement(r, i, g, gpu_memory_utilization / sharing[g]) for (r, i), g in zip(roles, chosen)]
 
 
 def parse_gpus(text: str, visible) -> list[int]:
@@ -203,6 +179,8 @@ def start_stack(
     env: dict[str, str] | None = None,
     metrics_port: int = 0,
     more_models: Sequence[tuple[str, str]] = (),
+    prefill_tp: int | None = None,
+    decode_tp: int | None = None,
 ) -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
     `kv_dtype`, `page_size`, `chunk_size`: engine flags, None = each service's default;
@@ -210,8 +188,10 @@ def start_stack(
     `workdir` (each stack starts cold) unless `persist_estimator` (`pdserve up`: its config or the cache dir).
     With `gateway_port` (0 = any free port) an OpenAI-compatible gateway serving `model_name` starts last.
     `gpus` places the engine instances (`plan_placement`: `--device cuda:N`, each GPU's memory fraction split
-    among its instances); None or [] leaves the device to each engine. `num_colocated` > 0: that many colocated
-    instances (`pdserve serve colocated`, each prefills and decodes) instead of the prefill and decode ones.
+    among its instances; `prefill_tp` / `decode_tp`: their `--tensor-parallel-size`, each instance on that many
+    consecutive GPUs; colocated instances take `decode_tp`); None or [] leaves the device to each engine.
+    `num_colocated` > 0: that many colocated instances (`pdserve serve colocated`, each prefills and decodes)
+    instead of the prefill and decode ones.
     Security: every process gets `env` and the stack's internal token ($PDSERVE_INTERNAL_TOKEN: the caller's
     environment's, else a new random one) and one prompt-cache secret its prefill / colocated instances share
     ($PDSERVE_CACHE_SECRET_FILE: the caller's, else a new one in workdir/cache_secret, mode 0400); TLS / auth flags
@@ -234,19 +214,21 @@ def start_stack(
     if num_colocated:  # placed like decode instances: one per GPU, round-robin
         num_prefill, num_decode = 0, num_colocated
     n_models = 1 + len(more_models)
-    plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization / n_models)
+    plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization / n_models, prefill_tp, decode_tp)
     metrics = lambda k: ["--metrics-port", str(metrics_port + k if metrics_port > 0 else metrics_port)]  # noqa: E731
     started = [
         start_service(
             "colocated" if num_colocated else p.role,
             [*common, *p.args(), *metrics(1 + k)],
             workdir,
-            env=env,
+            env={**env, **p.env({**os.environ, **env})},
             to_terminal=to_terminal,
         )
         for k, p in enumerate(plan)
     ]
     procs = [s[0] for s in started]
+    role_of = "colocated" if num_colocated else None
+    roles = [role_of or p.role for p in plan]
     logs = [s[2] for s in started]
     try:
         addrs: list[str] = [wait_ready(*s, timeout=timeout) for s in started]
@@ -260,6 +242,7 @@ def start_stack(
             rargs += ["--colocated" if num_colocated else "--decode", a]
         r = start_service("router", rargs, workdir, env=env, to_terminal=to_terminal)
         procs.append(r[0])
+        roles.append("router")
         logs.append(r[2])
         router = wait_ready(*r, timeout=timeout)
         models: dict[str, list[str]] = {}
@@ -275,12 +258,13 @@ def start_stack(
                         *metrics(first + k),
                     ],
                     workdir,
-                    env=env,
+                    env={**env, **p.env({**os.environ, **env})},
                     to_terminal=to_terminal,
                 )
                 for k, p in enumerate(plan)
             ]
             procs += [m[0] for m in more]
+            roles += [f"{role_of or p.role}:{name}" for p in plan]
             logs += [m[2] for m in more]
             models[name] = [wait_ready(*m, timeout=timeout) for m in more]
             wait_registered(router.internal, models[name], name, env, timeout)
@@ -297,14 +281,15 @@ def start_stack(
                 to_terminal=to_terminal,
             )
             procs.append(g[0])
+            roles.append("gateway")
             logs.append(g[2])
             gateway = wait_ready(*g, timeout=timeout)
     except BaseException:  # also KeyboardInterrupt: never leave half a stack running
         Stack("", [], [], procs, logs).stop()
         raise
     if num_colocated:
-        return Stack(router, [], [], procs, logs, gateway, token, colocated=dec, models=models)
-    return Stack(router, pre, dec, procs, logs, gateway, token, models=models)
+        return Stack(router, [], [], procs, logs, gateway, token, colocated=dec, models=models, roles=roles)
+    return Stack(router, pre, dec, procs, logs, gateway, token, models=models, roles=roles)
 
 
 def wait_registered(registry: str, addresses: list[str], model: str, env: dict[str, str], timeout: float) -> None:

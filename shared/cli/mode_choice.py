@@ -80,11 +80,16 @@ def choose_from_measurement(entry: dict[str, Any] | None, where: str) -> ModeCho
     return ModeChoice(mode, f"{where}: measured {figures}, a tie; {ttfts} ({source})")
 
 
-def choose_mode(gpus: list[int], data: dict[str, Any]) -> ModeChoice:
+def choose_mode(gpus: list[int], data: dict[str, Any], prefill_tp: int = 1, decode_tp: int = 1) -> ModeChoice:
     """The mode when no flag forces one, for the GPUs the engines get (`--gpus`: [] = CPU / each engine's own
-    device) and the data file's object (`load_measurements`)."""
-    if len(gpus) >= 2:
-        return ModeChoice(DISAGGREGATED, f"{len(gpus)} GPUs: prefill and decode on separate GPUs")
+    device) and the data file's object (`load_measurements`). Tensor parallel: a prefill and a decode instance
+    need `prefill_tp` + `decode_tp` GPUs to run apart; fewer (one instance's group) is decided as one GPU is."""
+    if len(gpus) >= max(2, prefill_tp + decode_tp):
+        tp = f" ({prefill_tp} + {decode_tp} per pair, tensor parallel)" if max(prefill_tp, decode_tp) > 1 else ""
+        return ModeChoice(DISAGGREGATED, f"{len(gpus)} GPUs: prefill and decode on separate GPUs{tp}")
+    if len(gpus) > 1:  # one tensor-parallel group: prefill and decode instances would share its GPUs
+        where = f"one tensor-parallel group (cuda:{','.join(map(str, gpus))}), as on one GPU"
+        return choose_from_measurement(data.get("one_gpu"), where)
     if len(gpus) == 1:
         return choose_from_measurement(data.get("one_gpu"), f"one GPU (cuda:{gpus[0]})")
     return choose_from_measurement(data.get("cpu"), "no GPU placement")

@@ -98,7 +98,22 @@ def up_parser() -> argparse.ArgumentParser:
         default=os.environ.get("PDSERVE_GPUS", ""),
         help="GPU ids for the engine instances, e.g. 0,1 (default: every visible GPU; 'none': each engine's own "
         "device choice); prefill and decode get separate GPUs where there are enough, round-robin within each; "
-        "--gpu-memory-utilization is then split evenly among the instances of a GPU ($PDSERVE_GPUS)",
+        "an instance of --tensor-parallel-size N takes N consecutive ones (so 0,1,2,3 at N=2: two instances' "
+        "worth; a count that is not a multiple of N is refused); --gpu-memory-utilization is then split evenly "
+        "among the instances of a GPU ($PDSERVE_GPUS)",
+    )
+    stack.add_argument(
+        "--prefill-tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallel size of the prefill instances when it differs from the decode ones' "
+        "(--tensor-parallel-size; KV pages move between any two sizes) (default: --tensor-parallel-size)",
+    )
+    stack.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="print the mode and each engine instance's GPUs, then exit without starting anything",
     )
     stack.add_argument(
         "--router-config", default="", help="router TOML config file, see docs/router.md (default: none)"
@@ -129,20 +144,26 @@ def cmd_up(argv: list[str]) -> int:
     print(mode.line(), flush=True)
     if args.colocated:  # one colocated instance per engine: the placement treats them as decode instances
         args.prefill, args.decode = 0, args.colocated
-    if args.torch_threads is None:  # the cores shared among the engine processes
-        args.torch_threads = max(1, (os.cpu_count() or 2) // ((args.prefill + args.decode) * len(model_args)))
     engine = _engine_config(args)  # refuses bad engine settings before anything starts
+    prefill_tp, decode_tp = _tp_sizes(p, args, engine.tensor_parallel_size)
+    if args.torch_threads is None:  # the cores shared among the engine processes (every rank is one)
+        ranks = args.prefill * (prefill_tp or 1) + args.decode * (decode_tp or 1)
+        args.torch_threads = max(1, (os.cpu_count() or 2) // (ranks * len(model_args)))
 
     from pdserve.cli.launch import plan_placement, start_stack
 
     try:
-        plan = plan_placement(args.prefill, args.decode, gpus, engine.gpu_memory_utilization)
+        plan = plan_placement(args.prefill, args.decode, gpus, engine.gpu_memory_utilization, prefill_tp, decode_tp)
     except ValueError as e:
         p.error(str(e))
     for pl in plan:
-        if pl.gpu is not None:
-            role = "colocated" if args.colocated else pl.role
-            print(f"{role} {pl.index}: cuda:{pl.gpu}, {pl.memory_fraction:.0%} of its memory", flush=True)
+        role = "colocated" if args.colocated else pl.role
+        if pl.gpus:
+            print(f"{role} {pl.index}: {pl.describe()}", flush=True)
+        elif pl.tp is not None and pl.tp > 1:
+            print(f"{role} {pl.index}: tensor parallel {pl.tp} (the engine's device, one process per rank)", flush=True)
+    if args.print_plan:
+        return 0
 
     try:
         served = _served_models(model_args)  # [(name, directory)], the first one the router's own
@@ -192,6 +213,8 @@ def cmd_up(argv: list[str]) -> int:
             num_colocated=args.colocated,
             metrics_port=args.metrics_port,
             more_models=more_models,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
         )
         engines = (
             f"colocated {', '.join(stack.colocated)}"
@@ -215,9 +238,8 @@ def cmd_up(argv: list[str]) -> int:
         print(f"ready in {time.monotonic() - t0:.1f} s; Ctrl-C to stop (the services drain first)", flush=True)
         print(f'try:  pdserve generate --target {stack.router} "hello"', flush=True)
         print(f"      pdserve chat --target {stack.router}", flush=True)
-        while all(proc.poll() is None for proc in stack.procs):
-            time.sleep(0.5)
-        print("error: a service exited; stopping the stack", file=sys.stderr)
+        why = _serve_until_unservable(stack)
+        print(f"error: {why}; stopping the stack", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if stack is not None:
@@ -230,6 +252,25 @@ def cmd_up(argv: list[str]) -> int:
     finally:
         if stack is not None:
             stack.stop()
+
+
+def _serve_until_unservable(stack) -> str:
+    """Wait while the stack can serve (`Stack.unservable`); an engine instance that exits meanwhile (e.g. one rank
+    of a tensor-parallel instance died and took its instance down) is reported once and left to the router's
+    failover. Returns why the stack stopped serving."""
+    reported: set[int] = set()
+    while not (why := stack.unservable()):
+        for i, proc in enumerate(stack.procs):
+            if proc.poll() is not None and i not in reported:
+                reported.add(i)
+                print(
+                    f"pdserve up: {stack.roles[i]} instance (pid {proc.pid}) exited with code {proc.returncode}; "
+                    "the router fails its requests over to the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        time.sleep(0.5)
+    return why
 
 
 def _choose_mode(p: argparse.ArgumentParser, args: argparse.Namespace):
@@ -251,9 +292,28 @@ def _choose_mode(p: argparse.ArgumentParser, args: argparse.Namespace):
         p.error(str(e))
     if args.colocated or split_given:
         return gpus, forced_mode(args.colocated, args.disaggregated)
-    mode = choose_mode(gpus, load_measurements())
+    try:  # the flag's value (a size given only in the environment is resolved with the engine settings)
+        decode_tp = max(1, int(args.tensor_parallel_size or 1))
+    except ValueError:
+        p.error(f"--tensor-parallel-size wants an integer, got {args.tensor_parallel_size!r}")
+    mode = choose_mode(gpus, load_measurements(), args.prefill_tensor_parallel_size or decode_tp, decode_tp)
     args.colocated = 1 if mode.colocated else 0
     return gpus, mode
+
+
+def _tp_sizes(p: argparse.ArgumentParser, args: argparse.Namespace, engine_tp: int) -> tuple[int | None, int | None]:
+    """(prefill, decode) tensor parallel sizes the placement hands each instance (`--tensor-parallel-size` of its
+    role): None for both when every instance runs at 1 and no size was asked for (each keeps its own setting)."""
+    from pdserve.engine.tp.layout import MAX_TP_SIZE
+
+    prefill_tp = args.prefill_tensor_parallel_size
+    if prefill_tp is not None and not 1 <= prefill_tp <= MAX_TP_SIZE:
+        p.error(f"--prefill-tensor-parallel-size must be in 1..{MAX_TP_SIZE}, got {prefill_tp}")
+    if prefill_tp is not None and args.colocated:
+        p.error("--prefill-tensor-parallel-size is for prefill instances; colocated ones take --tensor-parallel-size")
+    if prefill_tp is None and engine_tp == 1:
+        return None, None
+    return (engine_tp if prefill_tp is None else prefill_tp), engine_tp
 
 
 def _served_models(model_args: list[str]) -> list[tuple[str, str]]:

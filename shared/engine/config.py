@@ -31,15 +31,19 @@ class EngineConfig:
     chunk_size: int = opt(2048, "prefill tokens per step (across sequences)")
     # a step decodes every running sequence and prefills in the same forward (scheduler.py): the budget bounds
     # decode rows + prefill tokens, so a step's time (TPOT while prompts are prefilled) stays about that of
-    # chunk_size tokens; decode rows are never dropped, prefill keeps at least a quarter of the budget
+    # chunk_size tokens; decode rows are never dropped, prefill keeps at least a quarter of the budget. -1 is
+    # resolved by the service that runs the engine (colocated: pdserve.decode.step_budget); elsewhere it is 0
     step_token_budget: int = opt(
-        0, "tokens one step computes, decode rows + prefill tokens (0: --chunk-size); prefill gets the rest"
+        0,
+        "tokens one step computes, decode rows + prefill tokens (0: --chunk-size; -1: auto, chosen from the "
+        "engine's measured step costs where the service supports it); prefill gets the rest",
     )
     num_pages: int = opt(0, "KV pool pages (0 = sized by --kv-cache-memory); overrides --kv-cache-memory")
     kv_cache_memory: str = opt(
         "auto",
         "KV pool memory, reserved at start: a size such as 512MiB or 2GiB, or auto: on CPU 128MiB (capped at "
-        "--max-num-seqs full-length sequences), on a GPU what --gpu-memory-utilization leaves after the weights",
+        "--max-num-seqs full-length sequences), on a GPU what --gpu-memory-utilization leaves after the weights "
+        "and the activation peak measured at start",
     )
     max_num_seqs: int = opt(64, "largest decode batch / sequences admitted at once")
     kv_dtype: str = opt(
@@ -72,8 +76,11 @@ class EngineConfig:
     cuda_graph_max_context: int = opt(
         0, "context the decode CUDA graphs cover (0: the model's whole context); longer contexts run eagerly"
     )
+    # the KV pool takes this share less the weights and the activation peak measured at start (a forward of one
+    # step's tokens and its logits, ModelRunner._auto_num_pages); what stays outside it holds the CUDA context,
+    # library workspaces and the decode CUDA graphs
     gpu_memory_utilization: float = opt(
-        0.85, "GPU: fraction of the device's total memory this instance may fill (weights + KV pool)"
+        0.9, "GPU: fraction of the device's total memory this instance may fill (weights, activations, KV pool)"
     )
     seed: int = opt(0, "engine RNG: seeds the generators of requests without a seed")
     # CPU: linear layers in fixed row blocks and prefill attention one query row at a time
@@ -105,8 +112,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, got {self.chunk_size}")
-        if self.step_token_budget < 0:
-            raise ValueError(f"step_token_budget must be >= 0 (0: chunk_size), got {self.step_token_budget}")
+        if self.step_token_budget < -1:
+            raise ValueError(f"step_token_budget must be >= -1 (0: chunk_size, -1: auto), got {self.step_token_budget}")
         if self.num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {self.num_pages}")
         self.kv_cache_bytes()
@@ -215,12 +222,15 @@ def resolve_device(name: str) -> torch.device:
 CUDA_CONTEXT_BYTES = 1 << 30  # what the CUDA context and libraries hold outside torch's allocator (estimate)
 
 
-def gpu_kv_pool_bytes(total: int, free: int, process_bytes: int, utilization: float) -> int:
+def gpu_kv_pool_bytes(total: int, free: int, process_bytes: int, utilization: float, activation_bytes: int = 0) -> int:
     """Bytes the KV pool may take on a GPU of `total` bytes with `free` bytes free now, when this process already
-    holds `process_bytes` (weights, buffers, its CUDA context): its share is `utilization` × total, counted from
-    the whole device, so instances sharing a GPU each size from their own fraction (two at 0.45 fit together);
-    never more than what is free now, less a margin of one context. May be <= 0 (no room)."""
-    return int(min(utilization * total - process_bytes, free - CUDA_CONTEXT_BYTES))
+    holds `process_bytes` (weights, buffers, its CUDA context: read after the caching allocator released its unused
+    blocks, which would otherwise count as held and as not free) and a step's activations need up to
+    `activation_bytes` more at their peak: its share is `utilization` × total, counted from the whole device, so
+    instances sharing a GPU each size from their own fraction (two at 0.45 fit together); never more than what is
+    free now less the activations and a margin of one context. May be <= 0 (no room)."""
+    share = utilization * total - process_bytes - activation_bytes
+    return int(min(share, free - activation_bytes - CUDA_CONTEXT_BYTES))
 
 
 def parse_dtype(name: str) -> torch.dtype:

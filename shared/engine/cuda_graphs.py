@@ -23,7 +23,9 @@ Needs: CUDA, the fused model path (its KV write is graph-safe) and a backend who
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +92,12 @@ class DecodeGraphRunner:
         max_context: int,
         device: torch.device,
         batch_sizes: list[int] | None = None,
+        capture_error_mode: str = "global",
+        tp=None,
     ):
         self.model, self.cache, self.backend = model, cache, backend
+        self.capture_error_mode = capture_error_mode  # thread_local with a TP group's NCCL collectives inside
+        self.tp = tp  # this rank's TPGroup at tensor parallel: its collectives are recorded into every graph
         self.page_size = page_size
         self.width = -(-max_context // page_size)
         self.max_context = self.width * page_size
@@ -163,8 +169,9 @@ class DecodeGraphRunner:
                 argmax_rows(self._forward(bs))  # warm-up: triton compiles, FA3 picks its kernels
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bs] = self._forward(bs)
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self.capture_error_mode):
+                    with self._collectives():
+                        self.logits[bs] = self._forward(bs)
                     self._argmax[bs] = argmax_rows(self.logits[bs])
                     self._greedy_host[:bs].copy_(self._argmax[bs], non_blocking=True)
                 self.graphs[bs] = graph
@@ -184,6 +191,18 @@ class DecodeGraphRunner:
             f"; dense scratch {scratch * self.sizes[-1] / 2**20:.0f} MiB" if scratch else "",
         )
 
+    @contextlib.contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """At tensor parallel: the forward's collectives are recorded through the TP group's capture region (it
+        refuses a group that cannot be captured); a graph that recorded none bypassed the group: an error."""
+        if self.tp is None:
+            yield
+            return
+        with self.tp.capturing():
+            yield
+        if not self.tp.captured_collectives:
+            raise RuntimeError("a tensor-parallel decode graph recorded no collective: its ranks would not agree")
+
     def _capture_masked_argmax(self, bs: int, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         """The graph that re-draws size `bs`'s argmax among the bitmask's tokens (`sample_masked`)."""
         from pdserve.engine.kernels.argmax import argmax_rows
@@ -194,11 +213,12 @@ class DecodeGraphRunner:
             self._bitmask = torch.full((self.max_batch, words), -1, dtype=torch.int32, device=self.device)
         argmax_rows(masked_logits(self.logits[bs], self._bitmask[:bs]))  # warm-up outside the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self.capture_error_mode):
             self._argmax[bs].copy_(argmax_rows(masked_logits(self.logits[bs], self._bitmask[:bs])))
             self._greedy_host[:bs].copy_(self._argmax[bs], non_blocking=True)
         return graph
 
+    @torch.inference_mode()  # the bitmask buffer was made under the capture's inference mode
     def sample_masked(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Redo the last run's argmax among the tokens `bitmask` [B, ceil(V / 32)] int32 (pinned host memory, B the
         last run's rows) allows: queued after that run's forward, before the next run (a chained step reads it).
@@ -215,17 +235,23 @@ class DecodeGraphRunner:
     def can_run(self, batch_size: int, max_kv_len: int) -> bool:
         return bool(self.graphs) and batch_size <= self.sizes[-1] and max_kv_len <= self.max_context
 
+    def check_chain(self, chained: bool, b: int) -> None:
+        """ValueError unless a run of `b` rows can be chained to the last one (the same captured size); checked
+        before anything is launched (at tensor parallel: before the run is broadcast to the other ranks)."""
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        if chained and bs != self._last_bs:
+            raise ValueError(f"a chained decode step needs the previous step's batch size {self._last_bs}, got {bs}")
+
     def run(self, input_ids: list[int] | None, positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
         """One decode step: token ids, their positions, and each sequence's page table -> logits [B, V] float32
         (a view of the graph's output buffer, valid until the next run). `input_ids` None: row i's input is row i's
         argmax of the previous run, taken on the device (a chained step of the same sequences in the same order,
         launched before the host has read that argmax)."""
+        self.check_chain(input_ids is None, len(positions))
         self._copied.synchronize()
         b = len(positions)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         chained = input_ids is None
-        if chained and bs != self._last_bs:
-            raise ValueError(f"a chained decode step needs the previous step's batch size {self._last_bs}, got {bs}")
         ps = self.page_size
         vec, table = self._nvec, self._ntable
         if not chained:
@@ -272,14 +298,41 @@ class DecodeGraphRunner:
         return self._greedy_np[:b].tolist()
 
 
+def graph_capture_mode(enabled: bool, device: torch.device, fused: bool, backend_name: str, tp=None) -> tuple[str, str]:
+    """(`torch.cuda.graph` capture_error_mode, "") when the decode graphs are captured, ("", why not) when not.
+    Tensor parallel (`tp`: the rank's `TPGroup`): the graph holds the model's collectives, the per-block
+    all-reduces and the logits' all-gather, so every rank captures the same sizes in the same order (their warm-up
+    forwards are collectives too) and replays them in lockstep (`tp.graph_step`); only a group whose collectives are
+    NCCL kernels can be captured, in the group's capture mode."""
+    if not enabled:
+        return "", "disabled"
+    if device.type != "cuda" or not fused or backend_name not in GRAPH_BACKENDS:
+        return "", "needs CUDA, the fused model path and the FA3 (or triton-rows) backend"
+    if tp is None:
+        return "global", ""
+    why = tp.capture_blocker()
+    return ("", why) if why else (tp.capture_error_mode, "")
+
+
 def make_decode_graph_runner(
-    model, cache, backend, page_size: int, max_batch: int, max_context: int, device: torch.device, enabled: bool
+    model,
+    cache,
+    backend,
+    page_size: int,
+    max_batch: int,
+    max_context: int,
+    device: torch.device,
+    enabled: bool,
+    tp=None,
 ) -> DecodeGraphRunner | None:
-    """A captured runner when the engine can use one (CUDA, fused model, a GRAPH_BACKENDS backend), else None."""
-    if not enabled or device.type != "cuda" or not model.kernels.fused or backend.name not in GRAPH_BACKENDS:
-        why = "disabled" if not enabled else "needs CUDA, the fused model path and the FA3 (or triton-rows) backend"
+    """A captured runner when the engine can use one (`graph_capture_mode`), else None. `tp`: this rank's TPGroup
+    at tensor parallel (every rank calls this at the same point of its start)."""
+    mode, why = graph_capture_mode(enabled, device, model.kernels.fused, backend.name, tp)
+    if not mode:
         log.info("decode CUDA graphs off (%s)", why)
         return None
-    runner = DecodeGraphRunner(model, cache, backend, page_size, max_batch, max_context, device)
+    runner = DecodeGraphRunner(
+        model, cache, backend, page_size, max_batch, max_context, device, capture_error_mode=mode, tp=tp
+    )
     runner.capture()
     return runner

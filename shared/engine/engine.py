@@ -327,6 +327,9 @@ class LLMEngine:
         shared, own = seq.page_table[:last], seq.page_table[last]
         group = ForkGroup(rid, plan, [seq])
         seq.group, seq.index = group, 0
+        if seq.sampling.seed is not None:  # fork 0 draws as n = 1 would (a failover resumes a choice as one: router)
+            self.runner.drop_request(rid)
+            self.runner.add_request(rid, seq.sampling)
         for i in range(1, plan.best_of):
             child = self._new_sequence(fork_id(rid, i), seq.prompt_token_ids, fork_sampling(seq.sampling, i))
             child.group, child.index = group, i
@@ -459,7 +462,6 @@ class LLMEngine:
         if missing:
             raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
         seq.pages_imported = None
-        self.runner.skip_draws(request_id, 1)  # prefill drew its first token from this seed (as a prompt step does)
         self._fork(seq)
         self.scheduler.add(seq)  # decode-ready: its next step computes its first token
 

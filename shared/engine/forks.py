@@ -6,13 +6,16 @@ The prompt is computed (or imported) once. When its KV is complete the request's
   when its last holder frees it, so freeing (finish, abort, preemption) is per fork;
 - the page holding the last prompt token is copied for each new fork (copy-on-write, before any fork writes to
   it); every fork, the request's own included, computes that last prompt position again as a decode row in its
-  own page and samples its first token there, from its own generator: fork i of a seeded request draws with
-  seed + i (fork 0: the request's seed, one draw past the token its prompt step sampled, discarded);
+  own page and samples its first token there, from its own generator: fork i of a seeded request draws as a
+  request of n = 1 with seed + i does (fork 0's generator starts again: the token its prompt step sampled is
+  discarded), so a failover resumes choice i as such a request (`pdserve.router.choice_resume`);
 - each has its own detokenizer, stop conditions, structured-output matcher and reasoning budget, and is preempted
   alone (recomputed later from prompt + its tokens, like any sequence); a fork with no page for its copy at fork
   time computes the prompt itself when the pool has room.
 With best_of > n every candidate runs to its end; then the n with the highest cumulative logprob (the sampled
-tokens' logprobs, summed) are returned, renumbered 0..n-1, best first (`ForkGroup.collect`).
+tokens' logprobs, summed) are returned, renumbered 0..n-1, best first (`ForkGroup.collect`); the request's last
+output tells the completion tokens of the others (`StepOutput.unreturned_tokens`): usage counts every candidate's,
+as OpenAI bills best_of.
 """
 
 from __future__ import annotations
@@ -108,10 +111,13 @@ class ForkGroup:
         if any(o.finish_reason == "abort" for o in held):
             p = held[0].num_prompt_tokens
             chosen = [StepOutput(self.request_id, [], "", True, "abort", p, 0) for _ in range(self.plan.n)]
+            unreturned = 0
         else:
-            chosen = sorted(held, key=lambda o: (-cumulative_logprob(o), o.index))[: self.plan.n]
+            ranked = sorted(held, key=lambda o: (-cumulative_logprob(o), o.index))
+            chosen, unreturned = ranked[: self.plan.n], sum(o.num_completion_tokens for o in ranked[self.plan.n :])
         for rank, o in enumerate(chosen):
             o.index, o.choices_left = rank, self.plan.n - 1 - rank
+            o.unreturned_tokens = unreturned if rank == self.plan.n - 1 else 0  # on the request's last output
             o.prompt_logprobs = prompt_lps if rank == 0 else []
             if not self.plan.keep_logprobs:
                 o.logprobs = []

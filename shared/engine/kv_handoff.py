@@ -28,6 +28,7 @@ from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.tp.page_export import LayerExport
 from pdserve.errors import InvalidRequest
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.base import ExportedPages
@@ -37,6 +38,16 @@ from pdserve.kv.transfer.page_format import PageFormat
 # One sequence's part of a layer-streaming forward: (sequence, logical pages the step completes, their token counts,
 # their physical pages on the device (made before the forward), its stream, the group ending at each layer)
 _LayerPlan = tuple[Sequence, list[int], list[int], torch.Tensor, LayerStream, dict[int, LayerRange]]
+
+
+def export_of(plan: _LayerPlan, r: LayerRange) -> LayerExport:
+    """Layer group `r` of a streaming chunk, as a tensor-parallel step plan names it (`tp.page_export`)."""
+    seq, pages, tokens, _, stream, _ = plan
+    lay = stream.layout
+    physical = [seq.page_table[i] for i in pages]
+    return LayerExport(
+        r.start, r.stop, physical, list(tokens), lay.quantized, lay.group_size, lay.asymmetric, lay.torch_dtype
+    )
 
 
 def _kv_tokens(seq: Sequence) -> int:
@@ -140,10 +151,13 @@ class KVHandoff:
             yield
             return
         model.layer_hook = lambda layer: self._export_layer(plans, layer)
+        if self.runner.tp is not None:  # the step's plan names the groups: every rank's hook joins their gathers
+            self.runner.layer_exports = [export_of(p, r) for p in plans for r in p[4].groups()]
         try:
             yield
         finally:
             model.layer_hook = None
+            self.runner.layer_exports = []
 
     def _layer_plans(self, batch: ScheduledBatch) -> list[_LayerPlan]:
         """The streaming chunks of a batch: the pages each completes (its full pages; the last, partial one too

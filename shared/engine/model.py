@@ -29,7 +29,7 @@ from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import ModelConfig, iter_dummy_weights, iter_weights
 from pdserve.engine.quant.fp8_checkpoint import ONLINE_FP8, Fp8Scheme, normalize_state
-from pdserve.engine.quant.fp8_linear import Fp8Linear
+from pdserve.engine.quant.fp8_linear import Fp8Activation, Fp8Linear
 from pdserve.engine.quant.fp8_quant import FP8, dequantize_weight, quantize_weight_per_channel
 
 if TYPE_CHECKING:
@@ -39,12 +39,28 @@ if TYPE_CHECKING:
 QUANTIZATIONS = ("none", "fp8")  # EngineConfig.quantization: online quantization of an unquantized checkpoint
 
 
-def project(kc: KernelChoice, layer: nn.Module, x: torch.Tensor, proj: str) -> torch.Tensor:
-    """x [T, in] -> layer(x) [T, out]: an `Fp8Linear` runs itself; an nn.Linear goes through the kernel choice."""
+def project(kc: KernelChoice, layer: nn.Module, x: torch.Tensor | Fp8Activation, proj: str) -> torch.Tensor:
+    """x [T, in] -> layer(x) [T, out]: an `Fp8Linear` runs itself (x may come quantized: `norm_for`); an nn.Linear
+    goes through the kernel choice."""
     if isinstance(layer, Fp8Linear):
         return layer(x, pdl=kc.pdl)
+    assert isinstance(x, torch.Tensor)  # norm_for quantizes only for an Fp8Linear
     linear = cast(nn.Linear, layer)
     return kc.linear(x, linear.weight, linear.bias, proj)
+
+
+def norm_for(
+    kc: KernelChoice, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, consumer: nn.Module | None
+) -> torch.Tensor | Fp8Activation:
+    """norm(x), or (with `residual`) residual += x then norm(residual), for the projection `consumer` that reads it
+    next: an `Fp8Linear` that quantizes its input per token (`takes_fp8`) gets it quantized by the norm kernel, the
+    rest the activation-dtype output."""
+    if kc.fused and isinstance(consumer, Fp8Linear) and consumer.takes_fp8(x.shape[0]):
+        from pdserve.engine.kernels.rmsnorm import rmsnorm_fp8
+
+        q, scale = rmsnorm_fp8(x, norm.weight, norm.eps, residual, pdl=kc.pdl)
+        return Fp8Activation(q, scale, x.dtype)
+    return kc.rmsnorm(x, norm) if residual is None else kc.add_rmsnorm(x, residual, norm)
 
 
 class RMSNorm(nn.Module):
@@ -123,13 +139,14 @@ class Attention(nn.Module):
         self.tp: TPGroup | None = None  # tensor parallel: o_proj's partial sums are all-reduced over this group
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, rotary: RotaryEmbedding, cache: KVCache, backend
+        self, x: torch.Tensor | Fp8Activation, meta: AttentionMetadata, rotary: RotaryEmbedding, cache: KVCache, backend
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; this step's K/V are stored in `cache` on the way."""
+        """x [T, hidden] (FP8 qkv_proj: maybe quantized, `norm_for`) -> [T, hidden]; this step's K/V are stored in
+        `cache` on the way."""
         kc = self.kernels
-        t = x.shape[0]
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = project(kc, self.qkv_proj, x, "qkv")  # [T, qd + 2 kvd]
+        t = qkv.shape[0]
         q = qkv[:, :qd].view(t, self.num_heads, self.head_dim)
         k = qkv[:, qd : qd + kvd].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, qd + kvd :].view(t, self.num_kv_heads, self.head_dim)
@@ -151,15 +168,21 @@ class MLP(nn.Module):
         self.kernels = KernelChoice()
         self.tp: TPGroup | None = None  # tensor parallel: down_proj's partial sums are all-reduced over this group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]."""
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """x [T, hidden] (FP8 gate_up_proj: maybe quantized, `norm_for`) -> down(silu(gate(x)) * up(x))
+        [T, hidden]."""
         out = self._swiglu_down(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _swiglu_down(self, x: torch.Tensor) -> torch.Tensor:
+    def _swiglu_down(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         kc = self.kernels
         gate_up = project(kc, self.gate_up_proj, x, "gate_up")  # [T, 2I]
         if isinstance(self.down_proj, Fp8Linear):
+            if kc.fused and self.down_proj.takes_fp8(gate_up.shape[0]):  # SwiGLU writes e4m3 + row scales
+                from pdserve.engine.kernels.silu_mul import silu_mul_fp8
+
+                q, scale = silu_mul_fp8(gate_up, pdl=kc.pdl)
+                return self.down_proj(Fp8Activation(q, scale, gate_up.dtype), pdl=kc.pdl)
             if kc.fused:
                 from pdserve.engine.kernels.silu_mul import silu_mul
 
@@ -181,7 +204,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # `_weight`: no random init (load_model assigns the checkpoint's). On the meta device nn.Embedding's
+        # normal_ runs through torch._refs, which imports torch._dynamo and Triton: ~125 MB of RSS a CPU engine
+        # would hold for nothing
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -220,16 +248,20 @@ class CausalLM(nn.Module):
         `residual`, updated in place by each add + RMSNorm."""
         kc, layers = self.kernels, cast(Sequence[DecoderLayer], self.model.layers)
         residual = self.model.embed_tokens(input_ids)  # [T, hidden]
-        h = kc.rmsnorm(residual, layers[0].input_layernorm)
+        # each norm's output feeds one projection; an FP8 one may take it quantized by the norm (norm_for)
+        h = norm_for(kc, residual, None, layers[0].input_layernorm, layers[0].self_attn.qkv_proj)
         hook = self.layer_hook
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, meta, self.rotary, cache, backend)
             if hook is not None:  # layer i's K/V are in the pool (written before its attention)
                 hook(i)
-            h = kc.add_rmsnorm(a, residual, layer.post_attention_layernorm)  # residual += a; h = norm(residual)
+            # residual += a; h = norm(residual)
+            h = norm_for(kc, a, residual, layer.post_attention_layernorm, layer.mlp.gate_up_proj)
             m = layer.mlp(h)
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h = kc.add_rmsnorm(m, residual, norm)
+            last = i + 1 == len(layers)
+            norm = self.model.norm if last else layers[i + 1].input_layernorm
+            h = norm_for(kc, m, residual, norm, None if last else layers[i + 1].self_attn.qkv_proj)
+        assert isinstance(h, torch.Tensor)  # the last norm feeds the LM head: never quantized
         return h
 
     @torch.inference_mode()
@@ -296,6 +328,9 @@ def _concatenate_projections(state: dict[str, torch.Tensor], block: tuple[int, i
             tensors = [state.pop(n) for n in names]
             merged = torch.stack(tensors).amax() if kind == "input_scale" else torch.cat(tensors)
             state[f"{prefix}.{fused}.{kind}"] = merged
+        weights = tensors = []  # the parts' last references
+        if state[f"{prefix}.{fused}.weight"].is_cuda:  # the parts' blocks back to the device now: the next fused
+            torch.cuda.empty_cache()  # weight would be placed in one of them, and the rest of it stay reserved
 
 
 def _read_state(

@@ -10,11 +10,14 @@ Tensor parallel (`EngineConfig.tensor_parallel_size` N > 1, `pdserve.engine.tp`)
 it starts ranks 1..N-1 (`tp.supervisor`), loads its shard, sizes its pool with its own KV heads, and broadcasts
 every forward (`_forward`), every logits block (`_logits`), every page copy and every imported page batch (of all
 KV heads: each rank keeps its own) so that the followers (`tp.follower`, the same runner on their shard) run the
-same steps. No decode CUDA graphs and no page export at N > 1 yet (the pool holds a rank's heads only).
+same steps; page exports gather every rank's heads back into pages of every KV head (`tp.page_export`). On CUDA
+every rank captures the decode graphs with the NCCL collectives inside, and each replay is broadcast so that the
+followers replay theirs with it (`tp.graph_step`).
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from collections.abc import Callable
@@ -55,6 +58,7 @@ from pdserve.kv.payload import CachedUpload, PagePayload
 
 if TYPE_CHECKING:
     from pdserve.engine.tp.layers import RankShard
+    from pdserve.engine.tp.page_export import LayerExport
     from pdserve.engine.tp.supervisor import RankSupervisor
     from pdserve.engine.tp.worker import PlanLeader
 
@@ -119,6 +123,8 @@ class ModelRunner:
             tp = RankShard(self._supervisor.group, layout)
         self.tp = tp
         self._leader: PlanLeader | None = None
+        self.layer_exports: list[LayerExport] = []  # TP: the layer groups the next forward exports (`kv_handoff`)
+        self.kv_sizing: dict[str, float] = {}  # GPU auto sizing: the numbers the pool was sized from (bytes)
         try:
             self._load(cfg, mc, tp)
         except BaseException:
@@ -152,19 +158,7 @@ class ModelRunner:
         self.num_pages = cfg.num_pages or self._auto_num_pages()
         if tp is not None:  # one pool size on every rank (each sized its own from its device's memory)
             self.num_pages = tp.group.min_int(self.num_pages)
-        kv_heads = self.num_local_kv_heads
-        shape = (mc.num_layers, self.num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
-        self.kv_cache: KVCache = (
-            QuantizedKVCache(
-                *shape,
-                self.kv_group_size,
-                self.kv_asymmetric,
-                quant=self.kernels,
-                storage=DTYPES[cfg.kv_dtype].torch_dtype,
-            )
-            if self.kv_quantized
-            else KVCache(*shape, quant=self.kernels)
-        )
+        self.kv_cache: KVCache = self._make_pool(self.num_pages)
         self.graph_runner = make_decode_graph_runner(
             self.model,
             self.kv_cache,
@@ -173,15 +167,18 @@ class ModelRunner:
             cfg.max_num_seqs,
             graph_context(mc.max_position_embeddings, cfg.cuda_graph_max_context, cfg.page_size),
             self.device,
-            cfg.cuda_graphs and tp is None,  # TP: the captured all-reduce is not wired yet
+            cfg.cuda_graphs,
+            tp=None if tp is None else tp.group,  # TP: every rank captures here, its collectives inside the graphs
         )
 
     # ---- tensor parallel (rank 0) ------------------------------------------------------------------------
     def _lead(self, supervisor: RankSupervisor) -> None:
         """Rank 0: every forward, logits block, page copy and page import (`scatter_pages`: pages of every KV head,
         each rank keeps its own) from now on is broadcast to the followers too (under the supervisor's guard: a
-        failure ends the instance). Page export and single-page import would move rank 0's heads only: refused."""
-        from pdserve.engine.tp.page_import import local_heads, send_scatter
+        failure ends the instance); page exports gather every rank's heads onto rank 0 (`gather_pages`: the pages of
+        every KV head, as a TP=1 pool exports them). Single-page import (mixed-format cache pages) is refused."""
+        from pdserve.engine.tp.page_export import leader_gather
+        from pdserve.engine.tp.page_import import local_heads, payload_checker, send_scatter
         from pdserve.engine.tp.worker import PlanLeader, copy_message
 
         group = supervisor.group
@@ -198,7 +195,7 @@ class ModelRunner:
         local_scatter = cache.scatter_pages
         assert self.tp is not None
         heads = torch.tensor(self.tp.rank.kv_heads, dtype=torch.long)
-        full = self.model_config.num_kv_heads
+        full, tp_layout = self.model_config.num_kv_heads, self.tp.layout
 
         def scatter_pages(
             page_ids: list[int],
@@ -219,19 +216,26 @@ class ModelRunner:
             assert mine[0] is not None
             local_scatter(page_ids, mine[0], mine[1], mine[2], group_size, layers)
             with supervisor.guard():
-                send_scatter(group, page_ids, data, scales, zeros, group_size, layers)
+                send_scatter(group, tp_layout, page_ids, data, scales, zeros, group_size, layers)
 
         def refused(*args, **kwargs):
             raise RuntimeError(
-                f"KV page export and single-page import are not supported with tensor_parallel_size {self.tp_size} "
-                "yet (each rank's pool holds its own heads)"
+                f"single-page KV import is not supported with tensor_parallel_size {self.tp_size} (each rank's pool "
+                "holds its own heads; batches of whole pages are)"
             )
 
         # the engine, handoff and prompt cache call the pool directly: page copies and imports go through the group
         cache.copy_pages = copy_pages  # type: ignore[method-assign]
         cache.scatter_pages = scatter_pages  # type: ignore[method-assign]
-        for name in ("import_page", "gather_pages"):
-            setattr(cache, name, refused)
+        # exports: every rank gathers its heads, rank 0 assembles the pages of every KV head (`tp.page_export`)
+        exporter = leader_gather(group, tp_layout, cache.gather_pages, supervisor.guard)
+        cache.gather_pages = exporter  # type: ignore[method-assign]
+        cache.import_page = refused  # type: ignore[method-assign]
+        cache.check_payload = payload_checker(cache.check_payload, self.tp.rank.kv_heads, full)  # type: ignore[method-assign]
+        if self.graph_runner is not None:  # each replay is a collective: the followers replay theirs with it
+            from pdserve.engine.tp.graph_step import LeaderGraphs
+
+            self.graph_runner = LeaderGraphs(self.graph_runner, group, supervisor.guard)  # type: ignore[assignment]
         supervisor.lead(leader)
 
     def _forward(
@@ -242,7 +246,7 @@ class ModelRunner:
         if self._leader is not None:
             from pdserve.engine.tp.worker import StepPlan
 
-            plan = StepPlan(ids, starts, q_lens, [list(t) for t in tables], num_decode, [])
+            plan = StepPlan(ids, starts, q_lens, [list(t) for t in tables], num_decode, [], self.layer_exports)
             assert self._supervisor is not None
             with self._supervisor.guard():
                 return self._leader.forward(plan)
@@ -258,6 +262,52 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     # ---- sizing ------------------------------------------------------------------------------------------
+    def _make_pool(self, num_pages: int) -> KVCache:
+        """A KV pool of `num_pages` pages in the configured format, this rank's KV heads."""
+        cfg, mc = self.cfg, self.model_config
+        shape = (mc.num_layers, num_pages, cfg.page_size, self.num_local_kv_heads, mc.head_dim, self.dtype, self.device)
+        if self.kv_quantized:
+            storage = DTYPES[cfg.kv_dtype].torch_dtype
+            return QuantizedKVCache(*shape, self.kv_group_size, self.kv_asymmetric, quant=self.kernels, storage=storage)
+        return KVCache(*shape, quant=self.kernels)
+
+    def _activation_peak(self, context: int) -> int:
+        """Bytes one step's activations, attention scratch and logits take at their peak on this GPU, measured on
+        a temporary pool (memory_profile.py) for a sequence of `context` tokens. Tensor-parallel ranks are not
+        profiled (their forwards are collectives of every rank): 0, the share's headroom covers them."""
+        if self.tp is not None:
+            return 0
+        from pdserve.engine.memory_profile import measure_step_peak, profile_pages, step_tokens_bound
+
+        cfg, mc = self.cfg, self.model_config
+        step = step_tokens_bound(cfg)
+        pages = profile_pages(min(step, context), cfg.page_size)
+        self.kv_cache = self._make_pool(pages)
+        try:
+            return measure_step_peak(
+                lambda ids, starts, q_lens, tables: self._forward(ids, starts, q_lens, tables, 0),
+                self.model.compute_logits,
+                self.device,
+                step,
+                context,
+                max(cfg.max_num_seqs, PROMPT_LOGPROB_BLOCK),  # a decode batch's rows, or a prompt-logprobs block
+                mc.vocab_size,
+                cfg.page_size,
+                pages,
+            )
+        finally:
+            del self.kv_cache
+
+    def _release_cached(self) -> tuple[int, int, int]:
+        """Give the caching allocator's unused blocks back to the device, then (free, total, held) bytes: held is
+        what this process keeps reserved plus its CUDA context (estimate). Loading frees what it no longer needs (a
+        checkpoint's q/k/v and gate/up once concatenated, online quantization's and the dummy generator's
+        temporaries), and so does the profile; kept reserved, those blocks would count as held and as not free."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free, total, torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
+
     @property
     def kv_quantized(self) -> bool:
         """Whether the pool stores quantized KV (kv_dtype int8 or fp8)."""
@@ -278,23 +328,34 @@ class ModelRunner:
         max_num_seqs full-length sequences (the pool is reserved up front)."""
         budget, page = self.cfg.kv_cache_bytes(), self.page_bytes()
         if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            held = torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
-            util = self.cfg.gpu_memory_utilization
-            pages = gpu_kv_pool_bytes(total, free, held, util) // page
+            util, loaded_reserved = self.cfg.gpu_memory_utilization, torch.cuda.memory_reserved(self.device)
+            free, total, held = self._release_cached()
+            # the profiled sequence is as long as the model allows, but no longer than a pool could hold without
+            # the peak (a longer one could never be scheduled)
+            room = max(1, gpu_kv_pool_bytes(total, free, held, util) // page * self.cfg.page_size)
+            peak = self._activation_peak(min(self.model_config.max_position_embeddings, room))
+            free, total, held = self._release_cached()
+            pages = gpu_kv_pool_bytes(total, free, held, util, peak) // page
+            self.kv_sizing = dict(total=total, free=free, held=held, step_peak=peak, utilization=util,
+                                  allocated=torch.cuda.memory_allocated(self.device),
+                                  reserved_before_release=loaded_reserved)  # fmt: skip
             log.info(
-                "KV pool: %d pages (%.1f GiB) = %.0f%% of %.1f GiB less %.1f GiB held, %.1f GiB free",
+                "KV pool: %d pages (%.1f GiB) = %.0f%% of %.1f GiB less %.1f GiB held (%.1f GiB tensors) and a "
+                "%.2f GiB step peak, %.1f GiB free",
                 max(0, pages),
                 max(0, pages) * page / 2**30,
                 util * 100,
                 total / 2**30,
                 held / 2**30,
+                torch.cuda.memory_allocated(self.device) / 2**30,
+                peak / 2**30,
                 free / 2**30,
             )
             if pages <= 0:
                 raise RuntimeError(
                     f"no GPU memory left for the KV pool on {self.device} ({free / 2**30:.1f} GiB free, this "
-                    f"instance holds {held / 2**30:.1f} GiB of its {util:.0%} share of {total / 2**30:.1f} GiB)"
+                    f"instance holds {held / 2**30:.1f} GiB and a step needs {peak / 2**30:.2f} GiB more of its "
+                    f"{util:.0%} share of {total / 2**30:.1f} GiB)"
                 )
             return pages
         if budget is None:

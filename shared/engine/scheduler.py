@@ -5,7 +5,9 @@ Policy (kept simple and correct):
   prefill chunks of waiting sequences with what is left of the step's token budget (the prefill rows): a step of
   D decode rows prefills at most `prefill_budget(D)` = min(`chunk_size`, `step_token_budget` − D) tokens, never
   fewer than a quarter of min(`chunk_size`, `step_token_budget`) (`MIN_PREFILL_SHARE`), so prompts progress beside
-  a full decode batch. Decode rows are never dropped: the budget bounds the step's time, and so TPOT. A step with
+  a full decode batch (a budget of 0 or -1 is `chunk_size`; -1, auto, is resolved by the service that runs the
+  engine: a colocated instance sizes both from its measured step costs, `set_budget`, with room for every decode
+  row beside a full chunk). Decode rows are never dropped: the budget bounds the step's time, and so TPOT. A step with
   no prefill is a pure decode step (the decode CUDA graphs), one with no running sequence a pure prefill step (a
   prefill-only instance's steps are all of that kind).
 - Prefill rows of several sequences share a step. The budget goes first to the oldest waiting sequence (queue
@@ -68,7 +70,7 @@ class Scheduler:
         self.page_size = page_size
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
-        self.step_token_budget = step_token_budget or chunk_size  # 0: chunk_size
+        self.step_token_budget = step_token_budget if step_token_budget > 0 else chunk_size  # 0 / -1 (auto): chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order
 
@@ -112,6 +114,13 @@ class Scheduler:
     def has_schedulable_waiting(self) -> bool:
         """Whether a waiting sequence could join the next step (to prefill or to decode): not one importing."""
         return any(s.status in (SequenceStatus.WAITING, SequenceStatus.PREFILLING) for s in self.waiting)
+
+    def set_budget(self, chunk_size: int, step_token_budget: int) -> None:
+        """Change the step's sizes between steps (a colocated instance sizes them from measured step costs after
+        start-up, `pdserve.decode.step_budget`); partly prefilled prompts continue under the new sizes."""
+        if chunk_size <= 0 or step_token_budget <= 0:
+            raise ValueError(f"chunk_size and step_token_budget must be > 0, got {chunk_size}, {step_token_budget}")
+        self.chunk_size, self.step_token_budget = chunk_size, step_token_budget
 
     def prefill_budget(self, num_decode: int) -> int:
         """Prefill tokens a step with `num_decode` decode rows may compute (module docstring)."""

@@ -27,6 +27,7 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0  # the choice (EngineRequest.n > 1): which of the request's forked sequences
     choices_left: int = 0  # the request's choices still running after this output (0 with n = 1)
+    unreturned_tokens: int = 0  # best_of > n, the request's last output: completion tokens of candidates not returned
 
     @property
     def request_done(self) -> bool:

@@ -147,7 +147,8 @@ class StructuredCompiler:
         import xgrammar as xgr  # imported on the first structured request only
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
+        hf = tokenizer.hf() if hasattr(tokenizer, "hf") else tokenizer  # loader.FileTokenizer: transformers' own
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(MAX_MASK_THREADS, (os.cpu_count() or 1) // 2)))
         # xgrammar's JSON strings admit raw control characters, which JSON forbids (strict parsers refuse them):

@@ -40,7 +40,6 @@ def build_engine(
     from pdserve.engine.warmup import warm_up
 
     tune_malloc()  # KV batches are multi-MB host buffers: reuse faulted-in memory (pdserve.server.host_memory)
-    check_tensor_parallel(cfg, engine_cfg or cfg.engine)
     if cfg.torch_threads > 0:
         import torch
 
@@ -52,23 +51,6 @@ def build_engine(
         log.info("engine warm-up: off (--no-warmup)")
     release_free_heap()  # the load's freed copies (checkpoint tensors before q/k/v, gate/up concatenation)
     return EngineLoop(engine)
-
-
-def check_tensor_parallel(cfg: EngineServiceConfig, engine_cfg: EngineConfig) -> None:
-    """At `--tensor-parallel-size` > 1 (the engine's ModelRunner starts the other ranks): refuse prefill instances
-    (their pages leave for decode, and each rank's pool holds its own heads only) and turn the prompt cache off (its
-    pages likewise). Decode instances import a TP=1 prefill's pages of every head, each rank keeping its own."""
-    tp = engine_cfg.tensor_parallel_size
-    if tp <= 1:
-        return
-    if hasattr(cfg, "ship_formats"):  # a prefill instance: the formats it ships
-        raise SystemExit(
-            f"--tensor-parallel-size {tp}: prefill instances run at 1 for now (their pages would hold rank 0's KV "
-            "heads only); decode and colocated instances take N > 1"
-        )
-    if getattr(cfg, "prompt_cache", False):
-        log.warning("--tensor-parallel-size %d: prompt cache off (its pages would hold rank 0's heads only)", tp)
-        cfg.prompt_cache = False  # type: ignore[attr-defined]
 
 
 DRAIN_END_MARGIN_S = 2.0  # after the drain grace: time for ended streams to send their status before the cut

@@ -113,7 +113,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_target: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ..., cache_scope: _Optional[str] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage", "logprobs", "prompt_logprobs", "prompt_top_logprobs", "index")
+    __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage", "logprobs", "prompt_logprobs", "prompt_top_logprobs", "index", "unreturned_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class DecodeResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    UNRETURNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _generate_pb2.FinishReason
@@ -132,10 +133,11 @@ class DecodeResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    unreturned_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., unreturned_tokens: _Optional[int] = ...) -> None: ...
 
 class InstanceStats(_message.Message):
-    __slots__ = ("kv_pages_total", "kv_pages_free", "active_requests", "model_fingerprint", "kv_dtype", "page_size", "prefill_tokens_per_s", "kv_transports")
+    __slots__ = ("kv_pages_total", "kv_pages_free", "active_requests", "model_fingerprint", "kv_dtype", "page_size", "prefill_tokens_per_s", "tensor_parallel_size", "kv_transports")
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,7 @@ class InstanceStats(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     kv_pages_total: int
     kv_pages_free: int
@@ -151,8 +154,9 @@ class InstanceStats(_message.Message):
     kv_dtype: str
     page_size: int
     prefill_tokens_per_s: float
+    tensor_parallel_size: int
     kv_transports: _containers.RepeatedCompositeFieldContainer[_kv_pb2.KVTransportStats]
-    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., kv_transports: _Optional[_Iterable[_Union[_kv_pb2.KVTransportStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transports: _Optional[_Iterable[_Union[_kv_pb2.KVTransportStats, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

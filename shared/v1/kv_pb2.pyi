@@ -86,21 +86,31 @@ class KVIpcBatch(_message.Message):
     buffer_id: str
     def __init__(self, header: _Optional[_Union[KVBatchHeader, _Mapping]] = ..., offset: _Optional[int] = ..., buffer_id: _Optional[str] = ...) -> None: ...
 
+class KVShardLayout(_message.Message):
+    __slots__ = ("tensor_parallel_size", "kv_heads_per_rank")
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    tensor_parallel_size: int
+    kv_heads_per_rank: int
+    def __init__(self, tensor_parallel_size: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ...) -> None: ...
+
 class KVTransportOffer(_message.Message):
-    __slots__ = ("transports", "host_id", "device_kind", "gpu_uuid", "device_index", "forced")
+    __slots__ = ("transports", "host_id", "device_kind", "gpu_uuid", "device_index", "forced", "shards")
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     transports: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
     device_kind: str
     gpu_uuid: str
     device_index: int
     forced: bool
-    def __init__(self, transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., forced: _Optional[bool] = ...) -> None: ...
+    shards: KVShardLayout
+    def __init__(self, transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., forced: _Optional[bool] = ..., shards: _Optional[_Union[KVShardLayout, _Mapping]] = ...) -> None: ...
 
 class KVIpcBuffer(_message.Message):
     __slots__ = ("buffer_id", "kind", "nbytes", "device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "path")
@@ -131,14 +141,16 @@ class KVIpcBuffer(_message.Message):
     def __init__(self, buffer_id: _Optional[str] = ..., kind: _Optional[str] = ..., nbytes: _Optional[int] = ..., device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., path: _Optional[str] = ...) -> None: ...
 
 class KVTransportChoice(_message.Message):
-    __slots__ = ("transport", "reason", "ipc_buffer")
+    __slots__ = ("transport", "reason", "ipc_buffer", "shards")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     IPC_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     transport: str
     reason: str
     ipc_buffer: KVIpcBuffer
-    def __init__(self, transport: _Optional[str] = ..., reason: _Optional[str] = ..., ipc_buffer: _Optional[_Union[KVIpcBuffer, _Mapping]] = ...) -> None: ...
+    shards: KVShardLayout
+    def __init__(self, transport: _Optional[str] = ..., reason: _Optional[str] = ..., ipc_buffer: _Optional[_Union[KVIpcBuffer, _Mapping]] = ..., shards: _Optional[_Union[KVShardLayout, _Mapping]] = ...) -> None: ...
 
 class KVTransportReady(_message.Message):
     __slots__ = ("ok", "reason")

@@ -80,7 +80,7 @@ def test_best_of_returns_the_highest_logprob_candidate(sdk):
     best = max(range(3), key=lambda i: (scores[i], -i))
     out = sdk.generate(**kw, best_of=3)
     assert out.token_ids == cands[best].token_ids and not out.choices
-    assert out.usage.completion_tokens == 6
+    assert out.usage.completion_tokens == 18  # every candidate's tokens, as OpenAI bills best_of
     for bad in (dict(n=17), dict(n=2, best_of=1), dict(best_of=17)):
         with pytest.raises(grpc.RpcError) as e:
             sdk.generate(**kw, **bad)

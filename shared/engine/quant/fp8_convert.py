@@ -69,16 +69,21 @@ def quantize_tensors(name: str, w: torch.Tensor, fmt: str) -> dict[str, torch.Te
 RANDOM_Q_STD = 64.0  # random e4m3 codes: standard deviation in e4m3 units (±448 clips at 7 sigma)
 
 
-def random_tensors(name: str, n: int, k: int, std: float, fmt: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+def random_tensors(
+    name: str, n: int, k: int, std: float, fmt: str, g: torch.Generator, codes: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Random tensors an FP8 checkpoint of `fmt` holds for one projection weight [N, K] (HF `name`), made on the
     generator's device without a bf16 weight first: e4m3 codes ~ N(0, 64^2) and scales std / 64 (dequantized
-    weights ~ N(0, std^2)) in the layout of `fmt` (what `quantize_tensors` writes)."""
+    weights ~ N(0, std^2)) in the layout of `fmt` (what `quantize_tensors` writes). `codes`: the e4m3 [N, K] codes
+    drawn by the caller (the dummy loader draws them rows at a time, loader.RandomFill), else drawn here."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     dev, prefix = g.device, name.removesuffix(".weight")
-    codes = torch.randn(n, k, device=dev, generator=g).mul_(RANDOM_Q_STD).clamp_(-FP8_MAX, FP8_MAX)
-    q = codes.to(torch.float8_e4m3fn)  # [N, K]
-    del codes
+    if codes is None:
+        drawn = torch.randn(n, k, device=dev, generator=g).mul_(RANDOM_Q_STD).clamp_(-FP8_MAX, FP8_MAX)
+        codes = drawn.to(torch.float8_e4m3fn)
+        del drawn
+    q = codes  # [N, K] e4m3
     s = std / RANDOM_Q_STD
     if fmt == "block":
         return {name: q, f"{prefix}.weight_scale_inv": torch.full((-(-n // 128), -(-k // 128)), s, device=dev)}

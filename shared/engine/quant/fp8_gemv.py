@@ -1,19 +1,24 @@
-"""Triton kernel: y = x @ (W * scale)^T (+ b) over e4m3 weights for decode-sized batches (M <= MAX_M tokens).
+"""Triton kernels: y = x @ (W * scale)^T (+ b) over e4m3 weights for decode-sized batches (M <= MAX_M tokens).
 
 Weight-only dequantization: the activations stay in their dtype (bf16 in the engine; no activation quantizer
-launch) and the work is reading the weight bytes, so the kernel keeps many of them in flight. Each program owns
+launch) and the work is reading the weight bytes, so the kernels keep many of them in flight. Each program owns
 BLOCK_N output channels and a contiguous run of K; each step loads a [BLOCK_N, BLOCK_K] e4m3 tile (BLOCK_K a
-power-of-2 multiple of the 128-column scale group) and multiplies it in one of two ways:
-- path "fma" (M <= FMA_MAX_ROWS, batch 1..4; chosen explicitly, "auto" never takes it: AUTO_FMA_ROWS): on the CUDA
-  cores in float32, the tile viewed as [BLOCK_N, BLOCK_K / 128, 128]
-  so that each 128-column group's partial sum meets its own block scale (no tensor-core tile of 16 rows mostly
-  masked, no shared-memory round trip); BLOCK_K up to 2048 columns (one 16-byte load per thread per row chunk);
-- path "dot" (every M under "auto"): one 128-column group per step on the tensor cores (e4m3 -> activation dtype
+power-of-2 multiple of the 128-column scale group) and multiplies it in one of three ways (`choose_path`):
+- path "stream" (M <= AUTO_STREAM_ROWS under "auto"): the bf16 GEMV's shape (kernels/gemv.py) over e4m3 bytes, on
+  the CUDA cores in float32. The tile is loaded as plain rows, W_VEC bytes a thread (so x's bf16 columns land in
+  the same threads without a shared-memory exchange), each thread sums its runs of W_VEC products in registers
+  (where a block scale applies), and the next tile's loads are issued before this tile's math (`prefetch`). The
+  run sums join the output sum each step, or with `acc_k` stay elementwise until after the K loop: then
+  the loop has no cross-thread traffic at all;
+- path "fma" (M <= FMA_MAX_ROWS; "auto" does not take it: AUTO_FMA_ROWS): on the CUDA cores in float32, the tile
+  viewed as [BLOCK_N, BLOCK_K / 128, 128] so that each 128-column group's partial sum meets its own block scale;
+- path "dot" (larger M under "auto"): one 128-column group per step on the tensor cores (e4m3 -> activation dtype
   is exact, fp32 sum).
 Scales: per channel (scale [N]) once per program at the end; per 128x128 block (scale [ceil(N/128), ceil(K/128)])
 or per row per 128 columns (`scale_rows=1`) per group, before the group's sum joins the accumulator.
+bench/fp8_gemv_sweep.py times every path and PATH_CONFIGS entry (the defaults and AUTO_* come from it).
 
-Split-K (`SPLIT` programs along K, where the output channels alone give too few programs): each program writes
+Split-K (`split` programs along K, where the output channels alone give too few programs): each program writes
 its float32 partial sums, then takes a ticket from its column tile's counter; the program that takes the last
 ticket adds the partials up in a fixed order (deterministic), adds the bias, writes y and resets the counter to 0.
 One launch either way (no second reduction kernel). The counters ([column tiles] int32, zero between calls) come
@@ -33,17 +38,62 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_M = 16  # rows one program multiplies (the tensor-core tile's M); Fp8Linear routes larger batches elsewhere
-FMA_MAX_ROWS = 4  # the CUDA-core path ("fma") takes at most this many rows
-# "auto" takes the tensor-core path at every M: it keeps more weight bytes in flight per SM than the CUDA-core path,
-# whose float32 products are register-bound at the tile widths that would hide the load latency
+FMA_MAX_ROWS = 4  # the CUDA-core path "fma" takes at most this many rows
+STREAM_MAX_ROWS = 16  # the CUDA-core path "stream" (its products per row grow with M; "auto" stops far earlier)
+# "auto": the streaming CUDA-core path up to AUTO_STREAM_ROWS rows (plain row loads, no per-step tensor-core tile
+# of 16 mostly masked rows, no shared memory; its float32 products cost ~M + 2 instructions a weight byte,
+# which the CUDA cores keep up with at copy bandwidth only for a few rows), then "fma" up to AUTO_FMA_ROWS (0:
+# never: it keeps fewer bytes in flight than either), then the tensor cores ("dot")
+AUTO_STREAM_ROWS = 1  # the sweep: "stream" is fastest at M = 1 (8B layer 2.83 TB/s vs dot 2.26), "dot" from M = 2
 AUTO_FMA_ROWS = 0
 GROUP = 128  # columns of one block-scale group
 K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals
-FMA_WARP_ELEMENTS = 2048  # most BLOCK_M x BLOCK_N x BLOCK_K of the CUDA-core product a step, per warp (64 a thread)
-# per path: BLOCK_N output channels a program, BLOCK_K columns a step (CUDA cores: capped by FMA_WARP_ELEMENTS),
+# "stream": weight bytes a thread loads as one vector; 8 bf16 of x are also 16 bytes, so x's columns land in the
+# threads that hold the same weight columns (16 would move x through shared memory, with barriers, every step)
+W_VEC = tl.constexpr(8)
+MIN_BLOCK_N = 4  # the fewest output channels a program takes (counter_slots sizes the split-K tickets by it)
+FMA_WARP_ELEMENTS = 2048  # most BLOCK_M x BLOCK_N x BLOCK_K of the "fma" product a step, per warp (64 a thread)
+# "stream": most weight bytes a thread loads a step (BLOCK_N x BLOCK_K / threads, at any M): with the prefetch the
+# raw tile is held twice next to its float32 products, so past 64 the registers spill (ptxas, sm_90)
+STREAM_THREAD_ELEMENTS = 64
+STREAM_THREAD_ELEMENTS_NO_PREFETCH = 128
+STREAM_ACC_THREAD_ELEMENTS = 32  # acc_k's float32 run sums a thread (BLOCK_M x BLOCK_N x BLOCK_K / 8 / threads)
+# per path: BLOCK_N output channels a program, BLOCK_K columns a step (CUDA cores: capped by the budgets above),
 # launch; programs_per_sm: the grid the split aims at (H200: 132 SMs)
 DEFAULT_FMA = dict(block_n=16, block_k=512, num_warps=4, num_stages=3, programs_per_sm=4)
 DEFAULT_DOT = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4)
+DEFAULT_STREAM = dict(block_n=8, block_k=2048, num_warps=4, num_stages=1, programs_per_sm=4, acc_k=True, prefetch=False)
+DEFAULTS = {"stream": DEFAULT_STREAM, "fma": DEFAULT_FMA, "dot": DEFAULT_DOT}
+# (path, M rounded up to a power of 2, N, K) -> launch config for a known decode shape, taken before DEFAULTS[path]
+# (bench/fp8_gemv_sweep.py prints this table from its best configs)
+# measured: bench/fp8_gemv_sweep.py on one H200, 2026-12-04 (docs/benchmarks.md); "stream" at M = 1 took DEFAULT_STREAM
+# at every shape, M = 16 is left to the defaults
+SHAPE_CONFIGS: dict[tuple[str, int, int, int], dict] = {
+    ('dot', 2, 4096, 4096): dict(block_n=32, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+    ('dot', 2, 4096, 14336): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 2, 6144, 4096): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 2, 8192, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 2, 8192, 28672): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 2, 10240, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 2, 28672, 4096): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 2, 57344, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+    ('dot', 4, 4096, 4096): dict(block_n=32, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+    ('dot', 4, 4096, 14336): dict(block_n=32, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+    ('dot', 4, 6144, 4096): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 4, 8192, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 4, 8192, 28672): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 4, 10240, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 4, 28672, 4096): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 4, 57344, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+    ('dot', 8, 4096, 4096): dict(block_n=32, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+    ('dot', 8, 4096, 14336): dict(block_n=32, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+    ('dot', 8, 6144, 4096): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 8, 8192, 8192): dict(block_n=32, block_k=128, num_warps=4, num_stages=6, programs_per_sm=8),
+    ('dot', 8, 8192, 28672): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 8, 10240, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 8, 28672, 4096): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('dot', 8, 57344, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+}  # fmt: skip
 # the configurations bench/fp8_weights.py times at M = 1 (the last: the tensor-core path, the first version's)
 SWEEP_CONFIGS = [
     dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps)
@@ -52,6 +102,27 @@ SWEEP_CONFIGS = [
         (64, 128, 4, 4, 4),
     ]
 ] + [dict(path="dot", **DEFAULT_DOT)]  # fmt: skip
+# per path: the launch configs bench/fp8_gemv_sweep.py times at every M (the first: the default), and the most rows
+PATH_CONFIGS = {
+    "stream": [DEFAULT_STREAM] + [
+        dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=1, programs_per_sm=pps, acc_k=acc, prefetch=pre)
+        for bn, bk, nw, pps, acc, pre in [
+            (4, 2048, 4, 4, True, True), (8, 2048, 8, 4, True, True), (16, 512, 4, 4, True, True),
+            (4, 1024, 2, 4, True, True), (16, 1024, 8, 2, True, True),
+            (8, 1024, 4, 4, False, True), (4, 2048, 4, 4, False, True), (16, 512, 4, 4, False, True),
+            (8, 2048, 8, 4, False, True), (16, 1024, 8, 4, False, True), (8, 512, 2, 4, False, True),
+            (32, 512, 8, 4, False, True), (8, 2048, 4, 4, True, False), (8, 2048, 4, 4, False, False),
+            (16, 1024, 4, 2, False, False), (16, 2048, 8, 2, True, False),
+        ]
+    ],
+    "dot": [DEFAULT_DOT] + [
+        dict(block_n=bn, block_k=GROUP, num_warps=nw, num_stages=ns, programs_per_sm=pps)
+        for bn, nw, ns, pps in [(32, 4, 4, 4), (128, 4, 4, 4), (64, 8, 4, 4), (64, 4, 6, 4), (32, 4, 6, 8),
+                                (128, 8, 3, 2), (16, 4, 4, 8), (64, 4, 3, 8), (128, 8, 6, 4), (256, 8, 4, 2)]
+    ],
+    "fma": [DEFAULT_FMA] + [{k: v for k, v in c.items() if k != "path"} for c in SWEEP_CONFIGS[:-2]],
+}  # fmt: skip
+PATH_MAX_ROWS = {"stream": STREAM_MAX_ROWS, "fma": FMA_MAX_ROWS, "dot": MAX_M}
 
 
 @triton.jit
@@ -99,14 +170,14 @@ def _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, st, SBN: tl.cons
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride,
-    SBN: tl.constexpr, PER_CHANNEL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride, split,
+    SBN: tl.constexpr, PER_CHANNEL: tl.constexpr, FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
-    n_ok, m_ok = n < N, m < M
+    n_ok = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * w_stride  # [BLOCK_N, 1]
     first = pid_k * steps_per_split
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
@@ -121,15 +192,23 @@ def _fp8_gemv_kernel(
         acc = _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, st, SBN, PER_CHANNEL, FP32, DOT, BLOCK_K)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
+    _finish(acc, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS)
+
+
+@triton.jit
+def _finish(acc, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS: tl.constexpr):
+    """y[m, n] = acc (+ bias) [BLOCK_M, BLOCK_N]; with split > 1 through the partials and the column tile's ticket."""
+    m_ok, n_ok = m < M, n < N
     out_mask = m_ok[:, None] & n_ok[None, :]
     mn = m[:, None] * N + n[None, :]  # [BLOCK_M, BLOCK_N] offsets in y [M, N] and in each partial [M, N]
-    if SPLIT > 1:  # partials [SPLIT, M, N] fp32; the last program of this column tile adds them up
+    # `split` a runtime value, not a constexpr: one compile serves every shape (Triton still specializes split == 1)
+    if split > 1:  # partials [split, M, N] fp32; the last program of this column tile adds them up
         tl.store(part_ptr + pid_k * M * N + mn, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial stored before the ticket (release: visible to its taker)
         ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, SPLIT):  # fixed order: the same sum whichever program finished last
+        if ticket == split - 1:
+            acc = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in range(0, split):  # fixed order: the same sum whichever program finished last
                 acc += tl.load(part_ptr + s * M * N + mn, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -139,6 +218,99 @@ def _fp8_gemv_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + mn, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _s_tile(w_rows, n_ok, st, K, BLOCK_K: tl.constexpr):
+    """Step `st`'s weight tile for the streaming path, e4m3 [BLOCK_N, BLOCK_K] (W_VEC contiguous bytes a thread:
+    the contiguity hint caps the load's vector at W_VEC, which sets the tile's layout)."""
+    k = tl.max_contiguous(st * BLOCK_K + tl.arange(0, BLOCK_K), W_VEC)
+    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SBN: tl.constexpr,
+            SCALES: tl.constexpr, ACC_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc += the weight tile w [BLOCK_N, BLOCK_K] times x's step `st` columns, row by row of x, in float32.
+    Each thread first sums its own runs of W_VEC columns (q [BLOCK_N, BLOCK_K / W_VEC]: no data leaves the
+    thread), where the block scale applies (a run lies inside one 128-column group); then q joins acc
+    [BLOCK_N, BLOCK_M] summed along K (a cross-thread sum a step), or with ACC_K acc [BLOCK_M, BLOCK_N,
+    BLOCK_K / W_VEC] as it is (x's row i into acc[i]), summed once after the loop. The products keep the weight
+    tile's layout (a 3D [M, N, K] product's layout would differ from the load's: a shared-memory round trip a
+    step). SCALES 0: per channel (applied by the caller), 1: the program's rows share one scale row, 2: a scale
+    row per row."""
+    RUNS: tl.constexpr = BLOCK_K // W_VEC
+    k = st * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    wf = w.to(tl.float32)
+    grp = (st * RUNS + tl.arange(0, RUNS)) // (K_GROUP // W_VEC)  # [RUNS] each run's scale group
+    if SCALES == 1:
+        s = tl.load(s_ptr + row_block * KG + grp, mask=grp < KG, other=0.0)[None, :]
+    if SCALES == 2:
+        s = tl.load(s_ptr + (n // SBN)[:, None] * KG + grp[None, :], mask=n_ok[:, None] & (grp[None, :] < KG),
+                    other=0.0)  # fmt: skip
+    for i in tl.static_range(BLOCK_M):
+        x = tl.load(x_ptr + i * x_stride + k, mask=k_ok & (i < M), other=0.0).to(tl.float32)  # [BLOCK_K]
+        q = tl.sum(tl.reshape(wf * x[None, :], (wf.shape[0], RUNS, W_VEC)), axis=2)  # [BLOCK_N, RUNS]
+        if SCALES != 0:
+            q *= s
+        if ACC_K:
+            if BLOCK_M == 1:
+                acc += q[None, :, :]
+            else:
+                acc += tl.where(tl.arange(0, BLOCK_M)[:, None, None] == i, q[None, :, :], 0.0)
+        elif BLOCK_M == 1:
+            acc += tl.sum(q, axis=1)[:, None]
+        else:
+            acc += tl.where(tl.arange(0, BLOCK_M)[None, :] == i, tl.sum(q, axis=1)[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _fp8_stream_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride, split,
+    SBN: tl.constexpr, SCALES: tl.constexpr, ACC_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Path "stream": the bf16 GEMV's shape (kernels/gemv.py) over e4m3 bytes; a program streams BLOCK_N rows in
+    [BLOCK_N, BLOCK_K] steps (W_VEC contiguous bytes a thread a row), products and sums on the CUDA cores in
+    float32; PREFETCH: the next step's tile loaded before this step's math (two tiles in flight a program, at
+    the cost of the registers that hold the second)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    n_ok = n < N
+    row_block = (pid_n * BLOCK_N) // SBN  # SCALES 1: every row of the program is in this block row
+    w_rows = w_ptr + n[:, None].to(tl.int64) * w_stride  # [BLOCK_N, 1]
+    first = pid_k * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    w = _s_tile(w_rows, n_ok, first, K, BLOCK_K)  # in flight before the wait: weights are never written
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if ACC_K:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // W_VEC), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for st in range(first + 1, last):
+        if PREFETCH:  # the next tile's loads issued before this step's math
+            w_next = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
+            acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
+                          BLOCK_M, BLOCK_K)  # fmt: skip
+            w = w_next
+        else:
+            acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
+                          BLOCK_M, BLOCK_K)  # fmt: skip
+            w = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
+    acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, last - 1, SBN, SCALES, ACC_K, BLOCK_M,
+                  BLOCK_K)  # fmt: skip
+    if ACC_K:
+        out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    else:
+        out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if SCALES == 0:
+        out *= tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
+    _finish(out, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS)
 
 
 def split_k(n: int, steps: int, block_n: int, programs: int) -> int:
@@ -152,8 +324,17 @@ def split_k(n: int, steps: int, block_n: int, programs: int) -> int:
 
 
 def counter_slots(n: int) -> int:
-    """Split-K counters a layer of `n` output channels needs at any block_n >= 8."""
-    return triton.cdiv(n, 8)
+    """Split-K counters a layer of `n` output channels needs at any block_n >= MIN_BLOCK_N."""
+    return triton.cdiv(n, MIN_BLOCK_N)
+
+
+def choose_path(path: str, m: int) -> str:
+    """The path `fp8_gemv` runs at `m` rows for `path` ("auto": AUTO_STREAM_ROWS, AUTO_FMA_ROWS, else "dot")."""
+    assert path in ("auto", *PATH_MAX_ROWS), path
+    if path == "auto":
+        path = "stream" if m <= AUTO_STREAM_ROWS else "fma" if m <= AUTO_FMA_ROWS else "dot"
+    assert m <= PATH_MAX_ROWS[path], (path, m)
+    return path
 
 
 def fp8_gemv(
@@ -172,15 +353,19 @@ def fp8_gemv(
     pdl: bool = False,
     counters: torch.Tensor | None = None,
     path: str = "auto",
+    acc_k: bool | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; bf16, fp16 or fp32), w e4m3 [N, K], scale float32: [N] per channel (scale_rows=0),
     else [ceil(N/scale_rows), ceil(K/128)] (scale_rows 128: 128x128 blocks, 1: per row per 128 columns); bias [N]
-    | None -> [M, N] in `out_dtype` (default x's dtype). Launch settings left 0 come from DEFAULT_FMA / DEFAULT_DOT
-    (block_k: at most what 64 fp32 registers a thread hold of the CUDA-core product, so fewer columns at larger
-    BLOCK_M); `split`: programs along K (0:
-    from the SM count); `counters`: int32 [>= ceil(N / block_n)], zero (the kernel leaves them zero), for split-K
-    (None: a zeroed tensor per call); `pdl`: programmatic dependent launch (Hopper); `path`: "auto" (CUDA cores
-    up to AUTO_FMA_ROWS rows, else tensor cores), "fma" or "dot" (M <= 4 only: CUDA cores)."""
+    | None -> [M, N] in `out_dtype` (default x's dtype). Launch settings left 0 come from SHAPE_CONFIGS, else the
+    path's DEFAULTS entry; block_k is capped by the CUDA-core paths' register budgets (FMA_WARP_ELEMENTS: fewer
+    columns a step at larger BLOCK_M; STREAM_THREAD_ELEMENTS); `split`: programs along K (0: from the SM
+    count); `counters`: int32 [>= ceil(N / block_n)], zero (the kernel leaves them zero), for split-K (None: a
+    zeroed tensor per call); `pdl`: programmatic dependent launch (Hopper); `path`: "auto" (choose_path),
+    "stream", "fma" or "dot" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
+    `acc_k`: run sums kept elementwise until after the K loop (where they fit STREAM_ACC_THREAD_ELEMENTS);
+    `prefetch`: the next tile's loads before this tile's math."""
     m, k = x.shape
     n = w.shape[0]
     kg = triton.cdiv(k, GROUP)
@@ -192,15 +377,29 @@ def fp8_gemv(
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    assert path in ("auto", "fma", "dot") and (path != "fma" or m <= FMA_MAX_ROWS), (path, m)
-    dot = m > AUTO_FMA_ROWS if path == "auto" else path == "dot"
-    cfg = dict(DEFAULT_DOT if dot else DEFAULT_FMA)
+    path = choose_path(path, m)
+    cfg = SHAPE_CONFIGS.get((path, triton.next_power_of_2(m), n, k), DEFAULTS[path])
     block_n, num_warps = block_n or cfg["block_n"], num_warps or cfg["num_warps"]
     num_stages, programs_per_sm = num_stages or cfg["num_stages"], programs_per_sm or cfg["programs_per_sm"]
-    block_m = 16 if dot else triton.next_power_of_2(m)
-    most = FMA_WARP_ELEMENTS * num_warps // (block_m * block_n)  # columns a step within the register budget
-    block_k = GROUP if dot else max(GROUP, min(block_k or cfg["block_k"], triton.next_power_of_2(most + 1) // 2))
+    acc_k = cfg.get("acc_k", False) if acc_k is None else acc_k
+    prefetch = cfg.get("prefetch", True) if prefetch is None else prefetch
+    scales = 0 if not scale_rows else 1 if scale_rows % block_n == 0 else 2  # "stream": 1 = one scale row a program
+    acc_k = acc_k and path == "stream"
+    block_m = 16 if path == "dot" else triton.next_power_of_2(m)
+    if path == "dot":
+        block_k = GROUP
+    else:  # columns a step within the register budget (a power of 2, at least one group); "stream" multiplies
+        # x's rows one after another by the same tile, so its budget does not shrink with M
+        if path == "fma":
+            most = FMA_WARP_ELEMENTS * num_warps // (block_m * block_n)
+        else:
+            most = (
+                (STREAM_THREAD_ELEMENTS if prefetch else STREAM_THREAD_ELEMENTS_NO_PREFETCH) * 32 * num_warps // block_n
+            )
+        block_k = max(GROUP, min(block_k or cfg["block_k"], triton.next_power_of_2(most + 1) // 2))
     assert block_k % GROUP == 0 and triton.next_power_of_2(block_k) == block_k, block_k
+    acc_k = acc_k and block_m * block_n * block_k // W_VEC <= STREAM_ACC_THREAD_ELEMENTS * 32 * num_warps
+    assert block_n >= MIN_BLOCK_N and triton.next_power_of_2(block_n) == block_n, block_n
     steps = triton.cdiv(k, block_k)
     if not split:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
@@ -214,11 +413,18 @@ def fp8_gemv(
         if counters is None:
             counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
         assert counters.dtype == torch.int32 and counters.numel() >= tiles, (counters.shape, tiles)
-    _fp8_gemv_kernel[(tiles, split)](
-        x, w, scale, bias if bias is not None else scale, y, part, counters if counters is not None else scale,
-        m, n, k, kg, per_split, x.stride(0), w.stride(0),
-        SBN=max(scale_rows, 1), PER_CHANNEL=not scale_rows, FP32=x.dtype == torch.float32, SPLIT=split,
-        HAS_BIAS=bias is not None, DOT=dot, USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **(dict(launch_pdl=True) if pdl else {}),
-    )  # fmt: skip
+    args = (x, w, scale, bias if bias is not None else scale, y, part, counters if counters is not None else scale,
+            m, n, k, kg, per_split, x.stride(0), w.stride(0), split)  # fmt: skip
+    launch = dict(num_warps=num_warps, num_stages=num_stages, **(dict(launch_pdl=True) if pdl else {}))
+    sbn = max(scale_rows, 1)
+    if path == "stream":
+        _fp8_stream_kernel[(tiles, split)](*args, SBN=sbn, SCALES=scales, ACC_K=acc_k, PREFETCH=prefetch,
+                                           HAS_BIAS=bias is not None,
+                                           USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                           **launch)  # fmt: skip
+    else:
+        _fp8_gemv_kernel[(tiles, split)](
+            *args, SBN=sbn, PER_CHANNEL=not scale_rows, FP32=x.dtype == torch.float32, HAS_BIAS=bias is not None,
+            DOT=path == "dot", USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch,
+        )  # fmt: skip
     return y

@@ -11,11 +11,21 @@
   unquantized, reading the e4m3 weights near copy bandwidth (split-K in one launch, tickets in `gemv_counters`).
 Every op is a device launch without host syncs: the layer runs inside the decode CUDA graphs.
 
+Per-token inputs may come quantized already (`Fp8Activation`): the model's RMSNorm (qkv, gate_up inputs) and SwiGLU
+(down input) kernels write e4m3 + one scale per row in the pass that makes them (`takes_fp8` says when a layer
+wants that), so prefill reads no bf16 copy of those inputs back for a separate quantization pass.
+`fast_accum`: the rowwise / per-tensor `_scaled_mm` accumulates as cuBLAS / CUTLASS FP8 "fast accumulation" does
+(no periodic promotion of the tensor cores' partial sums to float32 inside the K loop), as vLLM's CUTLASS FP8 GEMMs
+for per-tensor / per-channel scales do on Hopper (`...FP8FastAccum` kernel schedules); the block-scaled GEMMs apply
+their scales per 128 columns of K, promoting anyway.
+
 The engine builds this module on CUDA only; on CPU it dequantizes FP8 weights once at load (model.py). `forward`
 on a CPU tensor runs `reference`: the same quantized math in float32, for tests.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -32,6 +42,14 @@ from pdserve.engine.quant.fp8_quant import (
 # decode batches: a few tokens' GEMM is bound by the weight bytes, and quantizing the activations first only adds a
 # launch; up to this many tokens take the weight-only GEMV (fp8_gemv); bench/fp8_weights.py times both
 GEMV_MAX_ROWS = 16  # = fp8_gemv.MAX_M, the most the GEMV takes
+
+
+class Fp8Activation(NamedTuple):
+    """A GEMM input quantized per token by the kernel that produced it (kernels/rmsnorm.py, kernels/silu_mul.py)."""
+
+    q: torch.Tensor  # [T, K] e4m3
+    scale: torch.Tensor  # [T, 1] float32: x ≈ q * scale
+    dtype: torch.dtype  # the unquantized activations' dtype (the layer's output dtype)
 
 
 class Fp8Linear(nn.Module):
@@ -58,6 +76,11 @@ class Fp8Linear(nn.Module):
         # "scaled_mm" | "triton" (the Triton block GEMM)
         self.block_backend = "auto"
         self.gemv_counters: torch.Tensor | None = None  # int32 split-K tickets of the GEMV (zero between calls)
+        self.fast_accum = True  # per-channel / per-tensor `_scaled_mm` with fast accumulation (module docstring)
+        # inputs quantized by the producing RMSNorm / SwiGLU kernel (`Fp8Activation`): off, as on the H200 one 8B
+        # layer's projections at 8192 tokens took 3.32 ms fused against 3.19 ms with the separate quantizer pass
+        # (the fused kernels' row loop is slower than the pass it saves; test_engine_gpu_fp8_fusion.py times both)
+        self.fused_input = False
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -69,8 +92,25 @@ class Fp8Linear(nn.Module):
         w = f"block={self.block}" if self.block else "per-channel"
         return f"in={self.in_features}, out={self.out_features}, {w}, static_input={self.static_input}"
 
-    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """x [T, K] -> [T, N] in x.dtype. `pdl`: the GEMV as a programmatic dependent launch (Hopper)."""
+    def takes_fp8(self, rows: int) -> bool:
+        """Whether a CUDA input of `rows` tokens may come as an `Fp8Activation`: per-channel weights with dynamic
+        per-token activations, above the GEMV's rows (the GEMV reads unquantized activations)."""
+        return (
+            self.fused_input
+            and self.triton
+            and self.block is None
+            and self.input_scale is None
+            and rows > min(self.gemv_max_rows, GEMV_MAX_ROWS)
+        )
+
+    def forward(self, x: torch.Tensor | Fp8Activation, pdl: bool = False) -> torch.Tensor:
+        """x [T, K] (or that quantized per token, see `takes_fp8`) -> [T, N] in x's dtype. `pdl`: the GEMV as a
+        programmatic dependent launch (Hopper)."""
+        if isinstance(x, Fp8Activation):
+            assert self.block is None and self.input_scale is None, "per-token inputs suit per-channel layers only"
+            if not x.q.is_cuda:
+                return self.reference(x)
+            return self._rowwise(x.q, x.scale, x.dtype)
         if not x.is_cuda:
             return self.reference(x)
         if x.shape[0] == 0:
@@ -86,19 +126,30 @@ class Fp8Linear(nn.Module):
                             counters=self.gemv_counters)  # fmt: skip
         if self.block is not None:
             out = self._block_gemm(x)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.to(x.dtype)
+        if self.input_scale is not None:
+            xq = quantize_activations_static(x, self.input_scale)
+            xs = self.input_scale.expand(x.shape[0], 1).contiguous()  # [T, 1]: _scaled_mm wants rowwise pairs
         else:
-            if self.input_scale is not None:
-                xq = quantize_activations_static(x, self.input_scale)
-                xs = self.input_scale.expand(x.shape[0], 1).contiguous()  # [T, 1]: _scaled_mm wants rowwise pairs
-            else:
-                quant = quantize_activations if self.triton else quantize_activations_torch
-                xq, xs = quant(x, None)  # [T, K] e4m3, [T, 1]
-            out = torch._scaled_mm(
-                xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.view(1, -1), out_dtype=torch.bfloat16
-            )
+            quant = quantize_activations if self.triton else quantize_activations_torch
+            xq, xs = quant(x, None)  # [T, K] e4m3, [T, 1]
+        return self._rowwise(xq, xs, x.dtype)
+
+    def _rowwise(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Per-channel / per-tensor weights: xq [T, K] e4m3, xs [T, 1] float32 -> [T, N] in `dtype`."""
+        out = torch._scaled_mm(
+            xq,
+            self.weight.t(),
+            scale_a=xs,
+            scale_b=self.weight_scale.view(1, -1),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=self.fast_accum,
+        )
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out.to(x.dtype)
+        return out.to(dtype)
 
     def _block_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Block scheme, x [T, K] -> [T, N] bf16: activations quantized per token per 128 columns (one Triton
@@ -139,10 +190,15 @@ class Fp8Linear(nn.Module):
         """[N, K] weight in `dtype` (what the CPU path runs)."""
         return dequantize_weight(self.weight, self.weight_scale, self.block, dtype)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         """The GPU path's math in float32 torch ops: activations quantized as there, both operands dequantized,
         one float32 matmul (batches of <= `gemv_max_rows` tokens on the GPU skip the activation quantization:
-        theirs is `x @ dequantized_weight().t()`). x [T, K] -> [T, N] in x.dtype."""
+        theirs is `x @ dequantized_weight().t()`). x [T, K] (or quantized already) -> [T, N] in x's dtype."""
+        if isinstance(x, Fp8Activation):
+            out = (x.q.float() * x.scale) @ self.dequantized_weight(torch.float32).t()
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(x.dtype)
         if self.block is not None:
             xq, xs = quantize_activations_torch(x, self.block[1])
             xd = xq.float() * xs.repeat_interleave(self.block[1], 1)[:, : x.shape[1]]

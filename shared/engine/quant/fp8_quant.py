@@ -18,10 +18,23 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+# online quantization at load: rows at a time, so the float32 temporaries stay this small whatever the weight (a 70B
+# gate_proj in one piece made three 0.9 GB ones, and the caching allocator kept their blocks, split under later weights)
+QUANT_CHUNK_ELEMENTS = 1 << 24
+
+
 def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q e4m3 [N, K], scale float32 [N]): one scale per output channel (row)."""
-    scale = w.float().abs().amax(dim=1).clamp(min=AMAX_FLOOR) / FP8_MAX
-    return _to_fp8(w, scale[:, None]), scale
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=FP8, device=w.device)
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    step = max(1, QUANT_CHUNK_ELEMENTS // max(k, 1))
+    for r in range(0, n, step):
+        part = w[r : r + step].to(torch.float32, copy=True)  # [rows, K], a copy: divided in place below
+        s = part.abs().amax(dim=1).clamp(min=AMAX_FLOOR) / FP8_MAX
+        scale[r : r + step] = s
+        q[r : r + step].copy_(part.div_(s[:, None]).clamp_(-FP8_MAX, FP8_MAX))
+    return q, scale
 
 
 def _block_view(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:

@@ -6,8 +6,10 @@ rank reads them on the host without a device sync even when the model's collecti
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -16,6 +18,13 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 60.0  # a collective waiting this long on a missing rank fails (worker.py heartbeats idle time)
 MAX_BROADCAST_INTS = 1 << 24  # one broadcast's int64 count (128 MiB): a bound on a corrupt or hostile length
 MAX_BROADCAST_BYTES = 1 << 32  # one tensor broadcast (KV pages of an import): a bound on a corrupt length
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor) -> None:
+    """Every rank's `x` into `out` ([world * N, ...], rank-major): `all_gather_single` where torch has it (2.13
+    deprecates `all_gather_into_tensor` for it), else `all_gather_into_tensor`."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x)
 
 
 def free_tcp_init_method() -> str:
@@ -28,9 +37,12 @@ def free_tcp_init_method() -> str:
 class TPGroup:
     """This process's rank in a TP group of `world_size` processes on `device`."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, plan_group):
+    def __init__(self, rank: int, world_size: int, device: torch.device, plan_group, backend: str = ""):
         self.rank, self.world_size, self.device = rank, world_size, device
         self._plan_group = plan_group  # gloo: the step plans (the world group itself on CPU)
+        self.backend = backend or ("nccl" if device.type == "cuda" else "gloo")  # the model's collectives
+        self._capturing = False  # inside `capturing`: the model's collectives are being recorded into a CUDA graph
+        self.captured_collectives = 0  # collectives recorded by the last `capturing` region
 
     @classmethod
     def init(
@@ -53,7 +65,7 @@ class TPGroup:
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         plan_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-        return cls(rank, world_size, device, plan_group)
+        return cls(rank, world_size, device, plan_group, backend)
 
     @classmethod
     def from_env(cls, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
@@ -71,14 +83,50 @@ class TPGroup:
     # ---- the model's collectives -------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns `x`."""
+        self.captured_collectives += self._capturing
         dist.all_reduce(x)
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, C] from each rank (the same C everywhere) -> [N, world * C], rank r's at columns [r * C, (r+1) * C)."""
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        """x [N, C] from each rank (the same C everywhere) -> [N, world * C], rank r's at columns [r * C, (r+1) * C).
+        One output tensor, no per-rank temporaries: on NCCL the same call is captured inside a decode CUDA graph."""
+        self.captured_collectives += self._capturing
+        n, c = x.shape
+        out = torch.empty(self.world_size * n, c, dtype=x.dtype, device=x.device)  # [world * N, C], rank-major
+        _all_gather_single(out, x.contiguous())
+        return out.view(self.world_size, n, c).permute(1, 0, 2).reshape(n, self.world_size * c)
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------------------
+    def capture_blocker(self) -> str:
+        """Why the model's collectives (`all_reduce`, `all_gather_columns`) cannot run inside a captured CUDA graph
+        ("" when they can: NCCL on CUDA devices). NCCL kernels are captured like any other (torch's NCCL process
+        group enqueues no watchdog work while a stream captures); gloo runs on the host, which a graph cannot hold."""
+        if self.device.type != "cuda" or self.backend != "nccl":
+            return (
+                f"the TP group's collectives run on {self.backend} ({self.device.type}): a CUDA graph cannot hold them"
+            )
+        return ""
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The region in which a CUDA graph records the model's collectives: refused (RuntimeError) for a group
+        that cannot be captured, rather than running gloo on the host while the graph records none of it; counts
+        the collectives recorded (`captured_collectives`: none would mean the graph bypassed this group)."""
+        why = self.capture_blocker()
+        if why:
+            raise RuntimeError(f"a CUDA graph cannot capture this tensor-parallel forward: {why}")
+        self._capturing, self.captured_collectives = True, 0
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    @property
+    def capture_error_mode(self) -> str:
+        """`torch.cuda.graph`'s capture_error_mode for graphs holding this group's collectives: thread_local, so
+        that CUDA calls of other threads during a capture (the NCCL watchdog's event queries of work enqueued
+        before it) are not taken for unsafe calls inside the capture (nccl-tests captures this way too)."""
+        return "thread_local"
 
     # ---- step plans ----------------------------------------------------------------------------------------
     def broadcast_ints(self, values: torch.Tensor | None) -> torch.Tensor:

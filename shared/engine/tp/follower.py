@@ -3,7 +3,8 @@ rank 0 (`supervisor.RankSupervisor`). It dies with rank 0 (a parent watch: `work
 PR_SET_PDEATHSIG, which fires when the *thread* that started the process ends, e.g. an engine built on a worker
 thread), ignores SIGINT (a terminal's Ctrl-C reaches rank 0, which drains and then ends its ranks), joins the
 group, builds the same `ModelRunner` as rank 0 on its shard (its heads, FFN columns, vocabulary rows; the same pool
-size) and runs every broadcast step until SHUTDOWN (exit 0) or a failed collective (exit 1).
+size; on CUDA the same decode graphs, captured in step with rank 0's) and runs every broadcast step, eager or a
+graph replay (`graph_step`), until SHUTDOWN (exit 0) or a failed collective (exit 1).
 
 The engine config arrives as JSON in $PDSERVE_TP_ENGINE_CONFIG (plain fields; never pickled)."""
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.engine.loader import parse_model_config
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.tp.comm import TPGroup
+    from pdserve.engine.tp.graph_step import follower_handlers
     from pdserve.engine.tp.layers import RankShard
     from pdserve.engine.tp.layout import make_layout
     from pdserve.engine.tp.worker import follow
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = ModelRunner(cfg, mc, tp=RankShard(group, make_layout(mc, args.world)))
     log.info("rank %d of %d ready on %s (%d KV pages)", args.rank, args.world, device, runner.num_pages)
     heads = runner.tp.rank.kv_heads if runner.tp is not None else ()
-    steps = follow(runner.model, runner.kv_cache, runner.backend, group, cfg.page_size, heads)
+    graphs = follower_handlers(runner.graph_runner, mc.vocab_size, runner.num_pages)  # rank 0's decode graph replays
+    steps = follow(runner.model, runner.kv_cache, runner.backend, group, cfg.page_size, heads, graphs)
     log.info("rank %d: shutdown after %d steps", args.rank, steps)
     group.close()
     return 0

@@ -11,6 +11,8 @@ join the group with them, and keep the group whole.
   the router sees the instance gone and fails its streams over.
 - Followers die with this process (a parent watch on their side, `follower.die_with_parent`); a clean exit of
   rank 0 (`stop`, at interpreter exit) sends SHUTDOWN first.
+- Observability is rank 0's: it serves Stats and /metrics (with the TP size) and exports the traces, one span per
+  instance step; followers run with tracing off (OTEL_SDK_DISABLED) and serve nothing.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class RankSupervisor:
             cmd += ["--init", init, "--parent", str(os.getpid()), "--timeout-s", str(timeout_s)]
             cmd += ["--torch-threads", str(torch.get_num_threads())]
             env = {**os.environ, "PDSERVE_TP_ENGINE_CONFIG": json.dumps(dataclasses.asdict(rank_cfg))}
+            env["OTEL_SDK_DISABLED"] = "true"  # an instance step is one span, rank 0's: a follower exports none
             followers.append(subprocess.Popen(cmd, env=env))
         log.info("tensor parallel: started ranks 1..%d (pids %s)", world - 1, [p.pid for p in followers])
         sup = cls(followers, workdir, heartbeat_s)

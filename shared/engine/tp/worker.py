@@ -11,8 +11,12 @@ rows, and the hidden-state rows whose logits are computed (every rank joins the 
     [LOGITS, rows...]          logits of these rows of the last step's hidden states (every rank joins the gather;
                                an engine step may compute several such blocks: prompt logprobs, sampled rows)
     [COPY, n, src(n), dst(n)]  copy whole KV pages (a fork's copy-on-write of its prompt's last page)
-    [SCATTER, ...]             imported KV pages of every head, then their bytes (`page_import`): each rank
-                               writes its own heads
+    [SCATTER, ...]             imported KV pages: each rank receives exactly its heads' bytes (`page_import`)
+                               and writes them into its pool
+    [GATHER, ...]              exported KV pages: each rank gathers (and quantizes) its heads and sends them to
+                               rank 0, which assembles the pages of every KV head (`page_export`); a STEP may
+                               carry such exports of layer groups, run inside its forward as each group's last
+                               layer is written (a streaming prefill chunk, `--kv-layer-group`)
 
 Failure: a collective with a dead rank fails (gloo: at once when the peer's connection closes, otherwise after the
 group's timeout); the runtime lets that error end the process. `exit_with_parent` ends a rank whose parent (the
@@ -26,7 +30,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,7 +39,8 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import CausalLM
 from pdserve.engine.tp.comm import TPGroup
-from pdserve.engine.tp.page_import import SCATTER, local_heads, receive_scatter
+from pdserve.engine.tp.page_export import GATHER, LayerExport, decode_gather, send_parts
+from pdserve.engine.tp.page_import import SCATTER, receive_scatter
 
 log = logging.getLogger("pdserve.engine.tp")
 
@@ -52,20 +58,26 @@ class StepPlan:
     page_tables: list[list[int]]  # [S][pages] physical pages covering start + q_len tokens
     num_decode: int  # the first num_decode sequences are decode rows
     logit_rows: list[int]  # rows of the step's hidden states [T, hidden] whose logits are computed
+    # layer groups exported during the forward, in the order rank 0 exports them (`page_export.LayerExport`)
+    exports: list[LayerExport] = field(default_factory=list)
 
     def encode(self) -> torch.Tensor:
-        """The plan as a 1-D int64 tensor (the STEP message)."""
+        """The plan as a 1-D int64 tensor (the STEP message): its fields, then the exports, when there are any,
+        as [count, then each one's GATHER message]."""
         s, t = len(self.starts), len(self.token_ids)
         header = [STEP, s, t, self.num_decode, len(self.logit_rows)]
         flat = list(itertools.chain.from_iterable(self.page_tables))
         lens = [len(p) for p in self.page_tables]
+        tail = [len(self.exports), *(x for e in self.exports for x in e.message().tolist())] if self.exports else []
         return torch.tensor(
-            header + self.starts + self.q_lens + lens + self.token_ids + flat + self.logit_rows, dtype=torch.int64
+            header + self.starts + self.q_lens + lens + self.token_ids + flat + self.logit_rows + tail,
+            dtype=torch.int64,
         )
 
     @classmethod
-    def decode(cls, msg: torch.Tensor, vocab_size: int, num_pages: int) -> StepPlan:
-        """A STEP message -> the plan; ValueError for one that does not add up (lengths, ids, pages, rows)."""
+    def decode(cls, msg: torch.Tensor, vocab_size: int, num_pages: int, page_size: int = 1 << 20) -> StepPlan:
+        """A STEP message -> the plan; ValueError for one that does not add up (lengths, ids, pages, rows, the
+        exports' pages and token counts against `page_size`)."""
         v = msg.tolist()
         if len(v) < _HEADER or v[0] != STEP:
             raise ValueError("not a STEP message")
@@ -75,8 +87,13 @@ class StepPlan:
         pos = _HEADER
         starts, q_lens, lens = v[pos : pos + s], v[pos + s : pos + 2 * s], v[pos + 2 * s : pos + 3 * s]
         pos += 3 * s
-        if len(lens) != s or min(lens, default=0) < 0 or len(v) != pos + t + sum(lens) + r:
+        end = pos + t + sum(lens) + r
+        if len(lens) != s or min(lens, default=0) < 0 or len(v) < end:
             raise ValueError(f"plan of {len(v)} ints does not match its header {v[:_HEADER]}")
+        try:
+            exports = LayerExport.decode_all(v[end:], num_pages, page_size)
+        except ValueError as e:
+            raise ValueError(f"plan of {len(v)} ints does not match its header {v[:_HEADER]}: {e}") from None
         ids = v[pos : pos + t]
         pos += t
         tables = []
@@ -90,7 +107,7 @@ class StepPlan:
             raise ValueError("plan token id or page outside the model's vocabulary / the pool")
         if any(not 0 <= x < t for x in rows):
             raise ValueError("plan logit row outside the step's tokens")
-        return cls(ids, starts, q_lens, tables, num_decode, rows)
+        return cls(ids, starts, q_lens, tables, num_decode, rows, exports)
 
 
 def logits_message(rows: list[int]) -> torch.Tensor:
@@ -179,11 +196,18 @@ class PlanLeader:
 
 
 def follow(
-    model: CausalLM, cache: KVCache, backend, group: TPGroup, page_size: int, kv_heads: tuple[int, ...] = ()
+    model: CausalLM,
+    cache: KVCache,
+    backend,
+    group: TPGroup,
+    page_size: int,
+    kv_heads: tuple[int, ...] = (),
+    handlers: Mapping[int, Callable[[torch.Tensor], None]] | None = None,
 ) -> int:
     """A rank > 0's loop: run each broadcast plan until SHUTDOWN; returns the steps run. A failed collective
     (a rank died, or rank 0 sent nothing within the group timeout) raises. `kv_heads`: the global KV head of each
-    of this rank's pool heads (imported pages keep those)."""
+    of this rank's pool heads (an imported batch must carry that many). `handlers`: message kind -> what runs it,
+    for kinds other modules add (`graph_step`: decode graph replays)."""
     if group.is_root:
         raise ValueError("follow runs on ranks > 0")
     steps = 0
@@ -204,19 +228,42 @@ def follow(
             cache.copy_pages(*decode_copy(msg, cache.num_pages))
             continue
         if kind == SCATTER:
-            if not kv_heads:
-                raise ValueError("SCATTER message for a rank that was not told its KV heads")
             pages, data, scales, zeros, g, span = receive_scatter(group, msg, cache.num_pages)
-            heads = torch.tensor(kv_heads, dtype=torch.long)
-            mine = [local_heads(t, heads) for t in (data, scales, zeros)]
-            assert mine[0] is not None
-            cache.scatter_pages(pages, mine[0], mine[1], mine[2], g, span)
+            if kv_heads and data.shape[4] != len(kv_heads):
+                raise ValueError(f"SCATTER of {data.shape[4]} KV heads to a rank holding {len(kv_heads)}")
+            cache.scatter_pages(pages, data, scales, zeros, g, span)
             continue
-        plan = StepPlan.decode(msg, model.config.vocab_size, cache.num_pages)
-        hidden = forward_plan(model, cache, backend, plan, page_size)
+        if kind == GATHER:
+            send_parts(group, cache.gather_pages(*decode_gather(msg, cache.num_pages, page_size)))
+            continue
+        if handlers is not None and kind in handlers:
+            handlers[kind](msg)
+            steps += 1
+            continue
+        plan = StepPlan.decode(msg, model.config.vocab_size, cache.num_pages, page_size)
+        model.layer_hook = export_hook(group, cache, plan.exports) if plan.exports else None
+        try:
+            hidden = forward_plan(model, cache, backend, plan, page_size)
+        finally:
+            model.layer_hook = None
         if plan.logit_rows:
             model.compute_logits(hidden[plan.logit_rows])
         steps += 1
+
+
+def export_hook(group: TPGroup, cache: KVCache, exports: list[LayerExport]):
+    """A follower's layer hook for one forward: after each layer, its part of every group ending there, in the
+    plan's order (rank 0's hook gathers the same groups at the same layer, `page_export.leader_gather`)."""
+
+    # the pages' index tensors made before the forward: no host-to-device copy (a device sync) inside it
+    indexes = [torch.tensor(e.pages, dtype=torch.long, device=cache.device) for e in exports]
+
+    def hook(layer: int) -> None:
+        for e, index in zip(exports, indexes):
+            if e.stop - 1 == layer:
+                send_parts(group, cache.gather_pages(*e.gather_args(), index=index))
+
+    return hook
 
 
 def exit_with_parent(poll_s: float = 0.5, code: int = 3) -> threading.Thread:

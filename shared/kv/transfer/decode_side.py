@@ -27,7 +27,7 @@ from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.base import ImportRows, KVReceiver
 from pdserve.kv.transfer.cuda_ipc import IpcBufferCache, IpcReceiver, copier_for
 from pdserve.kv.transfer.grpc_transport import GrpcReceiver
-from pdserve.kv.transfer.handshake import CUDA_IPC, GRPC, fall_back, make_offer
+from pdserve.kv.transfer.handshake import CUDA_IPC, GRPC, ShardLayout, fall_back, make_offer
 from pdserve.kv.transfer.pages import ReceiverPages
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.kv.transfer.timeouts import PageBudget, PeerLoads, Watchdog
@@ -52,7 +52,14 @@ class DecodeConnector:
     """Process-wide: what this instance offers, the pool layout it asks for, the opened peer staging buffers, the
     copy threads and the transfer counters."""
 
-    def __init__(self, cfg: ReceiverConfig, device: torch.device, layout: KVLayoutSpec, fingerprint: str) -> None:
+    def __init__(
+        self,
+        cfg: ReceiverConfig,
+        device: torch.device,
+        layout: KVLayoutSpec,
+        fingerprint: str,
+        shards: ShardLayout | None = None,
+    ) -> None:
         self.cfg = cfg
         self.device = device
         self.layout = layout
@@ -60,7 +67,8 @@ class DecodeConnector:
         self.stats = TransferStats()  # per transport: requests, pages, bytes, seconds, fallbacks
         budget = PageBudget(cfg.page_timeout_s, cfg.page_timeout_max_s, cfg.page_timeout_slack)
         self.loads = PeerLoads(budget)  # per prefill instance: tokens awaited, arrival rate (the page timeout)
-        self.offer = make_offer(cfg.kv_transport, device)
+        self.shards = shards or ShardLayout(1, layout.num_kv_heads)  # this instance's split of the KV heads
+        self.offer = make_offer(cfg.kv_transport, device, self.shards)
         self.buffers = IpcBufferCache(copier_for(device))  # prefill staging buffers, opened once each
         # grpc batches' host -> device copies: one side stream, so its cached blocks stay few (`device_copy`)
         self.copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -112,6 +120,7 @@ class IncomingTransfer:
         self._cancel: Callable[[], object] = lambda: None
         self._watchdog: Watchdog | None = None
         self._first_token = False
+        self.peer_shards: ShardLayout | None = None  # prefill's split of the KV heads, from its choice
         self.work = connector.loads.open(peer, len(pages.states) * connector.layout.page_size)  # the page timeout
 
     @property
@@ -184,6 +193,10 @@ class IncomingTransfer:
         it cannot be opened, grpc for this request (`handshake.fall_back`)."""
         if self.receiver is not None:
             raise TransferError("second transport choice on one stream")
+        self.peer_shards = ShardLayout.from_proto(choice.shards, self._connector.layout.num_kv_heads)
+        why = self.peer_shards.problem(self._connector.layout.num_kv_heads)
+        if why:  # pages hold every head whatever prefill's split; a split that cannot hold them is a broken peer
+            raise TransferError(f"prefill's tensor-parallel layout: {why}")
         transport = choice.transport
         if transport not in (GRPC, CUDA_IPC):
             raise TransferError(f"prefill chose unknown kv transport {transport!r}")
@@ -259,6 +272,13 @@ class IncomingTransfer:
             self.pages.fail()
 
 
-def for_decode(cfg: ReceiverConfig, device: torch.device, layout: KVLayoutSpec, fingerprint: str) -> DecodeConnector:
-    """The decode end of the handoff for one process (engine on `device`, its pool in `layout`)."""
-    return DecodeConnector(cfg, device, layout, fingerprint)
+def for_decode(
+    cfg: ReceiverConfig,
+    device: torch.device,
+    layout: KVLayoutSpec,
+    fingerprint: str,
+    shards: ShardLayout | None = None,
+) -> DecodeConnector:
+    """The decode end of the handoff for one process (engine on `device`, its pool in `layout`, its KV heads split
+    over its tensor-parallel ranks as `shards`; None: one rank)."""
+    return DecodeConnector(cfg, device, layout, fingerprint, shards)

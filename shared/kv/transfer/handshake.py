@@ -9,6 +9,11 @@
    cuda-ipc), prefill ships this request over grpc. Every fallback, on either end, goes through `fall_back`:
    counted and logged, or TransportUnusable when cuda-ipc was forced.
 
+Tensor parallelism: the offer carries decode's split of the KV heads over its ranks and the choice prefill's
+(`ShardLayout`: TP size, KV heads per rank). Pages on the wire hold every KV head in global order whatever either
+side's TP size, so any pair works; prefill refuses a decode whose split is not the one its own model gives at that
+TP size (another model or a bad peer: FAILED_PRECONDITION), decode refuses a split that cannot hold the heads.
+
 A new transport (e.g. NIXL) adds its name to `modes.TRANSPORTS`, its offer fields, and a branch in `choose`.
 """
 
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.tp.layout import MAX_TP_SIZE
 from pdserve.errors import TransportUnusable
 from pdserve.kv.transfer.modes import CUDA_IPC, GRPC
 from pdserve.kv.transfer.stats import TransferStats
@@ -47,14 +53,52 @@ def device_identity(device: torch.device) -> tuple[str, str, int]:
     return "cuda", str(getattr(props, "uuid", "")), index
 
 
-def make_offer(mode: str, device: torch.device) -> kv_pb2.KVTransportOffer:
-    """Decode's offer for `--kv-transport mode` on `device`."""
+@dataclass(frozen=True)
+class ShardLayout:
+    """One side's tensor-parallel split of the KV heads (`KVShardLayout`): `tp_size` ranks, each pool holding
+    `kv_heads_per_rank` KV heads (replicated heads counted on every rank that holds them)."""
+
+    tp_size: int = 1
+    kv_heads_per_rank: int = 0
+
+    @classmethod
+    def of(cls, runner) -> ShardLayout:
+        """An engine's split (its `ModelRunner`: `tp_size`, `num_local_kv_heads`)."""
+        return cls(runner.tp_size, runner.num_local_kv_heads)
+
+    def to_proto(self) -> kv_pb2.KVShardLayout:
+        return kv_pb2.KVShardLayout(tensor_parallel_size=self.tp_size, kv_heads_per_rank=self.kv_heads_per_rank)
+
+    @classmethod
+    def from_proto(cls, msg: kv_pb2.KVShardLayout, num_kv_heads: int) -> ShardLayout:
+        """A peer's split; a peer that predates tensor parallelism (fields unset) is one rank of every head."""
+        if msg.tensor_parallel_size == 0 and msg.kv_heads_per_rank == 0:
+            return cls(1, num_kv_heads)
+        return cls(msg.tensor_parallel_size, msg.kv_heads_per_rank)
+
+    def problem(self, num_kv_heads: int) -> str:
+        """Why this split cannot hold `num_kv_heads` KV heads ("" when it can): every head on some rank, no rank
+        holding more heads than its share of query heads could read."""
+        tp, per = self.tp_size, self.kv_heads_per_rank
+        if not 1 <= tp <= MAX_TP_SIZE:
+            return f"tensor parallel size {tp} outside 1..{MAX_TP_SIZE}"
+        if not 1 <= per <= num_kv_heads or tp * per < num_kv_heads:
+            return f"{tp} ranks of {per} KV heads cannot hold the model's {num_kv_heads}"
+        return ""
+
+    def __str__(self) -> str:
+        return f"TP={self.tp_size} x {self.kv_heads_per_rank} KV heads"
+
+
+def make_offer(mode: str, device: torch.device, shards: ShardLayout | None = None) -> kv_pb2.KVTransportOffer:
+    """Decode's offer for `--kv-transport mode` on `device`; `shards`: its split of the KV heads (None: not
+    told, as a peer that predates tensor parallelism)."""
     kind, uuid, index = device_identity(device)
     if mode == "auto":
         transports = [CUDA_IPC, GRPC] if kind == "cuda" else [GRPC]
     else:
         transports = [mode]
-    return kv_pb2.KVTransportOffer(
+    offer = kv_pb2.KVTransportOffer(
         transports=transports,
         host_id=host_id(),
         device_kind=kind,
@@ -62,6 +106,9 @@ def make_offer(mode: str, device: torch.device) -> kv_pb2.KVTransportOffer:
         device_index=index,
         forced=mode != "auto",
     )
+    if shards is not None:
+        offer.shards.CopyFrom(shards.to_proto())
+    return offer
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.base import ExportedPages, KVSender
 from pdserve.kv.transfer.cuda_ipc import IpcSender, IpcStaging, copier_for
 from pdserve.kv.transfer.grpc_transport import GrpcSender
-from pdserve.kv.transfer.handshake import CUDA_IPC, choose, fall_back, host_id
+from pdserve.kv.transfer.handshake import CUDA_IPC, ShardLayout, choose, fall_back, host_id
 from pdserve.kv.transfer.layers import effective_group
 from pdserve.kv.transfer.pages import SenderPages
 from pdserve.kv.transfer.stats import TransferStats
@@ -52,9 +52,15 @@ class PrefillConnector:
     message builders. `release(request_id)` gives a request's pages back to the engine."""
 
     def __init__(
-        self, cfg: SenderConfig, device: torch.device, fingerprint: str, release: Callable[[str], object]
+        self,
+        cfg: SenderConfig,
+        device: torch.device,
+        fingerprint: str,
+        release: Callable[[str], object],
+        shards: ShardLayout | None = None,
     ) -> None:
         self.cfg = cfg
+        self.shards = shards  # this instance's split of the KV heads over its ranks (None: one rank)
         self.device = device
         self.fingerprint = fingerprint
         self.release = release
@@ -93,6 +99,7 @@ class PrefillConnector:
         if choice.transport == CUDA_IPC:
             assert self._staging is not None  # choose() picks cuda-ipc only with the buffer registered
             message.ipc_buffer.CopyFrom(self._staging.desc)
+        message.shards.CopyFrom((self.shards or ShardLayout(1, layout.num_kv_heads)).to_proto())
         pages = SenderPages(request_id, num_pages, free=lambda: self.release(request_id), num_layers=layout.num_layers)
         tx = OutgoingTransfer(self, message, pages, layout, forced)
         tx.layer_group = effective_group(self.cfg.kv_layer_group, layout.num_layers, layer_groups)
@@ -250,7 +257,12 @@ class OutgoingTransfer:
 
 
 def for_prefill(
-    cfg: SenderConfig, device: torch.device, fingerprint: str, release: Callable[[str], object]
+    cfg: SenderConfig,
+    device: torch.device,
+    fingerprint: str,
+    release: Callable[[str], object],
+    shards: ShardLayout | None = None,
 ) -> PrefillConnector:
-    """The prefill end of the handoff for one process (engine on `device`, model `fingerprint`)."""
-    return PrefillConnector(cfg, device, fingerprint, release)
+    """The prefill end of the handoff for one process (engine on `device`, model `fingerprint`, its KV heads split
+    over its tensor-parallel ranks as `shards`; None: one rank)."""
+    return PrefillConnector(cfg, device, fingerprint, release, shards)

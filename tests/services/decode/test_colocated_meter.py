@@ -54,3 +54,18 @@ def test_small_steps_count_until_a_full_mixed_step_is_measured(engine):
     assert meter.any.rate() < 700 and meter.rate() == pytest.approx(750.0)  # the full steps' rate stands
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_the_start_up_prior_stands_until_a_full_step_is_measured(engine):
+    """The capacity measured at start-up (`pdserve.decode.step_budget`) is reported before any step, and above the
+    rate of small steps (which understates capacity); the first full mixed step replaces it."""
+    meter = PrefillRateMeter(engine, prior=40_000.0)
+    assert meter.rate() == 40_000.0
+    engine.add_request(EngineRequest("p-small", [5, 6, 7], GREEDY))  # 3 of 16 prefill tokens: not a full step
+    step(engine, meter, 10)
+    assert meter.any.rate() == pytest.approx(300.0) and meter.rate() == 40_000.0
+    engine.add_request(EngineRequest("p-full", list(range(10, 50)), GREEDY))
+    step(engine, meter, 20)  # 15 tokens in 20 ms beside one decode row
+    assert engine.last_step_prefill_tokens == 15 and meter.rate() == pytest.approx(750.0)
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -122,7 +122,7 @@ def test_seeded_forks_are_reproducible_and_differ(make_engine):
         runs.append({i: c["tokens"] for i, c in run_choices(e)["s"].items()})
     assert runs[0] == runs[1]
     assert len({tuple(t) for t in runs[0].values()}) > 1  # three generators, not one
-    # fork i >= 1 draws with seed + i (fork 0 with the seed, one draw on): forks 2, 3 of seed 6 are forks 1, 2 of 7
+    # fork i draws as n = 1 with seed + i does: forks 2, 3 of seed 6 are forks 1, 2 of 7
     e = make_engine("llama", num_pages=64)
     e.add_request(EngineRequest("t", prompt, dataclasses.replace(SAMPLED, seed=6), n=4))
     shifted = {i: c["tokens"] for i, c in run_choices(e)["t"].items()}

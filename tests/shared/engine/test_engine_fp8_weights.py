@@ -284,40 +284,60 @@ def test_block_gemm_in_the_triton_interpreter():
 
 GEMV_SCRIPT = r"""
 import torch
-from pdserve.engine.quant.fp8_gemv import fp8_gemv
+from pdserve.engine.quant.fp8_gemv import PATH_MAX_ROWS, counter_slots, fp8_gemv
 from pdserve.engine.quant.fp8_quant import expand_block_scales, quantize_weight_blocks, quantize_weight_per_channel
 def rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 torch.manual_seed(0)
 # (M, N, K, split, activation dtype, block_k): N and K not multiples of 128 (tails), a split that leaves the last
-# program fewer steps, the split from the SM count (0), no split (1); M <= 4 the CUDA-core path (block_k columns a
-# step), M > 4 the tensor-core path; fp16 stands in for bf16 (the interpreter's bf16 dot is wrong)
+# program fewer steps, the split from the SM count (0), no split (1); every path that takes M rows;
+# block_k: columns a step of the CUDA-core paths; fp16 stands in for bf16 (the interpreter's bf16 dot is wrong)
 for m, n, k, split, dt, bk in [(1, 200, 320, 2, torch.float32, 256), (3, 136, 400, 0, torch.float16, 0),
                                (16, 72, 264, 3, torch.float32, 0), (2, 300, 256, 1, torch.float32, 0),
                                (1, 64, 1000, 3, torch.float16, 128), (5, 40, 300, 2, torch.float32, 0)]:
     w, x, b = torch.randn(n, k), (torch.randn(m, k) * 3).to(dt), torch.randn(n)
     wq, ws = quantize_weight_blocks(w)
     ref = x.double() @ (wq.double() * expand_block_scales(ws, n, k, (128, 128)).double()).t() + b.double()
-    counters = torch.zeros(64, dtype=torch.int32)  # split-K tickets: the kernel leaves them zero for the next call
-    errs = [rel(fp8_gemv(x, wq, ws, b, 128, torch.float32, block_n=32, block_k=bk, split=split, counters=counters),
-                ref) for _ in range(2)]
-    assert int(counters.abs().sum()) == 0, counters
     rows = ws.repeat_interleave(128, 0)[:n].contiguous()  # one scale per row per 128 columns
-    errs.append(rel(fp8_gemv(x, wq, rows, b, 1, torch.float32, block_n=32, split=split), ref))
-    wq, ws = quantize_weight_per_channel(w)
-    ref = x.double() @ (wq.double() * ws.double()[:, None]).t()
-    errs.append(rel(fp8_gemv(x, wq, ws, None, 0, torch.float32, block_n=16, split=split), ref))
-    assert max(errs) < 1e-5, (m, n, k, errs)
-    print(m, n, k, " ".join(f"{e:.1e}" for e in errs))
+    cq, cs = quantize_weight_per_channel(w)
+    ref_c = x.double() @ (cq.double() * cs.double()[:, None]).t()
+    counters = torch.zeros(counter_slots(n), dtype=torch.int32)  # split-K tickets: left zero for the next call
+    # stream also with elementwise accumulators (acc_k) and without the prefetch
+    variants = [(p, False, True) for p, most in PATH_MAX_ROWS.items() if m <= most]
+    for path, acc_k, prefetch in variants + [("stream", True, True), ("stream", True, False)]:
+        # stream: 4 rows a program (its block rows share a scale row), 256 (two block rows: per-row scales)
+        block_ns = (4, 256) if path == "stream" else (32,)
+        kw = dict(block_k=bk, split=split, counters=counters, path=path, acc_k=acc_k, prefetch=prefetch)
+        errs = [rel(fp8_gemv(x, wq, ws, b, 128, torch.float32, block_n=bn, **kw), ref) for bn in block_ns for _ in "12"]
+        assert int(counters.abs().sum()) == 0, counters
+        errs.append(rel(fp8_gemv(x, wq, rows, b, 1, torch.float32, block_n=block_ns[0], **kw), ref))
+        errs.append(rel(fp8_gemv(x, cq, cs, None, 0, torch.float32, block_n=16, **kw), ref_c))
+        assert max(errs) < 1e-5, (m, n, k, path, errs)
+        print(m, n, k, path, acc_k, prefetch, " ".join(f"{e:.1e}" for e in errs))
 """
 
 
 def test_fp8_gemv_in_the_triton_interpreter():
     """The decode GEMV (weight-only dequantization, one-launch split-K) with block, per-row and per-channel scales
-    at M = 1, 2, 3 (CUDA-core path), 5, 16 (tensor-core path) against the float64 product of the unquantized
-    activations and the dequantized weight."""
+    at M = 1, 2, 3, 5, 16 on every path that takes M rows (CUDA-core "stream", also with acc_k and without the
+    prefetch, and "fma", tensor-core "dot") against the float64 product of the unquantized activations and the
+    dequantized weight."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", GEMV_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", GEMV_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert len(r.stdout.splitlines()) == 6
+    # per case: the paths taking M rows (stream three times, dot; fma up to 4 rows)
+    assert len(r.stdout.splitlines()) == sum(5 if m <= 4 else 4 for m in (1, 3, 16, 2, 1, 5)), r.stdout
+
+
+def test_fp8_gemv_auto_path_by_rows():
+    """ "auto": the streaming CUDA-core path up to AUTO_STREAM_ROWS rows, then "fma" up to AUTO_FMA_ROWS, then the
+    tensor cores; an explicit path past its most rows is refused."""
+    pytest.importorskip("triton")
+    from pdserve.engine.quant import fp8_gemv as G
+
+    for m in range(1, G.MAX_M + 1):
+        want = "stream" if m <= G.AUTO_STREAM_ROWS else "fma" if m <= G.AUTO_FMA_ROWS else "dot"
+        assert G.choose_path("auto", m) == want and G.choose_path("dot", m) == "dot"
+    with pytest.raises(AssertionError):
+        G.choose_path("fma", G.FMA_MAX_ROWS + 1)

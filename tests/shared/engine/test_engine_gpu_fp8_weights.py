@@ -175,13 +175,14 @@ def test_engine_fp8_weights_graphs_and_eager(checkpoint, tmp_path, bf16_referenc
 @pytest.mark.parametrize("m", [1, 2, 4, 16])
 def test_fp8_gemv_split_k_tickets_pdl_and_sweep_configs(m):
     """The GEMV's one-launch split-K (forced splits; the counters end zero, results equal the unsplit ones to
-    fp32 summation order), as a programmatic dependent launch in a graph, and every bench sweep config."""
-    from pdserve.engine.quant.fp8_gemv import SWEEP_CONFIGS, fp8_gemv
+    fp32 summation order), as a programmatic dependent launch in a graph, and every bench sweep config (of
+    bench/fp8_weights.py, and of bench/fp8_gemv_sweep.py on every path that takes M rows)."""
+    from pdserve.engine.quant.fp8_gemv import PATH_CONFIGS, PATH_MAX_ROWS, SWEEP_CONFIGS, counter_slots, fp8_gemv
 
     lin, _ = layer(4096, 14336, BLOCK, seed=m)
     x = torch.randn(m, 14336, device=DEV).bfloat16()
     ref = x.float() @ lin.dequantized_weight().t() + lin.bias.float()
-    counters = torch.zeros(4096 // 8, dtype=torch.int32, device=DEV)
+    counters = torch.zeros(counter_slots(4096), dtype=torch.int32, device=DEV)
     one = fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, split=1)
     for split in (2, 7, 28):
         out = fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, split=split, counters=counters)
@@ -193,6 +194,10 @@ def test_fp8_gemv_split_k_tickets_pdl_and_sweep_configs(m):
     assert torch.equal(out, eager) and int(counters.abs().sum()) == 0
     for cfg in SWEEP_CONFIGS:
         assert rel(fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, **cfg), ref) < 1e-2, cfg
+    for path, configs in PATH_CONFIGS.items():
+        for cfg in configs if m <= PATH_MAX_ROWS[path] else []:
+            out = fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, path=path, counters=counters, **cfg)
+            assert rel(out, ref) < 1e-2 and int(counters.abs().sum()) == 0, (path, cfg)
 
 
 @pytest.mark.parametrize("m", [17, 128, 2048])

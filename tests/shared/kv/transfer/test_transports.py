@@ -118,6 +118,7 @@ def test_grpc_pair_batches_verifies_and_frees_on_ack(layout, threads):
 
 
 def test_grpc_sender_books_every_batch_at_once_and_builds_a_bounded_few_ahead():
+    """The writer builds a chunk's first message when it asks; the next `lookahead` are built on the pool meanwhile."""
     fmt = PageFormat(INT8)
     n = 12
     rows = torch.randint(0, 255, (n, fmt.page_bytes), dtype=torch.uint8)
@@ -137,7 +138,7 @@ def test_grpc_sender_books_every_batch_at_once_and_builds_a_bounded_few_ahead():
         msgs = iter(sender.send(ExportedPages(list(range(n)), [PS] * n, rows)))
         assert pages.num_shipped == n  # booked before any message is built
         time.sleep(0.2)
-        assert sorted(built) == [0, 1, 2]  # the lookahead, started before the writer asked
+        assert sorted(built) == [1, 2, 3]  # the lookahead, started before the writer asked; the first is its own
         gate.set()
         got = [parse_server_message(m)[1].first_seq_no for m in msgs]
     assert got == list(range(n)) and sorted(built) == list(range(n))  # in order, each built once

@@ -671,9 +671,9 @@ export type GenerateRequest = Message<"pdserve.v1.GenerateRequest"> & {
 
   /**
    * Completions (choices) of the one prompt: 0 or 1 = one; at most 16. The prompt is computed once; its KV is shared
-   * by the choices. Each chunk / response says its choice (`index`). A seeded request's choice i samples with
-   * seed + i (choice 0: with the seed, one draw on). Not with a failover resume: a stream of n > 1 that loses its
-   * decode instance after the first token fails UNAVAILABLE instead.
+   * by the choices. Each chunk / response says its choice (`index`). A seeded request's choice i samples as a
+   * request of n = 1 with seed + i would. A decode instance lost mid-stream: each unfinished choice resumes where
+   * its stream is (transparent failover, as with n = 1).
    *
    * @generated from field: int32 n = 13;
    */
@@ -681,7 +681,8 @@ export type GenerateRequest = Message<"pdserve.v1.GenerateRequest"> & {
 
   /**
    * Candidates run (0 = n; n..16): the n with the highest cumulative logprob (the sampled tokens' logprobs, summed)
-   * are returned, best first. best_of > n: Generate only (GenerateStream: INVALID_ARGUMENT, as OpenAI).
+   * are returned, best first. best_of > n: Generate only (GenerateStream: INVALID_ARGUMENT, as OpenAI); the
+   * response's usage.completion_tokens counts every candidate's tokens (as OpenAI bills them), each choice's its own.
    *
    * @generated from field: int32 best_of = 14;
    */

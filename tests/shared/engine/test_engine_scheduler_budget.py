@@ -1,0 +1,38 @@
+"""Step sizes of the scheduler (scheduler.py): 0 and -1 (auto, until the service resolves it) mean `chunk_size`;
+`set_budget` resizes between steps; with room for every decode row beside a full chunk (how a colocated instance
+sizes an auto budget) decode rows never shorten a chunk."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.page_table import PageAllocator
+from pdserve.engine.scheduler import Scheduler
+
+
+def make(chunk: int, budget: int) -> Scheduler:
+    return Scheduler(PageAllocator(64), page_size=16, chunk_size=chunk, max_num_seqs=64, step_token_budget=budget)
+
+
+@pytest.mark.parametrize("budget", [0, -1])
+def test_unset_or_auto_budget_is_the_chunk_size(budget):
+    s = make(512, budget)
+    assert s.step_token_budget == 512
+    assert [s.prefill_budget(d) for d in (0, 12, 400, 500)] == [512, 500, 128, 128]  # never below a quarter
+
+
+def test_room_for_every_decode_row_keeps_full_chunks():
+    s = make(512, -1)
+    s.set_budget(2048, 2048 + 64)
+    assert {s.prefill_budget(d) for d in range(65)} == {2048}
+    s.set_budget(2048, 2048)  # the decode rows come out of the chunk: 2048 tokens of prompt take two steps
+    assert s.prefill_budget(20) == 2028
+
+
+def test_set_budget_refuses_non_positive_sizes():
+    s = make(512, 0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        s.set_budget(0, 512)
+    with pytest.raises(ValueError, match="must be > 0"):
+        s.set_budget(512, -1)
+    assert (s.chunk_size, s.step_token_budget) == (512, 512)
