@@ -207,13 +207,14 @@ def itl_section(table: Table, batch: int, tokens: int, mask_threads: int = 0) ->
     from pdserve.engine.structured_spec import StructuredSpec
     from pdserve.models.random_llama import LLAMA3_8B_SHAPE
 
-    with tempfile.TemporaryDirectory() as d:
-        model_dir = Path(d)
-        t0 = time.perf_counter()
-        build_wide_tokenizer(model_dir)
-        write_config_dir(model_dir, LLAMA3_8B_SHAPE, 32, None)
-        log(f"model dir (config + {LLAMA3_VOCAB}-token tokenizer) in {time.perf_counter() - t0:.1f}s")
-        e = ge.make_engine(model_dir, "int8", num_pages=8192, load_format="dummy")
+    # kept until the process exits: the engine reads the tokenizer files again at its first structured request
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = Path(tmp.name)
+    t0 = time.perf_counter()
+    build_wide_tokenizer(model_dir)
+    write_config_dir(model_dir, LLAMA3_8B_SHAPE, 32, None)
+    log(f"model dir (config + {LLAMA3_VOCAB}-token tokenizer) in {time.perf_counter() - t0:.1f}s")
+    e = ge.make_engine(model_dir, "int8", num_pages=8192, load_format="dummy")
     assert e.overlap_decode, "overlapped decode is off"
     fills: list[float] = []
     fill = structured.fill_bitmasks
