@@ -13,6 +13,20 @@ from pdserve.server.grpc_util import channel
 from pdserve.v1 import router_admin_pb2 as pb
 from pdserve.v1 import router_admin_pb2_grpc
 
+# engine flags of the failover tests' small instances: one thread, a small fp32 pool, unquantized KV
+ENGINE_FLAGS = [
+    "--torch-threads",
+    "1",
+    "--page-size",
+    "16",
+    "--max-num-seqs",
+    "8",
+    "--num-pages",
+    "512",
+    "--kv-dtype",
+    "auto",
+]
+
 
 def listing(router: str) -> pb.ListInstancesResponse:
     """The Registry's listing, from the router's internal port (`launch.Address.internal`; a plain address: as is)."""

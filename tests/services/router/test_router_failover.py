@@ -21,22 +21,10 @@ import pdserve
 from pdserve.models.checkpoints import build_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from router_testutil import instances, kill_mid_stream_is_invisible, listing, wait_states
+from router_testutil import ENGINE_FLAGS, instances, kill_mid_stream_is_invisible, listing, wait_states
 from services_testutil import services
 
 pytestmark = pytest.mark.timeout(300)
-ENGINE_FLAGS = [
-    "--torch-threads",
-    "1",
-    "--page-size",
-    "16",
-    "--max-num-seqs",
-    "8",
-    "--num-pages",
-    "512",
-    "--kv-dtype",
-    "auto",
-]
 MAX_TOKENS = 600
 
 

@@ -24,22 +24,10 @@ from pdserve.cli.launch import start_service, wait_ready
 from pdserve.models.checkpoints import build_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from router_testutil import instances, listing, wait_states
+from router_testutil import ENGINE_FLAGS, instances, listing, wait_states
 from services_testutil import services
 
 pytestmark = pytest.mark.timeout(400)
-ENGINE_FLAGS = [
-    "--torch-threads",
-    "1",
-    "--page-size",
-    "16",
-    "--max-num-seqs",
-    "8",
-    "--num-pages",
-    "512",
-    "--kv-dtype",
-    "auto",
-]
 N = 3
 MAX_TOKENS = 200
 
