@@ -66,7 +66,7 @@ DEFAULT_STREAM = dict(block_n=8, block_k=2048, num_warps=4, num_stages=1, progra
 DEFAULTS = {"stream": DEFAULT_STREAM, "fma": DEFAULT_FMA, "dot": DEFAULT_DOT}
 # (path, M rounded up to a power of 2, N, K) -> launch config for a known decode shape, taken before DEFAULTS[path]
 # (bench/fp8_gemv_sweep.py prints this table from its best configs)
-# measured: bench/fp8_gemv_sweep.py on one H200, 2026-12-04 (docs/benchmarks.md); "stream" at M = 1 took DEFAULT_STREAM
+# the fastest launch per decode shape as bench/fp8_gemv_sweep.py prints it (Hopper); "stream" at M = 1 is DEFAULT_STREAM
 # at every shape, M = 16 is left to the defaults
 SHAPE_CONFIGS: dict[tuple[str, int, int, int], dict] = {
     ('dot', 2, 4096, 4096): dict(block_n=32, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
