@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.client import AsyncClient, CompletionChunk, PromptLogprobs, TokenLogprob
+from pdserve.client_retry import RetryPolicy
 from pdserve.router.gateway import logprobs, models, protocol, tools
 from pdserve.router.gateway.config import GatewayConfig
 from pdserve.router.gateway.errors import (
@@ -124,7 +125,10 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         ca = cfg.router_tls_ca()
         tls = bool(ca) or cfg.router_tls
-        async with AsyncClient(cfg.router, timeout=cfg.request_timeout_s, tls=tls, tls_ca=ca or None) as client:
+        retry = RetryPolicy(max_wait_s=cfg.pushback_wait_s) if cfg.pushback_wait_s > 0 else False
+        async with AsyncClient(
+            cfg.router, timeout=cfg.request_timeout_s, tls=tls, tls_ca=ca or None, retry=retry
+        ) as client:
             app.state.client = client
             app.state.models = ModelListCache(  # the router's models per credential, briefly (model_cache.py)
                 functools.partial(models.router_models, client), cfg.models_cache_s, cfg.models_cache_size

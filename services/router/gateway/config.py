@@ -22,6 +22,11 @@ class GatewayConfig:
         "name); a router serving several: their own names (Generation.ListModels)",
     )
     request_timeout_s: float = opt(600.0, "deadline of each call to the router")
+    pushback_wait_s: float = opt(
+        20.0,
+        "while the router answers 'at capacity' (RESOURCE_EXHAUSTED with a pushback), retry it after each pushback "
+        "for up to this long in all before answering 429 with Retry-After; 0 = answer 429 at once",
+    )
     models_cache_s: float = opt(
         2.0, "reuse the router's model list (ListModels) this long per caller credential; 0 = ask on every request"
     )
@@ -55,6 +60,8 @@ class GatewayConfig:
             raise SystemExit(f"--request-timeout-s must be > 0, got {self.request_timeout_s}")
         if self.models_cache_s < 0:
             raise SystemExit(f"--models-cache-s must be >= 0, got {self.models_cache_s}")
+        if self.pushback_wait_s < 0:
+            raise SystemExit(f"--pushback-wait-s must be >= 0, got {self.pushback_wait_s}")
         names = ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections", "max_header_kb")
         for name in (*names, "models_cache_size"):
             if not getattr(self, name) > 0:

@@ -3,6 +3,8 @@ router is a scripted gRPC Generation server (each prompt names the status it ans
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 from gateway_testutil import running_gateway, scripted_router
@@ -14,8 +16,10 @@ TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
+    """A gateway that answers the router's pushback at once (the mapping itself; the wait is tested below)."""
     with scripted_router() as (servicer, router):
-        with running_gateway(router, tmp_path_factory.mktemp("gw-scripted")) as (host, port):
+        servicer.target = router  # a second gateway in front of the same router (the pushback wait test)
+        with running_gateway(router, tmp_path_factory.mktemp("gw-scripted"), "--pushback-wait-s", "0") as (host, port):
             base = f"http://{host}:{port}/v1"
             yield servicer, openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=30)
 
@@ -44,6 +48,27 @@ def test_status_mapping(scripted, code, status, stream):
         assert e.response.headers["retry-after"] == "3"  # 2500 ms, rounded up to whole seconds
     else:
         assert "retry-after" not in e.response.headers
+
+
+def test_pushback_is_waited_out_within_the_gateways_bound(scripted, tmp_path):
+    """With --pushback-wait-s 3 and the router's 2.5 s pushback, the gateway tries the router once more after the
+    pushback (not at once, not a third time: 5 s would pass its bound), then answers 429; at 0 (the fixture) it
+    answers after the first refusal."""
+    servicer, _ = scripted
+    with running_gateway(servicer.target, tmp_path, "--pushback-wait-s", "3") as (host, port):
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        before, t0 = len(servicer.metadata), time.monotonic()
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model="m", prompt="RESOURCE_EXHAUSTED")
+        waited = time.monotonic() - t0
+    assert len(servicer.metadata) - before == 2
+    assert 2.5 <= waited < 4.5, waited
+    assert info.value.response.headers["retry-after"] == "3"
+    _, fast = scripted
+    before, t0 = len(servicer.metadata), time.monotonic()
+    with pytest.raises(openai.RateLimitError):
+        fast.completions.create(model="m", prompt="RESOURCE_EXHAUSTED")
+    assert len(servicer.metadata) - before == 1 and time.monotonic() - t0 < 2.0
 
 
 def test_traceparent_passed_on(scripted):
