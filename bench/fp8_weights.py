@@ -18,7 +18,9 @@ GPU run, in order (progress logged; the JSON is written at the end, ppl_* / qual
    compressed-tensors config) served by `pdserve up --colocated 1 --load-format dummy` with int8 KV on GPU 0:
    random FP8 weights generated on the device (no 70 GB checkpoint); served TTFT of fresh 2k prompts (median of 5
    after a warm-up), ITL at batch 1 (fresh 512-token prompts, 64 tokens, (t_last - t_first) / 63, median of 3), the
-   KV pool capacity in tokens from the instance's Stats (kv_pages_total x page_size).
+   KV pool capacity in tokens from the instance's Stats (kv_pages_total x page_size); then, once the stack has
+   exited, the same config in this process (`details.70b.engine`: TTFT 2k and ITL b1 of the engine alone, the
+   served figures' in-process counterparts).
 
 `--ppl` (CPU): SmolLM2-135M-Instruct (the demo model) on the quality set of bench/kv_formats.py (the shipped corpus,
 8 windows of 64 prompt + 256 scored tokens) through the CPU path: bf16 (weights and math), FP8 block and FP8
@@ -226,6 +228,37 @@ def served_70b(table: Table, workdir: Path, copy_bw: float, reps: int = 5, shape
     return out
 
 
+def engine_70b(ge, table: Table, workdir: Path, served: dict, steps: int, reps: int = 5) -> dict:
+    """The served 70B figures' in-process counterpart from the same config (after the stack has exited): one engine
+    in this process as the colocated instance runs it (dummy FP8 weights, int8 KV, chunk 2048, graphs), a pool
+    of 2048 pages: TTFT of a fresh 2048-token prompt (median of `reps`) and ITL b1 at context 512."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    cfg = EngineConfig(model_dir=str(workdir / "llama3-70b-fp8-config"), dtype="bfloat16", device="cuda",
+                       page_size=16, chunk_size=2048, num_pages=2048, max_num_seqs=8, kv_dtype="int8",
+                       attention_backend="fa3", load_format="dummy")  # fmt: skip
+    e = LLMEngine(cfg)
+    out: dict = {"load_s": time.perf_counter() - t0}
+    rng = torch.Generator().manual_seed(71)
+    fresh = lambda n: torch.randint(5, SHAPE_70B["vocab_size"], (n,), generator=rng).tolist()
+    out["ttft_ms_2k"] = ge.time_prefill(e, lambda: fresh(2048), reps=reps)
+    submit(e, "itl70", fresh(512), SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
+    e.step()  # prefill
+    out["itl_ms_b1"] = statistics.median(ge.time_decode_steps(e, 10 + steps)[10:])
+    e.abort("itl70")
+    e.step()
+    roof = served.get("itl_roofline_ms_b1")
+    table.row("[70B fp8 in-process] TTFT 2k / ITL b1", f"{out['ttft_ms_2k']:.0f} ms, {out['itl_ms_b1']:.2f} ms",
+              f"served {served.get('ttft_ms_2k', float('nan')):.0f} ms / {served.get('itl_ms_b1', float('nan')):.2f} "
+              f"ms; roofline {roof or float('nan'):.2f} ms")  # fmt: skip
+    del e
+    ge.free_memory()
+    return out
+
+
 # ---- the GPU run -----------------------------------------------------------------------------------------------
 def gpu_main(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -254,6 +287,9 @@ def gpu_main(args) -> None:
         log(f"70B: {time.perf_counter() - t_start:.0f} s into the run")
         big = ge.section(details, "70b", lambda: served_70b(table, Path(tmp), copy_bw))
         details["70b"] = big
+        if big:
+            log(f"70B in-process: {time.perf_counter() - t_start:.0f} s into the run")
+            big["engine"] = ge.section(details, "70b_engine", lambda: engine_70b(ge, table, Path(tmp), big, args.steps))
     keys: dict = {}
     bf = rows.get("bf16") or {}
     fp8 = [r for n, r in rows.items() if n != "bf16" and r]

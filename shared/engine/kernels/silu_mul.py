@@ -6,7 +6,10 @@ amax(|out|) / 448 of the rounded product, the math of quant/fp8_quant.quantize_a
 row's amax over its I columns, then recomputes each block and writes it in e4m3. The programs are few (a few per
 SM, each looping over rows) so that the rows in flight fit in L2 (a row is 4I bytes, 112 KiB for the 8B shape):
 the second read of a row hits L2, and HBM sees one read of gate_up and one byte a value written, against a [T, I]
-activation-dtype write and one or two reads of it for a separate quantization pass."""
+activation-dtype write and one or two reads of it for a separate quantization pass. Rows of at most ROW_BLOCK_MAX
+columns (every Llama / Qwen FFN up to I = 16384) take `_silu_mul_fp8_row_kernel` instead: one program a row, the
+row's products held in registers between the amax and the cast, so gate_up is read once with no second pass at
+all (the choice: `single_pass`, timed against the loop in tests/shared/engine/test_engine_gpu_fp8_fusion.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BLOCK = 1024
 FP8_BLOCK = 4096  # columns a step of the FP8 kernel's row loop
+ROW_BLOCK_MAX = 16384  # widest row (padded to a power of 2) the single-pass FP8 kernel holds in registers
 L2_ROWS_BYTES = 24 << 20  # gate_up bytes of the rows the FP8 kernel's programs hold at once (H100/H200 L2: 50 MB)
 FP8 = torch.float8_e4m3fn
 AMAX_FLOOR = 1e-12  # = quant/fp8_quant.AMAX_FLOOR
@@ -74,6 +78,25 @@ def _silu_mul_fp8_kernel(
         row += tl.num_programs(0)
 
 
+@triton.jit
+def _silu_mul_fp8_row_kernel(
+    x_ptr, x_stride, q_ptr, q_stride, scale_ptr, n_cols, amax_floor, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):  # fmt: skip
+    """One row a program, in one pass: the row's products stay in registers from the amax to the e4m3 cast (the
+    same math as `_silu_mul_fp8_kernel`, so the same bytes)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    y = _swiglu_block(x_ptr + row * x_stride, n_cols, cols, m)  # [BLOCK] fp32, masked columns 0
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor) / 448.0
+    q = tl.clamp(y / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * q_stride + cols, q, mask=m)
+    tl.store(scale_ptr + row, scale)
+
+
 def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     t, n2 = gate_up.shape
     n = n2 // 2
@@ -103,16 +126,35 @@ def fp8_programs(rows: int, cols: int, device: torch.device) -> int:
 
 
 def silu_mul_fp8(
-    gate_up: torch.Tensor, pdl: bool = False, programs: int | None = None
+    gate_up: torch.Tensor, pdl: bool = False, programs: int | None = None, single_pass: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [T, 2I] -> (q [T, I] e4m3, scale [T, 1] float32): q * scale ≈ silu_mul(gate_up) (`_scaled_mm`'s
-    rowwise scale_a layout). `programs`: the launch's programs (default `fp8_programs`)."""
+    rowwise scale_a layout). `single_pass`: one program a row with the row in registers (None: where I fits
+    ROW_BLOCK_MAX); else the row loop over `programs` programs (default `fp8_programs`)."""
     t, n2 = gate_up.shape
     n = n2 // 2
     assert gate_up.stride(1) == 1
     q = torch.empty(t, n, dtype=FP8, device=gate_up.device)
     scale = torch.empty(t, 1, dtype=torch.float32, device=gate_up.device)
-    if t:
+    row_block = triton.next_power_of_2(max(n, 1))
+    if single_pass is None:
+        single_pass = programs is None and row_block <= ROW_BLOCK_MAX
+    if t and single_pass:
+        assert row_block <= ROW_BLOCK_MAX, f"a row of {n} columns does not fit the single-pass kernel"
+        _silu_mul_fp8_row_kernel[(t,)](
+            gate_up,
+            gate_up.stride(0),
+            q,
+            q.stride(0),
+            scale,
+            n,
+            AMAX_FLOOR,
+            BLOCK=row_block,
+            USE_PDL=pdl,
+            num_warps=max(4, min(16, row_block // 1024)),
+            **(dict(launch_pdl=True) if pdl else {}),
+        )
+    elif t:
         block = min(FP8_BLOCK, triton.next_power_of_2(n))
         _silu_mul_fp8_kernel[(programs or fp8_programs(t, n, gate_up.device),)](
             gate_up,

@@ -53,6 +53,8 @@ for dt in (torch.float16, torch.float32):  # fp16 stands in for bf16 (numpy, und
         rq, rs = quantize_activations_torch(ref, None)
         assert q.shape == (t, i) and torch.equal(s, rs), (s, rs)
         same_codes(q, rq)
+        q1, s1 = S.silu_mul_fp8(gu)  # the default at these widths: one program a row, one pass
+        assert torch.equal(s1, s) and torch.equal(q1.view(torch.uint8), q.view(torch.uint8))
         print("silu_mul", dt, t, i)
 """
 

@@ -60,12 +60,14 @@ def test_rmsnorm_fp8_matches_rmsnorm_then_the_quantizer(t, n, residual):
     assert r1 is None or torch.equal(r1, r2)
 
 
+@pytest.mark.parametrize("single_pass", [False, None])
 @pytest.mark.parametrize("t, i", [(17, 14336), (300, 28672), (2048, 14336), (5, 200)])
-def test_silu_mul_fp8_matches_silu_mul_then_the_quantizer(t, i):
+def test_silu_mul_fp8_matches_silu_mul_then_the_quantizer(t, i, single_pass):
+    """Both kernels (the row loop; the default: single pass where the row fits, 28672 takes the loop)."""
     from pdserve.engine.kernels.silu_mul import silu_mul, silu_mul_fp8
 
     gu = (torch.randn(t, 2 * i, device=DEV) * 3).bfloat16()
-    q, s = silu_mul_fp8(gu)
+    q, s = silu_mul_fp8(gu, single_pass=single_pass)
     rq, rs = quantize_activations(silu_mul(gu), None)
     assert torch.equal(s, rs) and mismatched(q, rq) <= 1e-4
 
@@ -124,6 +126,16 @@ def main(m: int = 8192) -> None:
             gu = L["gate_up"](rmsnorm(o, nw, 1e-5, res))
             L["down"](silu_mul(gu))
 
+    gu = torch.randn(m, 2 * 14336, device=DEV).bfloat16()
+    unfused = cuda_ms(lambda: quantize_activations(silu_mul(gu), None))
+    loop, single = (cuda_ms(lambda sp=sp: silu_mul_fp8(gu, single_pass=sp)) for sp in (False, True))
+    print(
+        f"M={m} SwiGLU -> e4m3 (I = 14336): silu_mul + quantizer {unfused:.3f} ms, fused row loop {loop:.3f} ms, "
+        f"fused single pass {single:.3f} ms (gate_up read once: {gu.numel() * 2 / single / 1e9:.0f} GB/s)"
+    )
+    unfused = cuda_ms(lambda: quantize_activations(rmsnorm(x, nw, 1e-5, res), None))
+    fused = cuda_ms(lambda: rmsnorm_fp8(x, nw, 1e-5, res))
+    print(f"M={m} RMSNorm -> e4m3 (4096, residual): rmsnorm + quantizer {unfused:.3f} ms, fused {fused:.3f} ms")
     flops = 2 * m * sum(n * k for n, k in PROJ.values())
     base = cuda_ms(bf16)
     print(f"M={m}: bf16 {base:.3f} ms ({flops / base / 1e9:.0f} TFLOP/s)")
