@@ -46,7 +46,7 @@ SHAPES = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_
 # every cache of the run on one secret: values are MAC'd under it, so caches without a shared one share no pages
 KEYRING = CacheKeyring.generate("bench/prompt_cache.py")
 LAYOUT = KVLayoutSpec(dtype="int8", page_size=PAGE, num_layers=4, num_kv_heads=4, head_dim=64, group_size=64)
-LAYOUT_8B = KVLayoutSpec(dtype="int8", page_size=PAGE, num_layers=32, num_kv_heads=8, head_dim=128, group_size=128)
+LAYOUT_8B = KVLayoutSpec(dtype="int8", page_size=PAGE, num_layers=32, num_kv_heads=8, head_dim=128, group_size=64)
 
 
 def rand_tokens(n: int, seed: int) -> list[int]:

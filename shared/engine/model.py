@@ -178,15 +178,16 @@ class MLP(nn.Module):
         kc = self.kernels
         gate_up = project(kc, self.gate_up_proj, x, "gate_up")  # [T, 2I]
         if isinstance(self.down_proj, Fp8Linear):
-            if kc.fused and self.down_proj.takes_fp8(gate_up.shape[0]):  # SwiGLU writes e4m3 + row scales
-                from pdserve.engine.kernels.silu_mul import silu_mul_fp8
-
-                q, scale = silu_mul_fp8(gate_up, pdl=kc.pdl)
-                return self.down_proj(Fp8Activation(q, scale, gate_up.dtype), pdl=kc.pdl)
             if kc.fused:
-                from pdserve.engine.kernels.silu_mul import silu_mul
+                from pdserve.engine.kernels.silu_mul import silu_mul, silu_mul_fp8, single_pass_fits
 
-                return self.down_proj(silu_mul(gate_up, pdl=kc.pdl), pdl=kc.pdl)
+                down = self.down_proj
+                if down.takes_fp8(gate_up.shape[0]) and single_pass_fits(down.in_features):
+                    # SwiGLU writes e4m3 + row scales (in one pass only: its row loop is slower than the separate
+                    # quantizer pass)
+                    q, scale = silu_mul_fp8(gate_up, pdl=kc.pdl)
+                    return down(Fp8Activation(q, scale, gate_up.dtype), pdl=kc.pdl)
+                return down(silu_mul(gate_up, pdl=kc.pdl), pdl=kc.pdl)
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(torch.nn.functional.silu(gate) * up)
         return kc.swiglu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)

@@ -116,6 +116,11 @@ def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     return out
 
 
+def single_pass_fits(cols: int) -> bool:
+    """Whether `silu_mul_fp8` of I = `cols` takes the single-pass kernel (the row held in registers)."""
+    return triton.next_power_of_2(max(cols, 1)) <= ROW_BLOCK_MAX
+
+
 def fp8_programs(rows: int, cols: int, device: torch.device) -> int:
     """Programs of `silu_mul_fp8` for `rows` rows of I = `cols`: as many as keep L2_ROWS_BYTES of rows in flight,
     between one and four per SM (fewer starve the memory system of loads), never more than the rows."""
@@ -138,7 +143,7 @@ def silu_mul_fp8(
     scale = torch.empty(t, 1, dtype=torch.float32, device=gate_up.device)
     row_block = triton.next_power_of_2(max(n, 1))
     if single_pass is None:
-        single_pass = programs is None and row_block <= ROW_BLOCK_MAX
+        single_pass = programs is None and single_pass_fits(n)
     if t and single_pass:
         assert row_block <= ROW_BLOCK_MAX, f"a row of {n} columns does not fit the single-pass kernel"
         _silu_mul_fp8_row_kernel[(t,)](

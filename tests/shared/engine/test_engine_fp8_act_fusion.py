@@ -81,8 +81,7 @@ def channel_layer(n: int, k: int, bias: bool = True) -> tuple[Fp8Linear, torch.T
 
 def test_which_layers_take_quantized_inputs():
     lin, _ = channel_layer(8, 16)
-    assert not lin.takes_fp8(GEMV_MAX_ROWS + 1)  # off by default (slower on the H200)
-    lin.fused_input = True
+    assert lin.fused_input  # on by default (faster on the H200)
     assert lin.takes_fp8(GEMV_MAX_ROWS + 1) and not lin.takes_fp8(GEMV_MAX_ROWS)  # the GEMV reads bf16 rows
     lin.gemv_max_rows = 0
     assert lin.takes_fp8(1)

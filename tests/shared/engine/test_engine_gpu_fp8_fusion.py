@@ -131,7 +131,7 @@ def main(m: int = 8192) -> None:
     loop, single = (cuda_ms(lambda sp=sp: silu_mul_fp8(gu, single_pass=sp)) for sp in (False, True))
     print(
         f"M={m} SwiGLU -> e4m3 (I = 14336): silu_mul + quantizer {unfused:.3f} ms, fused row loop {loop:.3f} ms, "
-        f"fused single pass {single:.3f} ms (gate_up read once: {gu.numel() * 2 / single / 1e9:.0f} GB/s)"
+        f"fused single pass {single:.3f} ms (gate_up read once: {gu.numel() * 2 / single / 1e9:.2f} TB/s)"
     )
     unfused = cuda_ms(lambda: quantize_activations(rmsnorm(x, nw, 1e-5, res), None))
     fused = cuda_ms(lambda: rmsnorm_fp8(x, nw, 1e-5, res))
