@@ -32,8 +32,10 @@ STRICT = [
     "3",
     "--slo-interval-s",
     "0.1",
+    # the relax-back at the end waits for a window without samples: short, yet far longer than the gaps between
+    # the samples that take the factor down (sub-second) and the burst that finds it at its floor
     "--slo-window-s",
-    "8",
+    "4",
     "--slo-decrease",
     "0.3",
     "--slo-min-factor",

@@ -284,15 +284,16 @@ def test_block_gemm_in_the_triton_interpreter():
 
 GEMV_SCRIPT = r"""
 import torch
-from pdserve.engine.quant.fp8_gemv import PATH_MAX_ROWS, counter_slots, fp8_gemv
+from pdserve.engine.quant.fp8_gemv import DEFAULT_STREAM, MIN_BLOCK_N, PATH_MAX_ROWS, counter_slots, fp8_gemv
 from pdserve.engine.quant.fp8_quant import expand_block_scales, quantize_weight_blocks, quantize_weight_per_channel
 def rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 torch.manual_seed(0)
 # (M, N, K, split, activation dtype, block_k): N and K not multiples of 128 (tails), a split that leaves the last
 # program fewer steps, the split from the SM count (0), no split (1); every path that takes M rows;
-# block_k: columns a step of the CUDA-core paths; fp16 stands in for bf16 (the interpreter's bf16 dot is wrong)
-for m, n, k, split, dt, bk in [(1, 200, 320, 2, torch.float32, 256), (3, 136, 400, 0, torch.float16, 0),
+# block_k: columns a step of the CUDA-core paths; fp16 stands in for bf16 (the interpreter's bf16 dot is wrong).
+# N 136 = 128 + 8: two block rows and a tail at every block_n from 16 up, the fewest programs that do
+for m, n, k, split, dt, bk in [(1, 136, 320, 2, torch.float32, 256), (3, 136, 400, 0, torch.float16, 0),
                                (16, 72, 264, 3, torch.float32, 0), (2, 300, 256, 1, torch.float32, 0),
                                (1, 64, 1000, 3, torch.float16, 128), (5, 40, 300, 2, torch.float32, 0)]:
     w, x, b = torch.randn(n, k), (torch.randn(m, k) * 3).to(dt), torch.randn(n)
@@ -301,19 +302,26 @@ for m, n, k, split, dt, bk in [(1, 200, 320, 2, torch.float32, 256), (3, 136, 40
     rows = ws.repeat_interleave(128, 0)[:n].contiguous()  # one scale per row per 128 columns
     cq, cs = quantize_weight_per_channel(w)
     ref_c = x.double() @ (cq.double() * cs.double()[:, None]).t()
-    counters = torch.zeros(counter_slots(n), dtype=torch.int32)  # split-K tickets: left zero for the next call
+    # split-K tickets: one buffer for every call of the case, each call must leave it zero for the next
+    counters = torch.zeros(counter_slots(n), dtype=torch.int32)
     # stream also with elementwise accumulators (acc_k) and without the prefetch
     variants = [(p, False, True) for p, most in PATH_MAX_ROWS.items() if m <= most]
-    # the stream variants at M = 1 only, the rows "auto" gives them (the interpreter takes ~2 s a call)
-    extra = [("stream", True, True), ("stream", True, False)] if m == 1 else []
+    # the stream variants at M = 1 only, the rows "auto" gives them (the interpreter takes ~2 s a call): "auto"'s
+    # (acc_k, no prefetch) in both cases, acc_k with the prefetch where a program takes several steps (K 1000 in
+    # 128-column steps, split 3: the prefetch loop turns over; at K 320 a program takes one or two)
+    extra = [("stream", True, False)] + ([("stream", True, True)] if k > 4 * 128 else []) if m == 1 else []
     for path, acc_k, prefetch in variants + extra:
-        # stream: 4 rows a program (its block rows share a scale row), 256 (two block rows: per-row scales)
-        block_ns = (4, 256) if path == "stream" else (32,)
+        # stream: DEFAULT_STREAM's rows a program ("auto"'s launch; its block rows share a scale row), at the
+        # smallest N the fewest (MIN_BLOCK_N: as many column tiles as counter_slots gives counters), and 256 (two
+        # block rows: per-row scales)
+        block_ns = (MIN_BLOCK_N if n < 64 else DEFAULT_STREAM["block_n"], 256) if path == "stream" else (32,)
         kw = dict(block_k=bk, split=split, counters=counters, path=path, acc_k=acc_k, prefetch=prefetch)
-        errs = [rel(fp8_gemv(x, wq, ws, b, 128, torch.float32, block_n=bn, **kw), ref) for bn in block_ns for _ in "12"]
-        assert int(counters.abs().sum()) == 0, counters
-        errs.append(rel(fp8_gemv(x, wq, rows, b, 1, torch.float32, block_n=block_ns[0], **kw), ref))
-        errs.append(rel(fp8_gemv(x, cq, cs, None, 0, torch.float32, block_n=16, **kw), ref_c))
+        calls = [(wq, ws, b, 128, bn, ref) for bn in block_ns]
+        calls += [(wq, rows, b, 1, block_ns[0], ref), (cq, cs, None, 0, 16, ref_c)]
+        errs = []
+        for wt, sc, bias, scale_rows, bn, want in calls:
+            errs.append(rel(fp8_gemv(x, wt, sc, bias, scale_rows, torch.float32, block_n=bn, **kw), want))
+            assert int(counters.abs().sum()) == 0, (m, n, k, path, bn, counters)
         assert max(errs) < 1e-5, (m, n, k, path, errs)
         print(m, n, k, path, acc_k, prefetch, " ".join(f"{e:.1e}" for e in errs))
 """
@@ -328,8 +336,8 @@ def test_fp8_gemv_in_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", GEMV_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    # per case: the paths taking M rows (stream, dot; fma up to 4 rows), and stream twice more at M = 1
-    assert len(r.stdout.splitlines()) == sum(2 + (m <= 4) + 2 * (m == 1) for m in (1, 3, 16, 2, 1, 5)), r.stdout
+    # per case: the paths taking M rows (stream, dot; fma up to 4 rows), and stream once more at M = 1 (twice at K 1000)
+    assert len(r.stdout.splitlines()) == sum(2 + (m <= 4) + (m == 1) for m in (1, 3, 16, 2, 1, 5)) + 1, r.stdout
 
 
 def test_fp8_gemv_auto_path_by_rows():

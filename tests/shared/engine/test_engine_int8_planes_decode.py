@@ -46,11 +46,16 @@ def reference(q, kv, table, lens, ps, scale):
     return out
 
 torch.manual_seed(0)
-ps, KVH, D, HQ, W = 16, 8, 128, 32, 20
+# two KV heads (kh > 0 in the pool row offsets) of four query heads each (QPK 4 of QP 16 rows: masked q rows); the
+# interpreter runs a program per (sequence, KV head, split), so more heads only repeat the same blocks
+ps, KVH, D, HQ, W = 16, 2, 128, 8, 20
 lens = torch.tensor([1, 16, 31, 32, 33, 100, 128, 300], dtype=torch.int32)  # 300: flushes mid-split
 B = len(lens)
 P = B * W
-for data in ("normal", "slow-rise", "fast-rise", "fast-rise-large-v"):
+# fast-rise's V only at large magnitude: V's int8 bytes do not change with it (up to the fp16 rounding of its
+# scales, which carry the 3000) and the lazy rescales follow the scores alone, so the kernel takes the same branches
+# as with V at normal magnitude; "normal" keeps V at the small scales where P * v_scale rounds lowest
+for data in ("normal", "slow-rise", "fast-rise-large-v"):
     for splits in (1, 3):
         k, v, q = torch.randn(P, ps, KVH, D), torch.randn(P, ps, KVH, D), torch.randn(B, HQ, D)
         table = torch.randperm(P).view(B, W).int()
@@ -81,4 +86,4 @@ def test_lean_loop_vs_fp64_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert len(r.stdout.splitlines()) == 8
+    assert len(r.stdout.splitlines()) == 6

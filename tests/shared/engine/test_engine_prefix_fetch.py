@@ -186,8 +186,10 @@ def test_idle_engine_waits_for_pages_measured_to_land_sooner(engine, cached):
 
 def test_aborted_request_racing_a_fetch_frees_its_pages(engine, cached):
     prompt, _, cache, store, ns = cached
+    # both rates known, the fetch (2 pages landed at once) far faster than the compute: the idle engine waits for
+    # the stalled fetch for a chunk's predicted compute (8 tokens at 8 tokens/s: 1 s), then computes
     cache.measured_fetch(1 << 30, 1.0, 1000.0)
-    fetch = start_fetch(cache, ns, prompt, rate=1.0)
+    fetch = start_fetch(cache, ns, prompt, rate=8.0)
     store.gate.release()
     fetch.wait(2, 10)
     engine.add_request(EngineRequest("gone", prompt, GREEDY, prefix_fetch=fetch))
