@@ -23,7 +23,9 @@ this order):
   prefixes, so a 90% prefix comes from Redis only (`ttft_ms_4k_cold`; one 3680-token prefix written once, then hit
   with fresh tails: `ttft_ms_4k_redis_first`, the first hit, and `_p50`, the median of the five after it), and the
   store's fetch rate as the prefill fetches (`redis_fetch_gbps`: bench/prompt_cache.py's `PrefixFetch` of a 4k
-  prompt's 90% in pages, 8 connections, into pinned memory and onto the GPU).
+  prompt's 90% in pages, 8 connections, into pinned memory and onto the GPU). The cache part runs once per
+  `--redis-shards` entry (1: one redis-server; N: a Redis Cluster of N shards on this host, the prefill with
+  `--redis-cluster`; one redis-server delivers ~1.3 GB/s of megabyte values there), the keys from the last.
 
 After each part: `goodput_limit_rps` once the engine part is in (`goodput_limit` below; docs/benchmarks.md), and
 once both modes are in (this call or an earlier one into the same --json) --mode-data (what `pdserve up` reads to
@@ -177,38 +179,52 @@ def redis_fetch_gbps(url: str, page_bytes: int, pages: int = 230, reps: int = 5)
     return statistics.median(rates)
 
 
-def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, cache: bool, page_bytes: int):
-    """One gpu_serving stack on GPU0 for the grpc part (its KV transport forced to grpc: one 2k request at a time,
-    the second token and the KV GB/s) and the cache part (prefill's cache in Redis only: 4k TTFT cold and with a 90%
-    prefix read from Redis, then the store's fetch rate). The first token leaves ahead of the KV pages, so the
-    transport leaves the cache part's TTFTs alone."""
+def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, cache: bool, page_bytes: int,
+                shards: list[int]):  # fmt: skip
+    """gpu_serving stacks on GPU0: the grpc part (the first stack, its KV transport forced to grpc: one 2k request
+    at a time, the second token and the KV GB/s) and the cache part once per `shards` entry (prefill's cache on one
+    redis-server, or a Redis Cluster of that many shards on this host, Redis only: 4k TTFT cold, then one 90%
+    prefix hit six times; then the prefill's own fetch rate from that Redis). The keys: the last entry's. The first
+    token leaves ahead of the KV pages, so the transport leaves the cache part's TTFTs alone."""
+    from pdserve.testing.redis_cluster import RedisClusterServers
     from pdserve.testing.redis_server import RedisServer
 
     keys: dict[str, Any] = {}
     details: dict[str, Any] = {}
-    redis = RedisServer(workdir / "redis").start() if cache else None
-    try:
-        env = {"REDIS_URL": redis.url, **gs.REDIS_ONLY} if redis else {}
-        stack = gs.start(model, workdir / "served", "grpc" if grpc else "auto", env)
+    for run, n in enumerate(shards if cache else [0]):
+        redis: Any = None
+        if n == 1:
+            redis = RedisServer(workdir / "redis").start()
+        elif n > 1:
+            redis = RedisClusterServers(workdir / f"redis-cluster-{n}", shards=n).start()
         try:
-            if grpc:
-                details["grpc"] = got = gs.served_ttft(stack, "grpc", rng, reps=5)
-                keys.update(t2t_ms_2k_grpc=got["served_t2t_ms_2k_grpc"], kv_gbps_grpc=got["kv_gbps_grpc"])
+            env = {"REDIS_URL": redis.url, **gs.REDIS_ONLY} if redis else {}
+            if n > 1:
+                env["PDSERVE_PREFILL_REDIS_CLUSTER"] = "true"
+            stack = gs.start(model, workdir / f"served-{n}", "grpc" if grpc and run == 0 else "auto", env)
+            try:
+                if grpc and run == 0:
+                    details["grpc"] = got = gs.served_ttft(stack, "grpc", rng, reps=5)
+                    keys.update(t2t_ms_2k_grpc=got["served_t2t_ms_2k_grpc"], kv_gbps_grpc=got["kv_gbps_grpc"])
+                if redis:
+                    details[f"cache_shards_{n}"] = got = gs.redis_repeat_figures(stack, rng)
+                    keys.update({k: got[k] for k in ("ttft_ms_4k_cold", "ttft_ms_4k_redis_first",
+                                                     "ttft_ms_4k_redis_p50")})  # fmt: skip
+            finally:
+                stack.stop()
             if redis:
-                details["cache"] = got = gs.redis_repeat_figures(stack, rng)
-                keys.update({k: got[k] for k in ("ttft_ms_4k_cold", "ttft_ms_4k_redis_first", "ttft_ms_4k_redis_p50")})
-        finally:
-            stack.stop()
-        if redis:
-            from prompt_cache import fetch_gbps  # bench/prompt_cache.py: the prefill's own background fetch
+                from prompt_cache import fetch_gbps  # bench/prompt_cache.py: the prefill's own background fetch
 
-            fetch = fetch_gbps(redis.url, repeats=5, device="cuda:0", connections=8)
-            keys["redis_fetch_gbps"] = fetch["redis_fetch_gbps"]
-            details["cache"].update(fetch=fetch, redis_get_many_gbps=redis_fetch_gbps(redis.url, page_bytes),
-                                    redis_fetch_page_bytes=page_bytes)  # fmt: skip
-    finally:
-        if redis:
-            redis.stop()
+                fetch = fetch_gbps(redis.url, repeats=5, device="cuda:0", connections=8, cluster=n > 1)
+                keys["redis_fetch_gbps"] = fetch["redis_fetch_gbps"]
+                details[f"cache_shards_{n}"]["fetch"] = fetch
+                if n == 1:
+                    details["cache_shards_1"]["redis_get_many_gbps"] = redis_fetch_gbps(redis.url, page_bytes)
+        finally:
+            if redis:
+                redis.stop()
+    if cache:
+        details.update(cache_keys_from_shards=shards[-1], cache=None)  # None: an older run's layout, dropped
     return keys, details
 
 
@@ -375,6 +391,8 @@ def main() -> int:
     ap.add_argument("--rates", default="2,6,8,10,12")
     ap.add_argument("--coloc-budgets", default="auto", help="colocated step sizes, comma-separated: auto and/or "
                     "prefill tokens per step (each a stack of its own)")  # fmt: skip
+    ap.add_argument("--redis-shards", default="1,4", help="the cache part once per entry: 1 = one redis-server, N = "
+                    "a Redis Cluster of N shards on this host (the keys: the last entry's)")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--output-tokens", type=int, default=128)
@@ -418,7 +436,15 @@ def main() -> int:
         "coloc": lambda: coloc_part(model, workdir, args, rng),
         "disagg": lambda: mode_part(model, "disagg", workdir, args, rng),
         "raw": lambda: ({"raw_grpc_gbps": gs.raw_grpc(workdir)["raw_grpc_gbps"]}, {}),
-        "grpc,cache": lambda: served_part(model, workdir, rng, "grpc" in parts, "cache" in parts, page_bytes()),
+        "grpc,cache": lambda: served_part(
+            model,
+            workdir,
+            rng,
+            "grpc" in parts,
+            "cache" in parts,
+            page_bytes(),
+            [int(n) for n in args.redis_shards.split(",")],
+        ),
     }
     failed: list[str] = []
     for name, run in runs.items():  # grpc and cache share one stack

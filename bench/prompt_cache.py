@@ -85,11 +85,11 @@ def ttft_table(router: str, rds, prompt_len: int, repeats: int) -> dict[str, tup
 
 
 def filled_cache(
-    url: str, tokens: list[int], local_bytes: int = 0, layout: KVLayoutSpec = LAYOUT, **kw
+    url: str, tokens: list[int], local_bytes: int = 0, layout: KVLayoutSpec = LAYOUT, cluster: bool = False, **kw
 ) -> tuple[PromptCache, CacheNamespace]:
-    """A PromptCache on `url` holding int8 pages of random K/V for `tokens` (one page quantized, re-indexed: the
-    bytes do not matter here), under the run's one cache secret (KEYRING)."""
-    store = RedisStore(url, timeout_s=10.0)
+    """A PromptCache on `url` (`cluster`: a Redis Cluster node) holding int8 pages of random K/V for `tokens` (one
+    page quantized, re-indexed: the bytes do not matter here), under the run's one cache secret (KEYRING)."""
+    store = RedisStore(url, cluster=cluster, timeout_s=10.0)
     cache = PromptCache(store, local_bytes=local_bytes, write_queue=1 << 16, keyring=KEYRING, **kw)
     ns = CacheNamespace("bench", layout)
     dense = torch.randn(2, layout.num_layers, PAGE, layout.num_kv_heads, layout.head_dim)
@@ -100,12 +100,14 @@ def filled_cache(
     return cache, ns
 
 
-def fetch_gbps(url: str, repeats: int, device: str, connections: int, n_tokens: int = 3680) -> dict:
+def fetch_gbps(
+    url: str, repeats: int, device: str, connections: int, n_tokens: int = 3680, cluster: bool = False
+) -> dict:
     """GB/s of fetching the 8B shape's pages of an `n_tokens` prefix: the background fetch (`PrefixFetch`, straight
     into the arena, device copy included on CUDA) and the synchronous lookup, medians over `repeats` runs."""
     tokens = rand_tokens(n_tokens + 1, 4242)
     pages = n_tokens // PAGE
-    cache, ns = filled_cache(url, tokens, layout=LAYOUT_8B, fetch_connections=connections)
+    cache, ns = filled_cache(url, tokens, layout=LAYOUT_8B, cluster=cluster, fetch_connections=connections)
     keys = ns.page_keys(tokens)
     fast, sync = [], []
     for _ in range(repeats + 1):  # the first run warms the connections and the pinned allocator

@@ -143,7 +143,7 @@ class RedisStore:
         if not keys:
             return []
         if self.cluster:
-            return copy_into(self.get_many(keys, ttl_ms), dest, max_value_bytes)
+            return self._cluster_get_many_into(keys, ttl_ms, dest, max_value_bytes)
         client = conn = None
         try:
             client = self._get_client()
@@ -166,6 +166,47 @@ class RedisStore:
         finally:
             if conn is not None and client is not None:
                 client.connection_pool.release(conn)
+
+    def _cluster_get_many_into(
+        self, keys: list[bytes], ttl_ms: int, dest: Callable[[int, int], memoryview | None], max_value_bytes: int
+    ) -> list[int | None]:
+        """Cluster: the keys grouped by the node owning their slot, each group one pipelined GETEX read straight
+        into `dest` on a pooled connection of that node (so the fetch threads spread over every shard). A slot
+        that moved (MOVED / ASK, an error reply) fails the call like a broken link: the client is rebuilt with a
+        fresh slot map on the next call, and the caller computes instead."""
+        client = None
+        out: list[int | None] = [None] * len(keys)
+        try:
+            client = self._get_client()
+            groups: dict[str, tuple[object, list[int]]] = {}
+            for i, k in enumerate(keys):
+                node = client.get_node_from_key(k)
+                groups.setdefault(node.name, (node, []))[1].append(i)
+            for node, idx in groups.values():
+                pool = client.get_redis_connection(node).connection_pool
+                conn = pool.get_connection()
+                try:
+                    sock = getattr(conn, "_sock", None)
+                    if sock is None:
+                        conn.connect()
+                        sock = conn._sock
+                    part = [keys[i] for i in idx]
+                    lens = getex_into(sock, part, ttl_ms, lambda j, n, idx=idx: dest(idx[j], n), max_value_bytes)
+                except BaseException:
+                    conn.disconnect()  # mid-pipeline: its state is unknown
+                    raise
+                finally:
+                    pool.release(conn)
+                for j, i in enumerate(idx):
+                    out[i] = lens[j]
+            return out
+        except Exception as e:
+            if isinstance(e, RedisError | OSError | ConnectionError):
+                self._reset(client)
+                why = refusal(e) if isinstance(e, RedisError) else None
+                if why:
+                    raise StoreRefused(why) from e
+            raise StoreError(f"redis cluster fetch failed: {type(e).__name__}: {e}") from e
 
     def set_many(self, items: list[tuple[bytes, bytes]], ttl_ms: int) -> None:
         if items:

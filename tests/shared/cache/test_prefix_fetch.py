@@ -5,6 +5,7 @@ store however its rate was measured."""
 from __future__ import annotations
 
 import pytest
+import redis.cluster
 import torch
 from cache_testutil import DENSE, INT8, KEYRING, PAGE, make_page, namespace
 
@@ -18,8 +19,11 @@ from pdserve.cache.value_auth import CacheKeyring
 N_PAGES = 10
 
 
-def filled(url: str, layout=INT8, keyring=KEYRING, n: int = N_PAGES) -> tuple[PromptCache, object, list[int]]:
-    cache = PromptCache(RedisStore(url, timeout_s=5.0), keyring=keyring, fetch_connections=3, fetch_batch_pages=3)
+def filled(
+    url: str, layout=INT8, keyring=KEYRING, n: int = N_PAGES, cluster: bool = False
+) -> tuple[PromptCache, object, list[int]]:
+    store = RedisStore(url, cluster=cluster, timeout_s=5.0)
+    cache = PromptCache(store, keyring=keyring, fetch_connections=3, fetch_batch_pages=3)
     ns = namespace(layout)
     tokens = list(range(n * PAGE + 1))
     cache.put_many(ns, [(k, make_page(layout, i)) for i, k in enumerate(ns.page_keys(tokens))])
@@ -50,6 +54,54 @@ def test_getex_into_reads_values_into_the_given_buffers(redis):
         store.get_many_into([b"a", b"list"], 60_000, dest, 1 << 20)
     assert store.get_many_into([b"big"], 60_000, dest, 1 << 20) == [5000]  # the connection was replaced
     store.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from pdserve.testing.redis_cluster import RedisClusterServers
+
+    servers = RedisClusterServers(tmp_path_factory.mktemp("cluster"), shards=3).start()
+    yield servers
+    servers.stop()
+
+
+def test_cluster_getex_into_reads_each_key_from_its_shard(cluster):
+    """Keys over every shard: each group read on its node's connection straight into the buffers, in key order;
+    an error reply fails the call, and the next call works on a rebuilt client."""
+    store = RedisStore(cluster.url, cluster=True, timeout_s=5.0)
+    items = [(f"pdserve:kv:c{i}".encode(), bytes([i]) * (1000 + i)) for i in range(30)]
+    store.set_many(items, 60_000)
+    assert all(n.client().dbsize() > 0 for n in cluster.nodes)  # the keys really are spread over the shards
+    bufs: dict[int, bytearray] = {}
+
+    def dest(i, n):
+        bufs[i] = bytearray(n)
+        return memoryview(bufs[i])
+
+    keys = [k for k, _ in items[::-1]] + [b"pdserve:kv:absent"]
+    got = store.get_many_into(keys, 60_000, dest, max_value_bytes=1 << 20)
+    assert got == [len(v) for _, v in items[::-1]] + [None]
+    assert [bytes(bufs[i]) for i in range(len(items))] == [v for _, v in items[::-1]]
+    redis.cluster.RedisCluster.from_url(cluster.url).rpush(b"pdserve:list", b"v")
+    with pytest.raises(StoreError):
+        store.get_many_into([b"pdserve:list", keys[0]], 60_000, dest, 1 << 20)
+    assert store.get_many_into(keys[:3], 60_000, dest, 1 << 20) == got[:3]
+    store.close()
+
+
+def test_cluster_fetch_lands_every_page_verified(cluster):
+    cache, ns, tokens = filled(cluster.url, cluster=True)
+    keys = ns.page_keys(tokens)
+    fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=3).start()
+    assert fetch.wait(N_PAGES, 10) == N_PAGES and fetch.finished
+    landed = fetch.take(0, N_PAGES)
+    assert [p.page_index for p in landed.payloads] == list(range(N_PAGES))
+    for p in landed.payloads:
+        want = make_page(INT8, p.page_index)
+        assert torch.equal(p.data, want.data) and torch.equal(p.scales, want.scales)
+    assert cache.stats.hits == N_PAGES
+    fetch.close()
+    cache.close()
 
 
 @pytest.mark.parametrize("layout", [INT8, DENSE])
