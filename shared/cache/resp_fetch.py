@@ -6,12 +6,7 @@ CUDA): the prompt cache's fast path for the megabyte values of KV pages.
 redis-py's parser copies every value several times while holding the GIL (socket buffer, BytesIO, bytes); here
 a value's header line is parsed from a small read-ahead, and its body is `recv_into` the buffer `dest(i, n)`
 returns (a few KiB of read-ahead aside, one kernel copy, outside the GIL), so several connections on several
-threads fetch at the host's speed. On a plain (not TLS) socket the body is one `recv_into(..., MSG_WAITALL)` on a
-blocking socket whose kernel receive timeout (SO_RCVTIMEO) stands in for the Python one: the thread leaves and
-takes back the GIL once a value instead of once per few dozen KiB that happen to be queued, so the fetch threads
-ask the engine thread (which launches the prefill's kernels in the same process) for the GIL far less often.
-
-`sock` is a connected socket of a redis-py connection (AUTH, TLS, SELECT
+threads fetch at the host's speed. `sock` is a connected socket of a redis-py connection (AUTH, TLS, SELECT
 already done by redis-py); RESP2 and RESP3 replies are read. A value longer than `max_value_bytes`, or one
 `dest` declines, is read and discarded (None); an error reply or a broken link raises ConnectionError and the
 caller drops the connection (its pipeline state is unknown).
@@ -20,10 +15,7 @@ caller drops the connection (its pipeline state is unknown).
 from __future__ import annotations
 
 import socket
-import ssl
-import struct
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 READ_AHEAD = 64 * 1024  # header reads: at most this much of a value body is copied from the read-ahead
 
@@ -38,9 +30,8 @@ def pack_getex(keys: list[bytes], ttl_ms: int) -> bytes:
 class _Reader:
     """RESP replies from a socket: header lines through a small read-ahead, bodies into caller buffers."""
 
-    def __init__(self, sock: socket.socket, body_flags: int = 0):
+    def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.body_flags = body_flags  # MSG_WAITALL on a blocking plain socket (`_whole_bodies`)
         self.buf = bytearray()
         self.pos = 0
         self._chunk = bytearray(READ_AHEAD)
@@ -74,7 +65,7 @@ class _Reader:
         got = have
         while got < n:
             if dest is not None:
-                k = self.sock.recv_into(dest[got:], n - got, self.body_flags)
+                k = self.sock.recv_into(dest[got:], n - got)
             else:
                 k = self.sock.recv_into(self._chunk, min(n - got, len(self._chunk)))
             if k == 0:
@@ -87,28 +78,6 @@ class _Reader:
         if self.buf[self.pos : self.pos + 2] != b"\r\n":
             raise ConnectionError("Redis reply out of step (no CRLF after a value)")
         self.pos += 2
-
-
-@contextmanager
-def _whole_bodies(sock: socket.socket) -> Iterator[int]:
-    """The recv flags for value bodies: MSG_WAITALL with `sock` blocking and its Python timeout moved into the
-    kernel (SO_RCVTIMEO: a stalled server still ends the read; a partial body is read on, a silent one raises
-    OSError), restored afterwards; 0 (reads as they come) on TLS sockets, which take no flags."""
-    timeout = sock.gettimeout()
-    if isinstance(sock, ssl.SSLSocket) or not hasattr(socket, "MSG_WAITALL"):
-        yield 0
-        return
-    if timeout is None:
-        yield socket.MSG_WAITALL
-        return
-    sec = int(timeout)
-    sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((timeout - sec) * 1e6)))
-    try:
-        yield socket.MSG_WAITALL
-    finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-        sock.settimeout(timeout)
 
 
 def getex_into(
@@ -124,15 +93,9 @@ def getex_into(
     if not keys:
         return []
     sock.sendall(pack_getex(keys, ttl_ms))
-    with _whole_bodies(sock) as flags:
-        return _read_replies(_Reader(sock, flags), len(keys), dest, max_value_bytes)
-
-
-def _read_replies(
-    r: _Reader, count: int, dest: Callable[[int, int], memoryview | None], max_value_bytes: int
-) -> list[int | None]:
+    r = _Reader(sock)
     out: list[int | None] = []
-    for i in range(count):
+    for i in range(len(keys)):
         head = r.line()
         kind = head[:1]
         if kind == b"$":
