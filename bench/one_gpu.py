@@ -426,7 +426,11 @@ def main() -> int:
             raise ValueError(f"not keys of the JSON: {sorted(set(keys) - set(KEYS))} (details hold the rest)")
         old = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
         prov = provenance(args.commit, device)
-        merged = {**old.get("details", {}), **details, "workload": workload, "command": prov.pop("command")}
+        commands = old.get("details", {}).get("command", [])  # every run merged into this JSON, in order
+        commands = [commands] if isinstance(commands, str) else list(commands)
+        cmd = prov.pop("command")
+        merged = {**old.get("details", {}), **details, "workload": workload,
+                  "command": commands + ([cmd] if cmd not in commands else [])}  # fmt: skip
         merged = {k: v for k, v in merged.items() if v is not None}  # None: an earlier error_<part> now cleared
         merge_json(args.json, {**keys, **prov, "details": merged})
 
