@@ -65,6 +65,14 @@ def refusal(e: BaseException) -> str | None:
     return None
 
 
+Dest = Callable[[int, int], memoryview | None]  # (value index, length) -> the buffer to read it into, or None
+
+
+def _reindexed(dest: Dest, idx: list[int]) -> Dest:
+    """`dest` for a sub-list of the keys: its j-th value is the caller's value idx[j]."""
+    return lambda j, n: dest(idx[j], n)
+
+
 class RedisStore:
     remote = True
 
@@ -190,8 +198,7 @@ class RedisStore:
                     if sock is None:
                         conn.connect()
                         sock = conn._sock
-                    part = [keys[i] for i in idx]
-                    lens = getex_into(sock, part, ttl_ms, lambda j, n, idx=idx: dest(idx[j], n), max_value_bytes)
+                    lens = getex_into(sock, [keys[i] for i in idx], ttl_ms, _reindexed(dest, idx), max_value_bytes)
                 except BaseException:
                     conn.disconnect()  # mid-pipeline: its state is unknown
                     raise
