@@ -12,7 +12,15 @@ import torch
 def trained_model_dir(tmp_path_factory) -> Path:
     from pdserve.models.train_tiny import train_tiny_checkpoint
 
-    return train_tiny_checkpoint(tmp_path_factory.mktemp("tiny-trained"), seconds=45, seed=0)
+    # training is matmul-bound: two threads (the CI box's cores), whatever an earlier conftest set for the whole
+    # process (tests/shared/engine's sets one, for its tiny ops); a fixed count, so the weights do not depend on the
+    # machine's core count
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return train_tiny_checkpoint(tmp_path_factory.mktemp("tiny-trained"), seconds=45, seed=0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
