@@ -14,9 +14,7 @@ ARGS ?=
 
 .PHONY: up test lint setup setup-dev protos protos-check clean compose-up
 
-# pip installs without byte-compiling every file of every package (torch, transformers, triton: ~35 s of a fresh
-# setup on 2 cores); Python compiles the modules a process imports on first import instead
-PIP_INSTALL := $(BIN)/pip install -q --no-compile
+PIP_INSTALL := $(BIN)/pip install -q
 
 # the runtime: pyproject's main dependencies (what `pdserve up` needs)
 $(STAMP): pyproject.toml
@@ -38,7 +36,9 @@ up: $(STAMP)
 	$(BIN)/pdserve up $(if $(MODEL),--model $(MODEL)) $(if $(PORT),--port $(PORT)) \
 		$(if $(GATEWAY_PORT),--gateway-port $(GATEWAY_PORT)) $(ARGS)
 
-test: lint
+# lint and the SDK checks (and their set-ups: pip, npm, go) side by side, then the suite
+test:
+	$(MAKE) --no-print-directory -j2 lint sdk-check
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # lint: generated stubs up to date, ruff (lint + format), mypy over the pdserve package
@@ -109,4 +109,3 @@ stubs: $(DEV_STAMP) $(TS_STAMP)
 release-api-image: $(TS_STAMP)
 	cd protos && ../$(BUF) build --path pdserve/v1/generate.proto --exclude-source-info -o released/pdserve-v1.json
 
-test: sdk-check
