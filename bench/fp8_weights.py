@@ -23,8 +23,8 @@ GPU run, in order (progress logged; the JSON is written at the end, ppl_* / qual
    served figures' in-process counterparts).
 
 `--ppl` (CPU): SmolLM2-135M-Instruct (the demo model) on the quality set of bench/kv_formats.py (the shipped corpus,
-8 windows of 64 prompt + 256 scored tokens) through the CPU path: bf16 (weights and math), FP8 block and FP8
-per-channel copies (fp8_convert) dequantized at load, fp32 math.
+`--windows` (default 8) windows of 64 prompt + 256 scored tokens, spread evenly over it) through the CPU path:
+bf16 (weights and math), FP8 block and FP8 per-channel copies (fp8_convert) dequantized at load, fp32 math.
 """
 
 from __future__ import annotations
@@ -361,8 +361,9 @@ def main() -> None:
     ap.add_argument("--ppl", action="store_true", help="CPU: only the perplexity keys, merged into --json")
     ap.add_argument("--formats", default="bf16,fp8_channel,fp8_block", help="8B engines; --ppl rows (or fp32)")
     ap.add_argument("--threads", type=int, default=1, help="--ppl: torch CPU threads (1: a shared box)")
+    ap.add_argument("--windows", type=int, default=8, help="--ppl: windows of 64 prompt + 256 scored tokens")
     args = ap.parse_args()
-    return ppl_main(args) if args.ppl else gpu_main(args)
+    return ppl_main(args, seqs=args.windows) if args.ppl else gpu_main(args)
 
 
 if __name__ == "__main__":
