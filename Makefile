@@ -14,19 +14,17 @@ ARGS ?=
 
 .PHONY: up test lint setup setup-dev protos protos-check clean compose-up
 
-PIP_INSTALL := $(BIN)/pip install -q
-
 # the runtime: pyproject's main dependencies (what `pdserve up` needs)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(PIP_INSTALL) torch==2.13.0 || $(PIP_INSTALL) "torch>=2.4"
-	$(PIP_INSTALL) -e .
+	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q "torch>=2.4"
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 
 # the dev toolchain on top (pytest, ruff, mypy, triton's interpreter, deploy/ linters): `make test` only
 $(DEV_STAMP): $(STAMP) pyproject.toml
-	$(PIP_INSTALL) -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev]"
 	touch $(DEV_STAMP)
 
 setup: $(STAMP)

@@ -176,7 +176,7 @@ class RedisStore:
                 client.connection_pool.release(conn)
 
     def _cluster_get_many_into(
-        self, keys: list[bytes], ttl_ms: int, dest: Callable[[int, int], memoryview | None], max_value_bytes: int
+        self, keys: list[bytes], ttl_ms: int, dest: Dest, max_value_bytes: int
     ) -> list[int | None]:
         """Cluster: the keys grouped by the node owning their slot, each group one pipelined GETEX read straight
         into `dest` on a pooled connection of that node (so the fetch threads spread over every shard). A slot
