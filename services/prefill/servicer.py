@@ -71,6 +71,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         )
         # the store's pages race the compute: the engine loads those that land before it reaches them
         race = cfg.fetch_race_device(engine.runner.device)
+        arena = cfg.fetch_process_arena(race)
+        if cache is not None and arena is not None:  # their reads and MAC checks outside this process's GIL
+            cache.use_fetch_process(*arena)
         self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind, race)
         self.shards = ShardLayout.of(engine.runner)  # its KV heads over its TP ranks (the choice tells decode)
         self.kv = for_prefill(cfg, engine.runner.device, self.fingerprint, release=loop.release, shards=self.shards)

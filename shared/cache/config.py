@@ -65,6 +65,14 @@ class CacheOptions:
         "computes the rest (on; auto: on GPU engines; off: the lookup waits for them)",
     )
     cache_fetch_connections: int = opt(8, "Redis connections (threads) that fetch cached prefixes in parallel")
+    cache_fetch_process: str = opt(
+        "auto",
+        "racing prefix fetches read Redis and check MACs in a helper process writing a shared (pinned) arena, so the "
+        "engine's process keeps its GIL (on; auto: on GPU engines; off: threads of the engine's process)",
+    )
+    cache_fetch_arena_mb: float = opt(
+        1024.0, "the helper process's shared arena, MiB (a fetch that finds no room in it runs in the engine's process)"
+    )
     cache_key_prefix: str = opt("pdserve:kv:", "prefix of every Redis key the cache writes")
 
     def validate_cache(self) -> None:
@@ -84,6 +92,10 @@ class CacheOptions:
             raise SystemExit("--cache-write-queue, --cache-lookup-batch and --cache-fetch-connections must be >= 1")
         if self.cache_fetch_race not in ("auto", "on", "off"):
             raise SystemExit(f"--cache-fetch-race must be auto, on or off, got {self.cache_fetch_race!r}")
+        if self.cache_fetch_process not in ("auto", "on", "off"):
+            raise SystemExit(f"--cache-fetch-process must be auto, on or off, got {self.cache_fetch_process!r}")
+        if self.cache_fetch_arena_mb <= 0:
+            raise SystemExit(f"--cache-fetch-arena-mb must be > 0, got {self.cache_fetch_arena_mb}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SystemExit(f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
 
@@ -91,6 +103,16 @@ class CacheOptions:
         """The engine device whose prompts race the store's pages (`PrefixPolicy(fetch_device=)`), None: no race."""
         race = self.cache_fetch_race == "on" or (self.cache_fetch_race == "auto" and device.type == "cuda")
         return device if race else None
+
+    def fetch_process_arena(self, race_device: torch.device | None) -> tuple[int, bool] | None:
+        """(arena bytes, pinned) of the fetch helper process for an engine racing on `race_device`; None: no helper
+        (no race, or --cache-fetch-process off / auto on CPU)."""
+        if race_device is None:
+            return None
+        cuda = race_device.type == "cuda"
+        if self.cache_fetch_process == "off" or (self.cache_fetch_process == "auto" and not cuda):
+            return None
+        return int(self.cache_fetch_arena_mb * MiB), cuda
 
     def local_tier_mb(self, available_bytes: int | None = None) -> float:
         """The local tier's size in MiB: as given, or for auto (-1) a share of `available_bytes` (default: what

@@ -34,15 +34,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pdserve.cache.fetch_process import FetchRow
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.store import StoreError, get_many_into
 from pdserve.cache.value import value_blocks, value_bytes, value_header_bytes
+from pdserve.cache.value_auth import TAG_BYTES
 from pdserve.kv.payload import CachedUpload, PagePayload
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
     from pdserve.cache.breaker import CircuitBreaker
+    from pdserve.cache.fetch_arena import ArenaBlock
+    from pdserve.cache.fetch_process import FetchProcess
     from pdserve.cache.local_tier import LocalTier
     from pdserve.cache.stats import CacheStats
     from pdserve.cache.store import PageStore
@@ -63,6 +67,7 @@ class PromptCache(Protocol):
     key_prefix: str
     fetch_rate: WorkRate
     stats: CacheStats
+    fetch_process: FetchProcess | None
 
     def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list) -> tuple: ...
     def measured_fetch(self, nbytes: int, seconds: float, page_value_bytes: float) -> None: ...
@@ -148,6 +153,10 @@ class PrefixFetch:
         self._loaded: list[int] = []  # page indexes the engine loaded from this fetch, not yet shipped
         self._stats_done = False
         self.probe_waited_s = 0.0  # engine thread: what the engine waited for it while a rate was unknown
+        self._proc: FetchProcess | None = getattr(cache, "fetch_process", None)  # the helper process, if one runs
+        self._block: ArenaBlock | None = None  # the host arena's block of the helper's shared arena (None: own)
+        self._inflight = 0  # batches reading into the host arena now
+        self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     @property
@@ -167,23 +176,35 @@ class PrefixFetch:
         return self
 
     def _prepare(self) -> None:
-        """Fetch thread: the arenas, then one job per batch."""
+        """Fetch thread: the arenas (the host one in the helper process's shared arena when it runs and has
+        room), then one job per batch."""
+        block = proc = None
         try:
             n = self.num_pages
             pinned = self.device.type == "cuda"
-            host = torch.empty(n * self._stride, dtype=torch.uint8, pin_memory=pinned)  # [pages * stride]
+            proc = self._proc
+            if proc is not None and proc.ready():
+                block = proc.arena.alloc(n * self._stride)
+            if block is not None:
+                host = block.tensor  # [pages * stride] (pinned on CUDA)
+            else:
+                host = torch.empty(n * self._stride, dtype=torch.uint8, pin_memory=pinned)  # [pages * stride]
             if pinned:
                 self._stream = torch.cuda.Stream(self.device)
                 with torch.cuda.stream(self._stream):
                     self._dev = torch.empty(n * self._stride, dtype=torch.uint8, device=self.device)
         except Exception:
             log.exception("prompt cache: prefix fetch arena")
+            if block is not None and proc is not None:
+                proc.arena.release(block)
             with self._cv:
                 self._finish_locked()
             return
         with self._cv:
+            self._block = block
             if self.finished:
                 self._dev = None
+                self._release_block_locked()
                 return
             self._host = host
         pool = self.cache.fetch_pool()
@@ -293,6 +314,8 @@ class PrefixFetch:
         with self._cv:
             host = None if self.finished else self._host
             skip = end <= self.skip_before
+            if host is not None and not skip:
+                self._inflight += 1
         batch = _Batch(start, [], 0, skipped=end - start if skip else 0)
         if host is not None and not skip:
             try:
@@ -302,26 +325,23 @@ class PrefixFetch:
                     log.exception("prompt cache: prefix fetch failed")
                 batch = _Batch(start, [], 0, failed=True)
         self._land(b, batch)
+        if host is not None and not skip:
+            with self._cv:
+                self._inflight -= 1
+                self._release_block_locked()
 
     def _fetch(self, host: torch.Tensor, start: int, end: int) -> _Batch:
         cache, ns = self.cache, self.ns
         if not cache.breaker.allow():
             raise StoreError("circuit breaker open")
-        keyring = cache.keyring
-        n_keys = len(keyring.keys)
+        n_keys = len(cache.keyring.keys)
         digests = self.keys[start:end]
-        names = [n for k in digests for n in keyring.names(cache.key_prefix, k)]
-        extra: dict[int, memoryview] = {}  # values under a previous secret, or of another size: own buffers
-
-        def dest(i: int, n: int) -> memoryview | None:
-            page, key_index = start + i // n_keys, i % n_keys
-            if key_index == 0 and n == self.value_bytes:
-                return self._slot(host, page)
-            extra[i] = memoryview(bytearray(n))
-            return extra[i]
-
+        names = [n for k in digests for n in cache.keyring.names(cache.key_prefix, k)]
         try:
-            lens = get_many_into(cache.store, names, cache.ttl_ms, dest, cache.max_value_bytes)
+            if self._block is not None and self._proc is not None:
+                lens, values = self._get_in_helper(self._proc, self._block, host, start, digests, names)
+            else:
+                lens, values = self._get_here(host, start, digests, names)
         except StoreError as e:
             cache.breaker.failure()
             log.warning("prompt cache prefix fetch failed (pages computed instead): %s", e)
@@ -330,20 +350,10 @@ class PrefixFetch:
             raise
         cache.breaker.success()
         pages: list[PagePayload] = []
-        nbytes = 0
+        nbytes = sum(n for n in lens if n is not None)
         for j, digest in enumerate(digests):
             page = start + j
-            found: list[memoryview | bool | None] = []
-            for key_index in range(n_keys):
-                i = j * n_keys + key_index
-                n = lens[i]
-                if n is None:
-                    found.append(None)
-                    continue
-                nbytes += n
-                stored = extra[i] if i in extra else self._slot(host, page)
-                value = keyring.keys[key_index].verify(digest, stored)
-                found.append(False if value is None else value)
+            found = values[j * n_keys : (j + 1) * n_keys]
             p, value, key_index, bad = cache._open(ns, digest, page, found)
             with self._cv:
                 self._counts["mac_failures"] += bad[0]
@@ -357,11 +367,68 @@ class PrefixFetch:
                         self._counts["rekeyed"] += 1
             pages.append(p)
         batch = _Batch(start, pages, nbytes)
-        batch = _Batch(start, pages, nbytes)
         dev = self._dev
         if self._stream is not None and pages and dev is not None:
             batch.event = self._to_device(host, dev, start, start + len(pages), pages)
         return batch
+
+    def _get_here(
+        self, host: torch.Tensor, start: int, digests: list[bytes], names: list[bytes]
+    ) -> tuple[list[int | None], list[memoryview | bool | None]]:
+        """Values of `names` read on this thread into their arena slots (other sizes, and values under a previous
+        secret, into buffers of their own), MAC-checked here: (lengths, value / False (MAC) / None (absent))."""
+        cache = self.cache
+        keyring = cache.keyring
+        n_keys = len(keyring.keys)
+        extra: dict[int, memoryview] = {}
+
+        def dest(i: int, n: int) -> memoryview | None:
+            page, key_index = start + i // n_keys, i % n_keys
+            if key_index == 0 and n == self.value_bytes:
+                return self._slot(host, page)
+            extra[i] = memoryview(bytearray(n))
+            return extra[i]
+
+        lens = get_many_into(cache.store, names, cache.ttl_ms, dest, cache.max_value_bytes)
+        values: list[memoryview | bool | None] = []
+        for i, n in enumerate(lens):
+            if n is None:
+                values.append(None)
+                continue
+            stored = extra[i] if i in extra else self._slot(host, start + i // n_keys)
+            value = keyring.keys[i % n_keys].verify(digests[i // n_keys], stored)
+            values.append(False if value is None else value)
+        return lens, values
+
+    def _get_in_helper(
+        self,
+        proc: FetchProcess,
+        block: ArenaBlock,
+        host: torch.Tensor,
+        start: int,
+        digests: list[bytes],
+        names: list[bytes],
+    ) -> tuple[list[int | None], list[memoryview | bool | None]]:
+        """`_get_here`'s answer from the helper process: it reads the values into this fetch's block of the
+        shared arena (others come back in its reply) and checks their MACs."""  # fmt: skip
+        cache = self.cache
+        n_keys = len(cache.keyring.keys)
+        rows = []
+        for i, name in enumerate(names):
+            page, key_index = start + i // n_keys, i % n_keys
+            at = block.offset + (page - self.first_page) * self._stride + self._pad if key_index == 0 else -1
+            rows.append(FetchRow(name, key_index, digests[i // n_keys], at, self.value_bytes))
+        reply = proc.get_many(rows, cache.ttl_ms, cache.max_value_bytes)
+        values: list[memoryview | bool | None] = []
+        for i, n in enumerate(reply.lens):
+            if n is None:
+                values.append(None)
+            elif not reply.ok[i]:
+                values.append(False)
+            else:
+                stored = reply.extras[i] if i in reply.extras else self._slot(host, start + i // n_keys)
+                values.append(stored[: n - TAG_BYTES])
+        return reply.lens, values
 
     def _to_device(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, pages: list[PagePayload]):
         """Copy the arena slots of pages [start, end) to the device arena on the side stream; its event."""
@@ -441,6 +508,21 @@ class PrefixFetch:
         self.cancel()
         with self._cv:
             self._host = self._dev = None
+            self._closed = True
+            self._release_block_locked()
+
+    def _release_block_locked(self) -> None:
+        """The helper's arena block back to it once the fetch is closed and no batch reads into it (on CUDA after
+        its copies to the device ran: the side stream's event)."""
+        proc, block = self._proc, self._block
+        if block is None or proc is None or not self._closed or self._inflight:
+            return
+        self._block = None
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        proc.arena.release(block, event)
 
 
 def _copied(p: PagePayload) -> PagePayload:

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import torch
@@ -59,6 +59,9 @@ from pdserve.kv.bytes_out import concat
 from pdserve.kv.payload import PagePayload
 from pdserve.server.tls import is_loopback
 from pdserve.telemetry.rates import WorkRate
+
+if TYPE_CHECKING:
+    from pdserve.cache.fetch_process import FetchProcess
 
 log = logging.getLogger("pdserve.cache")
 PARALLEL_VERIFY_BYTES = 4 * MiB  # a batch of stored values at least this large is MAC-checked on several threads
@@ -125,6 +128,7 @@ class PromptCache:
         self.fetch_connections, self.fetch_batch_pages = max(1, fetch_connections), max(1, fetch_batch_pages)
         self._fetch_pool: ThreadPoolExecutor | None = None
         self._fetch_lock = threading.Lock()
+        self.fetch_process: FetchProcess | None = None  # the prefix fetches' helper process (`use_fetch_process`)
 
     # ---- counters (for metrics) ------------------------------------------------------------------------
     hits = property(lambda self: self.stats.hits)
@@ -220,6 +224,22 @@ class PromptCache:
             if self._fetch_pool is None:
                 self._fetch_pool = ThreadPoolExecutor(self.fetch_connections, thread_name_prefix="cache-fetch")
             return self._fetch_pool
+
+    def use_fetch_process(self, arena_bytes: int, pin: bool) -> bool:
+        """Prefix fetches read the store in a helper process (`fetch_process`) into an `arena_bytes` shared arena
+        (`pin`: registered with CUDA); only for a Redis store. False: not started (the fetch threads read here)."""
+        spec = getattr(self.store, "spec", None)
+        if spec is None or self.fetch_process is not None:
+            return self.fetch_process is not None
+        from pdserve.cache.fetch_process import FetchProcess
+
+        try:
+            proc = FetchProcess(self.store, self.keyring, self.fetch_connections, arena_bytes, pin)
+        except (OSError, RuntimeError) as e:
+            log.warning("prompt cache: no fetch helper process (%s): fetching in this process", e)
+            return False
+        self.fetch_process = proc.start()
+        return True
 
     def rekey(self, ns: CacheNamespace, digest: bytes, page: PagePayload, value: bytes | memoryview) -> bool:
         """Write a page found under a previous secret again under the current one (asynchronously)."""
@@ -419,6 +439,8 @@ class PromptCache:
         with self._fetch_lock:
             if self._fetch_pool is not None:
                 self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        if self.fetch_process is not None:
+            self.fetch_process.close()
         self.store.close()
 
 

@@ -90,6 +90,9 @@ class RedisStore:
         if password and urlsplit(url).password:
             raise ValueError("the Redis password is given twice: in the URL and from a password file")
         self.url, self.cluster = url, cluster
+        self._spec = dict(
+            url=url, cluster=cluster, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, password=password
+        )
         self._kw: dict = dict(
             socket_timeout=timeout_s,
             socket_connect_timeout=connect_timeout_s,
@@ -100,6 +103,10 @@ class RedisStore:
             self._kw["password"] = password
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
+
+    def spec(self) -> dict:
+        """The arguments that build this store again (in the prefix fetch's helper process; the password too)."""
+        return dict(self._spec)
 
     def _get_client(self):
         with self._lock:

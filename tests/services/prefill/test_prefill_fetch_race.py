@@ -1,11 +1,14 @@
 """Prefill instances whose Redis pages race the compute (`--cache-fetch-race on`, the GPU default) through real
 processes: the pages that land first are loaded and shipped to decode from the pool, the rest computed; the output
-equals a cold run's, `cached_tokens` counts the loaded pages, and the write-back stores only what Redis lacked."""
+equals a cold run's, `cached_tokens` counts the loaded pages, and the write-back stores only what Redis lacked.
+The third prefill reads Redis in its fetch helper process (`--cache-fetch-process on`, the GPU default), the
+others on threads of their own process (the CPU default)."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,20 +22,31 @@ from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 PAGE = 4
 ENGINE = ["--page-size", str(PAGE), "--chunk-size", "8", "--num-pages", "512", "--torch-threads", "1"]
 RACE = ["--cache-fetch-race", "on", "--cache-local-mb", "0", "--prefix-reuse", "false"]
+HELPER = ["--cache-fetch-process", "on", "--cache-fetch-arena-mb", "64"]
+
+
+def children(pid: int) -> list[str]:
+    """Command lines of `pid`'s child processes."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += (task / "children").read_text().split()
+    return [Path(f"/proc/{k}/cmdline").read_bytes().replace(b"\0", b" ").decode() for k in kids]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, model_dir):
-    """(redis client, [prefill addresses], decode address, channels): two racing prefills sharing one Redis."""
+    """(redis client, [prefill addresses], decode address, channels, prefill pids): three racing prefills sharing
+    one Redis, the third with the fetch helper process."""
     work = tmp_path_factory.mktemp("fetch-race")
     redis = RedisServer(work / "redis").start()
     env = {"REDIS_URL": redis.url, "PDSERVE_CACHE_SECRET_FILE": str(write_secret_file(work / "secret"))}
-    specs = [("prefill", RACE, env), ("prefill", RACE, env), ("decode", ["--kv-dtype", "auto"], {})]
+    specs = [("prefill", RACE, env), ("prefill", RACE, env), ("prefill", RACE + HELPER, env)]
+    specs.append(("decode", ["--kv-dtype", "auto"], {}))
     started = [start_service(n, ["--model", str(model_dir), *ENGINE, *a], work, env=e) for n, a, e in specs]
     try:
         addrs = [wait_ready(*s, timeout=120) for s in started]
         chans = {a: channel(a) for a in addrs}
-        yield redis.client(), addrs[:2], addrs[2], chans
+        yield redis.client(), addrs[:3], addrs[3], chans, [s[0].pid for s in started[:3]]
         for ch in chans.values():
             ch.close()
     finally:
@@ -44,7 +58,7 @@ def stack(tmp_path_factory, model_dir):
 
 
 def generate(stack, prefill: int, ids: list[int]) -> tuple[list[int], int]:
-    _, prefills, decode, chans = stack
+    _, prefills, decode, chans, _ = stack
     req = internal_pb2.DecodeRequest(
         request_id=uuid.uuid4().hex,
         prompt_token_ids=ids,
@@ -70,10 +84,17 @@ def test_racing_hits_output_identical_and_counted(stack):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     want = 11 * PAGE
-    hits = [generate(stack, 1, ids) for _ in range(4)]  # p1 only has what Redis has
-    for tokens, n in hits:
-        assert tokens == cold
-        assert n % PAGE == 0 and 0 <= n <= want  # loaded pages, whichever landed before the compute
-    assert max(n for _, n in hits) == want  # an idle instance waits for pages measured to land sooner
+    for prefill in (1, 2):  # neither holds the pages; p2 reads Redis in its helper process, p1 on its own threads
+        hits = [generate(stack, prefill, ids) for _ in range(4)]
+        for tokens, n in hits:
+            assert tokens == cold
+            assert n % PAGE == 0 and 0 <= n <= want  # loaded pages, whichever landed before the compute
+        assert max(n for _, n in hits) == want  # an idle instance waits for pages measured to land sooner
     time.sleep(1.0)
     assert rds.dbsize() == 11  # nothing the store had was written again under another name
+
+
+def test_the_helper_process_runs_beside_the_third_prefill_only(stack):
+    *plain, helped = stack[4]
+    assert not any("pdserve.cache.fetch_worker" in c for p in plain for c in children(p))
+    assert sum("pdserve.cache.fetch_worker" in c for c in children(helped)) == 1

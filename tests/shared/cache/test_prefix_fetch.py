@@ -4,6 +4,8 @@ store however its rate was measured."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis.cluster
 import torch
@@ -17,13 +19,31 @@ from pdserve.cache.store import StoreError
 from pdserve.cache.value_auth import CacheKeyring
 
 N_PAGES = 10
+HELPER = pytest.mark.parametrize("helper", [False, True], ids=["in-process", "helper"])
+
+
+def closed_clean(fetch: PrefixFetch, cache: PromptCache, helper: bool) -> None:
+    """Close both; with the helper, the fetch read into the shared arena and gave its block back."""
+    if helper:
+        assert fetch._block is not None
+    fetch.close()
+    if helper:  # a batch still reading when the fetch ended gives the block back when it is done
+        deadline = time.monotonic() + 10
+        while fetch._block is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        arena = cache.fetch_process.arena
+        assert fetch._block is None and arena.free_bytes == arena.nbytes
+    cache.close()
 
 
 def filled(
-    url: str, layout=INT8, keyring=KEYRING, n: int = N_PAGES, cluster: bool = False
+    url: str, layout=INT8, keyring=KEYRING, n: int = N_PAGES, cluster: bool = False, helper: bool = False
 ) -> tuple[PromptCache, object, list[int]]:
+    """A cache whose store holds `n` pages of a prompt; `helper`: its fetches run in the helper process."""
     store = RedisStore(url, cluster=cluster, timeout_s=5.0)
     cache = PromptCache(store, keyring=keyring, fetch_connections=3, fetch_batch_pages=3)
+    if helper:
+        assert cache.use_fetch_process(1 << 22, pin=False)
     ns = namespace(layout)
     tokens = list(range(n * PAGE + 1))
     cache.put_many(ns, [(k, make_page(layout, i)) for i, k in enumerate(ns.page_keys(tokens))])
@@ -89,8 +109,9 @@ def test_cluster_getex_into_reads_each_key_from_its_shard(cluster):
     store.close()
 
 
-def test_cluster_fetch_lands_every_page_verified(cluster):
-    cache, ns, tokens = filled(cluster.url, cluster=True)
+@HELPER
+def test_cluster_fetch_lands_every_page_verified(cluster, helper):
+    cache, ns, tokens = filled(cluster.url, cluster=True, helper=helper)
     keys = ns.page_keys(tokens)
     fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=3).start()
     assert fetch.wait(N_PAGES, 10) == N_PAGES and fetch.finished
@@ -100,13 +121,13 @@ def test_cluster_fetch_lands_every_page_verified(cluster):
         want = make_page(INT8, p.page_index)
         assert torch.equal(p.data, want.data) and torch.equal(p.scales, want.scales)
     assert cache.stats.hits == N_PAGES
-    fetch.close()
-    cache.close()
+    closed_clean(fetch, cache, helper)
 
 
+@HELPER
 @pytest.mark.parametrize("layout", [INT8, DENSE])
-def test_fetch_lands_every_page_verified(redis, layout):
-    cache, ns, tokens = filled(redis.url, layout)
+def test_fetch_lands_every_page_verified(redis, layout, helper):
+    cache, ns, tokens = filled(redis.url, layout, helper=helper)
     keys = ns.page_keys(tokens)
     fetch = PrefixFetch(cache, ns, keys, 2, N_PAGES, batch_pages=3, local_pages=2).start()
     assert fetch.wait(N_PAGES, 10) == N_PAGES and fetch.finished
@@ -125,8 +146,7 @@ def test_fetch_lands_every_page_verified(redis, layout):
     s = cache.stats
     assert (s.lookups, s.lookup_pages, s.hits, s.local_hits) == (1, N_PAGES, N_PAGES, 2)
     assert cache.fetch_rate.rate() and cache.page_value_bytes == fetch.value_bytes
-    fetch.close()
-    cache.close()
+    closed_clean(fetch, cache, helper)
 
 
 def test_batches_before_the_compute_are_skipped(redis):
@@ -143,8 +163,9 @@ def test_batches_before_the_compute_are_skipped(redis):
     cache.close()
 
 
-def test_fetch_stops_at_a_missing_page_and_a_forged_one(redis):
-    cache, ns, tokens = filled(redis.url)
+@HELPER
+def test_fetch_stops_at_a_missing_page_and_a_forged_one(redis, helper):
+    cache, ns, tokens = filled(redis.url, helper=helper)
     keys = ns.page_keys(tokens)
     client = redis.client()
     client.delete(cache.store_key(ns, keys[7]))
@@ -154,36 +175,36 @@ def test_fetch_stops_at_a_missing_page_and_a_forged_one(redis):
     fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=3).start()
     assert fetch.wait(N_PAGES, 10) == 4 and fetch.finished
     assert cache.stats.mac_failures == 1 and cache.stats.hits == 4
-    fetch.close()
-    cache.close()
+    closed_clean(fetch, cache, helper)
 
 
-def test_pages_under_a_previous_secret_land_and_are_rewritten(redis):
+@HELPER
+def test_pages_under_a_previous_secret_land_and_are_rewritten(redis, helper):
     previous, current = "the-previous-secret-of-this-deployment-0123", "the-current-secret-of-this-deployment-01234"
     writer, ns, tokens = filled(redis.url, keyring=CacheKeyring.of(previous))
     writer.close()
     rotated = CacheKeyring.of(current, previous)
     cache = PromptCache(RedisStore(redis.url), keyring=rotated, fetch_batch_pages=4)
+    assert cache.use_fetch_process(1 << 22, pin=False) if helper else True  # values come back in its replies
     keys = ns.page_keys(tokens)
     fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=4).start()
     assert fetch.wait(N_PAGES, 10) == N_PAGES
     assert torch.equal(fetch.take(0, 1).payloads[0].data, make_page(INT8, 0).data)
     assert cache.flush() and cache.stats.rekeyed == N_PAGES
     assert redis.client().exists(cache.store_key(ns, keys[9]))  # now under the current secret
-    fetch.close()
-    cache.close()
+    closed_clean(fetch, cache, helper)
 
 
-def test_store_down_mid_fetch_ends_it_with_what_landed(start_redis):
+@HELPER
+def test_store_down_mid_fetch_ends_it_with_what_landed(start_redis, helper):
     srv = start_redis()
-    cache, ns, tokens = filled(srv.url)
+    cache, ns, tokens = filled(srv.url, helper=helper)
     keys = ns.page_keys(tokens)
     srv.stop()
     fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=3).start()
     assert fetch.wait(N_PAGES, 10) == 0 and fetch.finished
     assert cache.stats.errors >= 1 and cache.stats.hits == 0
-    fetch.close()
-    cache.close()
+    closed_clean(fetch, cache, helper)
 
 
 def test_racing_lookups_keep_using_a_store_measured_slower(redis):
