@@ -180,34 +180,40 @@ def redis_fetch_gbps(url: str, page_bytes: int, pages: int = 230, reps: int = 5)
 
 
 def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, cache: bool, page_bytes: int,
-                shards: list[int]):  # fmt: skip
+                shards: list[int], fetch_modes: list[str] = ("auto",)):  # type: ignore[assignment]  # fmt: skip
     """gpu_serving stacks on GPU0: the grpc part (the first stack, its KV transport forced to grpc: one 2k request
     at a time, the second token and the KV GB/s) and the cache part once per `shards` entry (prefill's cache on one
     redis-server, or a Redis Cluster of that many shards on this host, Redis only: 4k TTFT cold, then one 90%
-    prefix hit six times; then the prefill's own fetch rate from that Redis). The keys: the last entry's. The first
-    token leaves ahead of the KV pages, so the transport leaves the cache part's TTFTs alone."""
+    prefix hit six times; then the prefill's own fetch rate from that Redis), each once per `fetch_modes` entry (the
+    prefill's --cache-fetch-process; details `cache_shards_N` for the last, `cache_shards_N_fetch_MODE` for the
+    others). The keys: the last run's. The first token leaves ahead of the KV pages, so the transport leaves the
+    cache part's TTFTs alone."""
     from pdserve.testing.redis_cluster import RedisClusterServers
     from pdserve.testing.redis_server import RedisServer
 
     keys: dict[str, Any] = {}
     details: dict[str, Any] = {}
-    for run, n in enumerate(shards if cache else [0]):
+    runs = [(n, m) for n in shards for m in fetch_modes] if cache else [(0, "auto")]
+    for run, (n, mode) in enumerate(runs):
         redis: Any = None
         if n == 1:
-            redis = RedisServer(workdir / "redis").start()
+            redis = RedisServer(workdir / f"redis-{run}").start()
         elif n > 1:
-            redis = RedisClusterServers(workdir / f"redis-cluster-{n}", shards=n).start()
+            redis = RedisClusterServers(workdir / f"redis-cluster-{n}-{run}", shards=n).start()
+        name = f"cache_shards_{n}" + ("" if mode == fetch_modes[-1] else f"_fetch_{mode}")
         try:
             env = {"REDIS_URL": redis.url, **gs.REDIS_ONLY} if redis else {}
             if n > 1:
                 env["PDSERVE_PREFILL_REDIS_CLUSTER"] = "true"
-            stack = gs.start(model, workdir / f"served-{n}", "grpc" if grpc and run == 0 else "auto", env)
+            env["PDSERVE_PREFILL_CACHE_FETCH_PROCESS"] = mode
+            stack = gs.start(model, workdir / f"served-{n}-{run}", "grpc" if grpc and run == 0 else "auto", env)
             try:
                 if grpc and run == 0:
                     details["grpc"] = got = gs.served_ttft(stack, "grpc", rng, reps=5)
                     keys.update(t2t_ms_2k_grpc=got["served_t2t_ms_2k_grpc"], kv_gbps_grpc=got["kv_gbps_grpc"])
                 if redis:
-                    details[f"cache_shards_{n}"] = got = gs.redis_repeat_figures(stack, rng)
+                    details[name] = got = gs.redis_repeat_figures(stack, rng)
+                    got["fetch_process"] = mode
                     keys.update({k: got[k] for k in ("ttft_ms_4k_cold", "ttft_ms_4k_redis_first",
                                                      "ttft_ms_4k_redis_p50")})  # fmt: skip
             finally:
@@ -215,11 +221,12 @@ def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, ca
             if redis:
                 from prompt_cache import fetch_gbps  # bench/prompt_cache.py: the prefill's own background fetch
 
-                fetch = fetch_gbps(redis.url, repeats=5, device="cuda:0", connections=8, cluster=n > 1)
+                helper = mode == "on" or (mode == "auto" and torch.cuda.is_available())
+                fetch = fetch_gbps(redis.url, repeats=5, device="cuda:0", connections=8, cluster=n > 1, helper=helper)
                 keys["redis_fetch_gbps"] = fetch["redis_fetch_gbps"]
-                details[f"cache_shards_{n}"]["fetch"] = fetch
-                if n == 1:
-                    details["cache_shards_1"]["redis_get_many_gbps"] = redis_fetch_gbps(redis.url, page_bytes)
+                details[name]["fetch"] = fetch
+                if n == 1 and mode == fetch_modes[-1]:
+                    details[name]["redis_get_many_gbps"] = redis_fetch_gbps(redis.url, page_bytes)
         finally:
             if redis:
                 redis.stop()
@@ -393,6 +400,8 @@ def main() -> int:
                     "prefill tokens per step (each a stack of its own)")  # fmt: skip
     ap.add_argument("--redis-shards", default="1,4", help="the cache part once per entry: 1 = one redis-server, N = "
                     "a Redis Cluster of N shards on this host (the keys: the last entry's)")  # fmt: skip
+    ap.add_argument("--fetch-process", default="auto", help="the cache part once per entry of the prefill's "
+                    "--cache-fetch-process (e.g. off,auto: side by side; the keys from the last)")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--output-tokens", type=int, default=128)
@@ -448,6 +457,7 @@ def main() -> int:
             "cache" in parts,
             page_bytes(),
             [int(n) for n in args.redis_shards.split(",")],
+            args.fetch_process.split(","),
         ),
     }
     failed: list[str] = []

@@ -101,13 +101,22 @@ def filled_cache(
 
 
 def fetch_gbps(
-    url: str, repeats: int, device: str, connections: int, n_tokens: int = 3680, cluster: bool = False
+    url: str,
+    repeats: int,
+    device: str,
+    connections: int,
+    n_tokens: int = 3680,
+    cluster: bool = False,
+    helper: bool = False,
 ) -> dict:
     """GB/s of fetching the 8B shape's pages of an `n_tokens` prefix: the background fetch (`PrefixFetch`, straight
-    into the arena, device copy included on CUDA) and the synchronous lookup, medians over `repeats` runs."""
+    into the arena, device copy included on CUDA; `helper`: read in the fetch helper process, as a GPU prefill
+    does) and the synchronous lookup, medians over `repeats` runs."""
     tokens = rand_tokens(n_tokens + 1, 4242)
     pages = n_tokens // PAGE
     cache, ns = filled_cache(url, tokens, layout=LAYOUT_8B, cluster=cluster, fetch_connections=connections)
+    if helper:
+        assert cache.use_fetch_process(1 << 30, pin=device.startswith("cuda"))
     keys = ns.page_keys(tokens)
     fast, sync = [], []
     for _ in range(repeats + 1):  # the first run warms the connections and the pinned allocator
@@ -125,7 +134,8 @@ def fetch_gbps(
     cache.close()
     out = {"redis_fetch_gbps": round(statistics.median(fast[1:]), 2),
            "redis_lookup_gbps": round(statistics.median(sync[1:]), 2),
-           "redis_fetch_connections": connections, "redis_fetch_device": device}  # fmt: skip
+           "redis_fetch_connections": connections, "redis_fetch_device": device,
+           "redis_fetch_helper": helper}  # fmt: skip
     log(f"fetch of {pages} pages ({f.landed_bytes / 1e6:.0f} MB, {connections} connections, {device}): "
         f"{out['redis_fetch_gbps']} GB/s (runs {', '.join(f'{g:.2f}' for g in fast[1:])}); synchronous lookup "
         f"{out['redis_lookup_gbps']} GB/s")  # fmt: skip
@@ -169,13 +179,14 @@ def main() -> None:
     ap.add_argument("--fetch-only", action="store_true", help="only redis_fetch_gbps (no served stack)")
     ap.add_argument("--device", default="cpu", help="the fetch's engine device (cuda:0: pinned arena + device copy)")
     ap.add_argument("--fetch-connections", type=int, default=8)
+    ap.add_argument("--fetch-helper", action="store_true", help="--fetch-only: read in the fetch helper process")
     args = ap.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-cache-"))
     if args.fetch_only:
         srv = RedisServer(work / "redis", args=["--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"]).start()
         try:
-            got = fetch_gbps(srv.url, args.repeats, args.device, args.fetch_connections)
+            got = fetch_gbps(srv.url, args.repeats, args.device, args.fetch_connections, helper=args.fetch_helper)
         finally:
             srv.stop()
         if args.json:

@@ -1,6 +1,7 @@
 """A prefix fetch for a CUDA engine: pages land in pinned memory, reach the device on a side stream, and the engine
 scatters them from there (its stream waiting on their copy). Same output as the host import of the same pages
-(`cached_pages`), CUDA only."""
+(`cached_pages`), CUDA only; also through the fetch helper process (a real redis-server, the shared arena
+registered with CUDA)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from engine_testutil import export_payloads, layout_for, random_prompt
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prefix_fetch import PrefixFetch
 from pdserve.cache.prompt_cache import PromptCache
+from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.store import MemoryStore
 from pdserve.cache.value_auth import CacheKeyring
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
+from pdserve.testing.redis_server import RedisServer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -28,8 +31,9 @@ class RemoteMemoryStore(MemoryStore):
         pass
 
 
+@pytest.mark.parametrize("helper", [False, True], ids=["threads", "helper"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype):
+def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype, helper, tmp_path):
     engine = make_engine("llama", device="cuda", dtype="bfloat16", page_size=PAGE, chunk_size=32, kv_dtype=kv_dtype)
     prompt = random_prompt(9 * PAGE + 5, seed=3)
     engine.add_request(EngineRequest("src", prompt, GREEDY, prefill_only=True))
@@ -43,7 +47,11 @@ def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype):
     while engine.has_unfinished_requests():
         for o in engine.step():
             ref += o.new_token_ids
-    cache = PromptCache(RemoteMemoryStore(64 << 20), keyring=CacheKeyring.generate(), fetch_connections=2)
+    redis = RedisServer(tmp_path / "redis").start() if helper else None
+    store = RedisStore(redis.url, timeout_s=5.0) if redis else RemoteMemoryStore(64 << 20)
+    cache = PromptCache(store, keyring=CacheKeyring.generate(), fetch_connections=2)
+    if helper:
+        assert cache.use_fetch_process(64 << 20, pin=True)
     ns = CacheNamespace(engine.fingerprint, layout)
     keys = ns.page_keys(prompt)
     cache.put_many(ns, list(zip(keys, pages)))
@@ -51,6 +59,7 @@ def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype):
     fetch = PrefixFetch(cache, ns, keys, 0, 9, device=engine.runner.device, batch_pages=4).start()
     assert fetch.wait(9, 30) == 9
     assert fetch.take(0, 9).upload is not None and fetch._host.is_pinned()
+    assert (fetch._block is not None) == helper  # the helper wrote the shared arena
     engine.add_request(EngineRequest("hit", prompt, GREEDY, prefix_fetch=fetch))
     out: list[int] = []
     while engine.has_unfinished_requests():
@@ -58,6 +67,10 @@ def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype):
             out += o.new_token_ids
     assert fetch.take_loaded() == list(range(9))  # every cached page loaded, none computed
     assert out == ref  # the same bytes in the pool as the host import's, the same compute after them
+    fetch.close()
+    cache.close()
+    if redis:
+        redis.stop()
     fetch.close()
     cache.close()
     assert engine.allocator.num_used == 0
