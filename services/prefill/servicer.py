@@ -74,7 +74,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         arena = cfg.fetch_process_arena(race)
         if cache is not None and arena is not None:  # their reads and MAC checks outside this process's GIL
             cache.use_fetch_process(*arena)
-        self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind, race)
+        chunk = engine.scheduler.chunk_size
+        self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind, race, chunk)
         self.shards = ShardLayout.of(engine.runner)  # its KV heads over its TP ranks (the choice tells decode)
         self.kv = for_prefill(cfg, engine.runner.device, self.fingerprint, release=loop.release, shards=self.shards)
         self.prefill_rate = WorkRate()  # prompt tokens per busy second of the engine (Stats; cache decisions)

@@ -26,6 +26,7 @@ its checks ends the fetch there (those after it are useless: a prefix is used fr
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -72,6 +73,7 @@ class PromptCache(Protocol):
     def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list) -> tuple: ...
     def measured_fetch(self, nbytes: int, seconds: float, page_value_bytes: float) -> None: ...
     def fetch_pool(self) -> ThreadPoolExecutor: ...
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream: ...
     def rekey(self, ns: CacheNamespace, digest: bytes, page: PagePayload, value: bytes | memoryview) -> bool: ...
 
 
@@ -104,7 +106,8 @@ class PrefixFetch:
     `device`: the engine's (CUDA: pinned arena + device copies); `prefill_tokens_per_s`: the engine's measured
     rate (None: unmeasured), with `fetch_bytes_per_s` (the cache's measured fetch rate) what the engine weighs
     before waiting for pages instead of computing them; `local_pages`: pages before `first_page` the local tier
-    served (counted with this fetch's figures in the cache's stats)."""
+    served (counted with this fetch's figures in the cache's stats); `chunk_pages`: pages of one prefill chunk of
+    the engine (0: unknown), for `split_page`."""
 
     def __init__(
         self,
@@ -118,6 +121,7 @@ class PrefixFetch:
         batch_pages: int = 8,
         prefill_tokens_per_s: float | None = None,
         local_pages: int = 0,
+        chunk_pages: int = 0,
     ):
         if not 0 <= first_page <= end_page <= len(keys):
             raise ValueError(f"page range [{first_page}, {end_page}) outside the prompt's {len(keys)} pages")
@@ -128,6 +132,7 @@ class PrefixFetch:
         self.page_size = ns.layout.page_size
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.local_pages = local_pages
+        self.chunk_pages = max(0, chunk_pages)
         self.fetch_bytes_per_s = cache.fetch_rate.rate()  # before this fetch: what the store delivered lately
         self.value_bytes = value_bytes(ns, 0)  # stored value (with its MAC tag) of one page
         self._header = value_header_bytes(ns)
@@ -168,9 +173,32 @@ class PrefixFetch:
         """Page end of what the store had and verified so far ([first_page, found)): final once `finished`."""
         return self.landed
 
+    def split_page(self) -> int:
+        """Where the fetch starts: the engine computes from `first_page` in chunks of `chunk_pages` while the fetch
+        lands pages; a page both fetch and compute cover is work lost. So with both rates measured the fetch starts
+        at the chunk boundary that minimises max(compute of the chunks before it, fetch of the pages after it)
+        (the last chunk's pages are always fetched: a fetch keeps measuring the store); without both rates, after
+        the first chunk (which the engine computes anyway while a first batch probes the store). `first_page`
+        when the span is one chunk or the chunk is unknown."""
+        c, n = self.chunk_pages, self.num_pages
+        if c <= 0 or n <= c:
+            return self.first_page
+        compute, fetch = self.prefill_tokens_per_s, self.fetch_bytes_per_s
+        if not compute or not fetch:
+            return self.first_page + c
+        best_k, best_s = 0, math.inf
+        for k in range(0, -(-n // c)):
+            computed = k * c
+            s = max(computed * self.page_size / compute, (n - computed) * self.value_bytes / fetch)
+            if s < best_s:
+                best_k, best_s = k, s
+        return self.first_page + best_k * c
+
     def start(self) -> PrefixFetch:
-        """Queue the fetch on the cache's fetch threads (returns at once: the arenas are allocated there too)."""
+        """Queue the fetch on the cache's fetch threads (returns at once: the arenas are allocated there too),
+        from `split_page` on."""
         self.started = time.perf_counter()
+        self.skip_to(self.split_page())
         if not self.finished:
             self.cache.fetch_pool().submit(self._prepare)
         return self
@@ -190,7 +218,7 @@ class PrefixFetch:
             else:
                 host = torch.empty(n * self._stride, dtype=torch.uint8, pin_memory=pinned)  # [pages * stride]
             if pinned:
-                self._stream = torch.cuda.Stream(self.device)
+                self._stream = self.cache.copy_stream(self.device)
                 with torch.cuda.stream(self._stream):
                     self._dev = torch.empty(n * self._stride, dtype=torch.uint8, device=self.device)
         except Exception:

@@ -92,7 +92,7 @@ class PrefixPolicy:
     """`cache`: the prompt cache (None: off); `pool_reuse`: the engine keeps computed prompt pages as prefixes
     (`--prefix-reuse`); `write_behind`: write-backs queued behind the engine's work (None: written at once);
     `fetch_device`: the device of an engine that races the store's pages (`EngineRequest.prefix_fetch`; None: the
-    lookup waits for them)."""
+    lookup waits for them); `chunk_tokens`: that engine's prefill chunk (0: unknown)."""
 
     def __init__(
         self,
@@ -101,8 +101,10 @@ class PrefixPolicy:
         pool_reuse: bool,
         write_behind: WriteBehind | None = None,
         fetch_device: torch.device | str | None = None,
+        chunk_tokens: int = 0,
     ) -> None:
         self.cache = cache
+        self.chunk_pages = chunk_tokens // page_size  # the engine's prefill chunk (where a racing fetch starts)
         self.fetch_device = fetch_device
         self.page_size = page_size
         self.pool_reuse = pool_reuse
@@ -128,7 +130,7 @@ class PrefixPolicy:
         if not (in_pool and in_pool == plan.max_reuse) and cache is not None:  # the pool may serve it all
             if self.fetch_device is not None:
                 plan.hit, plan.fetch = cache.lookup_racing(
-                    ns, prompt, plan.max_reuse, tokens_per_s, plan.keys or None, self.fetch_device
+                    ns, prompt, plan.max_reuse, tokens_per_s, plan.keys or None, self.fetch_device, self.chunk_pages
                 )
             else:
                 plan.hit = cache.lookup(ns, prompt, plan.max_reuse, tokens_per_s, plan.keys or None)

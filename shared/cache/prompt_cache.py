@@ -129,6 +129,7 @@ class PromptCache:
         self._fetch_pool: ThreadPoolExecutor | None = None
         self._fetch_lock = threading.Lock()
         self.fetch_process: FetchProcess | None = None  # the prefix fetches' helper process (`use_fetch_process`)
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # ---- counters (for metrics) ------------------------------------------------------------------------
     hits = property(lambda self: self.stats.hits)
@@ -225,6 +226,16 @@ class PromptCache:
                 self._fetch_pool = ThreadPoolExecutor(self.fetch_connections, thread_name_prefix="cache-fetch")
             return self._fetch_pool
 
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream of the prefix fetches' copies to `device` (one: their device arenas, allocated on it, are
+        reused from the allocator's cache of that stream; a stream per fetch left them to other streams' pools,
+        so each fetch allocated anew)."""
+        with self._fetch_lock:
+            stream = self._copy_streams.get(device)
+            if stream is None:
+                stream = self._copy_streams[device] = torch.cuda.Stream(device)
+            return stream
+
     def use_fetch_process(self, arena_bytes: int, pin: bool) -> bool:
         """Prefix fetches read the store in a helper process (`fetch_process`) into an `arena_bytes` shared arena
         (`pin`: registered with CUDA); only for a Redis store. False: not started (the fetch threads read here)."""
@@ -253,10 +264,12 @@ class PromptCache:
         prefill_tokens_per_s: float | None = None,
         keys: list[bytes] | None = None,
         device: torch.device | str = "cpu",
+        chunk_pages: int = 0,
     ) -> tuple[CacheLookup, PrefixFetch | None]:
         """The local tier's prefix of at most `max_pages` full pages now, and a started PrefixFetch of the store's
         pages after it (None: nothing left to fetch, an in-process store, or the breaker open), for an engine on
-        `device` that races it (`pdserve.engine.prefix_fetch`). Counted in the stats when the fetch ends."""
+        `device` that races it (`pdserve.engine.prefix_fetch`; `chunk_pages`: its prefill chunk, where the fetch
+        starts: `PrefixFetch.split_page`). Counted in the stats when the fetch ends."""
         if not self.store.remote:
             return self.lookup(ns, token_ids, max_pages, prefill_tokens_per_s, keys), None
         keys = ns.page_keys(token_ids) if keys is None else keys
@@ -274,7 +287,7 @@ class PromptCache:
             if self.breaker.allow():
                 fetch = PrefixFetch(
                     self, ns, want, n_local, len(want), device=device, batch_pages=self.fetch_batch_pages,
-                    prefill_tokens_per_s=prefill_tokens_per_s, local_pages=n_local,
+                    prefill_tokens_per_s=prefill_tokens_per_s, local_pages=n_local, chunk_pages=chunk_pages,
                 ).start()  # fmt: skip
             else:
                 self.stats.add(skipped=1)

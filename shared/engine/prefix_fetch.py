@@ -104,7 +104,7 @@ def _advance(engine: LLMEngine, seq: Sequence, may_wait: bool) -> None:
             if not _load(engine, seq, fetch, page, min(usable, limit)):
                 return
             continue
-        if not may_wait or not _has_pages(engine, seq):
+        if not may_wait or page < fetch.skip_before or not _has_pages(engine, seq):  # skip_before: not fetched
             _skip_computed(engine, seq, fetch, page)  # what this step computes is not fetched any more
             return
         chunk_end = min(limit, page + _chunk_pages(engine))

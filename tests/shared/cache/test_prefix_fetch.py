@@ -240,3 +240,26 @@ def test_waiting_lookup_asks_a_slower_store_again_once_its_measurement_is_old(re
     assert probed.num_pages == N_PAGES and probed.decision.reason == "probe"
     assert cache.lookup(ns, tokens, N_PAGES, prefill_tokens_per_s=1e12).decision.reason == "slower"  # measured anew
     cache.close()
+
+
+def test_the_fetch_starts_where_compute_and_fetch_meet(redis):
+    """`split_page`: the chunk boundary minimising max(compute before it, fetch after it), with both rates; after
+    the first chunk without them; from the start for one chunk or an unknown chunk."""
+    cache, ns, tokens = filled(redis.url)
+    keys = ns.page_keys(tokens)
+
+    def split(**kw) -> int:
+        return PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=2, **kw).split_page()
+
+    assert split() == 0 and split(chunk_pages=N_PAGES) == 0  # no chunk known / one chunk: all fetched
+    assert split(chunk_pages=2) == 2 and split(chunk_pages=2, prefill_tokens_per_s=PAGE) == 2  # a rate unknown
+    vb = PrefixFetch(cache, ns, keys, 0, 0).value_bytes
+    cache.measured_fetch(10 * vb, 10.0, vb)  # the store: a page a second
+    assert split(chunk_pages=2, prefill_tokens_per_s=PAGE) == 4  # a page a second each: 4 computed, 6 fetched
+    assert split(chunk_pages=2, prefill_tokens_per_s=PAGE / 100) == 0  # the store far faster: all fetched
+    assert split(chunk_pages=2, prefill_tokens_per_s=PAGE * 100) == 8  # far slower: the last chunk still fetched
+    fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=2, prefill_tokens_per_s=PAGE, chunk_pages=2)
+    assert fetch.start().wait(N_PAGES, 10) == N_PAGES
+    assert fetch.usable_end(0) == 0 and fetch.usable_end(4) == N_PAGES and fetch.real_pages == 6
+    fetch.close()
+    cache.close()

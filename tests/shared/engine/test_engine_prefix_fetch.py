@@ -228,3 +228,39 @@ def test_computes_a_chunk_while_the_rest_lands_when_that_is_sooner(engine, cache
     tokens, _ = run(engine, "next", prompt, None, prefill_only=True)
     engine.release("hybrid")
     assert tokens == ref[:1]
+
+
+def test_the_fetch_starts_after_the_chunks_the_engine_computes_meanwhile(engine, cached):
+    """Measured: 5 pages a second from the store, 16 tokens (2 chunks) a second computed: computing 2 chunks (1 s)
+    while the 6 pages after them land (1.2 s) beats the other splits, so the fetch starts at page 4; the engine
+    computes those chunks without waiting for pages never fetched, then loads the rest."""
+    prompt, ref, cache, store, ns = cached
+    keys = ns.page_keys(prompt)
+    probe = PrefixFetch(cache, ns, keys, 0, 0)
+    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)
+    fetch = PrefixFetch(cache, ns, keys, 0, 10, batch_pages=2, prefill_tokens_per_s=16.0, chunk_pages=2)
+    assert fetch.split_page() == 4
+    for _ in range(3):
+        store.gate.release()
+    tokens, ranges = run(engine, "split", prompt, fetch.start(), prefill_only=True)
+    assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (40, 43)]
+    assert fetch.take_loaded() == list(range(4, 10)) and store.reads == 3  # pages 0-3 never read
+
+
+def test_an_idle_engine_does_not_wait_for_pages_the_fetch_skips(engine, cached):
+    """The store known fast, the engine slow (a chunk: 8 s): waiting beats computing, but not for pages before
+    where the fetch starts (they never land): those two chunks are computed first, the wait comes after them."""
+    prompt, ref, cache, store, ns = cached
+    cache.measured_fetch(1 << 30, 1.0, 1000.0)
+    fetch = PrefixFetch(cache, ns, ns.page_keys(prompt), 0, 10, batch_pages=2, prefill_tokens_per_s=1.0)
+    fetch.skip_to(4)
+    step, waits, wait = [0], [], fetch.wait
+    fetch.wait = lambda page_end, timeout_s: (waits.append(step[0]), wait(page_end, timeout_s))[1]  # type: ignore[method-assign]
+    opener = threading.Timer(0.3, lambda: [store.gate.release() for _ in range(3)])
+    opener.start()
+    tokens, ranges = run(
+        engine, "no-wait", prompt, fetch.start(), prefill_only=True, before_step=lambda n: step.__setitem__(0, n)
+    )
+    opener.join()
+    assert waits and min(waits) >= 2  # steps 0 and 1 computed pages 0-3 without waiting
+    assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (40, 43)] and fetch.take_loaded() == list(range(4, 10))
