@@ -162,6 +162,10 @@ class PrefixFetch:
         self._block: ArenaBlock | None = None  # the host arena's block of the helper's shared arena (None: own)
         self._inflight = 0  # batches reading into the host arena now
         self._closed = False
+        self._base = first_page  # first page the arenas hold (batches wholly before `split_page` are never fetched)
+        self.waited_s = 0.0  # what the engine waited in `wait`
+        self.loaded_pages = 0  # pages the engine loaded
+        self._landed_ms: list[float] = []  # when each fetched batch landed, ms from the start
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     @property
@@ -199,6 +203,8 @@ class PrefixFetch:
         from `split_page` on."""
         self.started = time.perf_counter()
         self.skip_to(self.split_page())
+        skipped = min(self.skip_before, self.end_page) - self.first_page  # its batches wholly before it: never read
+        self._base = self.first_page + skipped // self.batch_pages * self.batch_pages
         if not self.finished:
             self.cache.fetch_pool().submit(self._prepare)
         return self
@@ -208,7 +214,7 @@ class PrefixFetch:
         room), then one job per batch."""
         block = proc = None
         try:
-            n = self.num_pages
+            n = self.end_page - self._base  # the arenas hold the pages from the first batch fetched on
             pinned = self.device.type == "cuda"
             proc = self._proc
             if proc is not None and proc.ready():
@@ -250,13 +256,15 @@ class PrefixFetch:
     # ---- engine side ---------------------------------------------------------------------------------------
     def wait(self, page_end: int, timeout_s: float) -> int:
         """Until pages up to `page_end` landed, the fetch finished, or `timeout_s`: returns `landed`."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        t0 = time.monotonic()
+        deadline = t0 + max(0.0, timeout_s)
         with self._cv:
             while self.landed < min(page_end, self.end_page) and not self.finished:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(left)
+            self.waited_s += time.monotonic() - t0
             return self.landed
 
     def expected_landing_s(self, page_end: int, from_page: int = 0) -> float | None:
@@ -309,6 +317,7 @@ class PrefixFetch:
         """The engine loaded pages [start, end) (engine thread): listed for `take_loaded`."""
         with self._cv:
             self._loaded.extend(range(start, end))
+            self.loaded_pages += end - start
 
     def take_loaded(self) -> list[int]:
         """Page indexes the engine loaded from this fetch since the last call (the caller ships them)."""
@@ -320,7 +329,7 @@ class PrefixFetch:
         """Pages [start, end) of an arena (the device one; any, for tests) as stacked tensors [N, 2, L, page_size, H,
         D (or D/g)]: one strided view per block and one copy kernel each (slots and blocks are aligned)."""
         out: list[torch.Tensor | None] = []
-        at = (start - self.first_page) * self._stride + self._pad + self._header
+        at = (start - self._base) * self._stride + self._pad + self._header
         for size, dtype, shape in value_blocks(self.ns.layout):
             if not size:
                 out.append(None)
@@ -335,7 +344,7 @@ class PrefixFetch:
 
     # ---- fetch threads -----------------------------------------------------------------------------------
     def _slot(self, host: torch.Tensor, page: int) -> memoryview:
-        o = (page - self.first_page) * self._stride + self._pad
+        o = (page - self._base) * self._stride + self._pad
         return memoryview(host[o : o + self.value_bytes].numpy())  # type: ignore[arg-type]
 
     def _run_batch(self, b: int, start: int, end: int) -> None:
@@ -444,7 +453,7 @@ class PrefixFetch:
         rows = []
         for i, name in enumerate(names):
             page, key_index = start + i // n_keys, i % n_keys
-            at = block.offset + (page - self.first_page) * self._stride + self._pad if key_index == 0 else -1
+            at = block.offset + (page - self._base) * self._stride + self._pad if key_index == 0 else -1
             rows.append(FetchRow(name, key_index, digests[i // n_keys], at, self.value_bytes))
         reply = proc.get_many(rows, cache.ttl_ms, cache.max_value_bytes)
         values: list[memoryview | bool | None] = []
@@ -461,10 +470,10 @@ class PrefixFetch:
     def _to_device(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, pages: list[PagePayload]):
         """Copy the arena slots of pages [start, end) to the device arena on the side stream; its event."""
         for j, p in enumerate(pages):  # a page outside the arena (rekeyed): its bytes into its slot first
-            at = (start + j - self.first_page) * self._stride + self._pad + self._header
+            at = (start + j - self._base) * self._stride + self._pad + self._header
             if p.data.data_ptr() != host.data_ptr() + at:
                 self._write_slot(host, at, p)
-        a, b = (start - self.first_page) * self._stride, (end - self.first_page) * self._stride
+        a, b = (start - self._base) * self._stride, (end - self._base) * self._stride
         with torch.cuda.stream(self._stream):
             dev[a:b].copy_(host[a:b], non_blocking=True)
             ev = torch.cuda.Event()
@@ -499,6 +508,7 @@ class PrefixFetch:
                 self.landed += len(got.payloads)
                 self.landed_bytes += got.nbytes
                 self.landed_s = time.perf_counter() - self.started
+                self._landed_ms.append(round(self.landed_s * 1e3, 1))
                 if got.event is not None:
                     self._events.append((got.start, self.landed, got.event))
                 if self.cache.local is not None:
@@ -534,6 +544,13 @@ class PrefixFetch:
     def close(self) -> None:
         """Release the arenas (the request ended or every wanted page was loaded)."""
         self.cancel()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "prefix fetch: pages [%d, %d) from %d: %d fetched (%.0f MB), batches landed at %s ms; the engine "
+                "waited %.1f ms and loaded %d pages",
+                self.first_page, self.end_page, self.skip_before, self.real_pages, self.landed_bytes / 1e6,
+                self._landed_ms, self.waited_s * 1e3, self.loaded_pages,
+            )  # fmt: skip
         with self._cv:
             self._host = self._dev = None
             self._closed = True

@@ -154,6 +154,7 @@ def test_batches_before_the_compute_are_skipped(redis):
     fetch = PrefixFetch(cache, ns, ns.page_keys(tokens), 0, N_PAGES, batch_pages=3)
     fetch.skip_to(6)  # the engine computes pages 0-5: batches [0, 3) and [3, 6) are not fetched
     assert fetch.start().wait(N_PAGES, 10) == N_PAGES and fetch.finished
+    assert fetch._host.numel() == 4 * fetch._stride  # the arena holds pages 6-9 only
     assert fetch.usable_end(0) == 0 and fetch.usable_end(6) == N_PAGES and fetch.real_pages == 4
     assert [p.page_index for p in fetch.take(6, N_PAGES).payloads] == [6, 7, 8, 9]
     with pytest.raises(ValueError, match="skipped"):
