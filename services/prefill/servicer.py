@@ -74,8 +74,6 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         arena = cfg.fetch_process_arena(race)
         if cache is not None and arena is not None:  # their reads and MAC checks outside this process's GIL
             cache.use_fetch_process(*arena)
-        if cache is not None and race is not None and race.type == "cuda":
-            cache.warm_copy_stream(race, int(cfg.cache_fetch_arena_mb * (1 << 20)))
         chunk = engine.scheduler.chunk_size
         self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind, race, chunk)
         self.shards = ShardLayout.of(engine.runner)  # its KV heads over its TP ranks (the choice tells decode)

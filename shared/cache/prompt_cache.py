@@ -236,16 +236,6 @@ class PromptCache:
                 stream = self._copy_streams[device] = torch.cuda.Stream(device)
             return stream
 
-    def warm_copy_stream(self, device: torch.device, nbytes: int) -> None:
-        """Allocate and free `nbytes` on `device`'s copy stream once, so that the device arenas of the fetches come
-        from the allocator's cache of that stream: a first fetch's cudaMalloc (or a cache flush when memory is
-        short) would otherwise run beside the engine's work."""
-        try:
-            with torch.cuda.stream(self.copy_stream(device)):
-                torch.empty(nbytes, dtype=torch.uint8, device=device)
-        except torch.OutOfMemoryError:
-            log.warning("prompt cache: no %d MiB free on %s for the fetches' device arenas ahead", nbytes >> 20, device)
-
     def use_fetch_process(self, arena_bytes: int, pin: bool) -> bool:
         """Prefix fetches read the store in a helper process (`fetch_process`) into an `arena_bytes` shared arena
         (`pin`: registered with CUDA); only for a Redis store. False: not started (the fetch threads read here)."""

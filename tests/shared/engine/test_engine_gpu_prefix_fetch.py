@@ -52,7 +52,6 @@ def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype, helper, t
     cache = PromptCache(store, keyring=CacheKeyring.generate(), fetch_connections=2)
     if helper:
         assert cache.use_fetch_process(64 << 20, pin=True)
-        cache.warm_copy_stream(engine.runner.device, 64 << 20)  # what a GPU prefill does at start
     ns = CacheNamespace(engine.fingerprint, layout)
     keys = ns.page_keys(prompt)
     cache.put_many(ns, list(zip(keys, pages)))

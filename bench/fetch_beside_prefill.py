@@ -1,0 +1,106 @@
+"""What a racing prefix fetch costs the engine beside it: a 2048-token prefill of the 8B shape (random bf16 weights,
+int8 KV, 32 layers unless --layers) timed alone and with a fetch of a 4k prompt's 90% (230 int8 pages, ~249 MB)
+from Redis started just before it, in the same process, for each way of fetching:
+
+    python bench/fetch_beside_prefill.py [--redis-shards 4] [--reps 5]
+
+- none: the prefill alone;
+- helper / threads: the fetch's reads and MAC checks in the helper process (`--cache-fetch-process on`, the GPU
+  default) or on threads of this process, copies to the GPU included (what a prefill instance does);
+- helper-host: the helper, no copies to the GPU (isolates the copies' share).
+
+Prints, per way: the prefill's median ms and its ratio to alone, the fetch's own time to its last page and its
+GB/s (the fetch runs beside the prefill, so this is its served rate). CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from benchutil import log, submit
+from gpu_engine import make_engine, write_checkpoint
+from prompt_cache import KEYRING, LAYOUT_8B, PAGE, filled_cache, rand_tokens
+
+from pdserve.cache.prefix_fetch import PrefixFetch
+from pdserve.cache.prompt_cache import PromptCache
+from pdserve.cache.redis_store import RedisStore
+from pdserve.engine.sampling import SamplingParams
+
+WAYS = ("none", "helper", "threads", "helper-host")
+
+
+def prefill_ms(engine, prompt: list[int], rid: str) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    submit(engine, rid, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--redis-shards", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    from pdserve.testing.redis_cluster import RedisClusterServers
+    from pdserve.testing.redis_server import RedisServer
+
+    work = Path(tempfile.mkdtemp(prefix="pdserve-beside-"))
+    write_checkpoint(work / "model", args.layers)
+    engine = make_engine(work / "model", "int8", num_pages=4096)
+    cluster = args.redis_shards > 1
+    redis = (RedisClusterServers(work / "rc", shards=args.redis_shards) if cluster else RedisServer(work / "r")).start()
+    caches: dict[str, PromptCache] = {}
+    try:
+        tokens = rand_tokens(3681, 4242)
+        pages = 3680 // PAGE
+        caches["threads"], ns = filled_cache(redis.url, tokens, layout=LAYOUT_8B, cluster=cluster, fetch_connections=8)
+        for way in ("helper", "helper-host"):
+            store = RedisStore(redis.url, cluster=cluster, timeout_s=10.0)
+            caches[way] = PromptCache(store, keyring=KEYRING, fetch_connections=8)
+            assert caches[way].use_fetch_process(1 << 30, pin=way == "helper")
+        keys = ns.page_keys(tokens)
+        g = torch.Generator().manual_seed(1)
+        rows = [f"{'way':<12} {'prefill ms':>10} {'x alone':>8} {'fetch ms':>9} {'fetch GB/s':>10}"]
+        alone = None
+        for way in WAYS:
+            times, fetch_s, gbps = [], [], []
+            for r in range(args.reps + 1):
+                prompt = torch.randint(100, 30000, (args.prompt_tokens,), generator=g).tolist()
+                fetch = None
+                if way != "none":
+                    device = "cpu" if way == "helper-host" else "cuda:0"
+                    fetch = PrefixFetch(caches[way], ns, keys, 0, pages, device=device, batch_pages=8).start()
+                ms = prefill_ms(engine, prompt, f"{way}-{r}")
+                if fetch is not None:
+                    assert fetch.wait(pages, 60) == pages
+                    if r:
+                        fetch_s.append(fetch.landed_s)
+                        gbps.append(fetch.landed_bytes / fetch.landed_s / 1e9)
+                    fetch.close()
+                if r:  # the first run warms up
+                    times.append(ms)
+            med = statistics.median(times)
+            alone = alone or med
+            fetch_ms = f"{statistics.median(fetch_s) * 1e3:.1f}" if fetch_s else "-"
+            rate = f"{statistics.median(gbps):.2f}" if gbps else "-"
+            rows.append(f"{way:<12} {med:>10.1f} {med / alone:>8.2f} {fetch_ms:>9} {rate:>10}")
+            log(f"{way}: prefill runs {', '.join(f'{t:.1f}' for t in times)} ms")
+        print("\n".join(rows))
+    finally:
+        for c in caches.values():
+            c.close()
+        redis.stop()
+
+
+if __name__ == "__main__":
+    main()
