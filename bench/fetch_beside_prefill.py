@@ -2,12 +2,13 @@
 int8 KV, 32 layers unless --layers) timed alone and with a fetch of a 4k prompt's 90% (230 int8 pages, ~249 MB)
 from Redis started just before it, in the same process, for each way of fetching:
 
-    python bench/fetch_beside_prefill.py [--redis-shards 4] [--reps 5]
+    python bench/fetch_beside_prefill.py [--redis-shards 4] [--reps 5] [--connections 8,16]
 
 - none: the prefill alone;
-- helper / threads: the fetch's reads and MAC checks in the helper process (`--cache-fetch-process on`, the GPU
-  default) or on threads of this process, copies to the GPU included (what a prefill instance does);
-- helper-host: the helper, no copies to the GPU (isolates the copies' share).
+- helper-cN / threads: the fetch's reads and MAC checks in the helper process (`--cache-fetch-process on`, the GPU
+  default) over N connections (each --connections entry), or on 8 threads of this process, copies to the GPU
+  included (what a prefill instance does);
+- helper-host: the helper (8 connections), no copies to the GPU (isolates the copies' share).
 
 Prints, per way: the prefill's median ms and its ratio to alone, the fetch's own time to its last page and its
 GB/s (the fetch runs beside the prefill, so this is its served rate). CUDA only.
@@ -31,8 +32,6 @@ from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.engine.sampling import SamplingParams
 
-WAYS = ("none", "helper", "threads", "helper-host")
-
 
 def prefill_ms(engine, prompt: list[int], rid: str) -> float:
     torch.cuda.synchronize()
@@ -50,6 +49,7 @@ def main() -> None:
     ap.add_argument("--redis-shards", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--connections", default="8", help="the helper's connections, one run per entry")
     args = ap.parse_args()
     from pdserve.testing.redis_cluster import RedisClusterServers
     from pdserve.testing.redis_server import RedisServer
@@ -64,15 +64,16 @@ def main() -> None:
         tokens = rand_tokens(3681, 4242)
         pages = 3680 // PAGE
         caches["threads"], ns = filled_cache(redis.url, tokens, layout=LAYOUT_8B, cluster=cluster, fetch_connections=8)
-        for way in ("helper", "helper-host"):
+        helpers = [(f"helper-c{n}", int(n), True) for n in args.connections.split(",")] + [("helper-host", 8, False)]
+        for way, n, pin in helpers:
             store = RedisStore(redis.url, cluster=cluster, timeout_s=10.0)
-            caches[way] = PromptCache(store, keyring=KEYRING, fetch_connections=8)
-            assert caches[way].use_fetch_process(1 << 30, pin=way == "helper")
+            caches[way] = PromptCache(store, keyring=KEYRING, fetch_connections=n)
+            assert caches[way].use_fetch_process(1 << 30, pin=pin)
         keys = ns.page_keys(tokens)
         g = torch.Generator().manual_seed(1)
         rows = [f"{'way':<12} {'prefill ms':>10} {'x alone':>8} {'fetch ms':>9} {'fetch GB/s':>10}"]
         alone = None
-        for way in WAYS:
+        for way in ["none", "threads", *(w for w, _, _ in helpers)]:
             times, fetch_s, gbps = [], [], []
             for r in range(args.reps + 1):
                 prompt = torch.randint(100, 30000, (args.prompt_tokens,), generator=g).tolist()
