@@ -50,13 +50,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--connections", default="8", help="the helper's connections, one run per entry")
+    ap.add_argument("--model-dir", default="", help="the random checkpoint here (written if absent; reused after)")
     args = ap.parse_args()
     from pdserve.testing.redis_cluster import RedisClusterServers
     from pdserve.testing.redis_server import RedisServer
 
     work = Path(tempfile.mkdtemp(prefix="pdserve-beside-"))
-    write_checkpoint(work / "model", args.layers)
-    engine = make_engine(work / "model", "int8", num_pages=4096)
+    model = Path(args.model_dir) if args.model_dir else work / "model"
+    if not (model / "config.json").exists():
+        write_checkpoint(model, args.layers)
+    engine = make_engine(model, "int8", num_pages=4096)
     cluster = args.redis_shards > 1
     redis = (RedisClusterServers(work / "rc", shards=args.redis_shards) if cluster else RedisServer(work / "r")).start()
     caches: dict[str, PromptCache] = {}
