@@ -23,7 +23,6 @@ import logging
 import ssl
 import threading
 from collections.abc import Callable
-from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -32,7 +31,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-from pdserve.cache.resp_fetch import getex_into, pack_getex, read_getex
+from pdserve.cache.resp_fetch import getex_into
 from pdserve.cache.store import StoreError, copy_into
 
 log = logging.getLogger("pdserve.cache")
@@ -186,9 +185,8 @@ class RedisStore:
     def _cluster_get_many_into(
         self, keys: list[bytes], ttl_ms: int, dest: Dest, max_value_bytes: int
     ) -> list[int | None]:
-        """Cluster: the keys grouped by the node owning their slot, each group one pipelined GETEX on a pooled
-        connection of that node, all sent before any is read (the shards answer in parallel), each read straight
-        into `dest` (so the fetch threads spread over every shard). A slot
+        """Cluster: the keys grouped by the node owning their slot, each group one pipelined GETEX read straight
+        into `dest` on a pooled connection of that node (so the fetch threads spread over every shard). A slot
         that moved (MOVED / ASK, an error reply) fails the call like a broken link: the client is rebuilt with a
         fresh slot map on the next call, and the caller computes instead."""
         client = None
@@ -199,26 +197,22 @@ class RedisStore:
             for i, k in enumerate(keys):
                 node = client.get_node_from_key(k)
                 groups.setdefault(node.name, (node, []))[1].append(i)
-            held: list[tuple[Any, Any, list[int]]] = []  # (pool, connection, key indexes) per node
-            try:
-                for node, idx in groups.values():  # every node's pipeline sent first: the shards work in parallel
-                    pool = client.get_redis_connection(node).connection_pool
-                    conn = pool.get_connection()
-                    held.append((pool, conn, idx))
-                    if getattr(conn, "_sock", None) is None:
+            for node, idx in groups.values():
+                pool = client.get_redis_connection(node).connection_pool
+                conn = pool.get_connection()
+                try:
+                    sock = getattr(conn, "_sock", None)
+                    if sock is None:
                         conn.connect()
-                    conn._sock.sendall(pack_getex([keys[i] for i in idx], ttl_ms))
-                for _, conn, idx in held:  # then each node's replies, straight into `dest`
-                    lens = read_getex(conn._sock, len(idx), _reindexed(dest, idx), max_value_bytes)
-                    for j, i in enumerate(idx):
-                        out[i] = lens[j]
-            except BaseException:
-                for _, conn, _ in held:
+                        sock = conn._sock
+                    lens = getex_into(sock, [keys[i] for i in idx], ttl_ms, _reindexed(dest, idx), max_value_bytes)
+                except BaseException:
                     conn.disconnect()  # mid-pipeline: its state is unknown
-                raise
-            finally:
-                for pool, conn, _ in held:
+                    raise
+                finally:
                     pool.release(conn)
+                for j, i in enumerate(idx):
+                    out[i] = lens[j]
             return out
         except Exception as e:
             if isinstance(e, RedisError | OSError | ConnectionError):

@@ -93,17 +93,9 @@ def getex_into(
     if not keys:
         return []
     sock.sendall(pack_getex(keys, ttl_ms))
-    return read_getex(sock, len(keys), dest, max_value_bytes)
-
-
-def read_getex(
-    sock: socket.socket, n_keys: int, dest: Callable[[int, int], memoryview | None], max_value_bytes: int
-) -> list[int | None]:
-    """The replies of `n_keys` GETEX already sent on `sock` (`pack_getex`), read as `getex_into` reads them (so a
-    caller can send on several connections first and read each after: the servers work meanwhile)."""
     r = _Reader(sock)
     out: list[int | None] = []
-    for i in range(n_keys):
+    for i in range(len(keys)):
         head = r.line()
         kind = head[:1]
         if kind == b"$":
