@@ -99,6 +99,8 @@ class FetchProcess:
                 b.close()
         self._proc = proc
         self._generation += 1
+        while not self._socks.empty():  # the previous helper's links (those in use are closed when returned)
+            self._socks.get_nowait().close()
         self._socks = queue.Queue()
         for a, _ in pairs:
             self._socks.put(a)
@@ -173,7 +175,7 @@ class FetchProcess:
                 sock.close()  # its state is unknown: the helper's thread for it ends
                 self._helper_broken(gen)
             else:
-                socks.put(sock)
+                self._give_back(sock, gen)
         head, raw = parse_reply(body)
         if "error" in head:
             if head.get("refused"):
@@ -191,6 +193,14 @@ class FetchProcess:
         if at != len(raw) or len(lens) != len(rows):
             raise StoreError("fetch helper reply out of step")
         return FetchReply(lens, head["ok"], extras)
+
+    def _give_back(self, sock: socket.socket, generation: int) -> None:
+        """A link back to the free ones, or closed when its helper was replaced (or closed) meanwhile."""
+        with self._lock:
+            if generation == self._generation and not self.closed:
+                self._socks.put(sock)
+                return
+        sock.close()
 
     def _helper_broken(self, generation: int) -> None:
         """A connection broke: the helper is stopped (its other connections' state is fine, but a helper that

@@ -107,7 +107,7 @@ def test_a_dead_helper_fails_requests_and_is_started_again(redis, helper, monkey
     redis.client().set(b"k", sealed(0, b"d" * 32, b"value"))
     row = FetchRow(b"k", 0, b"d" * 32, 0, 5 + TAG_BYTES)
     assert helper.get_many([row], 60_000, 1 << 20).ok == [True]
-    first = helper.pid
+    first, fds = helper.pid, len(os.listdir("/proc/self/fd"))
     os.kill(first, signal.SIGKILL)
     with pytest.raises(StoreError):
         helper.get_many([row], 60_000, 1 << 20)
@@ -118,6 +118,7 @@ def test_a_dead_helper_fails_requests_and_is_started_again(redis, helper, monkey
         time.sleep(0.05)
     assert helper.pid != first and helper.restarts == 1
     assert helper.get_many([row], 60_000, 1 << 20).ok == [True]
+    assert len(os.listdir("/proc/self/fd")) == fds  # the dead helper's links closed, the new ones in their place
 
 
 def test_the_helper_exits_when_closed(redis):
