@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +132,35 @@ def test_the_helper_exits_when_closed(redis):
     assert popen.poll() is not None and not proc.ready()
     with pytest.raises(StoreError, match="not running"):
         proc.get_many([FetchRow(b"k", 0, b"d" * 32, 0, 1)], 60_000, 1 << 20)
+
+
+def test_the_helper_exits_when_its_engine_process_dies(redis):
+    """A prefill killed outright leaves no helper behind: its links close with it, and the helper ends."""
+    code = (
+        "import sys, time\n"
+        "from pdserve.cache.fetch_process import FetchProcess\n"
+        "from pdserve.cache.redis_store import RedisStore\n"
+        "from pdserve.cache.value_auth import CacheKeyring\n"
+        f"p = FetchProcess(RedisStore({redis.url!r}), CacheKeyring.generate(), 2, 1 << 16, False).start()\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        helper = int(parent.stdout.readline())
+        assert alive(helper)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while alive(helper):
+        assert time.monotonic() < deadline, "the helper outlived its engine process"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
