@@ -41,6 +41,8 @@ class RedisClusterServers:
     def start(self, timeout: float = 20.0) -> RedisClusterServers:
         """Start every node, give each its slot range, join them, and wait until every node says the cluster is ok."""
         try:
+            for i in range(len(self.nodes)):  # a cluster config left by an earlier run in this workdir: slots taken
+                (self.workdir / f"node{i}.conf").unlink(missing_ok=True)
             for n in self.nodes:
                 n.start()
             per = -(-SLOTS // len(self.nodes))
