@@ -37,19 +37,21 @@ RESTART_AFTER_S = 5.0
 class FetchRow:
     """One key of a request: `name` (store key), `key_index` (which secret of the keyring made it), `digest` (the
     page's chain hash, MACed with the value), `offset` / `size`: where in the arena a value of `size` bytes goes
-    (offset -1: nowhere, it comes back in the reply)."""
+    (offset -1: nowhere, it comes back in the reply); `header`: the header the value must start with (with the
+    request's `blocks`, the helper checks the whole value; b"": MAC only)."""
 
     name: bytes
     key_index: int
     digest: bytes
     offset: int
     size: int
+    header: bytes = b""
 
 
 @dataclass
 class FetchReply:
     lens: list[int | None]  # value length per row (None: absent or over the size limit)
-    ok: list[bool | None]  # MAC verified per row (None: absent)
+    ok: list[bool | str | None]  # per row: verified (and checked), False: fails its MAC, str: corrupt, None: absent
     extras: dict[int, memoryview]  # rows whose value is not in the arena: its bytes
 
 
@@ -143,8 +145,16 @@ class FetchProcess:
         self.arena.close()
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def get_many(self, rows: list[FetchRow], ttl_ms: int, max_value_bytes: int, timeout_s: float = 10.0) -> FetchReply:
-        """One pipelined GETEX of `rows` in the helper, values at their arena offsets, MACs checked there.
+    def get_many(
+        self,
+        rows: list[FetchRow],
+        ttl_ms: int,
+        max_value_bytes: int,
+        blocks: list[list[int]] | None = None,
+        timeout_s: float = 10.0,
+    ) -> FetchReply:
+        """One pipelined GETEX of `rows` in the helper, values at their arena offsets, MACs checked there, and with
+        `blocks` (`value.block_checks`) each row with a header checked whole (`fetch_worker.check_value`).
         Raises StoreError (store trouble, or the helper gone: the caller computes instead)."""
         with self._lock:
             gen, socks = self._generation, self._socks
@@ -158,8 +168,12 @@ class FetchProcess:
         req = {
             "ttl_ms": int(ttl_ms),
             "max_value_bytes": int(max_value_bytes),
-            "keys": [[r.name.decode("latin-1"), r.key_index, r.digest.hex(), r.offset, r.size] for r in rows],
+            "keys": [
+                [r.name.decode("latin-1"), r.key_index, r.digest.hex(), r.offset, r.size, r.header.hex()] for r in rows
+            ],
         }
+        if blocks:
+            req["blocks"] = blocks
         broken = False
         try:
             sock.settimeout(timeout_s)

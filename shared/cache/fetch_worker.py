@@ -11,12 +11,15 @@ expected size written straight to its offset in the arena (a memfd the engine ma
 under a previous secret, or of another size) sent back in the reply; then each value's MAC is checked under the
 key index the request names. The engine then only parses headers, checks CRCs and copies the arena to the GPU.
 
-Frames on a socket: `<I` length + body. Request body: JSON {"ttl_ms", "max_value_bytes", "keys": [[name
-(latin-1), key index, chain digest (hex), arena offset (-1: none), expected size], ...]}. Reply body: `<I`
-JSON length + JSON {"lens": [n or null], "ok": [true / false / null], "extra": [index, ...]} + the extra values'
-bytes in that order; or JSON {"error": text, "refused": bool}. The config on stdin: {"store": RedisStore.spec(),
-"mac_keys": [hex, ...]}. The process ends when its stdin config is read and every connection socket closed (the
-engine exited or closed it). Nothing here unpickles anything.
+Frames on a socket: `<I` length + body. Request body: JSON {"ttl_ms", "max_value_bytes", "blocks" (optional: the
+value's blocks as [bytes, item size, unusable-bits mask]), "keys": [[name (latin-1), key index, chain digest
+(hex), arena offset (-1: none), expected size, expected header (hex; "" : not checked)], ...]}. Reply body: `<I`
+JSON length + JSON {"lens": [n or null], "ok": [true / false (MAC) / "why it is corrupt" / null], "extra": [index,
+...]} + the extra values' bytes in that order; or JSON {"error": text, "refused": bool}. With "blocks" and a
+row's header, a value whose MAC verifies is also checked as `value.decode_value` checks it (`check_value`: its
+header, length, CRC32C and values), so the engine's process only builds views of it. The config on stdin:
+{"store": RedisStore.spec(), "mac_keys": [hex, ...]}. The process ends when its stdin config is read and every
+connection socket closed (the engine exited or closed it). Nothing here unpickles anything.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import socket
 import struct
 import sys
 import threading
+
+import crc32c
+import numpy as np
 
 from pdserve.cache.value_auth import CacheKey
 
@@ -83,6 +89,32 @@ def parse_reply(body: bytearray) -> tuple[dict, memoryview]:
     return json.loads(bytes(view[_LEN.size : _LEN.size + n])), view[_LEN.size + n :]
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_CRC = struct.Struct("<I")
+
+
+def check_value(value: memoryview, header: bytes, blocks: list[list[int]]) -> str | None:
+    """Why `value` (a stored value without its MAC tag) is not a usable page whose header is `header` and whose
+    blocks follow its CRC32C as `blocks` ([bytes, item size, mask]: an element with every bit of mask set is NaN or
+    infinite) say; None: it is. The checks of `value.decode_value`, without torch."""
+    n, size = len(header), len(header) + _CRC.size + sum(b[0] for b in blocks)
+    if len(value) != size:
+        return f"value has {len(value)} bytes, expected {size}"
+    if value[:n] != header:
+        return "value header differs (another key, page, layout or model)"
+    (crc,) = _CRC.unpack_from(value, n)
+    if crc32c.crc32c(value[n + _CRC.size :], crc32c.crc32c(value[:n])) != crc:
+        return "value checksum mismatch"
+    at = n + _CRC.size
+    for nbytes, item, mask in blocks:
+        if mask and nbytes:
+            bits = np.frombuffer(value[at : at + nbytes], dtype=_UINT[item])
+            if ((bits & mask) == mask).any():
+                return "value holds NaN or infinity"
+        at += nbytes
+    return None
+
+
 class Worker:
     """The helper's state: the store, the MAC keys, the arena mapping."""
 
@@ -104,7 +136,8 @@ class Worker:
 
         names = [r[0].encode("latin-1") for r in rows]
         lens = self.store.get_many_into(names, int(req["ttl_ms"]), dest, int(req["max_value_bytes"]))
-        ok: list[bool | None] = []
+        blocks = req.get("blocks")
+        ok: list[bool | str | None] = []
         for i, n in enumerate(lens):
             if n is None:
                 ok.append(None)
@@ -112,7 +145,12 @@ class Worker:
             stored = extras[i] if i in extras else self.arena[rows[i][3] : rows[i][3] + n]
             key_index = rows[i][1]
             key = self.keys[key_index] if 0 <= key_index < len(self.keys) else None
-            ok.append(key is not None and key.verify(bytes.fromhex(rows[i][2]), stored) is not None)
+            value = None if key is None else key.verify(bytes.fromhex(rows[i][2]), stored)
+            header = rows[i][5] if len(rows[i]) > 5 else ""
+            if value is None or not blocks or not header:
+                ok.append(value is not None)
+            else:
+                ok.append(check_value(value, bytes.fromhex(header), blocks) or True)
         order = sorted(i for i in extras if lens[i] is not None)
         return reply_parts({"lens": lens, "ok": ok, "extra": order}, [extras[i] for i in order])
 

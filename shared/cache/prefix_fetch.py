@@ -38,7 +38,14 @@ import torch
 from pdserve.cache.fetch_process import FetchRow
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.store import StoreError, get_many_into
-from pdserve.cache.value import value_blocks, value_bytes, value_header_bytes
+from pdserve.cache.value import (
+    block_checks,
+    checked_page,
+    expected_header,
+    value_blocks,
+    value_bytes,
+    value_header_bytes,
+)
 from pdserve.cache.value_auth import TAG_BYTES
 from pdserve.kv.payload import CachedUpload, PagePayload
 
@@ -136,6 +143,7 @@ class PrefixFetch:
         self.fetch_bytes_per_s = cache.fetch_rate.rate()  # before this fetch: what the store delivered lately
         self.value_bytes = value_bytes(ns, 0)  # stored value (with its MAC tag) of one page
         self._header = value_header_bytes(ns)
+        self._block_checks = block_checks(ns.layout)  # what the helper checks of each value's blocks
         self._pad = -self._header % ALIGN
         self._stride = -(-(self._pad + self.value_bytes) // ALIGN) * ALIGN
         self._cv = threading.Condition()
@@ -375,8 +383,9 @@ class PrefixFetch:
         digests = self.keys[start:end]
         names = [n for k in digests for n in cache.keyring.names(cache.key_prefix, k)]
         try:
-            if self._block is not None and self._proc is not None:
-                lens, values = self._get_in_helper(self._proc, self._block, host, start, digests, names)
+            checked = self._block is not None and self._proc is not None  # the helper checked the values whole
+            if checked:
+                lens, values = self._get_in_helper(self._proc, self._block, host, start, digests, names)  # type: ignore[arg-type]
             else:
                 lens, values = self._get_here(host, start, digests, names)
         except StoreError as e:
@@ -391,7 +400,9 @@ class PrefixFetch:
         for j, digest in enumerate(digests):
             page = start + j
             found = values[j * n_keys : (j + 1) * n_keys]
-            p, value, key_index, bad = cache._open(ns, digest, page, found)
+            p, value, key_index, bad = (
+                self._open_checked(page, found) if checked else cache._open(ns, digest, page, found)
+            )
             with self._cv:
                 self._counts["mac_failures"] += bad[0]
                 self._counts["corrupt"] += bad[1]
@@ -411,7 +422,7 @@ class PrefixFetch:
 
     def _get_here(
         self, host: torch.Tensor, start: int, digests: list[bytes], names: list[bytes]
-    ) -> tuple[list[int | None], list[memoryview | bool | None]]:
+    ) -> tuple[list[int | None], list[memoryview | bool | str | None]]:
         """Values of `names` read on this thread into their arena slots (other sizes, and values under a previous
         secret, into buffers of their own), MAC-checked here: (lengths, value / False (MAC) / None (absent))."""
         cache = self.cache
@@ -427,7 +438,7 @@ class PrefixFetch:
             return extra[i]
 
         lens = get_many_into(cache.store, names, cache.ttl_ms, dest, cache.max_value_bytes)
-        values: list[memoryview | bool | None] = []
+        values: list[memoryview | bool | str | None] = []
         for i, n in enumerate(lens):
             if n is None:
                 values.append(None)
@@ -445,27 +456,49 @@ class PrefixFetch:
         start: int,
         digests: list[bytes],
         names: list[bytes],
-    ) -> tuple[list[int | None], list[memoryview | bool | None]]:
+    ) -> tuple[list[int | None], list[memoryview | bool | str | None]]:
         """`_get_here`'s answer from the helper process: it reads the values into this fetch's block of the
-        shared arena (others come back in its reply) and checks their MACs."""  # fmt: skip
+        shared arena (others come back in its reply), checks their MACs and then each value whole (header, length,
+        CRC, values: what `decode_value` checks), so this thread only builds views; a corrupt value's slot holds
+        the reason."""  # fmt: skip
         cache = self.cache
         n_keys = len(cache.keyring.keys)
         rows = []
         for i, name in enumerate(names):
             page, key_index = start + i // n_keys, i % n_keys
             at = block.offset + (page - self._base) * self._stride + self._pad if key_index == 0 else -1
-            rows.append(FetchRow(name, key_index, digests[i // n_keys], at, self.value_bytes))
-        reply = proc.get_many(rows, cache.ttl_ms, cache.max_value_bytes)
-        values: list[memoryview | bool | None] = []
+            header = expected_header(self.ns, digests[i // n_keys], page)
+            rows.append(FetchRow(name, key_index, digests[i // n_keys], at, self.value_bytes, header))
+        reply = proc.get_many(rows, cache.ttl_ms, cache.max_value_bytes, self._block_checks)
+        values: list[memoryview | bool | str | None] = []
         for i, n in enumerate(reply.lens):
-            if n is None:
+            ok = reply.ok[i]
+            if n is None or ok is None:
                 values.append(None)
-            elif not reply.ok[i]:
-                values.append(False)
+            elif ok is not True:
+                values.append(ok if isinstance(ok, str) else False)  # corrupt (why) / fails its MAC
             else:
                 stored = reply.extras[i] if i in reply.extras else self._slot(host, start + i // n_keys)
                 values.append(stored[: n - TAG_BYTES])
         return reply.lens, values
+
+    def _open_checked(self, page: int, found: list) -> tuple:
+        """`PromptCache._open` for values the helper checked whole: the first of `found` (one slot per accepted
+        key, current first) that verified and passed, as (page, its value, key index, bad) or (None, None, -1,
+        bad); `bad`: [MAC failures, corrupt values] met on the way."""
+        bad = [0, 0]
+        for i, value in enumerate(found):
+            if value is None:
+                continue
+            if value is False:
+                bad[0] += 1
+                log.warning("prompt cache: value of page %d fails its MAC (treated as a miss)", page)
+            elif isinstance(value, str):
+                bad[1] += 1
+                log.warning("prompt cache: corrupt value for page %d (treated as a miss): %s", page, value)
+            else:
+                return checked_page(value, self.ns, page), value, i, bad
+        return None, None, -1, bad
 
     def _to_device(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, pages: list[PagePayload]):
         """Copy the arena slots of pages [start, end) to the device arena on the side stream; its event."""

@@ -32,7 +32,7 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.value_auth import TAG_BYTES
 from pdserve.errors import CorruptPage, InvalidRequest
 from pdserve.kv.bytes_out import concat, tensor_view
-from pdserve.kv.codec import KVLayoutSpec, check_values, pack_layout, pack_str
+from pdserve.kv.codec import KVLayoutSpec, check_values, pack_layout, pack_str, unusable_bits
 from pdserve.kv.dtypes import DTYPES
 from pdserve.kv.payload import PagePayload
 
@@ -182,6 +182,24 @@ def decode_value(buf: bytes | memoryview, ns: CacheNamespace, chain: bytes, page
     page = _payload_views(view[n + _CRC.size :], lay, page_index)
     check_values(page.data, page.scales, page.zeros)  # a checksum proves only that the writer meant these values
     return page
+
+
+def expected_header(ns: CacheNamespace, chain: bytes, page_index: int) -> bytes:
+    """The header a value of page `page_index` under `chain` in `ns` starts with (what `decode_value` compares)."""
+    return _header(ns, chain, page_index)
+
+
+def block_checks(layout: KVLayoutSpec) -> list[list[int]]:
+    """[bytes, item size, unusable-bits mask] of a value's data, scales and zeros blocks: what a process without
+    torch needs to check a value's values as `decode_value` does (`fetch_worker.check_value`)."""
+    return [[size, *unusable_bits(dtype)] for size, dtype, _ in value_blocks(layout)]
+
+
+def checked_page(value: memoryview, ns: CacheNamespace, page_index: int) -> PagePayload:
+    """The page of a value whose header, checksum and values were checked already (`fetch_worker.check_value`, in
+    the prefix fetch's helper process), as read-only views of it."""
+    n = len(_header(ns, bytes(CHAIN_BYTES), page_index))
+    return _payload_views(value[n + _CRC.size :], ns.layout, page_index)
 
 
 def encoded_bytes(ns: CacheNamespace, page_index: int) -> int:

@@ -148,6 +148,16 @@ def _usable_on_host(t: torch.Tensor) -> bool:
     return not bool(((view & mask) == mask).any())
 
 
+def unusable_bits(dtype: torch.dtype) -> tuple[int, int]:
+    """(item size, mask) such that an element whose bits hold all of `mask` is one attention cannot use (NaN or
+    infinity; fp8: its NaN encodings); mask 0: every value usable (integers). For checks without torch."""
+    bits = _EXPONENT_BITS.get(dtype)
+    if bits is None:
+        return torch.empty((), dtype=dtype).element_size(), 0
+    as_int, mask = bits
+    return torch.empty((), dtype=as_int).element_size(), mask
+
+
 def _all_usable(tensors: list[torch.Tensor], complete: bool = False) -> bool:
     """Whether every tensor passes `_usable`: one reduction each and one host sync in all; on CUDA on a side stream
     (waiting here never waits for the engine stream's later steps). `complete`: no stream has work pending on the

@@ -16,6 +16,7 @@ from pdserve.cache.prefix_fetch import PrefixFetch
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.store import StoreError
+from pdserve.cache.value import encode_value
 from pdserve.cache.value_auth import CacheKeyring
 
 N_PAGES = 10
@@ -264,3 +265,32 @@ def test_the_fetch_starts_where_compute_and_fetch_meet(redis):
     assert fetch.usable_end(0) == 0 and fetch.usable_end(4) == N_PAGES and fetch.real_pages == 6
     fetch.close()
     cache.close()
+
+
+@HELPER
+@pytest.mark.parametrize("damage", ["checksum", "nan-scale", "other-page", "inf-data"])
+def test_a_value_with_a_good_mac_but_bad_content_ends_the_fetch_as_corrupt(redis, helper, damage):
+    """Values the secret's holder wrote wrong (a flipped byte re-sealed, NaN scales or infinite dense data with a
+    good CRC, another page's value under this key): a miss counted as corrupt, checked in the helper as in this
+    process."""
+    layout = DENSE if damage == "inf-data" else INT8
+    cache, ns, tokens = filled(redis.url, layout, helper=helper)
+    keys = ns.page_keys(tokens)
+    if damage == "inf-data":
+        page = make_page(DENSE, 5)
+        page.data.view(-1)[7] = float("inf")
+        value = bytearray(encode_value(page, ns, keys[5]))
+    elif damage == "checksum":
+        value = bytearray(encode_value(make_page(INT8, 5), ns, keys[5]))
+        value[-1] ^= 1
+    elif damage == "nan-scale":
+        page = make_page(INT8, 5)
+        page.scales.view(-1)[3] = float("nan")
+        value = bytearray(encode_value(page, ns, keys[5]))
+    else:
+        value = bytearray(encode_value(make_page(INT8, 6), ns, keys[6]))
+    redis.client().set(cache.store_key(ns, keys[5]), b"".join(bytes(p) for p in KEYRING.seal(keys[5], bytes(value))))
+    fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=3).start()
+    assert fetch.wait(N_PAGES, 10) == 5 and fetch.finished
+    assert cache.stats.corrupt == 1 and cache.stats.mac_failures == 0 and cache.stats.hits == 5
+    closed_clean(fetch, cache, helper)
