@@ -40,7 +40,6 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.store import StoreError, get_many_into
 from pdserve.cache.value import (
     block_checks,
-    checked_page,
     expected_header,
     value_blocks,
     value_bytes,
@@ -77,7 +76,7 @@ class PromptCache(Protocol):
     stats: CacheStats
     fetch_process: FetchProcess | None
 
-    def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list) -> tuple: ...
+    def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list, checked: bool = ...) -> tuple: ...
     def measured_fetch(self, nbytes: int, seconds: float, page_value_bytes: float) -> None: ...
     def fetch_pool(self) -> ThreadPoolExecutor: ...
     def copy_stream(self, device: torch.device) -> torch.cuda.Stream: ...
@@ -400,9 +399,7 @@ class PrefixFetch:
         for j, digest in enumerate(digests):
             page = start + j
             found = values[j * n_keys : (j + 1) * n_keys]
-            p, value, key_index, bad = (
-                self._open_checked(page, found) if checked else cache._open(ns, digest, page, found)
-            )
+            p, value, key_index, bad = cache._open(ns, digest, page, found, checked)
             with self._cv:
                 self._counts["mac_failures"] += bad[0]
                 self._counts["corrupt"] += bad[1]
@@ -481,24 +478,6 @@ class PrefixFetch:
                 stored = reply.extras[i] if i in reply.extras else self._slot(host, start + i // n_keys)
                 values.append(stored[: n - TAG_BYTES])
         return reply.lens, values
-
-    def _open_checked(self, page: int, found: list) -> tuple:
-        """`PromptCache._open` for values the helper checked whole: the first of `found` (one slot per accepted
-        key, current first) that verified and passed, as (page, its value, key index, bad) or (None, None, -1,
-        bad); `bad`: [MAC failures, corrupt values] met on the way."""
-        bad = [0, 0]
-        for i, value in enumerate(found):
-            if value is None:
-                continue
-            if value is False:
-                bad[0] += 1
-                log.warning("prompt cache: value of page %d fails its MAC (treated as a miss)", page)
-            elif isinstance(value, str):
-                bad[1] += 1
-                log.warning("prompt cache: corrupt value for page %d (treated as a miss): %s", page, value)
-            else:
-                return checked_page(value, self.ns, page), value, i, bad
-        return None, None, -1, bad
 
     def _to_device(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, pages: list[PagePayload]):
         """Copy the arena slots of pages [start, end) to the device arena on the side stream; its event."""

@@ -51,7 +51,7 @@ from pdserve.cache.local_tier import LocalTier
 from pdserve.cache.prefix_fetch import PrefixFetch
 from pdserve.cache.stats import CacheStats
 from pdserve.cache.store import MemoryStore, PageStore, StoreError, get_many_into
-from pdserve.cache.value import decode_value, encode_value
+from pdserve.cache.value import checked_page, decode_value, encode_value
 from pdserve.cache.value_auth import CacheKeyring, keyring_from
 from pdserve.cache.writer import WriteBack
 from pdserve.errors import CorruptPage, InvalidRequest
@@ -184,10 +184,11 @@ class PromptCache:
             out[i] = result
         return out
 
-    def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list) -> tuple:
+    def _open(self, ns: CacheNamespace, digest: bytes, page_index: int, found: list, checked: bool = False) -> tuple:
         """The page of the first of `found` (`_verify`'s slots of `digest`, one per accepted key, current first)
         that verified and parses, as (page, its value, key index, bad) or (None, None, -1, bad); `bad`: [MAC
-        failures, corrupt values] met on the way."""
+        failures, corrupt values] met on the way. `checked`: the values were checked whole already (the fetch
+        helper; a slot holding a str is a value it found corrupt, and why)."""
         bad = [0, 0]
         for i, value in enumerate(found):
             if value is None:
@@ -197,7 +198,10 @@ class PromptCache:
                 log.warning("prompt cache: value of page %d fails its MAC (treated as a miss)", page_index)
                 continue
             try:
-                return decode_value(value, ns, digest, page_index), value, i, bad
+                if isinstance(value, str):
+                    raise CorruptPage(value)
+                page = checked_page(value, ns, page_index) if checked else decode_value(value, ns, digest, page_index)
+                return page, value, i, bad
             except CorruptPage as e:
                 bad[1] += 1
                 log.warning("prompt cache: corrupt value for page %d (treated as a miss): %s", page_index, e)
