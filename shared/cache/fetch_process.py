@@ -68,6 +68,7 @@ class FetchProcess:
         self._generation = 0
         self._started_at = 0.0
         self.restarts = 0
+        self.fallbacks = {"arena_full": 0, "helper_down": 0}  # fetches that ran in the engine's process instead
         self.closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -122,6 +123,16 @@ class FetchProcess:
                 self.restarts += 1
             self._start_locked()
             return self._proc is not None
+
+    def fell_back(self, why: str) -> None:
+        """Count a fetch that ran in the engine's process instead (`fallbacks`: arena_full, helper_down)."""
+        with self._lock:
+            self.fallbacks[why] += 1
+
+    def events(self) -> dict[str, int]:
+        """Counters for metrics: restarts and the fallbacks by reason."""
+        with self._lock:
+            return {"restarts": self.restarts, **{f"fallback_{k}": v for k, v in self.fallbacks.items()}}
 
     @property
     def pid(self) -> int | None:

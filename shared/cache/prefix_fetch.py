@@ -224,8 +224,13 @@ class PrefixFetch:
             n = self.end_page - self._base  # the arenas hold the pages from the first batch fetched on
             pinned = self.device.type == "cuda"
             proc = self._proc
-            if proc is not None and proc.ready():
-                block = proc.arena.alloc(n * self._stride)
+            if proc is not None:
+                if not proc.ready():
+                    proc.fell_back("helper_down")
+                else:
+                    block = proc.arena.alloc(n * self._stride)
+                    if block is None:
+                        proc.fell_back("arena_full")
             if block is not None:
                 host = block.tensor  # [pages * stride] (pinned on CUDA)
             else:

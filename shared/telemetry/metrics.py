@@ -27,11 +27,12 @@ log = logging.getLogger("pdserve.telemetry.metrics")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
-GaugeFn = Callable[[], float | Mapping[tuple[str, ...], float]]
+GaugeFn = Callable[[], float | Mapping[tuple[str, ...], float] | None]
 
 
 class _Callback(Collector):
-    """A gauge (or counter) whose value(s) `fn` returns at scrape time: a number, or {label values: number}."""
+    """A gauge (or counter) whose value(s) `fn` returns at scrape time: a number, or {label values: number}; None:
+    no sample now."""
 
     def __init__(self, name: str, doc: str, labelnames: Sequence[str], fn: GaugeFn, family=GaugeMetricFamily):
         self.name, self.doc, self.labelnames, self.fn, self.family = name, doc, list(labelnames), fn, family
@@ -45,6 +46,8 @@ class _Callback(Collector):
             values = self.fn()
         except Exception:
             log.exception("gauge %s failed", self.name)
+            return [fam]
+        if values is None:
             return [fam]
         if self.labelnames:
             for key, v in values.items():
@@ -172,8 +175,9 @@ PROMPT_CACHE_EVENTS = (
 
 def watch_prompt_cache(metrics: ServiceMetrics, cache) -> None:
     """Prefill's prompt cache (`pdserve.cache.prompt_cache.PromptCache`): `pdserve_cache_hit_ratio` (pages found /
-    full pages asked for), its counters as `pdserve_prompt_cache_total{event}` (pages unless named otherwise) and
-    per scope `pdserve_prompt_cache_scope_pages_total{scope, event=lookup_pages|hits}`."""
+    full pages asked for), its counters as `pdserve_prompt_cache_total{event}` (pages unless named otherwise),
+    per scope `pdserve_prompt_cache_scope_pages_total{scope, event=lookup_pages|hits}`, and with a fetch helper
+    process `pdserve_prompt_cache_fetch_helper_total{event}` and `pdserve_prompt_cache_fetch_arena_free_bytes`."""
     metrics.gauge("cache_hit_ratio", "Prompt cache: pages found / full prompt pages looked up", cache.hit_ratio)
 
     def events() -> dict[tuple[str, ...], float]:
@@ -194,3 +198,20 @@ def watch_prompt_cache(metrics: ServiceMetrics, cache) -> None:
         scopes,
         ["scope", "event"],
     )
+
+    def helper() -> dict[tuple[str, ...], float]:  # read at scrape time: the helper starts with the servicer
+        proc = cache.fetch_process
+        return {} if proc is None else {(k,): v for k, v in proc.events().items()}
+
+    def arena_free() -> float | None:
+        proc = cache.fetch_process
+        return None if proc is None else proc.arena.free_bytes
+
+    metrics.counter(
+        "prompt_cache_fetch_helper",
+        "Prefix fetch helper process: restarts, and fetches run in this process instead (fallback_arena_full, "
+        "fallback_helper_down)",
+        helper,
+        ["event"],
+    )
+    metrics.gauge("prompt_cache_fetch_arena_free_bytes", "Free bytes of the fetch helper's shared arena", arena_free)

@@ -13,14 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from cache_testutil import INT8, KEYRING, PAGE, make_page, namespace
 
 from pdserve.cache import fetch_process
 from pdserve.cache.config import CacheOptions
 from pdserve.cache.fetch_arena import ALIGN, SharedArena
 from pdserve.cache.fetch_process import FetchProcess, FetchRow
+from pdserve.cache.prefix_fetch import PrefixFetch
+from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.store import StoreError
 from pdserve.cache.value_auth import TAG_BYTES, CacheKeyring
+from pdserve.telemetry.metrics import ServiceMetrics, watch_prompt_cache
 
 RING = CacheKeyring.of(
     "current-secret-of-the-fetch-process-tests-0001", "previous-secret-of-the-fetch-process-tests-01"
@@ -164,3 +168,38 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_metrics_count_restarts_and_fetches_run_here_instead(redis, monkeypatch):
+    """`/metrics` of a prefill with the helper: its free arena bytes, its restarts, and the fetches that ran in the
+    engine's process because the arena was full or the helper down (they still land, only slower)."""
+    metrics = ServiceMetrics("prefill")
+    cache = PromptCache(RedisStore(redis.url, timeout_s=5.0), keyring=KEYRING, fetch_connections=2)
+    watch_prompt_cache(metrics, cache)
+    val = metrics.registry.get_sample_value
+    assert val("pdserve_prompt_cache_fetch_arena_free_bytes", {}) is None  # no helper: no sample
+    assert cache.use_fetch_process(1024, pin=False)  # room for one page
+    ns, tokens = namespace(INT8), list(range(6 * PAGE + 1))
+    keys = ns.page_keys(tokens)
+    cache.put_many(ns, [(k, make_page(INT8, i)) for i, k in enumerate(keys)])
+    assert cache.flush()
+    assert val("pdserve_prompt_cache_fetch_arena_free_bytes", {}) == 1024
+    fetch = PrefixFetch(cache, ns, keys, 0, 6, batch_pages=2).start()
+    assert fetch.wait(6, 10) == 6 and fetch._block is None  # six pages do not fit: fetched here, all the same
+    fetch.close()
+    helper_total = lambda event: val("pdserve_prompt_cache_fetch_helper_total", {"event": event})  # noqa: E731
+    assert helper_total("fallback_arena_full") == 1 and helper_total("restarts") == 0
+    assert helper_total("fallback_helper_down") == 0
+    proc = cache.fetch_process
+    os.kill(proc.pid, signal.SIGKILL)
+    proc._proc.wait(10)
+    one = PrefixFetch(cache, ns, keys, 0, 1).start()  # the helper died just after its start: not restarted yet
+    assert one.wait(1, 10) == 1 and one._block is None
+    one.close()
+    assert helper_total("fallback_helper_down") == 1
+    monkeypatch.setattr(fetch_process, "RESTART_AFTER_S", 0.0)
+    again = PrefixFetch(cache, ns, keys, 0, 1).start()
+    assert again.wait(1, 10) == 1 and again._block is not None  # started again, read by the new helper
+    again.close()
+    assert helper_total("restarts") == 1
+    cache.close()
