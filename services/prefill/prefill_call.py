@@ -250,7 +250,12 @@ class PrefillCall:
         self.scope.finish(
             1,
             "prefill_done",
-            {**kv, "pdserve.cached_tokens": done.cached_tokens, "pdserve.first_token_id": done.first_token_id},
+            {
+                **kv,
+                "pdserve.cached_tokens": done.cached_tokens,
+                "pdserve.first_token_id": done.first_token_id,
+                **self.plan.fetch_attributes(),
+            },
         )
 
     def end_spans(self) -> None:

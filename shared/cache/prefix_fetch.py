@@ -170,6 +170,7 @@ class PrefixFetch:
         self._inflight = 0  # batches reading into the host arena now
         self._closed = False
         self._base = first_page  # first page the arenas hold (batches wholly before `split_page` are never fetched)
+        self.start_page = first_page  # where the fetch started (`split_page`)
         self.waited_s = 0.0  # what the engine waited in `wait`
         self.loaded_pages = 0  # pages the engine loaded
         self._landed_ms: list[float] = []  # when each fetched batch landed, ms from the start
@@ -210,6 +211,7 @@ class PrefixFetch:
         from `split_page` on."""
         self.started = time.perf_counter()
         self.skip_to(self.split_page())
+        self.start_page = self.skip_before
         skipped = min(self.skip_before, self.end_page) - self.first_page  # its batches wholly before it: never read
         self._base = self.first_page + skipped // self.batch_pages * self.batch_pages
         if not self.finished:
@@ -264,6 +266,18 @@ class PrefixFetch:
                 return
             self.cancelled = True
             self._finish_locked()
+
+    def span_attributes(self) -> dict[str, int | float]:
+        """The fetch so far, for the request's span: where it started, pages fetched and loaded, what the engine
+        waited, when its last batch landed (ms from its start)."""
+        with self._cv:
+            return {
+                "pdserve.cache.fetch_start_page": self.start_page,
+                "pdserve.cache.fetch_pages_fetched": self.real_pages,
+                "pdserve.cache.fetch_pages_loaded": self.loaded_pages,
+                "pdserve.cache.fetch_wait_ms": round(self.waited_s * 1e3, 2),
+                "pdserve.cache.fetch_landed_ms": round(self.landed_s * 1e3, 2),
+            }
 
     # ---- engine side ---------------------------------------------------------------------------------------
     def wait(self, page_end: int, timeout_s: float) -> int:

@@ -74,6 +74,10 @@ class PrefixPlan:
         if self.fetch is not None:
             self.fetch.close()
 
+    def fetch_attributes(self) -> dict[str, Any]:
+        """Span attributes of the racing fetch at the request's end (`PrefixFetch.span_attributes`; {}: none)."""
+        return self.fetch.span_attributes() if self.fetch is not None else {}
+
     def attributes(self, cache_enabled: bool) -> dict[str, Any]:
         """Span attributes of the lookup (`prefill.cache_lookup`)."""
         hit = self.hit

@@ -16,6 +16,7 @@ import torch
 from pdserve.cache.value_auth import write_secret_file
 from pdserve.cli.launch import start_service, wait_ready
 from pdserve.server.grpc_util import channel
+from pdserve.testing.otlp_sink import OTLPSink
 from pdserve.testing.redis_server import RedisServer
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
@@ -35,18 +36,20 @@ def children(pid: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, model_dir):
-    """(redis client, [prefill addresses], decode address, channels, prefill pids): three racing prefills sharing
-    one Redis, the third with the fetch helper process."""
+    """(redis client, [prefill addresses], decode address, channels, prefill pids, OTLP sink): three racing prefills
+    sharing one Redis, the third with the fetch helper process."""
     work = tmp_path_factory.mktemp("fetch-race")
     redis = RedisServer(work / "redis").start()
+    sink = OTLPSink().start()  # the prefill spans' fetch attributes
     env = {"REDIS_URL": redis.url, "PDSERVE_CACHE_SECRET_FILE": str(write_secret_file(work / "secret"))}
+    env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     specs = [("prefill", RACE, env), ("prefill", RACE, env), ("prefill", RACE + HELPER, env)]
     specs.append(("decode", ["--kv-dtype", "auto"], {}))
     started = [start_service(n, ["--model", str(model_dir), *ENGINE, *a], work, env=e) for n, a, e in specs]
     try:
         addrs = [wait_ready(*s, timeout=120) for s in started]
         chans = {a: channel(a) for a in addrs}
-        yield redis.client(), addrs[:3], addrs[3], chans, [s[0].pid for s in started[:3]]
+        yield redis.client(), addrs[:3], addrs[3], chans, [s[0].pid for s in started[:3]], sink
         for ch in chans.values():
             ch.close()
     finally:
@@ -55,10 +58,11 @@ def stack(tmp_path_factory, model_dir):
         for s in started:
             s[0].wait(20)
         redis.stop()
+        sink.stop()
 
 
 def generate(stack, prefill: int, ids: list[int]) -> tuple[list[int], int]:
-    _, prefills, decode, chans, _ = stack
+    _, prefills, decode, chans, _, _ = stack
     req = internal_pb2.DecodeRequest(
         request_id=uuid.uuid4().hex,
         prompt_token_ids=ids,
@@ -83,15 +87,31 @@ def test_racing_hits_output_identical_and_counted(stack):
     while rds.dbsize() < 11:  # the write-back of p0's pages
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    want = 11 * PAGE
+    want, requests = 11 * PAGE, 1
     for prefill in (1, 2):  # neither holds the pages; p2 reads Redis in its helper process, p1 on its own threads
         hits = [generate(stack, prefill, ids) for _ in range(4)]
+        while max(n for _, n in hits) == 0 and len(hits) < 12:  # a loaded host may compute the first ones whole
+            hits.append(generate(stack, prefill, ids))
+        requests += len(hits)
         for tokens, n in hits:
             assert tokens == cold
             assert n % PAGE == 0 and 0 <= n <= want  # loaded pages, whichever landed before the compute
         assert max(n for _, n in hits) > 0  # loaded, from where the fetch starts (PrefixFetch.split_page)
     time.sleep(1.0)
     assert rds.dbsize() == 11  # nothing the store had was written again under another name
+    # each request's prefill span tells the fetch's story: every cached token was a page it loaded
+    hit_spans = stack[5].wait_for(lambda spans: len(fetch_spans(spans)) >= requests, timeout=30)
+    for span in fetch_spans(hit_spans):
+        a = span.attributes
+        assert a["pdserve.cached_tokens"] == a["pdserve.cache.fetch_pages_loaded"] * PAGE
+        assert a["pdserve.cache.fetch_pages_loaded"] <= a["pdserve.cache.fetch_pages_fetched"]
+        assert 0 <= a["pdserve.cache.fetch_start_page"] <= 11 and a["pdserve.cache.fetch_wait_ms"] >= 0
+    assert max(s.attributes["pdserve.cache.fetch_pages_loaded"] for s in fetch_spans(hit_spans)) > 0
+
+
+def fetch_spans(spans) -> list:
+    """Prefill request spans that carry a racing fetch's attributes."""
+    return [s for s in spans if s.name == "prefill.request" and "pdserve.cache.fetch_pages_loaded" in s.attributes]
 
 
 def test_the_helper_process_runs_beside_the_third_prefill_only(stack):

@@ -263,6 +263,10 @@ def test_the_fetch_starts_where_compute_and_fetch_meet(redis):
     fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=2, prefill_tokens_per_s=PAGE, chunk_pages=2)
     assert fetch.start().wait(N_PAGES, 10) == N_PAGES
     assert fetch.usable_end(0) == 0 and fetch.usable_end(4) == N_PAGES and fetch.real_pages == 6
+    fetch.mark_loaded(4, 7)  # what the request's span says of it
+    a = fetch.span_attributes()
+    assert (a["pdserve.cache.fetch_start_page"], a["pdserve.cache.fetch_pages_fetched"]) == (4, 6)
+    assert a["pdserve.cache.fetch_pages_loaded"] == 3 and a["pdserve.cache.fetch_landed_ms"] > 0
     fetch.close()
     cache.close()
 
