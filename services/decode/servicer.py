@@ -168,7 +168,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         )
         # our caller went away: stop prefill too, unless every page is in (prefill then ends its side: last acks,
         # the prompt-cache write-back after PrefillDone)
-        context.add_callback(lambda: rx.pages.completed or call.cancel())
+        if not context.add_callback(lambda: rx.pages.completed or call.cancel()):
+            call.cancel()  # the caller went away before the callback was in place: it would never run
         rx.attach(call.cancel)
         try:
             done = yield from self._take(rx, call, early)

@@ -398,7 +398,8 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         p = d = None
         per_choice: dict[int, internal_pb2.DecodeRequest] | None = None  # n > 1 resumed: a request per open choice
         hooks = self._hooks(job, plan, req, n)
-        context.add_callback(lambda: self.scheduler.cancel(job))  # the caller went away while queued
+        if not context.add_callback(lambda: self.scheduler.cancel(job)):  # the caller went away while queued
+            self.scheduler.cancel(job)  # ... already, before the callback was in place (it would never run)
         try:
             for attempt in range(self.cfg.max_attempts):
                 pair = self._dispatched(job, deadline, context)

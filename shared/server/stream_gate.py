@@ -112,7 +112,8 @@ class StreamGate(grpc.ServerInterceptor):
                 )
             gated = GatedContext(context)
             self._active.add(gated)
-        context.add_callback(lambda: self._leave(gated))  # whatever ends the RPC
+        if not context.add_callback(lambda: self._leave(gated)):  # whatever ends the RPC
+            self._leave(gated)  # it ended already: the callback would never run, and the slot never come back
         return gated
 
     def _leave(self, gated: GatedContext) -> None:
