@@ -3,13 +3,14 @@
     python -m pdserve.cache.fetch_worker --arena-fd FD --arena-bytes N --conn-fds A,B,...   (config JSON on stdin)
 
 Why a process: an engine process that also reads the megabyte values of a cached prefix from its sockets hands
-the GIL back and forth with every `recv_into` and MAC update, and both slow down (measured on an H200: a 2k
-prefill 45 -> 56-100 ms while a fetch ran beside it, the fetch itself at 1.4-1.9 GB/s). Here one thread a
+the GIL back and forth with every `recv_into`, MAC update and checksum, and both slow down (docs/benchmarks.md,
+"One GPU"). Here one thread a
 connection socket (`--conn-fds`, socketpairs whose other ends the engine holds) serves requests one at a time:
 pipelined GETEX of the named keys (`resp_fetch.getex_into` through `RedisStore.get_many_into`), each value of the
 expected size written straight to its offset in the arena (a memfd the engine mapped and pinned), others (values
 under a previous secret, or of another size) sent back in the reply; then each value's MAC is checked under the
-key index the request names. The engine then only parses headers, checks CRCs and copies the arena to the GPU.
+key index the request names, and the value itself (`check_value`). The engine then only builds views of the pages
+and copies the arena to the GPU.
 
 Frames on a socket: `<I` length + body. Request body: JSON {"ttl_ms", "max_value_bytes", "blocks" (optional: the
 value's blocks as [bytes, item size, unusable-bits mask]), "keys": [[name (latin-1), key index, chain digest

@@ -17,10 +17,13 @@ never costs more than computing, however slow the store.
 Speed: the pages are split in batches of `batch_pages`, fetched on the cache's fetch threads (one pooled Redis
 connection each) as pipelined GETEX whose values are read from the socket straight into one arena (pinned host
 memory when `device` is CUDA: `resp_fetch.getex_into`), slot by slot, the page data of each slot 256-byte aligned.
-Each value's MAC and checksum are checked on the thread that read it (hashlib and crc32c release the GIL); on
-CUDA the batch is then copied to a device arena on a side stream, and `take` hands the engine device tensors
-(its stream waits on that copy's event). Batches land in page order: a page that is absent, fails its MAC or
-its checks ends the fetch there (those after it are useless: a prefix is used from its start).
+Each value's MAC and checksum are checked on the thread that read it (hashlib and crc32c release the GIL). With
+the cache's helper process (`fetch_process`, GPU engines), the reads and every check run there instead, into a
+block of its shared arena, and the fetch thread only builds views. On CUDA the batch is then copied to a device
+arena on a side stream, and `take` hands the engine device tensors (its stream waits on that copy's event). The
+fetch starts at `split_page`, where computing and fetching take about as long. Batches land in page order: a
+page that is absent, fails its MAC or its checks ends the fetch there (those after it are useless: a prefix is
+used from its start).
 """
 
 from __future__ import annotations

@@ -198,8 +198,7 @@ def block_checks(layout: KVLayoutSpec) -> list[list[int]]:
 def checked_page(value: memoryview, ns: CacheNamespace, page_index: int) -> PagePayload:
     """The page of a value whose header, checksum and values were checked already (`fetch_worker.check_value`, in
     the prefix fetch's helper process), as read-only views of it."""
-    n = len(_header(ns, bytes(CHAIN_BYTES), page_index))
-    return _payload_views(value[n + _CRC.size :], ns.layout, page_index)
+    return _payload_views(value[value_header_bytes(ns) :], ns.layout, page_index)
 
 
 def encoded_bytes(ns: CacheNamespace, page_index: int) -> int:
