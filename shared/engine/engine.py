@@ -523,6 +523,7 @@ class LLMEngine:
         self.last_step_decode_rows = batch.num_decode if batch is not None else 0
         self.last_step_prefill_budget = batch.prefill_budget if batch is not None else 0
         if batch is not None and not return_logits and self._overlappable(batch):
+            self._load_cached(batch.seqs)  # a decode-ready request's first row: its prefix is all cached pages
             positions = [s.num_computed_tokens for s in batch.seqs]
             self._inflight = _InflightDecode(batch.seqs, self.runner.launch_decode(batch.seqs, positions, None))
         elif batch is not None:
@@ -609,10 +610,14 @@ class LLMEngine:
             choices_left=0 if group is None else group.live(),
         )
 
-    def _run(self, batch: ScheduledBatch, return_logits: bool) -> list[StepOutput]:
-        for seq in batch.seqs:
+    def _load_cached(self, seqs: list[Sequence]) -> None:
+        """Write the cached prefixes of the step's sequences scheduled for the first time (before its forward)."""
+        for seq in seqs:
             if seq.cached_pages is not None:
                 self._load_cached_pages(seq)
+
+    def _run(self, batch: ScheduledBatch, return_logits: bool) -> list[StepOutput]:
+        self._load_cached(batch.seqs)
         sample_rows = [
             i
             for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))

@@ -6,9 +6,12 @@ Without it the first request of a fresh service pays about a second of compiles 
 prefill, and the first prompt-cache hit pays again (its int8 pages are dequantized into the prefill's dense pool
 by a kernel nothing else compiles).
 
-Paths covered: prompts of 1 token, one page plus one token, and one chunk plus one page plus one token (a chunk that
-attends to an earlier chunk); a decode step; a mixed step (decode rows beside a prefill chunk, run eagerly); a
-prefill-only request exported in each format a prefill ships; a cached prefix imported in each of those formats.
+Paths covered: prompts of 1 token, one page plus one token, 2^k pages plus one token up to a chunk (each GEMM and
+attention shape picks its kernel by its row count: a prompt tail of a size not seen here loads that kernel on first
+use) and one chunk plus one page plus one token (a chunk that attends to an earlier chunk); a decode step; a mixed
+step (decode rows beside a prefill chunk, run eagerly); a prefill-only request exported in each format a prefill
+ships; a cached prefix imported in each of those formats (a request left one token to compute: its first step is a
+decode launch, which writes the cached pages first).
 
 It pays on a GPU only. On CPU nothing compiles and a first request costs what a later one does, while the full
 warm-up (a chunk-long prompt through plain torch ops) took over a minute on a 2-core host: `light` runs one
@@ -40,7 +43,8 @@ def warm_up(engine: LLMEngine, ship_formats: Sequence[tuple[str, int]] = (), lig
     t0 = time.perf_counter()
     ps, chunk = engine.page_size, engine.cfg.chunk_size
     limit = max(1, min(engine.max_model_len - 2, engine.allocator.num_pages // 2 * ps - 2))  # context, half the pool
-    lengths = [1] if light else sorted({min(n, limit) for n in (1, ps + 1, chunk + ps + 1)})
+    sizes = {1, ps + 1, chunk + ps + 1} | {ps * 2**k + 1 for k in range(1, 32) if ps * 2**k < chunk}
+    lengths = [1] if light else sorted({min(n, limit) for n in sizes})
     ship_formats = () if light else ship_formats
     mixed = not light and len(lengths) > 1  # two prompts at once: decode rows beside a prefill chunk (mixed step)
     steps = len(lengths) + len(ship_formats) + mixed

@@ -79,10 +79,25 @@ def test_last_token_left_to_compute(engine):
     prompt = random_prompt(3 * PAGE + 1, seed=4)
     ref = engine.generate([prompt], GREEDY)[0]
     pages, _ = prefill_pages(engine, prompt)
+    engine.runner.kv_cache.data.normal_()  # the free pages still held this prompt's KV: only the import may restore it
     engine.add_request(
         EngineRequest("c", prompt, GREEDY, cached_pages=pages)
     )  # decode-ready at once: joins the decode batch
     assert run_to_completion(engine)["c"]["tokens"] == ref
+
+
+def test_last_token_left_to_compute_with_overlapped_decode(make_engine):
+    """The same through decode steps launched one ahead (`overlap_decode`, what a GPU engine with CUDA graphs
+    runs): the decode-ready request's first step is an overlapped decode launch, which must write its cached pages
+    first (it used to attend over pages never written)."""
+    eng = make_engine(overlap_decode="on")
+    prompt = random_prompt(3 * PAGE + 1, seed=4)
+    ref = eng.generate([prompt], GREEDY)[0]
+    pages, _ = prefill_pages(eng, prompt)
+    eng.runner.kv_cache.data.normal_()  # the free pages still held this prompt's KV: only the import may restore it
+    eng.add_request(EngineRequest("c", prompt, GREEDY, cached_pages=pages))
+    assert run_to_completion(eng)["c"]["tokens"] == ref
+    assert eng.allocator.num_used == 0
 
 
 def test_int8_cached_pages_into_dense_pool(engine):

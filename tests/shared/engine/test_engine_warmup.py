@@ -15,11 +15,18 @@ PROMPTS = [[5, 9, 13, 200, 31, 7, 8, 1, 2, 3, 99], [17, 4]]
 
 
 @pytest.mark.parametrize(
-    ("kv_dtype", "formats"),
-    [("auto", [("int8", 4)]), ("auto", [("auto", 0)]), ("int8", [("int8", 4)]), ("auto", [("fp8", 0)]), ("auto", [])],
+    ("kv_dtype", "formats", "overlap"),
+    [
+        ("auto", [("int8", 4)], "auto"),
+        ("auto", [("int8", 4)], "on"),  # as on a GPU: the cached-page import must still run (it once did not)
+        ("auto", [("auto", 0)], "auto"),
+        ("int8", [("int8", 4)], "auto"),
+        ("auto", [("fp8", 0)], "auto"),
+        ("auto", [], "auto"),
+    ],
 )
-def test_warm_up_runs_its_paths_and_leaves_no_trace(make_engine, caplog, monkeypatch, kv_dtype, formats):
-    engine = make_engine("llama", kv_dtype=kv_dtype, kv_group_size=4)
+def test_warm_up_runs_its_paths_and_leaves_no_trace(make_engine, caplog, monkeypatch, kv_dtype, formats, overlap):
+    engine = make_engine("llama", kv_dtype=kv_dtype, kv_group_size=4, overlap_decode=overlap)
     want = engine.generate(PROMPTS, GREEDY)
     free = engine.allocator.num_free
     calls = {"export_batch": 0, "import_full_pages": 0}
