@@ -242,7 +242,9 @@ def test_the_fetch_starts_after_the_chunks_the_engine_computes_meanwhile(engine,
     assert fetch.split_page() == 4
     for _ in range(3):
         store.gate.release()
-    tokens, ranges = run(engine, "split", prompt, fetch.start(), prefill_only=True)
+    fetch.start()
+    assert fetch.wait(10, 10) == 10  # landed first: on a loaded host a slow first batch made the engine compute on
+    tokens, ranges = run(engine, "split", prompt, fetch, prefill_only=True)
     assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (40, 43)]
     assert fetch.take_loaded() == list(range(4, 10)) and store.reads == 3  # pages 0-3 never read
 
