@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.host_to_device import to_device
 from pdserve.errors import InvalidRequest
 from pdserve.kv import quant as torch_quant
 from pdserve.kv.dtypes import DTYPES, QUANTIZED
@@ -32,7 +31,7 @@ _ALL = slice(None)  # every layer of a batch
 def _ids(ids, device: torch.device) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         return ids.to(device=device, dtype=torch.long)
-    return to_device(ids, torch.long, device)
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
 
 
 def _zero_tails(pages: torch.Tensor, num_tokens: list[int], page_size: int) -> None:

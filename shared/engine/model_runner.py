@@ -36,7 +36,6 @@ from pdserve.engine.config import (
     resolve_dtype,
 )
 from pdserve.engine.cuda_graphs import GRAPH_BACKENDS, graph_context, make_decode_graph_runner
-from pdserve.engine.host_to_device import to_device
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import ModelConfig
@@ -252,7 +251,7 @@ class ModelRunner:
             with self._supervisor.guard():
                 return self._leader.forward(plan)
         meta = AttentionMetadata(starts, q_lens, tables, self.page_size, self.device, num_decode)
-        return self.model(to_device(ids, torch.long, self.device), meta, self.kv_cache, self.backend)
+        return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits [len(rows), V] float32 of `rows` of the last forward's hidden states."""

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.host_to_device import to_device
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model import CausalLM
 from pdserve.engine.tp.comm import TPGroup
@@ -147,7 +146,7 @@ def forward_plan(model: CausalLM, cache: KVCache, backend, plan: StepPlan, page_
     """One forward of `plan` on this rank -> hidden states [T, hidden]."""
     device = cache.device
     meta = AttentionMetadata(plan.starts, plan.q_lens, plan.page_tables, page_size, device, plan.num_decode)
-    return model(to_device(plan.token_ids, torch.long, device), meta, cache, backend)  # [T, h]
+    return model(torch.tensor(plan.token_ids, dtype=torch.long, device=device), meta, cache, backend)  # [T, h]
 
 
 def run_plan(model: CausalLM, cache: KVCache, backend, plan: StepPlan, page_size: int) -> torch.Tensor:
