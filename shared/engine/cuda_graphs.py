@@ -92,7 +92,7 @@ class DecodeGraphRunner:
         max_context: int,
         device: torch.device,
         batch_sizes: list[int] | None = None,
-        capture_error_mode: str = "global",
+        capture_error_mode: str = "thread_local",
         tp=None,
     ):
         self.model, self.cache, self.backend = model, cache, backend
@@ -308,8 +308,8 @@ def graph_capture_mode(enabled: bool, device: torch.device, fused: bool, backend
         return "", "disabled"
     if device.type != "cuda" or not fused or backend_name not in GRAPH_BACKENDS:
         return "", "needs CUDA, the fused model path and the FA3 (or triton-rows) backend"
-    if tp is None:
-        return "global", ""
+    if tp is None:  # thread_local: another thread's CUDA calls (a prompt-cache fetch's copies, a KV transfer's
+        return "thread_local", ""  # event queries) during a capture must not invalidate it; they use other streams
     why = tp.capture_blocker()
     return ("", why) if why else (tp.capture_error_mode, "")
 
