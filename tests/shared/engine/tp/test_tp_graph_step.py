@@ -37,7 +37,7 @@ def test_only_an_nccl_group_is_captured_and_in_thread_local_mode():
     assert nccl.capture_blocker() == "" and nccl.capture_error_mode == "thread_local"
     assert "gloo" in TPGroup(0, 2, CUDA, None, backend="gloo").capture_blocker()  # gloo on CUDA tensors: host work
     assert graph_capture_mode(True, CUDA, True, "fa3", nccl) == ("thread_local", "")
-    assert graph_capture_mode(True, CUDA, True, "fa3", None) == ("global", "")  # TP=1: as before
+    assert graph_capture_mode(True, CUDA, True, "fa3", None) == ("thread_local", "")  # TP=1: other threads too
     mode, why = graph_capture_mode(True, CUDA, True, "fa3", gloo)
     assert mode == "" and "cannot hold them" in why
     assert graph_capture_mode(False, CUDA, True, "fa3", nccl) == ("", "disabled")
