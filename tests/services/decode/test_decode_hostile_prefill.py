@@ -58,6 +58,11 @@ class ScriptedPrefill:
         elif kind == "data":
             data[n - 1, 1, 0, 0, 0, 0] = value
         header, payload = kv_batch(req, fmt, data, scales, None, list(range(n)) if kind != "stall" else [0])
+        ended = threading.Event()  # this RPC ended (decode cancelled it)
+        if kind == "scale-stall":  # recorded by the callback: when decode cancels before the server saw its last
+            # send complete, gRPC never resumes this generator, so code after the yield would not run
+            if not context.add_callback(lambda rid=req.request_id: (self.ended_rids.add(rid), ended.set())):
+                return
         yield internal_pb2.PrefillServerMessage(transport=kv_pb2.KVTransportChoice(transport="grpc"))
         if kind.startswith("early"):  # the first token ahead of the pages, which wait for the test's word
             assert req.first_token_early
@@ -78,11 +83,7 @@ class ScriptedPrefill:
             self.ended.set()
             return
         if kind == "scale-stall":  # the bad batch, then silence: only decode can end the stream
-            ended = threading.Event()
-            if not context.add_callback(ended.set):  # the RPC ended already (decode cancelled it at once)
-                ended.set()
             ended.wait(60)
-            self.ended_rids.add(req.request_id)
             return
         first = int(value) if kind in ("first", "early", "early-other") and value is not None else 7
         yield internal_pb2.PrefillServerMessage(done=internal_pb2.PrefillDone(first_token_id=first, num_pages=n))
