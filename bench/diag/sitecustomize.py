@@ -11,8 +11,6 @@ arguments include `prefill` then writes `DIAG <unix time> ...` lines to its log:
 
     PYTHONPATH=$PWD/bench/diag:$PYTHONPATH PDSERVE_DIAG=1 python bench/one_gpu.py --part cache ...
     grep DIAG WORKDIR/served-*/prefill0.log
-
-It found a first prompt-cache hit's 0.5 s (a kernel the warm-up never compiled) and the layer-group export's share.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def test_last_token_left_to_compute(engine):
 def test_last_token_left_to_compute_with_overlapped_decode(make_engine):
     """The same through decode steps launched one ahead (`overlap_decode`, what a GPU engine with CUDA graphs
     runs): the decode-ready request's first step is an overlapped decode launch, which must write its cached pages
-    first (it used to attend over pages never written)."""
+    first."""
     eng = make_engine(overlap_decode="on")
     prompt = random_prompt(3 * PAGE + 1, seed=4)
     ref = eng.generate([prompt], GREEDY)[0]

@@ -1,6 +1,6 @@
 """A prompt-cache hit that leaves one token to compute on a CUDA engine: its first step is a decode launch through
-the CUDA graphs, one step ahead (`overlap_decode`), and must write the cached pages before it (it once attended
-over pool pages never written). CUDA only; the CPU test with `overlap_decode="on"` is test_engine_cached_pages.py."""
+the CUDA graphs, one step ahead (`overlap_decode`), and must write the cached pages before it. CUDA only; the CPU
+test with `overlap_decode="on"` is test_engine_cached_pages.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ PROMPTS = [[5, 9, 13, 200, 31, 7, 8, 1, 2, 3, 99], [17, 4]]
     ("kv_dtype", "formats", "overlap"),
     [
         ("auto", [("int8", 4)], "auto"),
-        ("auto", [("int8", 4)], "on"),  # as on a GPU: the cached-page import must still run (it once did not)
+        ("auto", [("int8", 4)], "on"),  # as on a GPU: the cached-page import goes through the overlapped decode launch
         ("auto", [("auto", 0)], "auto"),
         ("int8", [("int8", 4)], "auto"),
         ("auto", [("fp8", 0)], "auto"),
