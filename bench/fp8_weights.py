@@ -7,8 +7,10 @@ keys from a separate CPU run.
 GPU run, in order (progress logged; the JSON is written at the end, ppl_* / quality kept from the CPU run):
 1. copy bandwidth (read + write of 2 GiB; the rooflines' denominator);
 2. one 8B layer's GEMMs per format and token count (bf16, FP8 per channel via `_scaled_mm`, FP8 block via cuBLAS's
-   block-scaled `_scaled_mm` and via the Triton GEMM, the FP8 GEMV at M <= 16), CUDA-graph timed, with the GEMV's
-   `SWEEP_CONFIGS` at M = 1 and the Triton block GEMM's at M = 128 and 2048 (details only; `--skip-gemm`: none);
+   block-scaled `_scaled_mm` and via the Triton GEMM, the split-K Triton GEMM of decode batches at M <= 256 (what
+   the engine runs there; bench/fp8_gemm_sweep.py times its configs), the FP8 GEMV at M <= 16), CUDA-graph
+   timed, with the GEMV's `SWEEP_CONFIGS` at M = 1 and the Triton block GEMM's at M = 128 and 2048 (details only;
+   `--skip-gemm`: none);
 3. the Llama-3-8B shape, all 32 layers, random weights made on the device (`--load-format dummy`: no checkpoint is
    written; lm_head bf16 as in FP8 checkpoints), int8 KV, decode CUDA graphs: bf16, FP8 per channel (config.json
    quantization_config compressed-tensors channel) and FP8 block (quant_method fp8, 128x128): 8k prefill TFLOP/s,
@@ -83,13 +85,19 @@ def prefill_flops(shape: dict, layers: int, tokens: int) -> float:
 # ---- one 8B layer's GEMMs (GPU, details) -----------------------------------------------------------------------
 PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # 8B (N, K)
 # rows of the GEMM table: (name, weights, GEMV rows (0: never the GEMV), block backend)
-VARIANTS = [("channel", "channel", 0, "auto"), ("block", "block", 0, "auto"), ("block_triton", "block", 0, "triton"),
-            ("gemv_channel", "channel", 16, "auto"), ("gemv_block", "block", 16, "auto")]  # fmt: skip
+# (row name, weights, GEMV rows, block backend, split-K GEMM rows): channel / block are cuBLAS's `_scaled_mm` (the
+# Triton prefill tiles where cuBLAS's block scales do not take M), block_triton the Triton prefill tiles, skinny the
+# split-K Triton GEMM of decode batches (M <= 256), gemv the weight-only GEMV (M <= 16)
+VARIANTS = [("channel", "channel", 0, "auto", 0), ("block", "block", 0, "auto", 0),
+            ("block_triton", "block", 0, "triton", 0), ("skinny_channel", "channel", 0, "auto", 256),
+            ("skinny_block", "block", 0, "auto", 256), ("gemv_channel", "channel", 16, "auto", 0),
+            ("gemv_block", "block", 16, "auto", 0)]  # fmt: skip
 
 
 def gemm_rows(ge, table: Table, copy_bw: float) -> dict:
     """CUDA-graph ms of one 8B layer's four projections per token count: bf16, FP8 per channel (_scaled_mm) and
-    block (Triton GEMM), activation quantization included, and the weight-only GEMV (M <= 16); at M = 1 the GEMV's
+    block (Triton GEMM), activation quantization included, the split-K GEMM (M <= 256) and the weight-only GEMV
+    (M <= 16) (VARIANTS); at M = 1 the GEMV's
     tiles (block scales) and its default, as weight TB/s."""
     from pdserve.engine.quant import fp8_block_gemm as block_gemm
     from pdserve.engine.quant import fp8_quant as Q
@@ -109,10 +117,11 @@ def gemm_rows(ge, table: Table, copy_bw: float) -> dict:
     for m in (1, 16, 128, 2048, 8192):
         x = {p: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for p, (_, k) in PROJ.items()}
         row = {"tokens": m, "bf16_ms": ge.graph_ms(lambda: [torch.nn.functional.linear(x[p], w[p]) for p in PROJ])}
-        for name, kind, gemv_rows, backend in VARIANTS:
-            if gemv_rows == 0 or m <= gemv_rows:  # 0: quantized activations + _scaled_mm / the block GEMM
+        for name, kind, gemv_rows, backend, skinny_rows in VARIANTS:
+            if (gemv_rows == 0 or m <= gemv_rows) and m <= (skinny_rows or m):  # each where it applies
                 for p in PROJ:
                     lin[kind, p].gemv_max_rows, lin[kind, p].block_backend = gemv_rows, backend
+                    lin[kind, p].skinny_max_rows = skinny_rows
                 row[f"fp8_{name}_ms"] = ge.graph_ms(lambda kind=kind: [lin[kind, p](x[p]) for p in PROJ])
         if m in (128, 2048):  # the Triton block GEMM's tiles (activations quantized once, outside the timing)
             xq = {p: Q.quantize_activations(x[p], 128) for p in PROJ}

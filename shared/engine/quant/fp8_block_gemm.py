@@ -21,16 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.engine.quant.fp8_gemv import split_k_store
+
 SCALE_BLOCK = 128  # rows and columns of one weight scale block; columns of one activation scale group
 
 
 @triton.jit
 def _block_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, KG, stride_am, stride_bn, stride_cm,
-    SB: tl.constexpr, SBN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-    PER_CHANNEL: tl.constexpr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, split, stride_am, stride_bn,
+    stride_cm, SB: tl.constexpr, SBN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     width = GROUP_M * grid_n  # grouped order: GROUP_M row tiles share the B tiles they read while in L2
     first_m = (pid // width) * GROUP_M
@@ -39,27 +41,32 @@ def _block_gemm_kernel(
     pid_n = (pid % width) // rows
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, SB)
+    offs_k = tl.arange(0, BK)
     m_ok, n_ok = offs_m < M, offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [SB, BN] tile of B^T
+    first = pid_k * steps_per_split  # this program's K steps (split-K: `split` programs share a tile's K)
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BK))
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (first * BK + offs_k)[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + (first * BK + offs_k)[:, None]  # [BK, BN] of B^T
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(0, KG):
-        k_left = K - kb * SB
+    for kb in range(first, last):
+        k_left = K - kb * BK
         a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
         if PER_CHANNEL:
             acc += tl.dot(a, b)
-        else:
+        else:  # BK == SB: step kb is scale group kb
             sa = tl.load(as_ptr + offs_m * KG + kb, mask=m_ok, other=0.0)  # [BM]: this group's token scales
             sb = tl.load(bs_ptr + (offs_n // SBN) * KG + kb, mask=n_ok, other=0.0)  # [BN]: this group's blocks
             acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
-        a_ptrs += SB
-        b_ptrs += SB
-    if PER_CHANNEL:
+        a_ptrs += BK
+        b_ptrs += BK
+    if PER_CHANNEL:  # linear in the partial sums: each split's part scaled before the reduction
         acc *= tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None] * tl.load(bs_ptr + offs_n, mask=n_ok)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if split > 1:  # partials, then the tile's last program adds them up in a fixed order (fp8_gemv.split_k_store)
+        split_k_store(acc, c_ptr, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, split, False)
+    else:
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # prefill / large-batch tiles, largest first: (BM, BN, num_warps, num_stages); `default_config` takes the first
@@ -70,31 +77,74 @@ SWEEP_CONFIGS = [
     dict(BM=bm, BN=bn, GROUP_M=8, num_warps=nw, num_stages=ns)
     for bm, bn, nw, ns in [(128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 3), (128, 64, 4, 4), (64, 256, 8, 3)]
 ]  # fmt: skip
+# decode batches above the GEMV (17..SKINNY_MAX_ROWS tokens) are bound by the weight bytes: one row tile covers the
+# batch (each weight byte read once), narrow column tiles and split-K (`split` programs along K, partial sums
+# added by each tile's last program) give every SM weight bytes to stream; `skinny_config` sizes them
+SKINNY_MAX_ROWS = 256
+SKINNY_TILE = dict(BN=64, num_warps=4, num_stages=4)  # BM: 64 up to 64 rows, else 128
+SKINNY_BK = 256  # per-channel K step (block scales: one 128-column group a step)
+SKINNY_PROGRAMS_PER_SM = 2  # the split aims at this many programs an SM
 
 
-def default_config(m: int, n: int, sms: int = 132) -> dict:
-    """Tile shape by token count: decode rows take narrow N tiles (more programs over the weight), larger M the
-    largest of `TILES` whose grid covers the `sms` SMs (the smallest where none does). The bench
-    (bench/fp8_weights.py) times the alternatives on the device."""
+def skinny_config(m: int, n: int, k: int, per_channel: bool, sms: int = 132) -> dict:
+    """Launch config of a decode-sized batch (M <= SKINNY_MAX_ROWS): BM, BN, BK, split and launch settings."""
+    bm = 64 if m <= 64 else 128
+    bk = SKINNY_BK if per_channel else SCALE_BLOCK
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, SKINNY_TILE["BN"])
+    return dict(BM=bm, BK=bk, GROUP_M=1, split=split_for(tiles, triton.cdiv(k, bk), SKINNY_PROGRAMS_PER_SM * sms),
+                **SKINNY_TILE)  # fmt: skip
+
+
+def split_for(tiles: int, steps: int, programs: int) -> int:
+    """Programs along K so that the grid has about `programs` programs (1 where the tiles give at least half of
+    them: the partials' round trip costs more than the missing parallelism), at most one per K step."""
+    if 2 * tiles >= programs:
+        return 1
+    return max(1, min(steps, round(programs / tiles)))
+
+
+def default_config(m: int, n: int, sms: int = 132, k: int = 0, per_channel: bool = False) -> dict:
+    """Tile shape by token count: decode rows (M <= 16) take narrow N tiles, decode batches up to SKINNY_MAX_ROWS
+    (with `k` given) `skinny_config`, larger M the largest of `TILES` whose grid covers the `sms` SMs (the
+    smallest where none does). The benches (bench/fp8_weights.py, bench/fp8_gemm_sweep.py) time the alternatives."""
     if m <= 16:
         return dict(BM=16, BN=64 if n >= 16384 else 32, GROUP_M=1, num_warps=4, num_stages=4)
+    if k and m <= SKINNY_MAX_ROWS:
+        return skinny_config(m, n, k, per_channel, sms)
     tile = next((t for t in TILES if triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]) >= sms), TILES[-1])
     return dict(BM=tile[0], BN=tile[1], GROUP_M=8, num_warps=tile[2], num_stages=tile[3])
 
 
-def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_rows: int = 1) -> torch.Tensor:
+def counter_slots(m: int, n: int) -> int:
+    """Split-K tickets (int32, zero between calls) a GEMM of `m` x `n` needs at any tile of BM >= 64 and BN >= 32."""
+    return triton.cdiv(m, 64) * triton.cdiv(n, 32)
+
+
+def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_rows: int = 1,
+            counters: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     m, k = a.shape
     n = b.shape[0]
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return c
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 132
-    cfg = dict(config or default_config(m, n, sms))
-    bm, bn = cfg.pop("BM"), cfg.pop("BN")
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _block_gemm_kernel[grid](
-        a, a_scale, b, b_scale, c, m, n, k, triton.cdiv(k, SCALE_BLOCK), a.stride(0), b.stride(0), c.stride(0),
-        SB=SCALE_BLOCK, SBN=scale_rows, BM=bm, BN=bn, PER_CHANNEL=per_channel, **cfg,
+    cfg = dict(config or default_config(m, n, sms, k, per_channel))
+    bm, bn, bk, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("BK", SCALE_BLOCK), cfg.pop("split", 1)
+    assert bk % SCALE_BLOCK == 0 and (per_channel or bk == SCALE_BLOCK), bk  # a block step is one scale group
+    steps = triton.cdiv(k, bk)
+    per_split = triton.cdiv(steps, min(split, steps))
+    split = triton.cdiv(steps, per_split)  # no program without a step
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    part = c
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=a.device)  # [split, M, N] partial sums
+        if counters is None:
+            counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+        assert counters.dtype == torch.int32 and counters.numel() >= tiles, (counters.shape, tiles)
+    _block_gemm_kernel[(tiles, split)](
+        a, a_scale, b, b_scale, c, part, counters if counters is not None else c, m, n, k, triton.cdiv(k, SCALE_BLOCK),
+        per_split, split, a.stride(0), b.stride(0), c.stride(0), SB=SCALE_BLOCK, SBN=scale_rows, BM=bm, BN=bn, BK=bk,
+        PER_CHANNEL=per_channel, **cfg,
     )  # fmt: skip
     return c
 
@@ -107,16 +157,20 @@ def block_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     config: dict | None = None,
     scale_rows: int = SCALE_BLOCK,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a e4m3 [M, K], a_scale float32 [M, ceil(K/128)], b e4m3 [N, K], b_scale float32 [ceil(N/scale_rows),
-    ceil(K/128)] -> [M, N] in `out_dtype`."""
+    ceil(K/128)] -> [M, N] in `out_dtype`. `config`: tile and split (None: `default_config`); `counters`: int32
+    [>= counter_slots(M, N)], zero (the kernel leaves them zero), for split-K (None: a zeroed tensor per call)."""
     m, k = a.shape
     n = b.shape[0]
     kg = -(-k // SCALE_BLOCK)
     assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
     assert a_scale.shape == (m, kg) and a_scale.is_contiguous()
     assert scale_rows in (1, SCALE_BLOCK) and b_scale.shape == (-(-n // scale_rows), kg) and b_scale.is_contiguous()
-    return _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel=False, scale_rows=scale_rows)
+    return _launch(
+        a, a_scale, b, b_scale, out_dtype, config, per_channel=False, scale_rows=scale_rows, counters=counters
+    )
 
 
 def channel_gemm(
@@ -126,11 +180,12 @@ def channel_gemm(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     config: dict | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a e4m3 [M, K], a_scale float32 [M, 1] (per token), b e4m3 [N, K], b_scale float32 [N] (per output
-    channel) -> [M, N] in `out_dtype`."""
+    channel) -> [M, N] in `out_dtype` (`config`, `counters`: as `block_gemm`'s)."""
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
     assert a_scale.shape == (m, 1) and a_scale.is_contiguous() and b_scale.shape == (n,) and b_scale.is_contiguous()
-    return _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel=True)
+    return _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel=True, counters=counters)

@@ -198,11 +198,11 @@ def _fp8_gemv_kernel(
         acc = _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, st, SBN, PER_CHANNEL, FP32, DOT, BLOCK_K)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
-    _finish(acc, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS)
+    split_k_store(acc, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS)
 
 
 @triton.jit
-def _finish(acc, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS: tl.constexpr):
+def split_k_store(acc, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS: tl.constexpr):
     """y[m, n] = acc (+ bias) [BLOCK_M, BLOCK_N]; with split > 1 through the partials and the column tile's ticket."""
     m_ok, n_ok = m < M, n < N
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -316,7 +316,7 @@ def _fp8_stream_kernel(
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if SCALES == 0:
         out *= tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
-    _finish(out, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS)
+    split_k_store(out, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS)
 
 
 def split_k(n: int, steps: int, block_n: int, programs: int) -> int:

@@ -9,6 +9,9 @@
   "auto": tried eagerly, the Triton block GEMM `fp8_block_gemm` for good after a refusal), else the Triton GEMM.
 - decode-sized batches (<= `gemv_max_rows` tokens), either layout: the weight-only GEMV (`fp8_gemv`), activations
   unquantized, reading the e4m3 weights near copy bandwidth (split-K in one launch, tickets in `gemv_counters`).
+- decode batches above that (<= `skinny_max_rows` tokens), either layout: the Triton GEMM (`fp8_block_gemm`) with
+  one row tile over the batch and split-K, quantized activations (cuBLAS's FP8 kernels read the weights of such
+  batches at about half the copy bandwidth: bench/fp8_gemm_sweep.py).
 Every op is a device launch without host syncs: the layer runs inside the decode CUDA graphs.
 
 Per-token inputs may come quantized already (`Fp8Activation`): the model's RMSNorm (qkv, gate_up inputs) and SwiGLU
@@ -42,6 +45,7 @@ from pdserve.engine.quant.fp8_quant import (
 # decode batches: a few tokens' GEMM is bound by the weight bytes, and quantizing the activations first only adds a
 # launch; up to this many tokens take the weight-only GEMV (fp8_gemv); bench/fp8_weights.py times both
 GEMV_MAX_ROWS = 16  # = fp8_gemv.MAX_M, the most the GEMV takes
+SKINNY_MAX_ROWS = 256  # = fp8_block_gemm.SKINNY_MAX_ROWS, the most rows its split-K configs are made for
 
 
 class Fp8Activation(NamedTuple):
@@ -75,7 +79,10 @@ class Fp8Linear(nn.Module):
         # block scheme above the GEMV: "auto" (cuBLAS block-scaled _scaled_mm where it runs, else triton) |
         # "scaled_mm" | "triton" (the Triton block GEMM)
         self.block_backend = "auto"
-        self.gemv_counters: torch.Tensor | None = None  # int32 split-K tickets of the GEMV (zero between calls)
+        # CUDA with triton: batches above the GEMV up to this many tokens through the split-K Triton GEMM; 0: never
+        self.skinny_max_rows = SKINNY_MAX_ROWS
+        # int32 split-K tickets of the GEMV and the skinny GEMM (zero between calls: both leave them zero)
+        self.gemv_counters: torch.Tensor | None = None
         self.fast_accum = True  # per-channel / per-tensor `_scaled_mm` with fast accumulation (module docstring)
         # inputs quantized by the producing RMSNorm / SwiGLU kernel (`Fp8Activation`): on the H200 one 8B layer's
         # projections at 8192 tokens take 2.97 ms fused against 3.12 ms with the separate quantizer pass (SwiGLU
@@ -116,14 +123,11 @@ class Fp8Linear(nn.Module):
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         if self.triton and x.shape[0] <= min(self.gemv_max_rows, GEMV_MAX_ROWS):
-            from pdserve.engine.quant.fp8_gemv import counter_slots, fp8_gemv
+            from pdserve.engine.quant.fp8_gemv import fp8_gemv
 
-            capturing = torch.cuda.is_current_stream_capturing()
-            if self.gemv_counters is None and not capturing:  # allocated eagerly (warm-up), reused by the graphs
-                self.gemv_counters = torch.zeros(counter_slots(self.out_features), dtype=torch.int32, device=x.device)
             scale_rows = 0 if self.block is None else self.block[0]
             return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl,
-                            counters=self.gemv_counters)  # fmt: skip
+                            counters=self._tickets(x.device))  # fmt: skip
         if self.block is not None:
             out = self._block_gemm(x)
             if self.bias is not None:
@@ -137,8 +141,30 @@ class Fp8Linear(nn.Module):
             xq, xs = quant(x, None)  # [T, K] e4m3, [T, 1]
         return self._rowwise(xq, xs, x.dtype)
 
+    def _tickets(self, device: torch.device) -> torch.Tensor | None:
+        """The split-K tickets, allocated eagerly (warm-up) and reused by the graphs (None while capturing before
+        any eager call: the kernels then take a zeroed tensor of their own)."""
+        from pdserve.engine.quant import fp8_block_gemm, fp8_gemv
+
+        if self.gemv_counters is None and not torch.cuda.is_current_stream_capturing():
+            n = self.out_features
+            slots = max(fp8_gemv.counter_slots(n), fp8_block_gemm.counter_slots(SKINNY_MAX_ROWS, n))
+            self.gemv_counters = torch.zeros(slots, dtype=torch.int32, device=device)
+        return self.gemv_counters
+
+    def _skinny(self, rows: int) -> bool:
+        """Whether a quantized batch of `rows` tokens takes the split-K Triton GEMM."""
+        return self.triton and rows <= min(self.skinny_max_rows, SKINNY_MAX_ROWS)
+
     def _rowwise(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Per-channel / per-tensor weights: xq [T, K] e4m3, xs [T, 1] float32 -> [T, N] in `dtype`."""
+        if self._skinny(xq.shape[0]):
+            from pdserve.engine.quant.fp8_block_gemm import channel_gemm
+
+            out = channel_gemm(xq, xs, self.weight, self.weight_scale, counters=self._tickets(xq.device))
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.to(dtype)
         out = torch._scaled_mm(
             xq,
             self.weight.t(),
@@ -157,7 +183,8 @@ class Fp8Linear(nn.Module):
         from pdserve.engine.quant.fp8_block_gemm import block_gemm
 
         assert self.block is not None
-        if self.block_backend != "triton" and self._cublas_block_shape(x.shape[0]):
+        skinny = self._skinny(x.shape[0])
+        if not skinny and self.block_backend != "triton" and self._cublas_block_shape(x.shape[0]):
             xq, xs = quantize_activations(x, self.block[1], col_major=True)  # [T, K] e4m3, [T, K/128] col-major
             try:  # scale_b: [K/128, N/128], the transpose of the checkpoint's [N/128, K/128] (a view)
                 return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(),
@@ -167,7 +194,8 @@ class Fp8Linear(nn.Module):
                     raise
                 self.block_backend = "triton"  # this torch / GPU has no block-scaled _scaled_mm
         xq, xs = quantize_activations(x, self.block[1])  # [T, K] e4m3, [T, K/128] (Triton)
-        return block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, scale_rows=self.block[0])
+        return block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, scale_rows=self.block[0],
+                          counters=self._tickets(x.device) if skinny else None)  # fmt: skip
 
     def _cublas_block_shape(self, m: int) -> bool:
         """Whether cuBLAS's block-scaled `_scaled_mm` takes this layer at `m` tokens: only where both scale grids have

@@ -244,8 +244,12 @@ from pdserve.engine.quant.fp8_quant import (
 def rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 torch.manual_seed(0)
-for m, n, k, cfg in [(3, 200, 320, dict(BM=16, BN=32, GROUP_M=1)), (33, 256, 256, dict(BM=32, BN=64, GROUP_M=2)),
-                     (1, 128, 384, None)]:
+# split: programs along K (the last program of a tile adds the partials); 1152 columns = 9 groups, so 2 or 4
+# programs leave the last one fewer steps; BK 256 (per-channel only) with a K tail inside the last step
+splits = [dict(BM=32, BN=32, BK=128, GROUP_M=1, split=4), dict(BM=16, BN=64, BK=128, GROUP_M=1, split=2)]
+cases = [(3, 200, 320, dict(BM=16, BN=32, GROUP_M=1)), (33, 256, 256, dict(BM=32, BN=64, GROUP_M=2)),
+         (1, 128, 384, None), (40, 96, 1152, splits[0]), (17, 136, 1152, splits[1])]
+for m, n, k, cfg in cases:
     w, x = torch.randn(n, k), torch.randn(m, k) * 3
     # block scales [ceil(N/128), KG], and the same spread to one scale per row (scale_rows=1)
     wq, ws = quantize_weight_blocks(w)
@@ -260,6 +264,12 @@ for m, n, k, cfg in [(3, 200, 320, dict(BM=16, BN=32, GROUP_M=1)), (33, 256, 256
     xq, xs = quantize_activations_torch(x, None)
     ref = (xq.double() * xs.double()) @ (wq.double() * ws.double()[:, None]).t()
     err_channel = rel(channel_gemm(xq, xs, wq, ws, out_dtype=torch.float32, config=cfg), ref)
+    if cfg and cfg.get("split", 1) > 1:  # per channel: 256 columns a step, 1152 = 4.5 steps
+        tickets = torch.zeros(64, dtype=torch.int32)
+        for _ in range(2):  # the tickets come back zero: a second call reuses them
+            out = channel_gemm(xq, xs, wq, ws, out_dtype=torch.float32, config={**cfg, "BK": 256}, counters=tickets)
+            err_channel = max(err_channel, rel(out, ref))
+            assert not tickets.any()
     assert max(err_block, err_rows, err_channel) < 1e-5, (m, n, k, err_block, err_rows, err_channel)
     for group in (None, 128):  # the quantizer kernel's scales (its e4m3 bytes: GPU only, see below)
         assert torch.equal(quantize_activations_triton(x, group)[1], quantize_activations_torch(x, group)[1])
@@ -270,16 +280,16 @@ for m, n, k, cfg in [(3, 200, 320, dict(BM=16, BN=32, GROUP_M=1)), (33, 256, 256
 
 
 def test_block_gemm_in_the_triton_interpreter():
-    """The block-scaled GEMM and its per-channel variant (M, N and K tails, several tile shapes) against the
-    float64 product of the same dequantized operands. The interpreter (triton 3.6) loads e4m3 and multiplies it
-    exactly, but its float32 -> e4m3 cast rounds wrongly where the mantissa carries into the exponent (7.92 ->
-    4.0), so the activation quantizer kernel's scales are checked here and its bytes on the GPU only
-    (test_engine_gpu_fp8_weights.py)."""
+    """The block-scaled GEMM and its per-channel variant (M, N and K tails, several tile shapes, split-K with its
+    tickets reused) against the float64 product of the same dequantized operands. The interpreter (triton 3.6)
+    loads e4m3 and multiplies it exactly, but its float32 -> e4m3 cast rounds wrongly where the mantissa carries
+    into the exponent (7.92 -> 4.0), so the activation quantizer kernel's scales are checked here and its bytes
+    on the GPU only (test_engine_gpu_fp8_weights.py)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert len(r.stdout.splitlines()) == 3
+    assert len(r.stdout.splitlines()) == 5
 
 
 GEMV_SCRIPT = r"""

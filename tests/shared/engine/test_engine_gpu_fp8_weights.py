@@ -67,15 +67,18 @@ def test_activation_quantizer_kernel_matches_torch(m, k, group):
 
 
 @pytest.mark.parametrize(
-    "scheme, gemv_rows, scale_rows",
-    [(ONLINE_FP8, 0, 0), (ONLINE_FP8, 16, 0), (BLOCK, 0, 0), (BLOCK, 16, 0), (BLOCK, 0, 1), (BLOCK, 16, 1)],
-    ids=["scaled_mm", "channel-gemv", "block", "block-gemv", "block-row-scales", "block-row-scales-gemv"],
-)
-@pytest.mark.parametrize("m", [1, 16, 128, 2048])
+    "scheme, gemv_rows, scale_rows, skinny_rows",
+    [(ONLINE_FP8, 0, 0, 0), (ONLINE_FP8, 16, 0, 256), (ONLINE_FP8, 0, 0, 256), (BLOCK, 0, 0, 0), (BLOCK, 16, 0, 256),
+     (BLOCK, 0, 1, 0), (BLOCK, 16, 1, 256)],
+    ids=["scaled_mm", "channel-gemv-skinny", "channel-skinny", "block", "block-gemv-skinny", "block-row-scales",
+         "block-row-scales-gemv-skinny"],
+)  # fmt: skip
+@pytest.mark.parametrize("m", [1, 16, 40, 128, 256, 2048])
 @pytest.mark.parametrize("n, k", [(384, 256), (1024, 4096), (4096, 1024)])
-def test_fp8_gemm_against_dequantized_references(scheme, gemv_rows, scale_rows, m, n, k):
+def test_fp8_gemm_against_dequantized_references(scheme, gemv_rows, scale_rows, skinny_rows, m, n, k):
     lin, w = layer(n, k, scheme, seed=m + n + k, scale_rows=scale_rows)
-    lin.gemv_max_rows = gemv_rows  # 0: quantized activations + _scaled_mm / block GEMM at every M
+    lin.gemv_max_rows = gemv_rows  # 0: quantized activations + a GEMM at every M
+    lin.skinny_max_rows = skinny_rows  # 0: _scaled_mm / the block GEMM's prefill tiles, else the split-K GEMM
     x = torch.randn(m, k, device=DEV).bfloat16()
     out = lin(x)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
@@ -206,12 +209,55 @@ def test_block_scaled_mm_matches_the_triton_block_gemm(m):
     block GEMM give the same product of the same quantized operands; auto keeps cuBLAS on an H200 (M = 17 is not
     a shape it takes: the Triton GEMM runs that call, and auto stays)."""
     lin, _ = layer(4096, 1024, BLOCK, seed=m)
+    lin.skinny_max_rows = 0  # decode batches would take the split-K Triton GEMM (test below)
     x = torch.randn(m, 1024, device=DEV).bfloat16()
     assert lin._cublas_block_shape(m) == (m % 16 == 0)
     auto = lin(x)
     assert lin.block_backend == "auto", "this torch / GPU refused the block-scaled _scaled_mm"
     lin.block_backend = "triton"
     assert rel(auto, lin(x)) < 1e-2 and rel(auto, lin.reference(x.float())) < 1e-2
+
+
+@pytest.mark.parametrize("scheme", [ONLINE_FP8, BLOCK], ids=["channel", "block"])
+def test_skinny_split_k_gemm_8b_shapes_in_a_graph(scheme):
+    """Decode batches above the GEMV (17..256 tokens) at the 8B projections' shapes: the split-K Triton GEMM
+    (default configs and the sweep's) equals cuBLAS on the same quantized operands, eager and replayed in one
+    CUDA graph whose layers share their tickets across batch sizes, which come back zero."""
+    from pdserve.engine.quant import fp8_block_gemm as G
+
+    sys_path_bench()
+    from fp8_gemm_sweep import CONFIGS, config_dict
+
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        lin, _ = layer(n, k, scheme, seed=n + k)
+        for m in (17, 32, 64, 100, 128, 200, 256):
+            x = torch.randn(m, k, device=DEV).bfloat16()
+            lin.skinny_max_rows = 0
+            cublas = lin(x)  # _scaled_mm (rowwise or block-scaled; M = 100 / 200 / 17: the Triton prefill tiles)
+            lin.skinny_max_rows = 256
+            eager, out = captured(lambda lin=lin, x=x: lin(x))
+            assert torch.equal(out, eager), (n, k, m)  # a fixed summation order: the same bits replayed
+            assert rel(eager, cublas) < 1e-2, (n, k, m)
+            assert lin.gemv_counters is not None and not lin.gemv_counters.any()
+        if scheme is ONLINE_FP8:  # every sweep config at M = 128
+            x = torch.randn(128, k, device=DEV).bfloat16()
+            xq, xs = quantize_activations(x, None)
+            ref = lin.reference(x.float())
+            for c in CONFIGS:
+                out = G.channel_gemm(xq, xs, lin.weight, lin.weight_scale, config=config_dict(c, 128, n, k, sms),
+                                     counters=lin.gemv_counters) + lin.bias  # fmt: skip
+                assert rel(out, ref) < 1e-2 and not lin.gemv_counters.any(), c
+
+
+def sys_path_bench() -> None:
+    """bench/ on sys.path (its sweep's CONFIGS are tested here)."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[3] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
 
 
 @pytest.mark.parametrize("fmt", ["block", "channel"])
