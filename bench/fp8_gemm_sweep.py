@@ -4,11 +4,12 @@ on the 8B and 70B shapes, through cuBLAS (`torch._scaled_mm`, rowwise or block s
 
     python bench/fp8_gemm_sweep.py [--json out.json] [--models 8b,70b] [--ms 32,64,128,256]     # GPU, ~3 min
 
-Every timing is a CUDA graph of the four projections over `copies` distinct weight sets (together more than L2
-holds, so each replay streams the weights from HBM as a decode step does), median of `--reps` replays, divided
-by the copies: ms per layer. Activations are quantized once outside the timing (the engine's RMSNorm / SwiGLU
-kernels write them quantized: Fp8Linear.takes_fp8). TB/s = FP8 weight bytes / time. Each Triton config's output is
-checked against cuBLAS's on the same operands (relative error, printed; > 2e-2 fails the row).
+Every timing is a CUDA graph of one projection over enough distinct copies of its weights that together they
+exceed L2 (so each replay streams the weights from HBM, as a decode step does), median of `--reps` replays, divided
+by the copies; a layer's time is the sum over its four projections (per config, and with each projection's best
+config). Activations are quantized once outside the timing (the engine's RMSNorm / SwiGLU kernels write them
+quantized: Fp8Linear.takes_fp8). TB/s = the layer's FP8 weight bytes / time. A Triton config whose per-channel
+product differs from cuBLAS's on the same operands by more than 2e-2 (relative) is logged and dropped.
 """
 
 from __future__ import annotations
@@ -32,21 +33,25 @@ MODELS = {
     "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
 }
 L2_BYTES = 200 << 20  # weight bytes per graph at least (H200 L2: 50 MiB)
-# (BM, BN, BK, num_warps, num_stages, programs per SM for the split; 0: no split): per-channel configs; block
-# scales take those with BK = 128
+# (BM, BN, BK, num_warps, num_stages, programs per SM for the split (0: no split), TMA loads): per-channel configs;
+# block scales take those with BK = 128 and no TMA. Row tiles of one column tile run next to each other (GROUP_M
+# = row tiles), so a batch of two row tiles reads each weight byte from HBM once
 CONFIGS = [
-    (128, 64, 128, 4, 4, 2), (128, 64, 256, 4, 3, 2), (128, 64, 128, 4, 6, 2), (128, 64, 128, 4, 4, 4),
-    (128, 64, 128, 4, 4, 0), (128, 128, 128, 8, 4, 1), (128, 128, 128, 4, 4, 2), (128, 128, 256, 8, 3, 1),
-    (128, 32, 256, 4, 4, 2), (128, 32, 128, 4, 6, 4), (64, 64, 256, 4, 4, 2), (64, 64, 128, 4, 6, 2),
-    (64, 128, 128, 4, 4, 2), (128, 256, 128, 8, 3, 1),
+    (64, 64, 128, 4, 6, 2, 0), (64, 64, 128, 4, 8, 2, 0), (64, 64, 256, 4, 4, 2, 0), (64, 32, 128, 4, 6, 4, 0),
+    (64, 128, 128, 4, 4, 2, 0), (128, 64, 128, 4, 4, 2, 0), (128, 128, 256, 8, 3, 1, 0), (128, 128, 128, 8, 4, 1, 0),
+    (64, 64, 128, 4, 6, 4, 0), (64, 64, 128, 4, 6, 0, 0),
+    (64, 64, 128, 4, 6, 2, 1), (64, 64, 256, 4, 4, 2, 1), (64, 128, 128, 4, 4, 2, 1), (64, 128, 256, 4, 3, 1, 1),
+    (128, 64, 128, 4, 4, 2, 1), (128, 128, 128, 8, 4, 1, 1), (128, 128, 256, 8, 3, 1, 1), (64, 64, 128, 4, 8, 4, 1),
+    (128, 256, 128, 8, 3, 1, 1), (64, 256, 128, 8, 3, 1, 1),
 ]  # fmt: skip
 
 
 def config_dict(c: tuple, m: int, n: int, k: int, sms: int) -> dict:
-    bm, bn, bk, nw, ns, pps = c
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    bm, bn, bk, nw, ns, pps, tma = c
+    grid_m = triton.cdiv(m, bm)
+    tiles = grid_m * triton.cdiv(n, bn)
     split = G.split_for(tiles, triton.cdiv(k, bk), pps * sms) if pps else 1
-    return dict(BM=bm, BN=bn, BK=bk, GROUP_M=1, num_warps=nw, num_stages=ns, split=split)
+    return dict(BM=bm, BN=bn, BK=bk, GROUP_M=grid_m, num_warps=nw, num_stages=ns, split=split, TMA=bool(tma))
 
 
 def graph_ms(fns: list, reps: int) -> float:
@@ -72,96 +77,102 @@ def graph_ms(fns: list, reps: int) -> float:
 
 
 class Layer:
-    """`copies` distinct FP8 copies of one layer's projections (per channel and block scales), a bf16 one, tickets."""
+    """Per projection, enough distinct copies of its FP8 weights (per channel and block scales) and of its bf16 weight
+    that a graph over them streams from HBM; tickets per copy."""
 
     def __init__(self, shapes: dict, dev: torch.device):
         self.shapes = shapes
-        fp8_bytes = sum(n * k for n, k in shapes.values())
-        self.copies = max(1, math.ceil(L2_BYTES / fp8_bytes))
-        self.w16 = {p: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5 for p, (n, k) in shapes.items()}
-        self.w16_copies = max(1, math.ceil(L2_BYTES / (2 * fp8_bytes)))
-        self.chan, self.block = [], []
-        for _ in range(self.copies):
-            self.chan.append({p: Q.quantize_weight_per_channel(w) for p, w in self.w16.items()})
-            self.block.append({p: Q.quantize_weight_blocks(w) for p, w in self.w16.items()})
-        self.bf16 = [{p: w.clone() for p, w in self.w16.items()} for _ in range(self.w16_copies)]
-        self.tickets = [{p: torch.zeros(G.counter_slots(G.SKINNY_MAX_ROWS, n), dtype=torch.int32, device=dev)
-                         for p, (n, _) in shapes.items()} for _ in range(self.copies)]  # fmt: skip
-        self.fp8_bytes = fp8_bytes
-
-    def inputs(self, m: int, dev: torch.device) -> dict:
-        x = {p: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for p, (_, k) in self.shapes.items()}
-        return dict(x=x, chan={p: Q.quantize_activations(v, None) for p, v in x.items()},
-                    block={p: Q.quantize_activations(v, 128) for p, v in x.items()},
-                    block_cm={p: Q.quantize_activations(v, 128, col_major=True) for p, v in x.items()})  # fmt: skip
+        self.fp8_bytes = sum(n * k for n, k in shapes.values())
+        self.copies = {p: max(1, math.ceil(L2_BYTES / (n * k))) for p, (n, k) in shapes.items()}
+        self.chan, self.block, self.bf16, self.tickets = {}, {}, {}, {}
+        for p, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
+            chan, block = Q.quantize_weight_per_channel(w), Q.quantize_weight_blocks(w)
+            c = self.copies[p]
+            self.chan[p] = [chan] + [tuple(t.clone() for t in chan) for _ in range(c - 1)]
+            self.block[p] = [block] + [tuple(t.clone() for t in block) for _ in range(c - 1)]
+            self.bf16[p] = [w] + [w.clone() for _ in range(max(1, math.ceil(L2_BYTES / (2 * n * k))) - 1)]
+            self.tickets[p] = [torch.zeros(G.counter_slots(G.SKINNY_MAX_ROWS, n), dtype=torch.int32, device=dev)
+                               for _ in range(c)]  # fmt: skip
 
 
 def run_model(name: str, layer: Layer, ms: list[int], reps: int, sms: int, dev: torch.device) -> list[dict]:
+    """Per M: each projection's time (ms) through bf16 cuBLAS, cuBLAS FP8 (rowwise, block) and the Triton GEMM at
+    its default config and every CONFIGS entry; a layer's time = the sum over its projections."""
     rows = []
     for m in ms:
-        inp = layer.inputs(m, dev)
-        x, xc, xb, xbc = inp["x"], inp["chan"], inp["block"], inp["block_cm"]
-        per = layer.copies
+        x = {p: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for p, (_, k) in layer.shapes.items()}
+        xc = {p: Q.quantize_activations(v, None) for p, v in x.items()}
+        xb = {p: Q.quantize_activations(v, 128) for p, v in x.items()}
+        xbc = {p: Q.quantize_activations(v, 128, col_major=True) for p, v in x.items()}
 
-        def timed(fn_of_copy, copies=per) -> float:
-            return (
-                graph_ms([lambda i=i, p=p: fn_of_copy(i, p) for i in range(copies) for p in layer.shapes], reps)
-                / copies
-            )
+        def timed(p: str, fn_of_copy, copies: int) -> float:
+            return graph_ms([lambda i=i: fn_of_copy(i) for i in range(copies)], reps) / copies
 
-        row: dict = {"model": name, "m": m}
-        row["bf16_ms"] = timed(lambda i, p: torch.nn.functional.linear(x[p], layer.bf16[i][p]), layer.w16_copies)
-        row["cublas_channel_ms"] = timed(lambda i, p: torch._scaled_mm(
-            xc[p][0], layer.chan[i][p][0].t(), scale_a=xc[p][1], scale_b=layer.chan[i][p][1].view(1, -1),
-            out_dtype=torch.bfloat16, use_fast_accum=True))  # fmt: skip
-        try:
-            row["cublas_block_ms"] = timed(lambda i, p: torch._scaled_mm(
-                xbc[p][0], layer.block[i][p][0].t(), scale_a=xbc[p][1], scale_b=layer.block[i][p][1].t(),
-                out_dtype=torch.bfloat16))  # fmt: skip
-        except Exception as exc:
-            log(f"cuBLAS block m={m}: {type(exc).__name__}: {str(exc)[:120]}")
-        ref = {p: torch._scaled_mm(xc[p][0], layer.chan[0][p][0].t(), scale_a=xc[p][1],
-                                   scale_b=layer.chan[0][p][1].view(1, -1), out_dtype=torch.float32)
-               for p in layer.shapes}  # fmt: skip
+        row: dict = {"model": name, "m": m, "fp8_bytes": layer.fp8_bytes, "proj": {}}
+        for p, (n, k) in layer.shapes.items():
+            pr: dict = {}
+            pr["bf16"] = timed(p, lambda i, p=p: torch.nn.functional.linear(x[p], layer.bf16[p][i]), len(layer.bf16[p]))
+            pr["cublas_channel"] = timed(p, lambda i, p=p: torch._scaled_mm(
+                xc[p][0], layer.chan[p][i][0].t(), scale_a=xc[p][1], scale_b=layer.chan[p][i][1].view(1, -1),
+                out_dtype=torch.bfloat16, use_fast_accum=True), layer.copies[p])  # fmt: skip
+            try:
+                pr["cublas_block"] = timed(p, lambda i, p=p: torch._scaled_mm(
+                    xbc[p][0], layer.block[p][i][0].t(), scale_a=xbc[p][1], scale_b=layer.block[p][i][1].t(),
+                    out_dtype=torch.bfloat16), layer.copies[p])  # fmt: skip
+            except Exception as exc:
+                log(f"cuBLAS block m={m} {p}: {type(exc).__name__}: {str(exc)[:120]}")
+            ref = torch._scaled_mm(xc[p][0], layer.chan[p][0][0].t(), scale_a=xc[p][1],
+                                   scale_b=layer.chan[p][0][1].view(1, -1), out_dtype=torch.float32)  # fmt: skip
+            for scheme in ("channel", "block"):
+                variants = [("default", None)] + [
+                    (str(c), c) for c in CONFIGS if scheme == "channel" or (c[2] == 128 and not c[6])
+                ]
+                for label, c in variants:
+                    cfg = config_dict(c, m, n, k, sms) if c else G.default_config(m, n, sms, k, scheme == "channel")
+                    try:
+                        if scheme == "channel":
+
+                            def fn(i, p=p, cfg=cfg):
+                                return G.channel_gemm(*xc[p], *layer.chan[p][i], config=cfg,
+                                                      counters=layer.tickets[p][i])  # fmt: skip
+
+                            out = fn(0).float()
+                            if ((out - ref).norm() / ref.norm()).item() > 2e-2:
+                                log(f"{name} {p} m={m} {label}: wrong product")
+                                continue
+                        else:
+
+                            def fn(i, p=p, cfg=cfg):
+                                return G.block_gemm(*xb[p], *layer.block[p][i], config=cfg,
+                                                    counters=layer.tickets[p][i])  # fmt: skip
+
+                        pr[f"triton_{scheme} {label}"] = timed(p, fn, layer.copies[p])
+                    except Exception as exc:
+                        log(f"{scheme} {label} m={m} {p}: {type(exc).__name__}: {str(exc)[:160]}")
+            row["proj"][p] = pr
+        layer_ms = {}
+        keys = set.intersection(*(set(pr) for pr in row["proj"].values()))
+        for key in keys:
+            layer_ms[key] = sum(pr[key] for pr in row["proj"].values())
         for scheme in ("channel", "block"):
-            variants = [("default", None)] + [(str(c), c) for c in CONFIGS if scheme == "channel" or c[2] == 128]
-            results = []
-            for label, c in variants:
-                cfgs = {p: (config_dict(c, m, n, k, sms) if c else G.default_config(m, n, sms, k, scheme == "channel"))
-                        for p, (n, k) in layer.shapes.items()}  # fmt: skip
-                try:
-                    if scheme == "channel":
-
-                        def fn(i, p):
-                            return G.channel_gemm(*xc[p], *layer.chan[i][p], config=cfgs[p],
-                                                  counters=layer.tickets[i][p])  # fmt: skip
-                    else:
-
-                        def fn(i, p):
-                            return G.block_gemm(*xb[p], *layer.block[i][p], config=cfgs[p],
-                                                counters=layer.tickets[i][p])  # fmt: skip
-
-                    err = 0.0
-                    if scheme == "channel":
-                        for p in layer.shapes:
-                            out = fn(0, p).float()
-                            err = max(err, ((out - ref[p]).norm() / ref[p].norm()).item())
-                    ms_ = timed(fn)
-                    results.append({"config": label, "ms": ms_, "err": err,
-                                    "splits": {p: cfg["split"] for p, cfg in cfgs.items()}})  # fmt: skip
-                except Exception as exc:
-                    log(f"{scheme} {label} m={m}: {type(exc).__name__}: {str(exc)[:160]}")
-            ok = [r for r in results if r["err"] < 2e-2]
-            row[f"triton_{scheme}"] = results
-            if ok:
-                best = min(ok, key=lambda r: r["ms"])
-                row[f"triton_{scheme}_default_ms"] = next((r["ms"] for r in ok if r["config"] == "default"), None)
-                row[f"triton_{scheme}_best_ms"], row[f"triton_{scheme}_best"] = best["ms"], best["config"]
-        row["fp8_bytes"] = layer.fp8_bytes
+            mine = [key for key in layer_ms if key.startswith(f"triton_{scheme} ")]
+            if mine:
+                best = min(mine, key=layer_ms.get)
+                row[f"triton_{scheme}_best"], row[f"triton_{scheme}_best_ms"] = best, layer_ms[best]
+                row[f"triton_{scheme}_default_ms"] = layer_ms.get(f"triton_{scheme} default")
+                per_proj = {p: min((k_ for k_ in pr if k_.startswith(f"triton_{scheme} ")), key=pr.get)
+                            for p, pr in row["proj"].items()}  # fmt: skip
+                row[f"triton_{scheme}_per_proj_best"] = per_proj
+                row[f"triton_{scheme}_per_proj_best_ms"] = sum(row["proj"][p][k_] for p, k_ in per_proj.items())
+        for key in ("bf16", "cublas_channel", "cublas_block"):
+            if key in layer_ms:
+                row[f"{key}_ms"] = layer_ms[key]
         rows.append(row)
-        tb = {k: layer.fp8_bytes / v / 1e9 for k, v in row.items() if k.endswith("_ms") and v}
-        log(f"{name} M={m}: " + ", ".join(f"{k[:-3]} {row[k] * 1e3:.1f} us ({tb[k]:.2f})" for k in tb)
-            + f"; best channel {row.get('triton_channel_best')}, block {row.get('triton_block_best')}")  # fmt: skip
+        tb = {k_: layer.fp8_bytes / v / 1e9 for k_, v in row.items() if k_.endswith("_ms") and v}
+        log(f"{name} M={m}: " + ", ".join(f"{k_[:-3]} {row[k_] * 1e3:.1f} us ({tb[k_]:.2f})" for k_ in tb))
+        for scheme in ("channel", "block"):
+            log(f"   {scheme} best per projection: {row.get(f'triton_{scheme}_per_proj_best')}")
     return rows
 
 
@@ -182,8 +193,8 @@ def main() -> None:
         del layer
         torch.cuda.empty_cache()
     out["run_s"] = time.perf_counter() - t0
-    print("\n| model | M | bf16 | cuBLAS FP8 channel | cuBLAS FP8 block | Triton channel default / best | Triton block "
-          "default / best |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    print("\n| model | M | bf16 | cuBLAS FP8 channel | cuBLAS FP8 block | Triton channel default / best / best per "
+          "projection | Triton block default / best / per projection |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for r in out["rows"]:
 
         def us(key):

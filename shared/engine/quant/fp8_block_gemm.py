@@ -69,6 +69,39 @@ def _block_gemm_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _channel_gemm_tma_kernel(
+    a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, steps_per_split, split, stride_cm,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The per-channel GEMM with its operand tiles brought in by the Hopper tensor-memory accelerator (TMA): a_desc
+    over A [M, K] in [BM, BK] boxes, b_desc over B [N, K] in [BN, BK] boxes, zero-filled past the edges (no masks);
+    grid, split-K and scales as `_block_gemm_kernel`'s."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+    first = pid_k * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BK))
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(first, last):
+        a = a_desc.load([pid_m * BM, kb * BK])  # [BM, BK] e4m3
+        b = b_desc.load([pid_n * BN, kb * BK])  # [BN, BK] e4m3
+        acc = tl.dot(a, b.T, acc)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc *= tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None] * tl.load(bs_ptr + offs_n, mask=n_ok)[None, :]
+    if split > 1:
+        split_k_store(acc, c_ptr, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, split, False)
+    else:
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 # prefill / large-batch tiles, largest first: (BM, BN, num_warps, num_stages); `default_config` takes the first
 # whose grid fills the GPU (H200: 132 SMs), so M = 128 no longer runs 32 programs of 128x128 on 132 SMs
 TILES = ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4))
@@ -141,10 +174,20 @@ def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_
         if counters is None:
             counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
         assert counters.dtype == torch.int32 and counters.numel() >= tiles, (counters.shape, tiles)
+    tickets = counters if counters is not None else c
+    if cfg.pop("TMA", False) and per_channel and k % 16 == 0:  # TMA: rows 16-byte aligned
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+        b_desc = TensorDescriptor.from_tensor(b, [bn, bk])
+        _channel_gemm_tma_kernel[(tiles, split)](
+            a_desc, b_desc, a_scale, b_scale, c, part, tickets, m, n, k, per_split, split, c.stride(0), BM=bm, BN=bn,
+            BK=bk, **cfg,
+        )  # fmt: skip
+        return c
     _block_gemm_kernel[(tiles, split)](
-        a, a_scale, b, b_scale, c, part, counters if counters is not None else c, m, n, k, triton.cdiv(k, SCALE_BLOCK),
-        per_split, split, a.stride(0), b.stride(0), c.stride(0), SB=SCALE_BLOCK, SBN=scale_rows, BM=bm, BN=bn, BK=bk,
-        PER_CHANNEL=per_channel, **cfg,
+        a, a_scale, b, b_scale, c, part, tickets, m, n, k, triton.cdiv(k, SCALE_BLOCK), per_split, split, a.stride(0),
+        b.stride(0), c.stride(0), SB=SCALE_BLOCK, SBN=scale_rows, BM=bm, BN=bn, BK=bk, PER_CHANNEL=per_channel, **cfg,
     )  # fmt: skip
     return c
 
