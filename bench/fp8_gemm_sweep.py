@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 from benchutil import log
 
 from pdserve.engine.quant import fp8_block_gemm as G
@@ -44,14 +43,6 @@ CONFIGS = [
     (128, 64, 128, 4, 4, 2, 1), (128, 128, 128, 8, 4, 1, 1), (128, 128, 256, 8, 3, 1, 1), (64, 64, 128, 4, 8, 4, 1),
     (128, 256, 128, 8, 3, 1, 1), (64, 256, 128, 8, 3, 1, 1),
 ]  # fmt: skip
-
-
-def config_dict(c: tuple, m: int, n: int, k: int, sms: int) -> dict:
-    bm, bn, bk, nw, ns, pps, tma = c
-    grid_m = triton.cdiv(m, bm)
-    tiles = grid_m * triton.cdiv(n, bn)
-    split = G.split_for(tiles, triton.cdiv(k, bk), pps * sms) if pps else 1
-    return dict(BM=bm, BN=bn, BK=bk, GROUP_M=grid_m, num_warps=nw, num_stages=ns, split=split, TMA=bool(tma))
 
 
 def graph_ms(fns: list, reps: int) -> float:
@@ -129,7 +120,11 @@ def run_model(name: str, layer: Layer, ms: list[int], reps: int, sms: int, dev: 
                     (str(c), c) for c in CONFIGS if scheme == "channel" or (c[2] == 128 and not c[6])
                 ]
                 for label, c in variants:
-                    cfg = config_dict(c, m, n, k, sms) if c else G.default_config(m, n, sms, k, scheme == "channel")
+                    cfg = (
+                        G.config_from_tuple(c, m, n, k, sms)
+                        if c
+                        else G.skinny_config(m, n, k, scheme == "channel", sms)
+                    )
                     try:
                         if scheme == "channel":
 
@@ -150,6 +145,9 @@ def run_model(name: str, layer: Layer, ms: list[int], reps: int, sms: int, dev: 
                         pr[f"triton_{scheme} {label}"] = timed(p, fn, layer.copies[p])
                     except Exception as exc:
                         log(f"{scheme} {label} m={m} {p}: {type(exc).__name__}: {str(exc)[:160]}")
+            for scheme in ("channel", "block"):  # what Fp8Linear runs: the table's config, else cuBLAS
+                mine = G.skinny_tuple(m, n, k, scheme == "channel")
+                pr[f"engine_{scheme}"] = pr.get(f"triton_{scheme} default") if mine else pr.get(f"cublas_{scheme}")
             row["proj"][p] = pr
         layer_ms = {}
         keys = set.intersection(*(set(pr) for pr in row["proj"].values()))
@@ -165,7 +163,7 @@ def run_model(name: str, layer: Layer, ms: list[int], reps: int, sms: int, dev: 
                             for p, pr in row["proj"].items()}  # fmt: skip
                 row[f"triton_{scheme}_per_proj_best"] = per_proj
                 row[f"triton_{scheme}_per_proj_best_ms"] = sum(row["proj"][p][k_] for p, k_ in per_proj.items())
-        for key in ("bf16", "cublas_channel", "cublas_block"):
+        for key in ("bf16", "cublas_channel", "cublas_block", "engine_channel", "engine_block"):
             if key in layer_ms:
                 row[f"{key}_ms"] = layer_ms[key]
         rows.append(row)
@@ -174,6 +172,28 @@ def run_model(name: str, layer: Layer, ms: list[int], reps: int, sms: int, dev: 
         for scheme in ("channel", "block"):
             log(f"   {scheme} best per projection: {row.get(f'triton_{scheme}_per_proj_best')}")
     return rows
+
+
+def skinny_table(rows: list[dict], margin: float = 0.97) -> str:
+    """fp8_block_gemm.SKINNY_CONFIGS from a sweep: per (scheme, M, N, K) the fastest Triton config where it beat
+    cuBLAS by more than 1 - `margin`, else None."""
+    lines = []
+    for r in rows:
+        for scheme in ("channel", "block"):
+            for p, pr in r["proj"].items():
+                n, k = MODELS[r["model"]][p]
+                mine = {key: v for key, v in pr.items() if key.startswith(f"triton_{scheme} ") and v}
+                if not mine:
+                    continue
+                best = min(mine, key=mine.get)
+                label = best.split(" ", 1)[1]
+                if label == "default":  # the config the table (or its rule) gave this run
+                    label = str(G.skinny_tuple(r["m"], n, k, scheme == "channel")
+                                or (G.SKINNY_RULE_CHANNEL if scheme == "channel" else G.SKINNY_RULE_BLOCK))  # fmt: skip
+                cublas = pr.get(f"cublas_{scheme}")
+                choice = label if cublas is None or mine[best] < margin * cublas else "None"
+                lines.append(f"    ({scheme == 'channel'}, {r['m']}, {n}, {k}): {choice},")
+    return "SKINNY_CONFIGS = {\n" + "\n".join(lines) + "\n}"
 
 
 def main() -> None:
@@ -206,6 +226,13 @@ def main() -> None:
             f"{us('triton_channel_default_ms')} / {us('triton_channel_best_ms')} {r.get('triton_channel_best')} | "
             f"{us('triton_block_default_ms')} / {us('triton_block_best_ms')} {r.get('triton_block_best')} |"
         )
+    print("\nengine (the table's choice per projection) vs all cuBLAS, us per layer:")
+    for r in out["rows"]:
+        print(f"  {r['model']} M={r['m']}: channel {r.get('engine_channel_ms', 0) * 1e3:.1f} vs "
+              f"{r.get('cublas_channel_ms', 0) * 1e3:.1f}, block {r.get('engine_block_ms', 0) * 1e3:.1f} vs "
+              f"{r.get('cublas_block_ms', 0) * 1e3:.1f}")  # fmt: skip
+    out["skinny_table"] = skinny_table(out["rows"])
+    print(out["skinny_table"])
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

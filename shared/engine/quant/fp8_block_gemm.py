@@ -110,22 +110,119 @@ SWEEP_CONFIGS = [
     dict(BM=bm, BN=bn, GROUP_M=8, num_warps=nw, num_stages=ns)
     for bm, bn, nw, ns in [(128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 3), (128, 64, 4, 4), (64, 256, 8, 3)]
 ]  # fmt: skip
-# decode batches above the GEMV (17..SKINNY_MAX_ROWS tokens) are bound by the weight bytes: one row tile covers the
-# batch (each weight byte read once), narrow column tiles and split-K (`split` programs along K, partial sums
-# added by each tile's last program) give every SM weight bytes to stream; `skinny_config` sizes them
+# decode batches above the GEMV (17..SKINNY_MAX_ROWS tokens) are bound by the weight bytes: narrow column tiles,
+# the row tiles of one column tile next to each other (each weight byte read from HBM once), split-K (`split`
+# programs along K, partial sums added by each tile's last program) so that every SM streams weight bytes. A config
+# is a tuple (BM, BN, BK, num_warps, num_stages, programs per SM the split aims at (0: no split), TMA loads);
+# `config_from_tuple` makes the launch dict
 SKINNY_MAX_ROWS = 256
-SKINNY_TILE = dict(BN=64, num_warps=4, num_stages=4)  # BM: 64 up to 64 rows, else 128
-SKINNY_BK = 256  # per-channel K step (block scales: one 128-column group a step)
-SKINNY_PROGRAMS_PER_SM = 2  # the split aims at this many programs an SM
+# (per channel, rows rounded up to a power of 2 from 32, N, K) -> the config that beat cuBLAS's `_scaled_mm` on that
+# projection by more than 3%, or None where cuBLAS was as fast (it then runs): bench/fp8_gemm_sweep.py prints this
+# table (H200, 2026-12-04: at 128 rows the 8B layer's projections take 84 us against 103 us all through cuBLAS)
+SKINNY_CONFIGS: dict[tuple[bool, int, int, int], tuple | None] = {
+    (True, 32, 6144, 4096): (64, 64, 128, 4, 6, 0, 0),
+    (True, 32, 4096, 4096): (64, 64, 128, 4, 6, 2, 0),
+    (True, 32, 28672, 4096): (64, 128, 128, 4, 4, 2, 0),
+    (True, 32, 4096, 14336): (64, 64, 128, 4, 6, 2, 0),
+    (False, 32, 6144, 4096): None,
+    (False, 32, 4096, 4096): (64, 64, 128, 4, 4, 2, 0),
+    (False, 32, 28672, 4096): (64, 128, 128, 4, 4, 2, 0),
+    (False, 32, 4096, 14336): (64, 64, 128, 4, 4, 2, 0),
+    (True, 64, 6144, 4096): (64, 64, 128, 4, 6, 0, 0),
+    (True, 64, 4096, 4096): (64, 64, 128, 4, 6, 0, 0),
+    (True, 64, 28672, 4096): (64, 128, 128, 4, 4, 2, 1),
+    (True, 64, 4096, 14336): (64, 64, 128, 4, 6, 2, 0),
+    (False, 64, 6144, 4096): None,
+    (False, 64, 4096, 4096): (64, 64, 128, 4, 4, 2, 0),
+    (False, 64, 28672, 4096): None,
+    (False, 64, 4096, 14336): (64, 64, 128, 4, 4, 2, 0),
+    (True, 128, 6144, 4096): (64, 64, 128, 4, 6, 2, 1),
+    (True, 128, 4096, 4096): (64, 64, 128, 4, 6, 0, 0),
+    (True, 128, 28672, 4096): None,
+    (True, 128, 4096, 14336): (64, 64, 128, 4, 6, 2, 1),
+    (False, 128, 6144, 4096): None,
+    (False, 128, 4096, 4096): None,
+    (False, 128, 28672, 4096): None,
+    (False, 128, 4096, 14336): (128, 64, 128, 4, 4, 2, 0),
+    (True, 256, 6144, 4096): None,
+    (True, 256, 4096, 4096): (64, 64, 128, 4, 6, 2, 1),
+    (True, 256, 28672, 4096): None,
+    (True, 256, 4096, 14336): (64, 64, 128, 4, 6, 2, 1),
+    (False, 256, 6144, 4096): None,
+    (False, 256, 4096, 4096): None,
+    (False, 256, 28672, 4096): None,
+    (False, 256, 4096, 14336): None,
+    (True, 32, 10240, 8192): (64, 64, 128, 4, 6, 0, 0),
+    (True, 32, 8192, 8192): (64, 64, 128, 4, 6, 0, 0),
+    (True, 32, 57344, 8192): (64, 128, 128, 4, 4, 2, 0),
+    (True, 32, 8192, 28672): (64, 64, 128, 4, 6, 2, 0),
+    (False, 32, 10240, 8192): None,
+    (False, 32, 8192, 8192): (64, 64, 128, 4, 4, 2, 0),
+    (False, 32, 57344, 8192): (64, 128, 128, 4, 4, 2, 0),
+    (False, 32, 8192, 28672): (64, 128, 128, 4, 4, 2, 0),
+    (True, 64, 10240, 8192): (64, 64, 128, 4, 6, 2, 1),
+    (True, 64, 8192, 8192): (64, 64, 128, 4, 6, 0, 0),
+    (True, 64, 57344, 8192): (64, 128, 128, 4, 4, 2, 1),
+    (True, 64, 8192, 28672): (64, 128, 256, 4, 3, 1, 1),
+    (False, 64, 10240, 8192): None,
+    (False, 64, 8192, 8192): None,
+    (False, 64, 57344, 8192): None,
+    (False, 64, 8192, 28672): None,
+    (True, 128, 10240, 8192): None,
+    (True, 128, 8192, 8192): (64, 64, 128, 4, 6, 2, 1),
+    (True, 128, 57344, 8192): None,
+    (True, 128, 8192, 28672): (64, 64, 128, 4, 6, 2, 1),
+    (False, 128, 10240, 8192): None,
+    (False, 128, 8192, 8192): None,
+    (False, 128, 57344, 8192): None,
+    (False, 128, 8192, 28672): None,
+    (True, 256, 10240, 8192): None,
+    (True, 256, 8192, 8192): None,
+    (True, 256, 57344, 8192): None,
+    (True, 256, 8192, 28672): None,
+    (False, 256, 10240, 8192): None,
+    (False, 256, 8192, 8192): None,
+    (False, 256, 57344, 8192): None,
+    (False, 256, 8192, 28672): None,
+}  # fmt: skip
+# shapes the table lacks: per channel the config that won most often, up to 64 rows and up to 128 below N = 16384
+# (wider layers: cuBLAS); block scales up to 32 rows; cuBLAS elsewhere
+SKINNY_RULE_CHANNEL = (64, 64, 128, 4, 6, 2, 0)
+SKINNY_RULE_BLOCK = (64, 64, 128, 4, 4, 2, 0)
+
+
+def rows_bucket(m: int) -> int:
+    """SKINNY_CONFIGS' row key of a batch of `m` tokens."""
+    return max(32, triton.next_power_of_2(m))
+
+
+def skinny_tuple(m: int, n: int, k: int, per_channel: bool) -> tuple | None:
+    """The split-K config of an `m` x `n` x `k` GEMM, or None where cuBLAS's `_scaled_mm` is the faster choice."""
+    if not 16 < m <= SKINNY_MAX_ROWS:
+        return None
+    key = (per_channel, rows_bucket(m), n, k)
+    if key in SKINNY_CONFIGS:
+        return SKINNY_CONFIGS[key]
+    if per_channel:
+        return SKINNY_RULE_CHANNEL if m <= 64 or (m <= 128 and n < 16384) else None
+    return SKINNY_RULE_BLOCK if m <= 32 else None
+
+
+def config_from_tuple(c: tuple, m: int, n: int, k: int, sms: int = 132) -> dict:
+    """The launch dict of a config tuple (see SKINNY_CONFIGS) for an `m` x `n` x `k` GEMM on `sms` SMs."""
+    bm, bn, bk, num_warps, num_stages, programs_per_sm, tma = c
+    grid_m = triton.cdiv(m, bm)
+    tiles = grid_m * triton.cdiv(n, bn)
+    split = split_for(tiles, triton.cdiv(k, bk), programs_per_sm * sms) if programs_per_sm else 1
+    return dict(BM=bm, BN=bn, BK=bk, GROUP_M=grid_m, num_warps=num_warps, num_stages=num_stages, split=split,
+                TMA=bool(tma))  # fmt: skip
 
 
 def skinny_config(m: int, n: int, k: int, per_channel: bool, sms: int = 132) -> dict:
-    """Launch config of a decode-sized batch (M <= SKINNY_MAX_ROWS): BM, BN, BK, split and launch settings."""
-    bm = 64 if m <= 64 else 128
-    bk = SKINNY_BK if per_channel else SCALE_BLOCK
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, SKINNY_TILE["BN"])
-    return dict(BM=bm, BK=bk, GROUP_M=1, split=split_for(tiles, triton.cdiv(k, bk), SKINNY_PROGRAMS_PER_SM * sms),
-                **SKINNY_TILE)  # fmt: skip
+    """The launch dict of a decode batch of `m` tokens through the Triton GEMM: the table's or the rule's config, the
+    rule's where either says cuBLAS (for a shape cuBLAS does not take)."""
+    c = skinny_tuple(m, n, k, per_channel) or (SKINNY_RULE_CHANNEL if per_channel else SKINNY_RULE_BLOCK)
+    return config_from_tuple(c, m, n, k, sms)
 
 
 def split_for(tiles: int, steps: int, programs: int) -> int:

@@ -9,9 +9,9 @@
   "auto": tried eagerly, the Triton block GEMM `fp8_block_gemm` for good after a refusal), else the Triton GEMM.
 - decode-sized batches (<= `gemv_max_rows` tokens), either layout: the weight-only GEMV (`fp8_gemv`), activations
   unquantized, reading the e4m3 weights near copy bandwidth (split-K in one launch, tickets in `gemv_counters`).
-- decode batches above that (<= `skinny_max_rows` tokens), either layout: the Triton GEMM (`fp8_block_gemm`) with
-  one row tile over the batch and split-K, quantized activations (cuBLAS's FP8 kernels read the weights of such
-  batches at about half the copy bandwidth: bench/fp8_gemm_sweep.py).
+- decode batches above that (<= `skinny_max_rows` tokens), either layout: per projection shape and batch size, the
+  split-K Triton GEMM (`fp8_block_gemm.SKINNY_CONFIGS`: narrow column tiles, split-K, quantized activations) where
+  it beat cuBLAS in bench/fp8_gemm_sweep.py, else cuBLAS as above.
 Every op is a device launch without host syncs: the layer runs inside the decode CUDA graphs.
 
 Per-token inputs may come quantized already (`Fp8Activation`): the model's RMSNorm (qkv, gate_up inputs) and SwiGLU
@@ -79,7 +79,8 @@ class Fp8Linear(nn.Module):
         # block scheme above the GEMV: "auto" (cuBLAS block-scaled _scaled_mm where it runs, else triton) |
         # "scaled_mm" | "triton" (the Triton block GEMM)
         self.block_backend = "auto"
-        # CUDA with triton: batches above the GEMV up to this many tokens through the split-K Triton GEMM; 0: never
+        # CUDA with triton: batches above the GEMV up to this many tokens may take the split-K Triton GEMM where its
+        # table says it beats cuBLAS (`_skinny`); 0: cuBLAS wherever it takes the shape
         self.skinny_max_rows = SKINNY_MAX_ROWS
         # int32 split-K tickets of the GEMV and the skinny GEMM (zero between calls: both leave them zero)
         self.gemv_counters: torch.Tensor | None = None
@@ -152,16 +153,25 @@ class Fp8Linear(nn.Module):
             self.gemv_counters = torch.zeros(slots, dtype=torch.int32, device=device)
         return self.gemv_counters
 
-    def _skinny(self, rows: int) -> bool:
-        """Whether a quantized batch of `rows` tokens takes the split-K Triton GEMM."""
-        return self.triton and rows <= min(self.skinny_max_rows, SKINNY_MAX_ROWS)
+    def _skinny(self, rows: int, device: torch.device, cublas: bool = True) -> dict | None:
+        """The split-K Triton GEMM's launch config for a quantized batch of `rows` tokens, or None: cuBLAS (where
+        `cublas`: it takes the shape) or the prefill tiles run it (fp8_block_gemm.SKINNY_CONFIGS says which)."""
+        from pdserve.engine.quant import fp8_block_gemm as G
+
+        if not (self.triton and rows <= min(self.skinny_max_rows, SKINNY_MAX_ROWS)):
+            return None
+        per_channel, n, k = self.block is None, self.out_features, self.in_features
+        if cublas and G.skinny_tuple(rows, n, k, per_channel) is None:
+            return None
+        return G.skinny_config(rows, n, k, per_channel, torch.cuda.get_device_properties(device).multi_processor_count)
 
     def _rowwise(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Per-channel / per-tensor weights: xq [T, K] e4m3, xs [T, 1] float32 -> [T, N] in `dtype`."""
-        if self._skinny(xq.shape[0]):
+        config = self._skinny(xq.shape[0], xq.device)
+        if config is not None:
             from pdserve.engine.quant.fp8_block_gemm import channel_gemm
 
-            out = channel_gemm(xq, xs, self.weight, self.weight_scale, counters=self._tickets(xq.device))
+            out = channel_gemm(xq, xs, self.weight, self.weight_scale, config=config, counters=self._tickets(xq.device))
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
             return out.to(dtype)
@@ -183,8 +193,10 @@ class Fp8Linear(nn.Module):
         from pdserve.engine.quant.fp8_block_gemm import block_gemm
 
         assert self.block is not None
-        skinny = self._skinny(x.shape[0])
-        if not skinny and self.block_backend != "triton" and self._cublas_block_shape(x.shape[0]):
+        m = x.shape[0]
+        cublas = self.block_backend != "triton" and self._cublas_block_shape(m)
+        config = self._skinny(m, x.device, cublas)  # where cuBLAS cannot take M: the split-K GEMM all the same
+        if config is None and cublas:
             xq, xs = quantize_activations(x, self.block[1], col_major=True)  # [T, K] e4m3, [T, K/128] col-major
             try:  # scale_b: [K/128, N/128], the transpose of the checkpoint's [N/128, K/128] (a view)
                 return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(),
@@ -194,8 +206,8 @@ class Fp8Linear(nn.Module):
                     raise
                 self.block_backend = "triton"  # this torch / GPU has no block-scaled _scaled_mm
         xq, xs = quantize_activations(x, self.block[1])  # [T, K] e4m3, [T, K/128] (Triton)
-        return block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, scale_rows=self.block[0],
-                          counters=self._tickets(x.device) if skinny else None)  # fmt: skip
+        return block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, config=config,
+                          scale_rows=self.block[0], counters=self._tickets(x.device) if config else None)  # fmt: skip
 
     def _cublas_block_shape(self, m: int) -> bool:
         """Whether cuBLAS's block-scaled `_scaled_mm` takes this layer at `m` tokens: only where both scale grids have

@@ -220,34 +220,43 @@ def test_block_scaled_mm_matches_the_triton_block_gemm(m):
 
 @pytest.mark.parametrize("scheme", [ONLINE_FP8, BLOCK], ids=["channel", "block"])
 def test_skinny_split_k_gemm_8b_shapes_in_a_graph(scheme):
-    """Decode batches above the GEMV (17..256 tokens) at the 8B projections' shapes: the split-K Triton GEMM
-    (default configs and the sweep's) equals cuBLAS on the same quantized operands, eager and replayed in one
-    CUDA graph whose layers share their tickets across batch sizes, which come back zero."""
+    """Decode batches above the GEMV (17..256 tokens) at the 8B projections' shapes through Fp8Linear (the split-K
+    Triton GEMM where its table says so, cuBLAS elsewhere) equal cuBLAS on the same quantized operands, eager and
+    replayed in a CUDA graph, the layer's tickets shared across batch sizes and left zero; then every table entry
+    and sweep config of these shapes through the GEMM itself at full and ragged batches."""
     from pdserve.engine.quant import fp8_block_gemm as G
 
     sys_path_bench()
-    from fp8_gemm_sweep import CONFIGS, config_dict
+    from fp8_gemm_sweep import CONFIGS
 
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    per_channel = scheme is ONLINE_FP8
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         lin, _ = layer(n, k, scheme, seed=n + k)
         for m in (17, 32, 64, 100, 128, 200, 256):
             x = torch.randn(m, k, device=DEV).bfloat16()
             lin.skinny_max_rows = 0
-            cublas = lin(x)  # _scaled_mm (rowwise or block-scaled; M = 100 / 200 / 17: the Triton prefill tiles)
+            cublas = lin(x)  # _scaled_mm (block scales at M = 100 / 200 / 17: the Triton GEMM's default tiles)
             lin.skinny_max_rows = 256
             eager, out = captured(lambda lin=lin, x=x: lin(x))
             assert torch.equal(out, eager), (n, k, m)  # a fixed summation order: the same bits replayed
             assert rel(eager, cublas) < 1e-2, (n, k, m)
             assert lin.gemv_counters is not None and not lin.gemv_counters.any()
-        if scheme is ONLINE_FP8:  # every sweep config at M = 128
-            x = torch.randn(128, k, device=DEV).bfloat16()
-            xq, xs = quantize_activations(x, None)
+        table = {c for (pc, _, n_, k_), c in G.SKINNY_CONFIGS.items() if pc == per_channel and (n_, k_) == (n, k) and c}
+        sweep = {c for c in CONFIGS if per_channel or (c[2] == 128 and not c[6])}
+        for m in (128, 91):
+            x = torch.randn(m, k, device=DEV).bfloat16()
             ref = lin.reference(x.float())
-            for c in CONFIGS:
-                out = G.channel_gemm(xq, xs, lin.weight, lin.weight_scale, config=config_dict(c, 128, n, k, sms),
-                                     counters=lin.gemv_counters) + lin.bias  # fmt: skip
-                assert rel(out, ref) < 1e-2 and not lin.gemv_counters.any(), c
+            xq, xs = quantize_activations(x, None if per_channel else 128)
+            for c in sorted(table | sweep if m == 128 else table):
+                config = G.config_from_tuple(c, m, n, k, sms)
+                if per_channel:
+                    out = G.channel_gemm(
+                        xq, xs, lin.weight, lin.weight_scale, config=config, counters=lin.gemv_counters
+                    )
+                else:
+                    out = G.block_gemm(xq, xs, lin.weight, lin.weight_scale, config=config, counters=lin.gemv_counters)
+                assert rel(out + lin.bias, ref) < 1e-2 and not lin.gemv_counters.any(), (n, k, m, c)
 
 
 def sys_path_bench() -> None:
