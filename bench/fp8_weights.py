@@ -189,10 +189,10 @@ def engine_8b(ge, table: Table, model_dir: Path, name: str, copy_bw: float, step
 
 # ---- 70B shape served (GPU) ------------------------------------------------------------------------------------
 def served_70b(table: Table, workdir: Path, copy_bw: float, reps: int = 5, shape: dict = SHAPE_70B, layers: int = 80,
-               gpus: list[int] | None = None, prompt: int = 2048) -> dict:  # fmt: skip
+               gpus: list[int] | None = None, prompt: int = 2048, flags: tuple[str, ...] = ()) -> dict:  # fmt: skip
     """`pdserve up --colocated 1 --load-format dummy` of the 70B-shaped FP8 config on GPU 0 (`gpus`; the other
-    arguments: a small smoke run on CPU), int8 KV: served TTFT 2k, ITL b1, KV capacity. The stack is stopped
-    before returning."""
+    arguments: a small smoke run on CPU), int8 KV: served TTFT 2k, ITL b1, KV capacity. `flags`: more instance
+    flags. The stack is stopped before returning."""
     import pdserve
     from pdserve.cli.launch import start_stack
     from pdserve.server.grpc_util import channel
@@ -202,7 +202,7 @@ def served_70b(table: Table, workdir: Path, copy_bw: float, reps: int = 5, shape
     model = write_config_dir(workdir / "llama3-70b-fp8-config", shape, layers, "channel")
     t0 = time.perf_counter()
     log("70B: starting pdserve up --colocated 1 --load-format dummy (random FP8 weights made on the GPU)")
-    extra = ["--load-format", "dummy", "--max-num-seqs", "8", "--chunk-size", "2048"]
+    extra = ["--load-format", "dummy", "--max-num-seqs", "8", "--chunk-size", "2048", *flags]
     stack = start_stack(model, workdir / "stack", kv_dtype="int8", gpus=[0] if gpus is None else gpus,
                         num_colocated=1, extra=extra, timeout=300)  # fmt: skip
     out: dict = {"start_to_ready_s": time.perf_counter() - t0}
