@@ -11,7 +11,9 @@ So, on a GPU, after the warm-up (`measure_step_costs`): beside `DECODE_ROWS` run
 mixed step prefilling P tokens, for P in `CANDIDATES`, and of a step that only decodes them (about the weight
 read); the step's fixed cost is the larger of that decode step and the intercept of the line through the mixed
 steps' times (`fixed_cost_ms`), and the budget is the smallest P whose step it is at most `MAX_OVERHEAD` of, among
-those whose step stays under `MAX_STEP_MS` (`choose_prefill_tokens`; the largest of those if none). Prefill
+those whose step stays under `MAX_STEP_MS` (`choose_prefill_tokens`; the largest of those if none). A step with
+no running sequence to stall may prefill up to the largest P measured (`idle_chunk_size`): on a 70B shape, where
+P is 512, a lone 2048-token prompt then takes one step instead of four, each re-reading the 70 GB of weights. Prefill
 chunks then take P tokens per step and the step holds up to `max_num_seqs` decode rows beside them (so the decode
 rows never shorten a chunk into a tail step of a few tokens). The rate at P is the instance's prefill capacity
 until its own mixed steps measured one (`PrefillRateMeter`'s prior), which the router's admission uses to predict
@@ -65,12 +67,14 @@ class StepCosts:
 class StepBudget:
     """What a colocated engine runs with: `chunk_size` prefill tokens and `step_token_budget` tokens in all per
     step; `prior_tokens_per_s`: its prefill capacity beside decoding as measured at start-up (None: not measured);
-    `reason`: one line for the log."""
+    `reason`: one line for the log; `idle_chunk_size`: prefill tokens of a step without decode rows (nothing to
+    stall: the largest step measured, which the activation memory holds)."""
 
     chunk_size: int
     step_token_budget: int
     prior_tokens_per_s: float | None
     reason: str
+    idle_chunk_size: int = 0  # prefill tokens of a step without decode rows (0: chunk_size; Scheduler.set_budget)
 
 
 def fixed_cost_ms(costs: StepCosts) -> float:
@@ -122,7 +126,7 @@ def measure_step_costs(
     sizes = tuple(p for p in sorted(sizes) if p + 1 <= engine.max_model_len and -(-(p + 1) // ps) <= free_pages)
     if not sizes:
         raise ValueError("no step size to measure fits the KV pool and the context")
-    saved = (sched.chunk_size, sched.step_token_budget)
+    saved = (sched.chunk_size, sched.step_token_budget, sched.idle_chunk_size)
     sched.set_budget(max(sizes), max(sizes) + decode_rows)
     tag = uuid.uuid4().hex[:8]
     vocab = engine.model_config.vocab_size
@@ -224,12 +228,14 @@ def resolve_step_budget(
             f"prefill tokens per step {table}; fixed cost {fixed_cost_ms(costs):.1f} ms: {p}, the smallest step it "
             f"is <= {MAX_OVERHEAD:.0%} of, steps <= {MAX_STEP_MS:g} ms"
         )
-        budget = StepBudget(p, p + rows, costs.tokens_per_s(p), reason)
+        idle = max(costs.mixed_ms)  # ran in the measurement: the activation memory holds it
+        reason += f"; {max(idle, p)} prefill tokens per step while nothing decodes"
+        budget = StepBudget(p, p + rows, costs.tokens_per_s(p), reason, idle_chunk_size=idle)
     return _apply(engine, budget)
 
 
 def _apply(engine: LLMEngine, budget: StepBudget) -> StepBudget:
-    engine.scheduler.set_budget(budget.chunk_size, budget.step_token_budget)
+    engine.scheduler.set_budget(budget.chunk_size, budget.step_token_budget, budget.idle_chunk_size)
     log.info("colocated step budget: %d prefill tokens, %d tokens per step (%s)",
              budget.chunk_size, budget.step_token_budget, budget.reason)  # fmt: skip
     return budget

@@ -7,7 +7,10 @@ Policy (kept simple and correct):
   fewer than a quarter of min(`chunk_size`, `step_token_budget`) (`MIN_PREFILL_SHARE`), so prompts progress beside
   a full decode batch (a budget of 0 or -1 is `chunk_size`; -1, auto, is resolved by the service that runs the
   engine: a colocated instance sizes both from its measured step costs, `set_budget`, with room for every decode
-  row beside a full chunk). Decode rows are never dropped: the budget bounds the step's time, and so TPOT. A step with
+  row beside a full chunk). A step with no decode rows may prefill up to `idle_chunk_size` (set_budget; default:
+  the budget above): the budget holds TPOT by bounding how long a step stalls the running streams, and with none
+  running a larger step only saves the per-step weight read. Decode rows are never dropped: the budget bounds
+  the step's time, and so TPOT. A step with
   no prefill is a pure decode step (the decode CUDA graphs), one with no running sequence a pure prefill step (a
   prefill-only instance's steps are all of that kind).
 - Prefill rows of several sequences share a step. The budget goes first to the oldest waiting sequence (queue
@@ -71,6 +74,7 @@ class Scheduler:
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
         self.step_token_budget = step_token_budget if step_token_budget > 0 else chunk_size  # 0 / -1 (auto): chunk
+        self.idle_chunk_size = 0  # prefill tokens of a step without decode rows, where above the budget (set_budget)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in arrival order
 
@@ -115,16 +119,22 @@ class Scheduler:
         """Whether a waiting sequence could join the next step (to prefill or to decode): not one importing."""
         return any(s.status in (SequenceStatus.WAITING, SequenceStatus.PREFILLING) for s in self.waiting)
 
-    def set_budget(self, chunk_size: int, step_token_budget: int) -> None:
+    def set_budget(self, chunk_size: int, step_token_budget: int, idle_chunk_size: int = 0) -> None:
         """Change the step's sizes between steps (a colocated instance sizes them from measured step costs after
-        start-up, `pdserve.decode.step_budget`); partly prefilled prompts continue under the new sizes."""
-        if chunk_size <= 0 or step_token_budget <= 0:
-            raise ValueError(f"chunk_size and step_token_budget must be > 0, got {chunk_size}, {step_token_budget}")
+        start-up, `pdserve.decode.step_budget`); partly prefilled prompts continue under the new sizes.
+        `idle_chunk_size`: prefill tokens a step without decode rows may take (0: the budget's; a size the engine's
+        activation memory holds, the caller's to know)."""
+        if chunk_size <= 0 or step_token_budget <= 0 or idle_chunk_size < 0:
+            raise ValueError(f"chunk_size and step_token_budget must be > 0, idle_chunk_size >= 0, got {chunk_size}, "
+                             f"{step_token_budget}, {idle_chunk_size}")  # fmt: skip
         self.chunk_size, self.step_token_budget = chunk_size, step_token_budget
+        self.idle_chunk_size = idle_chunk_size
 
     def prefill_budget(self, num_decode: int) -> int:
         """Prefill tokens a step with `num_decode` decode rows may compute (module docstring)."""
         cap = min(self.chunk_size, self.step_token_budget)
+        if num_decode == 0:
+            return max(cap, self.idle_chunk_size)
         return min(cap, max(self.step_token_budget - num_decode, max(1, cap // MIN_PREFILL_SHARE)))
 
     # ---- scheduling --------------------------------------------------------------------------------------

@@ -110,6 +110,7 @@ def test_measurement_times_mixed_steps_and_leaves_the_engine_as_it_was(engine, m
     assert fixed_cost_ms(costs) == pytest.approx(2.3)
     assert not engine.has_unfinished_requests() and engine.allocator.num_free == free
     assert (engine.scheduler.chunk_size, engine.scheduler.step_token_budget) == sizes
+    assert engine.scheduler.idle_chunk_size == 0
     # the engine still computes exactly: greedy equals HF's with full-precision KV, prompts of several chunks
     # beside each other's decode rows
     prompts = [[(11 * k + 5 * i) % 250 + 3 for i in range(n)] for k, n in enumerate((21, 3, 9))]
@@ -135,7 +136,8 @@ def test_cpu_keeps_chunk_size_and_reports_no_prior(engine):
 def test_gpu_path_applies_the_measured_choice_and_outputs_stay_exact(engine, monkeypatch, hf_model):
     """The measured path as on a GPU (the device stood in for by the cost model): fixed cost 0.8 ms (0.5 + three
     decode rows), so 8-token steps spend 17% on it and 16-token ones 9%: 16 prefill tokens per step, every decode
-    row on top, and the rate at 16 as the prior. Greedy outputs under those sizes still equal HF's."""
+    row on top, and the rate at 16 as the prior; 32 (the largest measured) while nothing decodes. Greedy outputs
+    under those sizes (a 37-token prompt's first step alone takes 32) still equal HF's."""
     fake = FakeDevice(engine, monkeypatch, fixed_ms=0.5)
     measure = lambda e: measure_step_costs(e, sizes=(8, 16, 32), decode_rows=3, reps=1, clock=fake.clock)  # noqa: E731
     try:
@@ -144,6 +146,9 @@ def test_gpu_path_applies_the_measured_choice_and_outputs_stay_exact(engine, mon
         assert (engine.scheduler.chunk_size, engine.scheduler.step_token_budget) == (16, 24)
         assert budget.prior_tokens_per_s == pytest.approx(16 / 8.8e-3)
         assert "fixed cost 0.8 ms: 16" in budget.reason
+        # nothing decoding: a step may take the largest size measured
+        assert budget.idle_chunk_size == engine.scheduler.idle_chunk_size == 32
+        assert "32 prefill tokens per step while nothing decodes" in budget.reason
         prompts = [[(13 * k + 3 * i) % 250 + 3 for i in range(n)] for k, n in enumerate((37, 5, 16, 2))]
         got = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
         assert got == [hf_greedy(hf_model, p, 5) for p in prompts]
