@@ -223,6 +223,9 @@ def served_70b(table: Table, workdir: Path, copy_bw: float, reps: int = 5, shape
                 times, _ = token_times_ms(c, fresh(512), max_tokens=64)
                 itl.append((times[-1] - times[0]) / (len(times) - 1))
             out.update(itl_ms_b1=statistics.median(itl), itl_ms_b1_all=itl)
+        budget = [ln for lg in sorted((workdir / "stack").rglob("colocated*.log"))
+                  for ln in lg.read_text(errors="replace").splitlines() if "colocated step budget" in ln]  # fmt: skip
+        out["step_budget"] = budget[-1].split("colocated step budget: ", 1)[-1] if budget else None
     finally:
         stack.stop()
     n, emb = params(shape, layers), shape["vocab_size"] * shape["hidden_size"]
