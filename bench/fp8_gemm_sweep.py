@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from benchutil import log
+from fp8_gemv_sweep import graph_us
 
 from pdserve.engine.quant import fp8_block_gemm as G
 from pdserve.engine.quant import fp8_quant as Q
@@ -46,25 +46,8 @@ CONFIGS = [
 
 
 def graph_ms(fns: list, reps: int) -> float:
-    """Median ms of one replay of a CUDA graph of fns."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(times)
+    """Median ms of one replay of a CUDA graph of fns (fp8_gemv_sweep's timing)."""
+    return graph_us(fns, reps) / 1e3
 
 
 class Layer:
