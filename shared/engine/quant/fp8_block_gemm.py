@@ -272,7 +272,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_
             counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
         assert counters.dtype == torch.int32 and counters.numel() >= tiles, (counters.shape, tiles)
     tickets = counters if counters is not None else c
-    if cfg.pop("TMA", False) and per_channel and k % 16 == 0:  # TMA: rows 16-byte aligned
+    if cfg.pop("TMA", False) and per_channel and _tma_ok(a) and _tma_ok(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
@@ -287,6 +287,12 @@ def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_
         b.stride(0), c.stride(0), SB=SCALE_BLOCK, SBN=scale_rows, BM=bm, BN=bn, BK=bk, PER_CHANNEL=per_channel, **cfg,
     )  # fmt: skip
     return c
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a [rows, K] e4m3 operand suits a TMA descriptor: its base and row stride 16-byte aligned, unit
+    column stride (else the pointer kernel runs)."""
+    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def block_gemm(

@@ -266,8 +266,8 @@ for m, n, k, cfg in cases:
     err_channel = rel(channel_gemm(xq, xs, wq, ws, out_dtype=torch.float32, config=cfg), ref)
     if cfg and cfg.get("split", 1) > 1:  # per channel: 256 columns a step, 1152 = 4.5 steps
         tickets = torch.zeros(64, dtype=torch.int32)
-        for _ in range(2):  # the tickets come back zero: a second call reuses them
-            out = channel_gemm(xq, xs, wq, ws, out_dtype=torch.float32, config={**cfg, "BK": 256}, counters=tickets)
+        for extra in ({"BK": 256}, {"BK": 256}, {"TMA": True}):  # tickets reused (they come back zero); TMA loads
+            out = channel_gemm(xq, xs, wq, ws, out_dtype=torch.float32, config={**cfg, **extra}, counters=tickets)
             err_channel = max(err_channel, rel(out, ref))
             assert not tickets.any()
     assert max(err_block, err_rows, err_channel) < 1e-5, (m, n, k, err_block, err_rows, err_channel)
@@ -281,10 +281,10 @@ for m, n, k, cfg in cases:
 
 def test_block_gemm_in_the_triton_interpreter():
     """The block-scaled GEMM and its per-channel variant (M, N and K tails, several tile shapes, split-K with its
-    tickets reused) against the float64 product of the same dequantized operands. The interpreter (triton 3.6)
-    loads e4m3 and multiplies it exactly, but its float32 -> e4m3 cast rounds wrongly where the mantissa carries
-    into the exponent (7.92 -> 4.0), so the activation quantizer kernel's scales are checked here and its bytes
-    on the GPU only (test_engine_gpu_fp8_weights.py)."""
+    tickets reused, the per-channel TMA kernel) against the float64 product of the same dequantized operands. The
+    interpreter (triton 3.6) loads e4m3 and multiplies it exactly, but its float32 -> e4m3 cast rounds wrongly
+    where the mantissa carries into the exponent (7.92 -> 4.0), so the activation quantizer kernel's scales are
+    checked here and its bytes on the GPU only (test_engine_gpu_fp8_weights.py)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", INTERPRET_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
