@@ -165,7 +165,7 @@ def engine_8b(ge, table: Table, model_dir: Path, name: str, copy_bw: float, step
     g = torch.Generator().manual_seed(8)
     vocab = ge.SHAPE["vocab_size"]
     e = ge.make_engine(model_dir, "int8", num_pages=18400, load_format="dummy")
-    # the median of 5: two timed runs gave 689-1076 TFLOP/s between runs on one host
+    # the median of 5 (of 2 it is their mean: one slow run moves it)
     ms = ge.time_prefill(e, torch.randint(5, vocab, (8192,), generator=g).tolist(), reps=5)
     out = {"prefill_8k_ms": ms, "prefill_8k_tflops": prefill_flops(ge.SHAPE, 32, 8192) / ms / 1e9}
     sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)

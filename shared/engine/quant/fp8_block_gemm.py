@@ -27,18 +27,35 @@ SCALE_BLOCK = 128  # rows and columns of one weight scale block; columns of one 
 
 
 @triton.jit
+def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program `pid`'s (row tile, column tile) in grouped order: GROUP_M row tiles share the B tiles they read while
+    in L2."""
+    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % rows, (pid % width) // rows
+
+
+@triton.jit
+def _write(acc, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, split, stride_cm):
+    """C's tile = acc [BM, BN]; with split-K through the partials and the tile's ticket (fp8_gemv.split_k_store:
+    the last program adds them up in a fixed order)."""
+    if split > 1:
+        split_k_store(acc, c_ptr, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, split, False)
+    else:
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
 def _block_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, split, stride_am, stride_bn,
     stride_cm, SB: tl.constexpr, SBN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):  # fmt: skip
     pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    width = GROUP_M * grid_n  # grouped order: GROUP_M row tiles share the B tiles they read while in L2
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = _tile(pid, M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -62,11 +79,7 @@ def _block_gemm_kernel(
         b_ptrs += BK
     if PER_CHANNEL:  # linear in the partial sums: each split's part scaled before the reduction
         acc *= tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None] * tl.load(bs_ptr + offs_n, mask=n_ok)[None, :]
-    if split > 1:  # partials, then the tile's last program adds them up in a fixed order (fp8_gemv.split_k_store)
-        split_k_store(acc, c_ptr, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, split, False)
-    else:
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _write(acc, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, split, stride_cm)
 
 
 @triton.jit
@@ -78,12 +91,7 @@ def _channel_gemm_tma_kernel(
     over A [M, K] in [BM, BK] boxes, b_desc over B [N, K] in [BN, BK] boxes, zero-filled past the edges (no masks);
     grid, split-K and scales as `_block_gemm_kernel`'s."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
-    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = _tile(pid, M, N, BM, BN, GROUP_M)
     first = pid_k * steps_per_split
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BK))
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -95,11 +103,7 @@ def _channel_gemm_tma_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc *= tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None] * tl.load(bs_ptr + offs_n, mask=n_ok)[None, :]
-    if split > 1:
-        split_k_store(acc, c_ptr, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, split, False)
-    else:
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _write(acc, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, split, stride_cm)
 
 
 # prefill / large-batch tiles, largest first: (BM, BN, num_warps, num_stages); `default_config` takes the first
@@ -118,7 +122,7 @@ SWEEP_CONFIGS = [
 SKINNY_MAX_ROWS = 256
 # (per channel, rows rounded up to a power of 2 from 32, N, K) -> the config that beat cuBLAS's `_scaled_mm` on that
 # projection by more than 3%, or None where cuBLAS was as fast (it then runs): bench/fp8_gemm_sweep.py prints this
-# table (H200, 2026-12-04: at 128 rows the 8B layer's projections take 84 us against 103 us all through cuBLAS)
+# table from its measurements on the target GPU (an H200: docs/benchmarks.md has the figures)
 SKINNY_CONFIGS: dict[tuple[bool, int, int, int], tuple | None] = {
     (True, 32, 6144, 4096): (64, 64, 128, 4, 6, 0, 0),
     (True, 32, 4096, 4096): (64, 64, 128, 4, 6, 2, 0),
@@ -218,10 +222,14 @@ def config_from_tuple(c: tuple, m: int, n: int, k: int, sms: int = 132) -> dict:
                 TMA=bool(tma))  # fmt: skip
 
 
-def skinny_config(m: int, n: int, k: int, per_channel: bool, sms: int = 132) -> dict:
-    """The launch dict of a decode batch of `m` tokens through the Triton GEMM: the table's or the rule's config, the
-    rule's where either says cuBLAS (for a shape cuBLAS does not take)."""
-    c = skinny_tuple(m, n, k, per_channel) or (SKINNY_RULE_CHANNEL if per_channel else SKINNY_RULE_BLOCK)
+def skinny_config(m: int, n: int, k: int, per_channel: bool, sms: int = 132, cublas: bool = False) -> dict | None:
+    """The launch dict of a decode batch of `m` tokens through the Triton GEMM: the table's or the rule's config;
+    where either says cuBLAS, None if `cublas` (it takes the shape), else the rule's config."""
+    c = skinny_tuple(m, n, k, per_channel)
+    if c is None:
+        if cublas:
+            return None
+        c = SKINNY_RULE_CHANNEL if per_channel else SKINNY_RULE_BLOCK
     return config_from_tuple(c, m, n, k, sms)
 
 
@@ -240,7 +248,9 @@ def default_config(m: int, n: int, sms: int = 132, k: int = 0, per_channel: bool
     if m <= 16:
         return dict(BM=16, BN=64 if n >= 16384 else 32, GROUP_M=1, num_warps=4, num_stages=4)
     if k and m <= SKINNY_MAX_ROWS:
-        return skinny_config(m, n, k, per_channel, sms)
+        skinny = skinny_config(m, n, k, per_channel, sms)
+        assert skinny is not None  # without cublas: always a config
+        return skinny
     tile = next((t for t in TILES if triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]) >= sms), TILES[-1])
     return dict(BM=tile[0], BN=tile[1], GROUP_M=8, num_warps=tile[2], num_stages=tile[3])
 

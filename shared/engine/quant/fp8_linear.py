@@ -160,10 +160,8 @@ class Fp8Linear(nn.Module):
 
         if not (self.triton and rows <= min(self.skinny_max_rows, SKINNY_MAX_ROWS)):
             return None
-        per_channel, n, k = self.block is None, self.out_features, self.in_features
-        if cublas and G.skinny_tuple(rows, n, k, per_channel) is None:
-            return None
-        return G.skinny_config(rows, n, k, per_channel, torch.cuda.get_device_properties(device).multi_processor_count)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return G.skinny_config(rows, self.out_features, self.in_features, self.block is None, sms, cublas)
 
     def _rowwise(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Per-channel / per-tensor weights: xq [T, K] e4m3, xs [T, 1] float32 -> [T, N] in `dtype`."""

@@ -108,9 +108,8 @@ def test_eviction_under_allkeys_lru(start_redis):
     srv = start_redis("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
     layout = dataclasses.replace(INT8, page_size=16, num_layers=4, head_dim=64, group_size=64)
     ns = namespace(layout)
-    # about Redis' eviction, not the breaker: in one full CI run all 40 prompts read 0 pages, which two slow
-    # answers (1 s timeout) opening the 2-failure breaker would give; a 5 s timeout and a breaker that stays closed
-    # rule that out, and the stats are checked (and shown) before the hits
+    # about Redis' eviction, not the breaker: two slow answers under load (1 s timeout) would open a 2-failure
+    # breaker and turn every later lookup into a miss; the stats are checked (and shown) before the hits
     breaker = CircuitBreaker(failures=1000, cooldown_s=0.3)
     cache = make_cache(srv.url, write_queue=4096, timeout_s=5.0, breaker=breaker)
     prompts = [tokens(8 * 16, seed=100 + i) for i in range(40)]  # 320 pages, ~5.5 MiB of values
