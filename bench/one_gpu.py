@@ -272,14 +272,20 @@ def up_stack(
     return proc, banner, stack
 
 
+def mps_flags(entry: str) -> list[str]:
+    """`pdserve up` flags of a --disagg-mps entry: off, auto, on or on:P (P: --mps-prefill-sm-percent)."""
+    mode, _, pct = entry.partition(":")
+    return ["--mps", mode, *(["--mps-prefill-sm-percent", pct] if pct else [])]
+
+
 def mode_part(
-    model: Path, mode: str, workdir: Path, args, rng: torch.Generator, budget: str = "auto"
+    model: Path, mode: str, workdir: Path, args, rng: torch.Generator, budget: str = "auto", mps: str = "auto"
 ) -> tuple[dict, dict]:
     """One mode: `pdserve up`, (disagg on a GPU: one request's second token and KV GB/s first), the sweep.
     `budget` (colocated): the step size (`budget_flags`); a run at another than auto keeps its figures in details
-    only."""
+    only. `mps` (disaggregated): a --disagg-mps entry (`mps_flags`)."""
     key = KEY[mode]
-    extra = tuple(budget_flags(budget)) if mode == "coloc" else ()
+    extra = tuple(budget_flags(budget)) if mode == "coloc" else tuple(mps_flags(mps))
     proc, banner, stack = up_stack(model, mode, workdir, args, new_token(), extra)
     out: dict[str, Any] = {}
     served: dict[str, Any] = {}  # the disaggregated stack's one-request figures (gpu_serving.served_ttft)
@@ -304,6 +310,8 @@ def mode_part(
             f"TPOT p90 {s['tpot_ms']['p90']:.1f} ms, errors {s['errors']}")  # fmt: skip
     mode_line = next((ln.strip() for ln in banner.lines if "pdserve up: mode" in ln), "")
     detail = {"up_mode_line": mode_line, "sweep": rows, "slo": res["slo"], "served_2k": served}
+    if mode == "disagg":
+        detail["mps"] = {"flags": " ".join(mps_flags(mps)), "log": [ln.strip() for ln in banner.lines if "MPS" in ln]}
     if mode == "coloc":
         detail["step_budget"] = {"flags": " ".join(budget_flags(budget)) or "auto", "log": budget_line(banner.lines)}
         if budget != "auto":
@@ -326,6 +334,20 @@ def coloc_part(model: Path, workdir: Path, args, rng: torch.Generator) -> tuple[
         k, d = mode_part(model, "coloc", workdir, args, rng, budget.strip())
         keys.update(k)
         details.update(d)
+    return keys, details
+
+
+def disagg_part(model: Path, workdir: Path, args, rng: torch.Generator) -> tuple[dict, dict]:
+    """The disaggregated mode once per --disagg-mps entry (one stack each); the keys from the last entry, every
+    entry's figures in details (`disagg1_mps_<entry>`)."""
+    keys: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    entries = [e.strip() for e in args.disagg_mps.split(",")]
+    for entry in entries:
+        k, d = mode_part(model, "disagg", workdir, args, rng, mps=entry)
+        keys = k
+        details[f"disagg1_mps_{entry.replace(':', '_')}"] = {**d["disagg1"], **k}
+        details["disagg1"] = d["disagg1"]
     return keys, details
 
 
@@ -398,6 +420,9 @@ def main() -> int:
     ap.add_argument("--rates", default="2,6,8,10,12")
     ap.add_argument("--coloc-budgets", default="auto", help="colocated step sizes, comma-separated: auto and/or "
                     "prefill tokens per step (each a stack of its own)")  # fmt: skip
+    ap.add_argument("--disagg-mps", default="auto", help="the disaggregated part once per entry of `pdserve up "
+                    "--mps` (off, auto, on, on:P with P the prefill's SM percent; e.g. off,on: side by side; the keys "
+                    "from the last)")  # fmt: skip
     ap.add_argument("--redis-shards", default="1,4", help="the cache part once per entry: 1 = one redis-server, N = "
                     "a Redis Cluster of N shards on this host (the keys: the last entry's)")  # fmt: skip
     ap.add_argument("--fetch-process", default="auto", help="the cache part once per entry of the prefill's "
@@ -447,7 +472,7 @@ def main() -> int:
     runs = {  # in PARTS' order
         "engine": lambda: in_child(engine_figures, model, args.seed),
         "coloc": lambda: coloc_part(model, workdir, args, rng),
-        "disagg": lambda: mode_part(model, "disagg", workdir, args, rng),
+        "disagg": lambda: disagg_part(model, workdir, args, rng),
         "raw": lambda: ({"raw_grpc_gbps": gs.raw_grpc(workdir)["raw_grpc_gbps"]}, {}),
         "grpc,cache": lambda: served_part(
             model,

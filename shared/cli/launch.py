@@ -8,10 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.cli.mps import DEFAULT_PREFILL_SM_PERCENT, MpsDaemon, client_env, shared_gpus, want_mps
 from pdserve.cli.placement import DECODE as DECODE  # placement's names, imported from here by callers
 from pdserve.cli.placement import GPU_MEMORY_UTILIZATION, plan_placement
 from pdserve.cli.placement import PREFILL as PREFILL
@@ -48,6 +49,8 @@ class Stack:
     # per process of `procs`: what it serves, "router", "gateway" or an engine group "<role>" / "<role>:<model>"
     # (the instances of one group stand in for each other: the router fails a dead one's requests over)
     roles: list[str] = field(default_factory=list)
+    # run once every process has ended (Stack.stop): the stack's own helpers outside `procs`, e.g. its MPS daemon
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
 
     def signal_all(self) -> None:
         """SIGTERM to every live process: the first makes a service drain (pdserve.server.shutdown), a second one
@@ -67,6 +70,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        while self.cleanup:
+            self.cleanup.pop()()
 
     def unservable(self) -> str:
         """Why the stack can no longer serve ("" while it can): its router or gateway exited, or every instance of an
@@ -181,6 +186,8 @@ def start_stack(
     more_models: Sequence[tuple[str, str]] = (),
     prefill_tp: int | None = None,
     decode_tp: int | None = None,
+    mps: str = "off",
+    mps_prefill_sm_percent: int = DEFAULT_PREFILL_SM_PERCENT,
 ) -> Stack:
     """Start prefill and decode instances on free ports, then a router wired to them (its static list;
     `kv_dtype`, `page_size`, `chunk_size`: engine flags, None = each service's default;
@@ -199,7 +206,9 @@ def start_stack(
     it (router, then the engine instances in order); 0: each picks a free port, -1: off.
     Several models: `model` is served as `model_name` (the router's own --model: static instances); each of
     `more_models` ((served name, model directory)) gets as many instances again, which register with the router
-    under that name (`Stack.models`); every model's instances share the GPUs (the memory split among them all)."""
+    under that name (`Stack.models`); every model's instances share the GPUs (the memory split among them all).
+    `mps` (auto / on / off, `pdserve.cli.mps.want_mps`): a CUDA MPS daemon of the stack's own for the instances on
+    a GPU that prefill and decode share, the prefill ones limited to `mps_prefill_sm_percent` of its SMs."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = dict(env or {})
     token = env.get("PDSERVE_INTERNAL_TOKEN") or os.environ.get("PDSERVE_INTERNAL_TOKEN") or new_token()
@@ -216,16 +225,29 @@ def start_stack(
     n_models = 1 + len(more_models)
     plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization / n_models, prefill_tp, decode_tp)
     metrics = lambda k: ["--metrics-port", str(metrics_port + k if metrics_port > 0 else metrics_port)]  # noqa: E731
-    started = [
-        start_service(
-            "colocated" if num_colocated else p.role,
-            [*common, *p.args(), *metrics(1 + k)],
-            workdir,
-            env={**env, **p.env({**os.environ, **env})},
-            to_terminal=to_terminal,
-        )
-        for k, p in enumerate(plan)
-    ]
+    use_mps, _ = want_mps(mps, plan, {**os.environ, **env})
+    daemon = MpsDaemon.start(workdir / "mps", {**os.environ, **env}) if use_mps else None
+    shared = shared_gpus(plan)
+
+    def penv(p: Placement) -> dict[str, str]:  # an instance's environment: the stack's, its GPUs', MPS
+        return {**env, **p.env({**os.environ, **env}), **client_env(p, shared, daemon, mps_prefill_sm_percent)}
+
+    try:
+        started = [
+            start_service(
+                "colocated" if num_colocated else p.role,
+                [*common, *p.args(), *metrics(1 + k)],
+                workdir,
+                env=penv(p),
+                to_terminal=to_terminal,
+            )
+            for k, p in enumerate(plan)
+        ]
+    except BaseException:
+        if daemon is not None:
+            daemon.stop()
+        raise
+    cleanup = [daemon.stop] if daemon is not None else []
     procs = [s[0] for s in started]
     role_of = "colocated" if num_colocated else None
     roles = [role_of or p.role for p in plan]
@@ -258,7 +280,7 @@ def start_stack(
                         *metrics(first + k),
                     ],
                     workdir,
-                    env={**env, **p.env({**os.environ, **env})},
+                    env=penv(p),
                     to_terminal=to_terminal,
                 )
                 for k, p in enumerate(plan)
@@ -285,11 +307,13 @@ def start_stack(
             logs.append(g[2])
             gateway = wait_ready(*g, timeout=timeout)
     except BaseException:  # also KeyboardInterrupt: never leave half a stack running
-        Stack("", [], [], procs, logs).stop()
+        Stack("", [], [], procs, logs, cleanup=cleanup).stop()
         raise
     if num_colocated:
-        return Stack(router, [], [], procs, logs, gateway, token, colocated=dec, models=models, roles=roles)
-    return Stack(router, pre, dec, procs, logs, gateway, token, models=models, roles=roles)
+        return Stack(
+            router, [], [], procs, logs, gateway, token, colocated=dec, models=models, roles=roles, cleanup=cleanup
+        )
+    return Stack(router, pre, dec, procs, logs, gateway, token, models=models, roles=roles, cleanup=cleanup)
 
 
 def wait_registered(registry: str, addresses: list[str], model: str, env: dict[str, str], timeout: float) -> None:

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve.cli.mps import DEFAULT_PREFILL_SM_PERCENT, shared_gpus, want_mps
+from pdserve.cli.mps import MODES as MPS_MODES
 from pdserve.config import Setting, add_dataclass_args, config_from, given_flags, settings
 from pdserve.server.service_config import EngineServiceConfig, ServerOptions
 
@@ -111,6 +113,22 @@ def up_parser() -> argparse.ArgumentParser:
         "(--tensor-parallel-size; KV pages move between any two sizes) (default: --tensor-parallel-size)",
     )
     stack.add_argument(
+        "--mps",
+        choices=MPS_MODES,
+        default=os.environ.get("PDSERVE_MPS", "auto"),
+        help="CUDA MPS for a GPU that a prefill and a decode instance share: the stack's own MPS daemon, so their "
+        "kernels run side by side instead of in time slices; auto = on where a GPU is shared and "
+        "nvidia-cuda-mps-control is found (default: %(default)s; $PDSERVE_MPS)",
+    )
+    stack.add_argument(
+        "--mps-prefill-sm-percent",
+        type=int,
+        default=int(os.environ.get("PDSERVE_MPS_PREFILL_SM_PERCENT", str(DEFAULT_PREFILL_SM_PERCENT))),
+        metavar="P",
+        help="under MPS, the share of the GPU's SMs a prefill instance may use (1-100; decode gets them all; "
+        "at 100 a prefill's GEMMs starve the decode steps) (default: %(default)s; $PDSERVE_MPS_PREFILL_SM_PERCENT)",
+    )
+    stack.add_argument(
         "--print-plan",
         action="store_true",
         help="print the mode and each engine instance's GPUs, then exit without starting anything",
@@ -156,12 +174,20 @@ def cmd_up(argv: list[str]) -> int:
         plan = plan_placement(args.prefill, args.decode, gpus, engine.gpu_memory_utilization, prefill_tp, decode_tp)
     except ValueError as e:
         p.error(str(e))
+    if not 1 <= args.mps_prefill_sm_percent <= 100:
+        p.error(f"--mps-prefill-sm-percent wants 1..100, got {args.mps_prefill_sm_percent}")
+    try:
+        _, mps_line = want_mps(args.mps, plan, os.environ)
+    except ValueError as e:
+        p.error(str(e))
     for pl in plan:
         role = "colocated" if args.colocated else pl.role
         if pl.gpus:
             print(f"{role} {pl.index}: {pl.describe()}", flush=True)
         elif pl.tp is not None and pl.tp > 1:
             print(f"{role} {pl.index}: tensor parallel {pl.tp} (the engine's device, one process per rank)", flush=True)
+    if shared_gpus(plan):
+        print(f"pdserve up: {mps_line}", flush=True)
     if args.print_plan:
         return 0
 
@@ -215,6 +241,8 @@ def cmd_up(argv: list[str]) -> int:
             more_models=more_models,
             prefill_tp=prefill_tp,
             decode_tp=decode_tp,
+            mps=args.mps,
+            mps_prefill_sm_percent=args.mps_prefill_sm_percent,
         )
         engines = (
             f"colocated {', '.join(stack.colocated)}"

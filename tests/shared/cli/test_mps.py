@@ -1,0 +1,106 @@
+"""`pdserve up --mps`: which GPUs get the stack's MPS daemon, the client environment of each instance, and the
+daemon's life (started, answering, quit with the stack) against a stand-in `nvidia-cuda-mps-control` (CPU)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli.launch import Stack, plan_placement
+from pdserve.cli.mps import CONTROL, PIPE_ENV, SM_ENV, MpsDaemon, client_env, shared_gpus, want_mps
+
+# answers commands only once its foreground daemon runs (as the real one: a pipe in the pipe directory)
+FAKE_CONTROL = """#!{python}
+import os, pathlib, sys, time
+pipe = pathlib.Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+if sys.argv[1:] == ["-f"]:
+    if os.environ.get("FAKE_MPS_FAIL"):
+        print("cannot start: no device"); sys.exit(3)
+    (pipe / "control").write_text("up")
+    while not (pipe / "quit").exists():
+        time.sleep(0.02)
+    sys.exit(0)
+if not (pipe / "control").exists():
+    sys.exit(1)
+cmd = sys.stdin.read().strip()
+with open(pipe / "commands", "a") as f:
+    f.write(cmd + chr(10))
+if cmd == "quit":
+    (pipe / "quit").write_text("")
+"""
+
+
+@pytest.fixture
+def fake_control(tmp_path, monkeypatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / CONTROL
+    exe.write_text(FAKE_CONTROL.format(python=sys.executable))
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv(PIPE_ENV, raising=False)
+    return exe
+
+
+def test_only_a_gpu_that_prefill_and_decode_share_is_shared():
+    assert shared_gpus(plan_placement(1, 1, [0], 0.9)) == [0]
+    assert shared_gpus(plan_placement(1, 1, [0, 1], 0.9)) == []  # a GPU each
+    assert shared_gpus(plan_placement(2, 2, [0, 1, 2], 0.9)) == []  # prefill on 0 and 1, both decode on 2
+    assert shared_gpus(plan_placement(0, 1, [0], 0.9)) == []  # colocated: decode-placed only
+    assert shared_gpus(plan_placement(1, 1, [], 0.9)) == []  # no placement
+
+
+def test_want_mps_auto_on_off(fake_control):
+    one, two = plan_placement(1, 1, [0], 0.9), plan_placement(1, 1, [0, 1], 0.9)
+    env = dict(os.environ)
+    assert want_mps("auto", one, env)[0] and "cuda:0" in want_mps("auto", one, env)[1]
+    assert want_mps("auto", two, env) == (False, "MPS off: no GPU holds both a prefill and a decode instance")
+    assert not want_mps("auto", one, {**env, PIPE_ENV: "/somewhere"})[0]  # someone's own MPS server
+    assert not want_mps("auto", one, {**env, "PATH": "/nonexistent"})[0]
+    assert want_mps("off", one, env) == (False, "MPS off (--mps off)")
+    assert want_mps("on", one, env)[0]
+    with pytest.raises(ValueError, match="no GPU holds both"):
+        want_mps("on", two, env)
+    with pytest.raises(ValueError, match="not on PATH"):
+        want_mps("on", one, {**env, "PATH": "/nonexistent"})
+    with pytest.raises(ValueError, match="--mps wants one of"):
+        want_mps("yes", one, env)
+
+
+def test_daemon_answers_gives_clients_their_env_and_quits(fake_control, tmp_path):
+    daemon = MpsDaemon.start(tmp_path / "mps", os.environ)
+    try:
+        assert daemon.proc.poll() is None
+        assert daemon.env()[PIPE_ENV] == str(tmp_path / "mps" / "pipe")
+        plan = plan_placement(1, 1, [0], 0.9)
+        pre, dec = (next(p for p in plan if p.role == r) for r in ("prefill", "decode"))
+        assert client_env(pre, [0], daemon, 80) == {**daemon.env(), SM_ENV: "80"}
+        assert client_env(dec, [0], daemon, 80) == daemon.env()  # decode keeps every SM
+        assert client_env(pre, [0], daemon, 100) == daemon.env()
+        assert client_env(pre, [], daemon, 80) == {} and client_env(pre, [0], None, 80) == {}
+    finally:
+        Stack("", [], [], cleanup=[daemon.stop]).stop()  # the stack's stop ends it after its processes
+    assert daemon.proc.returncode == 0
+    commands = (tmp_path / "mps" / "pipe" / "commands").read_text().split()
+    assert commands[0] == "get_server_list" and commands[-1] == "quit"
+
+
+def test_a_daemon_that_cannot_start_is_an_error_with_its_output(fake_control, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_FAIL", "1")
+    with pytest.raises(RuntimeError, match="exited with code 3: cannot start: no device"):
+        MpsDaemon.start(tmp_path / "mps", os.environ)
+
+
+def test_up_prints_the_mps_choice_and_refuses_on_without_a_shared_gpu(fake_control):
+    up = [sys.executable, "-m", "pdserve.cli", "up", "--model", "m", "--print-plan", "--disaggregated"]
+    res = subprocess.run([*up, "--gpus", "0"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "pdserve up: MPS on for cuda:0 (prefill and decode share it; --mps off to not)" in res.stdout
+    res = subprocess.run([*up, "--gpus", "0", "--mps", "off"], capture_output=True, text=True, timeout=120)
+    assert "pdserve up: MPS off (--mps off)" in res.stdout
+    res = subprocess.run([*up, "--gpus", "0,1", "--mps", "on"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--mps on: no GPU holds both a prefill and a decode instance" in res.stderr
+    res = subprocess.run([*up, "--gpus", "0", "--mps-prefill-sm-percent", "0"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--mps-prefill-sm-percent wants 1..100" in res.stderr
