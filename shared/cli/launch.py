@@ -247,7 +247,7 @@ def start_stack(
         if daemon is not None:
             daemon.stop()
         raise
-    cleanup = [daemon.stop] if daemon is not None else []
+    cleanup: list[Callable[[], None]] = [daemon.stop] if daemon is not None else []
     procs = [s[0] for s in started]
     role_of = "colocated" if num_colocated else None
     roles = [role_of or p.role for p in plan]
