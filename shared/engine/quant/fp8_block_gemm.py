@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pdserve.engine.quant.fp8_gemv import split_k_store
 
@@ -53,11 +52,8 @@ def _write(acc, c_ptr, part_ptr, cnt_ptr, pid, pid_k, offs_m, offs_n, M, N, spli
 def _block_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, split, stride_am, stride_bn,
     stride_cm, SB: tl.constexpr, SBN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:  # a programmatic dependent launch: resident while the kernel that wrote A finishes
-        gdc_wait()
-        gdc_launch_dependents()
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     pid_m, pid_n = _tile(pid, M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -89,14 +85,11 @@ def _block_gemm_kernel(
 @triton.jit
 def _channel_gemm_tma_kernel(
     a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, steps_per_split, split, stride_cm,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """The per-channel GEMM with its operand tiles brought in by the Hopper tensor-memory accelerator (TMA): a_desc
     over A [M, K] in [BM, BK] boxes, b_desc over B [N, K] in [BN, BK] boxes, zero-filled past the edges (no masks);
-    grid, split-K, scales and PDL as `_block_gemm_kernel`'s."""
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    grid, split-K and scales as `_block_gemm_kernel`'s."""
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     pid_m, pid_n = _tile(pid, M, N, BM, BN, GROUP_M)
     first = pid_k * steps_per_split
@@ -268,7 +261,7 @@ def counter_slots(m: int, n: int) -> int:
 
 
 def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_rows: int = 1,
-            counters: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:  # fmt: skip
+            counters: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     m, k = a.shape
     n = b.shape[0]
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -289,7 +282,6 @@ def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_
             counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
         assert counters.dtype == torch.int32 and counters.numel() >= tiles, (counters.shape, tiles)
     tickets = counters if counters is not None else c
-    launch = dict(USE_PDL=pdl, **(dict(launch_pdl=True) if pdl else {}))
     if cfg.pop("TMA", False) and per_channel and _tma_ok(a) and _tma_ok(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -297,13 +289,12 @@ def _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel: bool, scale_
         b_desc = TensorDescriptor.from_tensor(b, [bn, bk])
         _channel_gemm_tma_kernel[(tiles, split)](
             a_desc, b_desc, a_scale, b_scale, c, part, tickets, m, n, k, per_split, split, c.stride(0), BM=bm, BN=bn,
-            BK=bk, **cfg, **launch,
+            BK=bk, **cfg,
         )  # fmt: skip
         return c
     _block_gemm_kernel[(tiles, split)](
         a, a_scale, b, b_scale, c, part, tickets, m, n, k, triton.cdiv(k, SCALE_BLOCK), per_split, split, a.stride(0),
         b.stride(0), c.stride(0), SB=SCALE_BLOCK, SBN=scale_rows, BM=bm, BN=bn, BK=bk, PER_CHANNEL=per_channel, **cfg,
-        **launch,
     )  # fmt: skip
     return c
 
@@ -323,12 +314,10 @@ def block_gemm(
     config: dict | None = None,
     scale_rows: int = SCALE_BLOCK,
     counters: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """a e4m3 [M, K], a_scale float32 [M, ceil(K/128)], b e4m3 [N, K], b_scale float32 [ceil(N/scale_rows),
     ceil(K/128)] -> [M, N] in `out_dtype`. `config`: tile and split (None: `default_config`); `counters`: int32
-    [>= counter_slots(M, N)], zero (the kernel leaves them zero), for split-K (None: a zeroed tensor per call);
-    `pdl`: a programmatic dependent launch (Hopper): its programs wait for the kernel before it at their start."""
+    [>= counter_slots(M, N)], zero (the kernel leaves them zero), for split-K (None: a zeroed tensor per call)."""
     m, k = a.shape
     n = b.shape[0]
     kg = -(-k // SCALE_BLOCK)
@@ -336,7 +325,7 @@ def block_gemm(
     assert a_scale.shape == (m, kg) and a_scale.is_contiguous()
     assert scale_rows in (1, SCALE_BLOCK) and b_scale.shape == (-(-n // scale_rows), kg) and b_scale.is_contiguous()
     return _launch(
-        a, a_scale, b, b_scale, out_dtype, config, per_channel=False, scale_rows=scale_rows, counters=counters, pdl=pdl
+        a, a_scale, b, b_scale, out_dtype, config, per_channel=False, scale_rows=scale_rows, counters=counters
     )
 
 
@@ -348,12 +337,11 @@ def channel_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     config: dict | None = None,
     counters: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """a e4m3 [M, K], a_scale float32 [M, 1] (per token), b e4m3 [N, K], b_scale float32 [N] (per output
-    channel) -> [M, N] in `out_dtype` (`config`, `counters`, `pdl`: as `block_gemm`'s)."""
+    channel) -> [M, N] in `out_dtype` (`config`, `counters`: as `block_gemm`'s)."""
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
     assert a_scale.shape == (m, 1) and a_scale.is_contiguous() and b_scale.shape == (n,) and b_scale.is_contiguous()
-    return _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel=True, counters=counters, pdl=pdl)
+    return _launch(a, a_scale, b, b_scale, out_dtype, config, per_channel=True, counters=counters)

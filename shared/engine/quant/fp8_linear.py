@@ -112,13 +112,13 @@ class Fp8Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor | Fp8Activation, pdl: bool = False) -> torch.Tensor:
-        """x [T, K] (or that quantized per token, see `takes_fp8`) -> [T, N] in x's dtype. `pdl`: the GEMV and the
-        decode batches' split-K GEMM as programmatic dependent launches (Hopper)."""
+        """x [T, K] (or that quantized per token, see `takes_fp8`) -> [T, N] in x's dtype. `pdl`: the GEMV as a
+        programmatic dependent launch (Hopper)."""
         if isinstance(x, Fp8Activation):
             assert self.block is None and self.input_scale is None, "per-token inputs suit per-channel layers only"
             if not x.q.is_cuda:
                 return self.reference(x)
-            return self._rowwise(x.q, x.scale, x.dtype, pdl)
+            return self._rowwise(x.q, x.scale, x.dtype)
         if not x.is_cuda:
             return self.reference(x)
         if x.shape[0] == 0:
@@ -130,7 +130,7 @@ class Fp8Linear(nn.Module):
             return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl,
                             counters=self._tickets(x.device))  # fmt: skip
         if self.block is not None:
-            out = self._block_gemm(x, pdl)
+            out = self._block_gemm(x)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
             return out.to(x.dtype)
@@ -140,7 +140,7 @@ class Fp8Linear(nn.Module):
         else:
             quant = quantize_activations if self.triton else quantize_activations_torch
             xq, xs = quant(x, None)  # [T, K] e4m3, [T, 1]
-        return self._rowwise(xq, xs, x.dtype, pdl)
+        return self._rowwise(xq, xs, x.dtype)
 
     def _tickets(self, device: torch.device) -> torch.Tensor | None:
         """The split-K tickets, allocated eagerly (warm-up) and reused by the graphs (None while capturing before
@@ -163,14 +163,13 @@ class Fp8Linear(nn.Module):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return G.skinny_config(rows, self.out_features, self.in_features, self.block is None, sms, cublas)
 
-    def _rowwise(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
+    def _rowwise(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Per-channel / per-tensor weights: xq [T, K] e4m3, xs [T, 1] float32 -> [T, N] in `dtype`."""
         config = self._skinny(xq.shape[0], xq.device)
         if config is not None:
             from pdserve.engine.quant.fp8_block_gemm import channel_gemm
 
-            out = channel_gemm(xq, xs, self.weight, self.weight_scale, config=config, counters=self._tickets(xq.device),
-                               pdl=pdl)  # fmt: skip
+            out = channel_gemm(xq, xs, self.weight, self.weight_scale, config=config, counters=self._tickets(xq.device))
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
             return out.to(dtype)
@@ -186,7 +185,7 @@ class Fp8Linear(nn.Module):
             out = out + self.bias.to(out.dtype)
         return out.to(dtype)
 
-    def _block_gemm(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def _block_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Block scheme, x [T, K] -> [T, N] bf16: activations quantized per token per 128 columns (one Triton
         launch), then cuBLAS's block-scaled `_scaled_mm` or the Triton block GEMM (`block_backend`)."""
         from pdserve.engine.quant.fp8_block_gemm import block_gemm
@@ -206,8 +205,7 @@ class Fp8Linear(nn.Module):
                 self.block_backend = "triton"  # this torch / GPU has no block-scaled _scaled_mm
         xq, xs = quantize_activations(x, self.block[1])  # [T, K] e4m3, [T, K/128] (Triton)
         return block_gemm(xq, xs, self.weight, self.weight_scale, out_dtype=torch.bfloat16, config=config,
-                          scale_rows=self.block[0], counters=self._tickets(x.device) if config else None,
-                          pdl=pdl and config is not None)  # fmt: skip
+                          scale_rows=self.block[0], counters=self._tickets(x.device) if config else None)  # fmt: skip
 
     def _cublas_block_shape(self, m: int) -> bool:
         """Whether cuBLAS's block-scaled `_scaled_mm` takes this layer at `m` tokens: only where both scale grids have

@@ -222,9 +222,8 @@ def test_block_scaled_mm_matches_the_triton_block_gemm(m):
 def test_skinny_split_k_gemm_8b_shapes_in_a_graph(scheme):
     """Decode batches above the GEMV (17..256 tokens) at the 8B projections' shapes through Fp8Linear (the split-K
     Triton GEMM where its table says so, cuBLAS elsewhere) equal cuBLAS on the same quantized operands, eager and
-    replayed in a CUDA graph (also as programmatic dependent launches: the same bits), the layer's tickets shared
-    across batch sizes and left zero; then every table entry and sweep config of these shapes through the GEMM
-    itself at full and ragged batches."""
+    replayed in a CUDA graph, the layer's tickets shared across batch sizes and left zero; then every table entry
+    and sweep config of these shapes through the GEMM itself at full and ragged batches."""
     from pdserve.engine.quant import fp8_block_gemm as G
 
     sys_path_bench()
@@ -242,8 +241,6 @@ def test_skinny_split_k_gemm_8b_shapes_in_a_graph(scheme):
             eager, out = captured(lambda lin=lin, x=x: lin(x))
             assert torch.equal(out, eager), (n, k, m)  # a fixed summation order: the same bits replayed
             assert rel(eager, cublas) < 1e-2, (n, k, m)
-            _, with_pdl = captured(lambda lin=lin, x=x: lin(x, pdl=True))  # programmatic dependent launches
-            assert torch.equal(with_pdl, eager), (n, k, m)
             assert lin.gemv_counters is not None and not lin.gemv_counters.any()
         table = {c for (pc, _, n_, k_), c in G.SKINNY_CONFIGS.items() if pc == per_channel and (n_, k_) == (n, k) and c}
         sweep = {c for c in CONFIGS if per_channel or (c[2] == 128 and not c[6])}
