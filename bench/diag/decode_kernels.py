@@ -1,0 +1,77 @@
+"""Where a decode step's GPU time goes: the 8B shape (`bench/gpu_engine.py`'s, 32 layers, random weights made on the
+device, int8 KV, decode graphs) at batch 1 (context 512) and batch 128 (context 2048), per weight format, each
+step's kernels from torch.profiler (graph replays included) summed by name.
+
+    python bench/diag/decode_kernels.py [--formats fp8_channel,fp8_block,bf16] [--steps 10]
+
+Prints, per format and batch, the step's wall median, the GPU kernel time per step and the kernels by total time
+(time a step, launches a step, mean us). Under programmatic dependent launch (--pdl, on by default on Hopper) a
+kernel's time includes its wait for the one before it, so at batch 1 the sum exceeds the wall time; at batch 128
+the kernels are long and the sum is the step. Figures: docs/benchmarks.md (issue 30)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fp8_weights as fw
+import gpu_engine as ge
+
+
+def kernel_table(e, steps: int, top: int = 22) -> None:
+    """Profile `steps` engine steps and print the kernels by total GPU time."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            e.step()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}  # name -> [launches, total us]
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            row = per_name.setdefault(ev.name[:90], [0, 0.0])
+            row[0] += 1
+            row[1] += ev.device_time_total
+    total = sum(t for _, t in per_name.values())
+    launches = sum(c for c, _ in per_name.values())
+    print(f"  GPU kernel time per step {total / steps / 1e3:.3f} ms over {launches / steps:.0f} kernels")
+    for name, (count, t) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {t / steps / 1e3:8.3f} ms  {count / steps:6.1f}/step  {t / count:8.2f} us  {name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="fp8_channel,fp8_block", help=f"of {', '.join(fw.FORMATS_8B)}")
+    ap.add_argument("--steps", type=int, default=10, help="profiled steps per batch")
+    args = ap.parse_args()
+    from pdserve.engine.sampling import SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.formats.split(","):
+            d = fw.write_config_dir(Path(tmp) / name, ge.SHAPE, 32, fw.FORMATS_8B[name])
+            g = torch.Generator().manual_seed(8)
+            e = ge.make_engine(d, "int8", num_pages=18400, load_format="dummy")
+            sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+            fw.submit(e, "itl", torch.randint(5, ge.SHAPE["vocab_size"], (512,), generator=g).tolist(), sp)
+            e.step()  # its prefill
+            wall = ge.time_decode_steps(e, 40)[10:]
+            print(f"[{name}] b1 ctx512 step wall median {statistics.median(wall):.3f} ms")
+            kernel_table(e, args.steps)
+            e.abort("itl")
+            e.step()
+            ge.fill_decode_batch(e, 128, 2048, g)
+            wall = ge.time_decode_steps(e, 20)[5:]
+            print(f"[{name}] b128 ctx2k step wall median {statistics.median(wall):.3f} ms")
+            kernel_table(e, args.steps // 2 or 1)
+            del e
+            ge.free_memory()
+
+
+if __name__ == "__main__":
+    main()
