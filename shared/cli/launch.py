@@ -225,9 +225,8 @@ def start_stack(
     n_models = 1 + len(more_models)
     plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization / n_models, prefill_tp, decode_tp)
     metrics = lambda k: ["--metrics-port", str(metrics_port + k if metrics_port > 0 else metrics_port)]  # noqa: E731
-    use_mps, _ = want_mps(mps, plan, {**os.environ, **env})
-    daemon = MpsDaemon.start(workdir / "mps", {**os.environ, **env}) if use_mps else None
     shared = shared_gpus(plan)
+    daemon = start_mps(mps, plan, shared, workdir, {**os.environ, **env})
 
     def penv(p: Placement) -> dict[str, str]:  # an instance's environment: the stack's, its GPUs', MPS
         return {**env, **p.env({**os.environ, **env}), **client_env(p, shared, daemon, mps_prefill_sm_percent)}
@@ -314,6 +313,30 @@ def start_stack(
             router, [], [], procs, logs, gateway, token, colocated=dec, models=models, roles=roles, cleanup=cleanup
         )
     return Stack(router, pre, dec, procs, logs, gateway, token, models=models, roles=roles, cleanup=cleanup)
+
+
+def start_mps(
+    mode: str, plan: Sequence[Placement], shared: list[int], workdir: Path, environ: dict[str, str]
+) -> MpsDaemon | None:
+    """The stack's MPS daemon where `want_mps` says so and a CUDA client runs under it on the `shared` GPUs; with
+    "auto" a daemon or client that fails means no MPS (said on stderr), with "on" an error."""
+    if not want_mps(mode, plan, environ)[0]:
+        return None
+    try:
+        daemon = MpsDaemon.start(workdir / "mps", environ)
+    except RuntimeError as e:
+        if mode == "on":
+            raise
+        print(f"pdserve up: MPS off: {e}", file=sys.stderr, flush=True)
+        return None
+    why = daemon.probe(shared, environ)
+    if not why:
+        return daemon
+    daemon.stop()
+    if mode == "on":
+        raise RuntimeError(f"--mps on: {why}")
+    print(f"pdserve up: MPS off: {why}", file=sys.stderr, flush=True)
+    return None
 
 
 def wait_registered(registry: str, addresses: list[str], model: str, env: dict[str, str], timeout: float) -> None:

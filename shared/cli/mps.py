@@ -9,8 +9,10 @@ them. Served (8B, 2048 -> 128 tokens, one H200) the disaggregated pair's goodput
 
 The stack runs its own control daemon (`nvidia-cuda-mps-control -f`, a child of the launcher) with a pipe and log
 directory under the stack's work directory, so it never joins or stops an MPS server someone else runs; only the
-engine processes on a GPU that holds both a prefill and a decode instance are its clients. `Stack.stop` ends it
-(`quit`) after the services.
+engine processes on a GPU that holds both a prefill and a decode instance are its clients. Before the services
+start, one CUDA client runs under it on those GPUs (`MpsDaemon.probe`): where it fails (a host that ships the binary
+but cannot run MPS), "auto" goes on without MPS and says why, "on" stops. `Stack.stop` ends it (`quit`) after the
+services.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -100,6 +103,22 @@ class MpsDaemon:
                 daemon.stop()
                 raise RuntimeError(f"{CONTROL} did not answer within {timeout:.0f} s: {daemon.log_tail()}")
             time.sleep(0.1)
+
+    def probe(
+        self, gpus: Sequence[int], environ: Mapping[str, str], cmd: Sequence[str] = (), timeout: float = 120.0
+    ) -> str:
+        """Run one CUDA client on each of `gpus` through this daemon (its server starts then): "" when they ran,
+        else why not. `cmd`: the client (default: a torch allocation on every GPU in `gpus`, in a child process)."""
+        code = f"import torch; [torch.zeros(1, device=f'cuda:{{g}}') for g in {list(gpus)}]; torch.cuda.synchronize()"
+        env = {**environ, **self.env()}
+        try:
+            r = subprocess.run(list(cmd) or [sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                               timeout=timeout)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"a CUDA client under it did not run: {e}"
+        if r.returncode != 0:
+            return f"a CUDA client under it exited with code {r.returncode}: {(r.stderr or r.stdout).strip()[-400:]}"
+        return ""
 
     def command(self, text: str, timeout: float = 10.0) -> str | None:
         """Send one control command; its output, or None when the daemon did not take it."""

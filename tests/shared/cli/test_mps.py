@@ -104,3 +104,42 @@ def test_up_prints_the_mps_choice_and_refuses_on_without_a_shared_gpu(fake_contr
     assert res.returncode == 2 and "--mps on: no GPU holds both a prefill and a decode instance" in res.stderr
     res = subprocess.run([*up, "--gpus", "0", "--mps-prefill-sm-percent", "0"], capture_output=True, text=True)
     assert res.returncode == 2 and "--mps-prefill-sm-percent wants 1..100" in res.stderr
+
+
+def test_probe_runs_a_client_under_the_daemon(fake_control, tmp_path):
+    daemon = MpsDaemon.start(tmp_path / "mps", os.environ)
+    try:
+        sees_pipe = "import os, sys; sys.exit(0 if os.environ.get('CUDA_MPS_PIPE_DIRECTORY') else 5)"
+        assert daemon.probe([0], os.environ, cmd=[sys.executable, "-c", sees_pipe]) == ""
+        fails = "import sys; print('no MPS server'); sys.exit(7)"
+        assert daemon.probe([0], os.environ, cmd=[sys.executable, "-c", fails]) == (
+            "a CUDA client under it exited with code 7: no MPS server"
+        )
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("probe_ok", [True, False])
+def test_start_mps_goes_on_without_mps_where_auto_cannot_run_a_client(fake_control, tmp_path, monkeypatch, capsys,
+                                                                      probe_ok):  # fmt: skip
+    from pdserve.cli.launch import start_mps
+
+    started: list[MpsDaemon] = []
+
+    def probe(self, gpus, environ, cmd=(), timeout=120.0):
+        started.append(self)
+        return "" if probe_ok else "a CUDA client under it exited with code 1: MPS unsupported"
+
+    monkeypatch.setattr(MpsDaemon, "probe", probe)
+    plan = plan_placement(1, 1, [0], 0.9)
+    daemon = start_mps("auto", plan, [0], tmp_path, dict(os.environ))
+    if probe_ok:
+        assert daemon is started[0] and daemon.proc.poll() is None
+        daemon.stop()
+    else:
+        assert daemon is None and started[0].proc.poll() == 0  # stopped again
+        assert "pdserve up: MPS off: a CUDA client under it exited with code 1" in capsys.readouterr().err
+        with pytest.raises(RuntimeError, match="--mps on: a CUDA client under it exited with code 1"):
+            start_mps("on", plan, [0], tmp_path / "on", dict(os.environ))
+        assert started[1].proc.poll() == 0
+    assert start_mps("off", plan, [0], tmp_path, dict(os.environ)) is None
