@@ -44,8 +44,9 @@ def shared_gpus(plan: Sequence[Placement]) -> list[int]:
 
 def want_mps(mode: str, plan: Sequence[Placement], environ: Mapping[str, str]) -> tuple[bool, str]:
     """Whether the stack starts its MPS daemon, and why (the line `pdserve up` prints). "on" without a shared GPU
-    or without the control binary raises ValueError; "auto" is on where a GPU is shared, the binary is on PATH
-    and the environment names no MPS pipe directory of its own (someone's MPS server: its clients are theirs)."""
+    or without the control binary raises ValueError; "auto" is on where a GPU is shared by instances of one GPU
+    each (tensor-parallel ranks talk through NCCL, not measured under MPS), the binary is on PATH and the
+    environment names no MPS pipe directory of its own (someone's MPS server: its clients are theirs)."""
     if mode not in MODES:
         raise ValueError(f"--mps wants one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
@@ -60,6 +61,8 @@ def want_mps(mode: str, plan: Sequence[Placement], environ: Mapping[str, str]) -
         return True, f"MPS on for cuda:{','.join(map(str, gpus))} (--mps on)"
     if not gpus:
         return False, "MPS off: no GPU holds both a prefill and a decode instance"
+    if any(len(p.gpus) > 1 and set(p.gpus) & set(gpus) for p in plan):
+        return False, "MPS off: tensor-parallel instances share the GPUs (NCCL under MPS is not measured; --mps on)"
     if environ.get(PIPE_ENV):
         return False, f"MPS off: ${PIPE_ENV} is set (an MPS server of your own serves these processes)"
     if not binary:

@@ -60,6 +60,12 @@ def test_want_mps_auto_on_off(fake_control):
     assert not want_mps("auto", one, {**env, PIPE_ENV: "/somewhere"})[0]  # someone's own MPS server
     assert not want_mps("auto", one, {**env, "PATH": "/nonexistent"})[0]
     assert want_mps("off", one, env) == (False, "MPS off (--mps off)")
+    tp = plan_placement(1, 1, [0, 1], 0.9, 2, 2)  # both instances on GPUs 0 and 1
+    assert want_mps("auto", tp, env) == (
+        False,
+        "MPS off: tensor-parallel instances share the GPUs (NCCL under MPS is not measured; --mps on)",
+    )
+    assert want_mps("on", tp, env)[0]
     assert want_mps("on", one, env)[0]
     with pytest.raises(ValueError, match="no GPU holds both"):
         want_mps("on", two, env)
