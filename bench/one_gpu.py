@@ -18,6 +18,8 @@ this order):
   measured step costs, `pdserve.decode.step_budget`; the only run that sets the `coloc_*` keys) or N (`--chunk-size
   N --step-token-budget N+64`: N prefill tokens beside up to 64 decode rows); each run's sweep and the budget the
   instance logged go in details (`coloc` for auto, `coloc_budget_N` for the others).
+  --disagg-mps runs the disaggregated stack once per `pdserve up --mps` setting (off, auto, on, on:P with P the
+  prefill's SM percent; default auto), each run in details (`disagg1_mps_<setting>`), the keys from the last.
 - raw, grpc, cache: bench/gpu_serving.py's parts: the raw gRPC stream (`raw_grpc_gbps`); one stack with the KV
   transport forced to grpc (`t2t_ms_2k_grpc`, `kv_gbps_grpc`) whose prefill has no local cache tier and no pool
   prefixes, so a 90% prefix comes from Redis only (`ttft_ms_4k_cold`; one 3680-token prefix written once, then hit
