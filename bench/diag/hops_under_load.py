@@ -1,0 +1,85 @@
+"""Where a served request's first token goes, hop by hop, with the decode instance idle and with decoding streams
+beside it: `pdserve up`'s stack (router, prefill, decode) of a tiny random Llama on this host's CPU (or `--model`),
+every service exporting its spans to an in-process OTLP sink; probe requests of `--prompt` tokens, one at a time,
+first alone and then while `pdserve bench` (its own process) keeps `--streams` long generations running.
+
+    python bench/diag/hops_under_load.py [--prompt 256] [--streams 3] [--probes 15]
+
+Prints each phase's TTFT median and `pdserve.testing.span_breakdown`'s table of the probes' spans (median start
+offset from the router's span, median duration). Figures: docs/benchmarks.md, "One GPU"."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchutil import token_times_ms
+
+TINY = dict(vocab_size=8192, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="a model directory (default: a tiny random Llama, written here)")
+    ap.add_argument("--prompt", type=int, default=256, help="probe prompt tokens (one chunk)")
+    ap.add_argument("--streams", type=int, default=3, help="decoding streams beside the probes in the second phase")
+    ap.add_argument("--probes", type=int, default=15)
+    args = ap.parse_args()
+    import pdserve
+    from pdserve.cli.launch import start_stack
+    from pdserve.models.random_llama import write_random_llama
+    from pdserve.testing.otlp_sink import OTLPSink
+    from pdserve.testing.span_breakdown import breakdown, format_breakdown
+
+    tmp = Path(tempfile.mkdtemp(prefix="hops-"))
+    model = Path(args.model) if args.model else tmp / "model"
+    if not args.model:
+        write_random_llama(model, layers=2, device="cpu", shape=TINY)
+    vocab = min(8000, TINY["vocab_size"] - 1)
+    sink = OTLPSink().start()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    stack = start_stack(model, tmp / "stack", kv_dtype="int8", extra=["--torch-threads", "1"], env=env)
+    rng = random.Random(0)
+
+    def probe(n: int) -> list[float]:
+        with pdserve.Client(stack.router, timeout=120) as c:
+            return [token_times_ms(c, [rng.randrange(5, vocab) for _ in range(args.prompt)])[0][0] for _ in range(n)]
+
+    def report(label: str, ttfts: list[float]) -> None:
+        time.sleep(2.0)  # the services' span processors export every 200 ms
+        spans = sink.spans()
+        probes = {s.trace_id for s in spans if s.name == "prefill.chunk"
+                  and s.attributes.get("pdserve.chunk.end") == args.prompt}  # fmt: skip
+        print(f"{label}: TTFT median {statistics.median(ttfts):.1f} ms over {len(ttfts)}")
+        print(format_breakdown(breakdown([s for s in spans if s.trace_id in probes])))
+
+    load = None
+    try:
+        probe(3)  # warm-up
+        time.sleep(1.0)
+        sink.clear()
+        report("decode idle", probe(args.probes))
+        cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--target", stack.router, "--json", str(tmp / "load.json"),
+               "--no-progress", "--concurrency", str(args.streams), "--num-requests", "1000", "--input-dist",
+               "fixed:64", "--output-dist", "fixed:300", "--vocab-size", str(vocab), "--slo-preset", "cpu"]  # fmt: skip
+        load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(4.0)
+        sink.clear()
+        report(f"beside {args.streams} decoding streams", probe(args.probes))
+    finally:
+        if load is not None:
+            load.kill()
+        stack.stop()
+        sink.stop()
+
+
+if __name__ == "__main__":
+    main()
