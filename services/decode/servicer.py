@@ -27,6 +27,7 @@ from pdserve.decode.token_stream import (
     relay,
 )
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidRequest, PdserveError, PeerUnavailable, TransferError
 from pdserve.kv.transfer import IncomingTransfer, for_decode
 from pdserve.kv.transfer.handshake import ShardLayout
@@ -89,19 +90,14 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         resumed = request.resumed_tokens  # a failover resume: the prompt ends with this many generated tokens
         sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
         outputs: queue.Queue = queue.Queue()
-        try:
-            self.loop.begin_import(
-                rid, prompt, sampling, outputs.put, resumed, request.resumed_text_chars, request.n or 1, request.best_of
-            )
-        except Exception as e:
-            context.abort(engine_error_code(e), f"decode could not admit request: {e}")
+        admitted = self._admit(request, prompt, sampling, outputs, context)
         deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
         summary = functools.partial(self._summary, rid, len(prompt), t0)
         with generate_call(self.loop, rid, self.active, summary, context) as end:
             early = EarlyFirst(outputs, context, deadline, req, end)
             early.forks = request.n > 1 or request.best_of > 1
             try:
-                done = yield from self._receive_kv(request, prompt, context, req, early)
+                done = yield from self._receive_kv(request, prompt, context, req, early, admitted)
             except CallerGone:
                 return
             except PdserveError as e:  # the transfer's errors, through the one status table
@@ -120,6 +116,28 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             lead = [done.first_token_logprob] if done.HasField("first_token_logprob") and not forks else []
             scores = PromptScores(list(done.prompt_logprobs), list(done.prompt_top_logprobs))
             yield from relay(outputs, context, deadline, "decode", req, done.cached_tokens, end, lead, scores)
+
+    def _admit(
+        self,
+        request: internal_pb2.DecodeRequest,
+        prompt: list[int],
+        sampling: SamplingParams,
+        outputs: queue.Queue,
+        context: grpc.ServicerContext,
+    ) -> Future:
+        """The request's page reservation (`begin_import`), queued to the engine thread, which takes it between decode
+        steps. Where the pool has the prompt's pages free now (read without a round trip), the Prefill stream opens
+        while it waits (`_receive_kv` takes its outcome before the stream's first message); else it is waited for
+        here, so a full pool answers RESOURCE_EXHAUSTED before any prefill work."""
+        try:
+            admitted = self.loop.begin_import(request.request_id, prompt, sampling, outputs.put,
+                                              request.resumed_tokens, request.resumed_text_chars, request.n or 1,
+                                              request.best_of)  # fmt: skip
+            if -(-len(prompt) // self.layout.page_size) > self.loop.allocator.num_free:
+                admitted.result()
+        except Exception as e:
+            context.abort(engine_error_code(e), f"decode could not admit request: {e}")
+        return admitted
 
     @staticmethod
     def _check(request: internal_pb2.DecodeRequest, context: grpc.ServicerContext, req: RequestScope) -> None:
@@ -147,9 +165,12 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         context: grpc.ServicerContext,
         req: RequestScope,
         early: EarlyFirst,
+        admitted: Future,
     ) -> ReceiveKV:
         """Open the Prefill stream and hand its messages to the transfer; yields the first token's response when
-        prefill sends it ahead of the pages (`early`). Returns PrefillDone, every page in the pool."""
+        prefill sends it ahead of the pages (`early`). Returns PrefillDone, every page in the pool. `admitted`: the
+        page reservation (`_admit`), taken once the stream is open: where it failed the stream is cancelled and the
+        call ends with its status."""
         rid, target = request.request_id, request.prefill_target
         num_pages = -(-len(prompt) // self.layout.page_size)
         import_rows = functools.partial(self._import_rows, rid)
@@ -171,6 +192,13 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if not context.add_callback(lambda: rx.pages.completed or call.cancel()):
             call.cancel()  # the caller went away before the callback was in place: it would never run
         rx.attach(call.cancel)
+        try:
+            admitted.result()
+        except Exception as e:
+            call.cancel()
+            rx.close()
+            req.end_child(span)
+            context.abort(engine_error_code(e), f"decode could not admit request: {e}")
         try:
             done = yield from self._take(rx, call, early)
             rx.finish(done)

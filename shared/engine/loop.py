@@ -78,12 +78,15 @@ class EngineLoop:
         resumed_text_chars: int = 0,
         n: int = 1,
         best_of: int = 0,
-    ) -> None:
+    ) -> Future:
+        """`LLMEngine.begin_import`, queued: the Future holds its outcome (the engine thread takes it between steps;
+        calls submitted after it, e.g. the request's imports, run after it)."""
+
         def fn(engine: LLMEngine) -> None:
             engine.begin_import(request_id, prompt_token_ids, sampling, resumed_tokens, resumed_text_chars, n, best_of)
             self._callbacks[request_id] = callback
 
-        self.call(fn)
+        return self.submit(fn)
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """`LLMEngine.emit_first_token`: its output reaches the callback right after (before any step)."""

@@ -59,7 +59,7 @@ def test_errors_propagate_to_caller(loop):
     with pytest.raises(ValueError, match="empty"):
         loop.add_request(EngineRequest("bad", [], GREEDY), lambda o: None)
     with pytest.raises(OutOfPages):
-        loop.begin_import("big", random_prompt(200, 1), GREEDY, lambda o: None)
+        loop.begin_import("big", random_prompt(200, 1), GREEDY, lambda o: None).result(10)  # queued: its Future
     assert loop.call(lambda e: e.request_ids()) == []
 
 
