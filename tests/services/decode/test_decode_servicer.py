@@ -5,6 +5,7 @@ its pages freed."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -22,10 +23,12 @@ class SilentPrefill(internal_pb2_grpc.PrefillServicer):
 
     def __init__(self):
         self.requests: list[internal_pb2.PrefillRequest] = []
+        self.ended: dict[str, threading.Event] = {}  # request id -> set when its call ended
 
     def Prefill(self, request_iterator, context):
-        self.requests.append(next(request_iterator).request)
-        ended = threading.Event()
+        request = next(request_iterator).request
+        ended = self.ended.setdefault(request.request_id, threading.Event())
+        self.requests.append(request)
         context.add_callback(ended.set)
         ended.wait(60)
         return iter(())
@@ -102,6 +105,21 @@ def test_bad_requests_invalid_argument(decode, silent_prefill, mutate, reason):
     with pytest.raises(grpc.RpcError) as err:
         list(decode.Generate(req, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
+    wait_until(lambda: pool_empty(decode), what="decode pages freed")
+
+
+def test_a_reservation_that_fails_after_the_prefill_stream_opened_cancels_it(decode, silent_prefill):
+    """The Prefill stream opens while the page reservation waits for the engine thread (the pool has room): a
+    request the engine then refuses gets INVALID_ARGUMENT and its Prefill call ends at once."""
+    target, servicer = silent_prefill
+    req = decode_request(target, "refused-after-open")
+    req.prompt_token_ids.append(10**6)  # outside the vocabulary: begin_import refuses it
+    with pytest.raises(grpc.RpcError) as err:
+        list(decode.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in err.value.details()
+    time.sleep(0.5)  # a stand-in handler the cancellation overtook may still start
+    if "refused-after-open" in servicer.ended:  # the stream reached the stand-in (a race with the refusal)
+        assert servicer.ended["refused-after-open"].wait(5), "the Prefill call was not cancelled"
     wait_until(lambda: pool_empty(decode), what="decode pages freed")
 
 
