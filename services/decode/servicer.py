@@ -193,13 +193,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             call.cancel()  # the caller went away before the callback was in place: it would never run
         rx.attach(call.cancel)
         try:
-            admitted.result()
-        except Exception as e:
-            call.cancel()
-            rx.close()
-            req.end_child(span)
-            context.abort(engine_error_code(e), f"decode could not admit request: {e}")
-        try:
+            try:
+                admitted.result()
+            except Exception as e:  # abort raises: the finally below closes the transfer (cancelling the call)
+                context.abort(engine_error_code(e), f"decode could not admit request: {e}")
             done = yield from self._take(rx, call, early)
             rx.finish(done)
             finish_stream(call, rid)

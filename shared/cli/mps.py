@@ -5,7 +5,7 @@ running beside it each slow the other, a 0.5 ms decode graph to 2.96 ms and a 47
 (docs/benchmarks.md, "One GPU"). Under MPS their kernels share the SMs at once, but with every SM open to it the
 prefill's GEMMs fill them and the decode steps starve (9–23 ms for the 0.5 ms graph), so the prefill instances run
 with a share of the SMs (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, `--mps-prefill-sm-percent`, 90) and decode with all of
-them. Served (8B, 2048 -> 128 tokens, one H200) the disaggregated pair's goodput went from 10 to 12 req/s.
+them.
 
 The stack runs its own control daemon (`nvidia-cuda-mps-control -f`, a child of the launcher) with a pipe and log
 directory under the stack's work directory, so it never joins or stops an MPS server someone else runs; only the
@@ -31,7 +31,9 @@ from pdserve.cli.placement import DECODE, PREFILL, Placement
 CONTROL = "nvidia-cuda-mps-control"
 MODES = ("auto", "on", "off")
 PIPE_ENV, LOG_ENV, SM_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-DEFAULT_PREFILL_SM_PERCENT = 90  # served: 12 req/s at 100% within SLO, TTFT p50 at 2 req/s 81 ms
+# at 100 the prefill's GEMMs starve the decode steps; each share below it slows the prefill (its TTFT) for a decode
+# that already holds its TPOT bound at this one
+DEFAULT_PREFILL_SM_PERCENT = 90
 
 
 def shared_gpus(plan: Sequence[Placement]) -> list[int]:
@@ -79,16 +81,16 @@ class MpsDaemon:
 
     def env(self) -> dict[str, str]:
         """What a client process needs to reach this daemon."""
-        return {PIPE_ENV: str(self.directory / "pipe"), LOG_ENV: str(self.directory / "log")}
+        return _dirs(self.directory)
 
     @classmethod
     def start(cls, directory: Path, environ: Mapping[str, str], timeout: float = 15.0) -> MpsDaemon:
         """Start the control daemon in the foreground as a child process and wait until it answers a command;
         RuntimeError (with its log) when it exits or does not answer within `timeout` seconds."""
-        (directory / "pipe").mkdir(parents=True, exist_ok=True)
-        (directory / "log").mkdir(parents=True, exist_ok=True)
+        for d in _dirs(directory).values():
+            Path(d).mkdir(parents=True, exist_ok=True)
         out = (directory / "control.out").open("w")
-        env = {**environ, PIPE_ENV: str(directory / "pipe"), LOG_ENV: str(directory / "log")}
+        env = {**environ, **_dirs(directory)}
         env.pop(SM_ENV, None)
         proc = subprocess.Popen(
             [CONTROL, "-f"], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -145,6 +147,11 @@ class MpsDaemon:
     def log_tail(self) -> str:
         files = [self.directory / "control.out", *sorted((self.directory / "log").glob("*.log"))]
         return " | ".join(f.read_text()[-800:].strip() for f in files if f.exists() and f.stat().st_size)
+
+
+def _dirs(directory: Path) -> dict[str, str]:
+    """The daemon's pipe and log directories under `directory`, as the environment names them."""
+    return {PIPE_ENV: str(directory / "pipe"), LOG_ENV: str(directory / "log")}
 
 
 def client_env(p: Placement, gpus: Sequence[int], daemon: MpsDaemon | None, prefill_sm_percent: int) -> dict[str, str]:
