@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -292,8 +292,11 @@ class DecodeGraphRunner:
         done.record()
         return host, done
 
-    def greedy_tokens(self, b: int) -> list[int]:
-        """Argmax token of each of the last run's first `b` rows (waits for that step to finish)."""
+    def greedy_tokens(self, b: int, wait: Callable[[torch.cuda.Event], None] | None = None) -> list[int]:
+        """Argmax token of each of the last run's first `b` rows (waits for that step to finish, through `wait` when
+        given: the runner's `gpu_wait`)."""
+        if wait is not None:
+            wait(self._replayed)
         self._replayed.synchronize()
         return self._greedy_np[:b].tolist()
 

@@ -450,6 +450,11 @@ class LLMEngine:
             raise InvalidRequest(f"request {request_id!r} forks (n / best_of > 1): its first tokens are sampled here")
         return self.handoff.emit_first_token(request_id, first_token_id)
 
+    def import_forks(self, request_id: str) -> bool:
+        """Whether `finish_import` of this request forks it (n / best_of > 1: copies a page on the device)."""
+        seq = self._seqs.get(request_id)
+        return seq is not None and seq.choices is not None
+
     def finish_import(self, request_id: str, first_token_id: int) -> None:
         """`KVHandoff.finish_import`: all pages are in, the request joins the running batch (a forking one forks)."""
         seq = self._seqs.get(request_id)

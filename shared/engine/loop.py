@@ -1,13 +1,18 @@
 """EngineLoop: one background thread owns an LLMEngine; other threads talk to it through a command queue.
 
 - Commands (`submit(fn)`, and the wrappers below) run on the engine thread between steps, in order.
-- Per-request callbacks receive each StepOutput of their request on the engine thread (keep them short; they
-  may call engine methods directly, e.g. `engine.export_batch`, since they run on the engine thread). A callback is
-  dropped after its request's final output (`StepOutput.request_done`: with n > 1, the last choice's). If a step
-  raises, every live request is aborted and its callback
-  receives the exception instead of a StepOutput.
+- Per-request callbacks receive each StepOutput of their request from whoever has the engine: the engine thread,
+  or an anytime command's thread (below). Keep them short; they may call engine methods directly, e.g.
+  `engine.export_batch`. A callback is dropped after its request's final output (`StepOutput.request_done`: with
+  n > 1, the last choice's). If a step raises, every live request is aborted and its callback receives the
+  exception instead of a StepOutput.
 - Idle means blocked on a condition variable: no busy-spinning, also when work exists but cannot be scheduled
   (e.g. waiting for pages that another request holds) until the next command arrives.
+- Host-only commands (`anytime`: an imported request's first token, the end of its import) need not wait for the
+  step: while the engine thread waits for a decode step's tokens on the GPU (`ModelRunner.gpu_wait`) it holds
+  nothing, and such a command runs at once on its caller's thread, under the loop's lock (the engine thread takes
+  that lock before it touches the engine again), its outputs dispatched from there. Commands still run in the
+  order they were submitted: one runs early only when nothing is queued before it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import LLMEngine, StepOutput
+from pdserve.engine.model_runner import synchronize
 from pdserve.engine.page_table import PageAllocator
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
@@ -28,15 +34,25 @@ from pdserve.engine.sampling import SamplingParams
 log = logging.getLogger("pdserve.engine")
 T = TypeVar("T")
 OutputCallback = Callable[[StepOutput | BaseException], None]
+# whether a command may run while a step computes on the GPU (it touches host state only); None: between steps
+Anytime = Callable[[LLMEngine], bool] | None
+Command = tuple[Callable[[LLMEngine], Any], Future, Anytime]
+
+
+def _always(engine: LLMEngine) -> bool:
+    return True
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str = "engine-loop"):
         self.engine = engine
         self._cv = threading.Condition()
-        self._cmds: deque[tuple[Callable[[LLMEngine], Any], Future]] = deque()
-        self._callbacks: dict[str, OutputCallback] = {}  # engine thread only
+        self._cmds: deque[Command] = deque()
+        self._callbacks: dict[str, OutputCallback] = {}  # whoever has the engine: its thread, or an anytime command
         self._stopping = False
+        self._gpu_waiting = False  # under _cv: the engine thread waits on the GPU and has let go of the engine
+        self.ran_during_gpu_wait = 0  # anytime commands that did not wait for the step (diagnostics, tests)
+        engine.runner.gpu_wait = self._gpu_wait
         self.step_started_ns = 0  # epoch ns when the current/last step began (callbacks: their step's start)
         # called on the engine thread after each step with (engine, start ns, end ns), before its outputs go out
         self.step_listener: Callable[[LLMEngine, int, int], None] | None = None
@@ -44,19 +60,24 @@ class EngineLoop:
         self._thread.start()
 
     # ---- generic ---------------------------------------------------------------------------------------
-    def submit(self, fn: Callable[[LLMEngine], T]) -> Future:
-        """Run `fn(engine)` on the engine thread before the next step; the Future holds its result."""
+    def submit(self, fn: Callable[[LLMEngine], T], anytime: Anytime = None) -> Future:
+        """Run `fn(engine)` on the engine thread before the next step; the Future holds its result. With `anytime`
+        (a check of the engine, e.g. that the request does not fork), `fn` touches host state only and may run as
+        soon as the engine thread waits on the GPU: at once on this thread if it waits now and nothing is queued."""
         fut: Future = Future()
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine loop is stopped")
-            self._cmds.append((fn, fut))
+            if anytime is not None and self._gpu_waiting and not self._cmds and anytime(self.engine):
+                self._run_now(fn, fut)
+                return fut
+            self._cmds.append((fn, fut, anytime))
             self._cv.notify()
         return fut
 
-    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None, anytime: Anytime = None) -> T:
         """`submit` and wait: exceptions raised by `fn` are re-raised here."""
-        return self.submit(fn).result(timeout)
+        return self.submit(fn, anytime).result(timeout)
 
     # ---- requests (block until the engine thread has applied them; errors propagate) ----------------------
     def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
@@ -89,11 +110,14 @@ class EngineLoop:
         return self.submit(fn)
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
-        """`LLMEngine.emit_first_token`: its output reaches the callback right after (before any step)."""
-        return self.call(lambda e: e.emit_first_token(request_id, first_token_id))
+        """`LLMEngine.emit_first_token`: its output reaches the callback right after (before any step; while a
+        step computes on the GPU, from this thread)."""
+        return self.call(lambda e: e.emit_first_token(request_id, first_token_id), anytime=_always)
 
     def finish_import(self, request_id: str, first_token_id: int) -> None:
-        self.call(lambda e: e.finish_import(request_id, first_token_id))
+        """`LLMEngine.finish_import`; while a step computes, unless the request forks (which copies pages)."""
+        host_only = lambda e: not e.import_forks(request_id)  # noqa: E731
+        self.call(lambda e: e.finish_import(request_id, first_token_id), anytime=host_only)
 
     def abort(self, request_id: str) -> Future:
         """Abort (asynchronously); the callback gets a final "abort" output if the request had not finished."""
@@ -131,17 +155,13 @@ class EngineLoop:
                 if self._stopping:
                     cmds = list(self._cmds)
                     self._cmds.clear()
-                    for _, fut in cmds:
+                    for _, fut, _ in cmds:
                         fut.cancel()
                     return
                 cmds = list(self._cmds)
                 self._cmds.clear()
-            for fn, fut in cmds:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(self.engine))
-                    except BaseException as e:
-                        fut.set_exception(e)
+            for fn, fut, _ in cmds:
+                self._apply(fn, fut)
             blocked = False
             for o in self.engine.take_pending():  # e.g. an imported request's first token: stream it now
                 self._dispatch(o)
@@ -158,6 +178,35 @@ class EngineLoop:
                 blocked = not outputs and not self.engine.last_step_scheduled
                 for o in outputs:
                     self._dispatch(o)
+
+    def _apply(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _run_now(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
+        """An anytime command while the engine thread waits on the GPU (caller holds _cv), and its outputs."""
+        self._apply(fn, fut)
+        self.ran_during_gpu_wait += 1
+        for o in self.engine.take_pending():  # only anytime commands add outputs while a step computes
+            self._dispatch(o)
+
+    def _gpu_wait(self, event: Any) -> None:
+        """The runner's `gpu_wait` (engine thread, inside a step): run the queued anytime commands at the head of the
+        queue, then let go of the engine until `event` completes; anytime commands submitted meanwhile run at once
+        on their callers' threads."""
+        with self._cv:
+            while self._cmds and (anytime := self._cmds[0][2]) is not None and anytime(self.engine):
+                fn, fut, _ = self._cmds.popleft()
+                self._run_now(fn, fut)
+            self._gpu_waiting = True
+        try:
+            synchronize(event)
+        finally:
+            with self._cv:  # waits for an anytime command running now
+                self._gpu_waiting = False
 
     def _dispatch(self, out: StepOutput | BaseException, request_id: str | None = None) -> None:
         if request_id is not None:

@@ -67,14 +67,27 @@ log = logging.getLogger("pdserve.engine")
 PROMPT_LOGPROB_BLOCK = 256  # prompt rows per logits block (a [256, vocab] float32 at a time)
 
 
-class DecodeLaunch:
-    """A queued greedy decode step's tokens: `tokens()` waits for them. With structured-output rows (`masked`) the
-    forward is queued first and the draw among the grammar's tokens once the masks are filled (`sample`)."""
+def synchronize(event: torch.cuda.Event) -> None:
+    """Block until `event` (recorded on the runner's stream) has completed; releases the GIL meanwhile."""
+    event.synchronize()
 
-    def __init__(self, greedy: torch.Tensor | None, done: torch.cuda.Event | None, masked: MaskedDraw | None = None):
+
+class DecodeLaunch:
+    """A queued greedy decode step's tokens: `tokens()` waits for them (through `wait`, the runner's `gpu_wait`).
+    With structured-output rows (`masked`) the forward is queued first and the draw among the grammar's tokens once
+    the masks are filled (`sample`)."""
+
+    def __init__(
+        self,
+        greedy: torch.Tensor | None,
+        done: torch.cuda.Event | None,
+        masked: MaskedDraw | None = None,
+        wait: Callable[[torch.cuda.Event], None] = synchronize,
+    ):
         self._greedy = greedy  # [B] int64 (pinned host memory on CUDA)
         self._done = done
         self._masked = masked
+        self._wait = wait
 
     def start_masks(self) -> None:
         """Start filling the grammar masks (once the host has fed the sequences' previous tokens to them)."""
@@ -90,7 +103,7 @@ class DecodeLaunch:
     def tokens(self) -> list[int]:
         self.sample()
         if self._done is not None:
-            self._done.synchronize()
+            self._wait(self._done)
         assert self._greedy is not None
         return self._greedy.tolist()
 
@@ -137,6 +150,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}  # sampled (non-greedy) live requests
         self._eos_token_ids = list(mc.eos_token_ids)  # banned before a request's min_tokens
         self._mask_filler: MaskFiller | None = None  # structured output in overlapped decode: masks' worker thread
+        # how the engine thread waits for a decode step's tokens on the GPU: an EngineLoop replaces it with a wait
+        # that serves its host-only commands meanwhile (loop.py); called on the engine thread only
+        self.gpu_wait: Callable[[torch.cuda.Event], None] = synchronize
 
     def _load(self, cfg: EngineConfig, mc: ModelConfig, tp: RankShard | None) -> None:
         """Kernels, backend, the model (this rank's shard at TP > 1), the KV pool and the decode graphs."""
@@ -469,6 +485,9 @@ class ModelRunner:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
+    def _wait_gpu(self, event: torch.cuda.Event) -> None:
+        self.gpu_wait(event)  # read at each wait: the loop sets it after the runner is built
+
     # ---- chained greedy decode (EngineConfig.overlap_decode) ------------------------------------------------
     def can_chain(self, batch_size: int, max_position: int) -> bool:
         """Whether a greedy decode step of `batch_size` rows up to position `max_position` can be launched before
@@ -492,14 +511,14 @@ class ModelRunner:
             if any(s.grammar is not None for s in seqs):  # structured output: the graph's masked argmax
                 return self._masked_launch(seqs, prev, graphs.sample_masked)
             host, done = graphs.take_greedy(len(seqs))
-            return DecodeLaunch(host, done)
+            return DecodeLaunch(host, done, wait=self._wait_gpu)
         ids = prev.tokens() if prev is not None else [s.tokens(p, p + 1)[0] for s, p in zip(seqs, positions)]
         tables = [s.page_table for s in seqs]
         hidden = self._forward(ids, positions, [1] * len(seqs), tables, len(seqs))  # [B, hidden]
         logits = self._logits(hidden, list(range(len(seqs))))  # [B, V] float32
         if any(s.grammar is not None for s in seqs):
             return self._masked_launch(seqs, prev, lambda m: (masked_logits(logits, m).argmax(dim=-1), None))
-        return DecodeLaunch(logits.argmax(dim=-1), None)
+        return DecodeLaunch(logits.argmax(dim=-1), None, wait=self._wait_gpu)
 
     def _masked_launch(
         self, seqs: list[Sequence], prev: DecodeLaunch | None, draw: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]
@@ -509,7 +528,8 @@ class ModelRunner:
         if self._mask_filler is None:
             pin = self.device.type == "cuda"
             self._mask_filler = MaskFiller(self.cfg.max_num_seqs, self.model_config.vocab_size, pin)
-        launch = DecodeLaunch(None, None, MaskedDraw(self._mask_filler, [s.grammar for s in seqs], draw))
+        masked = MaskedDraw(self._mask_filler, [s.grammar for s in seqs], draw)
+        launch = DecodeLaunch(None, None, masked, self._wait_gpu)
         if prev is None:
             launch.start_masks()
         return launch
@@ -554,7 +574,7 @@ class ModelRunner:
         if graph_logits is not None:  # the graph took the argmax and copied it to the host already
             logits = graph_logits
             assert graphs is not None
-            greedy = graphs.greedy_tokens(len(seqs))
+            greedy = graphs.greedy_tokens(len(seqs), self._wait_gpu)
             greedy = [greedy[i] for i in sample_rows]
         else:
             last = list(itertools.accumulate(num_new_tokens))
