@@ -18,6 +18,7 @@ from pdserve.cli.placement import GPU_MEMORY_UTILIZATION, plan_placement
 from pdserve.cli.placement import PREFILL as PREFILL
 from pdserve.cli.placement import Placement as Placement
 from pdserve.server.auth import new_token
+from pdserve.server.launcher_watch import LAUNCHER_PID_ENV
 
 
 class Address(str):
@@ -137,7 +138,7 @@ def start_service(
         [sys.executable, "-m", "pdserve.cli", "serve", name, "--ready-file", str(ready), *args],
         stdout=out,
         stderr=None if to_terminal else subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), LAUNCHER_PID_ENV: str(os.getpid())},  # it ends if this process dies
         # its own session: a terminal's Ctrl-C (SIGINT to the whole foreground process group) reaches only the
         # launcher, which stops the services one signal each (Stack.stop); with the terminal's SIGINT too, every
         # service would see two signals and exit without draining

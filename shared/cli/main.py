@@ -80,6 +80,9 @@ def cmd_serve(name: str, argv: list[str]) -> int:
         from pdserve.server.shutdown import Shutdown
 
         Shutdown.install(name)
+    from pdserve.server.launcher_watch import watch_launcher
+
+    watch_launcher(os.environ)  # started by `pdserve up`: SIGTERM to itself once that launcher is gone
     cls, prefix = _service(name)
     parser = argparse.ArgumentParser(
         prog=f"pdserve serve {name}", description=f"Run one {name} instance (flags override {prefix}* env vars)."

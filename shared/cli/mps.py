@@ -12,7 +12,7 @@ directory under the stack's work directory, so it never joins or stops an MPS se
 engine processes on a GPU that holds both a prefill and a decode instance are its clients. Before the services
 start, one CUDA client runs under it on those GPUs (`MpsDaemon.probe`): where it fails (a host that ships the binary
 but cannot run MPS), "auto" goes on without MPS and says why, "on" stops. `Stack.stop` ends it (`quit`) after the
-services.
+services; a launcher killed outright leaves neither behind (`mps_guard`, `pdserve.server.launcher_watch`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class MpsDaemon:
     """One MPS control daemon of this stack (its server starts at the first client)."""
 
     directory: Path
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # the daemon under its guard (`mps_guard`: same output and exit code)
 
     def env(self) -> dict[str, str]:
         """What a client process needs to reach this daemon."""
@@ -92,8 +92,9 @@ class MpsDaemon:
         out = (directory / "control.out").open("w")
         env = {**environ, **_dirs(directory)}
         env.pop(SM_ENV, None)
+        guard = [sys.executable, "-m", "pdserve.cli.mps_guard", str(os.getpid()), "--"]  # quits it if we die
         proc = subprocess.Popen(
-            [CONTROL, "-f"], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            [*guard, CONTROL, "-f"], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,  # a terminal's Ctrl-C goes to the launcher, which stops it after the services
         )  # fmt: skip
         out.close()

@@ -2,6 +2,7 @@
 daemon's life (started, answering, quit with the stack) against a stand-in `nvidia-cuda-mps-control` (CPU)."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from pdserve.cli.launch import Stack, plan_placement
 from pdserve.cli.mps import CONTROL, PIPE_ENV, SM_ENV, MpsDaemon, client_env, shared_gpus, want_mps
+from pdserve.testing.wait import wait_until
 
 # answers commands only once its foreground daemon runs (as the real one: a pipe in the pipe directory)
 FAKE_CONTROL = """#!{python}
@@ -18,6 +20,7 @@ pipe = pathlib.Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
 if sys.argv[1:] == ["-f"]:
     if os.environ.get("FAKE_MPS_FAIL"):
         print("cannot start: no device"); sys.exit(3)
+    (pipe / "pid").write_text(str(os.getpid()))
     (pipe / "control").write_text("up")
     while not (pipe / "quit").exists():
         time.sleep(0.02)
@@ -149,3 +152,48 @@ def test_start_mps_goes_on_without_mps_where_auto_cannot_run_a_client(fake_contr
             start_mps("on", plan, [0], tmp_path / "on", dict(os.environ))
         assert started[1].proc.poll() == 0
     assert start_mps("off", plan, [0], tmp_path, dict(os.environ)) is None
+
+
+def running(pid: int) -> bool:
+    """Not gone and not a zombie (an orphan's reaper may be slow)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+LAUNCHER = """
+import os, sys
+from pathlib import Path
+from pdserve.cli.mps import MpsDaemon
+daemon = MpsDaemon.start(Path(sys.argv[1]), os.environ)
+print(daemon.proc.pid, flush=True)
+sys.stdin.read()  # until the test kills this launcher
+"""
+
+
+def test_a_launcher_killed_outright_leaves_no_daemon(fake_control, tmp_path):
+    """SIGKILL to the launcher: its guard (`mps_guard`) sends the daemon `quit`, as `Stack.stop` would have."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "mps")], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+    pipe = tmp_path / "mps" / "pipe"
+    try:
+        guard = int(launcher.stdout.readline())  # type: ignore[union-attr]
+        daemon = int((pipe / "pid").read_text())
+        assert running(guard) and running(daemon) and guard != daemon
+        launcher.kill()
+        launcher.wait(10)
+        wait_until(lambda: not running(daemon) and not running(guard), timeout=30, what="the daemon to quit")
+        assert (pipe / "commands").read_text().split()[-1] == "quit"
+        assert "the launcher (pid" in (tmp_path / "mps" / "control.out").read_text()
+    finally:
+        launcher.kill()
+
+
+def test_a_killed_guard_takes_its_daemon_along(fake_control, tmp_path):
+    daemon = MpsDaemon.start(tmp_path / "mps", os.environ)
+    pid = int((tmp_path / "mps" / "pipe" / "pid").read_text())
+    assert running(pid)
+    daemon.proc.send_signal(signal.SIGKILL)  # the guard
+    daemon.proc.wait(10)
+    wait_until(lambda: not running(pid), timeout=30, what="the daemon to die with its guard (PR_SET_PDEATHSIG)")
