@@ -314,6 +314,13 @@ def mode_part(
     detail = {"up_mode_line": mode_line, "sweep": rows, "slo": res["slo"], "served_2k": served}
     if mode == "disagg":
         detail["mps"] = {"flags": " ".join(mps_flags(mps)), "log": [ln.strip() for ln in banner.lines if "MPS" in ln]}
+        # the decode engine's first tokens and import ends run during its steps' GPU waits (EngineLoop), from its
+        # log at stop (the reader thread may still be taking the last lines)
+        mark = "host-only commands"
+        deadline = time.monotonic() + 5
+        while not any(mark in ln for ln in list(banner.lines)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        detail["decode_host_commands"] = [ln.strip() for ln in list(banner.lines) if mark in ln]
     if mode == "coloc":
         detail["step_budget"] = {"flags": " ".join(budget_flags(budget)) or "auto", "log": budget_line(banner.lines)}
         if budget != "auto":

@@ -51,7 +51,8 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}  # whoever has the engine: its thread, or an anytime command
         self._stopping = False
         self._gpu_waiting = False  # under _cv: the engine thread waits on the GPU and has let go of the engine
-        self.ran_during_gpu_wait = 0  # anytime commands that did not wait for the step (diagnostics, tests)
+        self.anytime_submitted = 0  # anytime commands submitted, under _cv (metrics: pdserve.telemetry.metrics)
+        self.ran_during_gpu_wait = 0  # ... of which ran while a step computed on the GPU, not after it
         engine.runner.gpu_wait = self._gpu_wait
         self.step_started_ns = 0  # epoch ns when the current/last step began (callbacks: their step's start)
         # called on the engine thread after each step with (engine, start ns, end ns), before its outputs go out
@@ -68,6 +69,7 @@ class EngineLoop:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine loop is stopped")
+            self.anytime_submitted += anytime is not None
             if anytime is not None and self._gpu_waiting and not self._cmds and anytime(self.engine):
                 self._run_now(fn, fut)
                 return fut
@@ -143,6 +145,9 @@ class EngineLoop:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        if self.anytime_submitted:
+            log.info("%s: %d of %d host-only commands (first tokens, import ends) ran while a step computed on the GPU",
+                     self._thread.name, self.ran_during_gpu_wait, self.anytime_submitted)  # fmt: skip
 
     # ---- engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:

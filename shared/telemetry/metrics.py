@@ -136,6 +136,13 @@ def watch_engine(metrics: ServiceMetrics, loop) -> None:
     metrics.gauge(
         "running_requests", "Requests in the running (decode) batch", lambda: len(loop.engine.scheduler.running)
     )
+    metrics.counter(
+        "engine_host_commands",
+        "Host-only engine commands (an imported request's first token, the end of its import): submitted, and "
+        "ran_during_gpu_wait: run while a step computed on the GPU instead of after it",
+        lambda: {("submitted",): loop.anytime_submitted, ("ran_during_gpu_wait",): loop.ran_during_gpu_wait},
+        ["event"],
+    )
     metrics.gauge(
         "tensor_parallel_size",
         "Ranks (processes) of this instance's tensor-parallel group (1: no tensor parallelism)",

@@ -137,7 +137,7 @@ def test_first_token_and_finish_import_do_not_wait_for_the_step(loop, llama_engi
     assert out.new_token_ids == [first] and loop.ran_during_gpu_wait == 1
     t, _ = in_thread(lambda: loop.finish_import("x", first))
     t.join(10)
-    assert not t.is_alive() and not gate.is_set() and loop.ran_during_gpu_wait == 2
+    assert not t.is_alive() and not gate.is_set() and loop.ran_during_gpu_wait == 2 == loop.anytime_submitted
     gate.set()
     assert [first, *tokens(q)] == ref
     assert tokens(bg) == bg_ref  # the step the commands ran beside is untouched
@@ -189,7 +189,7 @@ def test_a_forking_import_ends_between_steps(loop, llama_engine):
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
     t, _ = in_thread(lambda: loop.finish_import("z", first))
     t.join(0.5)
-    assert t.is_alive() and loop.ran_during_gpu_wait == 0
+    assert t.is_alive() and loop.ran_during_gpu_wait == 0 and loop.anytime_submitted == 1
     gate.set()
     t.join(20)
     assert not t.is_alive()

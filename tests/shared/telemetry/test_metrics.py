@@ -110,3 +110,23 @@ def test_watch_prompt_cache(metrics):
         assert val("pdserve_prompt_cache_scope_pages_total", scope | {"event": "hits"}) == 0
     finally:
         cache.close()
+
+
+def test_watch_engine_reads_the_loop_at_scrape_time(metrics):
+    from types import SimpleNamespace
+
+    from pdserve.telemetry.metrics import watch_engine
+
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[1, 2], running=[3]), runner=SimpleNamespace(tp_size=1))
+    loop = SimpleNamespace(allocator=SimpleNamespace(num_used=3, num_pages=8), engine=engine, anytime_submitted=0,
+                           ran_during_gpu_wait=0)  # fmt: skip
+    watch_engine(metrics, loop)
+    port = metrics.serve("127.0.0.1", 0)
+    assert port
+    loop.anytime_submitted, loop.ran_during_gpu_wait = 5, 4
+    fams = {f.name: f for f in text_string_to_metric_families(get(port))}
+    val = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    assert val[("pdserve_kv_pages", (("state", "free"),))] == 5 and val[("pdserve_queue_depth", ())] == 2
+    assert val[("pdserve_engine_host_commands_total", (("event", "submitted"),))] == 5
+    assert val[("pdserve_engine_host_commands_total", (("event", "ran_during_gpu_wait"),))] == 4
+    assert fams["pdserve_engine_host_commands"].type == "counter"
