@@ -81,6 +81,8 @@ def test_the_script_on_cpu_merges_its_part_and_writes_the_mode_data(tmp_path):
     assert doc["disagg1_goodput_rps"] in (0.0, 2.0) and doc["disagg1_ttft_ms_p50_2rps"] > 0
     sweep = doc["details"]["disagg1"]["sweep"]
     assert [r["rate"] for r in sweep] == [2.0] and not sweep[0]["errors"] and sweep[0]["ttft_ms"]["count"] == 3
+    (host,) = doc["details"]["disagg1"]["decode_host_commands"]  # the decode's line at stop: on CPU no GPU wait
+    assert "0 of" in host and "host-only commands (first tokens, import ends) ran while a step computed" in host
     assert doc["details"]["disagg1"]["up_mode_line"] == (
         "pdserve up: mode disaggregated (prefill + decode engines): --disaggregated"
     )
