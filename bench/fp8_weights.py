@@ -26,7 +26,10 @@ GPU run, in order (progress logged; the JSON is written at the end, ppl_* / qual
 
 `--ppl` (CPU): SmolLM2-135M-Instruct (the demo model) on the quality set of bench/kv_formats.py (the shipped corpus,
 `--windows` (default 8) windows of 64 prompt + 256 scored tokens, spread evenly over it) through the CPU path:
-bf16 (weights and math), FP8 block and FP8 per-channel copies (fp8_convert) dequantized at load, fp32 math.
+bf16 (weights and math), FP8 block and FP8 per-channel copies (fp8_convert) dequantized at load, fp32 math; rows
+`fp8_channel_w8a8` / `fp8_block_w8a8` (in `quality.ppl_w8a8`, not keys of the issue's) run the same copies through
+the GPU path's math, activations quantized per token (per 128 columns for block weights) as its prefill GEMMs and
+decode batches above 16 rows do (`pdserve.testing.fp8_reference`).
 """
 
 from __future__ import annotations
@@ -338,6 +341,7 @@ def ppl_main(args, seqs: int = 8, prompt: int = 64, forced: int = 256) -> None:
     from pdserve.engine.quant.fp8_convert import convert_checkpoint
     from pdserve.models.demo import ensure_smol
     from pdserve.models.train_tiny import split_corpus
+    from pdserve.testing.fp8_reference import use_fp8_reference
     from pdserve.testing.teacher_forcing import forced_logits
 
     torch.set_num_threads(args.threads)
@@ -349,18 +353,27 @@ def ppl_main(args, seqs: int = 8, prompt: int = 64, forced: int = 256) -> None:
               num_pages=seqs * (-(-(prompt + forced) // 16) + 1), kv_dtype="auto")  # fmt: skip
     out: dict = {}
     q: dict = {"model": path.name, "scored_tokens": target.numel(), "windows": seqs, "prompt": prompt, "seconds": {}}
+    converted: dict[str, Path] = {}
+    converted: dict[str, Path] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.formats.split(","):
             t0 = time.perf_counter()
-            fmt = name.removeprefix("fp8_")
-            model_dir = convert_checkpoint(path, Path(tmp) / fmt, fmt) if name.startswith("fp8") else path
+            fmt = name.removeprefix("fp8_").removesuffix("_w8a8")
+            if name.startswith("fp8") and fmt not in converted:  # one copy per format (the w8a8 row reuses it)
+                converted[fmt] = convert_checkpoint(path, Path(tmp) / fmt, fmt)
+            model_dir = converted.get(fmt, path)
             cfg = EngineConfig(model_dir=str(model_dir), dtype="bfloat16" if name == "bf16" else "float32", **kw)
-            lg = torch.cat(forced_logits(LLMEngine(cfg), [w[:prompt] for w in wins], [w[prompt:] for w in wins]))
-            out[f"ppl_{name}"] = round(math.exp(torch.nn.functional.cross_entropy(lg.float(), target).item()), 4)
+            engine = LLMEngine(cfg)
+            if name.endswith("_w8a8"):  # the GPU's math: activations quantized too (not a key of the issue's)
+                assert use_fp8_reference(engine), name
+            lg = torch.cat(forced_logits(engine, [w[:prompt] for w in wins], [w[prompt:] for w in wins]))
+            ppl = round(math.exp(torch.nn.functional.cross_entropy(lg.float(), target).item()), 4)
+            (q.setdefault("ppl_w8a8", {}) if name.endswith("_w8a8") else out)[f"ppl_{name}"] = ppl
             q["seconds"][name] = round(time.perf_counter() - t0, 1)
-            log(f"ppl {name}: {out[f'ppl_{name}']} ({q['seconds'][name]} s)")
+            log(f"ppl {name}: {ppl} ({q['seconds'][name]} s)")
     if "ppl_bf16" in out:
-        q["ratio_to_bf16"] = {k: round(v / out["ppl_bf16"], 5) for k, v in out.items() if k != "ppl_bf16"}
+        scored = {**out, **q.get("ppl_w8a8", {})}
+        q["ratio_to_bf16"] = {k: round(v / out["ppl_bf16"], 5) for k, v in scored.items() if k != "ppl_bf16"}
     q.update(provenance(args.commit), path="CPU, FP8 weights dequantized at load (fp32 math), bf16 in bf16")
     merge_json(args.json, {**out, "quality": q})
 
@@ -372,7 +385,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="GPU: timed decode steps per 8B figure")
     ap.add_argument("--skip-gemm", action="store_true", help="GPU: without the per-layer GEMM rows (details)")
     ap.add_argument("--ppl", action="store_true", help="CPU: only the perplexity keys, merged into --json")
-    ap.add_argument("--formats", default="bf16,fp8_channel,fp8_block", help="8B engines; --ppl rows (or fp32)")
+    ap.add_argument("--formats", default="bf16,fp8_channel,fp8_block", help="8B engines; --ppl rows (or fp32, "
+                    "fp8_channel_w8a8, fp8_block_w8a8)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="--ppl: torch CPU threads (1: a shared box)")
     ap.add_argument("--windows", type=int, default=8, help="--ppl: windows of 64 prompt + 256 scored tokens")
     args = ap.parse_args()

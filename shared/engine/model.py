@@ -342,11 +342,13 @@ def _read_state(
     online: bool,
     dummy: ModelConfig | None = None,
     shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    keep_fp8: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by HF name, FP8 ones with `weight_scale` (fp8_checkpoint.normalize_state).
     `online`: each projection weight quantized per channel as it streams in (peak memory: the FP8 model plus one
-    bf16 tensor; on CPU dequantized back at once, so the CPU model carries the rounding). `dummy`: random
-    tensors of that config's shape instead of the checkpoint's (load_format "dummy", loader.iter_dummy_weights).
+    bf16 tensor; on CPU dequantized back at once, so the CPU model carries the rounding, unless `keep_fp8`).
+    `dummy`: random tensors of that config's shape instead of the checkpoint's (load_format "dummy",
+    loader.iter_dummy_weights).
     `shard`: (name, full tensor) -> this tensor-parallel rank's part (tp.shard.RankSharder), applied as each
     tensor streams in (after online quantization, so every rank holds the TP=1 model's values)."""
     state: dict[str, torch.Tensor] = {}
@@ -357,7 +359,7 @@ def _read_state(
             continue
         if online and name.endswith(_PROJECTIONS):
             q, scale = quantize_weight_per_channel(t)
-            if device.type == "cuda":
+            if device.type == "cuda" or keep_fp8:
                 scale_name = name.removesuffix(".weight") + ".weight_scale"
                 state[scale_name] = keep(scale_name, scale)
                 t = q
@@ -411,13 +413,16 @@ def load_model(
     quantization: str = "none",
     load_format: str = "auto",
     tp: RankShard | None = None,
+    fp8_reference: bool = False,
 ) -> CausalLM:
     """Build the model on the meta device and assign the checkpoint's tensors by name (strict), q/k/v and gate/up
     concatenated; the modules then run the kernels of `choice`. FP8: the checkpoint's own format
     (`cfg.quantization`), else `quantization="fp8"` quantizes the projections at load (per channel, dynamic
     per-token activations); an FP8 checkpoint keeps its format either way. `load_format="dummy"`: random weights
     made on `device` from `cfg` alone (no safetensors read). `tp`: load this tensor-parallel rank's part only
-    (pdserve.engine.tp; tied embeddings share the embedding's vocabulary slice)."""
+    (pdserve.engine.tp; tied embeddings share the embedding's vocabulary slice). `fp8_reference` (CPU): keep the
+    FP8 projections as `Fp8Linear` layers running `Fp8Linear.reference`, the GPU's quantized math with its
+    activation quantization, instead of dequantizing them at load (slow: the quality bench and tests only)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     online = cfg.quantization is None and quantization == "fp8"
@@ -436,13 +441,14 @@ def load_model(
         from pdserve.engine.tp.shard import RankSharder
 
         shard = RankSharder(cfg, tp.layout, tp.group.rank)
-    state = _read_state(model_dir, device, dtype, scheme, online, cfg if load_format == "dummy" else None, shard)
+    dummy = cfg if load_format == "dummy" else None
+    state = _read_state(model_dir, device, dtype, scheme, online, dummy, shard, keep_fp8=fp8_reference)
     if "lm_head.weight" not in state:
         if not cfg.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     _concatenate_projections(state, scheme.block_size if scheme is not None else None)
-    if scheme is not None and device.type == "cuda":
+    if scheme is not None and (device.type == "cuda" or fp8_reference):
         with torch.device("meta"):
             _use_fp8_layers(model, state, scheme, triton)
     elif scheme is not None:  # CPU: dequantized once here (per-call dequantization would redo it every step)

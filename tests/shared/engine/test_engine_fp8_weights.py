@@ -154,6 +154,31 @@ def test_online_fp8_logits_close_to_unquantized(models):
     assert rel_bf16 < rel < 0.12, (rel, rel_bf16)
 
 
+@pytest.mark.parametrize("fmt", ["channel", "block", "online"])
+def test_the_gpu_math_on_cpu_quantizes_activations_too(models, fmt):
+    """`use_fp8_reference`: the CPU engine's FP8 layers run the GPU path's math (activations quantized per token,
+    per 128 columns for block weights) instead of the dequantized weights alone: logits near those, not equal
+    (the activation rounding), and every projection an Fp8Linear. Measured on this shape: relative L2 error
+    0.077-0.078 against the dequantized weights' logits (as large as the weight rounding's own, 0.08). Bound:
+    0.15."""
+    from pdserve.engine.quant.fp8_linear import Fp8Linear
+    from pdserve.testing.fp8_reference import use_fp8_reference
+
+    src = models("llama")
+    model_dir, kw = (src, dict(quantization="fp8")) if fmt == "online" else (models("llama", fmt), {})
+    prompts = [random_prompt(n, seed=60 + n) for n in (9, 17)]
+    forced = [random_prompt(8, seed=70 + i) for i in range(2)]
+    dequantized = forced_logits(engine(model_dir, **kw), prompts, forced)
+    emulated = engine(model_dir, **kw)
+    layers = use_fp8_reference(emulated)
+    assert layers == 4 * emulated.model_config.num_layers  # qkv, o, gate_up, down a layer
+    assert sum(isinstance(m, Fp8Linear) for m in emulated.runner.model.modules()) == layers
+    w8a8 = forced_logits(emulated, prompts, forced)
+    rel = ((w8a8 - dequantized).norm() / dequantized.norm()).item()
+    assert 0 < rel < 0.15, rel
+    assert use_fp8_reference(engine(src)) == 0  # no FP8 weights: nothing to emulate
+
+
 def test_fingerprint_and_fp8_checkpoint_with_online_setting(models):
     """Online FP8 is another model for the prompt cache and the P/D pairing (other weights, other KV); an FP8
     checkpoint keeps its own format when quantization="fp8" is also set."""
