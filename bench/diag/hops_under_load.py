@@ -79,6 +79,9 @@ def main() -> None:
             load.kill()
         stack.stop()
         sink.stop()
+    for line in stack.log_text().splitlines():  # the decode's first tokens during its steps' GPU waits (EngineLoop)
+        if "host-only commands" in line:
+            print(line.split(" INFO ", 1)[-1])
 
 
 if __name__ == "__main__":
