@@ -188,14 +188,15 @@ def test_overlapped_decode_gives_the_graph_engines_tokens(make_engine, kv):
         assert any(chained) and eng.allocator.num_used == 0
 
 
-@pytest.mark.parametrize("overlap", ["on", "off"])
-def test_imports_end_while_graph_steps_compute(make_engine, overlap):
+@pytest.mark.parametrize("overlap,temperature", [("on", 0.0), ("off", 0.0), ("on", 0.8)])
+def test_imports_end_while_graph_steps_compute(make_engine, overlap, temperature):
     """EngineLoop on the GPU: imported requests' first tokens and import ends submitted while a decode batch runs
-    through the graphs (chained launches, or plain replays) are served during the steps' GPU waits, and every
-    request's tokens are the ones the prefill engine generates alone (batch 1 there, 2 here: at most one near-tie
-    flip in bf16, as above)."""
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    through the graphs (chained launches, or plain replays; seeded sampling: the first token's skipped draw is a
+    kernel queued from the caller's thread) are served during the steps' GPU waits, and every request's tokens are
+    the ones the prefill engine generates alone (batch 1 there, 2 here: at most one near-tie flip in bf16, as
+    above)."""
+    sp = SamplingParams(max_tokens=12, temperature=temperature, seed=11, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, temperature=temperature, seed=12, ignore_eos=True)
     prefill = make_engine("llama_hd64", **KW, kv_dtype="int8", overlap_decode="off")
     prompts = [random_prompt(n, seed=300 + n) for n in (9, 16, 17, 30, 5, 24)]
     want = [prefill.generate([p], sp)[0] for p in prompts]
