@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import EngineRequest
+from pdserve.engine.sampling import SamplingParams
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.dtypes import QUANTIZED
 from pdserve.kv.payload import PagePayload
+from pdserve.kv.transfer.base import ExportedPages
 from pdserve.kv.transfer.page_format import PageFormat
 from pdserve.testing.teacher_forcing import forced_logits as teacher_forced_logits
 
@@ -84,6 +87,22 @@ def export_payloads(
     if ex.ready is not None:
         ex.ready.synchronize()
     return PageFormat(layout).payloads(ex.rows.cpu(), ex.page_indexes, ex.num_tokens)
+
+
+def prefill_and_export(
+    engine: LLMEngine, request_id: str, prompt: list[int], sampling: SamplingParams
+) -> tuple[int, ExportedPages]:
+    """Prefill `prompt` on `engine` (the prefill side of a handoff): its first token and its pages as one batch in
+    the engine's own format; the request is released after the export."""
+    engine.add_request(EngineRequest(request_id, prompt, sampling, prefill_only=True))
+    first, ready = None, []
+    while first is None:
+        for o in engine.step():
+            ready += o.ready_pages
+            first = o.new_token_ids[0] if o.finished else None
+    batch = engine.export_batch(request_id, ready, layout_for(engine))
+    engine.release(request_id)
+    return first, batch
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:

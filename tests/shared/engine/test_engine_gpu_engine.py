@@ -8,7 +8,7 @@ import queue
 
 import pytest
 import torch
-from engine_testutil import forced_logits, layout_for, random_prompt
+from engine_testutil import forced_logits, layout_for, prefill_and_export, random_prompt
 
 from pdserve.engine import kernels
 from pdserve.engine.attention import select_backend
@@ -209,14 +209,7 @@ def test_imports_end_while_graph_steps_compute(make_engine, overlap, temperature
         same = 0
         for i, prompt in enumerate(prompts):
             rid = f"x{i}"
-            prefill.add_request(EngineRequest(rid, prompt, sp, prefill_only=True))
-            first, ready = None, []
-            while first is None:
-                for o in prefill.step():
-                    ready += o.ready_pages
-                    first = o.new_token_ids[0] if o.finished else None
-            b = prefill.export_batch(rid, ready, layout)
-            prefill.release(rid)
+            first, b = prefill_and_export(prefill, rid, prompt, sp)
             q: queue.Queue = queue.Queue()
             loop.begin_import(rid, prompt, sp, q.put).result(60)
             loop.call(lambda e, rid=rid, b=b: e.import_batch(rid, b.page_indexes, b.num_tokens, b.rows, layout))

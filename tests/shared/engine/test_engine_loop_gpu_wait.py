@@ -8,10 +8,11 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from engine_testutil import layout_for, random_prompt
+from engine_testutil import layout_for, prefill_and_export, random_prompt
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
@@ -85,17 +86,36 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list]:
     return t, result
 
 
-def exported(engine: LLMEngine, rid: str, prompt: list[int]):
-    """Prefill `prompt` on `engine` (the prefill side): its first token and its pages, exported."""
-    engine.add_request(EngineRequest(rid, prompt, GREEDY, prefill_only=True))
-    first, ready = None, []
-    while first is None:
-        for o in engine.step():
-            ready += o.ready_pages
-            first = o.new_token_ids[0] if o.finished else None
-    batch = engine.export_batch(rid, ready, layout_for(engine))
-    engine.release(rid)
-    return first, batch
+@dataclass
+class Import:
+    """A request imported into the loop's engine beside a decoding one ("bg"): its reference tokens, the first
+    token and pages prefill produced, the queues of both."""
+
+    rid: str
+    ref: list[int]
+    first: int
+    rows: tuple  # import_batch's (page_indexes, num_tokens, rows, layout)
+    q: queue.Queue
+    bg: queue.Queue
+
+    def import_pages(self, loop: EngineLoop) -> None:
+        loop.call(lambda e: e.import_batch(self.rid, *self.rows))
+
+
+def start_import(loop: EngineLoop, prefill: LLMEngine, rid: str, seed: int, n: int = 1, pages: bool = True) -> Import:
+    """Start "bg" decoding, prefill a prompt on `prefill` and begin its import (`n` choices); with `pages`, its
+    pages imported too (the request then waits only for its first token and the end of its import)."""
+    prompt = random_prompt(6 + seed % 4, seed)
+    ref = prefill.generate([prompt], GREEDY)[0]
+    first, batch = prefill_and_export(prefill, rid, prompt, GREEDY)
+    bg: queue.Queue = queue.Queue()
+    loop.add_request(EngineRequest("bg", random_prompt(5, seed + 1), BACKGROUND), bg.put)
+    q: queue.Queue = queue.Queue()
+    loop.begin_import(rid, prompt, GREEDY, q.put, n=n).result(20)
+    imp = Import(rid, ref, first, (batch.page_indexes, batch.num_tokens, batch.rows, layout_for(prefill)), q, bg)
+    if pages:
+        imp.import_pages(loop)
+    return imp
 
 
 def tokens(q: queue.Queue) -> list[int]:
@@ -116,78 +136,52 @@ def loop(make_engine):
 
 
 def test_first_token_and_finish_import_do_not_wait_for_the_step(loop, llama_engine):
-    bg_prompt, prompt = random_prompt(6, 11), random_prompt(9, 12)
-    ref, bg_ref = llama_engine.generate([prompt], GREEDY)[0], llama_engine.generate([bg_prompt], BACKGROUND)[0]
-    first, batch = exported(llama_engine, "x", prompt)
-    layout = layout_for(llama_engine)
-
-    bg: queue.Queue = queue.Queue()
-    loop.add_request(EngineRequest("bg", bg_prompt, BACKGROUND), bg.put)
-    q: queue.Queue = queue.Queue()
-    loop.begin_import("x", prompt, GREEDY, q.put).result(20)
-    loop.call(lambda e: e.import_batch("x", batch.page_indexes, batch.num_tokens, batch.rows, layout))
-
+    bg_ref = llama_engine.generate([random_prompt(5, 12)], BACKGROUND)[0]
+    x = start_import(loop, llama_engine, "x", 11)
     gate = Gate()
     hold_steps(loop, gate)
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
-    t, _ = in_thread(lambda: loop.emit_first_token("x", first))
+    t, _ = in_thread(lambda: loop.emit_first_token("x", x.first))
     t.join(10)
     assert not t.is_alive() and not gate.is_set()  # done while the step still computes
-    out = q.get(timeout=5)  # dispatched from the caller's thread already
-    assert out.new_token_ids == [first] and loop.ran_during_gpu_wait == 1
-    t, _ = in_thread(lambda: loop.finish_import("x", first))
+    out = x.q.get(timeout=5)  # dispatched from the caller's thread already
+    assert out.new_token_ids == [x.first] and loop.ran_during_gpu_wait == 1
+    t, _ = in_thread(lambda: loop.finish_import("x", x.first))
     t.join(10)
     assert not t.is_alive() and not gate.is_set() and loop.ran_during_gpu_wait == 2 == loop.anytime_submitted
     gate.set()
-    assert [first, *tokens(q)] == ref
-    assert tokens(bg) == bg_ref  # the step the commands ran beside is untouched
+    assert [x.first, *tokens(x.q)] == x.ref
+    assert tokens(x.bg) == bg_ref  # the step the commands ran beside is untouched
     assert loop.call(lambda e: e.allocator.num_used) == 0
 
 
 def test_other_commands_and_those_queued_behind_them_wait_for_the_step(loop, llama_engine):
-    prompt = random_prompt(7, 13)
-    ref = llama_engine.generate([prompt], GREEDY)[0]
-    first, batch = exported(llama_engine, "y", prompt)
-    layout = layout_for(llama_engine)
-    bg: queue.Queue = queue.Queue()
-    loop.add_request(EngineRequest("bg", random_prompt(5, 14), BACKGROUND), bg.put)
-    q: queue.Queue = queue.Queue()
-    loop.begin_import("y", prompt, GREEDY, q.put).result(20)
-
+    y = start_import(loop, llama_engine, "y", 13, pages=False)
     gate = Gate()
     hold_steps(loop, gate)
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
     order: list[str] = []
-    rows = (batch.page_indexes, batch.num_tokens, batch.rows, layout)
-    imported = loop.submit(lambda e: (order.append("import"), e.import_batch("y", *rows)))
-    t, _ = in_thread(lambda: (loop.emit_first_token("y", first), order.append("first")))
+    imported = loop.submit(lambda e: (order.append("import"), e.import_batch("y", *y.rows)))
+    t, _ = in_thread(lambda: (loop.emit_first_token("y", y.first), order.append("first")))
     t.join(0.5)
     assert t.is_alive() and not imported.done()  # a GPU command, and the host-only one queued behind it
     gate.set()
     imported.result(20)
     t.join(20)
     assert order == ["import", "first"]
-    loop.finish_import("y", first)
-    assert tokens(q) == ref
-    tokens(bg)
+    loop.finish_import("y", y.first)
+    assert tokens(y.q) == y.ref
+    tokens(y.bg)
 
 
 def test_a_forking_import_ends_between_steps(loop, llama_engine):
     """finish_import of an n > 1 request forks it (a page copy on the device): it waits for the step."""
-    prompt = random_prompt(8, 15)
-    first, batch = exported(llama_engine, "z", prompt)
-    layout = layout_for(llama_engine)
-    bg: queue.Queue = queue.Queue()
-    loop.add_request(EngineRequest("bg", random_prompt(5, 16), BACKGROUND), bg.put)
-    q: queue.Queue = queue.Queue()
-    loop.begin_import("z", prompt, GREEDY, q.put, n=2).result(20)
-    loop.call(lambda e: e.import_batch("z", batch.page_indexes, batch.num_tokens, batch.rows, layout))
+    z = start_import(loop, llama_engine, "z", 15, n=2)
     assert loop.call(lambda e: e.import_forks("z"))
-
     gate = Gate()
     hold_steps(loop, gate)
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
-    t, _ = in_thread(lambda: loop.finish_import("z", first))
+    t, _ = in_thread(lambda: loop.finish_import("z", z.first))
     t.join(0.5)
     assert t.is_alive() and loop.ran_during_gpu_wait == 0 and loop.anytime_submitted == 1
     gate.set()
@@ -195,24 +189,14 @@ def test_a_forking_import_ends_between_steps(loop, llama_engine):
     assert not t.is_alive()
     done = 0
     while done < 2:
-        o = q.get(timeout=20)
-        done += o.finished
-    tokens(bg)
+        done += z.q.get(timeout=20).finished
+    tokens(z.bg)
 
 
 def test_one_queued_while_the_engine_was_busy_runs_as_the_next_step_waits(loop, llama_engine):
     """A first token submitted while the engine thread runs a command (not waiting on the GPU) is queued; it runs
     as soon as the next step's wait begins, not after that step."""
-    prompt = random_prompt(6, 17)
-    ref = llama_engine.generate([prompt], GREEDY)[0]
-    first, batch = exported(llama_engine, "w", prompt)
-    layout = layout_for(llama_engine)
-    bg: queue.Queue = queue.Queue()
-    loop.add_request(EngineRequest("bg", random_prompt(5, 18), BACKGROUND), bg.put)
-    q: queue.Queue = queue.Queue()
-    loop.begin_import("w", prompt, GREEDY, q.put).result(20)
-    loop.call(lambda e: e.import_batch("w", batch.page_indexes, batch.num_tokens, batch.rows, layout))
-
+    w = start_import(loop, llama_engine, "w", 17)
     gate = Gate()
     hold_steps(loop, gate)
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
@@ -220,13 +204,13 @@ def test_one_queued_while_the_engine_was_busy_runs_as_the_next_step_waits(loop, 
     loop.submit(lambda e: (busy.set(), go.wait(20)))
     gate.open(1)  # the held step ends; the engine thread runs the command above
     assert busy.wait(20) and not loop._gpu_waiting
-    t, _ = in_thread(lambda: loop.emit_first_token("w", first))
+    t, _ = in_thread(lambda: loop.emit_first_token("w", w.first))
     assert wait_until(lambda: len(loop._cmds) == 1, timeout=10)  # queued: the engine is busy
     go.set()
     t.join(10)
     assert not t.is_alive() and loop.ran_during_gpu_wait == 1 and not gate.is_set()  # the next step still held
-    assert q.get(timeout=5).new_token_ids == [first]
+    assert w.q.get(timeout=5).new_token_ids == [w.first]
     gate.set()
-    loop.finish_import("w", first)
-    assert [first, *tokens(q)] == ref
-    tokens(bg)
+    loop.finish_import("w", w.first)
+    assert [w.first, *tokens(w.q)] == w.ref
+    tokens(w.bg)
