@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 import torch
 
@@ -103,6 +105,17 @@ def prefill_and_export(
     batch = engine.export_batch(request_id, ready, layout_for(engine))
     engine.release(request_id)
     return first, batch
+
+
+def queued_tokens(q: queue.Queue, timeout: float = 20.0) -> list[int]:
+    """The token ids of a request's outputs from an EngineLoop callback's queue, up to its final output."""
+    out: list[int] = []
+    while True:
+        o = q.get(timeout=timeout)
+        assert not isinstance(o, BaseException), o
+        out += o.new_token_ids
+        if o.finished:
+            return out
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:

@@ -8,7 +8,7 @@ import queue
 
 import pytest
 import torch
-from engine_testutil import forced_logits, layout_for, prefill_and_export, random_prompt
+from engine_testutil import forced_logits, layout_for, prefill_and_export, queued_tokens, random_prompt
 
 from pdserve.engine import kernels
 from pdserve.engine.attention import select_backend
@@ -215,13 +215,7 @@ def test_imports_end_while_graph_steps_compute(make_engine, overlap, temperature
             loop.call(lambda e, rid=rid, b=b: e.import_batch(rid, b.page_indexes, b.num_tokens, b.rows, layout))
             loop.emit_first_token(rid, first)
             loop.finish_import(rid, first)
-            got = []
-            while True:
-                o = q.get(timeout=60)
-                assert not isinstance(o, BaseException), o
-                got += o.new_token_ids
-                if o.finished:
-                    break
+            got = queued_tokens(q, timeout=60)
             assert len(got) == len(want[i]) == 12 and got[0] == want[i][0]
             same += got == want[i]
         assert same >= len(prompts) - 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from engine_testutil import layout_for, prefill_and_export, random_prompt
+from engine_testutil import layout_for, prefill_and_export, queued_tokens, random_prompt
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
@@ -118,16 +118,6 @@ def start_import(loop: EngineLoop, prefill: LLMEngine, rid: str, seed: int, n: i
     return imp
 
 
-def tokens(q: queue.Queue) -> list[int]:
-    out = []
-    while True:
-        o = q.get(timeout=20)
-        assert not isinstance(o, BaseException), o
-        out += o.new_token_ids
-        if o.finished:
-            return out
-
-
 @pytest.fixture
 def loop(make_engine):
     lp = EngineLoop(make_engine("llama", num_pages=64, overlap_decode="on"))
@@ -150,8 +140,8 @@ def test_first_token_and_finish_import_do_not_wait_for_the_step(loop, llama_engi
     t.join(10)
     assert not t.is_alive() and not gate.is_set() and loop.ran_during_gpu_wait == 2 == loop.anytime_submitted
     gate.set()
-    assert [x.first, *tokens(x.q)] == x.ref
-    assert tokens(x.bg) == bg_ref  # the step the commands ran beside is untouched
+    assert [x.first, *queued_tokens(x.q)] == x.ref
+    assert queued_tokens(x.bg) == bg_ref  # the step the commands ran beside is untouched
     assert loop.call(lambda e: e.allocator.num_used) == 0
 
 
@@ -170,8 +160,8 @@ def test_other_commands_and_those_queued_behind_them_wait_for_the_step(loop, lla
     t.join(20)
     assert order == ["import", "first"]
     loop.finish_import("y", y.first)
-    assert tokens(y.q) == y.ref
-    tokens(y.bg)
+    assert queued_tokens(y.q) == y.ref
+    queued_tokens(y.bg)
 
 
 def test_a_forking_import_ends_between_steps(loop, llama_engine):
@@ -190,7 +180,7 @@ def test_a_forking_import_ends_between_steps(loop, llama_engine):
     done = 0
     while done < 2:
         done += z.q.get(timeout=20).finished
-    tokens(z.bg)
+    queued_tokens(z.bg)
 
 
 def test_one_queued_while_the_engine_was_busy_runs_as_the_next_step_waits(loop, llama_engine):
@@ -212,5 +202,5 @@ def test_one_queued_while_the_engine_was_busy_runs_as_the_next_step_waits(loop, 
     assert w.q.get(timeout=5).new_token_ids == [w.first]
     gate.set()
     loop.finish_import("w", w.first)
-    assert [w.first, *tokens(w.q)] == w.ref
-    tokens(w.bg)
+    assert [w.first, *queued_tokens(w.q)] == w.ref
+    queued_tokens(w.bg)
