@@ -559,9 +559,13 @@ class LLMEngine:
 
     def _chain(self, done: _InflightDecode) -> _InflightDecode | None:
         """Launch the next step of `done`'s batch before its tokens are processed, if the scheduler would run
-        exactly that batch again: nothing to admit or prefill, no sequence gone, pages for one more token each."""
+        exactly that batch again: nothing to admit or prefill, no sequence gone, pages for one more token each, and
+        no import whose pages all just landed (its `finish_import`, an anytime command of the EngineLoop, runs while
+        `done` computes: chained, the step after would leave it out and its second token would wait a step more)."""
         seqs = done.seqs
         if self.scheduler.running != seqs or self.scheduler.has_schedulable_waiting():
+            return None
+        if self.handoff.take_landed():  # its finish_import comes during this wait: the next step takes it along
             return None
         if not self._overlappable(ScheduledBatch(seqs, [1] * len(seqs), len(seqs))):
             return None

@@ -83,6 +83,9 @@ class KVHandoff:
         self._admit = admit
         self._drop = drop
         self._emit = emit
+        # imports whose every page landed since the engine last looked (`take_landed`): their `finish_import` is
+        # on its way, and an overlapped decode step chained now would leave them out of the next step
+        self._landed: set[str] = set()
 
     @property
     def kv_group_size(self) -> int:
@@ -260,6 +263,15 @@ class KVHandoff:
         self.runner.kv_cache.scatter_pages(physical_pages, data, scales, zeros, layout.group_size, span)
         for idx in page_indexes:
             imported[idx] = r.stop
+        if r.stop == num_layers and all(n == num_layers for n in imported):
+            self._landed.add(request_id)
+
+    def take_landed(self) -> bool:
+        """Whether an import's last page landed since the last call (then forgotten: a chained step is held back
+        once per landing, not again if its `finish_import` is late)."""
+        landed = bool(self._landed)
+        self._landed.clear()
+        return landed
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """Before the pages are all in: append the first token (stop checks apply) and stream it now (the next

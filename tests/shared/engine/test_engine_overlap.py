@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from engine_testutil import random_prompt, run_to_completion
+from engine_testutil import layout_for, prefill_and_export, random_prompt, run_to_completion
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import EngineRequest
@@ -168,3 +168,75 @@ def test_batches_that_need_the_host_between_steps_do_not_chain(make_engine, sp):
     counts = _count_launches(eng)
     assert _run(eng, reqs) == want
     assert counts == {"plain": 0, "chained": 0}
+
+
+def test_an_import_whose_pages_landed_holds_the_chain_once(make_engine):
+    """When an import's last page lands, the next step is not chained: its finish_import (an anytime command that
+    runs while the step in flight computes) joins the step after that, not one later. A late finish_import holds
+    the chain once only. Tokens are the plain engine's."""
+    prefill = make_engine()
+    prompt, bg_prompt = random_prompt(9, seed=81), random_prompt(6, seed=82)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want, bg_want = prefill.generate([prompt], sp)[0], prefill.generate([bg_prompt], long)[0]
+    first, batch = prefill_and_export(prefill, "x", prompt, sp)
+    eng = make_engine(overlap_decode="on")
+    launches: list[tuple[bool, int]] = []  # (chained, rows) of each launch
+    launch = eng.runner.launch_decode
+
+    def counted(seqs, positions, prev):
+        launches.append((prev is not None, len(seqs)))
+        return launch(seqs, positions, prev)
+
+    eng.runner.launch_decode = counted  # type: ignore[method-assign]
+    eng.add_request(EngineRequest("bg", bg_prompt, long))
+    got: dict[str, list[int]] = {"bg": [], "x": []}
+
+    def step() -> None:
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+
+    while not any(chained for chained, _ in launches[-2:]):
+        step()  # bg decodes, its steps chained
+    eng.begin_import("x", prompt, sp)
+    eng.import_batch("x", batch.page_indexes, batch.num_tokens, batch.rows, layout_for(prefill))
+    n = len(launches)
+    step()
+    assert len(launches) == n  # held: nothing chained while x's finish_import is due
+    step()
+    assert launches[n:] == [(False, 1)]  # x not finished yet: a plain step of bg alone...
+    step()
+    assert launches[-1] == (True, 1)  # ... and the chain resumes: held once only
+    eng.finish_import("x", first)  # its output (the first token) comes with the next step's
+    while eng.has_unfinished_requests():
+        step()
+    assert got == {"bg": bg_want, "x": want}
+
+
+def test_the_step_after_a_landed_import_takes_it_along(make_engine):
+    """Pages landed, then finish_import before the next step: the step after the held one decodes both rows."""
+    prefill = make_engine()
+    prompt = random_prompt(11, seed=83)
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    first, batch = prefill_and_export(prefill, "x", prompt, sp)
+    eng = make_engine(overlap_decode="on")
+    rows: list[int] = []
+    launch = eng.runner.launch_decode
+
+    def counted(seqs, positions, prev):
+        rows.append(len(seqs))
+        return launch(seqs, positions, prev)
+
+    eng.runner.launch_decode = counted  # type: ignore[method-assign]
+    eng.add_request(EngineRequest("bg", random_prompt(5, seed=84), SamplingParams(max_tokens=30, temperature=0.0)))
+    for _ in range(4):
+        eng.step()
+    eng.begin_import("x", prompt, sp)
+    eng.import_batch("x", batch.page_indexes, batch.num_tokens, batch.rows, layout_for(prefill))
+    n = len(rows)
+    eng.step()  # held (the wait a finish_import would run in)
+    eng.finish_import("x", first)
+    eng.step()
+    assert rows[n:] == [2]  # x rides the very next launch
+    out = run_to_completion(eng)
+    assert out["x"]["tokens"] == prefill.generate([prompt], sp)[0][1:]
