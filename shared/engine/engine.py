@@ -391,6 +391,7 @@ class LLMEngine:
     def _drop(self, request_id: str) -> Sequence | None:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
+            self.handoff.forget(request_id)
             self.scheduler.remove(seq)
             self._register_prefix(seq)
             self.scheduler.free_pages(seq)
@@ -467,6 +468,7 @@ class LLMEngine:
         if missing:
             raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
         seq.pages_imported = None
+        self.handoff.forget(request_id)
         self._fork(seq)
         self.scheduler.add(seq)  # decode-ready: its next step computes its first token
 

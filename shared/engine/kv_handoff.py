@@ -83,8 +83,9 @@ class KVHandoff:
         self._admit = admit
         self._drop = drop
         self._emit = emit
-        # imports whose every page landed since the engine last looked (`take_landed`): their `finish_import` is
-        # on its way, and an overlapped decode step chained now would leave them out of the next step
+        # imports whose every page landed, not finished yet, since the engine last looked (`take_landed`): their
+        # `finish_import` is on its way, and an overlapped decode step chained now would leave them out of the next
+        # step (at most the importing requests: `finish_import` and `forget` take them out)
         self._landed: set[str] = set()
 
     @property
@@ -266,6 +267,10 @@ class KVHandoff:
         if r.stop == num_layers and all(n == num_layers for n in imported):
             self._landed.add(request_id)
 
+    def forget(self, request_id: str) -> None:
+        """The request ended (finished its import, aborted, released): no longer a landing to wait for."""
+        self._landed.discard(request_id)
+
     def take_landed(self) -> bool:
         """Whether an import's last page landed since the last call (then forgotten: a chained step is held back
         once per landing, not again if its `finish_import` is late)."""
@@ -291,6 +296,7 @@ class KVHandoff:
         StepOutput carrying the first token comes from the next `step()`. After `emit_first_token` the token must
         be the same one, and nothing more is output here."""
         seq = self._importing(request_id)
+        self.forget(request_id)
         assert seq.pages_imported is not None  # set by begin_import while IMPORTING
         num_layers = self.model_config.num_layers
         missing = [i for i, landed in enumerate(seq.pages_imported) if landed != num_layers]

@@ -240,3 +240,23 @@ def test_the_step_after_a_landed_import_takes_it_along(make_engine):
     assert rows[n:] == [2]  # x rides the very next launch
     out = run_to_completion(eng)
     assert out["x"]["tokens"] == prefill.generate([prompt], sp)[0][1:]
+
+
+def test_landed_imports_are_forgotten_when_they_end(make_engine):
+    """Without chaining (overlap off) nothing takes the landings: a finished or released import leaves none behind."""
+    prefill = make_engine()
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    eng = make_engine()  # overlap "auto": off on CPU
+    assert not eng.overlap_decode
+    for rid, seed in (("done", 85), ("dropped", 86)):
+        prompt = random_prompt(7, seed=seed)
+        first, batch = prefill_and_export(prefill, rid, prompt, sp)
+        eng.begin_import(rid, prompt, sp)
+        eng.import_batch(rid, batch.page_indexes, batch.num_tokens, batch.rows, layout_for(prefill))
+        if rid == "done":
+            eng.finish_import(rid, first)
+        else:
+            eng.release(rid)
+    assert eng.handoff._landed == set()  # (a leak here would grow by one id per import)
+    run_to_completion(eng)
+    assert eng.allocator.num_free == eng.allocator.num_pages
