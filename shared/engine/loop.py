@@ -8,7 +8,7 @@
   exception instead of a StepOutput.
 - Idle means blocked on a condition variable: no busy-spinning, also when work exists but cannot be scheduled
   (e.g. waiting for pages that another request holds) until the next command arrives.
-- Host-only commands (`anytime`: an imported request's first token, the end of its import) need not wait for the
+- Host-only commands (`anytime`: an import's page reservation, its first token, its end) need not wait for the
   step: while the engine thread waits for a decode step's tokens on the GPU (`ModelRunner.gpu_wait`) it holds
   nothing, and such a command runs at once on its caller's thread, under the loop's lock (the engine thread takes
   that lock before it touches the engine again), its outputs dispatched from there. Commands still run in the
@@ -102,14 +102,17 @@ class EngineLoop:
         n: int = 1,
         best_of: int = 0,
     ) -> Future:
-        """`LLMEngine.begin_import`, queued: the Future holds its outcome (the engine thread takes it between steps;
-        calls submitted after it, e.g. the request's imports, run after it)."""
+        """`LLMEngine.begin_import`, queued: the Future holds its outcome (calls submitted after it, e.g. the
+        request's imports, run after it). Host-only (checks, page reservation), so it also runs while a step computes
+        on the GPU, unless it compiles a grammar (structured output: may take long, the engine thread would wait
+        for it) or replays a failover resume."""
 
         def fn(engine: LLMEngine) -> None:
             engine.begin_import(request_id, prompt_token_ids, sampling, resumed_tokens, resumed_text_chars, n, best_of)
             self._callbacks[request_id] = callback
 
-        return self.submit(fn)
+        quick = sampling.structured is None and not resumed_tokens
+        return self.submit(fn, anytime=_always if quick else None)
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """`LLMEngine.emit_first_token`: its output reaches the callback right after (before any step; while a

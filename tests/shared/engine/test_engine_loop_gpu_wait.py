@@ -131,6 +131,7 @@ def test_first_token_and_finish_import_do_not_wait_for_the_step(loop, llama_engi
     gate = Gate()
     hold_steps(loop, gate)
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
+    before = loop.anytime_submitted  # its begin_import (between steps: no step was held yet)
     t, _ = in_thread(lambda: loop.emit_first_token("x", x.first))
     t.join(10)
     assert not t.is_alive() and not gate.is_set()  # done while the step still computes
@@ -138,7 +139,7 @@ def test_first_token_and_finish_import_do_not_wait_for_the_step(loop, llama_engi
     assert out.new_token_ids == [x.first] and loop.ran_during_gpu_wait == 1
     t, _ = in_thread(lambda: loop.finish_import("x", x.first))
     t.join(10)
-    assert not t.is_alive() and not gate.is_set() and loop.ran_during_gpu_wait == 2 == loop.anytime_submitted
+    assert not t.is_alive() and not gate.is_set() and loop.ran_during_gpu_wait == 2 == loop.anytime_submitted - before
     gate.set()
     assert [x.first, *queued_tokens(x.q)] == x.ref
     assert queued_tokens(x.bg) == bg_ref  # the step the commands ran beside is untouched
@@ -173,7 +174,7 @@ def test_a_forking_import_ends_between_steps(loop, llama_engine):
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
     t, _ = in_thread(lambda: loop.finish_import("z", z.first))
     t.join(0.5)
-    assert t.is_alive() and loop.ran_during_gpu_wait == 0 and loop.anytime_submitted == 1
+    assert t.is_alive() and loop.ran_during_gpu_wait == 0
     gate.set()
     t.join(20)
     assert not t.is_alive()
@@ -204,3 +205,26 @@ def test_one_queued_while_the_engine_was_busy_runs_as_the_next_step_waits(loop, 
     loop.finish_import("w", w.first)
     assert [w.first, *queued_tokens(w.q)] == w.ref
     queued_tokens(w.bg)
+
+
+def test_a_page_reservation_runs_beside_the_step_unless_it_compiles_or_resumes(loop, llama_engine):
+    """begin_import (checks and pages: host-only) completes while a step is held; a failover resume's (its tokens
+    replayed) waits for the step, as a structured output's grammar compile would."""
+    bg: queue.Queue = queue.Queue()
+    loop.add_request(EngineRequest("bg", random_prompt(5, 19), BACKGROUND), bg.put)
+    gate = Gate()
+    hold_steps(loop, gate)
+    assert wait_until(lambda: loop._gpu_waiting, timeout=20)
+    q: queue.Queue = queue.Queue()
+    plain = loop.begin_import("p", random_prompt(9, 20), GREEDY, q.put)
+    plain.result(10)
+    assert not gate.is_set() and loop.ran_during_gpu_wait == 1
+    assert loop.allocator.num_used > 0  # its pages reserved while the step computes
+    resumed = loop.begin_import("r", random_prompt(9, 21), GREEDY, q.put, resumed_tokens=2)
+    with pytest.raises(TimeoutError):
+        resumed.result(0.5)
+    gate.set()
+    resumed.result(20)
+    loop.release("p").result(20)
+    loop.release("r").result(20)
+    queued_tokens(bg)
