@@ -149,8 +149,8 @@ class EngineLoop:
             self._cv.notify()
         self._thread.join(timeout)
         if self.anytime_submitted:
-            log.info("%s: %d of %d host-only commands (first tokens, import ends) ran while a step computed on the GPU",
-                     self._thread.name, self.ran_during_gpu_wait, self.anytime_submitted)  # fmt: skip
+            what = "host-only commands (import reservations, first tokens, ends) ran while a step computed on the GPU"
+            log.info("%s: %d of %d %s", self._thread.name, self.ran_during_gpu_wait, self.anytime_submitted, what)
 
     # ---- engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:

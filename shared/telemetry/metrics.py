@@ -138,7 +138,7 @@ def watch_engine(metrics: ServiceMetrics, loop) -> None:
     )
     metrics.counter(
         "engine_host_commands",
-        "Host-only engine commands (an imported request's first token, the end of its import): submitted, and "
+        "Host-only engine commands (an import's page reservation, its first token, its end): submitted, and "
         "ran_during_gpu_wait: run while a step computed on the GPU instead of after it",
         lambda: {("submitted",): loop.anytime_submitted, ("ran_during_gpu_wait",): loop.ran_during_gpu_wait},
         ["event"],

@@ -82,7 +82,7 @@ def test_the_script_on_cpu_merges_its_part_and_writes_the_mode_data(tmp_path):
     sweep = doc["details"]["disagg1"]["sweep"]
     assert [r["rate"] for r in sweep] == [2.0] and not sweep[0]["errors"] and sweep[0]["ttft_ms"]["count"] == 3
     (host,) = doc["details"]["disagg1"]["decode_host_commands"]  # the decode's line at stop: on CPU no GPU wait
-    assert "0 of" in host and "host-only commands (first tokens, import ends) ran while a step computed" in host
+    assert "0 of" in host and "host-only commands (import reservations, first tokens, ends) ran while a step" in host
     assert doc["details"]["disagg1"]["up_mode_line"] == (
         "pdserve up: mode disaggregated (prefill + decode engines): --disaggregated"
     )
