@@ -354,7 +354,6 @@ def ppl_main(args, seqs: int = 8, prompt: int = 64, forced: int = 256) -> None:
     out: dict = {}
     q: dict = {"model": path.name, "scored_tokens": target.numel(), "windows": seqs, "prompt": prompt, "seconds": {}}
     converted: dict[str, Path] = {}
-    converted: dict[str, Path] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.formats.split(","):
             t0 = time.perf_counter()

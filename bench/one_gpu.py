@@ -314,8 +314,8 @@ def mode_part(
     detail = {"up_mode_line": mode_line, "sweep": rows, "slo": res["slo"], "served_2k": served}
     if mode == "disagg":
         detail["mps"] = {"flags": " ".join(mps_flags(mps)), "log": [ln.strip() for ln in banner.lines if "MPS" in ln]}
-        # the decode engine's first tokens and import ends run during its steps' GPU waits (EngineLoop), from its
-        # log at stop (the reader thread may still be taking the last lines)
+        # how many of the decode engine's host-only commands (page reservations, first tokens, import ends) ran
+        # during its steps' GPU waits (EngineLoop), from its log at stop (the reader may still take the last lines)
         mark = "host-only commands"
         deadline = time.monotonic() + 5
         while not any(mark in ln for ln in list(banner.lines)) and time.monotonic() < deadline:

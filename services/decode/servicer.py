@@ -125,10 +125,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         outputs: queue.Queue,
         context: grpc.ServicerContext,
     ) -> Future:
-        """The request's page reservation (`begin_import`), queued to the engine thread, which takes it between decode
-        steps. Where the pool has the prompt's pages free now (read without a round trip), the Prefill stream opens
-        while it waits (`_receive_kv` takes its outcome before the stream's first message); else it is waited for
-        here, so a full pool answers RESOURCE_EXHAUSTED before any prefill work."""
+        """The request's page reservation (`begin_import`), submitted to the engine loop, which runs it between decode
+        steps or during a step's GPU wait. Where the pool has the prompt's pages free now (read without a round trip),
+        the Prefill stream opens while it waits (`_receive_kv` takes its outcome before the stream's first message);
+        else it is waited for here, so a full pool answers RESOURCE_EXHAUSTED before any prefill work."""
         try:
             admitted = self.loop.begin_import(request.request_id, prompt, sampling, outputs.put,
                                               request.resumed_tokens, request.resumed_text_chars, request.n or 1,

@@ -295,9 +295,7 @@ class DecodeGraphRunner:
     def greedy_tokens(self, b: int, wait: Callable[[torch.cuda.Event], None] | None = None) -> list[int]:
         """Argmax token of each of the last run's first `b` rows (waits for that step to finish, through `wait` when
         given: the runner's `gpu_wait`)."""
-        if wait is not None:
-            wait(self._replayed)
-        self._replayed.synchronize()
+        (wait or torch.cuda.Event.synchronize)(self._replayed)
         return self._greedy_np[:b].tolist()
 
 
