@@ -2,7 +2,8 @@
 activation quantizer as a Triton kernel (CUDA: one launch, no host sync, capturable in CUDA graphs).
 
 Scales are float32 and multiply: x ≈ q * scale, scale = amax / 448 over the group (a row, a row's 128 columns, or
-a 128x128 weight block), q = round-to-nearest-even(x / scale) clamped to ±448.
+a 128x128 weight block; per-channel weight scales: the best of a few slightly smaller ones, `SCALE_SEARCH`),
+q = round-to-nearest-even(x / scale) clamped to ±448.
 """
 
 from __future__ import annotations
@@ -23,15 +24,44 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 QUANT_CHUNK_ELEMENTS = 1 << 24
 
 
-def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q e4m3 [N, K], scale float32 [N]): one scale per output channel (row)."""
+# Per-channel scales are searched: amax / 448 times the factor of these that gives the row the least squared error
+# (1.0 first, so never worse than amax). e4m3's grid is relative, so which values fall between its steps depends on
+# the scale; a slightly smaller one (clipping the row's largest value a little) often fits the rest better. On the
+# demo model: 6.4% less weight error, perplexity 1.020x -> 1.012x of bf16 (docs/benchmarks.md); rows never chose
+# below 0.89 there.
+SCALE_SEARCH = tuple(1.0 - 0.01 * i for i in range(13))
+
+
+def _searched_scales(part: torch.Tensor, amax: torch.Tensor, factors: tuple[float, ...]) -> torch.Tensor:
+    """part [rows, K] float32, amax [rows] -> per row the scale amax * f / 448 (f in factors) of least squared
+    error after e4m3 rounding."""
+    def row_error(s: torch.Tensor) -> torch.Tensor:  # [rows]
+        q = (part / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+        return q.float().mul_(s[:, None]).sub_(part).square_().sum(dim=1)
+
+    best = amax / FP8_MAX * factors[0]  # [rows]; factor 1.0: exactly the plain scale
+    err = row_error(best)
+    for f in factors[1:]:
+        s = amax / FP8_MAX * f
+        e = row_error(s)
+        better = e < err
+        best, err = torch.where(better, s, best), torch.where(better, e, err)
+    return best
+
+
+def quantize_weight_per_channel(
+    w: torch.Tensor, search: tuple[float, ...] = SCALE_SEARCH
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q e4m3 [N, K], scale float32 [N]): one scale per output channel (row), the one of least squared
+    error among amax / 448 times each factor of `search` (() or (1.0,): amax / 448)."""
     n, k = w.shape
     q = torch.empty(n, k, dtype=FP8, device=w.device)
     scale = torch.empty(n, dtype=torch.float32, device=w.device)
     step = max(1, QUANT_CHUNK_ELEMENTS // max(k, 1))
     for r in range(0, n, step):
         part = w[r : r + step].to(torch.float32, copy=True)  # [rows, K], a copy: divided in place below
-        s = part.abs().amax(dim=1).clamp(min=AMAX_FLOOR) / FP8_MAX
+        amax = part.abs().amax(dim=1).clamp(min=AMAX_FLOOR)
+        s = _searched_scales(part, amax, search) if len(search) > 1 else amax / FP8_MAX
         scale[r : r + step] = s
         q[r : r + step].copy_(part.div_(s[:, None]).clamp_(-FP8_MAX, FP8_MAX))
     return q, scale

@@ -85,9 +85,12 @@ def test_chunked_per_channel_quantizer_equals_the_whole_tensor_one(monkeypatch, 
     keep = w.clone()
     scale = w.float().abs().amax(dim=1).clamp(min=fp8_quant.AMAX_FLOOR) / FP8_MAX
     ref = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    whole_q, whole_s = quantize_weight_per_channel(w)  # searched scales, in one piece
     monkeypatch.setattr(fp8_quant, "QUANT_CHUNK_ELEMENTS", 96 * 5)  # 5 rows at a time, a partial last block
-    q, s = quantize_weight_per_channel(w)
+    q, s = quantize_weight_per_channel(w, search=())
     assert torch.equal(s, scale) and torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+    q, s = quantize_weight_per_channel(w)
+    assert torch.equal(s, whole_s) and torch.equal(q.view(torch.uint8), whole_q.view(torch.uint8))
     assert torch.equal(w, keep)  # the input is not scaled in place (float32 input: .float() would alias it)
 
 
