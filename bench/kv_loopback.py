@@ -2,6 +2,7 @@
 KV transport comes to the wire's speed without an engine in the way.
 
     python bench/kv_loopback.py [--tokens 2048] [--rounds 5] [--kv-layer-group 4] [--device cpu|cuda]   # prints, JSON
+                                [--kv-transport grpc|grpc-shm] [--engine-load]
 
 A child process serves two streams: `Pull` (bytes messages of `--kv-batch-mb`, what `gpu_serving.py --part raw`
 measures) and `KV` (the Prefill stream's KV part: `pdserve.kv.transfer`'s prefill connector ships the pages of one
@@ -9,7 +10,9 @@ measures) and `KV` (the Prefill stream's KV part: `pdserve.kv.transfer`'s prefil
 This process reads both: raw messages counted; KV messages through decode's connector (parse, checks, CRC32C, the
 copy to `--device`, acks) to PrefillDone and `finish`. Rounds alternate raw and KV; the medians and their ratio
 (`kv_loop_ratio`, the target is >= 0.7) are reported, and the CPU seconds both processes spent per GB moved in each
-kind of round (`loop_*_cpu_s_per_gb`: steadier than the wall time on a shared host). `bench/gpu_serving.py --part
+kind of round (`loop_*_cpu_s_per_gb`: steadier than the wall time on a shared host, shippers included). With
+`--kv-transport grpc-shm` both ends run their shipper processes and the KV bytes go through them (keys end in
+`_shm`). `bench/gpu_serving.py --part
 loop` runs it on the GPU host.
 """
 
@@ -44,9 +47,9 @@ def layout():
 def settings(args) -> SimpleNamespace:
     """Both connectors' settings (PrefillConfig's / DecodeConfig's names and defaults)."""
     return SimpleNamespace(
-        kv_transport="grpc", kv_batch_mb=args.kv_batch_mb, kv_ipc_staging_mb=1.0, kv_copy_threads=4,
+        kv_transport=args.kv_transport, kv_batch_mb=args.kv_batch_mb, kv_ipc_staging_mb=1.0, kv_copy_threads=4,
         ack_timeout_s=60.0, page_timeout_s=60.0, page_timeout_max_s=60.0, page_timeout_slack=3.0,
-        first_token_early=False, kv_layer_group=args.kv_layer_group,
+        first_token_early=False, kv_layer_group=args.kv_layer_group, kv_shipper="off", kv_shipper_arena_mb=512.0,
     )  # fmt: skip
 
 
@@ -81,15 +84,21 @@ def start_load(on: bool) -> threading.Event:
     return stop
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) of this process and process `pid` together: what a round costs the
-    host, which on a loaded host says more than its wall time (Linux /proc; 0.0 elsewhere)."""
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of process `pid` and its descendants (Linux /proc; 0.0 elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        child = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except (OSError, ValueError, IndexError):
         return 0.0
-    return time.process_time() + child
+    return own + sum(_tree_cpu(int(k)) for k in kids)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of this process, process `pid` and their helpers (grpc-shm's shippers) together: what a round costs
+    the host, which on a loaded host says more than its wall time."""
+    return _tree_cpu(os.getpid()) if Path(f"/proc/{pid}").exists() else 0.0
 
 
 def serve(port_file: str, args) -> None:
@@ -112,8 +121,8 @@ def serve(port_file: str, args) -> None:
     def kv(request_iterator, context):
         req = next(request_iterator).request
         tx = connector.open(req.request_id, num_pages, layout(), req.kv_transport, req.kv_layer_groups)
-        if args.kv_ramp >= 0:
-            tx.sender.ramp = args.kv_ramp  # type: ignore[attr-defined]  # GrpcSender's (kv_transport is grpc here)
+        if args.kv_ramp >= 0 and hasattr(tx.sender, "ramp"):
+            tx.sender.ramp = args.kv_ramp  # type: ignore[attr-defined]  # GrpcSender's
         yield tx.choice
         tx.listen(request_iterator)
         pages = list(range(num_pages))
@@ -159,7 +168,8 @@ def measure(args, workdir: Path) -> dict:
     port_file.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--serve", str(port_file), "--device", args.device, "--tokens", str(args.tokens)]
     cmd += ["--kv-batch-mb", str(args.kv_batch_mb), "--kv-layer-group", str(args.kv_layer_group)]
-    cmd += ["--kv-ramp", str(args.kv_ramp)] + (["--engine-load"] if args.engine_load else [])
+    cmd += ["--kv-ramp", str(args.kv_ramp), "--kv-transport", args.kv_transport]
+    cmd += ["--engine-load"] if args.engine_load else []
     proc = subprocess.Popen(cmd)
     load = start_load(args.engine_load)
     dc = for_decode(settings(args), device, lay, "fp")
@@ -241,6 +251,7 @@ def measure(args, workdir: Path) -> dict:
         "loop_device": args.device,
         "loop_engine_load": args.engine_load,
         "loop_kv_ramp": args.kv_ramp,
+        "loop_kv_transport": args.kv_transport,
         **({f"loop_raw_grpc_gbps_{args.raw_channels}ch": statistics.median(wide_rates)} if wide_rates else {}),
     }
 
@@ -250,7 +261,8 @@ def figures(workdir: Path, argv: list[str]) -> dict:
     `--engine-load` end in `_engine_load`."""
     args = parser().parse_args(argv)
     got = measure(args, workdir)
-    return {f"{k}_engine_load": v for k, v in got.items()} if args.engine_load else got
+    suffix = "_shm" * (args.kv_transport == "grpc-shm") + "_engine_load" * args.engine_load
+    return {f"{k}{suffix}": v for k, v in got.items()}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -260,6 +272,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-batch-mb", type=float, default=8.0, help="KV batch bound; the raw messages' size")
     ap.add_argument("--kv-layer-group", type=int, default=4, help="layers per shipment (0: whole pages)")
     ap.add_argument("--kv-ramp", type=int, default=-1, help="sender ramp steps (-1: default)")
+    ap.add_argument("--kv-transport", choices=("grpc", "grpc-shm"), default="grpc",
+                    help="grpc-shm: the bytes through shipper processes beside both ends")  # fmt: skip
     ap.add_argument("--engine-load", action="store_true", help="a GIL-holding thread in both processes, as engines")
     ap.add_argument("--raw-channels", type=int, default=1, help="also time raw over this many connections at once")
     ap.add_argument("--rounds", type=int, default=5)
@@ -277,7 +291,8 @@ def main() -> None:
     got = measure(args, Path(tempfile.mkdtemp(prefix="kvloop-")))
     print(
         f"raw {got['loop_raw_grpc_gbps']:.2f} GB/s, kv {got['loop_kv_gbps']:.2f} GB/s, "
-        f"ratio {got['kv_loop_ratio']:.2f} ({got['loop_request_mb']:.0f} MiB requests, {args.device}"
+        f"ratio {got['kv_loop_ratio']:.2f} ({args.kv_transport}, {got['loop_request_mb']:.0f} MiB requests, "
+        f"{args.device}"
         f"{', engine load' if args.engine_load else ''}); CPU s/GB of both processes: raw "
         f"{got['loop_raw_cpu_s_per_gb']:.2f}, kv {got['loop_kv_cpu_s_per_gb']:.2f}"
     )

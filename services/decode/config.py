@@ -29,8 +29,21 @@ class DecodeConfig(EngineServiceConfig):
     )
     kv_transport: str = opt(
         "auto",
-        "auto|grpc|cuda-ipc: how KV pages arrive from prefill (offered in each request; auto: cuda-ipc when "
-        "prefill is on this host with CUDA, else grpc; a forced transport that cannot work fails the request)",
+        "auto|grpc|cuda-ipc|grpc-shm: how KV pages arrive from prefill (offered in each request; auto: cuda-ipc "
+        "when prefill is on this host with CUDA, else grpc-shm when both ends run a KV shipper, else grpc; a forced "
+        "transport that cannot work fails the request)",
+    )
+    kv_shipper: str = opt(
+        "off",
+        "auto|on|off: run a KV shipper process beside the engine, which receives grpc-shm batches' bytes (gRPC's "
+        "copies then hold its GIL, not the engine process's); auto: on with CUDA; --kv-transport grpc-shm turns it on. "
+        "Off by default until measured against grpc on a GPU host (docs/kv_transfer.md)",
+    )
+    kv_shipper_arena_mb: float = opt(
+        1024.0, "grpc-shm: shared host memory (pinned on CUDA) where arriving batches land, MiB"
+    )
+    kv_shipper_port: int = opt(
+        0, "grpc-shm: the shipper's port on --host, where prefills' shippers push (internal; 0 = any free port)"
     )
     first_token_early: bool = opt(
         True,
@@ -43,7 +56,7 @@ class DecodeConfig(EngineServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        problems = kv_link_problems(self.kv_transport, self.kv_copy_threads)
+        problems = kv_link_problems(self.kv_transport, self.kv_copy_threads, self.kv_shipper, self.kv_shipper_arena_mb)
         if not self.page_timeout_s > 0:
             problems.append(f"--page-timeout-s must be > 0, got {self.page_timeout_s}")
         if not self.page_timeout_max_s >= self.page_timeout_s:

@@ -37,8 +37,18 @@ class PrefillConfig(CacheOptions, EngineServiceConfig):
     )
     kv_transport: str = opt(
         "auto",
-        "auto|grpc|cuda-ipc: how KV pages reach decode (auto: cuda-ipc when decode is on this host with CUDA, "
-        "else grpc; a forced transport that cannot work fails the request)",
+        "auto|grpc|cuda-ipc|grpc-shm: how KV pages reach decode (auto: cuda-ipc when decode is on this host with "
+        "CUDA, else grpc-shm when both ends run a KV shipper, else grpc; grpc-shm: gRPC between shipper processes "
+        "beside both engines; a forced transport that cannot work fails the request)",
+    )
+    kv_shipper: str = opt(
+        "off",
+        "auto|on|off: run a KV shipper process beside the engine, which moves grpc-shm batches' bytes (gRPC's "
+        "copies then hold its GIL, not the engine process's); auto: on with CUDA; --kv-transport grpc-shm turns it on. "
+        "Off by default until measured against grpc on a GPU host (docs/kv_transfer.md)",
+    )
+    kv_shipper_arena_mb: float = opt(
+        512.0, "grpc-shm: shared host memory (pinned on CUDA) where batches wait for the shipper and decode, MiB"
     )
     kv_batch_mb: float = opt(8.0, "grpc transport: page bytes per stream message, MiB")
     kv_ipc_staging_mb: float = opt(512.0, "cuda-ipc transport: device staging buffer shared with decode, MiB")
@@ -73,7 +83,9 @@ class PrefillConfig(CacheOptions, EngineServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        problems = kv_link_problems(self.kv_transport, self.kv_copy_threads)
+        problems = kv_link_problems(self.kv_transport, self.kv_copy_threads, self.kv_shipper, self.kv_shipper_arena_mb)
+        if 2 * self.kv_batch_mb > self.kv_shipper_arena_mb:
+            problems.append("--kv-shipper-arena-mb must hold two batches of --kv-batch-mb")
         if not self.ack_timeout_s > 0:
             problems.append(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         if not (self.kv_batch_mb > 0 and self.kv_ipc_staging_mb > 0):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.memory_ranges import FreeRanges
+
 ALIGN = 256  # block starts (device views of any dtype; the fetch's slots are aligned to this too)
 
 
@@ -50,58 +52,39 @@ class SharedArena:
                 raise RuntimeError(f"cudaHostRegister of the {self.nbytes}-byte fetch arena failed: {err}")
             self.pinned = True
         self._lock = threading.Lock()
-        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (start, end), sorted, merged
+        self._ranges = FreeRanges(self.nbytes, ALIGN)
         self._pending: list[tuple[int, int, object]] = []  # released blocks whose last copy may still run
 
     @property
     def free_bytes(self) -> int:
         with self._lock:
             self._reap_locked()
-            return sum(e - s for s, e in self._free)
+            return self._ranges.free_bytes
 
     def alloc(self, nbytes: int) -> ArenaBlock | None:
         """A block of at least `nbytes` (first fit), or None when no free range is that large."""
-        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        size = self._ranges.size_of(nbytes)
         with self._lock:
             self._reap_locked()
-            for i, (s, e) in enumerate(self._free):
-                if e - s >= size:
-                    if e - s == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (s + size, e)
-                    return ArenaBlock(s, size, self.tensor[s : s + size])
-        return None
+            s = self._ranges.take(size)
+        return None if s is None else ArenaBlock(s, size, self.tensor[s : s + size])
 
     def release(self, block: ArenaBlock, event: object | None = None) -> None:
         """Give `block` back: at once, or when `event` (a torch.cuda.Event) has completed."""
         with self._lock:
             if event is not None:
-                self._pending.append((block.offset, block.offset + block.nbytes, event))
+                self._pending.append((block.offset, block.nbytes, event))
             else:
-                self._insert_locked(block.offset, block.offset + block.nbytes)
+                self._ranges.give(block.offset, block.nbytes)
 
     def _reap_locked(self) -> None:
         still = []
-        for s, e, ev in self._pending:
+        for s, n, ev in self._pending:
             if ev.query():  # type: ignore[attr-defined]
-                self._insert_locked(s, e)
+                self._ranges.give(s, n)
             else:
-                still.append((s, e, ev))
+                still.append((s, n, ev))
         self._pending = still
-
-    def _insert_locked(self, start: int, end: int) -> None:
-        free = self._free
-        i = 0
-        while i < len(free) and free[i][0] < start:
-            i += 1
-        free.insert(i, (start, end))
-        if i + 1 < len(free) and free[i][1] == free[i + 1][0]:  # merge with the next
-            free[i] = (free[i][0], free[i + 1][1])
-            del free[i + 1]
-        if i > 0 and free[i - 1][1] == free[i][0]:  # and the previous
-            free[i - 1] = (free[i - 1][0], free[i][1])
-            del free[i]
 
     def close(self) -> None:
         """Unpin and unmap (no block may be in use)."""

@@ -123,13 +123,18 @@ class EngineServiceConfig(ServerOptions):
         self.engine.validate()
 
 
-def kv_link_problems(kv_transport: str, kv_copy_threads: int) -> list[str]:
-    """What is wrong with the KV link settings prefill and decode both have (`--kv-transport`, `--kv-copy-threads`)."""
-    from pdserve.kv.transfer.modes import MODES
+def kv_link_problems(kv_transport: str, kv_copy_threads: int, kv_shipper: str, kv_shipper_arena_mb: float) -> list[str]:
+    """What is wrong with the KV link settings prefill and decode both have (`--kv-transport`, `--kv-copy-threads`,
+    `--kv-shipper`, `--kv-shipper-arena-mb`)."""
+    from pdserve.kv.transfer.modes import MODES, SHIPPER_MODES
 
     problems = []
     if kv_copy_threads < 0:
         problems.append(f"--kv-copy-threads must be >= 0, got {kv_copy_threads}")
     if kv_transport not in MODES:
         problems.append(f"--kv-transport must be one of {', '.join(MODES)}, got {kv_transport!r}")
+    if kv_shipper not in SHIPPER_MODES:
+        problems.append(f"--kv-shipper must be one of {', '.join(SHIPPER_MODES)}, got {kv_shipper!r}")
+    if not kv_shipper_arena_mb > 0:
+        problems.append(f"--kv-shipper-arena-mb must be > 0, got {kv_shipper_arena_mb}")
     return problems

@@ -77,18 +77,20 @@ class PrefillFirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillServerMessage(_message.Message):
-    __slots__ = ("done", "batch", "ipc_batch", "transport", "first_token")
+    __slots__ = ("done", "batch", "ipc_batch", "transport", "first_token", "shipped_batch")
     DONE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     IPC_BATCH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHIPPED_BATCH_FIELD_NUMBER: _ClassVar[int]
     done: PrefillDone
     batch: _kv_pb2.KVPageBatch
     ipc_batch: _kv_pb2.KVIpcBatch
     transport: _kv_pb2.KVTransportChoice
     first_token: PrefillFirstToken
-    def __init__(self, done: _Optional[_Union[PrefillDone, _Mapping]] = ..., batch: _Optional[_Union[_kv_pb2.KVPageBatch, _Mapping]] = ..., ipc_batch: _Optional[_Union[_kv_pb2.KVIpcBatch, _Mapping]] = ..., transport: _Optional[_Union[_kv_pb2.KVTransportChoice, _Mapping]] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ...) -> None: ...
+    shipped_batch: _kv_pb2.KVShippedBatch
+    def __init__(self, done: _Optional[_Union[PrefillDone, _Mapping]] = ..., batch: _Optional[_Union[_kv_pb2.KVPageBatch, _Mapping]] = ..., ipc_batch: _Optional[_Union[_kv_pb2.KVIpcBatch, _Mapping]] = ..., transport: _Optional[_Union[_kv_pb2.KVTransportChoice, _Mapping]] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., shipped_batch: _Optional[_Union[_kv_pb2.KVShippedBatch, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_target", "resumed_tokens", "resumed_text_chars", "cache_scope", "n", "best_of")

@@ -95,7 +95,7 @@ class KVShardLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ...) -> None: ...
 
 class KVTransportOffer(_message.Message):
-    __slots__ = ("transports", "host_id", "device_kind", "gpu_uuid", "device_index", "forced", "shards")
+    __slots__ = ("transports", "host_id", "device_kind", "gpu_uuid", "device_index", "forced", "shards", "shipper_address", "transfer_key")
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class KVTransportOffer(_message.Message):
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHIPPER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
     transports: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
     device_kind: str
@@ -110,7 +112,9 @@ class KVTransportOffer(_message.Message):
     device_index: int
     forced: bool
     shards: KVShardLayout
-    def __init__(self, transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., forced: _Optional[bool] = ..., shards: _Optional[_Union[KVShardLayout, _Mapping]] = ...) -> None: ...
+    shipper_address: str
+    transfer_key: bytes
+    def __init__(self, transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., forced: _Optional[bool] = ..., shards: _Optional[_Union[KVShardLayout, _Mapping]] = ..., shipper_address: _Optional[str] = ..., transfer_key: _Optional[bytes] = ...) -> None: ...
 
 class KVIpcBuffer(_message.Message):
     __slots__ = ("buffer_id", "kind", "nbytes", "device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "path")
@@ -159,6 +163,94 @@ class KVTransportReady(_message.Message):
     ok: bool
     reason: str
     def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class KVShippedBatch(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: KVBatchHeader
+    def __init__(self, header: _Optional[_Union[KVBatchHeader, _Mapping]] = ...) -> None: ...
+
+class KVShipment(_message.Message):
+    __slots__ = ("transfer_key", "seq_no", "payload")
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_NO_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    transfer_key: bytes
+    seq_no: int
+    payload: bytes
+    def __init__(self, transfer_key: _Optional[bytes] = ..., seq_no: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class KVShipReceipt(_message.Message):
+    __slots__ = ("shipments",)
+    SHIPMENTS_FIELD_NUMBER: _ClassVar[int]
+    shipments: int
+    def __init__(self, shipments: _Optional[int] = ...) -> None: ...
+
+class ShipperCommand(_message.Message):
+    __slots__ = ("push", "release")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    push: ShipOut
+    release: ArenaRegion
+    def __init__(self, push: _Optional[_Union[ShipOut, _Mapping]] = ..., release: _Optional[_Union[ArenaRegion, _Mapping]] = ...) -> None: ...
+
+class ShipperEvent(_message.Message):
+    __slots__ = ("arrived", "failed", "ready")
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    arrived: ShipIn
+    failed: ShipFailed
+    ready: ShipperReady
+    def __init__(self, arrived: _Optional[_Union[ShipIn, _Mapping]] = ..., failed: _Optional[_Union[ShipFailed, _Mapping]] = ..., ready: _Optional[_Union[ShipperReady, _Mapping]] = ...) -> None: ...
+
+class ShipOut(_message.Message):
+    __slots__ = ("address", "transfer_key", "seq_no", "offset", "nbytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_NO_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    transfer_key: bytes
+    seq_no: int
+    offset: int
+    nbytes: int
+    def __init__(self, address: _Optional[str] = ..., transfer_key: _Optional[bytes] = ..., seq_no: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ShipIn(_message.Message):
+    __slots__ = ("transfer_key", "seq_no", "offset", "nbytes")
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_NO_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_key: bytes
+    seq_no: int
+    offset: int
+    nbytes: int
+    def __init__(self, transfer_key: _Optional[bytes] = ..., seq_no: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ArenaRegion(_message.Message):
+    __slots__ = ("offset", "nbytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ShipFailed(_message.Message):
+    __slots__ = ("transfer_key", "reason")
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_key: bytes
+    reason: str
+    def __init__(self, transfer_key: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ShipperReady(_message.Message):
+    __slots__ = ("port",)
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    def __init__(self, port: _Optional[int] = ...) -> None: ...
 
 class KVTransportStats(_message.Message):
     __slots__ = ("transport", "requests", "pages", "bytes", "transfer_seconds", "fallbacks", "batches")

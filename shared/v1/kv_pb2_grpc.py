@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,82 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class KVShipperStub:
+    """Shippers: a process beside each prefill / decode engine process that moves grpc-shm batches' bytes, so gRPC's
+    copies hold that process's GIL and not the engine's (docs/kv_transfer.md). Internal: the services' token / TLS.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Push = channel.stream_unary(
+                '/pdserve.v1.KVShipper/Push',
+                request_serializer=pdserve_dot_v1_dot_kv__pb2.KVShipment.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__pb2.KVShipReceipt.FromString,
+                _registered_method=True)
+
+
+class KVShipperServicer:
+    """Shippers: a process beside each prefill / decode engine process that moves grpc-shm batches' bytes, so gRPC's
+    copies hold that process's GIL and not the engine's (docs/kv_transfer.md). Internal: the services' token / TLS.
+    """
+
+    def Push(self, request_iterator, context):
+        """Prefill's shipper streams batches to decode's; they land in decode's shared-memory arena.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVShipperServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Push': grpc.stream_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=pdserve_dot_v1_dot_kv__pb2.KVShipment.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__pb2.KVShipReceipt.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.KVShipper', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.KVShipper', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVShipper:
+    """Shippers: a process beside each prefill / decode engine process that moves grpc-shm batches' bytes, so gRPC's
+    copies hold that process's GIL and not the engine's (docs/kv_transfer.md). Internal: the services' token / TLS.
+    """
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pdserve.v1.KVShipper/Push',
+            pdserve_dot_v1_dot_kv__pb2.KVShipment.SerializeToString,
+            pdserve_dot_v1_dot_kv__pb2.KVShipReceipt.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,5 +1,6 @@
-"""Each KV transport forced end to end through real processes: outputs token-identical to HF (unquantized KV),
-the forced transport really carried the bytes (Stats counters of both ends), pools empty afterwards."""
+"""Each KV transport forced end to end through real processes (grpc-shm: with both ends' shipper processes):
+outputs token-identical to HF (unquantized KV), the forced transport really carried the bytes (Stats counters of
+both ends), pools empty afterwards."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def transports(addr: str, stub_cls) -> tuple[dict, tuple[int, int]]:
     return {t.transport: t for t in s.kv_transports}, (s.kv_pages_free, s.kv_pages_total)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "cuda-ipc"])
+@pytest.mark.parametrize("transport", ["grpc", "cuda-ipc", "grpc-shm"])
 def test_forced_transport_token_identical_and_taken(transport, model_dir, hf_model, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_PREFILL_KV_BATCH_MB", "0.001")  # grpc: one page per message
     extra = ["--kv-transport", transport]

@@ -132,8 +132,13 @@ def test_validation_errors_name_flags_not_plain_words():
 
 @pytest.mark.parametrize("cls", (PrefillConfig, DecodeConfig))
 def test_kv_link_settings_are_checked_alike(cls):
-    with pytest.raises(SystemExit, match="--kv-transport must be one of auto, grpc, cuda-ipc, got 'nvlink'"):
+    with pytest.raises(SystemExit, match="--kv-transport must be one of auto, grpc, cuda-ipc, grpc-shm, got 'nvlink'"):
         parse(cls, ["--model", "m", "--kv-transport", "nvlink"], {})
     with pytest.raises(SystemExit, match="--kv-copy-threads must be >= 0, got -1"):
         parse(cls, ["--model", "m", "--kv-copy-threads", "-1"], {})
+    with pytest.raises(SystemExit, match="--kv-shipper must be one of auto, on, off, got 'yes'"):
+        parse(cls, ["--model", "m", "--kv-shipper", "yes"], {})
+    with pytest.raises(SystemExit, match="--kv-shipper-arena-mb must be > 0, got 0.0"):
+        parse(cls, ["--model", "m", "--kv-shipper-arena-mb", "0"], {})
     assert parse(cls, ["--model", "m", "--kv-transport", "cuda-ipc"], {}).kv_transport == "cuda-ipc"
+    assert parse(cls, ["--model", "m"], {}).kv_shipper == "off"

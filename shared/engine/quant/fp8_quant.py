@@ -35,6 +35,7 @@ SCALE_SEARCH = tuple(1.0 - 0.01 * i for i in range(13))
 def _searched_scales(part: torch.Tensor, amax: torch.Tensor, factors: tuple[float, ...]) -> torch.Tensor:
     """part [rows, K] float32, amax [rows] -> per row the scale amax * f / 448 (f in factors) of least squared
     error after e4m3 rounding."""
+
     def row_error(s: torch.Tensor) -> torch.Tensor:  # [rows]
         q = (part / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
         return q.float().mul_(s[:, None]).sub_(part).square_().sum(dim=1)

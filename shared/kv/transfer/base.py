@@ -169,11 +169,19 @@ class KVSender(ABC):
         side (`acks_ended`). Raises TimeoutError."""
         deadline = time.monotonic() + timeout
         with self._acked_cv:
-            while self._spans and not self._acks_ended:
+            while self._spans and not self._acks_ended and not self._drain_stop():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{len(self._spans)} shipped batches unacknowledged after {timeout}s")
                 self._acked_cv.wait(left)
+
+    def _drain_stop(self) -> bool:
+        """Transport hook: stop waiting for acks that cannot come (the transport failed)."""
+        return False
+
+    def failure(self) -> str:
+        """Why this transfer's transport failed beside the stream ("": it did not): the request fails UNAVAILABLE."""
+        return ""
 
     def close(self) -> None:
         """The RPC ended: free the pages if not all acked, release transport resources, book the time."""
@@ -257,11 +265,16 @@ class KVReceiver(ABC):
             except BaseException as e:
                 done.set_exception(e)
 
-        if self.pool is None:
-            complete()
-        else:
-            self.pool.submit(complete)
+        self._schedule(header, complete)
         return done
+
+    def _schedule(self, header: kv_pb2.KVBatchHeader, work: Callable[[], None]) -> None:
+        """Run a batch's fetch-and-check `work`: on `self.pool`, or on this thread without one. Transports whose
+        bytes arrive beside the stream run it once they did."""
+        if self.pool is None:
+            work()
+        else:
+            self.pool.submit(work)
 
     def finish(self, num_pages: int, timeout: float) -> None:
         """At PrefillDone: every page arrived and every pool write is done. Raises TransferError / the write's

@@ -14,6 +14,7 @@ fallback, batch checks and copies (pipelined on `--kv-copy-threads`), acks and t
 
 from __future__ import annotations
 
+import os
 import queue
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -22,17 +23,42 @@ from typing import Protocol
 
 import torch
 
-from pdserve.errors import CorruptPage, DeadlineExceeded, InvalidRequest, PdserveError, TransferError
+from pdserve.errors import (
+    CorruptPage,
+    DeadlineExceeded,
+    InvalidRequest,
+    PdserveError,
+    PeerUnavailable,
+    TransferError,
+    TransportUnusable,
+)
 from pdserve.kv.codec import KVLayoutSpec
+from pdserve.kv.shipper.link import Inbox
 from pdserve.kv.transfer.base import ImportRows, KVReceiver
 from pdserve.kv.transfer.cuda_ipc import IpcBufferCache, IpcReceiver, copier_for
+from pdserve.kv.transfer.grpc_shm import ShmReceiver, start_shipper
 from pdserve.kv.transfer.grpc_transport import GrpcReceiver
-from pdserve.kv.transfer.handshake import CUDA_IPC, GRPC, ShardLayout, fall_back, make_offer
+from pdserve.kv.transfer.handshake import (
+    CUDA_IPC,
+    GRPC,
+    GRPC_SHM,
+    TRANSFER_KEY_BYTES,
+    ShardLayout,
+    fall_back,
+    make_offer,
+)
 from pdserve.kv.transfer.pages import ReceiverPages
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.kv.transfer.timeouts import PageBudget, PeerLoads, Watchdog
 from pdserve.kv.transfer.wire import BatchExpectation, parse_server_message
+from pdserve.server.announce import advertised
 from pdserve.v1 import internal_pb2, kv_pb2
+
+
+def advertised_host(host: str) -> str:
+    """The host peers dial for this process's ports: the bound one, or the machine's name for a wildcard bind."""
+    return advertised(host, 0).rsplit(":", 1)[0]
+
 
 _BAD_PEER = (TransferError, CorruptPage, InvalidRequest)  # damaged, out of order or not ours: the peer's fault
 
@@ -40,7 +66,7 @@ _BAD_PEER = (TransferError, CorruptPage, InvalidRequest)  # damaged, out of orde
 class ReceiverConfig(Protocol):
     """The decode settings the connector reads (`DecodeConfig`)."""
 
-    kv_transport: str  # auto | grpc | cuda-ipc (offered in each request)
+    kv_transport: str  # auto | grpc | cuda-ipc | grpc-shm (offered in each request)
     kv_copy_threads: int  # threads checking and copying batches off the stream's reader (0: none)
     page_timeout_s: float  # shortest bound on the wait for the next message from prefill (`timeouts.PageBudget`)
     page_timeout_max_s: float  # its longest, however much work is ahead
@@ -75,6 +101,8 @@ class DecodeConnector:
         self.copy_pool = (
             ThreadPoolExecutor(cfg.kv_copy_threads, thread_name_prefix="kv-copy") if cfg.kv_copy_threads else None
         )
+        self.shipper = start_shipper(cfg, "decode", device)  # grpc-shm (None: not run here)
+        self.shipper_host = advertised_host(getattr(cfg, "host", "127.0.0.1"))
 
     def open(
         self,
@@ -89,11 +117,38 @@ class DecodeConnector:
         pages = ReceiverPages(request_id, num_pages, free=free, num_layers=self.layout.num_layers)
         return IncomingTransfer(self, pages, import_rows, peer)
 
-    def receiver(self, transport: str, pages: ReceiverPages, import_rows: ImportRows, buffer_id: str) -> KVReceiver:
+    def offer_for(self, request_id: str) -> tuple[kv_pb2.KVTransportOffer, Inbox | None]:
+        """This request's offer, with grpc-shm (this shipper's address and a fresh transfer key, whose inbox is
+        returned) when the shipper serves and --kv-transport allows it. TransportUnusable when grpc-shm is forced
+        and the shipper is down."""
+        mode = self.cfg.kv_transport
+        if mode not in ("auto", GRPC_SHM):
+            return self.offer, None
+        if self.shipper is None or not self.shipper.ready():
+            if mode == GRPC_SHM:
+                raise TransportUnusable("kv transport grpc-shm forced but decode's KV shipper is not running")
+            return self.offer, None
+        offer = kv_pb2.KVTransportOffer()
+        offer.CopyFrom(self.offer)
+        if GRPC_SHM not in offer.transports:
+            offer.transports.append(GRPC_SHM)
+        key = os.urandom(TRANSFER_KEY_BYTES)
+        offer.shipper_address = self.shipper.address(self.shipper_host)
+        offer.transfer_key = key
+        return offer, self.shipper.inbox(key)
+
+    def receiver(
+        self, transport: str, pages: ReceiverPages, import_rows: ImportRows, buffer_id: str, inbox: Inbox | None
+    ) -> KVReceiver:
         args = (pages, BatchExpectation(self.layout, self.fingerprint, pages.request_id), self.stats, self.device)
         rx: KVReceiver
         if transport == CUDA_IPC:
             rx = IpcReceiver(*args, import_rows, buffers=self.buffers, buffer_id=buffer_id)
+        elif transport == GRPC_SHM:
+            assert inbox is not None
+            shm = ShmReceiver(*args, import_rows, inbox=inbox)
+            shm.copy_stream = self.copy_stream
+            rx = shm
         else:
             rx = GrpcReceiver(*args, import_rows)
             rx.copy_stream = self.copy_stream
@@ -103,6 +158,8 @@ class DecodeConnector:
     def close(self) -> None:
         if self.copy_pool is not None:
             self.copy_pool.shutdown(wait=False, cancel_futures=True)
+        if self.shipper is not None:
+            self.shipper.close()
 
 
 class IncomingTransfer:
@@ -121,6 +178,7 @@ class IncomingTransfer:
         self._watchdog: Watchdog | None = None
         self._first_token = False
         self.peer_shards: ShardLayout | None = None  # prefill's split of the KV heads, from its choice
+        self._inbox: Inbox | None = None  # grpc-shm: where this request's bytes land, when offered
         self.work = connector.loads.open(peer, len(pages.states) * connector.layout.page_size)  # the page timeout
 
     @property
@@ -135,7 +193,8 @@ class IncomingTransfer:
         request.model_fingerprint = c.fingerprint
         request.first_token_early = c.cfg.first_token_early
         request.kv_layer_groups = True  # batches of a layer range are taken (`layers`): prefill may stream them
-        request.kv_transport.CopyFrom(c.offer)
+        offer, self._inbox = c.offer_for(self.pages.request_id)
+        request.kv_transport.CopyFrom(offer)
         first = internal_pb2.PrefillClientMessage(request=request)
 
         def stream() -> Iterator[internal_pb2.PrefillClientMessage]:
@@ -184,6 +243,8 @@ class IncomingTransfer:
             self._batch(self.receiver.receive_async(header, payload))
         elif msg is not None and kind == "ipc_batch":
             self._batch(self.receiver.receive_async(msg.ipc_batch.header, msg.ipc_batch))
+        elif msg is not None and kind == "shipped_batch":
+            self._batch(self.receiver.receive_async(msg.shipped_batch.header, msg.shipped_batch))
         else:
             raise TransferError(f"unexpected message from prefill: {kind}")
         return None
@@ -198,8 +259,13 @@ class IncomingTransfer:
         if why:  # pages hold every head whatever prefill's split; a split that cannot hold them is a broken peer
             raise TransferError(f"prefill's tensor-parallel layout: {why}")
         transport = choice.transport
-        if transport not in (GRPC, CUDA_IPC):
+        if transport not in (GRPC, CUDA_IPC, GRPC_SHM):
             raise TransferError(f"prefill chose unknown kv transport {transport!r}")
+        if transport == GRPC_SHM and self._inbox is None:
+            raise TransferError("prefill chose grpc-shm, which this request did not offer")
+        if transport != GRPC_SHM and self._inbox is not None:
+            self._inbox.close()  # offered, not chosen
+            self._inbox = None
         if transport == CUDA_IPC:
             try:
                 self._connector.buffers.get(choice.ipc_buffer)
@@ -210,7 +276,9 @@ class IncomingTransfer:
                 transport = fall_back(self._connector.stats, self.pages.request_id, reason, forced)
                 ready = kv_pb2.KVTransportReady(ok=False, reason=reason)
             self._outbox.put(internal_pb2.PrefillClientMessage(transport_ready=ready))
-        self.receiver = self._connector.receiver(transport, self.pages, self._import_rows, choice.ipc_buffer.buffer_id)
+        self.receiver = self._connector.receiver(
+            transport, self.pages, self._import_rows, choice.ipc_buffer.buffer_id, self._inbox
+        )
 
     def _batch(self, done: Future[int]) -> None:
         self._pending.append(done)
@@ -247,6 +315,8 @@ class IncomingTransfer:
         """After the stream broke: why, when this end broke it (a batch that failed its checks: TransferError;
         prefill silent past page_timeout_s: DeadlineExceeded); None when the peer or the caller did."""
         bad = next((f.exception() for f in self._pending if f.done() and f.exception() is not None), None)
+        if isinstance(bad, PeerUnavailable):  # grpc-shm: the bytes' way (a shipper) broke, not the peer's data
+            return bad
         if bad is not None:
             return TransferError(f"bad KV batch from prefill: {bad}")
         if self._watchdog is not None and self._watchdog.expired:
@@ -263,6 +333,8 @@ class IncomingTransfer:
             self._watchdog.stop()
         self.work.close()
         self._outbox.put(None)
+        if self._inbox is not None:
+            self._inbox.close()  # whatever landed and was not taken goes back to the shipper
         if self.pages.completed:
             return
         self._cancel()

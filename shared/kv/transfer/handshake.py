@@ -5,6 +5,8 @@
 2. Prefill answers with a `KVTransportChoice` as its first message (`choose`): with `--kv-transport auto`,
    cuda-ipc when both ends are on one host with CUDA and prefill's staging buffer is registered, else grpc.
    A forced transport that cannot work is an error (FAILED_PRECONDITION), never a fallback.
+   `grpc-shm` (bytes through the shippers, `pdserve.kv.shipper`) where `auto` would pick grpc, when decode offers it
+   (its shipper's address and a transfer key, per request) and prefill's own shipper serves.
 3. For cuda-ipc, decode opens the buffer and replies `KVTransportReady`; if it cannot (and neither end forced
    cuda-ipc), prefill ships this request over grpc. Every fallback, on either end, goes through `fall_back`:
    counted and logged, or TransportUnusable when cuda-ipc was forced.
@@ -28,7 +30,7 @@ import torch
 
 from pdserve.engine.tp.layout import MAX_TP_SIZE
 from pdserve.errors import TransportUnusable
-from pdserve.kv.transfer.modes import CUDA_IPC, GRPC
+from pdserve.kv.transfer.modes import CUDA_IPC, GRPC, GRPC_SHM
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.v1 import kv_pb2
 
@@ -119,16 +121,59 @@ class Choice:
     error: str = ""  # a forced transport cannot work: the request fails FAILED_PRECONDITION with this
 
 
+SHIPPER_ADDRESS_MAX = 300  # host:port
+TRANSFER_KEY_BYTES = 16
+
+
+def shipper_offer_problem(offer: kv_pb2.KVTransportOffer) -> str:
+    """Why decode's grpc-shm fields cannot be used ("" when they can)."""
+    address = offer.shipper_address
+    if not address or len(address) > SHIPPER_ADDRESS_MAX or ":" not in address or any(c.isspace() for c in address):
+        return f"decode's shipper address {address[:SHIPPER_ADDRESS_MAX]!r} is not host:port"
+    if len(offer.transfer_key) != TRANSFER_KEY_BYTES:
+        return f"decode's transfer key has {len(offer.transfer_key)} bytes, not {TRANSFER_KEY_BYTES}"
+    return ""
+
+
 def choose(
     offer: kv_pb2.KVTransportOffer | None,
     mode: str,
     local_host: str,
     local_device_kind: str,
     ipc_unavailable: str,
+    shipper_unavailable: str = "prefill runs no KV shipper",
 ) -> Choice:
-    """Prefill's pick. `ipc_unavailable` is why its staging buffer cannot serve ("" when it can)."""
+    """Prefill's pick. `ipc_unavailable` is why its staging buffer cannot serve, `shipper_unavailable` why its
+    shipper cannot ("" when it can)."""
     offered = list(offer.transports) if offer is not None and offer.transports else [GRPC]
     decode_forced = offer is not None and offer.forced
+    if mode == GRPC_SHM or (decode_forced and offered == [GRPC_SHM]):
+        why_not = ""
+        if mode not in ("auto", GRPC_SHM):
+            why_not = f"prefill is forced to {mode}"
+        elif GRPC_SHM not in offered or offer is None:
+            why_not = f"decode offers only {offered}"
+        else:
+            why_not = shipper_offer_problem(offer) or shipper_unavailable
+        if why_not:
+            return Choice("", "", error=f"kv transport grpc-shm forced but unusable: {why_not}")
+        return Choice(GRPC_SHM, "forced")
+    picked = _choose_grpc_or_ipc(offer, offered, decode_forced, mode, local_host, local_device_kind, ipc_unavailable)
+    if picked.transport == GRPC and mode == "auto" and offer is not None and GRPC_SHM in offered:
+        if not (shipper_offer_problem(offer) or shipper_unavailable):
+            return Choice(GRPC_SHM, f"{picked.reason}; bytes through the shippers", fallback=picked.fallback)
+    return picked
+
+
+def _choose_grpc_or_ipc(
+    offer: kv_pb2.KVTransportOffer | None,
+    offered: list[str],
+    decode_forced: bool,
+    mode: str,
+    local_host: str,
+    local_device_kind: str,
+    ipc_unavailable: str,
+) -> Choice:
     same_host = offer is not None and offer.host_id == local_host
     wants_ipc = mode == CUDA_IPC or (decode_forced and offered == [CUDA_IPC])
     if mode == GRPC or (mode == "auto" and not wants_ipc and CUDA_IPC not in offered):

@@ -25,9 +25,11 @@ from pdserve.errors import DeadlineExceeded, PeerUnavailable, TransferError, Tra
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.base import ExportedPages, KVSender
 from pdserve.kv.transfer.cuda_ipc import IpcSender, IpcStaging, copier_for
+from pdserve.kv.transfer.grpc_shm import ShmSender, start_shipper
 from pdserve.kv.transfer.grpc_transport import GrpcSender
 from pdserve.kv.transfer.handshake import CUDA_IPC, ShardLayout, choose, fall_back, host_id
 from pdserve.kv.transfer.layers import effective_group
+from pdserve.kv.transfer.modes import GRPC_SHM
 from pdserve.kv.transfer.pages import SenderPages
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.kv.transfer.timeouts import AckClock
@@ -39,7 +41,7 @@ log = logging.getLogger("pdserve.kv.transfer")
 class SenderConfig(Protocol):
     """The prefill settings the connector reads (`PrefillConfig`)."""
 
-    kv_transport: str  # auto | grpc | cuda-ipc
+    kv_transport: str  # auto | grpc | cuda-ipc | grpc-shm
     kv_batch_mb: float  # grpc: page bytes per message
     kv_ipc_staging_mb: float  # cuda-ipc: the staging buffer
     kv_copy_threads: int  # grpc: threads building messages ahead of the writer (0: none)
@@ -72,6 +74,7 @@ class PrefillConnector:
         self._build_pool = (
             ThreadPoolExecutor(cfg.kv_copy_threads, thread_name_prefix="kv-build") if cfg.kv_copy_threads else None
         )
+        self.shipper = start_shipper(cfg, "prefill", device)  # grpc-shm (None: not run here)
 
     def open(
         self,
@@ -89,7 +92,10 @@ class PrefillConnector:
         may_ipc = mode == CUDA_IPC or (
             mode == "auto" and offer is not None and CUDA_IPC in offer.transports and offer.host_id == self.host_id
         )
-        choice = choose(offer, mode, self.host_id, self.device.type, self._staging_unavailable() if may_ipc else "")
+        may_shm = mode == GRPC_SHM or (offer is not None and GRPC_SHM in offer.transports)
+        ipc_problem = self._staging_unavailable() if may_ipc else ""
+        shm_problem = self._shipper_unavailable() if may_shm else "decode offers no grpc-shm"
+        choice = choose(offer, mode, self.host_id, self.device.type, ipc_problem, shm_problem)
         if choice.error:
             raise TransportUnusable(choice.error)
         if choice.fallback:
@@ -101,12 +107,24 @@ class PrefillConnector:
             message.ipc_buffer.CopyFrom(self._staging.desc)
         message.shards.CopyFrom((self.shards or ShardLayout(1, layout.num_kv_heads)).to_proto())
         pages = SenderPages(request_id, num_pages, free=lambda: self.release(request_id), num_layers=layout.num_layers)
-        tx = OutgoingTransfer(self, message, pages, layout, forced)
+        tx = OutgoingTransfer(self, message, pages, layout, forced, offer)
         tx.layer_group = effective_group(self.cfg.kv_layer_group, layout.num_layers, layer_groups)
         return tx
 
-    def sender(self, transport: str, pages: SenderPages, layout: KVLayoutSpec) -> KVSender:
+    def sender(
+        self, transport: str, pages: SenderPages, layout: KVLayoutSpec, offer: kv_pb2.KVTransportOffer | None = None
+    ) -> KVSender:
         args = (pages, layout, self.fingerprint, self.stats)
+        if transport == GRPC_SHM:
+            assert self.shipper is not None and offer is not None  # choose() picks grpc-shm only then
+            return ShmSender(
+                *args,
+                max_batch_bytes=int(self.cfg.kv_batch_mb * 2**20),
+                link=self.shipper,
+                address=offer.shipper_address,
+                key=offer.transfer_key,
+                reserve_timeout=self.cfg.ack_timeout_s,
+            )
         if transport == CUDA_IPC:
             assert self._staging is not None
             return IpcSender(
@@ -135,10 +153,19 @@ class PrefillConnector:
                     log.warning("cuda-ipc unusable: %s", self._staging_error)
             return self._staging_error
 
+    def _shipper_unavailable(self) -> str:
+        """ "" when the shipper serves (started again if it exited), else why not."""
+        if self.shipper is None:
+            return "prefill runs no KV shipper (--kv-shipper)"
+        return "" if self.shipper.ready() else "prefill's KV shipper is not running"
+
     def close(self) -> None:
-        """Service shutdown: release the staging buffer (its shared-memory file on CPU) and the builders."""
+        """Service shutdown: release the staging buffer (its shared-memory file on CPU), the builders, the
+        shipper."""
         if self._staging is not None:
             self._staging.close()
+        if self.shipper is not None:
+            self.shipper.close()
         if self._build_pool is not None:
             self._build_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -154,12 +181,13 @@ class OutgoingTransfer:
         pages: SenderPages,
         layout: KVLayoutSpec,
         forced: bool,
+        offer: kv_pb2.KVTransportOffer | None = None,
     ) -> None:
         self._connector = connector
         self.pages = pages
         self.layout = layout
         self.choice = internal_pb2.PrefillServerMessage(transport=choice)
-        self.sender = connector.sender(choice.transport, pages, layout)  # switched to grpc on decode's refusal
+        self.sender = connector.sender(choice.transport, pages, layout, offer)  # grpc on decode's cuda-ipc refusal
         self.clock = AckClock()
         self.layer_group = 0  # layers per shipment of a computed chunk (0: whole chunks; `layers.effective_group`)
         self._forced = forced  # cuda-ipc forced by either end: no fallback
@@ -227,6 +255,8 @@ class OutgoingTransfer:
             raise DeadlineExceeded(f"KV transfer stalled: {e}") from e
         except TransferError as e:
             raise TransferError(f"KV transfer failed ({self.transport}): {e}") from e
+        except PeerUnavailable:
+            raise
         except Exception as e:  # prefill's own fault: INTERNAL
             raise RuntimeError(f"KV transfer failed ({self.transport}): {e}") from e
         self.clock.shipped(len(exported.page_indexes))
@@ -235,6 +265,9 @@ class OutgoingTransfer:
     def poll(self) -> None:
         """DeadlineExceeded once decode left a shipped page unacknowledged past ack_timeout_s (it stopped storing
         pages: they are given back when the RPC ends)."""
+        failed = self.sender.failure()
+        if failed:
+            raise PeerUnavailable(f"KV transfer failed ({self.transport}): {failed}")
         timeout, clock = self._connector.cfg.ack_timeout_s, self.clock
         if clock.oldest_unacked_age() > timeout:
             raise DeadlineExceeded(

@@ -20,36 +20,13 @@ from pdserve.kv.bytes_out import concat
 from pdserve.kv.codec import KVLayoutSpec, pack_layout, pack_str
 from pdserve.kv.transfer.layers import LayerRange
 from pdserve.kv.transfer.page_format import PageFormat
+from pdserve.kv.varint import encode_varint as _varint
+from pdserve.kv.varint import read_varint as _read_varint
 from pdserve.v1 import internal_pb2, kv_pb2
 
 _BATCH_FIELD = internal_pb2.PrefillServerMessage.DESCRIPTOR.fields_by_name["batch"].number
 _OUTER_TAG = bytes([(_BATCH_FIELD << 3) | 2])  # length-delimited field `batch`
 _HEADER_TAG, _PAYLOAD_TAG = 0x0A, 0x12  # KVPageBatch.header = 1, .payload = 2 (length-delimited)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise CorruptPage("truncated or oversized varint in a KV batch message")
-        b = buf[pos]
-        pos += 1
-        n |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return n, pos
-        shift += 7
 
 
 def canonical_header(h: kv_pb2.KVBatchHeader) -> bytes:

@@ -41,6 +41,8 @@ class Settings:
     page_timeout_slack: float = 3.0
     first_token_early: bool = False
     kv_layer_group: int = 0
+    kv_shipper: str = "off"
+    kv_shipper_arena_mb: float = 4.0
 
 
 def rows(n: int = N) -> torch.Tensor:

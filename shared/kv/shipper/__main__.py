@@ -1,0 +1,5 @@
+import sys
+
+from pdserve.kv.shipper.process import main
+
+sys.exit(main())
