@@ -49,8 +49,9 @@ def shipment_bytes(key: bytes, seq_no: int, payload: memoryview) -> bytes:
 
 
 def parse_shipment(raw: bytes) -> tuple[bytes, int, memoryview]:
-    """(transfer key, seq_no, payload as a view of `raw`); CorruptPage when `raw` is not what `shipment_bytes`
-    writes (any field order protobuf allows, each field once)."""
+    """(transfer key, seq_no, payload as a view of `raw`); CorruptPage when `raw` is not a KVShipment with a key
+    (any field order, each field at most once; seq_no and payload left out are 0 and empty, as protobuf writes
+    them)."""
     buf = memoryview(raw)
     key = seq = payload = None
     pos = 0
@@ -72,11 +73,11 @@ def parse_shipment(raw: bytes) -> tuple[bytes, int, memoryview]:
         else:
             raise CorruptPage("KV shipment field repeated")
         pos = end
-    if key is None or seq is None or payload is None:
-        raise CorruptPage("KV shipment lacks its key, seq_no or payload")
+    if key is None:
+        raise CorruptPage("KV shipment lacks its transfer key")
     if len(key) != KEY_BYTES:
         raise CorruptPage(f"KV shipment key of {len(key)} bytes, not {KEY_BYTES}")
-    return key, seq, payload
+    return key, seq or 0, payload if payload is not None else memoryview(b"")  # proto3: defaults are left out
 
 
 def send_message(sock: socket.socket, msg) -> None:

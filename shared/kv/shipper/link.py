@@ -115,9 +115,11 @@ class ShipperLink:
         port: int = 0,
         environ: Mapping[str, str] | None = None,
         max_shipment_bytes: int = 64 << 20,
+        arena_wait_s: float = 60.0,
     ):
         """`environ`: the shipper's environment (the service's resolved token and TLS files: its Push port is
-        internal); `pin`: the arena is registered with CUDA."""
+        internal); `pin`: the arena is registered with CUDA; `arena_wait_s`: decode, how long a full arena may hold
+        a Push stream before failing it."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"shipper role must be prefill or decode, got {role!r}")
         self.role = role
@@ -125,6 +127,7 @@ class ShipperLink:
         self.host, self.port = host, port
         self.environ = dict(os.environ if environ is None else environ)
         self.max_shipment_bytes = max_shipment_bytes
+        self.arena_wait_s = arena_wait_s
         self._lock = threading.Lock()
         self._space = threading.Condition()  # prefill: a staging block was given back
         self._proc: subprocess.Popen | None = None
@@ -151,6 +154,7 @@ class ShipperLink:
             sys.executable, "-m", "pdserve.kv.shipper", "--role", self.role, "--control-fd", str(theirs.fileno()),
             "--arena-fd", str(self.arena.fd), "--arena-bytes", str(self.arena.nbytes), "--host", self.host,
             "--port", str(self.port), "--max-shipment-bytes", str(self.max_shipment_bytes),
+            "--arena-wait-s", str(self.arena_wait_s),
         ]  # fmt: skip
         try:
             proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno(), self.arena.fd], env=self.environ)

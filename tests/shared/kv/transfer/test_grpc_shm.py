@@ -1,0 +1,137 @@
+"""The grpc-shm transport between the connectors, with both ends' real shipper processes: pages arrive intact and
+counted; auto takes it only when both ends run a shipper; a forced grpc-shm that cannot work fails at once on the
+end that knows; a shipper that dies mid-transfer fails the request UNAVAILABLE on both ends (pages freed); bytes
+changed on the way fail DATA_LOSS."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from connector_testutil import LAYOUT, N, Pair, Settings, counters, rows
+
+from pdserve.errors import PeerUnavailable, TransferError, TransportUnusable
+from pdserve.kv.shipper import link as link_module
+from pdserve.kv.transfer import ExportedPages
+from pdserve.server.status import engine_error_code
+from pdserve.v1 import internal_pb2
+
+ON = Settings(kv_shipper="on")
+
+
+def imported(pair: Pair) -> torch.Tensor:
+    return torch.cat([b for _, b in sorted(pair.imported, key=lambda x: x[0])])
+
+
+@pytest.mark.parametrize("batch_mb", [1.0, 0.001], ids=["one batch", "a page a batch"])
+def test_pages_move_through_the_shippers(batch_mb):
+    pair = Pair(Settings(kv_shipper="on", kv_batch_mb=batch_mb), ON)
+    try:
+        tx = pair.open()
+        assert tx.transport == pair.rx.transport == "grpc-shm"
+        assert "bytes through the shippers" in tx.choice.transport.reason
+        pages = rows()
+        pair.ship(pages)
+        pair.finish()
+        assert torch.equal(imported(pair), pages)
+        assert pair.released == ["r"] and pair.freed == [] and pair.rx.pages.completed
+        assert counters(pair.pc.stats, "grpc-shm") == counters(pair.dc.stats, "grpc-shm") == (1, N, 0)
+        assert pair.pc.stats.get("grpc-shm").batches == (1 if batch_mb == 1.0 else N)
+        assert pair.dc.shipper is not None and pair.dc.shipper.dropped == 0
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("prefill_on, decode_on", [(True, False), (False, True)])
+def test_auto_uses_grpc_unless_both_ends_run_a_shipper(prefill_on, decode_on):
+    pair = Pair(ON if prefill_on else Settings(), ON if decode_on else Settings())
+    try:
+        assert ("grpc-shm" in pair.offer.transports) == decode_on
+        tx = pair.open()
+        assert tx.transport == pair.rx.transport == "grpc"
+        pair.ship(rows())
+        pair.finish()
+    finally:
+        pair.close()
+
+
+def test_a_forced_grpc_shm_that_cannot_work_fails_on_the_end_that_knows(monkeypatch):
+    pair = Pair(Settings(kv_transport="grpc-shm"), Settings())  # decode offers no grpc-shm
+    try:
+        with pytest.raises(TransportUnusable, match="grpc-shm forced but unusable: decode offers only") as e:
+            pair.pc.open("r", N, LAYOUT, pair.offer)
+    finally:
+        pair.close()
+    assert engine_error_code(e.value).name == "FAILED_PRECONDITION"
+    # decode forced, its shipper down (and not yet due to start again): the request is refused before it leaves
+    monkeypatch.setattr(link_module, "RESTART_AFTER_S", 3600.0)
+    pair = Pair(ON, Settings(kv_transport="grpc-shm"))
+    try:
+        assert pair.offer.forced and list(pair.offer.transports) == ["grpc-shm"]
+        assert pair.dc.shipper is not None and pair.dc.shipper.pid is not None
+        os.kill(pair.dc.shipper.pid, signal.SIGKILL)
+        pair.dc.shipper._proc.wait()  # type: ignore[union-attr]
+        rx = pair.dc.open("r2", N, lambda: None, pair.import_rows, peer="prefill-0")
+        with pytest.raises(TransportUnusable, match="decode's KV shipper is not running"):
+            next(rx.messages(internal_pb2.PrefillRequest(request_id="r2")))
+    finally:
+        pair.close()
+
+
+def test_a_decode_shipper_that_dies_mid_transfer_fails_both_ends_unavailable(monkeypatch):
+    monkeypatch.setattr(link_module, "RESTART_AFTER_S", 3600.0)
+    pair = Pair(Settings(kv_shipper="on", kv_batch_mb=0.001), ON)
+    try:
+        pair.open()
+        pages = rows()
+        for m in pair.tx.send(ExportedPages([0, 1], [4, 4], pages[:2])):
+            pair.rx.receive(m.SerializeToString())
+        assert pair.dc.shipper is not None and pair.dc.shipper.pid is not None
+        os.kill(pair.dc.shipper.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not pair.tx.sender.failure() and time.monotonic() < deadline:  # the next push finds no shipper
+            try:
+                for m in pair.tx.send(ExportedPages([2], [4], pages[2:3])):
+                    pair.rx.receive(m.SerializeToString())
+            except PeerUnavailable:
+                break
+            time.sleep(0.2)
+        with pytest.raises(PeerUnavailable) as prefill_err:
+            pair.tx.poll()
+        assert engine_error_code(prefill_err.value).name == "UNAVAILABLE"
+        done = internal_pb2.PrefillDone(num_pages=pair.tx.pages.num_shipped)
+        with pytest.raises(PeerUnavailable) as decode_err:
+            pair.rx.finish(done)
+        assert engine_error_code(decode_err.value).name == "UNAVAILABLE"
+        pair.rx.close()
+        assert pair.freed == [1]  # decode's reserved pages given back
+        pair.tx.abort()
+        assert pair.released == ["r"]
+    finally:
+        pair.close()
+
+
+def test_bytes_changed_on_the_way_fail_data_loss(monkeypatch):
+    pair = Pair(ON, ON)
+    try:
+        pair.open()
+        link = pair.pc.shipper
+        assert link is not None
+        push = link.push
+
+        def flip(address, key, seq_no, block, nbytes):
+            block.tensor[7] ^= 0x40  # after the checksum, before the shipper reads it
+            push(address, key, seq_no, block, nbytes)
+
+        monkeypatch.setattr(link, "push", flip)
+        pair.ship(rows())
+        done = internal_pb2.PrefillDone(num_pages=pair.tx.pages.num_shipped)
+        with pytest.raises(TransferError, match="checksum|CRC") as e:
+            pair.rx.finish(done)
+        assert engine_error_code(e.value).name == "DATA_LOSS"
+        assert pair.imported == []
+    finally:
+        pair.close()
