@@ -6,13 +6,13 @@ the in-process engine's figures from the same run.
 8B Llama-shaped random bf16 checkpoint, int8 KV, FA3, chunk 2048. Prefill on cuda:0, decode on cuda:1 when two GPUs
 are visible, else both on cuda:0 (each with its own memory share). Every prompt is fresh random tokens (no cache
 flattery) except where a cached prefix is the point. Prints a table; writes the issue's JSON keys (+ details).
-Parts (`--part`, comma-separated; `all` = every part): engine, raw, grpc and ipc (served 2k TTFT with that transport
-forced, the second token's time (`served_t2t_ms_2k_<part>`: the first leaves ahead of the KV pages, the second waits
-for them), KV GB/s, and where the TTFT goes, span by span: `ttft_breakdown_2k_<part>`), load (ITL, 32 concurrent, local
-cache tier), choices (n = 4 against four separate requests of each prompt: `n4_out_tok_s` / `n1x4_out_tok_s`, and
-the KV bytes shipped per prompt), cache (Redis tier), loop (`bench/kv_loopback.py` on cuda:0: the KV stream against
-a raw stream of the same bytes on loopback without the services, alone and beside a GIL-holding thread per process:
-`kv_loop_ratio*`).
+Parts (`--part`, comma-separated; `all` = every part): engine, raw, grpc, shm (grpc-shm: both ends' shipper
+processes) and ipc (served 2k TTFT with that transport forced, the second token's time (`served_t2t_ms_2k_<part>`:
+the first leaves ahead of the KV pages, the second waits for them), KV GB/s, and where the TTFT goes, span by span:
+`ttft_breakdown_2k_<part>`), load (ITL, 32 concurrent, local cache tier), choices (n = 4 against four separate
+requests of each prompt: `n4_out_tok_s` / `n1x4_out_tok_s`, and the KV bytes shipped per prompt), cache (Redis
+tier), loop (`bench/kv_loopback.py` on cuda:0: the KV stream against a raw stream of the same bytes on loopback
+without the services, alone and beside a GIL-holding thread per process, and grpc-shm beside it: `kv_loop_ratio*`).
 The JSON is merged after every part, so parts may run in separate calls. The per-step costs of the KV paths are
 in docs/kv_transfer.md; goodput under load is bench/goodput.py.
 """
@@ -143,7 +143,7 @@ def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 
         both = [token_times_ms(c, fresh(2048, rng))[0] for _ in range(reps)]  # first and second token
         time.sleep(0.5)  # the last request's acks reach prefill after its first token
         after, after_r = kv_counters(stack), kv_counters(stack, "decode")
-    key = "ipc" if transport == "cuda-ipc" else "grpc"
+    key = {"cuda-ipc": "ipc", "grpc-shm": "shm"}.get(transport, "grpc")
     times = [t[0] for t in both]
     return {
         f"served_ttft_ms_2k_{key}": statistics.median(times),
@@ -340,7 +340,7 @@ def main() -> None:
     if args.raw_server:
         return raw_server(args.raw_server, args.raw_msg_mb)
     parts = (
-        {"engine", "raw", "loop", "grpc", "ipc", "load", "cache", "choices"}
+        {"engine", "raw", "loop", "grpc", "shm", "ipc", "load", "cache", "choices"}
         if args.part == "all"
         else set(args.part.split(","))
     )
@@ -365,14 +365,15 @@ def main() -> None:
     if "loop" in parts:
         from kv_loopback import figures
 
-        for sfx, extra in (("", []), ("_engine_load", ["--engine-load"])):
+        load, shm = ["--engine-load"], ["--kv-transport", "grpc-shm", "--engine-load"]
+        for sfx, extra in (("", []), ("_engine_load", load), ("_shm_engine_load", shm)):
             save(got := figures(workdir, ["--device", "cuda:0", "--raw-channels", "2", *extra]))
             kv, raw = got[f"loop_kv_gbps{sfx}"], got[f"loop_raw_grpc_gbps{sfx}"]
             table.row(f"KV / raw stream, loopback{sfx.replace('_', ' ')}", f"{kv:.2f} / {raw:.2f} GB/s",
                       f"ratio {got[f'kv_loop_ratio{sfx}']:.2f}")  # fmt: skip
     from pdserve.testing.redis_server import RedisServer
 
-    redis = RedisServer(workdir / "redis").start() if parts & {"grpc", "ipc", "load", "cache"} else None
+    redis = RedisServer(workdir / "redis").start() if parts & {"grpc", "shm", "ipc", "load", "cache"} else None
     cache_env = {"REDIS_URL": redis.url} if redis else {}
     sink = SinkProcess().start()  # the services' spans, received off this process
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
@@ -382,7 +383,7 @@ def main() -> None:
         log(f"no TTFT breakdown: the OTLP exporter does not import here ({e})")
         env = {}
     try:
-        for part, transport in (("grpc", "grpc"), ("ipc", "cuda-ipc")):
+        for part, transport in (("grpc", "grpc"), ("shm", "grpc-shm"), ("ipc", "cuda-ipc")):
             if part not in parts:
                 continue
             # each transport forced; the prompt cache on (Redis) as served, its lookups miss (fresh prompts)
