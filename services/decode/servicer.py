@@ -37,6 +37,7 @@ from pdserve.server.instance_stats import instance_stats
 from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.server.security import ServiceSecurity
 from pdserve.server.status import engine_error_code
+from pdserve.telemetry.metrics import watch_kv_shipper
 from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
@@ -72,6 +73,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         self.layout = engine.pool_layout  # what this instance asks prefill instances to ship
         self.prefill = PrefillChannels(ServiceSecurity.of(cfg).channel())
         self.kv = for_decode(cfg, engine.runner.device, self.layout, self.fingerprint, ShardLayout.of(engine.runner))
+        if self.kv.shipper is not None:
+            watch_kv_shipper(self.telemetry.metrics, self.kv.shipper)
         self.active = ActiveCalls()
 
     def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):

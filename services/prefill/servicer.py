@@ -29,6 +29,7 @@ from pdserve.prefill.prefill_call import PrefillCall
 from pdserve.server.instance_stats import instance_stats
 from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.server.status import engine_error_code
+from pdserve.telemetry.metrics import watch_kv_shipper
 from pdserve.telemetry.rates import WorkRate
 from pdserve.telemetry.service import RequestScope, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
@@ -78,6 +79,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.prefix = PrefixPolicy(cache, self.page_size, cfg.prefix_reuse, write_behind, race, chunk)
         self.shards = ShardLayout.of(engine.runner)  # its KV heads over its TP ranks (the choice tells decode)
         self.kv = for_prefill(cfg, engine.runner.device, self.fingerprint, release=loop.release, shards=self.shards)
+        if self.kv.shipper is not None:
+            watch_kv_shipper(self.telemetry.metrics, self.kv.shipper)
         self.prefill_rate = WorkRate()  # prompt tokens per busy second of the engine (Stats; cache decisions)
         self.ship_format = ShipFormatCheck(cfg.engine.kv_dtype, cfg.engine.batch_invariant)
 

@@ -8,7 +8,8 @@ hear it.
              link.address(host): where prefill's shipper pushes; inbox.close() gives back what was never taken
 
 A shipper that exits fails what depends on it (prefill: every watched transfer; decode: every inbox) and is started
-again on a later `ready()`, at most once every `RESTART_AFTER_S`; a request that finds it down uses plain `grpc`.
+again on a later `ready()`, at most once every `RESTART_AFTER_S` (decode: once every landed region was given back,
+so no new shipment lands where a receiver still reads); a request that finds it down uses plain `grpc`.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class ShipperLink:
         self._ready = threading.Event()
         self._started_at = 0.0
         self._inboxes: dict[bytes, Inbox] = {}
+        self._held: set[int] = set()  # decode: offsets of landed regions not given back (the engine may read them)
         self._watchers: dict[bytes, Callable[[str], object]] = {}
         self.restarts = 0
         self.dropped = 0  # decode: batches that landed for no open transfer (given back at once)
@@ -149,6 +151,9 @@ class ShipperLink:
 
     def _start_locked(self) -> None:
         self._started_at = time.monotonic()
+        if self._sock is not None:  # the previous shipper's link
+            self._sock.close()
+            self._sock = None
         ours, theirs = socket.socketpair()
         cmd = [
             sys.executable, "-m", "pdserve.kv.shipper", "--role", self.role, "--control-fd", str(theirs.fileno()),
@@ -178,15 +183,31 @@ class ShipperLink:
         with self._lock:
             if self.closed:
                 return False
-            if self._proc is not None and self._proc.poll() is None and self._ready.is_set():
+            if self.alive:
                 return True
             if time.monotonic() - self._started_at < RESTART_AFTER_S:
                 return False
+            if self._held:  # a new shipper would land bytes over regions a receiver may still be reading
+                return False
             if self._proc is not None:
+                if self._proc.poll() is None:  # its control link broke: whatever it does, it is done
+                    self._proc.kill()
+                    self._proc.wait()
                 log.warning("kv shipper (%s) exited (%s); starting it again", self.role, self._proc.returncode)
                 self.restarts += 1
             self._start_locked()
             return self._proc is not None and self._proc.poll() is None and self._ready.is_set()
+
+    @property
+    def alive(self) -> bool:
+        """The shipper runs and said it serves (no restart attempted: `ready` does that)."""
+        proc = self._proc
+        return proc is not None and proc.poll() is None and self._ready.is_set() and not self.closed
+
+    def events(self) -> dict[str, int]:
+        """Counters for metrics."""
+        with self._lock:
+            return {"restarts": self.restarts, "dropped": self.dropped}
 
     def address(self, host: str) -> str:
         """decode: where prefill's shipper pushes (`host`: this service's advertised host)."""
@@ -224,6 +245,7 @@ class ShipperLink:
                 if kind == "arrived":
                     with self._lock:
                         inbox = self._inboxes.get(ev.arrived.transfer_key)
+                        self._held.add(ev.arrived.offset)
                         if inbox is None:
                             self.dropped += 1
                     if inbox is None:
@@ -244,6 +266,7 @@ class ShipperLink:
                 log.warning("kv shipper link broke: %s", e)
         except Exception:
             log.exception("kv shipper events")
+        ready.clear()  # not `alive` from here on, even before the process is reaped
         proc.poll()
         if not self.closed:
             log.warning("kv shipper (%s) process %d ended (%s)", self.role, proc.pid, proc.returncode)
@@ -314,6 +337,8 @@ class ShipperLink:
 
     def release(self, landed: Landed) -> None:
         """Give a landed batch's region back to decode's shipper (a shipper gone takes its arena use along)."""
+        with self._lock:
+            self._held.discard(landed.offset)
         try:
             self._send(kv_pb2.ShipperCommand(release=kv_pb2.ArenaRegion(offset=landed.offset, nbytes=landed.nbytes)))
         except ShipperDown:

@@ -48,6 +48,8 @@ log = logging.getLogger("pdserve.kv.shipper")
 PUSH_METHOD = "/pdserve.v1.KVShipper/Push"
 ALIGN = 512  # arena regions (the engine's device copies read them at this alignment)
 BUILD_AHEAD = 3  # shipments built ahead of gRPC's writer per stream
+IDLE_CLOSE_S = 60.0  # prefill: a Push stream with nothing to send this long ends (it holds a thread at decode)
+PUSH_STREAMS = 64  # decode: Push streams at once (one per prefill shipper sending to it); beyond: RESOURCE_EXHAUSTED
 
 
 class Control:
@@ -69,14 +71,25 @@ class Control:
 class PeerStream:
     """One Push stream to a decode's shipper: shipments built ahead on a thread, sent in order."""
 
-    def __init__(self, address: str, arena: memoryview, security: ChannelSecurity, control: Control, on_end):
+    def __init__(
+        self,
+        address: str,
+        arena: memoryview,
+        security: ChannelSecurity,
+        control: Control,
+        on_end,
+        first: kv_pb2.ShipOut,
+    ):
+        """`first`: the shipment that opens the stream (queued before the call starts: a call that fails at once
+        still fails it)."""
         self.address = address
         self.arena = arena
         self.control = control
         self._on_end = on_end
         self._todo: queue.Queue[kv_pb2.ShipOut | None] = queue.Queue()
         self._built: queue.Queue[bytes | None] = queue.Queue(BUILD_AHEAD)
-        self._keys: set[bytes] = set()  # every transfer this stream carried (failed together if it fails)
+        self._keys: set[bytes] = {first.transfer_key}  # every transfer this stream carried (failed together)
+        self._todo.put(first)
         self._lock = threading.Lock()
         self._ended = False
         channel = security.open(address, CHANNEL_OPTIONS)
@@ -89,15 +102,25 @@ class PeerStream:
 
     def put(self, cmd: kv_pb2.ShipOut) -> bool:
         """Queue a shipment; False when this stream already ended (the caller opens another)."""
-        with self._lock:
+        with self._lock:  # queued under the lock: the builder's idle end checks the queue under it too
             if self._ended:
                 return False
             self._keys.add(cmd.transfer_key)
-        self._todo.put(cmd)
+            self._todo.put(cmd)
         return True
 
     def _build(self) -> None:
-        while (cmd := self._todo.get()) is not None:
+        while True:
+            try:
+                cmd = self._todo.get(timeout=IDLE_CLOSE_S)
+            except queue.Empty:
+                with self._lock:  # idle: end the stream, unless a shipment came in meanwhile
+                    if self._todo.empty():
+                        self._ended = True
+                        break
+                continue
+            if cmd is None:
+                break
             region = self.arena[cmd.offset : cmd.offset + cmd.nbytes]
             self._built.put(shipment_bytes(cmd.transfer_key, cmd.seq_no, region))
         self._built.put(None)
@@ -140,15 +163,16 @@ class Pusher:
         if cmd.offset + cmd.nbytes > len(self.arena):
             self.control.emit(failed=kv_pb2.ShipFailed(transfer_key=cmd.transfer_key, reason="region outside arena"))
             return
-        while True:
-            with self._lock:
-                stream = self._streams.get(cmd.address)
-                if stream is None:
-                    stream = PeerStream(cmd.address, self.arena, self.security, self.control, self._ended)
-                    self._streams[cmd.address] = stream
-            if stream.put(cmd):
-                return
+        with self._lock:
+            stream = self._streams.get(cmd.address)
+        if stream is not None and stream.put(cmd):
+            return
+        if stream is not None:
             self._ended(stream)
+        # a new stream takes `cmd` first; if it fails, `cmd`'s transfer fails with it (no retry loop)
+        stream = PeerStream(cmd.address, self.arena, self.security, self.control, self._ended, first=cmd)
+        with self._lock:
+            self._streams[cmd.address] = stream
 
     def _ended(self, stream: PeerStream) -> None:
         with self._lock:
@@ -224,10 +248,11 @@ def serve_landing(landing: Landing, host: str, port: int, environ) -> tuple[grpc
         "pdserve.v1.KVShipper",
         {"Push": grpc.stream_unary_rpc_method_handler(landing.push)},  # raw bytes in and out
     )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="push"),
+    server = grpc.server(  # each Push stream holds a thread while it lasts (prefill ends idle ones)
+        futures.ThreadPoolExecutor(max_workers=PUSH_STREAMS, thread_name_prefix="push"),
         options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", landing.max_shipment_bytes + (1 << 16))],
         interceptors=[InternalAuth(token)],
+        maximum_concurrent_rpcs=PUSH_STREAMS,
     )
     server.add_generic_rpc_handlers((handler,))
     address = f"{host}:{port}"

@@ -130,3 +130,32 @@ def test_watch_engine_reads_the_loop_at_scrape_time(metrics):
     assert val[("pdserve_engine_host_commands_total", (("event", "submitted"),))] == 5
     assert val[("pdserve_engine_host_commands_total", (("event", "ran_during_gpu_wait"),))] == 4
     assert fams["pdserve_engine_host_commands"].type == "counter"
+
+
+def test_watch_kv_shipper(metrics, monkeypatch):
+    """A real decode shipper: up, its dropped batches and restarts counted, down once killed."""
+    import os
+    import signal
+
+    from pdserve.kv.shipper import link as link_module
+    from pdserve.kv.shipper.link import ShipperLink
+    from pdserve.telemetry.metrics import watch_kv_shipper
+
+    link = ShipperLink("decode", 1 << 20, pin=False).start()
+    try:
+        watch_kv_shipper(metrics, link)
+        val = metrics.registry.get_sample_value
+        assert val("pdserve_kv_shipper_up", {}) == 1.0
+        assert val("pdserve_kv_shipper_total", {"event": "restarts"}) == 0
+        link.dropped = 2
+        assert val("pdserve_kv_shipper_total", {"event": "dropped"}) == 2
+        assert link.pid is not None
+        os.kill(link.pid, signal.SIGKILL)
+        link._proc.wait()  # type: ignore[union-attr]
+        assert val("pdserve_kv_shipper_up", {}) == 0.0
+        monkeypatch.setattr(link_module, "RESTART_AFTER_S", 0.0)
+        assert link.ready()
+        assert val("pdserve_kv_shipper_up", {}) == 1.0
+        assert val("pdserve_kv_shipper_total", {"event": "restarts"}) == 1
+    finally:
+        link.close()

@@ -199,3 +199,25 @@ def _reap(pid: int) -> None:
                 raise ProcessLookupError
     except (OSError, IndexError):
         pass
+
+
+def test_decode_starts_again_only_once_every_landed_region_is_back(monkeypatch):
+    pre, dec = links()
+    try:
+        key = os.urandom(16)
+        inbox = dec.inbox(key)
+        arrived = threading.Event()
+        inbox.when(0, arrived.set)
+        pre.push(dec.address("127.0.0.1"), key, 0, fill(pre, 1000, 5), 1000)
+        assert arrived.wait(10)
+        held = inbox.take(0)  # a receiver reading it
+        assert dec.pid is not None
+        os.kill(dec.pid, signal.SIGKILL)
+        dec._proc.wait()  # type: ignore[union-attr]
+        monkeypatch.setattr(link_module, "RESTART_AFTER_S", 0.0)
+        assert not dec.ready()  # the region is still read: no shipper may land bytes there yet
+        dec.release(held)
+        assert dec.ready() and dec.restarts == 1
+    finally:
+        pre.close()
+        dec.close()

@@ -82,30 +82,31 @@ def test_a_forced_grpc_shm_that_cannot_work_fails_on_the_end_that_knows(monkeypa
 
 
 def test_a_decode_shipper_that_dies_mid_transfer_fails_both_ends_unavailable(monkeypatch):
+    """Pages 0-1 arrive; page 2's descriptor reaches decode while its bytes are still on their way (held back here);
+    then decode's shipper dies: decode fails the transfer UNAVAILABLE (not DATA_LOSS: nothing was wrong with the
+    bytes), prefill hears its push stream break and fails UNAVAILABLE too; pages go back on both ends."""
     monkeypatch.setattr(link_module, "RESTART_AFTER_S", 3600.0)
     pair = Pair(Settings(kv_shipper="on", kv_batch_mb=0.001), ON)
     try:
         pair.open()
         pages = rows()
         for m in pair.tx.send(ExportedPages([0, 1], [4, 4], pages[:2])):
-            pair.rx.receive(m.SerializeToString())
-        assert pair.dc.shipper is not None and pair.dc.shipper.pid is not None
+            assert pair.rx.receive(m.SerializeToString()) is None
+        assert pair.pc.shipper is not None and pair.dc.shipper is not None and pair.dc.shipper.pid is not None
+        monkeypatch.setattr(pair.pc.shipper, "push", lambda *a: None)  # page 2's bytes never leave
+        for m in pair.tx.send(ExportedPages([2], [4], pages[2:3])):
+            assert pair.rx.receive(m.SerializeToString()) is None
         os.kill(pair.dc.shipper.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while not pair.tx.sender.failure() and time.monotonic() < deadline:  # the next push finds no shipper
-            try:
-                for m in pair.tx.send(ExportedPages([2], [4], pages[2:3])):
-                    pair.rx.receive(m.SerializeToString())
-            except PeerUnavailable:
-                break
-            time.sleep(0.2)
-        with pytest.raises(PeerUnavailable) as prefill_err:
-            pair.tx.poll()
-        assert engine_error_code(prefill_err.value).name == "UNAVAILABLE"
         done = internal_pb2.PrefillDone(num_pages=pair.tx.pages.num_shipped)
-        with pytest.raises(PeerUnavailable) as decode_err:
+        with pytest.raises(PeerUnavailable, match="did not arrive: the decode side's KV shipper process exited") as de:
             pair.rx.finish(done)
-        assert engine_error_code(decode_err.value).name == "UNAVAILABLE"
+        assert engine_error_code(de.value).name == "UNAVAILABLE"
+        deadline = time.monotonic() + 20
+        while not pair.tx.sender.failure() and time.monotonic() < deadline:  # the Push stream breaks
+            time.sleep(0.05)
+        with pytest.raises(PeerUnavailable, match="push to decode's shipper") as pe:
+            pair.tx.poll()
+        assert engine_error_code(pe.value).name == "UNAVAILABLE"
         pair.rx.close()
         assert pair.freed == [1]  # decode's reserved pages given back
         pair.tx.abort()
