@@ -111,9 +111,10 @@ def test_bytes_for_no_open_transfer_are_given_back():
 
 
 def test_the_push_port_wants_the_internal_token():
-    token = "t" * 32
-    secured = {**os.environ, "PDSERVE_INTERNAL_TOKEN": token}
-    for prefill_env, ok in ((dict(os.environ), False), (secured, True)):
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_INTERNAL_TOKEN")}  # (conftests set one)
+    secured = {**bare, "PDSERVE_INTERNAL_TOKEN": "t" * 32}
+    wrong = {**bare, "PDSERVE_INTERNAL_TOKEN": "w" * 32}
+    for prefill_env, want in ((bare, "UNAUTHENTICATED"), (wrong, "PERMISSION_DENIED"), (secured, "")):
         pre, dec = links(decode_env=secured, prefill_env=prefill_env)
         try:
             key = os.urandom(16)
@@ -122,10 +123,10 @@ def test_the_push_port_wants_the_internal_token():
             pre.watch(key, failed)
             inbox.when(0, arrived.set)
             pre.push(dec.address("127.0.0.1"), key, 0, fill(pre, 1000, 3), 1000)
-            if ok:
+            if not want:
                 assert arrived.wait(10) and inbox.take(0).nbytes == 1000
             else:
-                assert failed.event.wait(10) and "UNAUTHENTICATED" in failed.reasons[0]
+                assert failed.event.wait(10) and want in failed.reasons[0], failed.reasons
                 assert not arrived.is_set()
         finally:
             pre.close()
