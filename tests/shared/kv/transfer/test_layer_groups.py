@@ -7,11 +7,11 @@ the checksum covering the layer range, and int8 group rows bit-identical to the 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
+from connector_testutil import Settings, wire
 
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.errors import CorruptPage, TransferError
@@ -121,26 +121,6 @@ def test_int8_group_rows_are_the_whole_rows_bytes(pool_dtype):
         for w, p in zip(whole, part):
             if w is not None:
                 assert p is not None and torch.equal(w[:, :, r.start : r.stop].view(torch.uint8), p.view(torch.uint8))
-
-
-@dataclass
-class Settings:
-    """Both services' transfer settings (PrefillConfig's and DecodeConfig's names)."""
-
-    kv_transport: str = "auto"
-    kv_batch_mb: float = 1.0
-    kv_ipc_staging_mb: float = 1.0
-    kv_copy_threads: int = 2
-    ack_timeout_s: float = 5.0
-    page_timeout_s: float = 5.0
-    page_timeout_max_s: float = 5.0
-    page_timeout_slack: float = 3.0
-    first_token_early: bool = False
-    kv_layer_group: int = 2
-
-
-def wire(msg) -> bytes:
-    return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
 class Pair:

@@ -26,6 +26,25 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 MiB = 1 << 20
 
 
+def finite_rows(n: int, page_bytes: int, dev: torch.device) -> torch.Tensor:
+    """n random page rows on `dev` whose every fp16 pair is finite (receivers reject NaN/inf scales: DATA_LOSS)."""
+    return torch.randn(n, page_bytes // 2, dtype=torch.float16, device=dev).view(torch.uint8)
+
+
+def collecting(into: list):
+    """An `ImportRows` that keeps each batch (on the device) in `into`, done at once."""
+    from concurrent.futures import Future
+
+    def import_rows(idx, tok, r, layers=None):
+        assert r.device.type == "cuda"
+        into.append(r)
+        f: Future = Future()
+        f.set_result(None)
+        return f
+
+    return import_rows
+
+
 @pytest.mark.parametrize("threads", [0, 3], ids=["inline", "pool"])
 def test_grpc_transport_device_to_pinned_to_device(threads):
     from concurrent.futures import ThreadPoolExecutor
@@ -37,20 +56,11 @@ def test_grpc_transport_device_to_pinned_to_device(threads):
     layout = KVLayoutSpec("int8", page_size=16, num_layers=4, num_kv_heads=8, head_dim=128, group_size=64)
     fmt = PageFormat(layout)
     dev = torch.device("cuda:0")
-    # random page bytes whose every fp16 pair is finite: the receiver rejects NaN/inf scales (DATA_LOSS)
-    rows = torch.randn(64, fmt.page_bytes // 2, dtype=torch.float16, device=dev).view(torch.uint8)
+    rows = finite_rows(64, fmt.page_bytes, dev)
     ready = torch.cuda.Event()
     ready.record()
-    imported = []
-
-    def import_rows(idx, tok, r, layers=None):
-        from concurrent.futures import Future
-
-        assert r.device.type == "cuda"
-        imported.append(r)
-        f: Future = Future()
-        f.set_result(None)
-        return f
+    imported: list = []
+    import_rows = collecting(imported)
 
     pool = ThreadPoolExecutor(threads) if threads else None
     sender = GrpcSender(
@@ -82,7 +92,7 @@ def test_grpc_shm_device_to_pinned_arenas_to_device():
     """grpc-shm on CUDA with real shippers: rows DMA'd into prefill's pinned arena, pushed, landed in decode's
     pinned arena, checked and DMA'd onto the device; equal, in order, blocks back on the acks."""
     import os
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
     from pdserve.kv.codec import KVLayoutSpec
     from pdserve.kv.shipper.link import ShipperLink
@@ -92,17 +102,11 @@ def test_grpc_shm_device_to_pinned_arenas_to_device():
     layout = KVLayoutSpec("int8", page_size=16, num_layers=4, num_kv_heads=8, head_dim=128, group_size=64)
     fmt = PageFormat(layout)
     dev = torch.device("cuda:0")
-    rows = torch.randn(256, fmt.page_bytes // 2, dtype=torch.float16, device=dev).view(torch.uint8)
+    rows = finite_rows(256, fmt.page_bytes, dev)
     ready = torch.cuda.Event()
     ready.record()
-    imported = []
-
-    def import_rows(idx, tok, r, layers=None):
-        assert r.device.type == "cuda"
-        imported.append(r)
-        f: Future = Future()
-        f.set_result(None)
-        return f
+    imported: list = []
+    import_rows = collecting(imported)
 
     pre = ShipperLink("prefill", 64 * MiB, pin=True).start()
     dec = ShipperLink("decode", 64 * MiB, pin=True).start()
