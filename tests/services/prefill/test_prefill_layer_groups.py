@@ -106,7 +106,7 @@ def test_groups_leave_in_layer_order_with_the_whole_pages_bytes(prefill, dtype):
     assert rows == whole_rows  # bit-identical to whole-chunk shipping
 
 
-@pytest.mark.parametrize("transport", ["grpc"])  # cuda-ipc's groups: tests/shared/kv/transfer/test_layer_groups.py
+@pytest.mark.parametrize("transport", ["grpc", "grpc-shm"])  # cuda-ipc's: tests/shared/kv/transfer/test_layer_groups.py
 def test_layer_groups_end_to_end_token_identical(transport, model_dir, hf_model, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_PREFILL_KV_LAYER_GROUP", "1")  # the tiny model's 2 layers: two groups per chunk
     lengths = [1, PAGE + 1, 3 * CHUNK + 5]
