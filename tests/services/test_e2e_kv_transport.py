@@ -47,3 +47,68 @@ def test_forced_transport_token_identical_and_taken(transport, model_dir, hf_mod
         if transport == "grpc":  # --kv-batch-mb 0.001: one page per message
             assert sent[transport].batches == pages
         assert free_p == total_p
+
+
+def _shippers(proc) -> list[int]:
+    """The pids of a service process's live shipper children (`python -m pdserve.kv.shipper`), whichever of its
+    threads started them."""
+    from pathlib import Path
+
+    kids = [k for t in Path(f"/proc/{proc.pid}/task").iterdir() for k in (t / "children").read_text().split()]
+    alive = [k for k in kids if Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    return [int(k) for k in alive if b"pdserve.kv.shipper" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def test_killed_shippers_start_again_and_requests_go_on(model_dir, hf_model, tmp_path):
+    """`--kv-shipper on` on both ends (auto transport: grpc-shm on this CPU host). Each service's shipper killed in
+    turn between requests: the next request starts it again (same Push port at decode), goes over grpc-shm, and is
+    token-identical; both ends count the restart and grpc-shm carried every request."""
+    import os
+    import signal
+    import time
+
+    from pdserve.kv.shipper.link import RESTART_AFTER_S
+
+    with tiny_stack(
+        model_dir, tmp_path / "stack", kv_dtype="auto", page_size=PAGE, chunk_size=CHUNK, extra=["--kv-shipper", "on"]
+    ) as stack:
+        procs = {role: p for role, p in zip(stack.roles, stack.procs) if role in ("prefill", "decode")}
+        ids = list(range(5, 5 + 3 * CHUNK + 5))
+        want = hf_greedy(hf_model, ids, 6)
+        with pdserve.Client(stack.router, timeout=120) as c:
+            assert c.generate(token_ids=ids, max_tokens=6, temperature=0, ignore_eos=True).token_ids == want
+            for role in ("decode", "prefill"):
+                (old,) = _shippers(procs[role])
+                os.kill(old, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while old in _shippers(procs[role]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(RESTART_AFTER_S)  # a shipper is started again at most this often (then on the next request)
+                assert c.generate(token_ids=ids, max_tokens=6, temperature=0, ignore_eos=True).token_ids == want
+                news = _shippers(procs[role])
+                assert len(news) == 1, [ln for ln in stack.log_text().splitlines() if "shipper" in ln]
+                (new,) = news
+                assert new != old
+        sent, (free_p, total_p) = transports(stack.prefill[0], internal_pb2_grpc.PrefillStub)
+        got, _ = transports(stack.decode[0], internal_pb2_grpc.DecodeStub)
+        assert sent["grpc-shm"].requests == got["grpc-shm"].requests == 3, (sent, got)
+        assert free_p == total_p
+        logged = stack.log_text()
+        assert "kv shipper (decode) exited" in logged and "kv shipper (prefill) exited" in logged, logged[-3000:]
+        for address in (stack.prefill[0], stack.decode[0]):
+            assert _metric(address.metrics, "pdserve_kv_shipper_total", event="restarts") == 1  # type: ignore[attr-defined]
+            assert _metric(address.metrics, "pdserve_kv_shipper_up") == 1  # type: ignore[attr-defined]
+
+
+def _metric(metrics_address: str, name: str, **labels: str) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise AssertionError(f"{name}{labels} not in {metrics_address}/metrics")
