@@ -117,6 +117,8 @@ class ShipperLink:
         environ: Mapping[str, str] | None = None,
         max_shipment_bytes: int = 64 << 20,
         arena_wait_s: float = 60.0,
+        idle_close_s: float | None = None,
+        log_level: str = "WARNING",
     ):
         """`environ`: the shipper's environment (the service's resolved token and TLS files: its Push port is
         internal); `pin`: the arena is registered with CUDA; `arena_wait_s`: decode, how long a full arena may hold
@@ -129,6 +131,8 @@ class ShipperLink:
         self.environ = dict(os.environ if environ is None else environ)
         self.max_shipment_bytes = max_shipment_bytes
         self.arena_wait_s = arena_wait_s
+        self.idle_close_s = idle_close_s  # prefill: a Push stream idle this long ends (None: the shipper's default)
+        self.log_level = log_level
         self._lock = threading.Lock()
         self._space = threading.Condition()  # prefill: a staging block was given back
         self._proc: subprocess.Popen | None = None
@@ -159,8 +163,10 @@ class ShipperLink:
             sys.executable, "-m", "pdserve.kv.shipper", "--role", self.role, "--control-fd", str(theirs.fileno()),
             "--arena-fd", str(self.arena.fd), "--arena-bytes", str(self.arena.nbytes), "--host", self.host,
             "--port", str(self.port), "--max-shipment-bytes", str(self.max_shipment_bytes),
-            "--arena-wait-s", str(self.arena_wait_s),
+            "--arena-wait-s", str(self.arena_wait_s), "--log-level", self.log_level,
         ]  # fmt: skip
+        if self.idle_close_s is not None:
+            cmd += ["--idle-close-s", str(self.idle_close_s)]
         try:
             proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno(), self.arena.fd], env=self.environ)
         except OSError as e:

@@ -1,7 +1,8 @@
 """A shipper: the process beside a prefill or decode engine process that moves `grpc-shm` batches' bytes.
 
     python -m pdserve.kv.shipper --role prefill|decode --control-fd FD --arena-fd FD --arena-bytes N
-                                 [--host H --port P] [--max-shipment-bytes N]
+                                 [--host H --port P] [--max-shipment-bytes N] [--arena-wait-s S]
+                                 [--idle-close-s S] [--log-level L]
 
 Why a process: gRPC's Python copies of a KV stream's messages (into a core slice on send, into a `bytes` on receive)
 hold the GIL, and in the engine processes they share it with the engine thread, the stream readers and the copy
@@ -79,6 +80,7 @@ class PeerStream:
         control: Control,
         on_end,
         first: kv_pb2.ShipOut,
+        idle_close_s: float = IDLE_CLOSE_S,
     ):
         """`first`: the shipment that opens the stream (queued before the call starts: a call that fails at once
         still fails it)."""
@@ -92,6 +94,7 @@ class PeerStream:
         self._todo.put(first)
         self._lock = threading.Lock()
         self._ended = False
+        self.idle_close_s = idle_close_s
         channel = security.open(address, CHANNEL_OPTIONS)
         ident = lambda b: b  # noqa: E731  (bytes as they are: written by `shipment_bytes`)
         push = channel.stream_unary(PUSH_METHOD, request_serializer=ident, response_deserializer=ident)
@@ -112,7 +115,7 @@ class PeerStream:
     def _build(self) -> None:
         while True:
             try:
-                cmd = self._todo.get(timeout=IDLE_CLOSE_S)
+                cmd = self._todo.get(timeout=self.idle_close_s)
             except queue.Empty:
                 with self._lock:  # idle: end the stream, unless a shipment came in meanwhile
                     if self._todo.empty():
@@ -143,7 +146,7 @@ class PeerStream:
             for key in keys:
                 self.control.emit(failed=kv_pb2.ShipFailed(transfer_key=key, reason=reason))
         self._on_end(self)
-        self._channel.close()
+        threading.Thread(target=self._channel.close, daemon=True).start()  # not from the call's own callback
 
     def close(self) -> None:
         self._todo.put(None)
@@ -152,12 +155,14 @@ class PeerStream:
 class Pusher:
     """Prefill's shipper: one PeerStream per destination, opened on first use and again after it ended."""
 
-    def __init__(self, arena: memoryview, security: ChannelSecurity, control: Control):
+    def __init__(self, arena: memoryview, security: ChannelSecurity, control: Control, idle_close_s: float):
         self.arena = arena
         self.security = security
         self.control = control
+        self.idle_close_s = idle_close_s
         self._lock = threading.Lock()
         self._streams: dict[str, PeerStream] = {}
+        self.opened = 0  # streams opened (a log line at exit; tests)
 
     def push(self, cmd: kv_pb2.ShipOut) -> None:
         if cmd.offset + cmd.nbytes > len(self.arena):
@@ -170,7 +175,11 @@ class Pusher:
         if stream is not None:
             self._ended(stream)
         # a new stream takes `cmd` first; if it fails, `cmd`'s transfer fails with it (no retry loop)
-        stream = PeerStream(cmd.address, self.arena, self.security, self.control, self._ended, first=cmd)
+        stream = PeerStream(
+            cmd.address, self.arena, self.security, self.control, self._ended, first=cmd, idle_close_s=self.idle_close_s
+        )
+        self.opened += 1
+        log.info("push stream %d to %s opened", self.opened, cmd.address)
         with self._lock:
             self._streams[cmd.address] = stream
 
@@ -276,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--max-shipment-bytes", type=int, default=64 << 20)
     ap.add_argument("--arena-wait-s", type=float, default=60.0)
+    ap.add_argument("--idle-close-s", type=float, default=IDLE_CLOSE_S)
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s shipper[%(process)d] %(levelname)s %(message)s")
@@ -291,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         server, port = serve_landing(landing, args.host, args.port, os.environ)
         control.emit(ready=kv_pb2.ShipperReady(port=port))
     else:
-        pusher = Pusher(arena, ChannelSecurity.from_env(), control)
+        pusher = Pusher(arena, ChannelSecurity.from_env(), control, args.idle_close_s)
         control.emit(ready=kv_pb2.ShipperReady(port=0))
     try:
         while (cmd := recv_command(control.sock)) is not None:

@@ -222,3 +222,22 @@ def test_decode_starts_again_only_once_every_landed_region_is_back(monkeypatch):
     finally:
         pre.close()
         dec.close()
+
+
+def test_an_idle_push_stream_ends_and_the_next_shipment_opens_another(capfd):
+    pre = ShipperLink("prefill", 4 * MB, pin=False, idle_close_s=0.3, log_level="INFO").start()
+    dec = ShipperLink("decode", MB, pin=False).start()
+    try:
+        key = os.urandom(16)
+        inbox = dec.inbox(key)
+        for seq in range(2):
+            arrived = threading.Event()
+            inbox.when(seq, arrived.set)
+            pre.push(dec.address("127.0.0.1"), key, seq, fill(pre, 1000, seq), 1000)
+            assert arrived.wait(10) and bool((inbox.take(seq).tensor == seq).all())
+            time.sleep(1.0)  # past the idle bound: the stream ends
+    finally:
+        pre.close()
+        dec.close()
+    err = capfd.readouterr().err
+    assert "push stream 1 to" in err and "push stream 2 to" in err, err
