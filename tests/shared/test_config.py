@@ -141,4 +141,4 @@ def test_kv_link_settings_are_checked_alike(cls):
     with pytest.raises(SystemExit, match="--kv-shipper-arena-mb must be > 0, got 0.0"):
         parse(cls, ["--model", "m", "--kv-shipper-arena-mb", "0"], {})
     assert parse(cls, ["--model", "m", "--kv-transport", "cuda-ipc"], {}).kv_transport == "cuda-ipc"
-    assert parse(cls, ["--model", "m"], {}).kv_shipper == "off"
+    assert parse(cls, ["--model", "m"], {}).kv_shipper == "auto"  # on with CUDA
