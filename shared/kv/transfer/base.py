@@ -109,6 +109,11 @@ class KVSender(ABC):
             return self.rows_per_batch
         return max(1, self.max_batch_bytes // PageFormat(self.layout, layers.count).page_bytes)
 
+    def rows_within(self, exported: ExportedPages, buffer_bytes: int) -> int:
+        """The batch bound of `rows_per`, at most half a staging buffer of `buffer_bytes` (two batches in flight)."""
+        row_bytes = exported.rows.shape[1] if exported.rows.dim() == 2 else self.fmt.page_bytes
+        return max(1, min(KVSender.rows_per(self, exported), buffer_bytes // 2 // max(row_bytes, 1)))
+
     def _shipped(self, page_indexes: list[int], nbytes: int, span: int, layers: LayerRange | None = None) -> int:
         """Book a batch (of `layers` of its pages; None: all): page states, counters (a page counts once, with its
         last layer), its clock span. Returns its first seq_no."""

@@ -229,8 +229,7 @@ class IpcSender(KVSender):
 
     def rows_per(self, exported: ExportedPages) -> int:
         """At most half the staging buffer per region."""
-        row_bytes = exported.rows.shape[1] if exported.rows.dim() == 2 else self.fmt.page_bytes
-        return max(1, min(super().rows_per(exported), self.staging.nbytes // 2 // max(row_bytes, 1)))
+        return self.rows_within(exported, self.staging.nbytes)
 
     def send(self, exported: ExportedPages) -> list[Any]:
         """Per region: reserve, copy the rows in after `exported.ready` (a layer group's: while the forward computes

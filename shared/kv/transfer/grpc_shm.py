@@ -52,8 +52,7 @@ class ShmSender(KVSender):
 
     def rows_per(self, exported: ExportedPages) -> int:
         """At most half the arena per batch."""
-        row_bytes = exported.rows.shape[1] if exported.rows.dim() == 2 else self.fmt.page_bytes
-        return max(1, min(super().rows_per(exported), self.link.arena.nbytes // 2 // max(row_bytes, 1)))
+        return self.rows_within(exported, self.link.arena.nbytes)
 
     def _fail(self, reason: str) -> None:
         with self._acked_cv:

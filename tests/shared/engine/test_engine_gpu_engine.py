@@ -220,9 +220,8 @@ def test_imports_end_while_graph_steps_compute(make_engine, overlap, temperature
             same += got == want[i]
         assert same >= len(prompts) - 1
         if loop.ran_during_gpu_wait == 0 and overlap == "on" and temperature == 0.0:
-            # first GPU run (H200, ddad482): tokens right (checked above), but none ran during a wait with chained
-            # greedy steps, while sampled and unchained runs passed and a served stack counted 197 of 630: where
-            # the chained greedy path waits without the gpu_wait hook is open
+            # known open: chained greedy steps wait for their tokens somewhere the gpu_wait hook does not cover
+            # (sampled and unchained steps do go through it); the tokens are still checked above
             pytest.xfail("chained greedy steps: no host-only command ran during a GPU wait")
         assert loop.ran_during_gpu_wait > 0  # a decode step waits ~ms on the GPU: most of these land in one
         loop.abort("bg").result(60)
