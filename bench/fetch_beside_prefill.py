@@ -3,6 +3,7 @@ int8 KV, 32 layers unless --layers) timed alone and with a fetch of a 4k prompt'
 from Redis started just before it, in the same process, for each way of fetching:
 
     python bench/fetch_beside_prefill.py [--redis-shards 4] [--reps 5] [--connections 8,16]
+        [--switch-interval-us 5000,200]
 
 - none: the prefill alone;
 - helper-cN / threads: the fetch's reads and MAC checks in the helper process (`--cache-fetch-process on`, the GPU
@@ -10,8 +11,10 @@ from Redis started just before it, in the same process, for each way of fetching
   included (what a prefill instance does);
 - helper-host: the helper (8 connections), no copies to the GPU (isolates the copies' share).
 
-Prints, per way: the prefill's median ms and its ratio to alone, the fetch's own time to its last page and its
-GB/s (the fetch runs beside the prefill, so this is its served rate). CUDA only.
+Each way once per `--switch-interval-us` entry (the process's GIL switch interval, pdserve.server.gil; an engine
+service's `--gil-switch-interval-us`). Prints, per way: the prefill's median ms and its ratio to alone (at the same
+interval), the fetch's own time to its last page and its GB/s (the fetch runs beside the prefill, so this is its
+served rate). CUDA only.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pdserve.cache.prefix_fetch import PrefixFetch
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.engine.sampling import SamplingParams
+from pdserve.server.gil import set_switch_interval
 
 
 def prefill_ms(engine, prompt: list[int], rid: str) -> float:
@@ -50,6 +54,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--connections", default="8", help="the helper's connections, one run per entry")
+    ap.add_argument("--switch-interval-us", default="200", help="GIL switch intervals, one pass of every way each")
     ap.add_argument("--model-dir", default="", help="the random checkpoint here (written if absent; reused after)")
     args = ap.parse_args()
     from pdserve.testing.redis_cluster import RedisClusterServers
@@ -74,9 +79,12 @@ def main() -> None:
             assert caches[way].use_fetch_process(1 << 30, pin=pin)
         keys = ns.page_keys(tokens)
         g = torch.Generator().manual_seed(1)
-        rows = [f"{'way':<12} {'prefill ms':>10} {'x alone':>8} {'fetch ms':>9} {'fetch GB/s':>10}"]
+        rows = [f"{'GIL us':>6} {'way':<12} {'prefill ms':>10} {'x alone':>8} {'fetch ms':>9} {'fetch GB/s':>10}"]
         alone = None
-        for way in ["none", "threads", *(w for w, _, _ in helpers)]:
+        passes = [(float(us), way) for us in args.switch_interval_us.split(",")
+                  for way in ["none", "threads", *(w for w, _, _ in helpers)]]  # fmt: skip
+        for us, way in passes:
+            set_switch_interval(us)
             times, fetch_s, gbps = [], [], []
             for r in range(args.reps + 1):
                 prompt = torch.randint(100, 30000, (args.prompt_tokens,), generator=g).tolist()
@@ -94,11 +102,11 @@ def main() -> None:
                 if r:  # the first run warms up
                     times.append(ms)
             med = statistics.median(times)
-            alone = alone or med
+            alone = med if way == "none" else alone
             fetch_ms = f"{statistics.median(fetch_s) * 1e3:.1f}" if fetch_s else "-"
             rate = f"{statistics.median(gbps):.2f}" if gbps else "-"
-            rows.append(f"{way:<12} {med:>10.1f} {med / alone:>8.2f} {fetch_ms:>9} {rate:>10}")
-            log(f"{way}: prefill runs {', '.join(f'{t:.1f}' for t in times)} ms")
+            rows.append(f"{us:>6g} {way:<12} {med:>10.1f} {med / alone:>8.2f} {fetch_ms:>9} {rate:>10}")
+            log(f"{way} at {us:g} us: prefill runs {', '.join(f'{t:.1f}' for t in times)} ms")
         print("\n".join(rows))
     finally:
         for c in caches.values():

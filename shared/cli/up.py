@@ -26,11 +26,12 @@ SHARED = ("log_level", "tls_cert", "tls_key", "tls_ca", "insecure", "drain_grace
 ENV = "PDSERVE_<SERVICE>_"  # each service reads its own: PDSERVE_PREFILL_*, PDSERVE_DECODE_*, PDSERVE_ROUTER_*
 STOP_MARGIN_S = 10.0  # beyond the drain grace: the services' own end margins, then SIGKILL
 OWN = ("model", "router")  # engine settings `up` decides: its --model (or the demo model), the static list
+PROCESS = ("torch_threads", "gil_switch_interval_us")  # how an engine instance's process runs its engine
 
 
 def _engine_setting(s: Setting) -> bool:
     """A setting `up` hands to each engine instance: the engine's (`engine.*`) and how its process runs it."""
-    return s.name not in OWN and s.name not in SHARED and (s.path[0] == "engine" or s.name == "torch_threads")
+    return s.name not in OWN and s.name not in SHARED and (s.path[0] == "engine" or s.name in PROCESS)
 
 
 def engine_settings() -> list[Setting]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.server.auth import Authenticator
+from pdserve.server.gil import set_switch_interval
 from pdserve.server.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
 from pdserve.server.host_memory import release_free_heap, tune_malloc
 from pdserve.server.security import ServiceSecurity
@@ -39,6 +40,8 @@ def build_engine(
     from pdserve.engine.loop import EngineLoop
     from pdserve.engine.warmup import warm_up
 
+    interval = set_switch_interval(cfg.gil_switch_interval_us)  # process-wide: every thread, the engine's included
+    log.info("GIL switch interval: %g us", interval)
     tune_malloc()  # KV batches are multi-MB host buffers: reuse faulted-in memory (pdserve.server.host_memory)
     if cfg.torch_threads > 0:
         import torch

@@ -89,6 +89,11 @@ class EngineServiceConfig(ServerOptions):
     engine: EngineConfig = engine_settings()
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
+    gil_switch_interval_us: float = opt(
+        200.0,
+        "the longest the engine thread waits for the GIL while another thread of the process runs Python, "
+        "microseconds (pdserve.server.gil; 0 = CPython's 5000)",
+    )
     warmup: bool = opt(
         True,
         "run throwaway requests through the engine before reporting ready, so that no request pays first-use "
@@ -118,6 +123,8 @@ class EngineServiceConfig(ServerOptions):
         problems = self.server_problems()
         if problems:
             raise SystemExit("; ".join(problems))
+        if not 0 <= self.gil_switch_interval_us <= 1e6:
+            raise SystemExit(f"--gil-switch-interval-us must be in [0, 1000000], got {self.gil_switch_interval_us:g}")
         if not self.engine.model_dir:
             raise SystemExit("--model is required (a local HF model directory)")
         self.engine.validate()

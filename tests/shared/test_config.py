@@ -80,6 +80,7 @@ def test_kv_dtype_default_is_defined_once():
     assert '"kv_dtype"' not in inspect.getsource(service_config)  # not restated for the services
     up = up_parser().parse_args([])
     assert all(getattr(up, s.name) is None for s in engine_settings() if s.name != "torch_threads")
+    assert "gil_switch_interval_us" in {s.name for s in engine_settings()}  # `up` hands it to each instance
 
 
 def test_service_defaults_and_help_override_the_engines():
@@ -122,6 +123,15 @@ def test_prefill_runs_full_precision_unless_batch_invariant():
     assert cfg.engine.kv_dtype == "fp8"  # the config itself is not changed
     cfg = parse(PrefillConfig, ["--model", "m", "--batch-invariant", "true"], {})
     assert cfg.pool_config().kv_dtype == "int8" and cfg.pool_config() is cfg.engine
+
+
+@pytest.mark.parametrize("cls", ENGINE_SERVICES)
+def test_gil_switch_interval_setting(cls):
+    assert parse(cls, ["--model", "m"], {}).gil_switch_interval_us == 200.0
+    cfg = parse(cls, ["--model", "m"], {"PDSERVE_X_GIL_SWITCH_INTERVAL_US": "0"})
+    assert cfg.gil_switch_interval_us == 0.0  # CPython's own
+    with pytest.raises(SystemExit, match=r"--gil-switch-interval-us must be in \[0, 1000000\], got -5"):
+        parse(cls, ["--model", "m", "--gil-switch-interval-us", "-5"], {})
 
 
 def test_validation_errors_name_flags_not_plain_words():

@@ -103,8 +103,14 @@ def scripted():
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory):
     work = tmp_path_factory.mktemp("decode-hostile")
-    with tiny_decode(work, page_size=PAGE, kv_dtype="int8", extra=["--log-level", "INFO"]) as stub:
+    flags = ["--log-level", "INFO", "--gil-switch-interval-us", "300"]
+    with tiny_decode(work, page_size=PAGE, kv_dtype="int8", extra=flags) as stub:
         yield stub, next(Path(work).glob("decode*.log"))
+
+
+def test_the_process_runs_at_its_gil_switch_interval(decode):
+    _, log = decode
+    assert "GIL switch interval: 300 us" in log.read_text()  # pdserve.server.gil, set as the engine is built
 
 
 @pytest.fixture(scope="module", params=["fp8", "auto"])
