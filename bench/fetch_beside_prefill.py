@@ -47,6 +47,26 @@ def prefill_ms(engine, prompt: list[int], rid: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def profiled(run, what: str) -> None:
+    """`run()` under torch.profiler: its wall ms, the GPU's busy ms (the union of its kernels' intervals) and the
+    CPU ops with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ms = run()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    busy, cur = 0.0, None
+    for a, b in spans:
+        if cur is None or a > cur[1]:
+            busy += (cur[1] - cur[0]) if cur else 0.0
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    busy += (cur[1] - cur[0]) if cur else 0.0
+    print(f"== profile {what}: wall {ms:.1f} ms (profiled), GPU busy {busy / 1e3:.1f} ms, {len(spans)} GPU events")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -55,6 +75,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--connections", default="8", help="the helper's connections, one run per entry")
     ap.add_argument("--switch-interval-us", default="200", help="GIL switch intervals, one pass of every way each")
+    ap.add_argument("--ways", default="", help="only these ways (comma-separated; default: all)")
+    ap.add_argument("--profile", action="store_true", help="per way one more run under torch.profiler: the GPU's busy "
+                    "ms (kernels' union) and the CPU ops of most self time")  # fmt: skip
     ap.add_argument("--model-dir", default="", help="the random checkpoint here (written if absent; reused after)")
     args = ap.parse_args()
     from pdserve.testing.redis_cluster import RedisClusterServers
@@ -82,16 +105,23 @@ def main() -> None:
         rows = [f"{'GIL us':>6} {'way':<12} {'prefill ms':>10} {'x alone':>8} {'fetch ms':>9} {'fetch GB/s':>10}"]
         alone = None
         passes = [(float(us), way) for us in args.switch_interval_us.split(",")
-                  for way in ["none", "threads", *(w for w, _, _ in helpers)]]  # fmt: skip
+                  for way in ["none", "threads", *(w for w, _, _ in helpers)]
+                  if not args.ways or way in args.ways.split(",")]  # fmt: skip
         for us, way in passes:
             set_switch_interval(us)
             times, fetch_s, gbps = [], [], []
-            for r in range(args.reps + 1):
+            for r in range(args.reps + 1 + args.profile):
                 prompt = torch.randint(100, 30000, (args.prompt_tokens,), generator=g).tolist()
                 fetch = None
                 if way != "none":
                     device = "cpu" if way == "helper-host" else "cuda:0"
                     fetch = PrefixFetch(caches[way], ns, keys, 0, pages, device=device, batch_pages=8).start()
+                if r == args.reps + 1:  # the profiled run (--profile)
+                    profiled(lambda: prefill_ms(engine, prompt, f"{way}-{r}"), f"{way} at {us:g} us")
+                    if fetch is not None:
+                        fetch.wait(pages, 60)
+                        fetch.close()
+                    continue
                 ms = prefill_ms(engine, prompt, f"{way}-{r}")
                 if fetch is not None:
                     assert fetch.wait(pages, 60) == pages
