@@ -90,9 +90,10 @@ class EngineServiceConfig(ServerOptions):
     request_timeout_s: float = opt(600.0, "upper bound on any request without a client deadline")
     torch_threads: int = opt(0, "CPU threads for torch (0 = torch's default); 1 suits several instances per host")
     gil_switch_interval_us: float = opt(
-        200.0,
+        0.0,
         "the longest the engine thread waits for the GIL while another thread of the process runs Python, "
-        "microseconds (pdserve.server.gil; 0 = CPython's 5000)",
+        "microseconds (pdserve.server.gil; 0 = CPython's 5000: 200 measured no better on an H200, "
+        "docs/benchmarks.md)",
     )
     warmup: bool = opt(
         True,

@@ -127,9 +127,9 @@ def test_prefill_runs_full_precision_unless_batch_invariant():
 
 @pytest.mark.parametrize("cls", ENGINE_SERVICES)
 def test_gil_switch_interval_setting(cls):
-    assert parse(cls, ["--model", "m"], {}).gil_switch_interval_us == 200.0
-    cfg = parse(cls, ["--model", "m"], {"PDSERVE_X_GIL_SWITCH_INTERVAL_US": "0"})
-    assert cfg.gil_switch_interval_us == 0.0  # CPython's own
+    assert parse(cls, ["--model", "m"], {}).gil_switch_interval_us == 0.0  # CPython's own
+    cfg = parse(cls, ["--model", "m"], {"PDSERVE_X_GIL_SWITCH_INTERVAL_US": "250"})
+    assert cfg.gil_switch_interval_us == 250.0
     with pytest.raises(SystemExit, match=r"--gil-switch-interval-us must be in \[0, 1000000\], got -5"):
         parse(cls, ["--model", "m", "--gil-switch-interval-us", "-5"], {})
 
