@@ -3,7 +3,7 @@ int8 KV, 32 layers unless --layers) timed alone and with a fetch of a 4k prompt'
 from Redis started just before it, in the same process, for each way of fetching:
 
     python bench/fetch_beside_prefill.py [--redis-shards 4] [--reps 5] [--connections 8,16]
-        [--switch-interval-us 5000,200]
+        [--switch-interval-us 5000,200] [--fa3-call direct,interface] [--ways none,helper-c8] [--profile]
 
 - none: the prefill alone;
 - helper-cN / threads: the fetch's reads and MAC checks in the helper process (`--cache-fetch-process on`, the GPU
@@ -11,7 +11,8 @@ from Redis started just before it, in the same process, for each way of fetching
   included (what a prefill instance does);
 - helper-host: the helper (8 connections), no copies to the GPU (isolates the copies' share).
 
-Each way once per `--switch-interval-us` entry (the process's GIL switch interval, pdserve.server.gil; an engine
+Each way once per `--fa3-call` entry (how the engine calls FA3, pdserve.engine.fa3_call) and
+`--switch-interval-us` entry (the process's GIL switch interval, pdserve.server.gil; an engine
 service's `--gil-switch-interval-us`). Prints, per way: the prefill's median ms and its ratio to alone (at the same
 interval), the fetch's own time to its last page and its GB/s (the fetch runs beside the prefill, so this is its
 served rate). CUDA only.
@@ -33,6 +34,7 @@ from prompt_cache import KEYRING, LAYOUT_8B, PAGE, filled_cache, rand_tokens
 from pdserve.cache.prefix_fetch import PrefixFetch
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
+from pdserve.engine.fa3_call import FA3Forward
 from pdserve.engine.sampling import SamplingParams
 from pdserve.server.gil import set_switch_interval
 
@@ -74,7 +76,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--connections", default="8", help="the helper's connections, one run per entry")
-    ap.add_argument("--switch-interval-us", default="200", help="GIL switch intervals, one pass of every way each")
+    ap.add_argument("--switch-interval-us", default="0", help="GIL switch intervals, one pass of every way each")
+    ap.add_argument("--fa3-call", default="direct", help="how FA3 is called, one pass of every way each: direct (the "
+                    "op, pdserve.engine.fa3_call) and/or interface (flash_attn_interface's functions)")  # fmt: skip
     ap.add_argument("--ways", default="", help="only these ways (comma-separated; default: all)")
     ap.add_argument("--profile", action="store_true", help="per way one more run under torch.profiler: the GPU's busy "
                     "ms (kernels' union) and the CPU ops of most self time")  # fmt: skip
@@ -102,13 +106,17 @@ def main() -> None:
             assert caches[way].use_fetch_process(1 << 30, pin=pin)
         keys = ns.page_keys(tokens)
         g = torch.Generator().manual_seed(1)
-        rows = [f"{'GIL us':>6} {'way':<12} {'prefill ms':>10} {'x alone':>8} {'fetch ms':>9} {'fetch GB/s':>10}"]
+        head = f"{'FA3':<9} {'GIL us':>6} {'way':<12} {'prefill ms':>10} {'x alone':>8} {'fetch ms':>9}"
+        rows = [f"{head} {'fetch GB/s':>10}"]
         alone = None
-        passes = [(float(us), way) for us in args.switch_interval_us.split(",")
+        passes = [(fa, float(us), way) for fa in args.fa3_call.split(",") for us in args.switch_interval_us.split(",")
                   for way in ["none", "threads", *(w for w, _, _ in helpers)]
                   if not args.ways or way in args.ways.split(",")]  # fmt: skip
-        for us, way in passes:
+        backend = engine.runner.backend
+        for fa, us, way in passes:
             set_switch_interval(us)
+            if backend.name == "fa3":
+                backend.fa = FA3Forward(backend.fa.module, direct=fa == "direct")
             times, fetch_s, gbps = [], [], []
             for r in range(args.reps + 1 + args.profile):
                 prompt = torch.randint(100, 30000, (args.prompt_tokens,), generator=g).tolist()
@@ -117,7 +125,7 @@ def main() -> None:
                     device = "cpu" if way == "helper-host" else "cuda:0"
                     fetch = PrefixFetch(caches[way], ns, keys, 0, pages, device=device, batch_pages=8).start()
                 if r == args.reps + 1:  # the profiled run (--profile)
-                    profiled(lambda: prefill_ms(engine, prompt, f"{way}-{r}"), f"{way} at {us:g} us")
+                    profiled(lambda: prefill_ms(engine, prompt, f"{way}-{r}"), f"{way} at {us:g} us, FA3 {fa}")
                     if fetch is not None:
                         fetch.wait(pages, 60)
                         fetch.close()
@@ -135,8 +143,8 @@ def main() -> None:
             alone = med if way == "none" else alone
             fetch_ms = f"{statistics.median(fetch_s) * 1e3:.1f}" if fetch_s else "-"
             rate = f"{statistics.median(gbps):.2f}" if gbps else "-"
-            rows.append(f"{us:>6g} {way:<12} {med:>10.1f} {med / alone:>8.2f} {fetch_ms:>9} {rate:>10}")
-            log(f"{way} at {us:g} us: prefill runs {', '.join(f'{t:.1f}' for t in times)} ms")
+            rows.append(f"{fa:<9} {us:>6g} {way:<12} {med:>10.1f} {med / alone:>8.2f} {fetch_ms:>9} {rate:>10}")
+            log(f"{way} at {us:g} us, FA3 {fa}: prefill runs {', '.join(f'{t:.1f}' for t in times)} ms")
         print("\n".join(rows))
     finally:
         for c in caches.values():

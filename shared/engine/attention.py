@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.fa3_call import FA3Forward
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache
 
@@ -219,13 +220,9 @@ class FA3Backend:
     name = "fa3"
 
     def __init__(self, module, kernels: KernelChoice):
-        self.fa = module
+        self.fa = FA3Forward(module)  # the op itself where its schema allows (pdserve.engine.fa3_call)
         self.kernels = kernels  # decode/prefill kernel choices, FA3 splits, Triton decode config, PDL
         self._num_sms = 0
-
-    @staticmethod
-    def _first(out):
-        return out[0] if isinstance(out, tuple) else out
 
     def attend(self, layer: int, q: torch.Tensor, meta, cache: KVCache, scale: float) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]. `meta` is an AttentionMetadata or a CUDA-graph StaticDecodeMeta (only
@@ -255,40 +252,22 @@ class FA3Backend:
                 table = torch.arange(b * w, dtype=torch.int32, device=q.device).view(b, w)
             else:
                 k_cache, v_cache = cache.layer_tensors(layer)  # [P, ps, KVH, D]
-            out = self.fa.flash_attn_with_kvcache(
-                q.unsqueeze(1),
-                k_cache,
-                v_cache,
-                cache_seqlens=seqlens,
-                page_table=table,
-                softmax_scale=scale,
-                causal=True,
-                num_splits=kc.fa3_num_splits,
+            out = self.fa.with_kvcache(
+                q.unsqueeze(1), k_cache, v_cache, seqlens, table, scale, causal=True, num_splits=kc.fa3_num_splits
             )
-            return self._first(out).squeeze(1)
+            return out.squeeze(1)
         if not cache.quantized and kc.dense_prefill == "paged":
             k_cache, v_cache = cache.layer_tensors(layer)
-            out = self.fa.flash_attn_with_kvcache(
-                q,
-                k_cache,
-                v_cache,
-                cache_seqlens=seqlens,
-                page_table=table,
-                cu_seqlens_q=t["cu_seqlens_q"],
+            return self.fa.with_kvcache(
+                q, k_cache, v_cache, seqlens, table, scale, causal=True, cu_seqlens_q=t["cu_seqlens_q"],
                 max_seqlen_q=t["max_q"],
-                softmax_scale=scale,
-                causal=True,
-            )
-            return self._first(out)
+            )  # fmt: skip
         # contiguous K/V per sequence ([B, W * ps] tokens, the first seqlens[b] valid) -> varlen FA3
         kv = self._dense_scratch(layer, cache, table, seqlens, q.dtype)
         b, n = kv.shape[1], kv.shape[2]
         cu_k = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
         k, v = (x.view(b * n, *kv.shape[-2:]) for x in kv)
-        out = self.fa.flash_attn_varlen_func(
-            q, k, v, t["cu_seqlens_q"], cu_k, t["max_q"], n, seqused_k=seqlens, softmax_scale=scale, causal=True
-        )
-        return self._first(out)
+        return self.fa.varlen(q, k, v, t["cu_seqlens_q"], cu_k, t["max_q"], n, seqlens, scale, causal=True)
 
     @staticmethod
     def _dense_scratch(

@@ -79,6 +79,33 @@ def test_fa3_mixed_step_matches_sdpa(fa3, head_dim, int8):
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("kernels", [KernelChoice(), KernelChoice(dense_decode="fa3", dense_prefill="gather",
+                                                                  int8_decode="dequant")])  # fmt: skip
+def test_fa3_op_called_directly_equals_the_interface(fa3, int8, kernels):
+    """pdserve.engine.fa3_call: the op called as registered gives bit for bit what flash_attn_interface's
+    functions give (varlen prefill over a dequantized scratch, paged prefill, decode), and it is what runs."""
+    from pdserve.engine.fa3_call import FA3Forward
+
+    dev, dt, ps, H, KVH, D = torch.device("cuda"), torch.bfloat16, 16, 8, 2, 128
+    g = torch.Generator(device=dev).manual_seed(2)
+    pool = Int8KVCache(1, 64, ps, KVH, D, dt, dev, 64, False) if int8 else KVCache(1, 64, ps, KVH, D, dt, dev)
+    direct = FA3Backend(fa3.fa.module, kernels)
+    via_interface = FA3Backend(fa3.fa.module, kernels)
+    via_interface.fa = FA3Forward(fa3.fa.module, direct=False)
+    assert direct.fa.direct and not via_interface.fa.direct
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    for starts, q_lens in (([0, 0, 0], [37, 1, 16]), ([37, 1, 16], [20, 5, 33]), ([57, 6, 49], [1, 1, 1])):
+        meta = AttentionMetadata(starts, q_lens, tables, ps, dev)
+        T = sum(q_lens)
+        q = torch.randn(T, H, D, device=dev, dtype=dt, generator=g)
+        k, v = (torch.randn(T, KVH, D, device=dev, dtype=dt, generator=g) for _ in range(2))
+        pool.write(0, meta.slot_mapping, k, v)
+        want = via_interface.attend(0, q, meta, pool, D**-0.5)
+        got = direct.attend(0, q, AttentionMetadata(starts, q_lens, tables, ps, dev), pool, D**-0.5)
+        assert torch.equal(got, want), (starts, q_lens)
+
+
 def test_fa3_engine_matches_sdpa_engine(make_engine):
     """Same token stream through three engines; FA3-bf16 must be as close to SDPA-fp32 as SDPA-bf16 is."""
     kw = dict(device="cuda", page_size=16, chunk_size=32, num_pages=64)
