@@ -15,6 +15,10 @@ def serve(cfg: PrefillConfig) -> None:
     from pdserve.prefill.servicer import PrefillServicer, add_prefill_servicer
 
     loop = build_engine(cfg, cfg.pool_config(), ship_formats=cfg.ship_formats())
+    if cfg.gpu_share_file:  # its steps marked for the decode engine on this GPU (pdserve.engine.gpu_share)
+        from pdserve.engine.gpu_share import GpuShareFlag
+
+        loop.share_mark = GpuShareFlag(cfg.gpu_share_file)
     cache = build_prompt_cache(cfg)  # Redis (--redis-url / $REDIS_URL), in-process, or None (--prompt-cache false)
 
     def register(server, telemetry):

@@ -229,8 +229,9 @@ def start_stack(
     shared = shared_gpus(plan)
     daemon = start_mps(mps, plan, shared, workdir, {**os.environ, **env})
 
-    def penv(p: Placement) -> dict[str, str]:  # an instance's environment: the stack's, its GPUs', MPS
-        return {**env, **p.env({**os.environ, **env}), **client_env(p, shared, daemon, mps_prefill_sm_percent)}
+    def penv(p: Placement) -> dict[str, str]:  # an instance's environment: the stack's, its GPUs', MPS, the share
+        share = gpu_share_env(p, shared, workdir)
+        return {**share, **env, **p.env({**os.environ, **env}), **client_env(p, shared, daemon, mps_prefill_sm_percent)}
 
     try:
         started = [
@@ -314,6 +315,15 @@ def start_stack(
             router, [], [], procs, logs, gateway, token, colocated=dec, models=models, roles=roles, cleanup=cleanup
         )
     return Stack(router, pre, dec, procs, logs, gateway, token, models=models, roles=roles, cleanup=cleanup)
+
+
+def gpu_share_env(p: Placement, shared: list[int], workdir: Path) -> dict[str, str]:
+    """A one-GPU instance on a GPU it shares with the other role: the file where its prefill marks steps and its
+    decode reads them (pdserve.engine.gpu_share), one per GPU under `workdir` (the stack's environment, if it
+    names one, wins)."""
+    if len(p.gpus) != 1 or p.gpus[0] not in shared:
+        return {}
+    return {f"PDSERVE_{p.role.upper()}_GPU_SHARE_FILE": str(workdir / f"gpu-share-{p.gpus[0]}")}
 
 
 def start_mps(

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import LLMEngine, StepOutput
+from pdserve.engine.gpu_share import DecodeYield, GpuShareFlag
 from pdserve.engine.model_runner import synchronize
 from pdserve.engine.page_table import PageAllocator
 from pdserve.engine.request import EngineRequest
@@ -57,6 +58,10 @@ class EngineLoop:
         self.step_started_ns = 0  # epoch ns when the current/last step began (callbacks: their step's start)
         # called on the engine thread after each step with (engine, start ns, end ns), before its outputs go out
         self.step_listener: Callable[[LLMEngine, int, int], None] | None = None
+        # a GPU shared with another engine's process (pdserve.engine.gpu_share): a prefill marks its steps, a
+        # decode holds its steps back while they run
+        self.share_mark: GpuShareFlag | None = None
+        self.share_yield: DecodeYield | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -174,11 +179,22 @@ class EngineLoop:
             for o in self.engine.take_pending():  # e.g. an imported request's first token: stream it now
                 self._dispatch(o)
             if self.engine.has_unfinished_requests():
+                if self.share_yield is not None:  # a command arriving meanwhile ends the wait
+                    self.share_yield.before_step(lambda: bool(self._cmds) or self._stopping)
                 try:
                     self.step_started_ns = time.time_ns()
-                    outputs = self.engine.step()
+                    if self.share_mark is not None:
+                        self.share_mark.mark()
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        if self.share_mark is not None:
+                            self.share_mark.clear()
+                    ended_ns = time.time_ns()
+                    if self.share_yield is not None:
+                        self.share_yield.after_step((ended_ns - self.step_started_ns) / 1e6)
                     if self.step_listener is not None:
-                        self.step_listener(self.engine, self.step_started_ns, time.time_ns())
+                        self.step_listener(self.engine, self.step_started_ns, ended_ns)
                 except Exception as e:
                     log.exception("engine step failed; aborting %d requests", len(self._callbacks))
                     self._fail_all(e)

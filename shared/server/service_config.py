@@ -95,6 +95,12 @@ class EngineServiceConfig(ServerOptions):
         "microseconds (pdserve.server.gil; 0 = CPython's 5000: 200 measured no better on an H200, "
         "docs/benchmarks.md)",
     )
+    gpu_share_file: str = opt(
+        "",
+        "a file the prefill and decode engines sharing one GPU both map (`pdserve up` sets it on a shared GPU): "
+        "prefill marks its steps there, decode holds its steps back meanwhile within --yield-step-ms "
+        "(pdserve.engine.gpu_share)",
+    )
     warmup: bool = opt(
         True,
         "run throwaway requests through the engine before reporting ready, so that no request pays first-use "

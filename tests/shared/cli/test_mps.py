@@ -197,3 +197,21 @@ def test_a_killed_guard_takes_its_daemon_along(fake_control, tmp_path):
     daemon.proc.send_signal(signal.SIGKILL)  # the guard
     daemon.proc.wait(10)
     wait_until(lambda: not running(pid), timeout=30, what="the daemon to die with its guard (PR_SET_PDEATHSIG)")
+
+
+def test_instances_on_a_shared_gpu_get_one_share_file_per_gpu(tmp_path):
+    """pdserve.engine.gpu_share's file: the prefill and decode of a shared GPU name the same one, by role; an
+    instance alone on its GPU, or spread over several (tensor parallel), none."""
+    from pdserve.cli.launch import gpu_share_env
+
+    plan = [*plan_placement(1, 1, [0], 0.9), *plan_placement(2, 2, [0, 1, 2], 0.9)]
+    shared = [0]
+    envs = [gpu_share_env(p, shared, tmp_path) for p in plan]
+    for p, got in zip(plan, envs):
+        if p.gpus[0] in shared:
+            assert got == {f"PDSERVE_{p.role.upper()}_GPU_SHARE_FILE": str(tmp_path / f"gpu-share-{p.gpus[0]}")}
+        else:
+            assert got == {}
+    assert envs[0] and envs[1] and envs[0] != envs[1]  # the shared GPU's prefill and decode: one file, two names
+    tp = plan_placement(1, 1, [0, 1], 0.9, 2, 2)
+    assert all(gpu_share_env(p, shared_gpus(tp), tmp_path) == {} for p in tp)
