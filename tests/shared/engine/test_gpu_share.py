@@ -88,7 +88,7 @@ def test_engine_loop_holds_decode_steps_back_and_marks_prefill_steps(make_engine
     try:
         q: queue.Queue = queue.Queue()
         pre.add_request(EngineRequest("p", random_prompt(9, seed=1), sp), q.put)
-        while not (o := q.get(timeout=30)).finished:
+        while not q.get(timeout=30).finished:
             pass
         assert seen and all(seen) and not marker.marked()  # marked during each step, cleared after
         d: queue.Queue = queue.Queue()
