@@ -156,6 +156,10 @@ class EngineLoop:
         if self.anytime_submitted:
             what = "host-only commands (import reservations, first tokens, ends) ran while a step computed on the GPU"
             log.info("%s: %d of %d %s", self._thread.name, self.ran_during_gpu_wait, self.anytime_submitted, what)
+        if self.share_yield is not None:
+            y = self.share_yield
+            what = "held steps back for the GPU's prefill"
+            log.info("%s: %s %d times, %.0f ms", self._thread.name, what, y.waits, y.waited_ms)
 
     # ---- engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
