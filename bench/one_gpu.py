@@ -321,6 +321,8 @@ def mode_part(
         while not any(mark in ln for ln in list(banner.lines)) and time.monotonic() < deadline:
             time.sleep(0.1)
         detail["decode_host_commands"] = [ln.strip() for ln in list(banner.lines) if mark in ln]
+        # how long decode held its steps back for the prefill on its GPU (pdserve.engine.gpu_share), when it did
+        detail["decode_yield"] = [ln.strip() for ln in list(banner.lines) if "held steps back" in ln]
     if mode == "coloc":
         detail["step_budget"] = {"flags": " ".join(budget_flags(budget)) or "auto", "log": budget_line(banner.lines)}
         if budget != "auto":
