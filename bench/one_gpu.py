@@ -182,10 +182,12 @@ def redis_fetch_gbps(url: str, page_bytes: int, pages: int = 230, reps: int = 5)
 
 
 def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, cache: bool, page_bytes: int,
-                shards: list[int], fetch_modes: list[str] = ("auto",)):  # type: ignore[assignment]  # fmt: skip
-    """gpu_serving stacks on GPU0: the grpc part (the first stack, its KV transport forced to grpc: one 2k request
-    at a time, the second token and the KV GB/s) and the cache part once per `shards` entry (prefill's cache on one
-    redis-server, or a Redis Cluster of that many shards on this host, Redis only: 4k TTFT cold, then one 90%
+                shards: list[int], fetch_modes: list[str] = ("auto",),  # type: ignore[assignment]
+                grpc_transport: str = "grpc-shm"):  # fmt: skip
+    """gpu_serving stacks on GPU0: the grpc part (the first stack, its KV transport forced to `grpc_transport`:
+    grpc-shm, the gRPC wire with its bytes in the shipper processes, what two hosts use by default, or grpc; one 2k
+    request at a time, the second token and the KV GB/s) and the cache part once per `shards` entry (prefill's cache
+    on one redis-server, or a Redis Cluster of that many shards on this host, Redis only: 4k TTFT cold, then one 90%
     prefix hit six times; then the prefill's own fetch rate from that Redis), each once per `fetch_modes` entry (the
     prefill's --cache-fetch-process; details `cache_shards_N` for the last, `cache_shards_N_fetch_MODE` for the
     others). The keys: the last run's. The first token leaves ahead of the KV pages, so the transport leaves the
@@ -208,11 +210,14 @@ def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, ca
             if n > 1:
                 env["PDSERVE_PREFILL_REDIS_CLUSTER"] = "true"
             env["PDSERVE_PREFILL_CACHE_FETCH_PROCESS"] = mode
-            stack = gs.start(model, workdir / f"served-{n}-{run}", "grpc" if grpc and run == 0 else "auto", env)
+            transport = grpc_transport if grpc and run == 0 else "auto"
+            stack = gs.start(model, workdir / f"served-{n}-{run}", transport, env)
             try:
                 if grpc and run == 0:
-                    details["grpc"] = got = gs.served_ttft(stack, "grpc", rng, reps=5)
-                    keys.update(t2t_ms_2k_grpc=got["served_t2t_ms_2k_grpc"], kv_gbps_grpc=got["kv_gbps_grpc"])
+                    details["grpc"] = got = gs.served_ttft(stack, grpc_transport, rng, reps=5)
+                    got["transport"] = grpc_transport
+                    k = "shm" if grpc_transport == "grpc-shm" else "grpc"
+                    keys.update(t2t_ms_2k_grpc=got[f"served_t2t_ms_2k_{k}"], kv_gbps_grpc=got[f"kv_gbps_{k}"])
                 if redis:
                     details[name] = got = gs.redis_repeat_figures(stack, rng)
                     got["fetch_process"] = mode
@@ -438,6 +443,9 @@ def main() -> int:
                     "a Redis Cluster of N shards on this host (the keys: the last entry's)")  # fmt: skip
     ap.add_argument("--fetch-process", default="auto", help="the cache part once per entry of the prefill's "
                     "--cache-fetch-process (e.g. off,auto: side by side; the keys from the last)")  # fmt: skip
+    ap.add_argument("--grpc-transport", default="grpc-shm", choices=("grpc-shm", "grpc"), help="the grpc part's "
+                    "transport (t2t_ms_2k_grpc, kv_gbps_grpc): grpc-shm moves the wire's bytes in the shipper "
+                    "processes (issue 32 item 6), grpc in the engine processes")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--output-tokens", type=int, default=128)
@@ -494,6 +502,7 @@ def main() -> int:
             page_bytes(),
             [int(n) for n in args.redis_shards.split(",")],
             args.fetch_process.split(","),
+            args.grpc_transport,
         ),
     }
     failed: list[str] = []
