@@ -482,8 +482,10 @@ def main() -> int:
         commands = old.get("details", {}).get("command", [])  # every run merged into this JSON, in order
         commands = [commands] if isinstance(commands, str) else list(commands)
         cmd = prov.pop("command")
-        merged = {**old.get("details", {}), **details, "workload": workload,
+        merged = {**old.get("details", {}), **details,
                   "command": commands + ([cmd] if cmd not in commands else [])}  # fmt: skip
+        if parts & {"coloc", "disagg"}:  # the sweep's workload: a run without a sweep leaves the last one's
+            merged["workload"] = workload
         merged = {k: v for k, v in merged.items() if v is not None}  # None: an earlier error_<part> now cleared
         merge_json(args.json, {**keys, **prov, "details": merged})
 
