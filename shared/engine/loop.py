@@ -183,8 +183,10 @@ class EngineLoop:
             for o in self.engine.take_pending():  # e.g. an imported request's first token: stream it now
                 self._dispatch(o)
             if self.engine.has_unfinished_requests():
-                if self.share_yield is not None:  # a command arriving meanwhile ends the wait
-                    self.share_yield.before_step(lambda: bool(self._cmds) or self._stopping)
+                if self.share_yield is not None:  # a command arriving meanwhile ends the wait, and runs first
+                    waited = self.share_yield.before_step(lambda: bool(self._cmds) or self._stopping)
+                    if waited and (self._cmds or self._stopping):
+                        continue  # (bounded: each wait spends credit that only steps earn)
                 try:
                     self.step_started_ns = time.time_ns()
                     if self.share_mark is not None:
