@@ -2,11 +2,10 @@
 flash_attn_interface's `flash_attn_varlen_func` / `flash_attn_with_kvcache` pass it.
 
 Why: those functions reach the op through an autograd Function and a Python `torch.library.custom_op`, whose
-dispatch costs the engine thread ~0.2-0.3 ms of host time per call on an H200 host (torch.profiler: 365 us per
-varlen call against 137 us for the op itself), 32 calls per chunk of an 8B model. A 2048-token prefill chunk's host
-time is then close to its GPU time, so any contention on the engine process's CPU or GIL (a prefix fetch, gRPC
-threads) leaves the GPU idle (docs/benchmarks.md). The op is called only when its schema has every argument this
-module names (checked once); else the interface functions run, as before.
+dispatch costs the engine thread more host time than the op itself, at every layer of every step run eagerly. A
+prefill chunk's host time is close to its GPU time, so any contention on the engine process's CPU or GIL (a prefix
+fetch, gRPC threads) leaves the GPU idle (docs/benchmarks.md has the profiles). The op is called only when its
+schema has every argument this module names (checked once); else the interface functions run, as before.
 """
 
 from __future__ import annotations
@@ -25,15 +24,15 @@ _USED = (
 def direct_op(module: Any) -> Any | None:
     """`torch.ops.flash_attn_3.fwd` when loaded (importing flash_attn_interface registers it) and its schema
     takes every argument of _USED and returns (out, lse, ...), else None."""
+    if module is None:
+        return None
     try:
         op = torch.ops.flash_attn_3.fwd
         schema = op.default._schema
     except (AttributeError, RuntimeError):
         return None
     names = {a.name for a in schema.arguments}
-    if not set(_USED) <= names or len(schema.returns) < 2 or module is None:
-        return None
-    return op
+    return op if set(_USED) <= names and len(schema.returns) >= 2 else None
 
 
 def _last_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:

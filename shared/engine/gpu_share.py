@@ -2,9 +2,8 @@
 steps back while the prefill computes, as far as its TPOT allows.
 
 Both processes launch work on the one GPU whenever they have some (MPS runs it side by side), so a prefill chunk
-beside a decode batch that steps back to back takes ~1.4x its time alone (2048 tokens of the 8B shape: TTFT 79 ms
-at 2 req/s against 58.5 ms for a lone request, docs/benchmarks.md). Decode has room: its steps take ~5-7 ms at
-small batches against a TPOT bound of 15 ms. So:
+beside a decode batch that steps back to back takes longer than alone, and every first token with it
+(docs/benchmarks.md, "One GPU"). Decode has room: at small batches its steps take well under its TPOT bound. So:
 
 - the prefill engine marks each of its steps in a small shared file (`GpuShareFlag`: an 8-byte deadline, epoch ns,
   past which the mark lapses by itself: a prefill that dies mid-step holds nothing back);

@@ -4,17 +4,14 @@ Every torch op call releases the GIL while it dispatches and takes it back after
 process is running Python (a gRPC handler parsing a message, the prefix fetch building page views, a KV receiver's
 bookkeeping), taking it back waits until that thread is asked to drop it, which CPython does only once the waiter
 has waited `sys.getswitchinterval()` (5 ms by default). The engine thread launches a prefill chunk as hundreds of
-ops: each can wait that long, the GPU runs dry between them and the chunk becomes bound by those waits (the convoy
-effect: bench/diag/gil_convoy.py shows it on a CPU, docs/benchmarks.md the served figures). A shorter interval
-bounds each wait; the cost is more frequent switches between threads that both run Python.
+ops: each can wait that long and the GPU runs dry between them (the convoy effect, bench/diag/gil_convoy.py). A
+shorter interval bounds each wait; the cost is more frequent switches between threads that both run Python. It did
+not speed up a prefill beside a prefix fetch (docs/benchmarks.md), so the default leaves CPython's.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-
-log = logging.getLogger("pdserve")
 
 PYTHON_DEFAULT_US = 5000.0  # CPython's own interval
 
