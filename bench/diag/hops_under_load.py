@@ -3,7 +3,7 @@ beside it: `pdserve up`'s stack (router, prefill, decode) of a tiny random Llama
 every service exporting its spans to an in-process OTLP sink; probe requests of `--prompt` tokens, one at a time,
 first alone and then while `pdserve bench` (its own process) keeps `--streams` long generations running.
 
-    python bench/diag/hops_under_load.py [--prompt 256] [--streams 3] [--probes 15]
+    python bench/diag/hops_under_load.py [--prompt 256] [--streams 3] [--probes 15] [--model DIR --gpus 0 --mps auto]
 
 Prints each phase's TTFT median and `pdserve.testing.span_breakdown`'s table of the probes' spans (median start
 offset from the router's span, median duration). Figures: docs/benchmarks.md, "One GPU"."""
@@ -11,6 +11,7 @@ offset from the router's span, median duration). Figures: docs/benchmarks.md, "O
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import subprocess
@@ -32,6 +33,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="probe prompt tokens (one chunk)")
     ap.add_argument("--streams", type=int, default=3, help="decoding streams beside the probes in the second phase")
     ap.add_argument("--probes", type=int, default=15)
+    ap.add_argument("--gpus", default="", help="comma-separated GPU indices for the engines (`pdserve up --gpus`)")
+    ap.add_argument("--mps", default="off", choices=("off", "auto", "on"), help="`pdserve up --mps`")
+    ap.add_argument("--output", type=int, default=300, help="tokens each decoding stream generates")
     args = ap.parse_args()
     import pdserve
     from pdserve.cli.launch import start_stack
@@ -43,10 +47,12 @@ def main() -> None:
     model = Path(args.model) if args.model else tmp / "model"
     if not args.model:
         write_random_llama(model, layers=2, device="cpu", shape=TINY)
-    vocab = min(8000, TINY["vocab_size"] - 1)
+    vocab = min(8000, json.loads((model / "config.json").read_text())["vocab_size"] - 1)
     sink = OTLPSink().start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    stack = start_stack(model, tmp / "stack", kv_dtype="int8", extra=["--torch-threads", "1"], env=env)
+    gpus = [int(g) for g in args.gpus.split(",") if g]
+    extra = [] if gpus else ["--torch-threads", "1"]
+    stack = start_stack(model, tmp / "stack", kv_dtype="int8", extra=extra, env=env, gpus=gpus, mps=args.mps)
     rng = random.Random(0)
 
     def probe(n: int) -> list[float]:
@@ -69,7 +75,8 @@ def main() -> None:
         report("decode idle", probe(args.probes))
         cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--target", stack.router, "--json", str(tmp / "load.json"),
                "--no-progress", "--concurrency", str(args.streams), "--num-requests", "1000", "--input-dist",
-               "fixed:64", "--output-dist", "fixed:300", "--vocab-size", str(vocab), "--slo-preset", "cpu"]  # fmt: skip
+               "fixed:64", "--output-dist", f"fixed:{args.output}", "--vocab-size", str(vocab),
+               "--slo-preset", "cpu"]  # fmt: skip
         load = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(4.0)
         sink.clear()
