@@ -45,11 +45,20 @@ class DecodeConfig(EngineServiceConfig):
         "copies then hold its GIL, not the engine process's); auto: on with CUDA; --kv-transport grpc-shm turns it on. "
         "Measured faster than in-process grpc on a GPU host (docs/kv_transfer.md)",
     )
+    kv_shippers: int = opt(
+        2,
+        "grpc-shm: KV shipper processes beside the engine (1..16); batches are spread over them, since one shipper "
+        "pair is bound by Python gRPC's copies under one process's GIL; they share --kv-shipper-arena-mb",
+    )
     kv_shipper_arena_mb: float = opt(
-        1024.0, "grpc-shm: shared host memory (pinned on CUDA) where arriving batches land, MiB"
+        1024.0,
+        "grpc-shm: shared host memory (pinned on CUDA) where arriving batches land, MiB, all shippers together "
+        "(each gets its --kv-shippers share)",
     )
     kv_shipper_port: int = opt(
-        0, "grpc-shm: the shipper's port on --host, where prefills' shippers push (internal; 0 = any free port)"
+        0,
+        "grpc-shm: the shippers' first port on --host, where prefills' shippers push (internal): P > 0 gives the "
+        "--kv-shippers shippers P, P+1, ..., P+N-1; 0 = each picks a free port",
     )
     first_token_early: bool = opt(
         True,
@@ -62,7 +71,14 @@ class DecodeConfig(EngineServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        problems = kv_link_problems(self.kv_transport, self.kv_copy_threads, self.kv_shipper, self.kv_shipper_arena_mb)
+        problems = kv_link_problems(
+            self.kv_transport, self.kv_copy_threads, self.kv_shipper, self.kv_shipper_arena_mb, self.kv_shippers
+        )
+        if self.kv_shipper_port and not 0 < self.kv_shipper_port <= 65536 - max(self.kv_shippers, 1):
+            problems.append(
+                f"--kv-shipper-port {self.kv_shipper_port} with --kv-shippers {self.kv_shippers}: the ports "
+                f"P..P+N-1 must lie in 1..65535"
+            )
         if not self.page_timeout_s > 0:
             problems.append(f"--page-timeout-s must be > 0, got {self.page_timeout_s}")
         if not self.page_timeout_max_s >= self.page_timeout_s:

@@ -47,8 +47,15 @@ class PrefillConfig(CacheOptions, EngineServiceConfig):
         "copies then hold its GIL, not the engine process's); auto: on with CUDA; --kv-transport grpc-shm turns it on. "
         "Measured faster than in-process grpc on a GPU host (docs/kv_transfer.md)",
     )
+    kv_shippers: int = opt(
+        2,
+        "grpc-shm: KV shipper processes beside the engine (1..16); batches are spread over them, since one shipper "
+        "pair is bound by Python gRPC's copies under one process's GIL; they share --kv-shipper-arena-mb",
+    )
     kv_shipper_arena_mb: float = opt(
-        512.0, "grpc-shm: shared host memory (pinned on CUDA) where batches wait for the shipper and decode, MiB"
+        512.0,
+        "grpc-shm: shared host memory (pinned on CUDA) where batches wait for the shippers and decode, MiB, all "
+        "shippers together (each gets its --kv-shippers share)",
     )
     kv_batch_mb: float = opt(8.0, "grpc transport: page bytes per stream message, MiB")
     kv_ipc_staging_mb: float = opt(512.0, "cuda-ipc transport: device staging buffer shared with decode, MiB")
@@ -83,9 +90,14 @@ class PrefillConfig(CacheOptions, EngineServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        problems = kv_link_problems(self.kv_transport, self.kv_copy_threads, self.kv_shipper, self.kv_shipper_arena_mb)
-        if 2 * self.kv_batch_mb > self.kv_shipper_arena_mb:
-            problems.append("--kv-shipper-arena-mb must hold two batches of --kv-batch-mb")
+        problems = kv_link_problems(
+            self.kv_transport, self.kv_copy_threads, self.kv_shipper, self.kv_shipper_arena_mb, self.kv_shippers
+        )
+        if self.kv_shippers > 0 and 2 * self.kv_batch_mb > self.kv_shipper_arena_mb / self.kv_shippers:
+            problems.append(
+                f"each KV shipper's arena (--kv-shipper-arena-mb / --kv-shippers = {self.kv_shipper_arena_mb:g} / "
+                f"{self.kv_shippers}) must hold two batches of --kv-batch-mb ({self.kv_batch_mb:g})"
+            )
         if not self.ack_timeout_s > 0:
             problems.append(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         if not (self.kv_batch_mb > 0 and self.kv_ipc_staging_mb > 0):

@@ -137,10 +137,12 @@ class EngineServiceConfig(ServerOptions):
         self.engine.validate()
 
 
-def kv_link_problems(kv_transport: str, kv_copy_threads: int, kv_shipper: str, kv_shipper_arena_mb: float) -> list[str]:
+def kv_link_problems(
+    kv_transport: str, kv_copy_threads: int, kv_shipper: str, kv_shipper_arena_mb: float, kv_shippers: int
+) -> list[str]:
     """What is wrong with the KV link settings prefill and decode both have (`--kv-transport`, `--kv-copy-threads`,
-    `--kv-shipper`, `--kv-shipper-arena-mb`)."""
-    from pdserve.kv.transfer.modes import MODES, SHIPPER_MODES
+    `--kv-shipper`, `--kv-shipper-arena-mb`, `--kv-shippers`)."""
+    from pdserve.kv.transfer.modes import MAX_SHIPPERS, MODES, SHIPPER_MODES
 
     problems = []
     if kv_copy_threads < 0:
@@ -151,4 +153,6 @@ def kv_link_problems(kv_transport: str, kv_copy_threads: int, kv_shipper: str, k
         problems.append(f"--kv-shipper must be one of {', '.join(SHIPPER_MODES)}, got {kv_shipper!r}")
     if not kv_shipper_arena_mb > 0:
         problems.append(f"--kv-shipper-arena-mb must be > 0, got {kv_shipper_arena_mb}")
+    if not 1 <= kv_shippers <= MAX_SHIPPERS:
+        problems.append(f"--kv-shippers must be in 1..{MAX_SHIPPERS}, got {kv_shippers}")
     return problems

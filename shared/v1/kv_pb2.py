@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"\xbd\x01\n\x08KVLayout\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.pdserve.v1.KVDType\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12\x12\n\nasymmetric\x18\x08 \x01(\x08\"\x86\x02\n\rKVBatchHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x66irst_seq_no\x18\x04 \x01(\x04\x12\x14\n\x0cpage_indexes\x18\x05 \x03(\r\x12\x12\n\nnum_tokens\x18\x06 \x03(\r\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x14\n\x0chas_checksum\x18\x08 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\t \x01(\x07\x12\x13\n\x0blayer_start\x18\n \x01(\r\x12\x13\n\x0blayer_count\x18\x0b \x01(\r\"I\n\x0bKVPageBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"Z\n\nKVIpcBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbuffer_id\x18\x03 \x01(\t\"H\n\rKVShardLayout\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\r\x12\x19\n\x11kv_heads_per_rank\x18\x02 \x01(\r\"\xde\x01\n\x10KVTransportOffer\x12\x12\n\ntransports\x18\x01 \x03(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\x0e\n\x06\x66orced\x18\x06 \x01(\x08\x12)\n\x06shards\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.KVShardLayout\x12\x17\n\x0fshipper_address\x18\x08 \x01(\t\x12\x14\n\x0ctransfer_key\x18\t \x01(\x0c\"\x97\x02\n\x0bKVIpcBuffer\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\x05\x12\x0e\n\x06handle\x18\x05 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0b \x01(\x08\x12\x0c\n\x04path\x18\x0c \x01(\t\"\x8e\x01\n\x11KVTransportChoice\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\nipc_buffer\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KVIpcBuffer\x12)\n\x06shards\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVShardLayout\".\n\x10KVTransportReady\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\";\n\x0eKVShippedBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\"C\n\nKVShipment\x12\x14\n\x0ctransfer_key\x18\x01 \x01(\x0c\x12\x0e\n\x06seq_no\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\"\n\rKVShipReceipt\x12\x11\n\tshipments\x18\x01 \x01(\x04\"h\n\x0eShipperCommand\x12#\n\x04push\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.ShipOutH\x00\x12*\n\x07release\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.ArenaRegionH\x00\x42\x05\n\x03\x63md\"\x93\x01\n\x0cShipperEvent\x12%\n\x07\x61rrived\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.ShipInH\x00\x12(\n\x06\x66\x61iled\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.ShipFailedH\x00\x12)\n\x05ready\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ShipperReadyH\x00\x42\x07\n\x05\x65vent\"`\n\x07ShipOut\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x14\n\x0ctransfer_key\x18\x02 \x01(\x0c\x12\x0e\n\x06seq_no\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"N\n\x06ShipIn\x12\x14\n\x0ctransfer_key\x18\x01 \x01(\x0c\x12\x0e\n\x06seq_no\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"-\n\x0b\x41renaRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"2\n\nShipFailed\x12\x14\n\x0ctransfer_key\x18\x01 \x01(\x0c\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\x0cShipperReady\x12\x0c\n\x04port\x18\x01 \x01(\r\"\x93\x01\n\x10KVTransportStats\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x11\n\tfallbacks\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x07 \x01(\x04*\x90\x01\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DTYPE_INT8\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x04\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x05\x32H\n\tKVShipper\x12;\n\x04Push\x12\x16.pdserve.v1.KVShipment\x1a\x19.pdserve.v1.KVShipReceipt(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\"\xbd\x01\n\x08KVLayout\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.pdserve.v1.KVDType\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12\x12\n\nasymmetric\x18\x08 \x01(\x08\"\x86\x02\n\rKVBatchHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x66irst_seq_no\x18\x04 \x01(\x04\x12\x14\n\x0cpage_indexes\x18\x05 \x03(\r\x12\x12\n\nnum_tokens\x18\x06 \x03(\r\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x14\n\x0chas_checksum\x18\x08 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\t \x01(\x07\x12\x13\n\x0blayer_start\x18\n \x01(\r\x12\x13\n\x0blayer_count\x18\x0b \x01(\r\"I\n\x0bKVPageBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"Z\n\nKVIpcBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbuffer_id\x18\x03 \x01(\t\"H\n\rKVShardLayout\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\r\x12\x19\n\x11kv_heads_per_rank\x18\x02 \x01(\r\"\xfe\x01\n\x10KVTransportOffer\x12\x12\n\ntransports\x18\x01 \x03(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\x0e\n\x06\x66orced\x18\x06 \x01(\x08\x12)\n\x06shards\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.KVShardLayout\x12\x17\n\x0fshipper_address\x18\x08 \x01(\t\x12\x14\n\x0ctransfer_key\x18\t \x01(\x0c\x12\x1e\n\x16more_shipper_addresses\x18\n \x03(\t\"\x97\x02\n\x0bKVIpcBuffer\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\x05\x12\x0e\n\x06handle\x18\x05 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\n \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0b \x01(\x08\x12\x0c\n\x04path\x18\x0c \x01(\t\"\x8e\x01\n\x11KVTransportChoice\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12+\n\nipc_buffer\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KVIpcBuffer\x12)\n\x06shards\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVShardLayout\".\n\x10KVTransportReady\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\";\n\x0eKVShippedBatch\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVBatchHeader\"C\n\nKVShipment\x12\x14\n\x0ctransfer_key\x18\x01 \x01(\x0c\x12\x0e\n\x06seq_no\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"\"\n\rKVShipReceipt\x12\x11\n\tshipments\x18\x01 \x01(\x04\"h\n\x0eShipperCommand\x12#\n\x04push\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.ShipOutH\x00\x12*\n\x07release\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.ArenaRegionH\x00\x42\x05\n\x03\x63md\"\x93\x01\n\x0cShipperEvent\x12%\n\x07\x61rrived\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.ShipInH\x00\x12(\n\x06\x66\x61iled\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.ShipFailedH\x00\x12)\n\x05ready\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ShipperReadyH\x00\x42\x07\n\x05\x65vent\"`\n\x07ShipOut\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x14\n\x0ctransfer_key\x18\x02 \x01(\x0c\x12\x0e\n\x06seq_no\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"N\n\x06ShipIn\x12\x14\n\x0ctransfer_key\x18\x01 \x01(\x0c\x12\x0e\n\x06seq_no\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"-\n\x0b\x41renaRegion\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"2\n\nShipFailed\x12\x14\n\x0ctransfer_key\x18\x01 \x01(\x0c\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1c\n\x0cShipperReady\x12\x0c\n\x04port\x18\x01 \x01(\r\"\x93\x01\n\x10KVTransportStats\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x11\n\tfallbacks\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x07 \x01(\x04*\x90\x01\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DTYPE_INT8\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x04\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x05\x32H\n\tKVShipper\x12;\n\x04Push\x12\x16.pdserve.v1.KVShipment\x1a\x19.pdserve.v1.KVShipReceipt(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=2313
-  _globals['_KVDTYPE']._serialized_end=2457
+  _globals['_KVDTYPE']._serialized_start=2345
+  _globals['_KVDTYPE']._serialized_end=2489
   _globals['_KVLAYOUT']._serialized_start=36
   _globals['_KVLAYOUT']._serialized_end=225
   _globals['_KVBATCHHEADER']._serialized_start=228
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVSHARDLAYOUT']._serialized_start=659
   _globals['_KVSHARDLAYOUT']._serialized_end=731
   _globals['_KVTRANSPORTOFFER']._serialized_start=734
-  _globals['_KVTRANSPORTOFFER']._serialized_end=956
-  _globals['_KVIPCBUFFER']._serialized_start=959
-  _globals['_KVIPCBUFFER']._serialized_end=1238
-  _globals['_KVTRANSPORTCHOICE']._serialized_start=1241
-  _globals['_KVTRANSPORTCHOICE']._serialized_end=1383
-  _globals['_KVTRANSPORTREADY']._serialized_start=1385
-  _globals['_KVTRANSPORTREADY']._serialized_end=1431
-  _globals['_KVSHIPPEDBATCH']._serialized_start=1433
-  _globals['_KVSHIPPEDBATCH']._serialized_end=1492
-  _globals['_KVSHIPMENT']._serialized_start=1494
-  _globals['_KVSHIPMENT']._serialized_end=1561
-  _globals['_KVSHIPRECEIPT']._serialized_start=1563
-  _globals['_KVSHIPRECEIPT']._serialized_end=1597
-  _globals['_SHIPPERCOMMAND']._serialized_start=1599
-  _globals['_SHIPPERCOMMAND']._serialized_end=1703
-  _globals['_SHIPPEREVENT']._serialized_start=1706
-  _globals['_SHIPPEREVENT']._serialized_end=1853
-  _globals['_SHIPOUT']._serialized_start=1855
-  _globals['_SHIPOUT']._serialized_end=1951
-  _globals['_SHIPIN']._serialized_start=1953
-  _globals['_SHIPIN']._serialized_end=2031
-  _globals['_ARENAREGION']._serialized_start=2033
-  _globals['_ARENAREGION']._serialized_end=2078
-  _globals['_SHIPFAILED']._serialized_start=2080
-  _globals['_SHIPFAILED']._serialized_end=2130
-  _globals['_SHIPPERREADY']._serialized_start=2132
-  _globals['_SHIPPERREADY']._serialized_end=2160
-  _globals['_KVTRANSPORTSTATS']._serialized_start=2163
-  _globals['_KVTRANSPORTSTATS']._serialized_end=2310
-  _globals['_KVSHIPPER']._serialized_start=2459
-  _globals['_KVSHIPPER']._serialized_end=2531
+  _globals['_KVTRANSPORTOFFER']._serialized_end=988
+  _globals['_KVIPCBUFFER']._serialized_start=991
+  _globals['_KVIPCBUFFER']._serialized_end=1270
+  _globals['_KVTRANSPORTCHOICE']._serialized_start=1273
+  _globals['_KVTRANSPORTCHOICE']._serialized_end=1415
+  _globals['_KVTRANSPORTREADY']._serialized_start=1417
+  _globals['_KVTRANSPORTREADY']._serialized_end=1463
+  _globals['_KVSHIPPEDBATCH']._serialized_start=1465
+  _globals['_KVSHIPPEDBATCH']._serialized_end=1524
+  _globals['_KVSHIPMENT']._serialized_start=1526
+  _globals['_KVSHIPMENT']._serialized_end=1593
+  _globals['_KVSHIPRECEIPT']._serialized_start=1595
+  _globals['_KVSHIPRECEIPT']._serialized_end=1629
+  _globals['_SHIPPERCOMMAND']._serialized_start=1631
+  _globals['_SHIPPERCOMMAND']._serialized_end=1735
+  _globals['_SHIPPEREVENT']._serialized_start=1738
+  _globals['_SHIPPEREVENT']._serialized_end=1885
+  _globals['_SHIPOUT']._serialized_start=1887
+  _globals['_SHIPOUT']._serialized_end=1983
+  _globals['_SHIPIN']._serialized_start=1985
+  _globals['_SHIPIN']._serialized_end=2063
+  _globals['_ARENAREGION']._serialized_start=2065
+  _globals['_ARENAREGION']._serialized_end=2110
+  _globals['_SHIPFAILED']._serialized_start=2112
+  _globals['_SHIPFAILED']._serialized_end=2162
+  _globals['_SHIPPERREADY']._serialized_start=2164
+  _globals['_SHIPPERREADY']._serialized_end=2192
+  _globals['_KVTRANSPORTSTATS']._serialized_start=2195
+  _globals['_KVTRANSPORTSTATS']._serialized_end=2342
+  _globals['_KVSHIPPER']._serialized_start=2491
+  _globals['_KVSHIPPER']._serialized_end=2563
 # @@protoc_insertion_point(module_scope)

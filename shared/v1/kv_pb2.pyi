@@ -95,7 +95,7 @@ class KVShardLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., kv_heads_per_rank: _Optional[int] = ...) -> None: ...
 
 class KVTransportOffer(_message.Message):
-    __slots__ = ("transports", "host_id", "device_kind", "gpu_uuid", "device_index", "forced", "shards", "shipper_address", "transfer_key")
+    __slots__ = ("transports", "host_id", "device_kind", "gpu_uuid", "device_index", "forced", "shards", "shipper_address", "transfer_key", "more_shipper_addresses")
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class KVTransportOffer(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHIPPER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    MORE_SHIPPER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     transports: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
     device_kind: str
@@ -114,7 +115,8 @@ class KVTransportOffer(_message.Message):
     shards: KVShardLayout
     shipper_address: str
     transfer_key: bytes
-    def __init__(self, transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., forced: _Optional[bool] = ..., shards: _Optional[_Union[KVShardLayout, _Mapping]] = ..., shipper_address: _Optional[str] = ..., transfer_key: _Optional[bytes] = ...) -> None: ...
+    more_shipper_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device_kind: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., forced: _Optional[bool] = ..., shards: _Optional[_Union[KVShardLayout, _Mapping]] = ..., shipper_address: _Optional[str] = ..., transfer_key: _Optional[bytes] = ..., more_shipper_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVIpcBuffer(_message.Message):
     __slots__ = ("buffer_id", "kind", "nbytes", "device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "path")

@@ -4,7 +4,7 @@ hear it.
     link = ShipperLink("prefill" | "decode", arena_bytes, pin=cuda, host=..., environ=...).start()
     prefill: block = link.reserve(n, timeout); ...rows into block.tensor...; link.push(address, key, seq, block)
              link.watch(key, on_failed); link.unwatch(key); link.give(block) once decode acknowledged it
-    decode:  inbox = link.inbox(key); inbox.when(seq, fn); region = inbox.take(seq); link.release(region)
+    decode:  inbox = link.inbox(key); inbox.when(seq, fn); region = inbox.take(seq); inbox.release(region)
              link.address(host): where prefill's shipper pushes; inbox.close() gives back what was never taken
 
 A shipper that exits fails what depends on it (prefill: every watched transfer; decode: every inbox) and is started
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +37,9 @@ START_TIMEOUT_S = 30.0
 
 @dataclass
 class Landed:
-    """A batch's bytes in decode's arena."""
+    """A batch's bytes in decode's arena: the arena of `link`, the shipper it came through."""
 
+    link: ShipperLink
     offset: int
     nbytes: int
     tensor: torch.Tensor  # uint8 [nbytes], a view of the arena (pinned on CUDA)
@@ -49,11 +50,13 @@ class ShipperDown(Exception):
 
 
 class Inbox:
-    """Decode: the arrivals of one transfer key, by seq_no. `when(seq, fn)` runs `fn` (once) as soon as that batch
-    landed or the inbox failed; `take(seq)` then gives the bytes or raises ShipperDown."""
+    """Decode: the arrivals of one transfer key, by seq_no, through any of `links` (a `ShipperGroup` spreads a
+    transfer's batches over its shippers). `when(seq, fn)` runs `fn` (once) as soon as that batch landed or the inbox
+    failed (any of its shippers exited: the transfer needs every batch); `take(seq)` then gives the bytes or raises
+    ShipperDown; `release(landed)` gives them back to the shipper whose arena holds them."""
 
-    def __init__(self, link: ShipperLink, key: bytes):
-        self.link = link
+    def __init__(self, links: Sequence[ShipperLink], key: bytes):
+        self.links = list(links)
         self.key = key
         self._lock = threading.Lock()
         self._landed: dict[int, Landed] = {}
@@ -76,8 +79,12 @@ class Inbox:
                 raise ShipperDown(self._failed or f"batch {seq_no} has not landed")
             return got
 
-    def _arrived(self, ev: kv_pb2.ShipIn) -> None:
-        landed = Landed(ev.offset, ev.nbytes, self.link.arena.tensor[ev.offset : ev.offset + ev.nbytes])
+    def release(self, landed: Landed) -> None:
+        """Give a taken batch's region back to the shipper it landed through."""
+        landed.link.release(landed)
+
+    def _arrived(self, ev: kv_pb2.ShipIn, link: ShipperLink) -> None:
+        landed = Landed(link, ev.offset, ev.nbytes, link.arena.tensor[ev.offset : ev.offset + ev.nbytes])
         with self._lock:
             if self._closed or ev.seq_no in self._landed:
                 fn, keep = None, False
@@ -85,7 +92,7 @@ class Inbox:
                 self._landed[ev.seq_no] = landed
                 fn, keep = self._waiting.pop(ev.seq_no, None), True
         if not keep:
-            self.link.release(landed)  # after close, or a repeated seq_no: not ours to keep
+            link.release(landed)  # after close, or a repeated seq_no: not ours to keep
         elif fn is not None:
             fn()
 
@@ -102,8 +109,9 @@ class Inbox:
             self._closed = True
             landed, self._landed = list(self._landed.values()), {}
         for got in landed:
-            self.link.release(got)
-        self.link._forget(self.key)
+            got.link.release(got)
+        for link in self.links:
+            link._forget(self.key)
 
 
 class ShipperLink:
@@ -255,9 +263,9 @@ class ShipperLink:
                         if inbox is None:
                             self.dropped += 1
                     if inbox is None:
-                        self.release(Landed(ev.arrived.offset, ev.arrived.nbytes, self.arena.tensor[:0]))
+                        self.release(Landed(self, ev.arrived.offset, ev.arrived.nbytes, self.arena.tensor[:0]))
                     else:
-                        inbox._arrived(ev.arrived)
+                        inbox._arrived(ev.arrived, self)
                 elif kind == "failed":
                     with self._lock:
                         watcher = self._watchers.get(ev.failed.transfer_key)
@@ -297,10 +305,15 @@ class ShipperLink:
                 raise ShipperDown(f"the KV shipper is gone: {e}") from e
 
     # ---- prefill -----------------------------------------------------------------------------------------------
+    def try_reserve(self, nbytes: int) -> ArenaBlock | None:
+        """A staging block of the arena if one is free now (None otherwise)."""
+        self._check_batch(nbytes)
+        with self._space:
+            return self.arena.alloc(nbytes)
+
     def reserve(self, nbytes: int, timeout: float) -> ArenaBlock:
         """A staging block of the arena; waits for blocks given back up to `timeout` (TimeoutError)."""
-        if nbytes > self.arena.nbytes // 2:
-            raise ValueError(f"a {nbytes}-byte batch exceeds half the {self.arena.nbytes}-byte shipper arena")
+        self._check_batch(nbytes)
         deadline = time.monotonic() + timeout
         with self._space:
             while (block := self.arena.alloc(nbytes)) is None:
@@ -309,6 +322,10 @@ class ShipperLink:
                     raise TimeoutError(f"no {nbytes}-byte shipper arena block free within {timeout}s")
                 self._space.wait(left)
             return block
+
+    def _check_batch(self, nbytes: int) -> None:
+        if nbytes > self.arena.nbytes // 2:
+            raise ValueError(f"a {nbytes}-byte batch exceeds half the {self.arena.nbytes}-byte shipper arena")
 
     def give(self, block: ArenaBlock) -> None:
         with self._space:
@@ -330,12 +347,17 @@ class ShipperLink:
 
     # ---- decode ------------------------------------------------------------------------------------------------
     def inbox(self, key: bytes) -> Inbox:
-        inbox = Inbox(self, key)
-        with self._lock:
-            if key in self._inboxes:
-                raise ValueError("transfer key in use")
-            self._inboxes[key] = inbox
+        """The arrivals of transfer `key` through this shipper alone."""
+        inbox = Inbox([self], key)
+        self._register(inbox)
         return inbox
+
+    def _register(self, inbox: Inbox) -> None:
+        """Batches of `inbox.key` that land through this shipper go to `inbox` (ValueError: the key is in use)."""
+        with self._lock:
+            if inbox.key in self._inboxes:
+                raise ValueError("transfer key in use")
+            self._inboxes[inbox.key] = inbox
 
     def _forget(self, key: bytes) -> None:
         with self._lock:

@@ -118,9 +118,9 @@ class DecodeConnector:
         return IncomingTransfer(self, pages, import_rows, peer)
 
     def offer_for(self, request_id: str) -> tuple[kv_pb2.KVTransportOffer, Inbox | None]:
-        """This request's offer, with grpc-shm (this shipper's address and a fresh transfer key, whose inbox is
-        returned) when the shipper serves and --kv-transport allows it. TransportUnusable when grpc-shm is forced
-        and the shipper is down."""
+        """This request's offer, with grpc-shm (the shippers' addresses and a fresh transfer key, whose inbox is
+        returned) when every shipper serves and --kv-transport allows it. TransportUnusable when grpc-shm is forced
+        and a shipper is down."""
         mode = self.cfg.kv_transport
         if mode not in ("auto", GRPC_SHM):
             return self.offer, None
@@ -133,7 +133,9 @@ class DecodeConnector:
         if GRPC_SHM not in offer.transports:
             offer.transports.append(GRPC_SHM)
         key = os.urandom(TRANSFER_KEY_BYTES)
-        offer.shipper_address = self.shipper.address(self.shipper_host)
+        first, *more = self.shipper.addresses(self.shipper_host)
+        offer.shipper_address = first  # a prefill that knows only this field pushes every batch there
+        offer.more_shipper_addresses.extend(more)
         offer.transfer_key = key
         return offer, self.shipper.inbox(key)
 

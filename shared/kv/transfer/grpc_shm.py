@@ -1,14 +1,15 @@
 """`grpc-shm` transport: control on the Prefill stream, bytes through the shippers (`pdserve.kv.shipper`).
 
-Sender: per batch, the chunk's rows go into a block of the prefill process's shipper arena (a memfd its shipper maps
-too; pinned on CUDA, so the copy off the device is one DMA), the header is checksummed there (CRC32C, outside the
-GIL), the shipper is told to push the block to decode's shipper under the transfer key decode offered, and the
-stream carries a `KVShippedBatch` descriptor (the header). Blocks are given back when decode acknowledges them.
-Receiver: each descriptor is scheduled once its batch landed in decode's arena (`Inbox.when`: no copy thread waits
-for bytes still on their way); then the header is verified against the landed bytes (sizes, CRC32C), the rows are
-copied out (on CUDA one DMA from the pinned arena, into this process's memory) and the region goes back to the
-shipper. The engine processes touch each byte once (the copy and the checksum, both outside the GIL); gRPC's copies
-run in the shippers.
+Each end runs `--kv-shippers` shippers (`ShipperGroup`): consecutive batches take different ones, so the bytes move
+through several processes' gRPC at once. Sender: per batch, the chunk's rows go into a block of one shipper's arena
+(a memfd that shipper maps too; pinned on CUDA, so the copy off the device is one DMA), the header is checksummed
+there (CRC32C, outside the GIL), that shipper is told to push the block to one of decode's shippers under the
+transfer key decode offered, and the stream carries a `KVShippedBatch` descriptor (the header). Blocks are given
+back when decode acknowledges them. Receiver: each descriptor is scheduled once its batch landed in the arena of
+whichever decode shipper it came through (`Inbox.when`: no copy thread waits for bytes still on their way); then
+the header is verified against the landed bytes (sizes, CRC32C), the rows are copied out (on CUDA one DMA from the
+pinned arena, into this process's memory) and the region goes back to that shipper. The engine processes touch
+each byte once (the copy and the checksum, both outside the GIL); gRPC's copies run in the shippers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 
 from pdserve.errors import CorruptPage, PeerUnavailable
-from pdserve.kv.shipper.link import Inbox, ShipperDown, ShipperLink
+from pdserve.kv.shipper.group import ShipperGroup
+from pdserve.kv.shipper.link import Inbox, ShipperDown
 from pdserve.kv.transfer.base import ExportedPages, KVReceiver, KVSender
 from pdserve.kv.transfer.device_copy import copy_to_device
 from pdserve.kv.transfer.modes import GRPC_SHM
@@ -39,10 +41,12 @@ from pdserve.v1 import internal_pb2, kv_pb2
 class ShmSender(KVSender):
     transport = GRPC_SHM
 
-    def __init__(self, *args, link: ShipperLink, address: str, key: bytes, reserve_timeout: float, **kw):
+    def __init__(
+        self, *args, link: ShipperGroup, addresses: list[str], key: bytes, reserve_timeout: float, **kw
+    ) -> None:
         super().__init__(*args, **kw)
         self.link = link
-        self.address = address  # decode's shipper
+        self.addresses = addresses  # decode's shippers (prefill's shipper k pushes to addresses[k % len])
         self.key = key  # decode's name for this transfer
         self.reserve_timeout = reserve_timeout
         self._blocks: list[tuple[int, Any]] = []  # (last seq_no, arena block) not yet acknowledged
@@ -51,8 +55,8 @@ class ShmSender(KVSender):
         link.watch(key, self._fail)
 
     def rows_per(self, exported: ExportedPages) -> int:
-        """At most half the arena per batch."""
-        return self.rows_within(exported, self.link.arena.nbytes)
+        """At most half a shipper's arena per batch."""
+        return self.rows_within(exported, self.link.arena_bytes)
 
     def _fail(self, reason: str) -> None:
         with self._acked_cv:
@@ -90,14 +94,14 @@ class ShmSender(KVSender):
             block = self.link.reserve(nbytes, self.reserve_timeout)
             span = self.clock.start()
             try:
-                region = block.tensor[:nbytes]
+                region = block.tensor[:nbytes]  # in the arena of the shipper that pushes it
                 self._stage(region, exported, rows)
                 idx, tok = exported.page_indexes[i : i + k], exported.num_tokens[i : i + k]
                 first = self._shipped(idx, nbytes, span, layers)
                 with self._acked_cv:
                     self._blocks.append((first + len(idx) - 1, block))
                 header = self._header(first, idx, tok, memoryview(region.numpy()), layers)  # type: ignore[arg-type]
-                self.link.push(self.address, self.key, first, block, nbytes)
+                self.link.push(self.addresses, self.key, first, block, nbytes)
             except ShipperDown as e:
                 raise PeerUnavailable(str(e)) from e
             except BaseException:
@@ -164,7 +168,7 @@ class ShmReceiver(KVReceiver):
                 self.copy_stream = torch.cuda.Stream(device=self.device)
             return copy_to_device(rows, self.device, self.copy_stream)  # complete when it returns
         finally:
-            self.inbox.link.release(landed)
+            self.inbox.release(landed)
 
 
 def shipper_wanted(cfg, device: torch.device) -> bool:
@@ -173,9 +177,10 @@ def shipper_wanted(cfg, device: torch.device) -> bool:
     return cfg.kv_transport == GRPC_SHM or mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
-def start_shipper(cfg, role: str, device: torch.device) -> ShipperLink | None:
-    """This process's shipper (None when not wanted). Its environment carries the service's resolved internal
-    token and TLS files (its Push port is internal; its pushes carry them)."""
+def start_shipper(cfg, role: str, device: torch.device) -> ShipperGroup | None:
+    """This process's `--kv-shippers` shippers (None when not wanted), sharing `--kv-shipper-arena-mb`. Their
+    environment carries the service's resolved internal token and TLS files (their Push ports are internal; their
+    pushes carry them)."""
     if not shipper_wanted(cfg, device):
         return None
     environ = dict(os.environ)
@@ -187,12 +192,13 @@ def start_shipper(cfg, role: str, device: torch.device) -> ShipperLink | None:
             environ[ENV_TOKEN] = sec.token
         tls = {ENV_TLS_CERT: sec.tls.cert, ENV_TLS_KEY: sec.tls.key, ENV_TLS_CA: sec.tls.ca}
         environ.update({k: v for k, v in {**tls, ENV_TLS_SERVER_NAME: sec.tls.server_name}.items() if v})
-    link = ShipperLink(
+    group = ShipperGroup.of(
         role,
+        getattr(cfg, "kv_shippers", 1),
         int(getattr(cfg, "kv_shipper_arena_mb", 512.0) * 2**20),
         pin=device.type == "cuda",
         host=getattr(cfg, "host", "127.0.0.1"),
         port=getattr(cfg, "kv_shipper_port", 0),
         environ=environ,
     )
-    return link.start()
+    return group.start()

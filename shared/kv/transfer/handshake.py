@@ -6,7 +6,7 @@
    cuda-ipc when both ends are on one host with CUDA and prefill's staging buffer is registered, else grpc.
    A forced transport that cannot work is an error (FAILED_PRECONDITION), never a fallback.
    `grpc-shm` (bytes through the shippers, `pdserve.kv.shipper`) where `auto` would pick grpc, when decode offers it
-   (its shipper's address and a transfer key, per request) and prefill's own shipper serves.
+   (its shippers' addresses and a transfer key, per request) and prefill's own shippers serve.
 3. For cuda-ipc, decode opens the buffer and replies `KVTransportReady`; if it cannot (and neither end forced
    cuda-ipc), prefill ships this request over grpc. Every fallback, on either end, goes through `fall_back`:
    counted and logged, or TransportUnusable when cuda-ipc was forced.
@@ -30,7 +30,7 @@ import torch
 
 from pdserve.engine.tp.layout import MAX_TP_SIZE
 from pdserve.errors import TransportUnusable
-from pdserve.kv.transfer.modes import CUDA_IPC, GRPC, GRPC_SHM
+from pdserve.kv.transfer.modes import CUDA_IPC, GRPC, GRPC_SHM, MAX_SHIPPERS
 from pdserve.kv.transfer.stats import TransferStats
 from pdserve.v1 import kv_pb2
 
@@ -126,13 +126,20 @@ TRANSFER_KEY_BYTES = 16
 
 
 def shipper_offer_problem(offer: kv_pb2.KVTransportOffer) -> str:
-    """Why decode's grpc-shm fields cannot be used ("" when they can)."""
-    address = offer.shipper_address
-    if not address or len(address) > SHIPPER_ADDRESS_MAX or ":" not in address or any(c.isspace() for c in address):
-        return f"decode's shipper address {address[:SHIPPER_ADDRESS_MAX]!r} is not host:port"
+    """Why decode's grpc-shm fields cannot be used ("" when they can): its shippers' addresses (the first and at
+    most MAX_SHIPPERS more) host:port each, a transfer key of TRANSFER_KEY_BYTES."""
+    if len(offer.more_shipper_addresses) > MAX_SHIPPERS:
+        return f"decode offers {len(offer.more_shipper_addresses)} further shipper addresses, more than {MAX_SHIPPERS}"
+    for address in [offer.shipper_address, *offer.more_shipper_addresses]:
+        if not _host_port(address):
+            return f"decode's shipper address {address[:SHIPPER_ADDRESS_MAX]!r} is not host:port"
     if len(offer.transfer_key) != TRANSFER_KEY_BYTES:
         return f"decode's transfer key has {len(offer.transfer_key)} bytes, not {TRANSFER_KEY_BYTES}"
     return ""
+
+
+def _host_port(address: str) -> bool:
+    return 0 < len(address) <= SHIPPER_ADDRESS_MAX and ":" in address and not any(c.isspace() for c in address)
 
 
 def choose(

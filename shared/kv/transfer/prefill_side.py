@@ -121,7 +121,7 @@ class PrefillConnector:
                 *args,
                 max_batch_bytes=int(self.cfg.kv_batch_mb * 2**20),
                 link=self.shipper,
-                address=offer.shipper_address,
+                addresses=[offer.shipper_address, *offer.more_shipper_addresses],  # a decode of one: all to it
                 key=offer.transfer_key,
                 reserve_timeout=self.cfg.ack_timeout_s,
             )
@@ -154,10 +154,10 @@ class PrefillConnector:
             return self._staging_error
 
     def _shipper_unavailable(self) -> str:
-        """ "" when the shipper serves (started again if it exited), else why not."""
+        """ "" when every shipper serves (those that exited started again), else why not."""
         if self.shipper is None:
             return "prefill runs no KV shipper (--kv-shipper)"
-        return "" if self.shipper.ready() else "prefill's KV shipper is not running"
+        return "" if self.shipper.ready() else "one of prefill's KV shippers is not running"
 
     def close(self) -> None:
         """Service shutdown: release the staging buffer (its shared-memory file on CPU), the builders, the

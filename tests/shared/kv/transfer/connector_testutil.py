@@ -33,6 +33,7 @@ class Settings:
     kv_layer_group: int = 0
     kv_shipper: str = "off"
     kv_shipper_arena_mb: float = 4.0
+    kv_shippers: int = 2
 
 
 def rows(n: int = N) -> torch.Tensor:

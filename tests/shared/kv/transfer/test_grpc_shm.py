@@ -40,7 +40,7 @@ def test_pages_move_through_the_shippers(batch_mb):
         assert pair.released == ["r"] and pair.freed == [] and pair.rx.pages.completed
         assert counters(pair.pc.stats, "grpc-shm") == counters(pair.dc.stats, "grpc-shm") == (1, N, 0)
         assert pair.pc.stats.get("grpc-shm").batches == (1 if batch_mb == 1.0 else N)
-        assert pair.dc.shipper is not None and pair.dc.shipper.dropped == 0
+        assert pair.dc.shipper is not None and pair.dc.shipper.events()["dropped"] == 0
     finally:
         pair.close()
 
@@ -71,9 +71,11 @@ def test_a_forced_grpc_shm_that_cannot_work_fails_on_the_end_that_knows(monkeypa
     pair = Pair(ON, Settings(kv_transport="grpc-shm"))
     try:
         assert pair.offer.forced and list(pair.offer.transports) == ["grpc-shm"]
-        assert pair.dc.shipper is not None and pair.dc.shipper.pid is not None
-        os.kill(pair.dc.shipper.pid, signal.SIGKILL)
-        pair.dc.shipper._proc.wait()  # type: ignore[union-attr]
+        assert pair.dc.shipper is not None and len(pair.dc.shipper.links) == 2
+        dead = pair.dc.shipper.links[1]  # one of decode's shippers down: no grpc-shm offer
+        assert dead.pid is not None
+        os.kill(dead.pid, signal.SIGKILL)
+        dead._proc.wait()  # type: ignore[union-attr]
         rx = pair.dc.open("r2", N, lambda: None, pair.import_rows, peer="prefill-0")
         with pytest.raises(TransportUnusable, match="decode's KV shipper is not running"):
             next(rx.messages(internal_pb2.PrefillRequest(request_id="r2")))
@@ -92,11 +94,14 @@ def test_a_decode_shipper_that_dies_mid_transfer_fails_both_ends_unavailable(mon
         pages = rows()
         for m in pair.tx.send(ExportedPages([0, 1], [4, 4], pages[:2])):
             assert pair.rx.receive(m.SerializeToString()) is None
-        assert pair.pc.shipper is not None and pair.dc.shipper is not None and pair.dc.shipper.pid is not None
+        assert pair.pc.shipper is not None and pair.dc.shipper is not None
         monkeypatch.setattr(pair.pc.shipper, "push", lambda *a: None)  # page 2's bytes never leave
         for m in pair.tx.send(ExportedPages([2], [4], pages[2:3])):
             assert pair.rx.receive(m.SerializeToString()) is None
-        os.kill(pair.dc.shipper.pid, signal.SIGKILL)
+        # page 2 took prefill's shipper 0 (batches rotate over the two), which pushes to decode's shipper 0
+        dead = pair.dc.shipper.links[0].pid
+        assert dead is not None
+        os.kill(dead, signal.SIGKILL)
         done = internal_pb2.PrefillDone(num_pages=pair.tx.pages.num_shipped)
         with pytest.raises(PeerUnavailable, match="did not arrive: the decode side's KV shipper process exited") as de:
             pair.rx.finish(done)
@@ -123,9 +128,9 @@ def test_bytes_changed_on_the_way_fail_data_loss(monkeypatch):
         assert link is not None
         push = link.push
 
-        def flip(address, key, seq_no, block, nbytes):
+        def flip(addresses, key, seq_no, block, nbytes):
             block.tensor[7] ^= 0x40  # after the checksum, before the shipper reads it
-            push(address, key, seq_no, block, nbytes)
+            push(addresses, key, seq_no, block, nbytes)
 
         monkeypatch.setattr(link, "push", flip)
         pair.ship(rows())
