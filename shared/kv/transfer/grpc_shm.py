@@ -15,6 +15,10 @@ each byte once (the copy and the checksum, both outside the GIL); gRPC's copies 
 from __future__ import annotations
 
 import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -137,6 +141,15 @@ class ShmSender(KVSender):
             self.link.give(block)
 
 
+@dataclass
+class _Queued:
+    """A batch's fetch-and-check, waiting for its bytes (or for an earlier batch's) before it is scheduled."""
+
+    header: kv_pb2.KVBatchHeader
+    work: Callable[[], None]
+    landed: bool = False
+
+
 class ShmReceiver(KVReceiver):
     transport = GRPC_SHM
     copy_stream: torch.cuda.Stream | None = None  # the arena -> device copies' side stream (the connector's)
@@ -144,10 +157,25 @@ class ShmReceiver(KVReceiver):
     def __init__(self, *args, inbox: Inbox, **kw):
         super().__init__(*args, **kw)
         self.inbox = inbox
+        self._order_lock = threading.Lock()
+        self._queued: deque[_Queued] = deque()  # in descriptor order, not yet scheduled
 
     def _schedule(self, header: kv_pb2.KVBatchHeader, work) -> None:
-        """Once the batch's bytes landed (or the shipper failed): no copy thread waits for bytes on their way."""
-        self.inbox.when(header.first_seq_no, lambda: super(ShmReceiver, self)._schedule(header, work))
+        """Once the batch's bytes landed (or a shipper failed): no copy thread waits for bytes on their way. And in
+        descriptor order: batches spread over several shippers land in any order, while each batch's work waits for
+        the one scheduled before it (`receive_async`), so one scheduled ahead of an earlier batch would hold a copy
+        thread that the earlier one may need."""
+        queued = _Queued(header, work)
+        with self._order_lock:
+            self._queued.append(queued)
+        self.inbox.when(header.first_seq_no, lambda: self._landed(queued))
+
+    def _landed(self, queued: _Queued) -> None:
+        with self._order_lock:  # held while scheduling, so two shippers' event threads keep the order
+            queued.landed = True
+            while self._queued and self._queued[0].landed:
+                head = self._queued.popleft()
+                super()._schedule(head.header, head.work)
 
     def _fetch(self, header: kv_pb2.KVBatchHeader, source: Any) -> torch.Tensor:
         if not isinstance(source, kv_pb2.KVShippedBatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from connector_testutil import LAYOUT, N, Pair, Settings, counters, rows
 from pdserve.errors import PeerUnavailable, TransferError, TransportUnusable
 from pdserve.kv.shipper import link as link_module
 from pdserve.kv.transfer import ExportedPages
+from pdserve.kv.transfer.grpc_shm import start_shipper
 from pdserve.server.status import engine_error_code
 from pdserve.v1 import internal_pb2
 
@@ -43,6 +45,77 @@ def test_pages_move_through_the_shippers(batch_mb):
         assert pair.dc.shipper is not None and pair.dc.shipper.events()["dropped"] == 0
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("prefill_shippers, decode_shippers", [(2, 2), (3, 2), (1, 3)])
+def test_decode_offers_every_shipper_and_batches_spread_over_them(prefill_shippers, decode_shippers):
+    pair = Pair(
+        Settings(kv_shipper="on", kv_batch_mb=0.001, kv_shippers=prefill_shippers),
+        Settings(kv_shipper="on", kv_shippers=decode_shippers),
+    )
+    try:
+        assert pair.dc.shipper is not None and pair.pc.shipper is not None
+        offered = [pair.offer.shipper_address, *pair.offer.more_shipper_addresses]
+        assert offered == pair.dc.shipper.addresses("127.0.0.1") and len(set(offered)) == decode_shippers
+        pair.open()
+        pages = rows()
+        pair.ship(pages)
+        pair.finish()
+        assert torch.equal(imported(pair), pages)
+        assert counters(pair.pc.stats, "grpc-shm") == counters(pair.dc.stats, "grpc-shm") == (1, N, 0)
+    finally:
+        pair.close()
+
+
+def test_batches_that_land_out_of_order_reach_the_pool_in_order(monkeypatch):
+    """Over several shippers batches land in any order: here in reverse, with one copy thread at decode (a batch
+    scheduled before an earlier one would hold that thread waiting for it)."""
+    pair = Pair(Settings(kv_shipper="on", kv_batch_mb=0.001), Settings(kv_shipper="on", kv_copy_threads=1))
+    try:
+        pair.open()
+        assert pair.pc.shipper is not None
+        push, held = pair.pc.shipper.push, []
+        monkeypatch.setattr(pair.pc.shipper, "push", lambda *a: held.append(a))
+        pages = rows()
+        pair.ship(pages)
+        for args in reversed(held):
+            push(*args)
+        pair.finish()
+        assert [indexes for indexes, _ in pair.imported] == [[i] for i in range(N)]
+        assert torch.equal(imported(pair), pages)
+    finally:
+        pair.close()
+
+
+def test_a_prefill_that_knows_only_the_first_address_pushes_everything_there():
+    pair = Pair(Settings(kv_shipper="on", kv_batch_mb=0.001), ON)
+    try:
+        del pair.offer.more_shipper_addresses[:]  # as a prefill that predates the field reads the offer
+        pair.open()
+        pages = rows()
+        pair.ship(pages)
+        pair.finish()
+        assert torch.equal(imported(pair), pages)
+    finally:
+        pair.close()
+
+
+def test_start_shipper_splits_the_arena():
+    cfg = SimpleNamespace(kv_transport="grpc-shm", kv_shippers=3, kv_shipper_arena_mb=3.0)
+    group = start_shipper(cfg, "decode", torch.device("cpu"))
+    try:
+        assert group is not None and len(group.links) == 3 and group.ready()
+        assert group.arena_bytes == 1 << 20 and len(set(group.pids)) == 3
+        assert len(set(group.addresses("h"))) == 3  # each picked a free port (consecutive ones: test_group)
+    finally:
+        if group is not None:
+            group.close()
+    bare = start_shipper(SimpleNamespace(kv_transport="grpc-shm"), "prefill", torch.device("cpu"))
+    try:
+        assert bare is not None and len(bare.links) == 1  # a bare namespace (benches): one shipper
+    finally:
+        if bare is not None:
+            bare.close()
 
 
 @pytest.mark.parametrize("prefill_on, decode_on", [(True, False), (False, True)])
