@@ -225,13 +225,14 @@ def watch_prompt_cache(metrics: ServiceMetrics, cache) -> None:
 
 
 def watch_kv_shipper(metrics: ServiceMetrics, link) -> None:
-    """The grpc-shm shipper process beside this engine (`pdserve.kv.shipper.link.ShipperLink`):
-    `pdserve_kv_shipper_up` (1 while it serves) and `pdserve_kv_shipper_total{event=restarts|dropped}` (dropped:
-    decode, batches that landed for no open transfer and were given back)."""
-    metrics.gauge("kv_shipper_up", "KV shipper process serving (1) or not (0)", lambda: float(link.alive))
+    """The grpc-shm shipper processes beside this engine (`pdserve.kv.shipper.group.ShipperGroup`, or one
+    `ShipperLink`): `pdserve_kv_shipper_up` (1 while every one serves: a transfer needs all of them) and
+    `pdserve_kv_shipper_total{event=restarts|dropped}`, summed over them (dropped: decode, batches that landed for no
+    open transfer and were given back)."""
+    metrics.gauge("kv_shipper_up", "KV shipper processes all serving (1) or not (0)", lambda: float(link.alive))
     metrics.counter(
         "kv_shipper",
-        "KV shipper process events: restarts; dropped (batches landed for no open transfer, given back)",
+        "KV shipper process events, all shippers: restarts; dropped (batches landed for no open transfer, given back)",
         lambda: {(k,): float(v) for k, v in link.events().items()},
         ["event"],
     )

@@ -133,29 +133,31 @@ def test_watch_engine_reads_the_loop_at_scrape_time(metrics):
 
 
 def test_watch_kv_shipper(metrics, monkeypatch):
-    """A real decode shipper: up, its dropped batches and restarts counted, down once killed."""
+    """Two real decode shippers: up while both serve, their dropped batches and restarts summed, down once one is
+    killed."""
     import os
     import signal
 
     from pdserve.kv.shipper import link as link_module
-    from pdserve.kv.shipper.link import ShipperLink
+    from pdserve.kv.shipper.group import ShipperGroup
     from pdserve.telemetry.metrics import watch_kv_shipper
 
-    link = ShipperLink("decode", 1 << 20, pin=False).start()
+    group = ShipperGroup.of("decode", 2, 2 << 20, pin=False).start()
     try:
-        watch_kv_shipper(metrics, link)
+        watch_kv_shipper(metrics, group)
         val = metrics.registry.get_sample_value
         assert val("pdserve_kv_shipper_up", {}) == 1.0
         assert val("pdserve_kv_shipper_total", {"event": "restarts"}) == 0
-        link.dropped = 2
-        assert val("pdserve_kv_shipper_total", {"event": "dropped"}) == 2
-        assert link.pid is not None
-        os.kill(link.pid, signal.SIGKILL)
-        link._proc.wait()  # type: ignore[union-attr]
+        group.links[0].dropped, group.links[1].dropped = 2, 3
+        assert val("pdserve_kv_shipper_total", {"event": "dropped"}) == 5
+        dead = group.links[1]
+        assert dead.pid is not None
+        os.kill(dead.pid, signal.SIGKILL)
+        dead._proc.wait()  # type: ignore[union-attr]
         assert val("pdserve_kv_shipper_up", {}) == 0.0
         monkeypatch.setattr(link_module, "RESTART_AFTER_S", 0.0)
-        assert link.ready()
+        assert group.ready()
         assert val("pdserve_kv_shipper_up", {}) == 1.0
         assert val("pdserve_kv_shipper_total", {"event": "restarts"}) == 1
     finally:
-        link.close()
+        group.close()
