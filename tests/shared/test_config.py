@@ -159,3 +159,33 @@ def test_kv_link_settings_are_checked_alike(cls):
         parse(cls, ["--model", "m", "--kv-shipper-arena-mb", "0"], {})
     assert parse(cls, ["--model", "m", "--kv-transport", "cuda-ipc"], {}).kv_transport == "cuda-ipc"
     assert parse(cls, ["--model", "m"], {}).kv_shipper == "auto"  # on with CUDA
+    assert parse(cls, ["--model", "m"], {}).kv_shippers == 2
+    for bad in ("0", "17"):
+        with pytest.raises(SystemExit, match=f"--kv-shippers must be in 1..16, got {bad}"):
+            parse(cls, ["--model", "m", "--kv-shippers", bad], {})
+    assert parse(cls, ["--model", "m", "--kv-shippers", "16"], {}).kv_shippers == 16
+
+
+@pytest.mark.parametrize("cls, prefix", [(PrefillConfig, "PDSERVE_PREFILL_"), (DecodeConfig, "PDSERVE_DECODE_")])
+def test_kv_shippers_from_the_service_env(cls, prefix):
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, cls)
+    cfg = config_from(cls, p.parse_args(["--model", "m"]), prefix, environ={f"{prefix}KV_SHIPPERS": "4"})
+    assert cfg.kv_shippers == 4
+
+
+def test_each_prefill_shipper_arena_holds_two_batches():
+    base = ["--model", "m", "--kv-batch-mb", "8", "--kv-shipper-arena-mb", "64"]
+    assert parse(PrefillConfig, [*base, "--kv-shippers", "4"], {}).kv_shippers == 4  # 16 MiB each: two batches
+    with pytest.raises(SystemExit, match=r"each KV shipper's arena \(--kv-shipper-arena-mb / --kv-shippers = 64 / 5\)"):
+        parse(PrefillConfig, [*base, "--kv-shippers", "5"], {})
+    with pytest.raises(SystemExit, match="must hold two batches of --kv-batch-mb"):
+        parse(PrefillConfig, ["--model", "m", "--kv-batch-mb", "8", "--kv-shipper-arena-mb", "15"], {})
+
+
+def test_decode_shipper_ports_stay_in_range():
+    assert parse(DecodeConfig, ["--model", "m", "--kv-shipper-port", "65534", "--kv-shippers", "2"], {})
+    with pytest.raises(SystemExit, match="--kv-shipper-port 65535 with --kv-shippers 2"):
+        parse(DecodeConfig, ["--model", "m", "--kv-shipper-port", "65535", "--kv-shippers", "2"], {})
+    with pytest.raises(SystemExit, match="must lie in 1..65535"):
+        parse(DecodeConfig, ["--model", "m", "--kv-shipper-port", "-1"], {})
