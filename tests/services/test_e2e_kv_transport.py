@@ -23,9 +23,18 @@ def transports(addr: str, stub_cls) -> tuple[dict, tuple[int, int]]:
     return {t.transport: t for t in s.kv_transports}, (s.kv_pages_free, s.kv_pages_total)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "cuda-ipc", "grpc-shm"])
-def test_forced_transport_token_identical_and_taken(transport, model_dir, hf_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_PREFILL_KV_BATCH_MB", "0.001")  # grpc: one page per message
+@pytest.mark.parametrize(
+    "transport, shippers",
+    [("grpc", None), ("cuda-ipc", None), ("grpc-shm", None), ("grpc-shm", (3, 2))],
+    ids=["grpc", "cuda-ipc", "grpc-shm", "grpc-shm-3x2"],
+)
+def test_forced_transport_token_identical_and_taken(transport, shippers, model_dir, hf_model, tmp_path, monkeypatch):
+    """grpc-shm with the default --kv-shippers (2 on each end), and with 3 prefill shippers pushing to 2 decode
+    shippers."""
+    monkeypatch.setenv("PDSERVE_PREFILL_KV_BATCH_MB", "0.001")  # grpc: one page per message (grpc-shm: a batch)
+    if shippers is not None:
+        monkeypatch.setenv("PDSERVE_PREFILL_KV_SHIPPERS", str(shippers[0]))
+        monkeypatch.setenv("PDSERVE_DECODE_KV_SHIPPERS", str(shippers[1]))
     extra = ["--kv-transport", transport]
     with tiny_stack(
         model_dir, tmp_path / "stack", kv_dtype="auto", page_size=PAGE, chunk_size=CHUNK, extra=extra
@@ -46,6 +55,10 @@ def test_forced_transport_token_identical_and_taken(transport, model_dir, hf_mod
         assert sent[transport].bytes == got[transport].bytes
         if transport == "grpc":  # --kv-batch-mb 0.001: one page per message
             assert sent[transport].batches == pages
+        if transport == "grpc-shm":
+            procs = dict(zip(stack.roles, stack.procs))
+            want = shippers or (2, 2)
+            assert (len(_shippers(procs["prefill"])), len(_shippers(procs["decode"]))) == want
         assert free_p == total_p
 
 
@@ -60,9 +73,10 @@ def _shippers(proc) -> list[int]:
 
 
 def test_killed_shippers_start_again_and_requests_go_on(model_dir, hf_model, tmp_path):
-    """`--kv-shipper on` on both ends (auto transport: grpc-shm on this CPU host). Each service's shipper killed in
-    turn between requests: the next request starts it again (same Push port at decode), goes over grpc-shm, and is
-    token-identical; both ends count the restart and grpc-shm carried every request."""
+    """`--kv-shipper on` on both ends (auto transport: grpc-shm on this CPU host), 2 shippers each (the default).
+    One of each service's shippers killed in turn between requests: the next request starts it again (same Push port
+    at decode), goes over grpc-shm, and is token-identical; the other shipper runs on; both ends count the restart
+    and grpc-shm carried every request."""
     import os
     import signal
     import time
@@ -78,7 +92,7 @@ def test_killed_shippers_start_again_and_requests_go_on(model_dir, hf_model, tmp
         with pdserve.Client(stack.router, timeout=120) as c:
             assert c.generate(token_ids=ids, max_tokens=6, temperature=0, ignore_eos=True).token_ids == want
             for role in ("decode", "prefill"):
-                (old,) = _shippers(procs[role])
+                survivor, old = _shippers(procs[role])
                 os.kill(old, signal.SIGKILL)
                 deadline = time.monotonic() + 10
                 while old in _shippers(procs[role]) and time.monotonic() < deadline:
@@ -86,9 +100,8 @@ def test_killed_shippers_start_again_and_requests_go_on(model_dir, hf_model, tmp
                 time.sleep(RESTART_AFTER_S)  # a shipper is started again at most this often (then on the next request)
                 assert c.generate(token_ids=ids, max_tokens=6, temperature=0, ignore_eos=True).token_ids == want
                 news = _shippers(procs[role])
-                assert len(news) == 1, [ln for ln in stack.log_text().splitlines() if "shipper" in ln]
-                (new,) = news
-                assert new != old
+                assert len(news) == 2, [ln for ln in stack.log_text().splitlines() if "shipper" in ln]
+                assert survivor in news and old not in news
         sent, (free_p, total_p) = transports(stack.prefill[0], internal_pb2_grpc.PrefillStub)
         got, _ = transports(stack.decode[0], internal_pb2_grpc.DecodeStub)
         assert sent["grpc-shm"].requests == got["grpc-shm"].requests == 3, (sent, got)
