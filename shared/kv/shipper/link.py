@@ -9,7 +9,8 @@ hear it.
 
 A shipper that exits fails what depends on it (prefill: every watched transfer; decode: every inbox) and is started
 again on a later `ready()`, at most once every `RESTART_AFTER_S` (decode: once every landed region was given back,
-so no new shipment lands where a receiver still reads); a request that finds it down uses plain `grpc`.
+so no new shipment lands where a receiver still reads); a request that finds it down uses plain `grpc`. The
+services run several links as one (`group.ShipperGroup`): an `Inbox` may then span several links.
 """
 
 from __future__ import annotations

@@ -88,14 +88,16 @@ def test_grpc_transport_device_to_pinned_to_device(threads):
     assert len(imported) == n
 
 
-def test_grpc_shm_device_to_pinned_arenas_to_device():
-    """grpc-shm on CUDA with real shippers: rows DMA'd into prefill's pinned arena, pushed, landed in decode's
-    pinned arena, checked and DMA'd onto the device; equal, in order, blocks back on the acks."""
+@pytest.mark.parametrize("shippers", [1, 2])
+def test_grpc_shm_device_to_pinned_arenas_to_device(shippers):
+    """grpc-shm on CUDA with real shippers (`shippers` on each end): rows DMA'd into prefill's pinned arenas,
+    pushed, landed in decode's pinned arenas, checked and DMA'd onto the device; equal, in order, blocks back on the
+    acks."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
     from pdserve.kv.codec import KVLayoutSpec
-    from pdserve.kv.shipper.link import ShipperLink
+    from pdserve.kv.shipper.group import ShipperGroup
     from pdserve.kv.transfer.grpc_shm import ShmReceiver, ShmSender
     from pdserve.kv.transfer.page_format import PageFormat
 
@@ -108,15 +110,15 @@ def test_grpc_shm_device_to_pinned_arenas_to_device():
     imported: list = []
     import_rows = collecting(imported)
 
-    pre = ShipperLink("prefill", 64 * MiB, pin=True).start()
-    dec = ShipperLink("decode", 64 * MiB, pin=True).start()
+    pre = ShipperGroup.of("prefill", shippers, shippers * 64 * MiB, pin=True).start()
+    dec = ShipperGroup.of("decode", shippers, shippers * 64 * MiB, pin=True).start()
     pool = ThreadPoolExecutor(3)
     try:
-        assert pre.arena.pinned and dec.arena.pinned
+        assert all(link.arena.pinned for link in pre.links + dec.links)
         key = os.urandom(16)
         sender = ShmSender(
             SenderPages("r", 256), layout, "fp", TransferStats(), max_batch_bytes=8 * MiB,
-            link=pre, address=dec.address("127.0.0.1"), key=key, reserve_timeout=10,
+            link=pre, addresses=dec.addresses("127.0.0.1"), key=key, reserve_timeout=10,
         )  # fmt: skip
         recv = ShmReceiver(
             ReceiverPages("r", 256), BatchExpectation(layout, "fp", "r"), TransferStats(), dev, import_rows,
@@ -130,10 +132,11 @@ def test_grpc_shm_device_to_pinned_arenas_to_device():
         dt = time.perf_counter() - t0
         assert len(msgs) > 1 and seqs == sorted(seqs)
         assert torch.equal(torch.cat(imported), rows)
-        free = pre.arena.free_bytes
+        free = sum(link.arena.free_bytes for link in pre.links)
         sender.ack(seqs[-1])
-        assert pre.arena.free_bytes > free  # the staging blocks came back with the ack
-        print(f"\ngrpc-shm device -> device through both shippers: {rows.numel() / dt / 1e9:.2f} GB/s (one request)")
+        assert sum(link.arena.free_bytes for link in pre.links) > free  # the staging blocks came back with the ack
+        rate = rows.numel() / dt / 1e9
+        print(f"\ngrpc-shm device -> device through {shippers} shipper pair(s): {rate:.2f} GB/s (one request)")
     finally:
         pool.shutdown()
         pre.close()
