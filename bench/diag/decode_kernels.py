@@ -2,7 +2,8 @@
 device, int8 KV, decode graphs) at batch 1 (context 512) and batch 128 (context 2048), per weight format, each
 step's kernels from torch.profiler (graph replays included) summed by name.
 
-    python bench/diag/decode_kernels.py [--formats fp8_channel,fp8_block,bf16] [--steps 10]
+    python bench/diag/decode_kernels.py [--formats fp8_channel,fp8_block,bf16] [--steps 10] [--pdl on|off|both]
+                                        [--prefill 8192]
 
 Prints, per format and batch, the step's wall median, the GPU kernel time per step and the kernels by total time
 (time a step, launches a step, mean us). Under programmatic dependent launch (--pdl, on by default on Hopper) a
@@ -15,6 +16,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -25,12 +27,12 @@ import fp8_weights as fw
 import gpu_engine as ge
 
 
-def kernel_table(e, steps: int, top: int = 22) -> None:
-    """Profile `steps` engine steps and print the kernels by total GPU time."""
+def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
+    """Profile `steps` engine steps (or `steps` calls of `run`) and print the kernels by total GPU time."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            e.step()
+            run() if run else e.step()
         torch.cuda.synchronize()
     per_name: dict[str, list[float]] = {}  # name -> [launches, total us]
     for ev in prof.events():
@@ -49,14 +51,39 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="fp8_channel,fp8_block", help=f"of {', '.join(fw.FORMATS_8B)}")
     ap.add_argument("--steps", type=int, default=10, help="profiled steps per batch")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="also profile one prompt of this many tokens (whole prefill: its chunks of 2048, the serving chunk size)",
+    )
+    ap.add_argument(
+        "--pdl",
+        default="on",
+        choices=("on", "off", "both"),
+        help="the engine's programmatic dependent launches (off: each kernel's time is its own)",
+    )
     args = ap.parse_args()
     from pdserve.engine.sampling import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.formats.split(","):
+        pdl_runs = {"on": [True], "off": [False], "both": [True, False]}[args.pdl]
+        for name, pdl in [(n, p) for n in args.formats.split(",") for p in pdl_runs]:
             d = fw.write_config_dir(Path(tmp) / name, ge.SHAPE, 32, fw.FORMATS_8B[name])
             g = torch.Generator().manual_seed(8)
-            e = ge.make_engine(d, "int8", num_pages=18400, load_format="dummy")
+            e = ge.make_engine(d, "int8", num_pages=18400, load_format="dummy", pdl=pdl)
+            name = f"{name} pdl {'on' if pdl else 'off'}"
+            if args.prefill:
+                ids = lambda: torch.randint(5, ge.SHAPE["vocab_size"], (args.prefill,), generator=g).tolist()
+                ms = ge.time_prefill(e, ids, reps=3)
+                print(f"[{name}] prefill {args.prefill} tokens: wall median {ms:.2f} ms")
+
+                def one_prefill() -> None:
+                    ge.submit(e, f"pp{time.monotonic_ns()}", ids(), SamplingParams(max_tokens=1, temperature=0.0))
+                    while e.has_unfinished_requests():
+                        e.step()
+
+                kernel_table(e, 1, top=30, run=one_prefill)
             sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
             fw.submit(e, "itl", torch.randint(5, ge.SHAPE["vocab_size"], (512,), generator=g).tolist(), sp)
             e.step()  # its prefill
