@@ -36,6 +36,12 @@ def main() -> None:
     ap.add_argument("--gpus", default="", help="comma-separated GPU indices for the engines (`pdserve up --gpus`)")
     ap.add_argument("--mps", default="off", choices=("off", "auto", "on"), help="`pdserve up --mps`")
     ap.add_argument("--output", type=int, default=300, help="tokens each decoding stream generates")
+    ap.add_argument(
+        "--each",
+        action="store_true",
+        help="also every span of each phase's last probe (a prompt of "
+        "several chunks has a span per chunk, which the medians merge)",
+    )
     args = ap.parse_args()
     import pdserve
     from pdserve.cli.launch import start_stack
@@ -66,6 +72,15 @@ def main() -> None:
                   and s.attributes.get("pdserve.chunk.end") == args.prompt}  # fmt: skip
         print(f"{label}: TTFT median {statistics.median(ttfts):.1f} ms over {len(ttfts)}")
         print(format_breakdown(breakdown([s for s in spans if s.trace_id in probes])))
+        if args.each and probes:
+            last = max((s for s in spans if s.trace_id in probes and s.name == "router.generate"),
+                       key=lambda s: s.start_ns)  # fmt: skip
+            for s in sorted((s for s in spans if s.trace_id == last.trace_id), key=lambda s: s.start_ns):
+                first = next((a["pdserve.ttft_ms"] for n, a in s.events if n == "first_token"), None)
+                print(
+                    f"    {s.service}/{s.name:<28} {(s.start_ns - last.start_ns) / 1e6:9.2f} ms  "
+                    f"{(s.end_ns - s.start_ns) / 1e6:9.2f} ms" + (f"  first token at +{first:.2f}" if first else "")
+                )
 
     load = None
     try:
