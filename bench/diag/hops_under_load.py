@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--gpus", default="", help="comma-separated GPU indices for the engines (`pdserve up --gpus`)")
     ap.add_argument("--mps", default="off", choices=("off", "auto", "on"), help="`pdserve up --mps`")
     ap.add_argument("--output", type=int, default=300, help="tokens each decoding stream generates")
+    ap.add_argument("--transport", default="auto", help="the KV transport (`pdserve up --kv-transport`)")
     ap.add_argument(
         "--each",
         action="store_true",
@@ -57,7 +58,7 @@ def main() -> None:
     sink = OTLPSink().start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     gpus = [int(g) for g in args.gpus.split(",") if g]
-    extra = [] if gpus else ["--torch-threads", "1"]
+    extra = ([] if gpus else ["--torch-threads", "1"]) + ["--kv-transport", args.transport]
     stack = start_stack(model, tmp / "stack", kv_dtype="int8", extra=extra, env=env, gpus=gpus, mps=args.mps)
     rng = random.Random(0)
 
