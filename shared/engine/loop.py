@@ -12,7 +12,10 @@
   step: while the engine thread waits for a decode step's tokens on the GPU (`ModelRunner.gpu_wait`) it holds
   nothing, and such a command runs at once on its caller's thread, under the loop's lock (the engine thread takes
   that lock before it touches the engine again), its outputs dispatched from there. Commands still run in the
-  order they were submitted: one runs early only when nothing is queued before it.
+  order they were submitted: one runs early only when nothing is queued before it, except an `overtakes` one
+  (an imported request's first token): it depends on nothing that may be queued (the pages still importing, other
+  requests' commands), so it runs at the step's GPU wait ahead of them, and the token leaves within the step
+  instead of after it (under load the decode held first tokens ~11 ms: docs/benchmarks.md, "One GPU").
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ T = TypeVar("T")
 OutputCallback = Callable[[StepOutput | BaseException], None]
 # whether a command may run while a step computes on the GPU (it touches host state only); None: between steps
 Anytime = Callable[[LLMEngine], bool] | None
-Command = tuple[Callable[[LLMEngine], Any], Future, Anytime]
+# (fn, its future, anytime, overtakes: may run at a GPU wait ahead of the commands queued before it)
+Command = tuple[Callable[[LLMEngine], Any], Future, Anytime, bool]
 
 
 def _always(engine: LLMEngine) -> bool:
@@ -66,25 +70,33 @@ class EngineLoop:
         self._thread.start()
 
     # ---- generic ---------------------------------------------------------------------------------------
-    def submit(self, fn: Callable[[LLMEngine], T], anytime: Anytime = None) -> Future:
+    def submit(self, fn: Callable[[LLMEngine], T], anytime: Anytime = None, overtakes: bool = False) -> Future:
         """Run `fn(engine)` on the engine thread before the next step; the Future holds its result. With `anytime`
         (a check of the engine, e.g. that the request does not fork), `fn` touches host state only and may run as
-        soon as the engine thread waits on the GPU: at once on this thread if it waits now and nothing is queued."""
+        soon as the engine thread waits on the GPU: at once on this thread if it waits now and nothing is queued
+        (with `overtakes`, whatever is queued: the caller vouches that `fn` depends on none of it)."""
         fut: Future = Future()
+        overtakes = overtakes and anytime is not None
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine loop is stopped")
             self.anytime_submitted += anytime is not None
-            if anytime is not None and self._gpu_waiting and not self._cmds and anytime(self.engine):
+            if anytime is not None and self._gpu_waiting and (overtakes or not self._cmds) and anytime(self.engine):
                 self._run_now(fn, fut)
                 return fut
-            self._cmds.append((fn, fut, anytime))
+            self._cmds.append((fn, fut, anytime, overtakes))
             self._cv.notify()
         return fut
 
-    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None, anytime: Anytime = None) -> T:
+    def call(
+        self,
+        fn: Callable[[LLMEngine], T],
+        timeout: float | None = None,
+        anytime: Anytime = None,
+        overtakes: bool = False,
+    ) -> T:
         """`submit` and wait: exceptions raised by `fn` are re-raised here."""
-        return self.submit(fn, anytime).result(timeout)
+        return self.submit(fn, anytime, overtakes).result(timeout)
 
     # ---- requests (block until the engine thread has applied them; errors propagate) ----------------------
     def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
@@ -121,8 +133,9 @@ class EngineLoop:
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """`LLMEngine.emit_first_token`: its output reaches the callback right after (before any step; while a
-        step computes on the GPU, from this thread)."""
-        return self.call(lambda e: e.emit_first_token(request_id, first_token_id), anytime=_always)
+        step computes on the GPU, from this thread, ahead of queued commands: the token needs none of the request's
+        pages, which keep importing, and its begin_import returned before prefill could send it)."""
+        return self.call(lambda e: e.emit_first_token(request_id, first_token_id), anytime=_always, overtakes=True)
 
     def finish_import(self, request_id: str, first_token_id: int) -> None:
         """`LLMEngine.finish_import`; while a step computes, unless the request forks (which copies pages)."""
@@ -172,12 +185,12 @@ class EngineLoop:
                 if self._stopping:
                     cmds = list(self._cmds)
                     self._cmds.clear()
-                    for _, fut, _ in cmds:
+                    for _, fut, _, _ in cmds:
                         fut.cancel()
                     return
                 cmds = list(self._cmds)
                 self._cmds.clear()
-            for fn, fut, _ in cmds:
+            for fn, fut, _, _ in cmds:
                 self._apply(fn, fut)
             blocked = False
             for o in self.engine.take_pending():  # e.g. an imported request's first token: stream it now
@@ -225,12 +238,17 @@ class EngineLoop:
 
     def _gpu_wait(self, event: Any) -> None:
         """The runner's `gpu_wait` (engine thread, inside a step): run the queued anytime commands at the head of the
-        queue, then let go of the engine until `event` completes; anytime commands submitted meanwhile run at once
-        on their callers' threads."""
+        queue and the overtaking ones anywhere in it, then let go of the engine until `event` completes; anytime
+        commands submitted meanwhile run at once on their callers' threads."""
         with self._cv:
             while self._cmds and (anytime := self._cmds[0][2]) is not None and anytime(self.engine):
-                fn, fut, _ = self._cmds.popleft()
+                fn, fut, _, _ = self._cmds.popleft()
                 self._run_now(fn, fut)
+            for cmd in [c for c in self._cmds if c[3]]:
+                anytime = cmd[2]
+                if anytime is not None and anytime(self.engine):
+                    self._cmds.remove(cmd)
+                    self._run_now(cmd[0], cmd[1])
             self._gpu_waiting = True
         try:
             synchronize(event)

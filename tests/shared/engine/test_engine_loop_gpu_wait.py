@@ -153,16 +153,64 @@ def test_other_commands_and_those_queued_behind_them_wait_for_the_step(loop, lla
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
     order: list[str] = []
     imported = loop.submit(lambda e: (order.append("import"), e.import_batch("y", *y.rows)))
-    t, _ = in_thread(lambda: (loop.emit_first_token("y", y.first), order.append("first")))
+    t, _ = in_thread(lambda: (loop.finish_import("y", y.first), order.append("finish")))
     t.join(0.5)
     assert t.is_alive() and not imported.done()  # a GPU command, and the host-only one queued behind it
     gate.set()
     imported.result(20)
     t.join(20)
-    assert order == ["import", "first"]
-    loop.finish_import("y", y.first)
+    assert order == ["import", "finish"]
     assert queued_tokens(y.q) == y.ref
     queued_tokens(y.bg)
+
+
+def test_a_first_token_overtakes_the_commands_queued_before_it(loop, llama_engine):
+    """The first token needs none of its request's pages (they keep importing): it leaves while the step computes,
+    ahead of an import queued before it, and the request still decodes its reference tokens."""
+    v = start_import(loop, llama_engine, "v", 19, pages=False)
+    gate = Gate()
+    hold_steps(loop, gate)
+    assert wait_until(lambda: loop._gpu_waiting, timeout=20)
+    order: list[str] = []
+    imported = loop.submit(lambda e: (order.append("import"), e.import_batch("v", *v.rows)))
+    t, _ = in_thread(lambda: (loop.emit_first_token("v", v.first), order.append("first")))
+    t.join(10)
+    assert not t.is_alive() and not imported.done() and not gate.is_set()
+    assert v.q.get(timeout=5).new_token_ids == [v.first]
+    gate.set()
+    imported.result(20)
+    assert order == ["first", "import"]
+    loop.finish_import("v", v.first)
+    assert [v.first, *queued_tokens(v.q)] == v.ref
+    queued_tokens(v.bg)
+    assert loop.call(lambda e: e.allocator.num_used) == 0
+
+
+def test_a_first_token_queued_behind_commands_runs_at_the_next_wait(loop, llama_engine):
+    """Submitted while the engine thread is busy between steps, behind an import: it runs as the next step's GPU
+    wait begins, ahead of that import (which waits for the step)."""
+    u = start_import(loop, llama_engine, "u", 21, pages=False)
+    gate = Gate()
+    hold_steps(loop, gate)
+    assert wait_until(lambda: loop._gpu_waiting, timeout=20)
+    busy, go = threading.Event(), threading.Event()
+    loop.submit(lambda e: (busy.set(), go.wait(20)))
+    gate.open(1)  # the held step ends; the engine thread runs the command above
+    assert busy.wait(20) and not loop._gpu_waiting
+    order: list[str] = []
+    imported = loop.submit(lambda e: (order.append("import"), e.import_batch("u", *u.rows)))
+    t, _ = in_thread(lambda: (loop.emit_first_token("u", u.first), order.append("first")))
+    assert wait_until(lambda: len(loop._cmds) == 2, timeout=10)  # both queued: the engine is busy
+    go.set()  # the engine applies the queued import (between steps), then steps: the next step waits on the gate
+    t.join(20)
+    assert not t.is_alive() and not imported.done()  # out at that step's wait; the import waits for the step
+    assert u.q.get(timeout=5).new_token_ids == [u.first]
+    gate.set()
+    imported.result(20)
+    assert order == ["first", "import"]
+    loop.finish_import("u", u.first)
+    assert [u.first, *queued_tokens(u.q)] == u.ref
+    queued_tokens(u.bg)
 
 
 def test_a_forking_import_ends_between_steps(loop, llama_engine):
