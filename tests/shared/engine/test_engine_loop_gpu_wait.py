@@ -146,13 +146,43 @@ def test_first_token_and_finish_import_do_not_wait_for_the_step(loop, llama_engi
     assert loop.call(lambda e: e.allocator.num_used) == 0
 
 
-def test_other_commands_and_those_queued_behind_them_wait_for_the_step(loop, llama_engine):
-    y = start_import(loop, llama_engine, "y", 13, pages=False)
+def held_step_with_import_queued(loop: EngineLoop, prefill: LLMEngine, rid: str, seed: int):
+    """An import begun (pages not yet in) while a step is held on the GPU, its pages' import queued behind the step:
+    (the Import, the gate, the order list the import appends "import" to, the import's Future)."""
+    imp = start_import(loop, prefill, rid, seed, pages=False)
     gate = Gate()
     hold_steps(loop, gate)
     assert wait_until(lambda: loop._gpu_waiting, timeout=20)
     order: list[str] = []
-    imported = loop.submit(lambda e: (order.append("import"), e.import_batch("y", *y.rows)))
+    imported = loop.submit(lambda e: (order.append("import"), e.import_batch(rid, *imp.rows)))
+    return imp, gate, order, imported
+
+
+def busy_between_steps(loop: EngineLoop, gate: Gate, go: threading.Event) -> None:
+    """A step held on `gate`, then the engine thread busy between steps (a command that waits for `go`)."""
+    hold_steps(loop, gate)
+    assert wait_until(lambda: loop._gpu_waiting, timeout=20)
+    busy = threading.Event()
+    loop.submit(lambda e: (busy.set(), go.wait(20)))
+    gate.open(1)  # the held step ends; the engine thread runs the command above
+    assert busy.wait(20) and not loop._gpu_waiting
+
+
+def overtook(loop: EngineLoop, imp: Import, gate: Gate, order: list[str], imported) -> None:
+    """The first token went out while the import queued before it still waits for the held step; then the import,
+    and the request decodes its reference tokens."""
+    assert not imported.done() and imp.q.get(timeout=5).new_token_ids == [imp.first]
+    gate.set()
+    imported.result(20)
+    assert order == ["first", "import"]
+    loop.finish_import(imp.rid, imp.first)
+    assert [imp.first, *queued_tokens(imp.q)] == imp.ref
+    queued_tokens(imp.bg)
+    assert loop.call(lambda e: e.allocator.num_used) == 0
+
+
+def test_other_commands_and_those_queued_behind_them_wait_for_the_step(loop, llama_engine):
+    y, gate, order, imported = held_step_with_import_queued(loop, llama_engine, "y", 13)
     t, _ = in_thread(lambda: (loop.finish_import("y", y.first), order.append("finish")))
     t.join(0.5)
     assert t.is_alive() and not imported.done()  # a GPU command, and the host-only one queued behind it
@@ -167,50 +197,27 @@ def test_other_commands_and_those_queued_behind_them_wait_for_the_step(loop, lla
 def test_a_first_token_overtakes_the_commands_queued_before_it(loop, llama_engine):
     """The first token needs none of its request's pages (they keep importing): it leaves while the step computes,
     ahead of an import queued before it, and the request still decodes its reference tokens."""
-    v = start_import(loop, llama_engine, "v", 19, pages=False)
-    gate = Gate()
-    hold_steps(loop, gate)
-    assert wait_until(lambda: loop._gpu_waiting, timeout=20)
-    order: list[str] = []
-    imported = loop.submit(lambda e: (order.append("import"), e.import_batch("v", *v.rows)))
+    v, gate, order, imported = held_step_with_import_queued(loop, llama_engine, "v", 19)
     t, _ = in_thread(lambda: (loop.emit_first_token("v", v.first), order.append("first")))
     t.join(10)
-    assert not t.is_alive() and not imported.done() and not gate.is_set()
-    assert v.q.get(timeout=5).new_token_ids == [v.first]
-    gate.set()
-    imported.result(20)
-    assert order == ["first", "import"]
-    loop.finish_import("v", v.first)
-    assert [v.first, *queued_tokens(v.q)] == v.ref
-    queued_tokens(v.bg)
-    assert loop.call(lambda e: e.allocator.num_used) == 0
+    assert not t.is_alive() and not gate.is_set()
+    overtook(loop, v, gate, order, imported)
 
 
 def test_a_first_token_queued_behind_commands_runs_at_the_next_wait(loop, llama_engine):
     """Submitted while the engine thread is busy between steps, behind an import: it runs as the next step's GPU
     wait begins, ahead of that import (which waits for the step)."""
     u = start_import(loop, llama_engine, "u", 21, pages=False)
-    gate = Gate()
-    hold_steps(loop, gate)
-    assert wait_until(lambda: loop._gpu_waiting, timeout=20)
-    busy, go = threading.Event(), threading.Event()
-    loop.submit(lambda e: (busy.set(), go.wait(20)))
-    gate.open(1)  # the held step ends; the engine thread runs the command above
-    assert busy.wait(20) and not loop._gpu_waiting
+    gate, go = Gate(), threading.Event()
+    busy_between_steps(loop, gate, go)
     order: list[str] = []
     imported = loop.submit(lambda e: (order.append("import"), e.import_batch("u", *u.rows)))
     t, _ = in_thread(lambda: (loop.emit_first_token("u", u.first), order.append("first")))
     assert wait_until(lambda: len(loop._cmds) == 2, timeout=10)  # both queued: the engine is busy
-    go.set()  # the engine applies the queued import (between steps), then steps: the next step waits on the gate
+    go.set()  # the engine steps (both came after its batch of commands): that step waits on the gate
     t.join(20)
-    assert not t.is_alive() and not imported.done()  # out at that step's wait; the import waits for the step
-    assert u.q.get(timeout=5).new_token_ids == [u.first]
-    gate.set()
-    imported.result(20)
-    assert order == ["first", "import"]
-    loop.finish_import("u", u.first)
-    assert [u.first, *queued_tokens(u.q)] == u.ref
-    queued_tokens(u.bg)
+    assert not t.is_alive()  # out at that step's wait
+    overtook(loop, u, gate, order, imported)
 
 
 def test_a_forking_import_ends_between_steps(loop, llama_engine):
@@ -236,13 +243,8 @@ def test_one_queued_while_the_engine_was_busy_runs_as_the_next_step_waits(loop, 
     """A first token submitted while the engine thread runs a command (not waiting on the GPU) is queued; it runs
     as soon as the next step's wait begins, not after that step."""
     w = start_import(loop, llama_engine, "w", 17)
-    gate = Gate()
-    hold_steps(loop, gate)
-    assert wait_until(lambda: loop._gpu_waiting, timeout=20)
-    busy, go = threading.Event(), threading.Event()
-    loop.submit(lambda e: (busy.set(), go.wait(20)))
-    gate.open(1)  # the held step ends; the engine thread runs the command above
-    assert busy.wait(20) and not loop._gpu_waiting
+    gate, go = Gate(), threading.Event()
+    busy_between_steps(loop, gate, go)
     t, _ = in_thread(lambda: loop.emit_first_token("w", w.first))
     assert wait_until(lambda: len(loop._cmds) == 1, timeout=10)  # queued: the engine is busy
     go.set()
