@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.fa3_call import FA3Forward
+from pdserve.engine.host_to_device import to_device
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache
 
@@ -37,14 +38,6 @@ def int8_launch_config(
     under the overrides (the one-warp launch suits the lean loop's narrow dots only)."""
     planes = not asymmetric and groups == 2 and head_dim >= 128 and head_dim % 8 == 0
     return {**default, **overrides} if planes else {**default, **tile_launch, **overrides}
-
-
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor; on CUDA through pinned memory, so the copy does not wait for the GPU."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
@@ -69,7 +62,7 @@ class AttentionMetadata:
                 p = list(range(start, start + n))
                 pos.extend(p)
                 slots.extend(table[i // ps] * ps + i % ps for i in p)
-            self._rows = (_to_device(pos, torch.long, self.device), _to_device(slots, torch.long, self.device))
+            self._rows = (to_device(pos, torch.long, self.device), to_device(slots, torch.long, self.device))
         return self._rows
 
     @property
@@ -103,7 +96,7 @@ class AttentionMetadata:
         if self._page_ids is None:
             ps = self.page_size
             self._page_ids = [
-                torch.tensor(t[: -(-self.kv_len(i) // ps)], dtype=torch.long, device=self.device)
+                to_device(t[: -(-self.kv_len(i) // ps)], torch.long, self.device)
                 for i, t in enumerate(self.page_tables)
             ]
         return self._page_ids
@@ -124,7 +117,7 @@ class AttentionMetadata:
         sequence's row of `fa3_tensors()["page_table"]`)."""
         table = self.fa3_tensors()["page_table"]
         seq_of_row = torch.repeat_interleave(
-            torch.arange(self.num_seqs, device=table.device), torch.tensor(self.q_lens, device=table.device)
+            torch.arange(self.num_seqs, device=table.device), to_device(self.q_lens, torch.long, table.device)
         )
         return (self.positions + 1).to(torch.int32), table[seq_of_row]
 
@@ -143,12 +136,12 @@ class AttentionMetadata:
                 if self.device.type == "cuda"
                 else table.to(self.device)
             )
-            cu_q = torch.tensor([0] + self.q_lens, dtype=torch.int32, device=self.device).cumsum(0, dtype=torch.int32)
-            cu_k = torch.tensor([0] + kv, dtype=torch.int32, device=self.device).cumsum(0, dtype=torch.int32)
+            cu_q = to_device([0] + self.q_lens, torch.int32, self.device).cumsum(0, dtype=torch.int32)
+            cu_k = to_device([0] + kv, torch.int32, self.device).cumsum(0, dtype=torch.int32)
             self._fa3 = dict(
                 cu_seqlens_q=cu_q,
                 cu_seqlens_k=cu_k,
-                cache_seqlens=torch.tensor(kv, dtype=torch.int32, device=self.device),
+                cache_seqlens=to_device(kv, torch.int32, self.device),
                 page_table=table,
                 max_q=max(self.q_lens),
                 max_k=max(kv),

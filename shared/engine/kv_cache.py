@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.host_to_device import to_device
 from pdserve.errors import InvalidRequest
 from pdserve.kv import quant as torch_quant
 from pdserve.kv.dtypes import DTYPES, QUANTIZED
@@ -31,7 +32,7 @@ _ALL = slice(None)  # every layer of a batch
 def _ids(ids, device: torch.device) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         return ids.to(device=device, dtype=torch.long)
-    return torch.tensor(list(ids), dtype=torch.long, device=device)
+    return to_device(list(ids), torch.long, device)  # no host-GPU sync (host_to_device)
 
 
 def _zero_tails(pages: torch.Tensor, num_tokens: list[int], page_size: int) -> None:

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
+from pdserve.engine.host_to_device import to_device
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.page_table import PageAllocator
@@ -179,7 +180,7 @@ class KVHandoff:
             if pages:
                 tokens = [min(ps, end - i * ps) for i in pages]
                 physical = [seq.page_table[i] for i in pages]
-                index = torch.tensor(physical, dtype=torch.long, device=self.runner.kv_cache.device)  # [N]
+                index = to_device(physical, torch.long, self.runner.kv_cache.device)  # [N]; no host-GPU sync
                 plans.append((seq, pages, tokens, index, stream, stream.ending_at()))
         return plans
 

@@ -36,6 +36,7 @@ from pdserve.engine.config import (
     resolve_dtype,
 )
 from pdserve.engine.cuda_graphs import GRAPH_BACKENDS, graph_context, make_decode_graph_runner
+from pdserve.engine.host_to_device import to_device
 from pdserve.engine.kernel_choice import KernelChoice
 from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import ModelConfig
@@ -267,7 +268,8 @@ class ModelRunner:
             with self._supervisor.guard():
                 return self._leader.forward(plan)
         meta = AttentionMetadata(starts, q_lens, tables, self.page_size, self.device, num_decode)
-        return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.kv_cache, self.backend)
+        # the ids through pinned memory: a plain device copy would wait for the previous chunk's kernels
+        return self.model(to_device(ids, torch.long, self.device), meta, self.kv_cache, self.backend)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits [len(rows), V] float32 of `rows` of the last forward's hidden states."""
