@@ -116,8 +116,10 @@ class AttentionMetadata:
         """Each query row as a decode row: (seqlens [T] int32: position + 1, page_table [T, max_pages] int32: its
         sequence's row of `fa3_tensors()["page_table"]`)."""
         table = self.fa3_tensors()["page_table"]
-        seq_of_row = torch.repeat_interleave(
-            torch.arange(self.num_seqs, device=table.device), to_device(self.q_lens, torch.long, table.device)
+        seq_of_row = torch.repeat_interleave(  # output_size given: no device-to-host read of the repeats' sum
+            torch.arange(self.num_seqs, device=table.device),
+            to_device(self.q_lens, torch.long, table.device),
+            output_size=sum(self.q_lens),
         )
         return (self.positions + 1).to(torch.int32), table[seq_of_row]
 
