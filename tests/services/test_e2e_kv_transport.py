@@ -67,9 +67,15 @@ def _shippers(proc) -> list[int]:
     threads started them."""
     from pathlib import Path
 
-    kids = [k for t in Path(f"/proc/{proc.pid}/task").iterdir() for k in (t / "children").read_text().split()]
-    alive = [k for k in kids if Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
-    return [int(k) for k in alive if b"pdserve.kv.shipper" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    def read(path: str) -> bytes:  # a thread or child may exit between listing and reading: it counts as gone
+        try:
+            return Path(path).read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            return b""
+
+    kids = [k for t in Path(f"/proc/{proc.pid}/task").iterdir() for k in read(f"{t}/children").decode().split()]
+    alive = [k for k in kids if (stat := read(f"/proc/{k}/stat")) and stat.rsplit(b")", 1)[1].split()[0] != b"Z"]
+    return [int(k) for k in alive if b"pdserve.kv.shipper" in read(f"/proc/{k}/cmdline")]
 
 
 def test_killed_shippers_start_again_and_requests_go_on(model_dir, hf_model, tmp_path):
