@@ -15,7 +15,7 @@
   order they were submitted: one runs early only when nothing is queued before it, except an `overtakes` one
   (an imported request's first token): it depends on nothing that may be queued (the pages still importing, other
   requests' commands), so it runs at the step's GPU wait ahead of them, and the token leaves within the step
-  instead of after it (under load the decode held first tokens ~11 ms: docs/benchmarks.md, "One GPU").
+  instead of after it (a request's layer-group imports arrive just before its first token).
 """
 
 from __future__ import annotations
