@@ -66,6 +66,7 @@ class EngineLoop:
         # decode holds its steps back while they run
         self.share_mark: GpuShareFlag | None = None
         self.share_yield: DecodeYield | None = None
+        self.share_marks = 0  # steps marked through share_mark (logged at stop)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -169,6 +170,8 @@ class EngineLoop:
         if self.anytime_submitted:
             what = "host-only commands (import reservations, first tokens, ends) ran while a step computed on the GPU"
             log.info("%s: %d of %d %s", self._thread.name, self.ran_during_gpu_wait, self.anytime_submitted, what)
+        if self.share_mark is not None:
+            log.info("%s: marked %d steps for a decode sharing the GPU", self._thread.name, self.share_marks)
         if self.share_yield is not None:
             y = self.share_yield
             what = "held steps back for the GPU's prefill"
@@ -204,6 +207,7 @@ class EngineLoop:
                     self.step_started_ns = time.time_ns()
                     if self.share_mark is not None:
                         self.share_mark.mark()
+                        self.share_marks += 1
                     try:
                         outputs = self.engine.step()
                     finally:
