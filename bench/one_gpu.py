@@ -252,10 +252,10 @@ def budget_flags(budget: str) -> list[str]:
 
 
 def up_stack(
-    model: Path, mode: str, workdir: Path, args, token: str, extra: tuple[str, ...] = ()
+    model: Path, mode: str, workdir: Path, args, token: str, extra: tuple[str, ...] = (), env_extra: dict | None = None
 ) -> tuple[subprocess.Popen, Any, Stack]:
-    """`pdserve up` in `mode` on --gpus as a child process (`extra`: more flags); its banner, and the stack as
-    gpu_serving reads it."""
+    """`pdserve up` in `mode` on --gpus as a child process (`extra`: more flags, `env_extra`: more environment);
+    its banner, and the stack as gpu_serving reads it."""
     from pdserve.server.grpc_util import channel
     from pdserve.server.security import ChannelSecurity
     from pdserve.v1 import router_admin_pb2 as pb
@@ -263,8 +263,8 @@ def up_stack(
 
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", "0", "--gateway-port", "-1",
            "--metrics-port", "-1", "--gpus", args.gpus, "--drain-grace-s", "5", *MODES[mode], *extra]  # fmt: skip
-    env = {**os.environ, "PDSERVE_INTERNAL_TOKEN": token, "PDSERVE_CACHE_DIR": str(workdir / mode)}
-    log(" ".join(cmd[2:]))
+    env = {**os.environ, "PDSERVE_INTERNAL_TOKEN": token, "PDSERVE_CACHE_DIR": str(workdir / mode), **(env_extra or {})}
+    log(" ".join([*(f"{k}={v}" for k, v in (env_extra or {}).items()), *cmd[2:]]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         banner = read_banner(proc, timeout_s=args.ready_timeout, gateway=False)
@@ -286,14 +286,23 @@ def mps_flags(entry: str) -> list[str]:
 
 
 def mode_part(
-    model: Path, mode: str, workdir: Path, args, rng: torch.Generator, budget: str = "auto", mps: str = "auto"
+    model: Path,
+    mode: str,
+    workdir: Path,
+    args,
+    rng: torch.Generator,
+    budget: str = "auto",
+    mps: str = "auto",
+    yield_tpot_ms: str = "",
 ) -> tuple[dict, dict]:
     """One mode: `pdserve up`, (disagg on a GPU: one request's second token and KV GB/s first), the sweep.
     `budget` (colocated): the step size (`budget_flags`); a run at another than auto keeps its figures in details
-    only. `mps` (disaggregated): a --disagg-mps entry (`mps_flags`)."""
+    only. `mps` (disaggregated): a --disagg-mps entry (`mps_flags`); `yield_tpot_ms`: the decode's --yield-tpot-ms
+    ("": its default)."""
     key = KEY[mode]
     extra = tuple(budget_flags(budget)) if mode == "coloc" else tuple(mps_flags(mps))
-    proc, banner, stack = up_stack(model, mode, workdir, args, new_token(), extra)
+    env_extra = {"PDSERVE_DECODE_YIELD_TPOT_MS": yield_tpot_ms} if yield_tpot_ms else {}
+    proc, banner, stack = up_stack(model, mode, workdir, args, new_token(), extra, env_extra)
     out: dict[str, Any] = {}
     served: dict[str, Any] = {}  # the disaggregated stack's one-request figures (gpu_serving.served_ttft)
     try:
@@ -354,16 +363,20 @@ def coloc_part(model: Path, workdir: Path, args, rng: torch.Generator) -> tuple[
 
 
 def disagg_part(model: Path, workdir: Path, args, rng: torch.Generator) -> tuple[dict, dict]:
-    """The disaggregated mode once per --disagg-mps entry (one stack each); the keys from the last entry, every
-    entry's figures in details (`disagg1_mps_<entry>`)."""
+    """The disaggregated mode once per --disagg-mps entry and --disagg-yield entry (one stack each, alternating
+    yield entries within each MPS entry); the keys from the last, every entry's figures in details
+    (`disagg1_mps_<entry>`, with `_yield_<ms>` when --disagg-yield names more than the default)."""
     keys: dict[str, Any] = {}
     details: dict[str, Any] = {}
     entries = [e.strip() for e in args.disagg_mps.split(",")]
+    yields = [y.strip() for y in args.disagg_yield.split(",")] if args.disagg_yield else [""]
     for entry in entries:
-        k, d = mode_part(model, "disagg", workdir, args, rng, mps=entry)
-        keys = k
-        details[f"disagg1_mps_{entry.replace(':', '_')}"] = {**d["disagg1"], **k}
-        details["disagg1"] = d["disagg1"]
+        for y in yields:
+            k, d = mode_part(model, "disagg", workdir, args, rng, mps=entry, yield_tpot_ms=y)
+            keys = k
+            name = f"disagg1_mps_{entry.replace(':', '_')}" + (f"_yield_{y}" if y else "")
+            details[name] = {**d["disagg1"], **k, "decode_yield_tpot_ms": y or "default"}
+            details["disagg1"] = d["disagg1"]
     return keys, details
 
 
@@ -439,6 +452,8 @@ def main() -> int:
     ap.add_argument("--disagg-mps", default="auto", help="the disaggregated part once per entry of `pdserve up "
                     "--mps` (off, auto, on, on:P with P the prefill's SM percent; e.g. off,on: side by side; the keys "
                     "from the last)")  # fmt: skip
+    ap.add_argument("--disagg-yield", default="", help="the disaggregated part once per entry of the decode's "
+                    "--yield-tpot-ms (e.g. 0,13: side by side; empty: the decode's default)")  # fmt: skip
     ap.add_argument("--redis-shards", default="1,4", help="the cache part once per entry: 1 = one redis-server, N = "
                     "a Redis Cluster of N shards on this host (the keys: the last entry's)")  # fmt: skip
     ap.add_argument("--fetch-process", default="auto", help="the cache part once per entry of the prefill's "

@@ -23,12 +23,12 @@ class DecodeConfig(EngineServiceConfig):
         "tokens this instance still awaits from that prefill (the request's batch mates included) at the rate they "
         "arrived, times --page-timeout-slack, up to --page-timeout-max-s",
     )
-    yield_step_ms: float = opt(
+    yield_tpot_ms: float = opt(
         0.0,
-        "with --gpu-share-file: each decode step earns this many ms minus its own time of waiting while the "
-        "prefill on its GPU computes (its steps then average at most this); 0 = never wait",
+        "with --gpu-share-file: while the prefill on this GPU computes, hold decode steps back as long as every "
+        "running request's TPOT stays within this many ms (should its next token be its last); 0 = never wait",
     )
-    yield_cap_ms: float = opt(60.0, "the most waiting --yield-step-ms credit holds (about one long prefill chunk)")
+    yield_cap_ms: float = opt(60.0, "the longest one hold of --yield-tpot-ms lasts (about one long prefill chunk)")
     page_timeout_max_s: float = opt(300.0, "longest bound on the wait for the next KV page, however much work is ahead")
     page_timeout_slack: float = opt(
         3.0, "the page wait's margin over the expected time of the work ahead (a later chunk attends to more tokens)"
@@ -85,9 +85,9 @@ class DecodeConfig(EngineServiceConfig):
             problems.append(f"--page-timeout-max-s must be >= --page-timeout-s, got {self.page_timeout_max_s}")
         if not self.page_timeout_slack >= 1:
             problems.append(f"--page-timeout-slack must be >= 1, got {self.page_timeout_slack}")
-        if not (0 <= self.yield_step_ms <= 1000 and 0 <= self.yield_cap_ms <= 10_000):
+        if not (0 <= self.yield_tpot_ms <= 1000 and 0 <= self.yield_cap_ms <= 10_000):
             problems.append(
-                f"--yield-step-ms must be in [0, 1000] and --yield-cap-ms in [0, 10000], got {self.yield_step_ms:g} "
+                f"--yield-tpot-ms must be in [0, 1000] and --yield-cap-ms in [0, 10000], got {self.yield_tpot_ms:g} "
                 f"and {self.yield_cap_ms:g}"
             )
         if problems:

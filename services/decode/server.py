@@ -14,11 +14,11 @@ def serve(cfg: DecodeConfig) -> None:
     from pdserve.decode.servicer import DecodeServicer
 
     loop = build_engine(cfg)  # its pool stores what prefill ships to it (--kv-dtype)
-    if cfg.gpu_share_file and cfg.yield_step_ms > 0:  # hold steps back while the prefill on this GPU computes
-        from pdserve.engine.gpu_share import DecodeYield, GpuShareFlag, YieldCredit
+    if cfg.gpu_share_file and cfg.yield_tpot_ms > 0:  # hold steps back while the prefill on this GPU computes
+        from pdserve.engine.gpu_share import DecodeYield, GpuShareFlag, TpotRoom
 
-        credit = YieldCredit(cfg.yield_step_ms, cfg.yield_cap_ms)
-        loop.share_yield = DecodeYield(GpuShareFlag(cfg.gpu_share_file), credit)
+        room = TpotRoom(cfg.yield_tpot_ms)
+        loop.share_yield = DecodeYield(GpuShareFlag(cfg.gpu_share_file), room, cfg.yield_cap_ms)
 
     def register(server, telemetry):
         watch_engine(telemetry.metrics, loop)

@@ -7,9 +7,15 @@ beside a decode batch that steps back to back takes longer than alone, and every
 
 - the prefill engine marks each of its steps in a small shared file (`GpuShareFlag`: an 8-byte deadline, epoch ns,
   past which the mark lapses by itself: a prefill that dies mid-step holds nothing back);
-- the decode engine earns yield credit each step, `target_step_ms` minus the step's own time (`YieldCredit`,
-  capped), and before a step, while the prefill's mark is up, waits in short slices spending that credit
-  (`DecodeYield.before_step`). A decode at its TPOT target earns none and never waits.
+- the decode engine, before a step, while the prefill's mark is up, waits in short slices
+  (`DecodeYield.before_step`) as long as every running request keeps its TPOT within `tpot_ms` (`TpotRoom`): a
+  request that streamed c tokens, its first e ms ago, may wait w before its next token while (e + w + step) / c <=
+  tpot_ms, even if that token is its last. A request near its bound leaves no room, so the decode does not wait; a
+  request well under it (most of them, at low load) lends the prefill its slack. A single wait lasts at most
+  `cap_ms`.
+
+A credit earned per step (a fixed step target minus each step's time, the form measured first) kept the steps'
+average but not each request's TPOT: it was spent where a request had no room (docs/benchmarks.md, "One GPU").
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,42 +60,69 @@ class GpuShareFlag:
         self._map.close()
 
 
-class YieldCredit:
-    """Milliseconds decode may wait: each step earns `target_step_ms` minus its own ms (none when slower), up to
-    `cap_ms`; waits spend it."""
+class TpotRoom:
+    """Each running request's TPOT room: the ms its next token may still be held back while its TPOT stays within
+    `tpot_ms` should that token be its last. Fed with every output the decode streams (`streamed`) and each
+    request's end (`ended`); any thread."""
 
-    def __init__(self, target_step_ms: float, cap_ms: float):
-        self.target_step_ms, self.cap_ms = target_step_ms, cap_ms
-        self.ms = 0.0
+    def __init__(self, tpot_ms: float):
+        self.tpot_ms = tpot_ms
+        self._lock = threading.Lock()
+        self._choices: dict[tuple[str, int], tuple[int, int]] = {}  # (request id, choice) -> (first token ns, count)
 
-    def earn(self, step_ms: float) -> None:
-        self.ms = min(self.cap_ms, self.ms + max(0.0, self.target_step_ms - step_ms))
+    def streamed(self, request_id: str, index: int, new_tokens: int, finished: bool, now_ns: int) -> None:
+        """A choice streamed `new_tokens` tokens at `now_ns` (its first output: when its TPOT starts counting)."""
+        key = (request_id, index)
+        with self._lock:
+            if finished:
+                self._choices.pop(key, None)
+            elif new_tokens > 0:
+                first, count = self._choices.get(key, (now_ns, 0))
+                self._choices[key] = (first, count + new_tokens)
 
-    def spend(self, ms: float) -> None:
-        self.ms = max(0.0, self.ms - ms)
+    def ended(self, request_id: str) -> None:
+        """The request is gone (finished, failed, released): none of its choices holds room any more."""
+        with self._lock:
+            for key in [k for k in self._choices if k[0] == request_id]:
+                del self._choices[key]
+
+    def room_ms(self, next_step_ms: float, now_ns: int) -> float:
+        """The longest wait before the next step (of `next_step_ms`) that keeps every choice within `tpot_ms`
+        (inf: none streams yet)."""
+        with self._lock:
+            rooms = [self.tpot_ms * count - (now_ns - first) / 1e6 for first, count in self._choices.values()]
+        return min(rooms, default=float("inf")) - next_step_ms
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._choices)
 
 
 class DecodeYield:
-    """The decode engine's side: `before_step(interrupted)` waits while the prefill's mark is up and credit is
-    left (returns the ms waited; `interrupted()` true ends the wait early: the loop has a command to run);
-    `after_step(ms)` earns credit. Totals in `waited_ms` / `waits`."""
+    """The decode engine's side: `before_step(interrupted)` waits while the prefill's mark is up and every running
+    request has TPOT room left, at most `cap_ms` (returns the ms waited; `interrupted()` true ends the wait early:
+    the loop has a command to run); `after_step(ms)` records the step's time (the next one's estimate). Totals in
+    `waited_ms` / `waits`."""
 
-    def __init__(self, flag: GpuShareFlag, credit: YieldCredit, sleep: Callable[[float], None] = time.sleep):
-        self.flag, self.credit, self._sleep = flag, credit, sleep
+    def __init__(self, flag: GpuShareFlag, room: TpotRoom, cap_ms: float, sleep: Callable[[float], None] = time.sleep):
+        self.flag, self.room, self.cap_ms, self._sleep = flag, room, cap_ms, sleep
+        self.last_step_ms = 0.0
         self.waited_ms = 0.0
         self.waits = 0
 
     def before_step(self, interrupted: Callable[[], bool] = lambda: False) -> float:
+        if not self.flag.marked():
+            return 0.0
+        allowed = min(self.cap_ms, self.room.room_ms(self.last_step_ms, time.time_ns()))
         waited = 0.0
         t0 = time.perf_counter()
-        while self.credit.ms - waited > 0 and self.flag.marked() and not interrupted():
-            self._sleep(min(SLICE_S, (self.credit.ms - waited) / 1e3))
+        while allowed - waited > 0 and self.flag.marked() and not interrupted():
+            self._sleep(min(SLICE_S, (allowed - waited) / 1e3))
             waited = (time.perf_counter() - t0) * 1e3
         if waited:
-            self.credit.spend(waited)
             self.waited_ms += waited
             self.waits += 1
         return waited
 
     def after_step(self, step_ms: float) -> None:
-        self.credit.earn(step_ms)
+        self.last_step_ms = step_ms

@@ -152,6 +152,8 @@ class EngineLoop:
 
         def fn(engine: LLMEngine) -> bool:
             self._callbacks.pop(request_id, None)
+            if self.share_yield is not None:
+                self.share_yield.room.ended(request_id)
             return engine.release(request_id)
 
         return self.submit(fn)
@@ -271,6 +273,12 @@ class EngineLoop:
             return
         if isinstance(out, BaseException) or out.request_done:  # n > 1: after the last choice's
             del self._callbacks[rid]
+        if self.share_yield is not None:  # each request's TPOT so far: how long the decode may hold its steps back
+            room = self.share_yield.room
+            if isinstance(out, BaseException) or out.request_done:
+                room.ended(rid)
+            else:
+                room.streamed(rid, out.index, len(out.new_token_ids), out.finished, time.time_ns())
         try:
             cb(out)
         except Exception:

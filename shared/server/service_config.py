@@ -98,7 +98,7 @@ class EngineServiceConfig(ServerOptions):
     gpu_share_file: str = opt(
         "",
         "a file the prefill and decode engines sharing one GPU both map (`pdserve up` sets it on a shared GPU): "
-        "prefill marks its steps there, decode holds its steps back meanwhile within --yield-step-ms "
+        "prefill marks its steps there, decode holds its steps back meanwhile within --yield-tpot-ms "
         "(pdserve.engine.gpu_share)",
     )
     warmup: bool = opt(

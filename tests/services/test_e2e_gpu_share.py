@@ -1,5 +1,5 @@
 """A prefill and a decode process sharing one share file (what `pdserve up` gives a shared GPU), the decode with
-`--yield-step-ms`: concurrent requests stay token-identical to HF, the prefill's marks reach the decode, which
+`--yield-tpot-ms`: concurrent requests stay token-identical to HF, the prefill's marks reach the decode, which
 reports its waits when it stops (pdserve.engine.gpu_share)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_decode_holding_back_for_the_prefill_keeps_outputs(model_dir, hf_model, 
     share = tmp_path / "gpu-share-0"
     monkeypatch.setenv("PDSERVE_PREFILL_GPU_SHARE_FILE", str(share))
     monkeypatch.setenv("PDSERVE_DECODE_GPU_SHARE_FILE", str(share))
-    monkeypatch.setenv("PDSERVE_DECODE_YIELD_STEP_MS", "200")  # credit enough to wait out every prefill step
+    monkeypatch.setenv("PDSERVE_DECODE_YIELD_TPOT_MS", "1000")  # room enough to wait out every prefill step
     prompts = [torch.randint(5, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENGTHS]
     long_ids = torch.randint(5, 512, (20,), generator=torch.Generator().manual_seed(99)).tolist()
     held_ids = torch.randint(5, 512, (11,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -136,9 +136,9 @@ def test_gil_switch_interval_setting(cls):
 
 def test_decode_yield_settings():
     cfg = parse(DecodeConfig, ["--model", "m"], {"PDSERVE_X_GPU_SHARE_FILE": "/dev/shm/x"})
-    assert (cfg.gpu_share_file, cfg.yield_step_ms, cfg.yield_cap_ms) == ("/dev/shm/x", 0.0, 60.0)  # off by default
-    with pytest.raises(SystemExit, match=r"--yield-step-ms must be in \[0, 1000\]"):
-        parse(DecodeConfig, ["--model", "m", "--yield-step-ms", "-1"], {})
+    assert (cfg.gpu_share_file, cfg.yield_tpot_ms, cfg.yield_cap_ms) == ("/dev/shm/x", 0.0, 60.0)  # off by default
+    with pytest.raises(SystemExit, match=r"--yield-tpot-ms must be in \[0, 1000\]"):
+        parse(DecodeConfig, ["--model", "m", "--yield-tpot-ms", "-1"], {})
 
 
 def test_validation_errors_name_flags_not_plain_words():

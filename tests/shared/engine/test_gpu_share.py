@@ -1,5 +1,5 @@
 """pdserve.engine.gpu_share: the prefill's step mark seen through a second mapping of the file (the decode
-process's view), its lease, the decode's credit, its waits; and an EngineLoop holding decode steps back while a
+process's view), its lease, the decode's TPOT room, its waits; and an EngineLoop holding decode steps back while a
 mark is up, and marking its own steps (the prefill side)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import pytest
 from engine_testutil import random_prompt
 
-from pdserve.engine.gpu_share import DecodeYield, GpuShareFlag, YieldCredit
+from pdserve.engine.gpu_share import DecodeYield, GpuShareFlag, TpotRoom
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
@@ -38,48 +38,89 @@ def test_a_mark_shows_in_the_other_mapping_until_cleared_or_lapsed(flags):
     assert not decode.marked()
 
 
-def test_credit_is_earned_by_fast_steps_capped_and_spent():
-    c = YieldCredit(target_step_ms=10.0, cap_ms=25.0)
-    c.earn(6.0)
-    assert c.ms == 4.0
-    c.earn(12.0)  # a slow step earns nothing (and takes nothing)
-    assert c.ms == 4.0
-    for _ in range(10):
-        c.earn(0.0)
-    assert c.ms == 25.0
-    c.spend(30.0)
-    assert c.ms == 0.0
+def test_tpot_room_is_the_tightest_choices_slack_should_its_next_token_be_its_last():
+    room = TpotRoom(tpot_ms=10.0)
+    ms = 1_000_000
+    assert room.room_ms(3.0, 0) == float("inf")  # nothing streams: nothing bounds the wait (the cap does)
+    room.streamed("a", 0, 1, False, now_ns=0)  # a's first token at 0
+    assert room.room_ms(3.0, 4 * ms) == 10.0 - 4.0 - 3.0  # its next token at 4 + w + 3 ms keeps (..) / 1 <= 10
+    room.streamed("a", 0, 1, False, now_ns=6 * ms)
+    room.streamed("a", 0, 1, False, now_ns=9 * ms)  # 3 tokens, the first 20 ms ago at 20 ms: 30 - 20 - 3
+    room.streamed("b", 0, 1, False, now_ns=18 * ms)  # b just started: 10 - 2 - 3, the tightest
+    assert room.room_ms(3.0, 20 * ms) == 5.0
+    room.streamed("b", 1, 4, False, now_ns=0)  # b's second choice (n > 1) counts on its own: 40 - 20 - 3
+    room.streamed("b", 0, 0, True, now_ns=20 * ms)  # b's first choice finished
+    assert room.room_ms(3.0, 20 * ms) == 7.0 and len(room) == 2
+    room.streamed("a", 0, 1, False, now_ns=60 * ms)  # a fell behind: 40 - 70 - 3 < 0, no wait for anyone
+    assert room.room_ms(3.0, 70 * ms) < 0
+    room.ended("a")
+    room.ended("b")
+    assert len(room) == 0 and room.room_ms(3.0, 70 * ms) == float("inf")
 
 
-def test_decode_waits_while_marked_within_its_credit(flags):
+def test_decode_waits_while_marked_within_the_tpot_room_and_the_cap(flags):
     prefill, decode = flags
-    y = DecodeYield(decode, YieldCredit(10.0, 100.0))
+    room = TpotRoom(tpot_ms=50.0)
+    y = DecodeYield(decode, room, cap_ms=30.0)
     assert y.before_step() == 0.0  # no mark: no wait
     prefill.mark()
-    assert y.before_step() == 0.0  # no credit yet: no wait
-    y.after_step(0.0)
-    y.after_step(0.0)  # 20 ms of credit
     t0 = time.perf_counter()
+    assert 29.0 <= y.before_step() <= 29.0 + 15 and (time.perf_counter() - t0) * 1e3 >= 29.0  # nothing streams: cap
+    room.streamed("r", 0, 1, False, time.time_ns())  # 50 ms of room, minus the next step's 35 ms: 15 ms
+    y.after_step(35.0)
     waited = y.before_step()
-    assert 19.0 <= waited <= 19.0 + 15 and (time.perf_counter() - t0) * 1e3 >= 19.0  # the credit, then it steps
-    assert y.credit.ms == 0.0 and y.waits == 1
-    for _ in range(10):
-        y.after_step(0.0)
+    assert 13.0 <= waited <= 15.0 + 15 and y.waits == 2
+    y.after_step(60.0)  # a step longer than the bound leaves no room at all
+    assert y.before_step() == 0.0
+    y.after_step(1.0)
+    room.ended("r")
     threading.Timer(0.015, prefill.clear).start()  # the prefill step ends after 15 ms: the wait ends with it
-    waited = y.before_step()
-    assert 14.0 <= waited < 60.0 and y.credit.ms > 30.0
+    assert 14.0 <= y.before_step() < 29.0
     prefill.mark()
     assert y.before_step(interrupted=lambda: True) == 0.0  # a command to run ends the wait at once
     prefill.clear()
 
 
+def test_a_decode_held_back_for_good_still_streams_within_its_tpot_bound(make_engine, tmp_path):
+    """A mark up for the whole decode (a prefill that computes without end): the decode waits before every step,
+    and each request's TPOT still stays at about the bound, not beyond; the room forgets finished requests."""
+    bound_ms = 40.0
+    marker = GpuShareFlag(tmp_path / "share")
+    dec = EngineLoop(make_engine("llama", num_pages=64))
+    room = TpotRoom(bound_ms)
+    dec.share_yield = DecodeYield(GpuShareFlag(tmp_path / "share"), room, cap_ms=200.0)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    arrivals: dict[str, list[int]] = {"a": [], "b": []}
+
+    def on_output(rid):
+        return lambda o: arrivals[rid].extend([time.perf_counter_ns()] * len(o.new_token_ids))
+
+    try:
+        marker.mark(lease_ns=20_000_000_000)
+        for i, rid in enumerate(arrivals):
+            dec.add_request(EngineRequest(rid, random_prompt(7, seed=i), sp), on_output(rid))
+        deadline = time.monotonic() + 30
+        while any(len(t) < 16 for t in arrivals.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for rid, t in arrivals.items():
+            assert len(t) == 16, rid
+            tpot_ms = (t[-1] - t[0]) / 1e6 / 15
+            assert 0.6 * bound_ms <= tpot_ms <= 1.25 * bound_ms, (rid, tpot_ms)  # held back, within its bound
+        assert dec.call(lambda e: not e.has_unfinished_requests(), timeout=5)
+        assert len(room) == 0 and dec.share_yield.waits >= 10
+    finally:
+        marker.clear()
+        dec.stop()
+        marker.close()
+
+
 def test_engine_loop_holds_decode_steps_back_and_marks_prefill_steps(make_engine, tmp_path):
-    """Two loops over one file: the 'prefill' one marks every step; the 'decode' one, with credit, waits while a
-    mark is up (here a test's mark), and its requests still finish once the mark clears."""
+    """Two loops over one file: the 'prefill' one marks every step; the 'decode' one, with a generous TPOT bound,
+    waits while a mark is up (here a test's mark), and its requests still finish once the mark clears."""
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     marker = GpuShareFlag(tmp_path / "share")
     dec = EngineLoop(make_engine("llama", num_pages=32))
-    dec.share_yield = DecodeYield(GpuShareFlag(tmp_path / "share"), YieldCredit(1000.0, 5000.0))
+    dec.share_yield = DecodeYield(GpuShareFlag(tmp_path / "share"), TpotRoom(1000.0), cap_ms=5000.0)
     pre = EngineLoop(make_engine("llama", num_pages=32))
     pre.share_mark = GpuShareFlag(tmp_path / "share")
     seen: list[bool] = []
@@ -93,7 +134,7 @@ def test_engine_loop_holds_decode_steps_back_and_marks_prefill_steps(make_engine
         assert seen and all(seen) and not marker.marked()  # marked during each step, cleared after
         d: queue.Queue = queue.Queue()
         marker.mark(lease_ns=2_000_000_000)
-        # 9 prompt tokens, chunks of 8: the first step runs (no credit yet) and earns credit, the second waits
+        # nothing streams yet: the wait is the cap's, until a command or the mark's clearing ends it
         dec.add_request(EngineRequest("d", random_prompt(9, seed=2), sp), d.put)
         time.sleep(0.2)
         t0 = time.perf_counter()
