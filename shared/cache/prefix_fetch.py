@@ -21,9 +21,9 @@ Each value's MAC and checksum are checked on the thread that read it (hashlib an
 the cache's helper process (`fetch_process`, GPU engines), the reads and every check run there instead, into a
 block of its shared arena, and the fetch thread only builds views. On CUDA the batch is then copied to a device
 arena on a side stream, and `take` hands the engine device tensors (its stream waits on that copy's event). The
-fetch starts at `split_page`, where computing and fetching take about as long. Batches land in page order: a
-page that is absent, fails its MAC or its checks ends the fetch there (those after it are useless: a prefix is
-used from its start).
+fetch starts at `split_page`, where computing and fetching take about as long (the engine's chunk stops there).
+Batches land in page order: a page that is absent, fails its MAC or its checks ends the fetch there (those after it
+are useless: a prefix is used from its start).
 """
 
 from __future__ import annotations
@@ -189,25 +189,24 @@ class PrefixFetch:
         return self.landed
 
     def split_page(self) -> int:
-        """Where the fetch starts: the engine computes from `first_page` in chunks of `chunk_pages` while the fetch
-        lands pages; a page both fetch and compute cover is work lost. So with both rates measured the fetch starts
-        at the chunk boundary that minimises max(compute of the chunks before it, fetch of the pages after it)
-        (the last chunk's pages are always fetched: a fetch keeps measuring the store); without both rates, after
-        the first chunk (which the engine computes anyway while a first batch probes the store). `first_page`
-        when the span is one chunk or the chunk is unknown."""
-        c, n = self.chunk_pages, self.num_pages
+        """Where the fetch starts: the engine computes from `first_page` up to here (its chunk stops here:
+        `Sequence.prefill_stop`) while the fetch lands the pages after it; a page both fetch and compute cover is
+        work lost. So with both rates measured the fetch starts at the batch boundary that minimises max(compute of
+        the pages before it, fetch of the pages after it) (the last batch is always fetched: a fetch keeps measuring
+        the store); without both rates, after the first chunk (which the engine computes anyway while a first batch
+        probes the store). `first_page` when the span is one chunk or the chunk is unknown."""
+        c, n, b = self.chunk_pages, self.num_pages, self.batch_pages
         if c <= 0 or n <= c:
             return self.first_page
         compute, fetch = self.prefill_tokens_per_s, self.fetch_bytes_per_s
         if not compute or not fetch:
             return self.first_page + c
         best_k, best_s = 0, math.inf
-        for k in range(0, -(-n // c)):
-            computed = k * c
-            s = max(computed * self.page_size / compute, (n - computed) * self.value_bytes / fetch)
+        for k in range(0, n, b):
+            s = max(k * self.page_size / compute, (n - k) * self.value_bytes / fetch)
             if s < best_s:
                 best_k, best_s = k, s
-        return self.first_page + best_k * c
+        return self.first_page + best_k
 
     def start(self) -> PrefixFetch:
         """Queue the fetch on the cache's fetch threads (returns at once: the arenas are allocated there too),

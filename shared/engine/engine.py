@@ -197,6 +197,8 @@ class LLMEngine:
             seq.keep_cached_upload = r.keep_cached_upload
             seq.num_computed_tokens = len(r.cached_pages) * self.page_size
         seq.prefix_fetch = r.prefix_fetch  # cached pages racing the compute: prefix_fetch.load_landed
+        if r.prefix_fetch is not None:  # the compute stops where the fetch starts (PrefixFetch.split_page)
+            seq.prefill_stop = r.prefix_fetch.start_page * self.page_size
         return seq
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, **kw) -> Sequence:

@@ -6,9 +6,11 @@ A sequence admitted with `EngineRequest.prefix_fetch` starts computing at once w
 in the background. At each step start, for each such sequence (waiting or part-way through its prefill), the pages
 that landed from where its compute stands are loaded into its pages and `num_computed_tokens` advanced past them:
 the chunk the scheduler picks next starts after them. Pages the compute reached first are computed, and their
-fetched copies discarded. Loading needs the sequence's pages: a sequence still waiting gets them here when it is
-the next one the scheduler would admit (all its pages, as the scheduler's admission takes them), else it waits
-for the scheduler.
+fetched copies discarded. The compute stops where the fetch starts (`Sequence.prefill_stop`, set from
+`PrefixFetch.split_page`: a chunk ends there rather than compute pages that are on their way); a fetch that ends
+without landing a page from there on is dropped, and with it the stop. Loading needs the sequence's pages: a
+sequence still waiting gets them here when it is the next one the scheduler would admit (all its pages, as the
+scheduler's admission takes them), else it waits for the scheduler.
 
 Waiting instead of computing, only when the engine has nothing else to run (no decode batch, no other prompt to
 prefill), from the measured rates (the fetch's own, or the store's recent one, and the engine's prefill rate): the
@@ -82,6 +84,7 @@ def load_landed(engine: LLMEngine) -> None:
 
 def _drop_fetch(seq: Sequence) -> None:
     fetch, seq.prefix_fetch = seq.prefix_fetch, None
+    seq.prefill_stop = 0  # nothing to stop for: chunks take their whole budget
     if fetch is not None:
         fetch.cancel()  # its owner (the request's plan) closes it; what the engine loaded stays listed
 
@@ -94,8 +97,8 @@ def _advance(engine: LLMEngine, seq: Sequence, may_wait: bool) -> None:
     while True:
         at = seq.num_computed_tokens
         page = at // ps
-        if page >= limit or (fetch.finished and fetch.landed <= page) or page < fetch.first_page:
-            _drop_fetch(seq)  # past the fetched range, or nothing more will land (or a preempted restart)
+        if page >= limit or (fetch.finished and fetch.landed <= max(page, fetch.start_page)) or page < fetch.first_page:
+            _drop_fetch(seq)  # past the fetched range, or nothing (more) will land (or a preempted restart)
             return
         if at % ps:  # a chunk ended inside a page: that page is computed; later pages may still load
             return

@@ -31,6 +31,8 @@ Policy (kept simple and correct):
 - At most `max_num_seqs` sequences are admitted (running + partially prefilled) at once.
 - A sequence with `prefix_keys` is admitted onto the pool pages that already hold its longest registered prefix
   (PageAllocator prefix reuse); only the tokens after them are computed.
+- A chunk ends at a sequence's `prefill_stop` rather than cross it (where the pages of a prefix fetch racing the
+  compute start: pdserve.engine.prefix_fetch); the budget it leaves goes to the other candidates.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ class Scheduler:
                 startable -= 1
         if not cands or budget <= 0:
             return [], []
-        plan = share_prefill_budget([s.num_uncomputed for s in cands], budget)
+        plan = share_prefill_budget([s.num_schedulable for s in cands], budget)
         seqs: list[Sequence] = []
         counts: list[int] = []
         blocked = False  # a sequence could not start: none after it in the queue starts this step
@@ -199,12 +201,12 @@ class Scheduler:
                     continue
             if n:
                 seqs.append(seq)
-                counts.append(min(n, seq.num_uncomputed))  # a reused prefix may have shortened it
+                counts.append(min(n, seq.num_schedulable))  # a reused prefix may have shortened it
         left = budget - sum(counts)
         for i, seq in enumerate(seqs):  # budget of sequences that could not start: to the others, oldest first
             if left <= 0:
                 break
-            more = min(seq.num_uncomputed - counts[i], left)
+            more = min(seq.num_schedulable - counts[i], left)
             counts[i] += more
             left -= more
         return seqs, counts

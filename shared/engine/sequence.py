@@ -97,6 +97,7 @@ class Sequence:
     grammar: GrammarState | None = None  # sampling.structured: the matcher, fed every appended token
     layer_stream: LayerStream | None = None  # prefill-only: its pages leave layer group by layer group (kv_handoff)
     prefix_fetch: PrefixFetch | None = None  # cached prefix pages racing the compute (engine/prefix_fetch.py)
+    prefill_stop: int = 0  # a prefill chunk ends at this token rather than cross it (a racing fetch starts there)
     choices: ChoicePlan | None = None  # n / best_of > 1: forks once its prompt's KV is complete (forks.py)
     group: ForkGroup | None = None  # once forked: the request's forks, this one among them
     index: int = 0  # ... and which of them this is (its choice, or best_of candidate)
@@ -117,6 +118,13 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_schedulable(self) -> int:
+        """Tokens the next prefill chunk may take: the uncomputed ones, up to `prefill_stop` while short of it."""
+        if self.num_computed_tokens < self.prefill_stop:
+            return min(self.num_uncomputed, self.prefill_stop - self.num_computed_tokens)
+        return self.num_uncomputed
 
     @property
     def num_output_tokens(self) -> int:

@@ -249,6 +249,45 @@ def test_the_fetch_starts_after_the_chunks_the_engine_computes_meanwhile(engine,
     assert fetch.take_loaded() == list(range(4, 10)) and store.reads == 3  # pages 0-3 never read
 
 
+def test_the_compute_stops_where_the_fetch_starts_inside_a_chunk(engine, cached):
+    """Measured: 5 pages a second from the store and from the engine (20 tokens a second), batches of one page:
+    computing 5 pages while the other 5 land is the even split, at page 5, inside the engine's third chunk. That
+    chunk ends at page 5 (`prefill_stop`) instead of computing a page on its way; the rest is loaded."""
+    prompt, ref, cache, store, ns = cached
+    keys = ns.page_keys(prompt)
+    probe = PrefixFetch(cache, ns, keys, 0, 0)
+    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)
+    fetch = PrefixFetch(cache, ns, keys, 0, 10, batch_pages=1, prefill_tokens_per_s=20.0, chunk_pages=2)
+    assert fetch.split_page() == 5
+    for _ in range(5):
+        store.gate.release()
+    fetch.start()
+    assert fetch.wait(10, 10) == 10
+    tokens, ranges = run(engine, "mid", prompt, fetch, prefill_only=True)
+    assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (16, 20), (40, 43)]
+    assert fetch.take_loaded() == list(range(5, 10)) and store.reads == 5  # pages 0-4 never read
+
+
+def test_a_fetch_that_finds_nothing_where_it_starts_lifts_the_stop(engine, cached):
+    """The store fails its first read (the fetch's first page, 5): nothing will land from there on, so the engine
+    drops the fetch and with it the stop: its chunks take their whole budget, none ends at page 5."""
+    prompt, ref, cache, store, ns = cached
+    keys = ns.page_keys(prompt)
+    probe = PrefixFetch(cache, ns, keys, 0, 0)
+    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)
+    fetch = PrefixFetch(cache, ns, keys, 0, 10, batch_pages=1, prefill_tokens_per_s=20.0, chunk_pages=2)
+    store.fail_at = 0
+    store.gate.release()
+    fetch.start()
+    fetch.wait(10, 10)
+    assert fetch.finished and fetch.landed == 5 and fetch.start_page == 5
+    tokens, ranges = run(engine, "miss", prompt, fetch, prefill_only=True)
+    assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40), (40, 43)]
+    assert fetch.take_loaded() == []
+    for _ in range(4):
+        store.gate.release()  # should a later batch still read, it does not hang the fixture's close
+
+
 def test_an_idle_engine_does_not_wait_for_pages_the_fetch_skips(engine, cached):
     """The store known fast, the engine slow (a chunk: 8 s): waiting beats computing, but not for pages before
     where the fetch starts (they never land): those two chunks are computed first, the wait comes after them."""

@@ -55,3 +55,19 @@ def test_a_step_without_decode_rows_takes_the_idle_size():
     assert s.idle_chunk_size == 0 and s.prefill_budget(0) == 512
     with pytest.raises(ValueError, match="idle_chunk_size >= 0"):
         s.set_budget(512, 576, -1)
+
+
+def test_a_chunk_ends_at_the_prefill_stop_and_leaves_its_budget_to_the_others():
+    """`prefill_stop` (where a racing prefix fetch starts): the chunk that would cross it ends there; the tokens it
+    leaves go to another prompt; once reached, the stop is inert."""
+    s = Scheduler(PageAllocator(128), page_size=16, chunk_size=512, max_num_seqs=64)
+    long = Sequence("long", list(range(3, 1003)), SamplingParams(max_tokens=2))
+    long.prefill_stop = 320
+    short = Sequence("short", list(range(3, 303)), SamplingParams(max_tokens=2))
+    s.add(long)
+    s.add(short)
+    batch = s.schedule()
+    assert batch is not None and batch.num_new_tokens == [320, 192]  # long stops at 320, short takes the rest
+    long.num_computed_tokens, short.num_computed_tokens = 320, 192
+    batch = s.schedule()
+    assert batch is not None and batch.num_new_tokens == [404, 108]  # past the stop: the whole budget again
