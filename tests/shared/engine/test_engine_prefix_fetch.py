@@ -76,6 +76,28 @@ def start_fetch(cache, ns, prompt, rate=None) -> PrefixFetch:
     return PrefixFetch(cache, ns, keys, 0, (len(prompt) - 1) // PAGE, batch_pages=2, prefill_tokens_per_s=rate).start()
 
 
+def split_fetch(cache, ns, prompt, batch_pages: int, prefill_tokens_per_s: float) -> PrefixFetch:
+    """A fetch of the prompt's 10 pages (not started) with both rates measured: the store 5 pages a second, the
+    engine `prefill_tokens_per_s`, chunks of 2 pages (where it starts: `split_page`)."""
+    keys = ns.page_keys(prompt)
+    probe = PrefixFetch(cache, ns, keys, 0, 0)
+    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)
+    return PrefixFetch(cache, ns, keys, 0, 10, batch_pages=batch_pages, prefill_tokens_per_s=prefill_tokens_per_s,
+                       chunk_pages=2)  # fmt: skip
+
+
+def landed_split_fetch(cache, store, ns, prompt, batch_pages: int, prefill_tokens_per_s: float, split: int):
+    """`split_fetch`, checked to start at page `split`, started, and landed whole before the engine starts (so the
+    split decides what is computed, not the store's speed)."""
+    fetch = split_fetch(cache, ns, prompt, batch_pages, prefill_tokens_per_s)
+    assert fetch.split_page() == split
+    for _ in range(-(-(10 - split) // batch_pages)):
+        store.gate.release()
+    fetch.start()
+    assert fetch.wait(10, 10) == 10
+    return fetch
+
+
 def run(engine, rid, prompt, fetch, prefill_only=False, before_step=None) -> tuple[list[int], list[tuple]]:
     """Tokens of a request racing `fetch`, and the token ranges its prompt chunks computed (prefill-only)."""
     engine.add_request(EngineRequest(rid, prompt, GREEDY, prefill_only=prefill_only, prefix_fetch=fetch))
@@ -235,15 +257,7 @@ def test_the_fetch_starts_after_the_chunks_the_engine_computes_meanwhile(engine,
     while the 6 pages after them land (1.2 s) beats the other splits, so the fetch starts at page 4; the engine
     computes those chunks without waiting for pages never fetched, then loads the rest."""
     prompt, ref, cache, store, ns = cached
-    keys = ns.page_keys(prompt)
-    probe = PrefixFetch(cache, ns, keys, 0, 0)
-    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)
-    fetch = PrefixFetch(cache, ns, keys, 0, 10, batch_pages=2, prefill_tokens_per_s=16.0, chunk_pages=2)
-    assert fetch.split_page() == 4
-    for _ in range(3):
-        store.gate.release()
-    fetch.start()
-    assert fetch.wait(10, 10) == 10  # before the engine starts: the split decides, not the store's speed
+    fetch = landed_split_fetch(cache, store, ns, prompt, batch_pages=2, prefill_tokens_per_s=16.0, split=4)
     tokens, ranges = run(engine, "split", prompt, fetch, prefill_only=True)
     assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (40, 43)]
     assert fetch.take_loaded() == list(range(4, 10)) and store.reads == 3  # pages 0-3 never read
@@ -254,15 +268,7 @@ def test_the_compute_stops_where_the_fetch_starts_inside_a_chunk(engine, cached)
     computing 5 pages while the other 5 land is the even split, at page 5, inside the engine's third chunk. That
     chunk ends at page 5 (`prefill_stop`) instead of computing a page on its way; the rest is loaded."""
     prompt, ref, cache, store, ns = cached
-    keys = ns.page_keys(prompt)
-    probe = PrefixFetch(cache, ns, keys, 0, 0)
-    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)
-    fetch = PrefixFetch(cache, ns, keys, 0, 10, batch_pages=1, prefill_tokens_per_s=20.0, chunk_pages=2)
-    assert fetch.split_page() == 5
-    for _ in range(5):
-        store.gate.release()
-    fetch.start()
-    assert fetch.wait(10, 10) == 10
+    fetch = landed_split_fetch(cache, store, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0, split=5)
     tokens, ranges = run(engine, "mid", prompt, fetch, prefill_only=True)
     assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (16, 20), (40, 43)]
     assert fetch.take_loaded() == list(range(5, 10)) and store.reads == 5  # pages 0-4 never read
@@ -272,10 +278,7 @@ def test_a_fetch_that_finds_nothing_where_it_starts_lifts_the_stop(engine, cache
     """The store fails its first read (the fetch's first page, 5): nothing will land from there on, so the engine
     drops the fetch and with it the stop: its chunks take their whole budget, none ends at page 5."""
     prompt, ref, cache, store, ns = cached
-    keys = ns.page_keys(prompt)
-    probe = PrefixFetch(cache, ns, keys, 0, 0)
-    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)
-    fetch = PrefixFetch(cache, ns, keys, 0, 10, batch_pages=1, prefill_tokens_per_s=20.0, chunk_pages=2)
+    fetch = split_fetch(cache, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0)
     store.fail_at = 0
     store.gate.release()
     fetch.start()
