@@ -28,7 +28,9 @@ class DecodeConfig(EngineServiceConfig):
         "with --gpu-share-file: while the prefill on this GPU computes, hold decode steps back as long as every "
         "running request's TPOT stays within this many ms (should its next token be its last); 0 = never wait",
     )
-    yield_cap_ms: float = opt(60.0, "the longest one hold of --yield-tpot-ms lasts (about one long prefill chunk)")
+    yield_cap_ms: float = opt(
+        60.0, "the most --yield-tpot-ms holds one decode step back in all: what it may add to one inter-token latency"
+    )
     page_timeout_max_s: float = opt(300.0, "longest bound on the wait for the next KV page, however much work is ahead")
     page_timeout_slack: float = opt(
         3.0, "the page wait's margin over the expected time of the work ahead (a later chunk attends to more tokens)"

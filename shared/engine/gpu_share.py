@@ -11,8 +11,8 @@ beside a decode batch that steps back to back takes longer than alone, and every
   (`DecodeYield.before_step`) as long as every running request keeps its TPOT within `tpot_ms` (`TpotRoom`): a
   request that streamed c tokens, its first e ms ago, may wait w before its next token while (e + w + step) / c <=
   tpot_ms, even if that token is its last. A request near its bound leaves no room, so the decode does not wait; a
-  request well under it (most of them, at low load) lends the prefill its slack. A single wait lasts at most
-  `cap_ms`.
+  request well under it (most of them, at low load) lends the prefill its slack. The waits before one step last
+  at most `cap_ms` in all (what a hold may add to one inter-token latency).
 
 A credit earned per step (a fixed step target minus each step's time, the form measured first) kept the steps'
 average but not each request's TPOT: it was spent where a request had no room (docs/benchmarks.md, "One GPU").
@@ -100,29 +100,33 @@ class TpotRoom:
 
 class DecodeYield:
     """The decode engine's side: `before_step(interrupted)` waits while the prefill's mark is up and every running
-    request has TPOT room left, at most `cap_ms` (returns the ms waited; `interrupted()` true ends the wait early:
-    the loop has a command to run); `after_step(ms)` records the step's time (the next one's estimate). Totals in
-    `waited_ms` / `waits`."""
+    request has TPOT room left, and at most `cap_ms` before one step in all (however many waits a command cut
+    short: the most a hold adds to one inter-token latency) (returns the ms waited; `interrupted()` true ends the
+    wait early: the loop has a command to run); `after_step(ms)` records the step's time (the next one's estimate).
+    Totals in `waited_ms` / `waits`."""
 
     def __init__(self, flag: GpuShareFlag, room: TpotRoom, cap_ms: float, sleep: Callable[[float], None] = time.sleep):
         self.flag, self.room, self.cap_ms, self._sleep = flag, room, cap_ms, sleep
         self.last_step_ms = 0.0
+        self.held_ms = 0.0  # waited since the last step
         self.waited_ms = 0.0
         self.waits = 0
 
     def before_step(self, interrupted: Callable[[], bool] = lambda: False) -> float:
         if not self.flag.marked():
             return 0.0
-        allowed = min(self.cap_ms, self.room.room_ms(self.last_step_ms, time.time_ns()))
+        allowed = min(self.cap_ms - self.held_ms, self.room.room_ms(self.last_step_ms, time.time_ns()))
         waited = 0.0
         t0 = time.perf_counter()
         while allowed - waited > 0 and self.flag.marked() and not interrupted():
             self._sleep(min(SLICE_S, (allowed - waited) / 1e3))
             waited = (time.perf_counter() - t0) * 1e3
         if waited:
+            self.held_ms += waited
             self.waited_ms += waited
             self.waits += 1
         return waited
 
     def after_step(self, step_ms: float) -> None:
         self.last_step_ms = step_ms
+        self.held_ms = 0.0

@@ -78,6 +78,12 @@ def test_decode_waits_while_marked_within_the_tpot_room_and_the_cap(flags):
     assert 14.0 <= y.before_step() < 29.0
     prefill.mark()
     assert y.before_step(interrupted=lambda: True) == 0.0  # a command to run ends the wait at once
+    y.after_step(1.0)
+    calls = iter([False, False, True])  # a command cuts the first wait short: the second gets what the cap left
+    first = y.before_step(interrupted=lambda: next(calls, False))
+    second = y.before_step()
+    assert first < 5.0 and 29.0 <= first + second <= 29.0 + 15  # the cap bounds the holds before one step
+    assert y.before_step() == 0.0
     prefill.clear()
 
 
