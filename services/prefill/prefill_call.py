@@ -148,8 +148,12 @@ class PrefillCall:
         self.computed_tokens += token_range[1] - token_range[0]
         self.rate.add_to_step(start_ns, token_range[1] - token_range[0], start_ns / 1e9, time.time_ns() / 1e9)
         if self.scope.recording:
-            attrs = {"pdserve.chunk.start": token_range[0], "pdserve.chunk.end": token_range[1]}
-            self.scope.record("prefill.chunk", start_ns, attrs | {"pdserve.chunk.ready_pages": len(out.ready_pages)})
+            attrs: dict[str, int | float] = {"pdserve.chunk.start": token_range[0], "pdserve.chunk.end": token_range[1],
+                                             "pdserve.chunk.ready_pages": len(out.ready_pages)}  # fmt: skip
+            launched = getattr(self.loop.engine.runner, "launched_ns", 0) - start_ns  # step start -> forward queued
+            if launched >= 0:  # (the span's end: its outputs, after the device computed a sampled chunk)
+                attrs["pdserve.chunk.launched_ms"] = round(launched / 1e6, 3)
+            self.scope.record("prefill.chunk", start_ns, attrs)
         if self.upload_pending:  # the step that imported the prefix ran its first chunk
             self.upload_pending = False
             if token_range[0] > 0:  # else preempted before the import: recomputed, in ready_pages

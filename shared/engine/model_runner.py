@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +155,7 @@ class ModelRunner:
         # how the engine thread waits for a decode step's tokens on the GPU: an EngineLoop replaces it with a wait
         # that serves its host-only commands meanwhile (loop.py); called on the engine thread only
         self.gpu_wait: Callable[[torch.cuda.Event], None] = synchronize
+        self.launched_ns = 0  # epoch ns when the last `run` had queued its forward (on CPU: computed it)
 
     def _load(self, cfg: EngineConfig, mc: ModelConfig, tp: RankShard | None) -> None:
         """Kernels, backend, the model (this rank's shard at TP > 1), the KV pool and the decode graphs."""
@@ -568,6 +570,7 @@ class ModelRunner:
         else:
             starts = [s.num_computed_tokens for s in seqs]
             hidden = self._forward(ids, starts, list(num_new_tokens), [s.page_table for s in seqs], num_decode)
+        self.launched_ns = time.time_ns()  # the step's forward is queued (its host time ends; the device's goes on)
         # penalties / bias / grammar masks of the sampled rows, built on the host while the device runs the step
         plan = LogitsPlan.build([seqs[i] for i in sample_rows], self.model_config.vocab_size, self._eos_token_ids)
         prompt_lps = {} if graph_logits is not None else self._prompt_logprobs(seqs, num_new_tokens, hidden)

@@ -161,6 +161,8 @@ def test_one_trace_across_services_with_parent_child_structure(traced):
     # time structure: chunks in order, inside prefill, inside kv receive, inside decode, inside router
     for a, b in zip(chunks, chunks[1:]):
         assert a.start_ns <= a.end_ns <= b.start_ns
+    for c in chunks:  # when its forward was queued: within the chunk's span (on CPU it computed at once)
+        assert 0 <= c.attributes["pdserve.chunk.launched_ms"] <= (c.end_ns - c.start_ns) / 1e6
     assert prefill.start_ns <= lookup.start_ns <= lookup.end_ns <= chunks[0].start_ns
     assert chunks[-1].end_ns <= prefill.end_ns
     assert router.start_ns <= decode.start_ns <= recv.start_ns <= prefill.start_ns
