@@ -135,9 +135,12 @@ def _advance(engine: LLMEngine, seq: Sequence, may_wait: bool) -> None:
 
 def _skip_computed(engine: LLMEngine, seq: Sequence, fetch: PrefixFetch, page: int) -> None:
     """This step computes `seq` from `page` on (an admitted prefill is scheduled each step): the fetch need not fetch
-    the pages its chunk covers."""
+    the pages its chunk covers (up to its stop: the pages from there are the fetch's to land)."""
     if seq.status == SequenceStatus.PREFILLING:
-        fetch.skip_to(page + _chunk_pages(engine))
+        end = page + _chunk_pages(engine)
+        if seq.num_computed_tokens < seq.prefill_stop:
+            end = min(end, seq.prefill_stop // engine.page_size)
+        fetch.skip_to(end)
 
 
 def _chunk_pages(engine: LLMEngine) -> int:

@@ -274,6 +274,26 @@ def test_the_compute_stops_where_the_fetch_starts_inside_a_chunk(engine, cached)
     assert fetch.take_loaded() == list(range(5, 10)) and store.reads == 5  # pages 0-4 never read
 
 
+def test_the_chunks_before_the_stop_never_skip_the_pages_after_it(engine, cached):
+    """The fetch (from page 5) still on its way while the engine computes up to it: a chunk before the stop tells
+    the fetch what it covers, never past the stop (page 5 is the fetch's to land), so once it lands it is loaded."""
+    prompt, ref, cache, store, ns = cached
+    fetch = split_fetch(cache, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0)
+    fetch.start()
+    skips: list[int] = []
+
+    def before_step(step: int) -> None:
+        skips.append(fetch.skip_before)
+        if step == 3:  # the compute reached page 5: the pages land now
+            for _ in range(5):
+                store.gate.release()
+            assert fetch.wait(10, 10) == 10
+
+    tokens, ranges = run(engine, "held", prompt, fetch, prefill_only=True, before_step=before_step)
+    assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (16, 20), (40, 43)]
+    assert max(skips) == 5 and fetch.take_loaded() == list(range(5, 10))
+
+
 def test_a_fetch_that_finds_nothing_where_it_starts_lifts_the_stop(engine, cached):
     """The store fails its first read (the fetch's first page, 5): nothing will land from there on, so the engine
     drops the fetch and with it the stop: its chunks take their whole budget, none ends at page 5."""
