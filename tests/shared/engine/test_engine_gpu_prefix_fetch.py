@@ -31,9 +31,9 @@ class RemoteMemoryStore(MemoryStore):
         pass
 
 
-@pytest.mark.parametrize("helper", [False, True], ids=["threads", "helper"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype, helper, tmp_path):
+def cached_prompt(make_engine, kv_dtype: str):
+    """A CUDA engine (chunks of 2 pages), a prompt of 9 full pages and 5 tokens, its pages exported in the engine's
+    layout, and the tokens the host import of those pages gives."""
     engine = make_engine("llama", device="cuda", dtype="bfloat16", page_size=PAGE, chunk_size=32, kv_dtype=kv_dtype)
     prompt = random_prompt(9 * PAGE + 5, seed=3)
     engine.add_request(EngineRequest("src", prompt, GREEDY, prefill_only=True))
@@ -47,6 +47,23 @@ def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype, helper, t
     while engine.has_unfinished_requests():
         for o in engine.step():
             ref += o.new_token_ids
+    return engine, prompt, layout, pages, ref
+
+
+def generate(engine, rid: str, prompt: list[int], fetch: PrefixFetch) -> list[int]:
+    """The tokens of a request racing `fetch`."""
+    engine.add_request(EngineRequest(rid, prompt, GREEDY, prefix_fetch=fetch))
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out += o.new_token_ids
+    return out
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["threads", "helper"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype, helper, tmp_path):
+    engine, prompt, layout, pages, ref = cached_prompt(make_engine, kv_dtype)
     redis = RedisServer(tmp_path / "redis").start() if helper else None
     store = RedisStore(redis.url, timeout_s=5.0) if redis else RemoteMemoryStore(64 << 20)
     cache = PromptCache(store, keyring=CacheKeyring.generate(), fetch_connections=2)
@@ -60,17 +77,35 @@ def test_cuda_fetch_loads_from_the_device_arena(make_engine, kv_dtype, helper, t
     assert fetch.wait(9, 30) == 9
     assert fetch.take(0, 9).upload is not None and fetch._host.is_pinned()
     assert (fetch._block is not None) == helper  # the helper wrote the shared arena
-    engine.add_request(EngineRequest("hit", prompt, GREEDY, prefix_fetch=fetch))
-    out: list[int] = []
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out += o.new_token_ids
+    out = generate(engine, "hit", prompt, fetch)
     assert fetch.take_loaded() == list(range(9))  # every cached page loaded, none computed
     assert out == ref  # the same bytes in the pool as the host import's, the same compute after them
     fetch.close()
     cache.close()
     if redis:
         redis.stop()
+    fetch.close()
+    cache.close()
+    assert engine.allocator.num_used == 0
+
+
+def test_cuda_fetch_split_inside_a_chunk_stops_the_compute_there(make_engine):
+    """Measured rates put the fetch's start at page 5, inside the engine's third 2-page chunk: that chunk ends at
+    page 5 (`Sequence.prefill_stop`), pages 5-8 load from the device arena, and the output is the host import's."""
+    engine, prompt, layout, pages, ref = cached_prompt(make_engine, "int8")
+    cache = PromptCache(RemoteMemoryStore(64 << 20), keyring=CacheKeyring.generate(), fetch_connections=2)
+    ns = CacheNamespace(engine.fingerprint, layout)
+    keys = ns.page_keys(prompt)
+    cache.put_many(ns, list(zip(keys, pages)))
+    assert cache.flush()
+    probe = PrefixFetch(cache, ns, keys, 0, 0)
+    cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)  # the store: 5 pages a second
+    fetch = PrefixFetch(cache, ns, keys, 0, 9, device=engine.runner.device, batch_pages=1,
+                        prefill_tokens_per_s=6.0 * PAGE, chunk_pages=2)  # fmt: skip
+    assert fetch.split_page() == 5  # computing 5 pages (0.83 s) beside fetching 4 (0.8 s)
+    assert fetch.start().wait(9, 30) == 9
+    out = generate(engine, "split", prompt, fetch)
+    assert fetch.take_loaded() == list(range(5, 9)) and out == ref  # page 5 loaded: no chunk computed across it
     fetch.close()
     cache.close()
     assert engine.allocator.num_used == 0
