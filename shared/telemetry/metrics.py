@@ -125,7 +125,8 @@ class ServiceMetrics:
 
 def watch_engine(metrics: ServiceMetrics, loop) -> None:
     """Gauges of a prefill/decode engine (`pdserve.engine.loop.EngineLoop`): KV pool pages used/free, queue depth
-    (requests waiting to be scheduled), running requests. Read without locks: possibly one step stale."""
+    (requests waiting to be scheduled), running requests; on a shared GPU, the prefill's marked steps and the decode's
+    holds. Read without locks: possibly one step stale."""
 
     def pages() -> dict[tuple[str, ...], float]:
         used, total = loop.allocator.num_used, loop.allocator.num_pages
@@ -148,6 +149,25 @@ def watch_engine(metrics: ServiceMetrics, loop) -> None:
         "Ranks (processes) of this instance's tensor-parallel group (1: no tensor parallelism)",
         lambda: loop.engine.runner.tp_size,
     )
+    # a GPU shared with the other role's engine (pdserve.engine.gpu_share): the prefill's marks, the decode's holds
+    if getattr(loop, "share_mark", None) is not None:
+        metrics.counter(
+            "gpu_share_marked_steps",
+            "Prefill steps marked for the decode engine sharing this GPU",
+            lambda: loop.share_marks,
+        )
+    if getattr(loop, "share_yield", None) is not None:
+        y = loop.share_yield
+        metrics.counter(
+            "decode_yield_holds",
+            "Times the decode held a step back while the prefill on its GPU computed",
+            lambda: y.waits,
+        )
+        metrics.counter(
+            "decode_yield_held_seconds",
+            "Time the decode held its steps back for that prefill",
+            lambda: y.waited_ms / 1e3,
+        )
 
 
 def watch_pools(metrics: ServiceMetrics, *pools) -> None:

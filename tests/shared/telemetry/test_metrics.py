@@ -130,6 +130,24 @@ def test_watch_engine_reads_the_loop_at_scrape_time(metrics):
     assert val[("pdserve_engine_host_commands_total", (("event", "submitted"),))] == 5
     assert val[("pdserve_engine_host_commands_total", (("event", "ran_during_gpu_wait"),))] == 4
     assert fams["pdserve_engine_host_commands"].type == "counter"
+    assert "pdserve_decode_yield_holds" not in fams  # no GPU shared: no share counters
+
+
+def test_watch_engine_counts_a_shared_gpus_marks_and_holds(metrics):
+    from types import SimpleNamespace
+
+    from pdserve.telemetry.metrics import watch_engine
+
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[], running=[]), runner=SimpleNamespace(tp_size=1))
+    held = SimpleNamespace(waits=0, waited_ms=0.0)
+    loop = SimpleNamespace(allocator=SimpleNamespace(num_used=0, num_pages=8), engine=engine, anytime_submitted=0,
+                           ran_during_gpu_wait=0, share_mark=object(), share_marks=0, share_yield=held)  # fmt: skip
+    watch_engine(metrics, loop)
+    port = metrics.serve("127.0.0.1", 0)
+    loop.share_marks, held.waits, held.waited_ms = 7, 3, 1500.0
+    val = {s.name: s.value for f in text_string_to_metric_families(get(port)) for s in f.samples}
+    assert val["pdserve_gpu_share_marked_steps_total"] == 7 and val["pdserve_decode_yield_holds_total"] == 3
+    assert val["pdserve_decode_yield_held_seconds_total"] == 1.5
 
 
 def test_watch_kv_shipper(metrics, monkeypatch):
