@@ -150,7 +150,7 @@ class PrefillCall:
         if self.scope.recording:
             attrs: dict[str, int | float] = {"pdserve.chunk.start": token_range[0], "pdserve.chunk.end": token_range[1],
                                              "pdserve.chunk.ready_pages": len(out.ready_pages)}  # fmt: skip
-            launched = getattr(self.loop.engine.runner, "launched_ns", 0) - start_ns  # step start -> forward queued
+            launched = self.loop.engine.runner.launched_ns - start_ns  # step start -> forward queued
             if launched >= 0:  # (the span's end: its outputs, after the device computed a sampled chunk)
                 attrs["pdserve.chunk.launched_ms"] = round(launched / 1e6, 3)
             self.scope.record("prefill.chunk", start_ns, attrs)

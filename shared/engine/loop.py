@@ -271,13 +271,14 @@ class EngineLoop:
         cb = self._callbacks.get(rid)
         if cb is None:
             return
-        if isinstance(out, BaseException) or out.request_done:  # n > 1: after the last choice's
+        done = isinstance(out, BaseException) or out.request_done  # n > 1: after the last choice's
+        if done:
             del self._callbacks[rid]
         if self.share_yield is not None:  # each request's TPOT so far: how long the decode may hold its steps back
             room = self.share_yield.room
-            if isinstance(out, BaseException) or out.request_done:
+            if done:
                 room.ended(rid)
-            else:
+            elif isinstance(out, StepOutput):
                 room.streamed(rid, out.index, len(out.new_token_ids), out.finished, time.time_ns())
         try:
             cb(out)

@@ -137,10 +137,7 @@ def _skip_computed(engine: LLMEngine, seq: Sequence, fetch: PrefixFetch, page: i
     """This step computes `seq` from `page` on (an admitted prefill is scheduled each step): the fetch need not fetch
     the pages its chunk covers (up to its stop: the pages from there are the fetch's to land)."""
     if seq.status == SequenceStatus.PREFILLING:
-        end = page + _chunk_pages(engine)
-        if seq.num_computed_tokens < seq.prefill_stop:
-            end = min(end, seq.prefill_stop // engine.page_size)
-        fetch.skip_to(end)
+        fetch.skip_to(page + min(_chunk_pages(engine), seq.num_schedulable // engine.page_size))
 
 
 def _chunk_pages(engine: LLMEngine) -> int:

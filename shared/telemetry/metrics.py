@@ -150,13 +150,13 @@ def watch_engine(metrics: ServiceMetrics, loop) -> None:
         lambda: loop.engine.runner.tp_size,
     )
     # a GPU shared with the other role's engine (pdserve.engine.gpu_share): the prefill's marks, the decode's holds
-    if getattr(loop, "share_mark", None) is not None:
+    if loop.share_mark is not None:
         metrics.counter(
             "gpu_share_marked_steps",
             "Prefill steps marked for the decode engine sharing this GPU",
             lambda: loop.share_marks,
         )
-    if getattr(loop, "share_yield", None) is not None:
+    if loop.share_yield is not None:
         y = loop.share_yield
         metrics.counter(
             "decode_yield_holds",

@@ -119,7 +119,7 @@ def test_watch_engine_reads_the_loop_at_scrape_time(metrics):
 
     engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[1, 2], running=[3]), runner=SimpleNamespace(tp_size=1))
     loop = SimpleNamespace(allocator=SimpleNamespace(num_used=3, num_pages=8), engine=engine, anytime_submitted=0,
-                           ran_during_gpu_wait=0)  # fmt: skip
+                           ran_during_gpu_wait=0, share_mark=None, share_yield=None)  # fmt: skip
     watch_engine(metrics, loop)
     port = metrics.serve("127.0.0.1", 0)
     assert port
