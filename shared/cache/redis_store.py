@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-from pdserve.cache.resp_fetch import getex_into
+from pdserve.cache.resp_fetch import getex_into, read_getex, send_getex
 from pdserve.cache.store import StoreError, copy_into
 
 log = logging.getLogger("pdserve.cache")
@@ -154,7 +155,7 @@ class RedisStore:
     ) -> list[int | None]:
         """GETEX of `keys`, value i of n bytes read straight into `dest(i, n)` (`resp_fetch.getex_into`), on a
         pooled connection of its own (thread-safe: parallel calls use parallel connections). Returns each value's
-        length (None: absent or declined). Cluster: through redis-py's pipeline, then copied."""
+        length (None: absent or declined). Cluster: per node, every node's commands sent before any is read."""
         if not keys:
             return []
         if self.cluster:
@@ -185,12 +186,16 @@ class RedisStore:
     def _cluster_get_many_into(
         self, keys: list[bytes], ttl_ms: int, dest: Dest, max_value_bytes: int
     ) -> list[int | None]:
-        """Cluster: the keys grouped by the node owning their slot, each group one pipelined GETEX read straight
-        into `dest` on a pooled connection of that node (so the fetch threads spread over every shard). A slot
-        that moved (MOVED / ASK, an error reply) fails the call like a broken link: the client is rebuilt with a
-        fresh slot map on the next call, and the caller computes instead."""
+        """Cluster: the keys grouped by the node owning their slot, each group one pipelined GETEX on a pooled
+        connection of that node, read straight into `dest`. Every group's commands go out before any reply is
+        read, so the nodes look up and write their values at once while this thread reads them one node after
+        another (their replies wait in the sockets' buffers). A slot that moved (MOVED / ASK, an error reply)
+        fails the call like a broken link: the client is rebuilt with a fresh slot map on the next call, and the
+        caller computes instead."""
         client = None
         out: list[int | None] = [None] * len(keys)
+        taken: list[tuple[redis.ConnectionPool, redis.Connection, list[int]]] = []  # (pool, connection, keys) sent
+        socks: list[socket.socket] = []  # the connections' sockets, in the same order
         try:
             client = self._get_client()
             groups: dict[str, tuple[object, list[int]]] = {}
@@ -200,27 +205,28 @@ class RedisStore:
             for node, idx in groups.values():
                 pool = client.get_redis_connection(node).connection_pool
                 conn = pool.get_connection()
-                try:
-                    sock = getattr(conn, "_sock", None)
-                    if sock is None:
-                        conn.connect()
-                        sock = conn._sock
-                    lens = getex_into(sock, [keys[i] for i in idx], ttl_ms, _reindexed(dest, idx), max_value_bytes)
-                except BaseException:
-                    conn.disconnect()  # mid-pipeline: its state is unknown
-                    raise
-                finally:
-                    pool.release(conn)
+                taken.append((pool, conn, idx))
+                if getattr(conn, "_sock", None) is None:
+                    conn.connect()
+                socks.append(conn._sock)
+                send_getex(socks[-1], [keys[i] for i in idx], ttl_ms)
+            for sock, (_, _, idx) in zip(socks, taken, strict=True):
+                lens = read_getex(sock, len(idx), _reindexed(dest, idx), max_value_bytes)
                 for j, i in enumerate(idx):
                     out[i] = lens[j]
             return out
         except Exception as e:
+            for _, conn, _ in taken:
+                conn.disconnect()  # mid-pipeline (this one or one not read yet): its state is unknown
             if isinstance(e, RedisError | OSError | ConnectionError):
                 self._reset(client)
                 why = refusal(e) if isinstance(e, RedisError) else None
                 if why:
                     raise StoreRefused(why) from e
             raise StoreError(f"redis cluster fetch failed: {type(e).__name__}: {e}") from e
+        finally:
+            for pool, conn, _ in taken:
+                pool.release(conn)
 
     def set_many(self, items: list[tuple[bytes, bytes]], ttl_ms: int) -> None:
         if items:

@@ -2,6 +2,7 @@
 CUDA): the prompt cache's fast path for the megabyte values of KV pages.
 
     getex_into(sock, keys, ttl_ms, dest, max_value_bytes) -> [value length or None per key]
+    send_getex(sock, keys, ttl_ms); read_getex(sock, len(keys), dest, max_value_bytes)   the same in two halves
 
 redis-py's parser copies every value several times while holding the GIL (socket buffer, BytesIO, bytes); here
 a value's header line is parsed from a small read-ahead, and its body is `recv_into` the buffer `dest(i, n)`
@@ -92,10 +93,24 @@ def getex_into(
     ConnectionError (error reply, closed link, protocol trouble) and socket timeouts (OSError)."""
     if not keys:
         return []
-    sock.sendall(pack_getex(keys, ttl_ms))
+    send_getex(sock, keys, ttl_ms)
+    return read_getex(sock, len(keys), dest, max_value_bytes)
+
+
+def send_getex(sock: socket.socket, keys: list[bytes], ttl_ms: int) -> None:
+    """The first half of `getex_into`: the pipelined commands sent (a caller with several servers sends to each
+    before it reads any, so they all work at once)."""
+    if keys:
+        sock.sendall(pack_getex(keys, ttl_ms))
+
+
+def read_getex(
+    sock: socket.socket, count: int, dest: Callable[[int, int], memoryview | None], max_value_bytes: int
+) -> list[int | None]:
+    """The second half of `getex_into`: the `count` replies of a `send_getex` on `sock`, read as it says."""
     r = _Reader(sock)
     out: list[int | None] = []
-    for i in range(len(keys)):
+    for i in range(count):
         head = r.line()
         kind = head[:1]
         if kind == b"$":

@@ -110,6 +110,41 @@ def test_cluster_getex_into_reads_each_key_from_its_shard(cluster):
     store.close()
 
 
+def test_cluster_getex_into_failure_leaves_no_unread_replies(cluster):
+    """Every node's commands go out before any reply is read: a call that fails while reading one node's replies
+    hands the other nodes' connections back closed, not with their replies still unread (redis-py would notice
+    such a connection on its next use only if the reply had arrived by then); the next calls read right."""
+    store = RedisStore(cluster.url, cluster=True, timeout_s=5.0)
+    client = redis.cluster.RedisCluster.from_url(cluster.url)
+    keys = [f"pdserve:kv:u{i}".encode() for i in range(40)]
+    store.set_many([(k, k * 50) for k in keys], 60_000)
+    first = keys[0]
+    other = next(k for k in keys if client.get_node_from_key(k).name != client.get_node_from_key(first).name)
+    sent: list[int] = []
+
+    def dest(i, n):  # a buffer of the wrong size for the first value: the read fails with the other node unread
+        sent.append(i)
+        return memoryview(bytearray(n - 1 if i == 0 else n))
+
+    with pytest.raises(StoreError, match="dest gave"):
+        store.get_many_into([first, other], 60_000, dest, 1 << 20)
+    assert sent == [0]  # the other node's reply was never read
+    node = store._client.get_node_from_key(other)  # the same client (a bad buffer is not a broken link)
+    pool = store._client.get_redis_connection(node).connection_pool
+    assert pool._available_connections and all(c._sock is None for c in pool._available_connections)
+    bufs: dict[int, bytearray] = {}
+
+    def into(i, n):
+        bufs[i] = bytearray(n)
+        return memoryview(bufs[i])
+
+    for _ in range(3):  # every pooled connection of that node, had one been handed back with a reply in it
+        assert store.get_many_into([other, first], 60_000, into, 1 << 20) == [len(other) * 50, len(first) * 50]
+        assert bytes(bufs[0]) == other * 50 and bytes(bufs[1]) == first * 50
+    store.close()
+    client.close()
+
+
 @HELPER
 def test_cluster_fetch_lands_every_page_verified(cluster, helper):
     cache, ns, tokens = filled(cluster.url, cluster=True, helper=helper)
