@@ -183,7 +183,7 @@ def redis_fetch_gbps(url: str, page_bytes: int, pages: int = 230, reps: int = 5)
 
 def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, cache: bool, page_bytes: int,
                 shards: list[int], fetch_modes: list[str] = ("auto",),  # type: ignore[assignment]
-                grpc_transport: str = "grpc-shm"):  # fmt: skip
+                grpc_transport: str = "grpc-shm", shippers: list[str] = ("",)):  # type: ignore[assignment]  # fmt: skip
     """gpu_serving stacks on GPU0: the grpc part (the first stack, its KV transport forced to `grpc_transport`:
     grpc-shm, the gRPC wire with its bytes in the shipper processes, what two hosts use by default, or grpc; one 2k
     request at a time, the second token and the KV GB/s) and the cache part once per `shards` entry (prefill's cache
@@ -191,12 +191,19 @@ def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, ca
     prefix hit six times; then the prefill's own fetch rate from that Redis), each once per `fetch_modes` entry (the
     prefill's --cache-fetch-process; details `cache_shards_N` for the last, `cache_shards_N_fetch_MODE` for the
     others). The keys: the last run's. The first token leaves ahead of the KV pages, so the transport leaves the
-    cache part's TTFTs alone."""
+    cache part's TTFTs alone. `shippers` other than [""] (--kv-shippers): the grpc part on stacks of its own, once
+    per entry (the services' --kv-shippers), each followed by a raw gRPC stream of this host
+    (`grpc_shippers_side_by_side` in details; the keys, raw_grpc_gbps included, the last entry's)."""
     from pdserve.testing.redis_cluster import RedisClusterServers
     from pdserve.testing.redis_server import RedisServer
 
     keys: dict[str, Any] = {}
     details: dict[str, Any] = {}
+    if grpc and list(shippers) != [""]:
+        keys, details = shipper_runs(model, workdir, rng, grpc_transport, list(shippers))
+        if not cache:
+            return keys, details
+        grpc = False
     runs = [(n, m) for n in shards for m in fetch_modes] if cache else [(0, "auto")]
     for run, (n, mode) in enumerate(runs):
         redis: Any = None
@@ -240,6 +247,32 @@ def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, ca
     if cache:
         details.update(cache_keys_from_shards=shards[-1], cache=None)  # None: an older run's layout, dropped
     return keys, details
+
+
+def shipper_runs(model: Path, workdir: Path, rng: torch.Generator, transport: str, shippers: list[str]):
+    """The grpc part once per --kv-shippers entry, in the order given (repeat entries to alternate them): a stack
+    whose prefill and decode run that many shipper pairs, one 2k request at a time (second token, KV GB/s), then a
+    raw gRPC stream of this host beside nothing (the ratio's denominator, measured next to each entry)."""
+    k = "shm" if transport == "grpc-shm" else "grpc"
+    keys: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    for i, n in enumerate(shippers):
+        env = {"PDSERVE_PREFILL_KV_SHIPPERS": n, "PDSERVE_DECODE_KV_SHIPPERS": n}
+        stack = gs.start(model, workdir / f"served-shippers-{n}-{i}", transport, env)
+        try:
+            got = gs.served_ttft(stack, transport, rng, reps=5)
+        finally:
+            stack.stop()
+        raw = gs.raw_grpc(workdir)["raw_grpc_gbps"]
+        runs.append(dict(kv_shippers=int(n), raw_grpc_gbps=raw, kv_gbps=got[f"kv_gbps_{k}"],
+                         ratio=got[f"kv_gbps_{k}"] / raw, t2t_ms_2k=got[f"served_t2t_ms_2k_{k}"],
+                         ttft_ms_2k=got[f"served_ttft_ms_2k_{k}"]))  # fmt: skip
+        log(f"kv shippers {n}: {json.dumps(runs[-1])}")
+        keys = dict(t2t_ms_2k_grpc=runs[-1]["t2t_ms_2k"], kv_gbps_grpc=runs[-1]["kv_gbps"], raw_grpc_gbps=raw)
+    per = {n: [r for r in runs if r["kv_shippers"] == int(n)] for n in dict.fromkeys(shippers)}
+    median = {n: {f: statistics.median(r[f] for r in rs) for f in ("kv_gbps", "ratio", "t2t_ms_2k", "ttft_ms_2k")}
+              for n, rs in per.items()}  # fmt: skip
+    return keys, {"grpc_shippers_side_by_side": dict(transport=transport, runs=runs, median=median)}
 
 
 def budget_flags(budget: str) -> list[str]:
@@ -461,6 +494,12 @@ def main() -> int:
     ap.add_argument("--grpc-transport", default="grpc-shm", choices=("grpc-shm", "grpc"), help="the grpc part's "
                     "transport (t2t_ms_2k_grpc, kv_gbps_grpc): grpc-shm moves the wire's bytes in the shipper "
                     "processes (issue 32 item 6), grpc in the engine processes")  # fmt: skip
+    ap.add_argument(
+        "--kv-shippers",
+        default="",
+        help="the grpc part once per entry of the services' "
+        "--kv-shippers, on stacks of its own, each with a raw gRPC stream beside it (2,3,2,3: alternated)",
+    )
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--output-tokens", type=int, default=128)
@@ -520,6 +559,7 @@ def main() -> int:
             [int(n) for n in args.redis_shards.split(",")],
             args.fetch_process.split(","),
             args.grpc_transport,
+            [n.strip() for n in args.kv_shippers.split(",")] if args.kv_shippers else [""],
         ),
     }
     failed: list[str] = []

@@ -93,3 +93,26 @@ def test_the_script_on_cpu_merges_its_part_and_writes_the_mode_data(tmp_path):
     choice = choose_mode([], data)
     assert doc["default_mode"] == choice.mode and doc["details"]["default_mode_line"] == choice.line()
     assert choice.mode == ("colocated" if doc["disagg1_goodput_rps"] < 2.0 else "disaggregated")  # TTFT 1e4 ms
+
+
+@pytest.mark.timeout(240)
+def test_the_grpc_part_once_per_shipper_count_side_by_side(tmp_path):
+    """--kv-shippers 1,2: the grpc part on a stack per entry (~15 s each on CPU), each with a raw gRPC stream
+    beside it; the keys are the last entry's, every run in details."""
+    model = build_checkpoint(tmp_path / "tiny", arch="llama", seed=1, vocab_size=128256, max_position_embeddings=4096)
+    out = tmp_path / "one_gpu.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "one_gpu.py"), "--part", "grpc", "--kv-shippers", "1,2"]
+    cmd += ["--gpus", "none", "--model", str(model), "--json", str(out), "--workdir", str(tmp_path / "work")]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    side = doc["details"]["grpc_shippers_side_by_side"]
+    assert [r["kv_shippers"] for r in side["runs"]] == [1, 2] and set(side["median"]) == {"1", "2"}
+    last = side["runs"][-1]
+    assert doc["kv_gbps_grpc"] == last["kv_gbps"] > 0 and doc["raw_grpc_gbps"] == last["raw_grpc_gbps"] > 0
+    assert doc["t2t_ms_2k_grpc"] == last["t2t_ms_2k"] >= last["ttft_ms_2k"] > 0
+    assert last["ratio"] == pytest.approx(last["kv_gbps"] / last["raw_grpc_gbps"])
+    for i, n in enumerate([1, 2]):  # each stack ran that many shipper processes on each end
+        logs = tmp_path / "work" / f"served-shippers-{n}-{i}"
+        assert (logs / "prefill0.log").read_text().count("kv shipper (prefill): process") == n
+        assert (logs / "decode0.log").read_text().count("kv shipper (decode): process") == n
