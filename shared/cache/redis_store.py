@@ -196,6 +196,7 @@ class RedisStore:
         out: list[int | None] = [None] * len(keys)
         taken: list[tuple[redis.ConnectionPool, redis.Connection, list[int]]] = []  # (pool, connection, keys) sent
         socks: list[socket.socket] = []  # the connections' sockets, in the same order
+        read_all = False  # else (any exception, an interrupt too) the taken connections go back closed
         try:
             client = self._get_client()
             groups: dict[str, tuple[object, list[int]]] = {}
@@ -214,10 +215,9 @@ class RedisStore:
                 lens = read_getex(sock, len(idx), _reindexed(dest, idx), max_value_bytes)
                 for j, i in enumerate(idx):
                     out[i] = lens[j]
+            read_all = True
             return out
         except Exception as e:
-            for _, conn, _ in taken:
-                conn.disconnect()  # mid-pipeline (this one or one not read yet): its state is unknown
             if isinstance(e, RedisError | OSError | ConnectionError):
                 self._reset(client)
                 why = refusal(e) if isinstance(e, RedisError) else None
@@ -226,6 +226,8 @@ class RedisStore:
             raise StoreError(f"redis cluster fetch failed: {type(e).__name__}: {e}") from e
         finally:
             for pool, conn, _ in taken:
+                if not read_all:
+                    conn.disconnect()  # mid-pipeline (this one or one not read yet): its state is unknown
                 pool.release(conn)
 
     def set_many(self, items: list[tuple[bytes, bytes]], ttl_ms: int) -> None:
