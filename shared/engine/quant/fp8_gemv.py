@@ -119,7 +119,9 @@ PATH_CONFIGS = {
     ] + [  # pipelined K loops (num_stages > 1)
         dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps, acc_k=True, prefetch=False)
         for bn, bk, nw, ns, pps in [(8, 1024, 4, 2, 4), (8, 1024, 4, 4, 4), (8, 512, 4, 3, 4), (16, 512, 4, 3, 4),
-                                    (8, 1024, 4, 3, 8)]
+                                    (8, 1024, 4, 3, 8), (8, 2048, 8, 3, 4), (16, 1024, 8, 3, 4), (4, 2048, 4, 3, 4),
+                                    (8, 1024, 4, 3, 2), (8, 1024, 4, 5, 4), (16, 1024, 8, 4, 2), (8, 2048, 8, 2, 4),
+                                    (4, 1024, 2, 4, 8)]
     ],
     "dot": [DEFAULT_DOT] + [
         dict(block_n=bn, block_k=GROUP, num_warps=nw, num_stages=ns, programs_per_sm=pps)
