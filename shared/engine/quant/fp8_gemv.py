@@ -51,6 +51,14 @@ K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals
 # "stream": weight bytes a thread loads as one vector; 8 bf16 of x are also 16 bytes, so x's columns land in the
 # threads that hold the same weight columns (16 would move x through shared memory, with barriers, every step)
 W_VEC = tl.constexpr(8)
+# "stream" with `bits`: e4m3 bytes widened to float32 by integer ops (`_e4m3_bits`, 2**-E4M3_BITS_SHIFT times the
+# value: float32's exponent bias less e4m3's) instead of the conversion instructions, whose throughput is a
+# fraction of the integer units'. x's columns are scaled by 2**X_SHIFT first so that no product is subnormal
+# (|x| < 2**64 holds for any activation), and the sums by 2**(E4M3_BITS_SHIFT - X_SHIFT) at the end: powers of two,
+# so the result is bit for bit the conversion path's
+E4M3_BITS_SHIFT, X_SHIFT = 120, 64
+X_SCALE = tl.constexpr(2.0**X_SHIFT)
+OUT_SCALE = tl.constexpr(2.0 ** (E4M3_BITS_SHIFT - X_SHIFT))
 MIN_BLOCK_N = 4  # the fewest output channels a program takes (counter_slots sizes the split-K tickets by it)
 FMA_WARP_ELEMENTS = 2048  # most BLOCK_M x BLOCK_N x BLOCK_K of the "fma" product a step, per warp (64 a thread)
 # "stream": most weight bytes a thread loads a step (BLOCK_N x BLOCK_K / threads, at any M): with the prefetch the
@@ -122,6 +130,11 @@ PATH_CONFIGS = {
                                     (8, 1024, 4, 3, 8), (8, 2048, 8, 3, 4), (16, 1024, 8, 3, 4), (4, 2048, 4, 3, 4),
                                     (8, 1024, 4, 3, 2), (8, 1024, 4, 5, 4), (16, 1024, 8, 4, 2), (8, 2048, 8, 2, 4),
                                     (4, 1024, 2, 4, 8)]
+    ] + [  # the same widened by integer ops (`bits`)
+        dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps, acc_k=True, prefetch=False,
+             bits=True)
+        for bn, bk, nw, ns, pps in [(8, 1024, 4, 3, 4), (8, 2048, 8, 3, 4), (16, 1024, 8, 3, 4), (8, 1024, 4, 4, 4),
+                                    (8, 1024, 4, 3, 8)]
     ],
     "dot": [DEFAULT_DOT] + [
         dict(block_n=bn, block_k=GROUP, num_warps=nw, num_stages=ns, programs_per_sm=pps)
@@ -237,8 +250,18 @@ def _s_tile(w_rows, n_ok, st, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bits(w):
+    """e4m3 -> float32 times 2**-E4M3_BITS_SHIFT, by integer ops alone: the sign to bit 31, exponent and mantissa
+    (7 bits) to bits 26..20, so the float32's exponent field holds e4m3's (bias 7 where float32's is 127). Exact
+    for every finite value, subnormals included (they land on float32 subnormals, which the products keep)."""
+    u = w.to(tl.uint8, bitcast=True).to(tl.uint32)
+    return (((u & 0x80) << 24) | ((u & 0x7F) << 20)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SBN: tl.constexpr,
-            SCALES: tl.constexpr, ACC_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+            SCALES: tl.constexpr, ACC_K: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_K: tl.constexpr):  # fmt: skip
     """acc += the weight tile w [BLOCK_N, BLOCK_K] times x's step `st` columns, row by row of x, in float32.
     Each thread first sums its own runs of W_VEC columns (q [BLOCK_N, BLOCK_K / W_VEC]: no data leaves the
     thread), where the block scale applies (a run lies inside one 128-column group); then q joins acc
@@ -246,11 +269,15 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
     BLOCK_K / W_VEC] as it is (x's row i into acc[i]), summed once after the loop. The products keep the weight
     tile's layout (a 3D [M, N, K] product's layout would differ from the load's: a shared-memory round trip a
     step). SCALES 0: per channel (applied by the caller), 1: the program's rows share one scale row, 2: a scale
-    row per row."""
+    row per row. BITS: the weights widened by integer ops instead of the conversion instructions (`_e4m3_bits`),
+    x's columns times 2**X_SHIFT; the caller multiplies the sums by 2**(E4M3_BITS_SHIFT - X_SHIFT)."""
     RUNS: tl.constexpr = BLOCK_K // W_VEC
     k = st * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
-    wf = w.to(tl.float32)
+    if BITS:
+        wf = _e4m3_bits(w)
+    else:
+        wf = w.to(tl.float32)
     grp = (st * RUNS + tl.arange(0, RUNS)) // (K_GROUP // W_VEC)  # [RUNS] each run's scale group
     if SCALES == 1:
         s = tl.load(s_ptr + row_block * KG + grp, mask=grp < KG, other=0.0)[None, :]
@@ -259,6 +286,8 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
                     other=0.0)  # fmt: skip
     for i in tl.static_range(BLOCK_M):
         x = tl.load(x_ptr + i * x_stride + k, mask=k_ok & (i < M), other=0.0).to(tl.float32)  # [BLOCK_K]
+        if BITS:
+            x *= X_SCALE
         q = tl.sum(tl.reshape(wf * x[None, :], (wf.shape[0], RUNS, W_VEC)), axis=2)  # [BLOCK_N, RUNS]
         if SCALES != 0:
             q *= s
@@ -278,7 +307,7 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
 def _fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride, split,
     SBN: tl.constexpr, SCALES: tl.constexpr, ACC_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Path "stream": the bf16 GEMV's shape (kernels/gemv.py) over e4m3 bytes; a program streams BLOCK_N rows in
     [BLOCK_N, BLOCK_K] steps (W_VEC contiguous bytes a thread a row), products and sums on the CUDA cores in
@@ -304,18 +333,20 @@ def _fp8_stream_kernel(
         if PREFETCH:  # the next tile's loads issued before this step's math
             w_next = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, BLOCK_M, BLOCK_K)  # fmt: skip
             w = w_next
         else:
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, BLOCK_M, BLOCK_K)  # fmt: skip
             w = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
-    acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, last - 1, SBN, SCALES, ACC_K, BLOCK_M,
-                  BLOCK_K)  # fmt: skip
+    acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, last - 1, SBN, SCALES, ACC_K, BITS,
+                  BLOCK_M, BLOCK_K)  # fmt: skip
     if ACC_K:
         out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     else:
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if BITS:
+        out *= OUT_SCALE
     if SCALES == 0:
         out *= tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
     split_k_store(out, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS)
@@ -363,6 +394,7 @@ def fp8_gemv(
     path: str = "auto",
     acc_k: bool | None = None,
     prefetch: bool | None = None,
+    bits: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; bf16, fp16 or fp32), w e4m3 [N, K], scale float32: [N] per channel (scale_rows=0),
     else [ceil(N/scale_rows), ceil(K/128)] (scale_rows 128: 128x128 blocks, 1: per row per 128 columns); bias [N]
@@ -373,7 +405,7 @@ def fp8_gemv(
     zeroed tensor per call); `pdl`: programmatic dependent launch (Hopper); `path`: "auto" (choose_path),
     "stream", "fma" or "dot" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
     `acc_k`: run sums kept elementwise until after the K loop (where they fit STREAM_ACC_THREAD_ELEMENTS);
-    `prefetch`: the next tile's loads before this tile's math."""
+    `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`)."""
     m, k = x.shape
     n = w.shape[0]
     kg = triton.cdiv(k, GROUP)
@@ -391,6 +423,7 @@ def fp8_gemv(
     num_stages, programs_per_sm = num_stages or cfg["num_stages"], programs_per_sm or cfg["programs_per_sm"]
     acc_k = cfg.get("acc_k", False) if acc_k is None else acc_k
     prefetch = cfg.get("prefetch", True) if prefetch is None else prefetch
+    bits = cfg.get("bits", False) if bits is None else bits
     scales = 0 if not scale_rows else 1 if scale_rows % block_n == 0 else 2  # "stream": 1 = one scale row a program
     acc_k = acc_k and path == "stream"
     block_m = 16 if path == "dot" else triton.next_power_of_2(m)
@@ -427,7 +460,7 @@ def fp8_gemv(
     sbn = max(scale_rows, 1)
     if path == "stream":
         _fp8_stream_kernel[(tiles, split)](*args, SBN=sbn, SCALES=scales, ACC_K=acc_k, PREFETCH=prefetch,
-                                           HAS_BIAS=bias is not None,
+                                           HAS_BIAS=bias is not None, BITS=bits,
                                            USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                            **launch)  # fmt: skip
     else:

@@ -391,6 +391,35 @@ def test_fp8_gemv_in_the_triton_interpreter():
     assert len(r.stdout.splitlines()) == sum(2 + (m <= 4) + (m == 1) for m in (1, 3, 16, 2, 1, 5)) + 1, r.stdout
 
 
+BITS_SCRIPT = r"""
+import torch
+from pdserve.engine.quant.fp8_gemv import fp8_gemv
+torch.manual_seed(0)
+# every finite e4m3 code (subnormals, +-0; not the two NaNs) in each row, shuffled; x over 2**-30 .. 2**20
+codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+for m, n, k, split in [(1, 136, 1000, 3), (3, 40, 300, 1)]:
+    w = codes[torch.randint(len(codes), (n, k))].view(torch.float8_e4m3fn)
+    x = torch.randn(m, k) * torch.exp2(torch.randint(-30, 21, (m, k)).float())
+    kw = dict(path="stream", split=split, block_n=8, block_k=128, acc_k=False, prefetch=True)
+    for scale, scale_rows in [(torch.rand(n) + 0.5, 0), (torch.rand(-(-n // 128), -(-k // 128)) + 0.5, 128),
+                              (torch.rand(n, -(-k // 128)) + 0.5, 1)]:
+        ref = fp8_gemv(x, w, scale, None, scale_rows, torch.float32, bits=False, **kw)
+        out = fp8_gemv(x, w, scale, None, scale_rows, torch.float32, bits=True, **kw)
+        assert torch.isfinite(ref).all() and torch.equal(out, ref), (m, n, k, scale_rows, (out - ref).abs().max())
+        print(m, n, k, scale_rows, "equal")
+"""
+
+
+def test_fp8_gemv_bits_equals_the_conversion_path():
+    """The "stream" path's `bits` widening (integer ops, powers of two around it) gives the conversion path's result
+    bit for bit over every finite e4m3 code, subnormals included, and activations from 2**-30 to 2**20."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", BITS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("equal") == 6, r.stdout
+
+
 def test_fp8_gemv_auto_path_by_rows():
     """ "auto": the streaming CUDA-core path up to AUTO_STREAM_ROWS rows, then "fma" up to AUTO_FMA_ROWS, then the
     tensor cores; an explicit path past its most rows is refused."""
