@@ -179,7 +179,8 @@ def test_engine_fp8_weights_graphs_and_eager(checkpoint, tmp_path, bf16_referenc
 def test_fp8_gemv_split_k_tickets_pdl_and_sweep_configs(m):
     """The GEMV's one-launch split-K (forced splits; the counters end zero, results equal the unsplit ones to
     fp32 summation order), as a programmatic dependent launch in a graph, and every bench sweep config (of
-    bench/fp8_weights.py, and of bench/fp8_gemv_sweep.py on every path that takes M rows)."""
+    bench/fp8_weights.py, and of bench/fp8_gemv_sweep.py on every path that takes M rows; a `bits` config equal to
+    the same config's conversion path)."""
     from pdserve.engine.quant.fp8_gemv import PATH_CONFIGS, PATH_MAX_ROWS, SWEEP_CONFIGS, counter_slots, fp8_gemv
 
     lin, _ = layer(4096, 14336, BLOCK, seed=m)
@@ -201,6 +202,9 @@ def test_fp8_gemv_split_k_tickets_pdl_and_sweep_configs(m):
         for cfg in configs if m <= PATH_MAX_ROWS[path] else []:
             out = fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, path=path, counters=counters, **cfg)
             assert rel(out, ref) < 1e-2 and int(counters.abs().sum()) == 0, (path, cfg)
+            if cfg.get("bits"):  # integer widening: the conversion path's bits (no subnormal flushed on the device)
+                conv = {**cfg, "bits": False}
+                assert torch.equal(out, fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, 128, path=path, **conv))
 
 
 @pytest.mark.parametrize("m", [17, 128, 2048])
