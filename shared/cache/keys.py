@@ -26,7 +26,8 @@ from functools import cached_property
 from pdserve.kv.codec import FORMAT_VERSION as KV_FORMAT_VERSION
 from pdserve.kv.codec import KVLayoutSpec
 
-CACHE_FORMAT_VERSION = 5  # bump with any change to keys.py or value.py (3: scope; 4: raw + CRC32C; 5: keyed MAC, names)
+CACHE_FORMAT_VERSION = 6  # bump with any change to keys.py, value.py or value_auth.py's tag (3: scope; 4: raw +
+# CRC32C; 5: keyed MAC, names; 6: the value MAC BLAKE3-keyed)
 
 
 @dataclass(frozen=True)
