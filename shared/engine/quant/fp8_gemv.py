@@ -52,10 +52,10 @@ K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals
 # threads that hold the same weight columns (16 would move x through shared memory, with barriers, every step)
 W_VEC = tl.constexpr(8)
 # "stream" with `bits`: e4m3 bytes widened to float32 by integer ops (`_e4m3_bits`, 2**-E4M3_BITS_SHIFT times the
-# value: float32's exponent bias less e4m3's) instead of the conversion instructions, whose throughput is a
-# fraction of the integer units'. x's columns are scaled by 2**X_SHIFT first so that no product is subnormal
-# (|x| < 2**64 holds for any activation), and the sums by 2**(E4M3_BITS_SHIFT - X_SHIFT) at the end: powers of two,
-# so the result is bit for bit the conversion path's
+# value: float32's exponent bias less e4m3's) instead of the conversion instructions (two a byte: e4m3 -> f16 -> f32),
+# for where those, not the weight stream, pace the kernel (the sweep says). x's columns are scaled by 2**X_SHIFT
+# first so that no product is subnormal (|x| < 2**64 holds for any activation), and the sums by
+# 2**(E4M3_BITS_SHIFT - X_SHIFT) at the end: powers of two, so the result is bit for bit the conversion path's
 E4M3_BITS_SHIFT, X_SHIFT = 120, 64
 X_SCALE = tl.constexpr(2.0**X_SHIFT)
 OUT_SCALE = tl.constexpr(2.0 ** (E4M3_BITS_SHIFT - X_SHIFT))
