@@ -43,6 +43,7 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.store import StoreError, get_many_into
 from pdserve.cache.value import (
     block_checks,
+    checked_page,
     expected_header,
     value_blocks,
     value_bytes,
@@ -92,8 +93,10 @@ ALIGN = 256  # a slot's page data starts on this boundary (device views of any d
 
 @dataclass
 class LandedPages:
-    """Pages [first, first + len(payloads)) for the engine: `payloads` (host views, page_index set) and, when the
-    fetch runs for a CUDA engine, `upload` (the same pages stacked on the device, ready on the engine's stream)."""
+    """Pages from `first` for the engine: `payloads` (host views, page_index set) and, when the fetch runs for a
+    CUDA engine, `upload` (the same pages stacked on the device, ready on the engine's stream). Taken with
+    `host_views=False`, a fetch with an `upload` lists the first page's views alone (every page of a fetch has its
+    namespace's layout: one page checks it)."""
 
     first: int
     payloads: list[PagePayload]
@@ -103,7 +106,9 @@ class LandedPages:
 @dataclass
 class _Batch:
     start: int  # first page index
-    payloads: list[PagePayload]  # the leading pages of the batch that verified (fewer: a miss ends the fetch)
+    # the leading pages of the batch that verified (fewer: a miss ends the fetch); a page index: verified whole in
+    # its arena slot by the helper, its views made when it is taken
+    payloads: list[PagePayload | int]
     nbytes: int
     event: object | None = None  # torch.cuda.Event of its device copy
     failed: bool = False  # store error
@@ -151,7 +156,8 @@ class PrefixFetch:
         self._cv = threading.Condition()
         self._batches: dict[int, _Batch] = {}  # by batch number, until they land in order
         self._next_batch = 0
-        self._pages: list[PagePayload | None] = []  # landed, in order: pages first_page .. landed - 1 (None: skipped)
+        # landed, in order: pages first_page .. landed - 1 (None: skipped; an int: in its arena slot, `_Batch`)
+        self._pages: list[PagePayload | int | None] = []
         self._events: list[tuple[int, int, object]] = []  # (first page, page end, its device copy event) per batch
         self.skip_before = first_page  # batches wholly before this page are not fetched (`skip_to`)
         self.landed = first_page
@@ -308,9 +314,10 @@ class PrefixFetch:
             rate = rate or self.fetch_bytes_per_s
             return missing * self.value_bytes / rate if rate else None
 
-    def take(self, start: int, end: int) -> LandedPages:
+    def take(self, start: int, end: int, host_views: bool = True) -> LandedPages:
         """Landed pages [start, end) for loading (engine thread): host views, and on CUDA their device copy
-        stacked page-major, the current stream made to wait for its arrival."""
+        stacked page-major, the current stream made to wait for its arrival. `host_views=False`: with a device
+        copy, the first page's host views alone (`LandedPages`)."""
         with self._cv:
             if not self.first_page <= start <= end <= self.landed:
                 raise ValueError(f"pages [{start}, {end}) not landed (landed: [{self.first_page}, {self.landed}))")
@@ -318,7 +325,12 @@ class PrefixFetch:
             if any(p is None for p in pages):
                 raise ValueError(f"pages [{start}, {end}) include skipped ones")
             events = [ev for first, page_end, ev in self._events if page_end > start and first < end]
-            dev = self._dev
+            dev, host = self._dev, self._host
+        if dev is not None and not host_views:
+            pages = pages[:1]
+        if any(isinstance(p, int) for p in pages):
+            assert host is not None, "a fetch's pages are taken before it is closed"
+            pages = [checked_page(self._slot(host, p), self.ns, p) if isinstance(p, int) else p for p in pages]
         upload = None
         if dev is not None and pages:
             cur = torch.cuda.current_stream(self.device)
@@ -402,10 +414,12 @@ class PrefixFetch:
         n_keys = len(cache.keyring.keys)
         digests = self.keys[start:end]
         names = [n for k in digests for n in cache.keyring.names(cache.key_prefix, k)]
+        in_slot: set[int] = set()  # rows whose value the helper checked whole in its arena slot
+        lazy = cache.local is None  # no local tier to keep copies: in-slot pages get their views when taken
         try:
             checked = self._block is not None and self._proc is not None  # the helper checked the values whole
             if checked:
-                lens, values = self._get_in_helper(self._proc, self._block, host, start, digests, names)  # type: ignore[arg-type]
+                lens, values, in_slot = self._get_in_helper(self._proc, self._block, host, start, digests, names, lazy)  # type: ignore[arg-type]
             else:
                 lens, values = self._get_here(host, start, digests, names)
         except StoreError as e:
@@ -415,10 +429,13 @@ class PrefixFetch:
                 self._counts["errors"] += 1
             raise
         cache.breaker.success()
-        pages: list[PagePayload] = []
+        pages: list[PagePayload | int] = []
         nbytes = sum(n for n in lens if n is not None)
         for j, digest in enumerate(digests):
             page = start + j
+            if lazy and j * n_keys in in_slot:
+                pages.append(page)  # verified whole in its slot: no views here (each view op hands the GIL over)
+                continue
             found = values[j * n_keys : (j + 1) * n_keys]
             p, value, key_index, bad = cache._open(ns, digest, page, found, checked)
             with self._cv:
@@ -474,11 +491,13 @@ class PrefixFetch:
         start: int,
         digests: list[bytes],
         names: list[bytes],
-    ) -> tuple[list[int | None], list[memoryview | bool | str | None]]:
+        lazy: bool,
+    ) -> tuple[list[int | None], list[memoryview | bool | str | None], set[int]]:
         """`_get_here`'s answer from the helper process: it reads the values into this fetch's block of the
         shared arena (others come back in its reply), checks their MACs and then each value whole (header, length,
         CRC, values: what `decode_value` checks), so this thread only builds views; a corrupt value's slot holds
-        the reason."""  # fmt: skip
+        the reason. Also the rows whose verified value is in its arena slot (the current secret's, full size);
+        `lazy`: those rows' values are True, not views."""  # fmt: skip
         cache = self.cache
         n_keys = len(cache.keyring.keys)
         rows = []
@@ -489,6 +508,7 @@ class PrefixFetch:
             rows.append(FetchRow(name, key_index, digests[i // n_keys], at, self.value_bytes, header))
         reply = proc.get_many(rows, cache.ttl_ms, cache.max_value_bytes, self._block_checks)
         values: list[memoryview | bool | str | None] = []
+        in_slot: set[int] = set()
         for i, n in enumerate(reply.lens):
             ok = reply.ok[i]
             if n is None or ok is None:
@@ -496,13 +516,20 @@ class PrefixFetch:
             elif ok is not True:
                 values.append(ok if isinstance(ok, str) else False)  # corrupt (why) / fails its MAC
             else:
+                if i not in reply.extras and rows[i].offset >= 0 and n == self.value_bytes:
+                    in_slot.add(i)
+                    if lazy:  # its view is made when the engine takes it
+                        values.append(True)
+                        continue
                 stored = reply.extras[i] if i in reply.extras else self._slot(host, start + i // n_keys)
                 values.append(stored[: n - TAG_BYTES])
-        return reply.lens, values
+        return reply.lens, values, in_slot
 
-    def _to_device(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, pages: list[PagePayload]):
+    def _to_device(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, pages: list[PagePayload | int]):
         """Copy the arena slots of pages [start, end) to the device arena on the side stream; its event."""
         for j, p in enumerate(pages):  # a page outside the arena (rekeyed): its bytes into its slot first
+            if isinstance(p, int):  # in its slot
+                continue
             at = (start + j - self._base) * self._stride + self._pad + self._header
             if p.data.data_ptr() != host.data_ptr() + at:
                 self._write_slot(host, at, p)

@@ -171,10 +171,10 @@ def _load(engine: LLMEngine, seq: Sequence, fetch: PrefixFetch, start: int, end:
     """Load landed pages [start, end) into `seq`'s pages and count them computed; False: no pages yet."""
     if not _has_pages(engine, seq):
         return False
-    landed = fetch.take(start, end)
+    landed = fetch.take(start, end, host_views=False)  # the upload holds every page on CUDA
     physical = seq.page_table[start:end]
     runner = engine.runner
-    for p in landed.payloads:
+    for p in landed.payloads:  # one page with an upload: every page of a fetch has its namespace's layout
         runner.check_payload(p)
     up = landed.upload
     if up is not None:  # CUDA: already on the device (this stream waits for its copy)

@@ -185,6 +185,40 @@ def test_fetch_lands_every_page_verified(redis, layout, helper):
     closed_clean(fetch, cache, helper)
 
 
+@HELPER
+def test_views_of_pages_the_helper_checked_are_made_by_the_taker(redis, helper, monkeypatch):
+    """With the helper, the fetch threads build no views of pages it verified in their arena slots (each view op
+    hands the GIL over, beside an engine thread launching kernels): `take` makes them, on the engine's thread. The
+    in-process fetch checks and parses each value on its fetch thread, as before."""
+    import threading
+
+    import pdserve.cache.prefix_fetch as prefix_fetch
+    import pdserve.cache.prompt_cache as prompt_cache
+
+    made: list[str] = []
+    for module in (prefix_fetch, prompt_cache):
+        for name in ("checked_page", "decode_value"):
+            if hasattr(module, name):
+                real = getattr(module, name)
+                monkeypatch.setattr(
+                    module, name, lambda *a, _real=real: made.append(threading.current_thread().name) or _real(*a)
+                )
+    cache, ns, tokens = filled(redis.url, helper=helper)
+    fetch = PrefixFetch(cache, ns, ns.page_keys(tokens), 0, N_PAGES, batch_pages=3).start()
+    assert fetch.wait(N_PAGES, 10) == N_PAGES
+    fetch_threads = len(made)
+    pages = fetch.take(0, N_PAGES).payloads
+    assert [p.page_index for p in pages] == list(range(N_PAGES))
+    assert all(torch.equal(p.data, make_page(INT8, p.page_index).data) for p in pages)
+    me = threading.current_thread().name
+    if helper:
+        assert fetch_threads == 0 and made == [me] * N_PAGES
+        assert len(fetch.take(2, 5, host_views=False).payloads) == 3  # no device copy: every page's views
+    else:
+        assert fetch_threads == N_PAGES and me not in made
+    closed_clean(fetch, cache, helper)
+
+
 def test_batches_before_the_compute_are_skipped(redis):
     cache, ns, tokens = filled(redis.url)
     fetch = PrefixFetch(cache, ns, ns.page_keys(tokens), 0, N_PAGES, batch_pages=3)
