@@ -572,7 +572,9 @@ class PrefixFetch:
                 if got.event is not None:
                     self._events.append((got.start, self.landed, got.event))
                 if self.cache.local is not None:
-                    local += [(self.keys[p.page_index], p) for p in got.payloads]
+                    local += [
+                        (self.keys[p.page_index], p) for p in got.payloads if not isinstance(p, int)
+                    ]  # lazy: no local tier
                 full = min(got.start + self.batch_pages, self.end_page) - got.start
                 if got.failed or len(got.payloads) < full or self.landed >= self.end_page:
                     self._finish_locked()
