@@ -19,7 +19,10 @@ connection each) as pipelined GETEX whose values are read from the socket straig
 memory when `device` is CUDA: `resp_fetch.getex_into`), slot by slot, the page data of each slot 256-byte aligned.
 Each value's MAC and checksum are checked on the thread that read it (hashlib and crc32c release the GIL). With
 the cache's helper process (`fetch_process`, GPU engines), the reads and every check run there instead, into a
-block of its shared arena, and the fetch thread only builds views. On CUDA the batch is then copied to a device
+block of its shared arena, and the fetch thread builds no views either: a page verified in its slot is listed by
+index, its views made by `take` on the engine's thread (on CUDA the first page's alone), since each view op on a
+fetch thread hands the GIL over while the engine thread launches a prefill's kernels (the convoy of
+`pdserve.server.gil`). On CUDA the batch is then copied to a device
 arena on a side stream, and `take` hands the engine device tensors (its stream waits on that copy's event). The
 fetch starts at `split_page`, where computing and fetching take about as long (the engine's chunk stops there).
 Batches land in page order: a page that is absent, fails its MAC or its checks ends the fetch there (those after it
