@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,8 +36,15 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 def test_balanced_assignment(cluster):
     r = cluster.routers["A"]
     before = assigned(r)
+    start = threading.Barrier(12)  # all in flight together: least-loaded picks then spread them evenly (requests
+    # sent one by one as the pool's threads start could each find an instance whose earlier prefill had ended)
+
+    def one(k: int):
+        start.wait(timeout=60)
+        return c.generate(token_ids=prompt(64, k), max_tokens=24, ignore_eos=True)
+
     with pdserve.Client(r, timeout=120) as c, ThreadPoolExecutor(12) as ex:
-        outs = list(ex.map(lambda k: c.generate(token_ids=prompt(64, k), max_tokens=24, ignore_eos=True), range(12)))
+        outs = list(ex.map(one, range(12)))
     assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
     d = delta(before, assigned(r))
     pre = [d[a] for a in cluster.p]
