@@ -417,12 +417,11 @@ class PrefixFetch:
         n_keys = len(cache.keyring.keys)
         digests = self.keys[start:end]
         names = [n for k in digests for n in cache.keyring.names(cache.key_prefix, k)]
-        in_slot: set[int] = set()  # rows whose value the helper checked whole in its arena slot
         lazy = cache.local is None  # no local tier to keep copies: in-slot pages get their views when taken
         try:
             checked = self._block is not None and self._proc is not None  # the helper checked the values whole
             if checked:
-                lens, values, in_slot = self._get_in_helper(self._proc, self._block, host, start, digests, names, lazy)  # type: ignore[arg-type]
+                lens, values = self._get_in_helper(self._proc, self._block, host, start, digests, names, lazy)  # type: ignore[arg-type]
             else:
                 lens, values = self._get_here(host, start, digests, names)
         except StoreError as e:
@@ -436,8 +435,8 @@ class PrefixFetch:
         nbytes = sum(n for n in lens if n is not None)
         for j, digest in enumerate(digests):
             page = start + j
-            if lazy and j * n_keys in in_slot:
-                pages.append(page)  # verified whole in its slot: no views here (each view op hands the GIL over)
+            if values[j * n_keys] is True:  # `lazy`: verified whole in its slot (`_get_in_helper`)
+                pages.append(page)  # no views here: each view op hands the GIL over
                 continue
             found = values[j * n_keys : (j + 1) * n_keys]
             p, value, key_index, bad = cache._open(ns, digest, page, found, checked)
@@ -495,12 +494,11 @@ class PrefixFetch:
         digests: list[bytes],
         names: list[bytes],
         lazy: bool,
-    ) -> tuple[list[int | None], list[memoryview | bool | str | None], set[int]]:
+    ) -> tuple[list[int | None], list[memoryview | bool | str | None]]:
         """`_get_here`'s answer from the helper process: it reads the values into this fetch's block of the
         shared arena (others come back in its reply), checks their MACs and then each value whole (header, length,
-        CRC, values: what `decode_value` checks), so this thread only builds views; a corrupt value's slot holds
-        the reason. Also the rows whose verified value is in its arena slot (the current secret's, full size);
-        `lazy`: those rows' values are True, not views."""  # fmt: skip
+        CRC, values: what `decode_value` checks); a corrupt value's slot holds the reason. `lazy`: a verified
+        value in its arena slot (the current secret's, full size) is True, not a view (made by `take`)."""  # fmt: skip
         cache = self.cache
         n_keys = len(cache.keyring.keys)
         rows = []
@@ -511,7 +509,6 @@ class PrefixFetch:
             rows.append(FetchRow(name, key_index, digests[i // n_keys], at, self.value_bytes, header))
         reply = proc.get_many(rows, cache.ttl_ms, cache.max_value_bytes, self._block_checks)
         values: list[memoryview | bool | str | None] = []
-        in_slot: set[int] = set()
         for i, n in enumerate(reply.lens):
             ok = reply.ok[i]
             if n is None or ok is None:
@@ -519,14 +516,12 @@ class PrefixFetch:
             elif ok is not True:
                 values.append(ok if isinstance(ok, str) else False)  # corrupt (why) / fails its MAC
             else:
-                if i not in reply.extras and rows[i].offset >= 0 and n == self.value_bytes:
-                    in_slot.add(i)
-                    if lazy:  # its view is made when the engine takes it
-                        values.append(True)
-                        continue
+                if lazy and i not in reply.extras and rows[i].offset >= 0 and n == self.value_bytes:
+                    values.append(True)
+                    continue
                 stored = reply.extras[i] if i in reply.extras else self._slot(host, start + i // n_keys)
                 values.append(stored[: n - TAG_BYTES])
-        return reply.lens, values, in_slot
+        return reply.lens, values
 
     def _to_device(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, pages: list[PagePayload | int]):
         """Copy the arena slots of pages [start, end) to the device arena on the side stream; its event."""
@@ -574,10 +569,8 @@ class PrefixFetch:
                 self._landed_ms.append(round(self.landed_s * 1e3, 1))
                 if got.event is not None:
                     self._events.append((got.start, self.landed, got.event))
-                if self.cache.local is not None:
-                    local += [
-                        (self.keys[p.page_index], p) for p in got.payloads if not isinstance(p, int)
-                    ]  # lazy: no local tier
+                if self.cache.local is not None:  # then no page is lazy (an int)
+                    local += [(self.keys[p.page_index], p) for p in got.payloads if not isinstance(p, int)]
                 full = min(got.start + self.batch_pages, self.end_page) - got.start
                 if got.failed or len(got.payloads) < full or self.landed >= self.end_page:
                     self._finish_locked()
