@@ -95,6 +95,13 @@ class PrefillCall:
         """Prompt tokens this request did not compute (from the prompt cache or the pool's prefixes)."""
         return max(0, len(self.prompt) - self.computed_tokens) if self.computed_from is not None else 0
 
+    @property
+    def prefix_pages(self) -> int:
+        """Leading prompt pages this request did not compute: the pool's or the cache tiers' prefix, and pages its
+        fetch loaded before the first chunk (the write-back skips those as fetched). A count of cached tokens is
+        no such boundary: pages a fetch loaded after a computed chunk count there too."""
+        return max(0, self.computed_from) // self.layout.page_size if self.computed_from is not None else 0
+
     # ---- engine thread ---------------------------------------------------------------------------------
     def on_output(self, out: StepOutput | BaseException) -> None:
         """Each output of the request: export the pages its chunk finished, right after the chunk."""

@@ -140,7 +140,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         yield internal_pb2.PrefillServerMessage(done=done)
         call.tx.finish(max(0.0, min(ack_timeout, deadline - time.monotonic())))
         # off the first token's path: decode has every page already
-        self.prefix.write_back(ns, call.plan, call.cached_tokens // self.page_size, call.shipped, call.layout)
+        self.prefix.write_back(ns, call.plan, call.prefix_pages, call.shipped, call.layout)
         call.log_done(done)
 
     # ---- steps of a call ----------------------------------------------------------------------------------

@@ -7,7 +7,8 @@
     fetch.take(start, end)               pages [start, end) for the engine: host views and, on CUDA, device copies
     fetch.skip_to(page)                  the compute covers the pages before `page`: their batches are not fetched
     fetch.mark_loaded(start, end)        the engine loaded them; `take_loaded()` lists them once (to ship them)
-    fetch.finished / found               no more pages will land / pages the store had ([first_page, found))
+    fetch.finished                       no more pages will land
+    fetch.verified_pages()               pages read and verified, and the page a miss or failed check ended it at
     fetch.cancel()                       the engine went past the fetched range (or the request ended): stop
 
 The engine (`pdserve.engine.prefix_fetch`) polls it at each step start: a page range that landed before the
@@ -167,6 +168,7 @@ class PrefixFetch:
         self.real_pages = 0  # of the landed pages, those fetched (not skipped)
         self.finished = first_page >= end_page
         self.cancelled = False
+        self.stop_page: int | None = None  # where a miss, a failed check or a store error ended the fetch
         self.landed_bytes = 0
         self.started = 0.0
         self.landed_s = 0.0  # seconds from start until the last batch landed
@@ -192,10 +194,13 @@ class PrefixFetch:
     def num_pages(self) -> int:
         return self.end_page - self.first_page
 
-    @property
-    def found(self) -> int:
-        """Page end of what the store had and verified so far ([first_page, found)): final once `finished`."""
-        return self.landed
+    def verified_pages(self) -> tuple[set[int], int | None]:
+        """(the pages read from the store and verified so far, the page where a miss, a failed check or a store
+        error ended the fetch: None if none did). The other pages of [first_page, end_page) were never read
+        (skipped: the compute covered them; after the fetch was cancelled): the store may hold them or not."""
+        with self._cv:
+            got = {self.first_page + i for i, p in enumerate(self._pages) if p is not None}
+            return got, self.stop_page
 
     def split_page(self) -> int:
         """Where the fetch starts: the engine computes from `first_page` up to here (its chunk stops here:
@@ -572,7 +577,9 @@ class PrefixFetch:
                 if self.cache.local is not None:  # then no page is lazy (an int)
                     local += [(self.keys[p.page_index], p) for p in got.payloads if not isinstance(p, int)]
                 full = min(got.start + self.batch_pages, self.end_page) - got.start
-                if got.failed or len(got.payloads) < full or self.landed >= self.end_page:
+                if got.failed or len(got.payloads) < full:
+                    self.stop_page = got.start + len(got.payloads)
+                if self.stop_page is not None or self.landed >= self.end_page:
                     self._finish_locked()
             self._cv.notify_all()
         if local and self.cache.local is not None:  # the local tier keeps copies (the arena is let go)

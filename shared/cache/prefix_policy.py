@@ -14,7 +14,8 @@ fetching beats computing); else compute. Prompt logprobs (every prompt token is 
 With `fetch_device` (an engine that races fetches: prefill), the store's pages are not waited for: the plan holds
 the local tier's pages and a started `PrefixFetch` of the store's pages after them (`plan.fetch`,
 `EngineRequest.prefix_fetch`); the engine loads the pages that land before its compute reaches them
-(`pdserve.engine.prefix_fetch`), and the write-back skips the pages the store had.
+(`pdserve.engine.prefix_fetch`), and the write-back skips the pages the fetch found in the store and asks the store
+about those it never read (a page the compute covered first is not known to be there).
 """
 
 from __future__ import annotations
@@ -60,14 +61,27 @@ class PrefixPlan:
         """Keys of the prompt's full pages for the write-back ([]: nothing to write)."""
         return self.hit.keys or self.keys  # hit.keys: none when the pool made the lookup moot
 
-    @property
-    def cached_end(self) -> int:
-        """Page end of what the cache holds of the prompt: its tiers' pages, and the fetch's (so far)."""
-        return max(self.hit.num_pages, self.fetch.found if self.fetch is not None else 0)
+    def write_pages(self, prefix_pages: int) -> tuple[list[int], list[int]]:
+        """The request's full pages for the write-back: (pages to write, pages to write only where the store lacks
+        them). Neither: the `prefix_pages` the pool or the cache's tiers gave, and the pages the fetch read and
+        verified in the store. Asked first: the fetch's pages it never read (those the compute covered before its
+        start, those after it was cancelled or ended) except the one a miss or a failed check ended it at."""
+        n, first = len(self.write_keys), max(prefix_pages, self.hit.num_pages)
+        f = self.fetch
+        if f is None:
+            return list(range(first, n)), []
+        verified, stop = f.verified_pages()
+        write = [i for i in range(first, n) if i not in verified and not (f.first_page <= i < f.end_page)]
+        ask = [i for i in range(max(first, f.first_page), min(n, f.end_page)) if i not in verified]
+        if stop is not None and stop in ask:
+            ask.remove(stop)
+            write = sorted([*write, stop])
+        return write, ask
 
     def new_pages(self) -> list[int]:
-        """Indexes of the full prompt pages neither cache tier supplied (what a write-back would store)."""
-        return list(range(self.cached_end, len(self.write_keys)))
+        """Indexes of the full prompt pages the cache's tiers did not supply (what a write-back may store)."""
+        write, ask = self.write_pages(0)
+        return sorted(write + ask)
 
     def close(self) -> None:
         """The request is done with its prefix: a fetch still running stops, its buffers are let go."""
@@ -151,25 +165,26 @@ class PrefixPolicy:
         batches: list[ExportedPages],
         layout: KVLayoutSpec,
     ) -> None:
-        """Put the request's full pages from `first_page` on (those before came from the pool or the cache) into the
+        """Put the request's full pages from `first_page` on (those before came from the pool or the cache), but
+        those its fetch found in the store (`PrefixPlan.write_pages`; the pages it never read are asked), into the
         cache. Behind the engine (`write_behind`): queued, the batches' device rows held until it ran (counted
         against its bytes) while their pinned host copies are let go now, so the next send reuses that pinned
         memory instead of pinning more. Without: written now."""
-        plan.close()
-        first_page = max(first_page, plan.cached_end)  # what the store had (fetched or not) is not written again
+        plan.close()  # the fetch ends: what it verified is final
         cache, keys = self.cache, plan.write_keys
         if cache is None or not keys:
             return
+        write, ask = plan.write_pages(first_page)
         if self.write_behind is None:
-            write_back(cache, ns, keys, first_page, batches, layout)
+            write_back(cache, ns, keys, write, ask, batches, layout)
             return
         for b in batches:
             if b.rows.device.type == "cuda":
                 b.host = None
-        pages, nbytes = pages_to_write(keys, first_page, batches)
+        pages, nbytes = pages_to_write(keys, write + ask, batches)
         if pages:
             self.write_behind.submit(
-                lambda wait_idle: write_back(cache, ns, keys, first_page, batches, layout, wait_idle), pages, nbytes
+                lambda wait_idle: write_back(cache, ns, keys, write, ask, batches, layout, wait_idle), pages, nbytes
             )
 
     def close(self) -> None:

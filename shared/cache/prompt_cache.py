@@ -390,25 +390,50 @@ class PromptCache:
         return self.put_many(ns, [(key, payload)]) == 1
 
     def put_many(
-        self, ns: CacheNamespace, items: Sequence[tuple[bytes, PagePayload]], values: Sequence[bytes] | None = None
+        self,
+        ns: CacheNamespace,
+        items: Sequence[tuple[bytes, PagePayload]],
+        values: Sequence[bytes] | None = None,
+        to_store: Sequence[bool] | None = None,
     ) -> int:
         """Cache newly computed full pages of one prompt, in prompt order (asynchronously; the local tier keeps
-        them as one chain). `values`: their encoded values when the caller made them (`value.encode_row`). Never
-        blocks; returns how many were accepted (the rest were dropped)."""
+        them as one chain). `values`: their encoded values when the caller made them (`value.encode_row`);
+        `to_store`: False for a page the store holds already (the local tier's alone). Never blocks; returns how
+        many were accepted (the rest were dropped)."""
         encoded: Sequence[bytes | None] = values if values is not None else [None] * len(items)
-        if len(encoded) != len(items):
-            raise ValueError(f"{len(items)} pages but {len(encoded)} values")
-        full = [(k, p, v) for (k, p), v in zip(items, encoded) if p.num_tokens == ns.layout.page_size]
+        send: Sequence[bool] = to_store if to_store is not None else [True] * len(items)
+        if not len(encoded) == len(send) == len(items):
+            raise ValueError(f"{len(items)} pages but {len(encoded)} values and {len(send)} store flags")
+        full = [(k, p, v, w) for (k, p), v, w in zip(items, encoded, send) if p.num_tokens == ns.layout.page_size]
         if self.local is not None:
-            self.local.put_chain([(k, p) for k, p, _ in full])
+            self.local.put_chain([(k, p) for k, p, _, _ in full])
         accepted = 0
-        for k, p, v in full:  # head first; after a drop the rest would sit behind a hole: not sent
-            if not self._writer.submit(_Write(ns, k, p, v)):
+        for k, p, v, w in full:  # head first; after a drop the rest would sit behind a hole: not sent
+            if w and not self._writer.submit(_Write(ns, k, p, v)):
                 break
             accepted += 1
         if accepted < len(full):
             self.stats.add(write_drops=len(full) - accepted)
         return accepted
+
+    def stored(self, ns: CacheNamespace, keys: list[bytes]) -> list[bool]:
+        """Which pages of `keys` (chain digests in `ns`) the store holds now, by key name under the current secret
+        (their TTLs reset: a page about to be written back is in use). All False when the store cannot answer
+        (breaker open, an error): the caller writes them."""
+        if not keys:
+            return []
+        if not self.breaker.allow():
+            return [False] * len(keys)
+        try:
+            held = self.store.touch_many([self.store_key(ns, k) for k in keys], self.ttl_ms)
+        except StoreError as e:
+            self.breaker.failure()
+            self.stats.add(errors=1)
+            log.warning("prompt cache: which pages the store holds: %s", e)
+            return [False] * len(keys)
+        self.breaker.success()
+        self.stats.add(write_skips=sum(held))
+        return held
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued writes reached the store (tests, benchmarks); False on timeout."""

@@ -234,9 +234,10 @@ class RedisStore:
         if items:
             self._pipeline(lambda p: [p.set(k, v, px=ttl_ms) for k, v in items])
 
-    def touch_many(self, keys: list[bytes], ttl_ms: int) -> None:
-        if keys:
-            self._pipeline(lambda p: [p.pexpire(k, ttl_ms) for k in keys])
+    def touch_many(self, keys: list[bytes], ttl_ms: int) -> list[bool]:
+        if not keys:
+            return []
+        return [bool(r) for r in self._pipeline(lambda p: [p.pexpire(k, ttl_ms) for k in keys])]  # PEXPIRE: 1 if set
 
     def eviction_policy(self) -> str | None:
         """The server's maxmemory-policy, or None if it cannot be read (down, CONFIG disabled or not allowed).

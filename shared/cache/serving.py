@@ -1,14 +1,15 @@
 """Writing one request's newly computed full pages back to the prompt cache (what `prefix_policy.PrefixPolicy`
 decides to write, and when).
 
-    pages_to_write(keys, first, batches)                            what a write-back would store, and its bytes
-    write_back(cache, ns, keys, first, batches, layout, wait_idle)  the batches' pages from `first` on, as host
-                                                                    copies (on a `WriteBehind` thread in prefill)
+    pages_to_write(keys, pages, batches)                                  what a write-back may store, and its bytes
+    write_back(cache, ns, keys, write, ask, batches, layout, wait_idle)  the batches' pages `write`, and those of
+                                                                          `ask` the store lacks, as host copies
+                                                                          (on a `WriteBehind` thread in prefill)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import PromptCache
@@ -19,29 +20,38 @@ from pdserve.kv.transfer import ExportedPages
 from pdserve.kv.transfer.grpc_transport import to_host
 
 
-def pages_to_write(keys: list[bytes], first_page: int, batches: list[ExportedPages]) -> tuple[int, int]:
-    """(pages, bytes) `write_back` would write of `batches`, and the bytes those batches hold."""
-    pages = sum(first_page <= idx < len(keys) for b in batches for idx in b.page_indexes)
-    return pages, sum(b.nbytes for b in batches)
+def pages_to_write(keys: list[bytes], pages: Collection[int], batches: list[ExportedPages]) -> tuple[int, int]:
+    """(pages, bytes) `write_back` would write at most of `batches` (`pages`: the page indexes it may write), and
+    the bytes those batches hold."""
+    want = set(pages)
+    n = sum(idx in want and idx < len(keys) for b in batches for idx in b.page_indexes)
+    return n, sum(b.nbytes for b in batches)
 
 
 def write_back(
     cache: PromptCache,
     ns: CacheNamespace,
     keys: list[bytes],
-    first_page: int,
+    write: Collection[int],
+    ask: Collection[int],
     batches: list[ExportedPages],
     layout: KVLayoutSpec,
     wait_idle: Callable[[], bool] = lambda: True,
 ) -> int:
-    """Put the pages of `batches` (one request's, in prompt order, in `layout`) from `first_page` on (the pages
-    before it came from a cache or the pool's prefixes), full pages with `keys` (every full page's), into the
-    cache as one chain (CPU copies; the store write is asynchronous). `wait_idle` is called before each page
-    (`WriteBehind.wait_idle`); when it says False the chain ends there. Returns the pages handed to the cache."""
+    """Put the pages `write` of `batches` (one request's, in prompt order, in `layout`; full pages with `keys`,
+    every full page's), and those of `ask` the store lacks (`PromptCache.stored`: one round trip, which also
+    resets the TTL of those it holds), into the cache as one chain (CPU copies; the store write is asynchronous).
+    With a local tier, the pages the store holds go to the local tier alone. `wait_idle` is called before each
+    page (`WriteBehind.wait_idle`); when it says False the chain ends there. Returns the pages handed to the
+    cache."""
+    held = cache.stored(ns, [keys[i] for i in ask]) if ask else []
+    in_store = {i for i, h in zip(ask, held) if h}
+    to_store = set(write) | (set(ask) - in_store)
+    wanted = to_store | (in_store if cache.local is not None else set())
     items: list[tuple[int, bytes, bytes, PagePayload]] = []  # (page index, key, value, page as views of it)
     stopped = False
     for batch in sorted(batches, key=lambda b: b.page_indexes[0] if b.page_indexes else 0):
-        want = [i for i, idx in enumerate(batch.page_indexes) if first_page <= idx < len(keys)]
+        want = [i for i, idx in enumerate(batch.page_indexes) if idx in wanted and idx < len(keys)]
         if not want or stopped:
             continue
         rows = batch.host if batch.host is not None else to_host(batch)  # uint8 [pages, page_bytes]
@@ -55,5 +65,7 @@ def write_back(
             value, page = encode_row(rows[i], ns, keys[idx], idx)  # one copy of the page in all
             items.append((idx, keys[idx], value, page))
     items.sort(key=lambda it: it[0])
-    cache.put_many(ns, [(k, p) for _, k, _, p in items], [v for _, _, v, _ in items])  # counts its own drops
+    cache.put_many(
+        ns, [(k, p) for _, k, _, p in items], [v for _, _, v, _ in items], [i in to_store for i, *_ in items]
+    )  # counts its own drops
     return len(items)

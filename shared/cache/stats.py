@@ -24,6 +24,7 @@ class CacheStats:
     rekeyed: int = 0  # pages found under a previous cache secret, written again under the current one
     write_bytes: int = 0
     write_drops: int = 0  # pages not written: write-back queue full or breaker open
+    write_skips: int = 0  # pages not written back: the store held them already (asked before the write)
     too_large: int = 0  # pages not written: value above the size cap
     # per prompt-cache scope (the router's tenant or shared namespace; "" unscoped): [pages asked for, pages found]
     _scopes: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)

@@ -26,8 +26,9 @@ class PageStore(Protocol):
     def set_many(self, items: list[tuple[bytes, bytes]], ttl_ms: int) -> None:
         """Write values, each with TTL `ttl_ms`."""
 
-    def touch_many(self, keys: list[bytes], ttl_ms: int) -> None:
-        """Reset the TTL of keys that exist (pages hit in a tier in front of this store)."""
+    def touch_many(self, keys: list[bytes], ttl_ms: int) -> list[bool]:
+        """Reset the TTL of keys that exist (pages hit in a tier in front of this store, or about to be written
+        back); returns, in key order, which exist."""
 
     def close(self) -> None: ...
 
@@ -117,8 +118,8 @@ class MemoryStore:
                 self._items[k] = (bytes(v), now + ttl_ms / 1e3)
                 self.used_bytes += len(v)
 
-    def touch_many(self, keys: list[bytes], ttl_ms: int) -> None:
-        self.get_many(keys, ttl_ms)
+    def touch_many(self, keys: list[bytes], ttl_ms: int) -> list[bool]:
+        return [v is not None for v in self.get_many(keys, ttl_ms)]
 
     def close(self) -> None:
         with self._lock:

@@ -227,10 +227,11 @@ def start_stack(
     plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization / n_models, prefill_tp, decode_tp)
     metrics = lambda k: ["--metrics-port", str(metrics_port + k if metrics_port > 0 else metrics_port)]  # noqa: E731
     shared = shared_gpus(plan)
+    tpot_slo = router_tpot_slo_ms(router_extra, {**os.environ, **env})
     daemon = start_mps(mps, plan, shared, workdir, {**os.environ, **env})
 
     def penv(p: Placement) -> dict[str, str]:  # an instance's environment: the stack's, its GPUs', MPS, the share
-        share = gpu_share_env(p, shared, workdir)
+        share = {k: v for k, v in gpu_share_env(p, shared, workdir, tpot_slo).items() if k not in os.environ}
         return {**share, **env, **p.env({**os.environ, **env}), **client_env(p, shared, daemon, mps_prefill_sm_percent)}
 
     try:
@@ -317,13 +318,35 @@ def start_stack(
     return Stack(router, pre, dec, procs, logs, gateway, token, models=models, roles=roles, cleanup=cleanup)
 
 
-def gpu_share_env(p: Placement, shared: list[int], workdir: Path) -> dict[str, str]:
+# The decode's TPOT bound while it holds steps back for the prefill of its GPU, as a share of the router's TPOT SLO:
+# a held request still ends within the SLO with a step's worth of room.
+YIELD_TPOT_SHARE = 13 / 15
+ROUTER_TPOT_SLO_MS = 15.0  # services/router/config.py's default of --slo-tpot-ms
+
+
+def router_tpot_slo_ms(router_extra: Sequence[str], environ: dict[str, str]) -> float:
+    """The router's TPOT SLO as the stack starts it: `--slo-tpot-ms` among its flags, else its environment's."""
+    for i, a in enumerate(router_extra):
+        if a == "--slo-tpot-ms" and i + 1 < len(router_extra):
+            return float(router_extra[i + 1])
+        if a.startswith("--slo-tpot-ms="):
+            return float(a.split("=", 1)[1])
+    return float(environ.get("PDSERVE_ROUTER_SLO_TPOT_MS") or ROUTER_TPOT_SLO_MS)
+
+
+def gpu_share_env(
+    p: Placement, shared: list[int], workdir: Path, tpot_slo_ms: float = ROUTER_TPOT_SLO_MS
+) -> dict[str, str]:
     """A one-GPU instance on a GPU it shares with the other role: the file where its prefill marks steps and its
-    decode reads them (pdserve.engine.gpu_share), one per GPU under `workdir` (the stack's environment, if it
-    names one, wins)."""
+    decode reads them (pdserve.engine.gpu_share), one per GPU under `workdir`, and the decode's `--yield-tpot-ms`
+    (`YIELD_TPOT_SHARE` of the router's TPOT SLO: the decode holds its steps back while the prefill computes, as
+    long as its requests' TPOT stays within it). The stack's environment, where it names either, wins."""
     if len(p.gpus) != 1 or p.gpus[0] not in shared:
         return {}
-    return {f"PDSERVE_{p.role.upper()}_GPU_SHARE_FILE": str(workdir / f"gpu-share-{p.gpus[0]}")}
+    env = {f"PDSERVE_{p.role.upper()}_GPU_SHARE_FILE": str(workdir / f"gpu-share-{p.gpus[0]}")}
+    if p.role == DECODE:
+        env["PDSERVE_DECODE_YIELD_TPOT_MS"] = f"{round(YIELD_TPOT_SHARE * tpot_slo_ms, 1):g}"
+    return env
 
 
 def start_mps(

@@ -195,6 +195,7 @@ PROMPT_CACHE_EVENTS = (
     "writes",
     "write_bytes",
     "write_drops",
+    "write_skips",
     "too_large",
     "rekeyed",
 )

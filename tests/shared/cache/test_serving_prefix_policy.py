@@ -99,7 +99,9 @@ class Behind:
 def test_write_back_now_or_behind_the_engine(monkeypatch):
     written: list[tuple[list[bytes], int]] = []
     monkeypatch.setattr(
-        prefix_policy, "write_back", lambda cache, ns, keys, first, b, layout, *a: written.append((keys, first))
+        prefix_policy,
+        "write_back",
+        lambda cache, ns, keys, write, ask, b, layout, *a: written.append((keys, write[0] if write else None)),
     )
     cache = Cache(0)
     plan = PrefixPolicy(cache, PAGE, pool_reuse=True).plan(Namespace(), PROMPT, False, None, lambda keys: 0)  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ def test_memory_store_ttl_expires_and_hits_refresh_it():
         now[0] += 0.25
         assert store.get_many([b"keep"], ttl_ms=400) == [b"x"]
     assert store.get_many([b"drop"], ttl_ms=400) == [None]
-    store.touch_many([b"keep", b"never-set"], ttl_ms=400)
+    assert store.touch_many([b"keep", b"never-set"], ttl_ms=400) == [True, False]
     now[0] += 0.25
     assert store.get_many([b"keep", b"never-set"], ttl_ms=400) == [b"x", None]
     now[0] += 0.5
@@ -52,7 +52,7 @@ def test_redis_store_ttl_expires_and_hits_refresh_it(redis):
     assert store.get_many([b"keep"], ttl_ms=600_000) == [b"x"]
     assert r.pttl(b"keep") > 590_000 and r.pttl(b"drop") <= 5_000  # the hit reset only its own TTL
     r.pexpire(b"keep", 5_000)
-    store.touch_many([b"keep", b"never-set"], ttl_ms=600_000)
+    assert store.touch_many([b"keep", b"never-set"], ttl_ms=600_000) == [True, False]
     assert r.pttl(b"keep") > 590_000 and not r.exists(b"never-set")
     store.set_many([(b"short", b"z")], ttl_ms=50)
     wait_until(lambda: not r.exists(b"short"), timeout=10, what="a 50 ms key expired")

@@ -209,9 +209,26 @@ def test_instances_on_a_shared_gpu_get_one_share_file_per_gpu(tmp_path):
     envs = [gpu_share_env(p, shared, tmp_path) for p in plan]
     for p, got in zip(plan, envs):
         if p.gpus[0] in shared:
-            assert got == {f"PDSERVE_{p.role.upper()}_GPU_SHARE_FILE": str(tmp_path / f"gpu-share-{p.gpus[0]}")}
+            yield_env = {"PDSERVE_DECODE_YIELD_TPOT_MS": "13"} if p.role == "decode" else {}  # 13/15 of the SLO
+            assert got == {f"PDSERVE_{p.role.upper()}_GPU_SHARE_FILE": str(tmp_path / f"gpu-share-{p.gpus[0]}"),
+                           **yield_env}  # fmt: skip
         else:
             assert got == {}
     assert envs[0] and envs[1] and envs[0] != envs[1]  # the shared GPU's prefill and decode: one file, two names
     tp = plan_placement(1, 1, [0, 1], 0.9, 2, 2)
     assert all(gpu_share_env(p, shared_gpus(tp), tmp_path) == {} for p in tp)
+
+
+def test_the_decode_yield_follows_the_routers_tpot_slo(tmp_path):
+    """The decode of a shared GPU holds its steps back within 13/15 of the router's TPOT SLO: the router's default,
+    its flag, or its environment."""
+    from pdserve.cli.launch import ROUTER_TPOT_SLO_MS, gpu_share_env, router_tpot_slo_ms
+    from pdserve.router.config import RouterConfig
+
+    assert RouterConfig().slo_tpot_ms == ROUTER_TPOT_SLO_MS
+    assert router_tpot_slo_ms([], {}) == 15.0
+    assert router_tpot_slo_ms(["--policy", "pcs", "--slo-tpot-ms", "30"], {}) == 30.0
+    assert router_tpot_slo_ms(["--slo-tpot-ms=45"], {"PDSERVE_ROUTER_SLO_TPOT_MS": "60"}) == 45.0
+    assert router_tpot_slo_ms([], {"PDSERVE_ROUTER_SLO_TPOT_MS": "60"}) == 60.0
+    decode = [p for p in plan_placement(1, 1, [0], 0.9) if p.role == "decode"][0]
+    assert gpu_share_env(decode, [0], tmp_path, 30.0)["PDSERVE_DECODE_YIELD_TPOT_MS"] == "26"
