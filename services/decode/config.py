@@ -26,7 +26,8 @@ class DecodeConfig(EngineServiceConfig):
     yield_tpot_ms: float = opt(
         0.0,
         "with --gpu-share-file: while the prefill on this GPU computes, hold decode steps back as long as every "
-        "running request's TPOT stays within this many ms (should its next token be its last); 0 = never wait",
+        "running request's TPOT stays within this many ms (should its next token be its last); 0 = never wait "
+        "(`pdserve up` sets 13/15 of the router's --slo-tpot-ms on a GPU it shares)",
     )
     yield_cap_ms: float = opt(
         60.0, "the most --yield-tpot-ms holds one decode step back in all: what it may add to one inter-token latency"
