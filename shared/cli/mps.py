@@ -2,10 +2,12 @@
 
 Without MPS, two processes on one GPU get it in turns (time slices): a burst of prefill GEMMs and a decode loop
 running beside it each slow the other, a 0.5 ms decode graph to 2.96 ms and a 47 ms burst to 62 ms on an H200
-(docs/benchmarks.md, "One GPU"). Under MPS their kernels share the SMs at once, but with every SM open to it the
-prefill's GEMMs fill them and the decode steps starve (9–23 ms for the 0.5 ms graph), so the prefill instances run
-with a share of the SMs (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, `--mps-prefill-sm-percent`, 90) and decode with all of
-them.
+(docs/benchmarks.md, "One GPU"). Under MPS their kernels share the SMs at once; with every SM open to it the
+prefill's GEMMs fill them and a decode step run beside them starves (9–23 ms for the 0.5 ms graph). On a shared GPU
+the decode holds its steps back while the prefill computes, within its TPOT bound (`--yield-tpot-ms`, which
+`pdserve up` sets: `pdserve.engine.gpu_share`), so by default the prefill gets every SM; a share of them
+(`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, `--mps-prefill-sm-percent P` < 100) protects the decode steps of a stack that
+turns the yield off, at the cost of the prefill's speed.
 
 The stack runs its own control daemon (`nvidia-cuda-mps-control -f`, a child of the launcher) with a pipe and log
 directory under the stack's work directory, so it never joins or stops an MPS server someone else runs; only the
@@ -31,9 +33,9 @@ from pdserve.cli.placement import DECODE, PREFILL, Placement
 CONTROL = "nvidia-cuda-mps-control"
 MODES = ("auto", "on", "off")
 PIPE_ENV, LOG_ENV, SM_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-# at 100 the prefill's GEMMs starve the decode steps; each share below it slows the prefill (its TTFT) for a decode
-# that already holds its TPOT bound at this one
-DEFAULT_PREFILL_SM_PERCENT = 90
+# every SM: the decode's yield keeps its steps out of the prefill's way (a cap of 90 only slowed the prefill once
+# the decode yields: TTFT p50 at 10 req/s 107 -> 90 ms, TPOT p90 within the SLO; docs/benchmarks.md, "One GPU")
+DEFAULT_PREFILL_SM_PERCENT = 100
 
 
 def shared_gpus(plan: Sequence[Placement]) -> list[int]:

@@ -126,8 +126,9 @@ def up_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(os.environ.get("PDSERVE_MPS_PREFILL_SM_PERCENT", str(DEFAULT_PREFILL_SM_PERCENT))),
         metavar="P",
-        help="under MPS, the share of the GPU's SMs a prefill instance may use (1-100; decode gets them all; "
-        "at 100 a prefill's GEMMs starve the decode steps) (default: %(default)s; $PDSERVE_MPS_PREFILL_SM_PERCENT)",
+        help="under MPS, the share of the GPU's SMs a prefill instance may use (1-100; decode gets them all; the "
+        "decode yields to the prefill within its TPOT bound, so all by default; 90 protects the decode steps of a "
+        "stack whose decode does not yield) (default: %(default)s; $PDSERVE_MPS_PREFILL_SM_PERCENT)",
     )
     stack.add_argument(
         "--print-plan",
