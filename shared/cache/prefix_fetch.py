@@ -23,11 +23,12 @@ the cache's helper process (`fetch_process`, GPU engines), the reads and every c
 block of its shared arena, and the fetch thread builds no views either: a page verified in its slot is listed by
 index, its views made by `take` on the engine's thread (on CUDA the first page's alone), since each view op on a
 fetch thread hands the GIL over while the engine thread launches a prefill's kernels (the convoy of
-`pdserve.server.gil`). On CUDA the batch is then copied to a device
-arena on a side stream, and `take` hands the engine device tensors (its stream waits on that copy's event). The
-fetch starts at `split_page`, where computing and fetching take about as long (the engine's chunk stops there).
-Batches land in page order: a page that is absent, fails its MAC or its checks ends the fetch there (those after it
-are useless: a prefix is used from its start).
+`pdserve.server.gil`). Nor does a fetch copy pages into the local tier: the request's write-back gives it the
+pages the fetch verified, from the rows shipped to decode (`PrefixPlan.fetched_pages`). On CUDA the batch is
+then copied to a device arena on a side stream, and `take` hands the engine device tensors (its stream waits on
+that copy's event). The fetch starts at `split_page`, where computing and fetching take about as long (the
+engine's chunk stops there). Batches land in page order: a page that is absent, fails its MAC or its checks ends the
+fetch there (those after it are useless: a prefix is used from its start).
 """
 
 from __future__ import annotations
@@ -422,11 +423,10 @@ class PrefixFetch:
         n_keys = len(cache.keyring.keys)
         digests = self.keys[start:end]
         names = [n for k in digests for n in cache.keyring.names(cache.key_prefix, k)]
-        lazy = cache.local is None  # no local tier to keep copies: in-slot pages get their views when taken
         try:
             checked = self._block is not None and self._proc is not None  # the helper checked the values whole
             if checked:
-                lens, values = self._get_in_helper(self._proc, self._block, host, start, digests, names, lazy)  # type: ignore[arg-type]
+                lens, values = self._get_in_helper(self._proc, self._block, host, start, digests, names)  # type: ignore[arg-type]
             else:
                 lens, values = self._get_here(host, start, digests, names)
         except StoreError as e:
@@ -440,7 +440,7 @@ class PrefixFetch:
         nbytes = sum(n for n in lens if n is not None)
         for j, digest in enumerate(digests):
             page = start + j
-            if values[j * n_keys] is True:  # `lazy`: verified whole in its slot (`_get_in_helper`)
+            if values[j * n_keys] is True:  # verified whole in its slot (`_get_in_helper`)
                 pages.append(page)  # no views here: each view op hands the GIL over
                 continue
             found = values[j * n_keys : (j + 1) * n_keys]
@@ -498,11 +498,10 @@ class PrefixFetch:
         start: int,
         digests: list[bytes],
         names: list[bytes],
-        lazy: bool,
     ) -> tuple[list[int | None], list[memoryview | bool | str | None]]:
         """`_get_here`'s answer from the helper process: it reads the values into this fetch's block of the
         shared arena (others come back in its reply), checks their MACs and then each value whole (header, length,
-        CRC, values: what `decode_value` checks); a corrupt value's slot holds the reason. `lazy`: a verified
+        CRC, values: what `decode_value` checks); a corrupt value's slot holds the reason. A verified
         value in its arena slot (the current secret's, full size) is True, not a view (made by `take`)."""  # fmt: skip
         cache = self.cache
         n_keys = len(cache.keyring.keys)
@@ -521,7 +520,7 @@ class PrefixFetch:
             elif ok is not True:
                 values.append(ok if isinstance(ok, str) else False)  # corrupt (why) / fails its MAC
             else:
-                if lazy and i not in reply.extras and rows[i].offset >= 0 and n == self.value_bytes:
+                if i not in reply.extras and rows[i].offset >= 0 and n == self.value_bytes:
                     values.append(True)
                     continue
                 stored = reply.extras[i] if i in reply.extras else self._slot(host, start + i // n_keys)
@@ -554,7 +553,6 @@ class PrefixFetch:
 
     def _land(self, b: int, batch: _Batch) -> None:
         """Batches land in order: the next ones that completed join `landed`; a short or failed one ends it."""
-        local: list[tuple[bytes, PagePayload]] = []
         with self._cv:
             self._batches[b] = batch
             while not self.finished and self._next_batch in self._batches:
@@ -574,16 +572,12 @@ class PrefixFetch:
                 self._landed_ms.append(round(self.landed_s * 1e3, 1))
                 if got.event is not None:
                     self._events.append((got.start, self.landed, got.event))
-                if self.cache.local is not None:  # then no page is lazy (an int)
-                    local += [(self.keys[p.page_index], p) for p in got.payloads if not isinstance(p, int)]
                 full = min(got.start + self.batch_pages, self.end_page) - got.start
                 if got.failed or len(got.payloads) < full:
                     self.stop_page = got.start + len(got.payloads)
                 if self.stop_page is not None or self.landed >= self.end_page:
                     self._finish_locked()
             self._cv.notify_all()
-        if local and self.cache.local is not None:  # the local tier keeps copies (the arena is let go)
-            self.cache.local.put_chain([(k, _copied(p)) for k, p in local])
 
     def _finish_locked(self) -> None:
         self.finished = True

@@ -78,6 +78,10 @@ class PrefixPlan:
             write = sorted([*write, stop])
         return write, ask
 
+    def fetched_pages(self) -> list[int]:
+        """Pages the fetch read and verified (a local tier takes them at the write-back, from the shipped rows)."""
+        return sorted(self.fetch.verified_pages()[0]) if self.fetch is not None else []
+
     def new_pages(self) -> list[int]:
         """Indexes of the full prompt pages the cache's tiers did not supply (what a write-back may store)."""
         write, ask = self.write_pages(0)
@@ -167,24 +171,27 @@ class PrefixPolicy:
     ) -> None:
         """Put the request's full pages from `first_page` on (those before came from the pool or the cache), but
         those its fetch found in the store (`PrefixPlan.write_pages`; the pages it never read are asked), into the
-        cache. Behind the engine (`write_behind`): queued, the batches' device rows held until it ran (counted
-        against its bytes) while their pinned host copies are let go now, so the next send reuses that pinned
-        memory instead of pinning more. Without: written now."""
+        cache; with a local tier, the pages the fetch verified go to it alone. Behind the engine (`write_behind`):
+        queued, the batches' device rows held until it ran (counted against its bytes) while their pinned host copies
+        are let go now, so the next send reuses that pinned memory instead of pinning more. Without: written now."""
         plan.close()  # the fetch ends: what it verified is final
         cache, keys = self.cache, plan.write_keys
         if cache is None or not keys:
             return
         write, ask = plan.write_pages(first_page)
+        local = [i for i in plan.fetched_pages() if i >= first_page] if cache.local is not None else []
         if self.write_behind is None:
-            write_back(cache, ns, keys, write, ask, batches, layout)
+            write_back(cache, ns, keys, write, ask, batches, layout, local=local)
             return
         for b in batches:
             if b.rows.device.type == "cuda":
                 b.host = None
-        pages, nbytes = pages_to_write(keys, write + ask, batches)
+        pages, nbytes = pages_to_write(keys, write + ask + local, batches)
         if pages:
             self.write_behind.submit(
-                lambda wait_idle: write_back(cache, ns, keys, write, ask, batches, layout, wait_idle), pages, nbytes
+                lambda wait_idle: write_back(cache, ns, keys, write, ask, batches, layout, wait_idle, local),
+                pages,
+                nbytes,
             )
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ decides to write, and when).
     pages_to_write(keys, pages, batches)                                  what a write-back may store, and its bytes
     write_back(cache, ns, keys, write, ask, batches, layout, wait_idle)  the batches' pages `write`, and those of
                                                                           `ask` the store lacks, as host copies
-                                                                          (on a `WriteBehind` thread in prefill)
+                                                                          (on a `WriteBehind` thread in prefill);
+                                                                          `local=`: pages for the local tier alone
 """
 
 from __future__ import annotations
@@ -37,17 +38,19 @@ def write_back(
     batches: list[ExportedPages],
     layout: KVLayoutSpec,
     wait_idle: Callable[[], bool] = lambda: True,
+    local: Collection[int] = (),
 ) -> int:
     """Put the pages `write` of `batches` (one request's, in prompt order, in `layout`; full pages with `keys`,
     every full page's), and those of `ask` the store lacks (`PromptCache.stored`: one round trip, which also
     resets the TTL of those it holds), into the cache as one chain (CPU copies; the store write is asynchronous).
-    With a local tier, the pages the store holds go to the local tier alone. `wait_idle` is called before each
+    With a local tier, the pages the store holds, and those of `local` (a fetch's, verified), go to the local tier
+    alone. `wait_idle` is called before each
     page (`WriteBehind.wait_idle`); when it says False the chain ends there. Returns the pages handed to the
     cache."""
     held = cache.stored(ns, [keys[i] for i in ask]) if ask else []
     in_store = {i for i, h in zip(ask, held) if h}
     to_store = set(write) | (set(ask) - in_store)
-    wanted = to_store | (in_store if cache.local is not None else set())
+    wanted = to_store | ((in_store | set(local)) if cache.local is not None else set())
     items: list[tuple[int, bytes, bytes, PagePayload]] = []  # (page index, key, value, page as views of it)
     stopped = False
     for batch in sorted(batches, key=lambda b: b.page_indexes[0] if b.page_indexes else 0):

@@ -38,11 +38,17 @@ def closed_clean(fetch: PrefixFetch, cache: PromptCache, helper: bool) -> None:
 
 
 def filled(
-    url: str, layout=INT8, keyring=KEYRING, n: int = N_PAGES, cluster: bool = False, helper: bool = False
+    url: str,
+    layout=INT8,
+    keyring=KEYRING,
+    n: int = N_PAGES,
+    cluster: bool = False,
+    helper: bool = False,
+    local_bytes: int = 0,
 ) -> tuple[PromptCache, object, list[int]]:
     """A cache whose store holds `n` pages of a prompt; `helper`: its fetches run in the helper process."""
     store = RedisStore(url, cluster=cluster, timeout_s=5.0)
-    cache = PromptCache(store, keyring=keyring, fetch_connections=3, fetch_batch_pages=3)
+    cache = PromptCache(store, keyring=keyring, fetch_connections=3, fetch_batch_pages=3, local_bytes=local_bytes)
     if helper:
         assert cache.use_fetch_process(1 << 22, pin=False)
     ns = namespace(layout)
@@ -186,10 +192,12 @@ def test_fetch_lands_every_page_verified(redis, layout, helper):
 
 
 @HELPER
-def test_views_of_pages_the_helper_checked_are_made_by_the_taker(redis, helper, monkeypatch):
+@pytest.mark.parametrize("local", [False, True], ids=["no-local-tier", "local-tier"])
+def test_views_of_pages_the_helper_checked_are_made_by_the_taker(redis, helper, local, monkeypatch):
     """With the helper, the fetch threads build no views of pages it verified in their arena slots (each view op
-    hands the GIL over, beside an engine thread launching kernels): `take` makes them, on the engine's thread. The
-    in-process fetch checks and parses each value on its fetch thread, as before."""
+    hands the GIL over, beside an engine thread launching kernels), with a local tier too (it takes its copies at
+    the write-back): `take` makes them, on the engine's thread. The in-process fetch checks and parses each value
+    on its fetch thread, as before."""
     import threading
 
     import pdserve.cache.prefix_fetch as prefix_fetch
@@ -203,7 +211,9 @@ def test_views_of_pages_the_helper_checked_are_made_by_the_taker(redis, helper, 
                 monkeypatch.setattr(
                     module, name, lambda *a, _real=real: made.append(threading.current_thread().name) or _real(*a)
                 )
-    cache, ns, tokens = filled(redis.url, helper=helper)
+    cache, ns, tokens = filled(redis.url, helper=helper, local_bytes=64 << 20 if local else 0)
+    if local:
+        cache.local.clear()  # what the filling put there
     fetch = PrefixFetch(cache, ns, ns.page_keys(tokens), 0, N_PAGES, batch_pages=3).start()
     assert fetch.wait(N_PAGES, 10) == N_PAGES
     fetch_threads = len(made)

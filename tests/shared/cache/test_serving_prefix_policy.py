@@ -26,6 +26,8 @@ class Namespace:
 class Cache:
     """Serves the first `cached` pages of any prompt; records its lookups."""
 
+    local = None  # no local tier
+
     def __init__(self, cached: int):
         self.cached = cached
         self.lookups: list[tuple[int, float | None, list[bytes] | None]] = []
@@ -101,7 +103,7 @@ def test_write_back_now_or_behind_the_engine(monkeypatch):
     monkeypatch.setattr(
         prefix_policy,
         "write_back",
-        lambda cache, ns, keys, write, ask, b, layout, *a: written.append((keys, write[0] if write else None)),
+        lambda cache, ns, keys, write, ask, b, layout, *a, **kw: written.append((keys, write[0] if write else None)),
     )
     cache = Cache(0)
     plan = PrefixPolicy(cache, PAGE, pool_reuse=True).plan(Namespace(), PROMPT, False, None, lambda keys: 0)  # type: ignore[arg-type]

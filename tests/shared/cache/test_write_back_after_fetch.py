@@ -5,6 +5,7 @@ written again; the page a miss or a forged value ended it at is always written."
 from __future__ import annotations
 
 import pytest
+import torch
 from cache_testutil import INT8, KEYRING, PAGE, make_page, namespace
 
 from pdserve.cache.prefix_fetch import PrefixFetch
@@ -40,6 +41,8 @@ def race_and_write_back(cache: PromptCache, ns, keys, pages) -> PrefixPlan:
     assert plan.fetch.start_page == CHUNK
     plan.fetch.wait(N, 10)
     assert plan.fetch.finished
+    if cache.local is not None:  # the fetch threads copied nothing into it: the write-back gives it its pages
+        assert cache.local.get_prefix(keys[CHUNK:]) == []
     rows = PageFormat(INT8).rows_from_payloads(pages)
     batches = [ExportedPages(list(range(N)), [PAGE] * N, rows)]
     PrefixPolicy(cache, PAGE, pool_reuse=False).write_back(ns, plan, 0, batches, INT8)
@@ -72,8 +75,9 @@ def test_pages_the_store_holds_are_not_written_again(redis, local):
     assert plan.fetch.verified_pages() == (set(range(CHUNK, N)), None)
     assert cache.stats.writes == 0 and cache.stats.write_skips == CHUNK  # asked: all there, none written
     assert all(client.pttl(cache.store_key(ns, keys[i])) > 60_000 for i in range(CHUNK))  # the ask kept them
-    if local:  # the local tier keeps the computed pages the store had (and the fetch's)
-        assert len(cache.local.get_prefix(keys)) == N
+    if local:  # the local tier keeps the computed pages the store had, and the fetch's, from the shipped rows
+        got = cache.local.get_prefix(keys)
+        assert len(got) == N and all(torch.equal(p.data, want.data) for p, want in zip(got, pages))
     cache.close()
 
 
