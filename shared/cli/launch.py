@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,7 +227,7 @@ def start_stack(
     plan = plan_placement(num_prefill, num_decode, gpus or [], gpu_memory_utilization / n_models, prefill_tp, decode_tp)
     metrics = lambda k: ["--metrics-port", str(metrics_port + k if metrics_port > 0 else metrics_port)]  # noqa: E731
     shared = shared_gpus(plan)
-    tpot_slo = router_tpot_slo_ms(router_extra, {**os.environ, **env})
+    tpot_slo = router_tpot_slo_ms(router_extra, {**os.environ, **env}, str(model))
     daemon = start_mps(mps, plan, shared, workdir, {**os.environ, **env})
 
     def penv(p: Placement) -> dict[str, str]:  # an instance's environment: the stack's, its GPUs', MPS, the share
@@ -324,14 +324,42 @@ YIELD_TPOT_SHARE = 13 / 15
 ROUTER_TPOT_SLO_MS = 15.0  # services/router/config.py's default of --slo-tpot-ms
 
 
-def router_tpot_slo_ms(router_extra: Sequence[str], environ: dict[str, str]) -> float:
-    """The router's TPOT SLO as the stack starts it: `--slo-tpot-ms` among its flags, else its environment's."""
-    for i, a in enumerate(router_extra):
-        if a == "--slo-tpot-ms" and i + 1 < len(router_extra):
-            return float(router_extra[i + 1])
-        if a.startswith("--slo-tpot-ms="):
-            return float(a.split("=", 1)[1])
-    return float(environ.get("PDSERVE_ROUTER_SLO_TPOT_MS") or ROUTER_TPOT_SLO_MS)
+def router_tpot_slo_ms(router_extra: Sequence[str], environ: Mapping[str, str], model: str = "model") -> float:
+    """The router's TPOT SLO as the stack starts it (`model`: the stack's): its flags, environment, `--config` file
+    and default, resolved as the router resolves them (a configuration the router would refuse: the default; the
+    router then says why)."""
+    import argparse
+
+    from pdserve.config import add_dataclass_args, config_from
+    from pdserve.router.config import ENV_PREFIX, RouterConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_dataclass_args(parser, RouterConfig, env_prefix=ENV_PREFIX)
+    try:
+        args, _ = parser.parse_known_args(["--model", model, *router_extra])
+        return float(config_from(RouterConfig, args, ENV_PREFIX, environ).slo_tpot_ms)
+    except (SystemExit, ValueError, OSError):
+        return ROUTER_TPOT_SLO_MS
+
+
+def decode_yield_line(router_extra: Sequence[str], environ: Mapping[str, str], model: str) -> str:
+    """What `pdserve up` says of the decode's yield on a shared GPU (the value `gpu_share_env` hands it)."""
+    given = environ.get("PDSERVE_DECODE_YIELD_TPOT_MS")
+    if given is not None:
+        ms, why = given, "$PDSERVE_DECODE_YIELD_TPOT_MS"
+    else:
+        slo = router_tpot_slo_ms(router_extra, environ, model)
+        ms, why = f"{round(YIELD_TPOT_SHARE * slo, 1):g}", f"13/15 of the router's TPOT SLO of {slo:g} ms"
+    try:
+        off = float(ms) <= 0
+    except ValueError:  # the decode refuses it, saying why
+        off = False
+    if off:
+        return f"decode does not yield to the prefill on its GPU ({why} = {ms})"
+    return (
+        f"decode holds its steps back while the prefill on its GPU computes, while its requests' TPOT stays within "
+        f"{ms} ms ({why}; PDSERVE_DECODE_YIELD_TPOT_MS=0 to not)"
+    )
 
 
 def gpu_share_env(

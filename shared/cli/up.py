@@ -170,7 +170,7 @@ def cmd_up(argv: list[str]) -> int:
         ranks = args.prefill * (prefill_tp or 1) + args.decode * (decode_tp or 1)
         args.torch_threads = max(1, (os.cpu_count() or 2) // (ranks * len(model_args)))
 
-    from pdserve.cli.launch import plan_placement, start_stack
+    from pdserve.cli.launch import decode_yield_line, plan_placement, start_stack
 
     try:
         plan = plan_placement(args.prefill, args.decode, gpus, engine.gpu_memory_utilization, prefill_tp, decode_tp)
@@ -211,6 +211,15 @@ def cmd_up(argv: list[str]) -> int:
         )
     if not auth:
         print('pdserve up: public API auth off (no --auth-tokens-file): every caller is tenant "default"', flush=True)
+    router_extra = [
+        *(["--config", args.router_config] if args.router_config else []),
+        *shared["log_level"],
+        *tls,
+        *auth,
+        *shared["insecure"],
+    ]
+    if shared_gpus(plan):
+        print(f"pdserve up: {decode_yield_line(router_extra, os.environ, str(model))}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)
     stack = None
     t0 = time.monotonic()
@@ -225,13 +234,7 @@ def cmd_up(argv: list[str]) -> int:
             timeout=args.ready_timeout,
             num_prefill=args.prefill,
             num_decode=args.decode,
-            router_extra=[
-                *(["--config", args.router_config] if args.router_config else []),
-                *shared["log_level"],
-                *tls,
-                *auth,
-                *shared["insecure"],
-            ],
+            router_extra=router_extra,
             gateway_extra=[*shared["log_level"], *shared["tls_ca"], *shared["insecure"]],
             persist_estimator=True,
             gateway_port=None if args.gateway_port < 0 else args.gateway_port,

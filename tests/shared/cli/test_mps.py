@@ -220,15 +220,21 @@ def test_instances_on_a_shared_gpu_get_one_share_file_per_gpu(tmp_path):
 
 
 def test_the_decode_yield_follows_the_routers_tpot_slo(tmp_path):
-    """The decode of a shared GPU holds its steps back within 13/15 of the router's TPOT SLO: the router's default,
-    its flag, or its environment."""
-    from pdserve.cli.launch import ROUTER_TPOT_SLO_MS, gpu_share_env, router_tpot_slo_ms
+    """The decode of a shared GPU holds its steps back within 13/15 of the router's TPOT SLO, resolved as the router
+    resolves it: its flag, its environment, its config file, its default (a configuration it refuses: the default)."""
+    from pdserve.cli.launch import ROUTER_TPOT_SLO_MS, decode_yield_line, gpu_share_env, router_tpot_slo_ms
     from pdserve.router.config import RouterConfig
 
-    assert RouterConfig().slo_tpot_ms == ROUTER_TPOT_SLO_MS
+    assert RouterConfig(model="m").slo_tpot_ms == ROUTER_TPOT_SLO_MS
     assert router_tpot_slo_ms([], {}) == 15.0
-    assert router_tpot_slo_ms(["--policy", "pcs", "--slo-tpot-ms", "30"], {}) == 30.0
+    assert router_tpot_slo_ms(["--log-level", "info", "--slo-tpot-ms", "30"], {}) == 30.0
     assert router_tpot_slo_ms(["--slo-tpot-ms=45"], {"PDSERVE_ROUTER_SLO_TPOT_MS": "60"}) == 45.0
     assert router_tpot_slo_ms([], {"PDSERVE_ROUTER_SLO_TPOT_MS": "60"}) == 60.0
+    (tmp_path / "router.toml").write_text("slo_tpot_ms = 40\n")
+    assert router_tpot_slo_ms(["--config", str(tmp_path / "router.toml")], {}) == 40.0
+    assert router_tpot_slo_ms(["--slo-tpot-ms", "many"], {}) == ROUTER_TPOT_SLO_MS
+    line = decode_yield_line(["--slo-tpot-ms", "30"], {}, "m")  # what `pdserve up` prints on a shared GPU
+    assert "within 26 ms (13/15 of the router's TPOT SLO of 30 ms" in line
+    assert decode_yield_line([], {"PDSERVE_DECODE_YIELD_TPOT_MS": "0"}, "m").startswith("decode does not yield")
     decode = [p for p in plan_placement(1, 1, [0], 0.9) if p.role == "decode"][0]
     assert gpu_share_env(decode, [0], tmp_path, 30.0)["PDSERVE_DECODE_YIELD_TPOT_MS"] == "26"
