@@ -231,7 +231,7 @@ def start_stack(
     daemon = start_mps(mps, plan, shared, workdir, {**os.environ, **env})
 
     def penv(p: Placement) -> dict[str, str]:  # an instance's environment: the stack's, its GPUs', MPS, the share
-        share = {k: v for k, v in gpu_share_env(p, shared, workdir, tpot_slo).items() if k not in os.environ}
+        share = gpu_share_env(p, shared, workdir, tpot_slo, {**os.environ, **env})
         return {**share, **env, **p.env({**os.environ, **env}), **client_env(p, shared, daemon, mps_prefill_sm_percent)}
 
     try:
@@ -363,18 +363,23 @@ def decode_yield_line(router_extra: Sequence[str], environ: Mapping[str, str], m
 
 
 def gpu_share_env(
-    p: Placement, shared: list[int], workdir: Path, tpot_slo_ms: float = ROUTER_TPOT_SLO_MS
+    p: Placement,
+    shared: list[int],
+    workdir: Path,
+    tpot_slo_ms: float = ROUTER_TPOT_SLO_MS,
+    environ: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """A one-GPU instance on a GPU it shares with the other role: the file where its prefill marks steps and its
     decode reads them (pdserve.engine.gpu_share), one per GPU under `workdir`, and the decode's `--yield-tpot-ms`
     (`YIELD_TPOT_SHARE` of the router's TPOT SLO: the decode holds its steps back while the prefill computes, as
-    long as its requests' TPOT stays within it). The stack's environment, where it names either, wins."""
+    long as its requests' TPOT stays within it). What `environ` (the stack's environment) names is left out: it
+    wins."""
     if len(p.gpus) != 1 or p.gpus[0] not in shared:
         return {}
     env = {f"PDSERVE_{p.role.upper()}_GPU_SHARE_FILE": str(workdir / f"gpu-share-{p.gpus[0]}")}
     if p.role == DECODE:
         env["PDSERVE_DECODE_YIELD_TPOT_MS"] = f"{round(YIELD_TPOT_SHARE * tpot_slo_ms, 1):g}"
-    return env
+    return {k: v for k, v in env.items() if k not in (environ or {})}
 
 
 def start_mps(

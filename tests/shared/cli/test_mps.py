@@ -238,3 +238,5 @@ def test_the_decode_yield_follows_the_routers_tpot_slo(tmp_path):
     assert decode_yield_line([], {"PDSERVE_DECODE_YIELD_TPOT_MS": "0"}, "m").startswith("decode does not yield")
     decode = [p for p in plan_placement(1, 1, [0], 0.9) if p.role == "decode"][0]
     assert gpu_share_env(decode, [0], tmp_path, 30.0)["PDSERVE_DECODE_YIELD_TPOT_MS"] == "26"
+    given = gpu_share_env(decode, [0], tmp_path, 30.0, {"PDSERVE_DECODE_YIELD_TPOT_MS": "0"})  # the user's wins
+    assert "PDSERVE_DECODE_YIELD_TPOT_MS" not in given and "PDSERVE_DECODE_GPU_SHARE_FILE" in given
