@@ -395,10 +395,18 @@ def coloc_part(model: Path, workdir: Path, args, rng: torch.Generator) -> tuple[
     return keys, details
 
 
+def entry_name(details: dict, mps: str, yield_tpot_ms: str) -> str:
+    """The details key of one disaggregated run: `disagg1_mps_<mps>[_yield_<ms>]`, `_run<k>` for its k-th repeat."""
+    name = f"disagg1_mps_{mps.replace(':', '_')}" + (f"_yield_{yield_tpot_ms}" if yield_tpot_ms else "")
+    runs = sum(1 for n in details if n == name or n.startswith(name + "_run"))
+    return name + (f"_run{runs + 1}" if runs else "")
+
+
 def disagg_part(model: Path, workdir: Path, args, rng: torch.Generator) -> tuple[dict, dict]:
     """The disaggregated mode once per --disagg-mps entry and --disagg-yield entry (one stack each, alternating
     yield entries within each MPS entry); the keys from the last, every entry's figures in details
-    (`disagg1_mps_<entry>`, with `_yield_<ms>` when --disagg-yield names more than the default)."""
+    (`disagg1_mps_<entry>`, with `_yield_<ms>` when --disagg-yield names more than the default, and `_run<k>` for
+    the k-th repeat of a combination: 0,13,0,13 alternates them and keeps every run)."""
     keys: dict[str, Any] = {}
     details: dict[str, Any] = {}
     entries = [e.strip() for e in args.disagg_mps.split(",")]
@@ -407,8 +415,7 @@ def disagg_part(model: Path, workdir: Path, args, rng: torch.Generator) -> tuple
         for y in yields:
             k, d = mode_part(model, "disagg", workdir, args, rng, mps=entry, yield_tpot_ms=y)
             keys = k
-            name = f"disagg1_mps_{entry.replace(':', '_')}" + (f"_yield_{y}" if y else "")
-            details[name] = {**d["disagg1"], **k, "decode_yield_tpot_ms": y or "default"}
+            details[entry_name(details, entry, y)] = {**d["disagg1"], **k, "decode_yield_tpot_ms": y or "default"}
             details["disagg1"] = d["disagg1"]
     return keys, details
 

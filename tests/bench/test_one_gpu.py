@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from one_gpu import KEYS, goodput_limit, redis_fetch_gbps, step_at, tpot_at
+from one_gpu import KEYS, entry_name, goodput_limit, redis_fetch_gbps, step_at, tpot_at
 
 from pdserve.cli.mode_choice import choose_mode, load_measurements
 from pdserve.models.checkpoints import build_checkpoint
@@ -61,6 +61,14 @@ def test_the_redis_fetch_rate_reads_every_value_back(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_repeated_disaggregated_runs_each_keep_their_details():
+    details: dict = {}
+    for mps, y in [("auto", ""), ("on:100", ""), ("auto", ""), ("auto", "13"), ("auto", "13")]:
+        details[entry_name(details, mps, y)] = {}
+    assert list(details) == ["disagg1_mps_auto", "disagg1_mps_on_100", "disagg1_mps_auto_run2",
+                             "disagg1_mps_auto_yield_13", "disagg1_mps_auto_yield_13_run2"]  # fmt: skip
+
+
 def test_the_script_on_cpu_merges_its_part_and_writes_the_mode_data(tmp_path):
     """One stack (`pdserve up --disaggregated`, ~30 s on CPU); the colocated part comes from an earlier call into
     the same JSON, as parts run in separate calls do."""
