@@ -44,9 +44,8 @@ def write_back(
     every full page's), and those of `ask` the store lacks (`PromptCache.stored`: one round trip, which also
     resets the TTL of those it holds), into the cache as one chain (CPU copies; the store write is asynchronous).
     With a local tier, the pages the store holds, and those of `local` (a fetch's, verified), go to the local tier
-    alone. `wait_idle` is called before each
-    page (`WriteBehind.wait_idle`); when it says False the chain ends there. Returns the pages handed to the
-    cache."""
+    alone. `wait_idle` is called before each page (`WriteBehind.wait_idle`); when it says False the chain ends
+    there. Returns the pages handed to the cache."""
     held = cache.stored(ns, [keys[i] for i in ask]) if ask else []
     in_store = {i for i, h in zip(ask, held) if h}
     to_store = set(write) | (set(ask) - in_store)

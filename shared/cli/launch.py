@@ -324,6 +324,11 @@ YIELD_TPOT_SHARE = 13 / 15
 ROUTER_TPOT_SLO_MS = 15.0  # services/router/config.py's default of --slo-tpot-ms
 
 
+def yield_tpot_ms(tpot_slo_ms: float) -> str:
+    """The decode's `--yield-tpot-ms` for a router TPOT SLO (`YIELD_TPOT_SHARE` of it), as an env value."""
+    return f"{round(YIELD_TPOT_SHARE * tpot_slo_ms, 1):g}"
+
+
 def router_tpot_slo_ms(router_extra: Sequence[str], environ: Mapping[str, str], model: str = "model") -> float:
     """The router's TPOT SLO as the stack starts it (`model`: the stack's): its flags, environment, `--config` file
     and default, resolved as the router resolves them (a configuration the router would refuse: the default; the
@@ -349,7 +354,7 @@ def decode_yield_line(router_extra: Sequence[str], environ: Mapping[str, str], m
         ms, why = given, "$PDSERVE_DECODE_YIELD_TPOT_MS"
     else:
         slo = router_tpot_slo_ms(router_extra, environ, model)
-        ms, why = f"{round(YIELD_TPOT_SHARE * slo, 1):g}", f"13/15 of the router's TPOT SLO of {slo:g} ms"
+        ms, why = yield_tpot_ms(slo), f"13/15 of the router's TPOT SLO of {slo:g} ms"
     try:
         off = float(ms) <= 0
     except ValueError:  # the decode refuses it, saying why
@@ -378,7 +383,7 @@ def gpu_share_env(
         return {}
     env = {f"PDSERVE_{p.role.upper()}_GPU_SHARE_FILE": str(workdir / f"gpu-share-{p.gpus[0]}")}
     if p.role == DECODE:
-        env["PDSERVE_DECODE_YIELD_TPOT_MS"] = f"{round(YIELD_TPOT_SHARE * tpot_slo_ms, 1):g}"
+        env["PDSERVE_DECODE_YIELD_TPOT_MS"] = yield_tpot_ms(tpot_slo_ms)
     return {k: v for k, v in env.items() if k not in (environ or {})}
 
 

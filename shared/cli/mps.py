@@ -33,8 +33,7 @@ from pdserve.cli.placement import DECODE, PREFILL, Placement
 CONTROL = "nvidia-cuda-mps-control"
 MODES = ("auto", "on", "off")
 PIPE_ENV, LOG_ENV, SM_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-# every SM: the decode's yield keeps its steps out of the prefill's way (a cap of 90 only slowed the prefill once
-# the decode yields: TTFT p50 at 10 req/s 107 -> 90 ms, TPOT p90 within the SLO; docs/benchmarks.md, "One GPU")
+# every SM: the decode's yield keeps its steps out of the prefill's way, so a cap would only slow the prefill
 DEFAULT_PREFILL_SM_PERCENT = 100
 
 
