@@ -31,7 +31,20 @@ from gpu_serving import REDIS_ONLY, SinkProcess, fresh
 
 TINY = dict(vocab_size=8192, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32)  # fmt: skip
-FETCH_KEYS = ("fetch_start_page", "fetch_pages_fetched", "fetch_pages_loaded", "fetch_wait_ms", "fetch_landed_ms")
+FETCH_KEYS = (
+    "fetch_start_page",
+    "fetch_pages_fetched",
+    "fetch_pages_loaded",
+    "fetch_wait_ms",
+    "fetch_landed_ms",
+    "fetch_split_gbps",
+    "fetch_batches_landed_ms",
+)
+
+
+def _plain(v):
+    """An attribute as JSON takes it (a sequence attribute comes back as a tuple)."""
+    return list(v) if isinstance(v, tuple) else v
 
 
 def timeline(spans: list) -> dict:
@@ -44,7 +57,7 @@ def timeline(spans: list) -> dict:
     return {
         "prefill_start_ms": at(request.start_ns) if request is not None else None,
         "cached_tokens": attrs.get("pdserve.cached_tokens"),
-        **{k: attrs.get(f"pdserve.cache.{k}") for k in FETCH_KEYS},
+        **{k: _plain(attrs.get(f"pdserve.cache.{k}")) for k in FETCH_KEYS},
         "chunks": [
             {
                 "tokens": [c.attributes["pdserve.chunk.start"], c.attributes["pdserve.chunk.end"]],
@@ -86,6 +99,12 @@ def main() -> None:
     ap.add_argument("--cached-share", type=float, default=0.9, help="the share of the prompt the prefix holds")
     ap.add_argument("--cold", type=int, default=3, help="cold requests (after one warm-up)")
     ap.add_argument("--hits", type=int, default=6)
+    ap.add_argument(
+        "--redis-shards",
+        type=int,
+        default=1,
+        help="1: one redis-server; N: a Redis Cluster of N shards on this host (as bench/one_gpu.py --redis-shards)",
+    )
     ap.add_argument("--fetch-process", default="auto", help="the prefill's --cache-fetch-process")
     ap.add_argument("--json", default="", help="also write every request's figures here")
     ap.add_argument("--each", action="store_true", help="also every span of each request")
@@ -101,10 +120,17 @@ def main() -> None:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = torch.Generator().manual_seed(0)
     gpus = [int(g) for g in args.gpus.split(",") if g]
-    redis = RedisServer(tmp / "redis").start()
+    if args.redis_shards > 1:
+        from pdserve.testing.redis_cluster import RedisClusterServers
+
+        redis = RedisClusterServers(tmp / "redis-cluster", shards=args.redis_shards).start()
+    else:
+        redis = RedisServer(tmp / "redis").start()
     sink = SinkProcess().start()
     env = {"REDIS_URL": redis.url, **REDIS_ONLY, "PDSERVE_PREFILL_CACHE_FETCH_PROCESS": args.fetch_process,
            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}  # fmt: skip
+    if args.redis_shards > 1:
+        env["PDSERVE_PREFILL_REDIS_CLUSTER"] = "true"
     extra = [] if gpus else ["--torch-threads", "1"]
     stack = start_stack(model, tmp / "stack", kv_dtype="int8", extra=extra, env=env, gpus=gpus)
     out: dict[str, list] = {"cold": [], "hit": []}
@@ -115,12 +141,14 @@ def main() -> None:
 
             def traced(ids: list[int]) -> tuple[float, dict]:
                 sink.clear()
+                t0 = time.time()
                 (ttft, *_), _ = token_times_ms(c, ids)
+                t1 = time.time()
                 time.sleep(0.6)  # the services' span processors export every 100 ms
                 spans = sink.spans()
                 if args.each:
                     each_span(spans)
-                return ttft, timeline(spans)
+                return ttft, {"wall_s": [t0, t1], **timeline(spans)}  # epoch seconds: to line up a profile
 
             traced(fresh(args.prompt, rng, vocab))  # warm-up
             for i in range(args.cold):

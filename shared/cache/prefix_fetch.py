@@ -286,7 +286,7 @@ class PrefixFetch:
 
     def span_attributes(self) -> dict[str, int | float]:
         """The fetch so far, for the request's span: where it started, pages fetched and loaded, what the engine
-        waited, when its last batch landed (ms from its start)."""
+        waited, when its last batch and each batch landed (ms from its start), the store rate its split assumed."""
         with self._cv:
             return {
                 "pdserve.cache.fetch_start_page": self.start_page,
@@ -294,6 +294,8 @@ class PrefixFetch:
                 "pdserve.cache.fetch_pages_loaded": self.loaded_pages,
                 "pdserve.cache.fetch_wait_ms": round(self.waited_s * 1e3, 2),
                 "pdserve.cache.fetch_landed_ms": round(self.landed_s * 1e3, 2),
+                "pdserve.cache.fetch_batches_landed_ms": list(self._landed_ms),
+                "pdserve.cache.fetch_split_gbps": round((self.fetch_bytes_per_s or 0.0) / 1e9, 3),
             }
 
     # ---- engine side ---------------------------------------------------------------------------------------
