@@ -63,6 +63,9 @@ def timeline(spans: list) -> dict:
                 "tokens": [c.attributes["pdserve.chunk.start"], c.attributes["pdserve.chunk.end"]],
                 "start_ms": at(c.start_ns),
                 "launched_ms": c.attributes.get("pdserve.chunk.launched_ms"),
+                "forward_ms": c.attributes.get("pdserve.chunk.forward_ms"),
+                "forward_cpu_ms": c.attributes.get("pdserve.chunk.forward_cpu_ms"),
+                "layer_export_ms": c.attributes.get("pdserve.chunk.layer_export_ms"),
                 "dur_ms": round((c.end_ns - c.start_ns) / 1e6, 2),
             }
             for c in chunks
@@ -88,6 +91,8 @@ def show(label: str, ttft: float, t: dict) -> None:
     for c in t["chunks"]:
         a, b = c["tokens"]
         line = f"    chunk [{a:>5}, {b:>5})  start +{c['start_ms']:8.2f}  launched {c['launched_ms']}"
+        line += f" (forward {c.get('forward_ms')}, its CPU {c.get('forward_cpu_ms')}"
+        line += f", exports {c.get('layer_export_ms')})"
         print(f"{line}  dur {c['dur_ms']:.2f}")
 
 

@@ -157,9 +157,14 @@ class PrefillCall:
         if self.scope.recording:
             attrs: dict[str, int | float] = {"pdserve.chunk.start": token_range[0], "pdserve.chunk.end": token_range[1],
                                              "pdserve.chunk.ready_pages": len(out.ready_pages)}  # fmt: skip
-            launched = self.loop.engine.runner.launched_ns - start_ns  # step start -> forward queued
+            runner = self.loop.engine.runner
+            launched = runner.launched_ns - start_ns  # step start -> forward queued
             if launched >= 0:  # (the span's end: its outputs, after the device computed a sampled chunk)
                 attrs["pdserve.chunk.launched_ms"] = round(launched / 1e6, 3)
+                # of which the forward's launch, and the engine thread's CPU time in it (the rest: blocked)
+                attrs["pdserve.chunk.forward_ms"] = round(runner.launch_wall_ns / 1e6, 3)
+                attrs["pdserve.chunk.forward_cpu_ms"] = round(runner.launch_cpu_ns / 1e6, 3)
+                attrs["pdserve.chunk.layer_export_ms"] = round(runner.layer_export_ns / 1e6, 3)
             self.scope.record("prefill.chunk", start_ns, attrs)
         if self.upload_pending:  # the step that imported the prefix ran its first chunk
             self.upload_pending = False

@@ -16,6 +16,7 @@ sender copies them after the event while the forward runs on. Decode imports eac
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -155,7 +156,15 @@ class KVHandoff:
         if not plans:
             yield
             return
-        model.layer_hook = lambda layer: self._export_layer(plans, layer)
+        runner = self.runner
+        runner.layer_export_ns = 0
+
+        def hook(layer: int) -> None:
+            t0 = time.perf_counter_ns()
+            self._export_layer(plans, layer)
+            runner.layer_export_ns += time.perf_counter_ns() - t0
+
+        model.layer_hook = hook
         if self.runner.tp is not None:  # the step's plan names the groups: every rank's hook joins their gathers
             self.runner.layer_exports = [export_of(p, r) for p in plans for r in p[4].groups()]
         try:

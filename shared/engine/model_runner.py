@@ -156,6 +156,11 @@ class ModelRunner:
         # that serves its host-only commands meanwhile (loop.py); called on the engine thread only
         self.gpu_wait: Callable[[torch.cuda.Event], None] = synchronize
         self.launched_ns = 0  # epoch ns when the last `run` had queued its forward (on CPU: computed it)
+        # the last `run`'s forward launch: wall ns from its start to `launched_ns`, and this thread's CPU ns in it (the
+        # rest it spent blocked: on the GIL, or on a host-device sync)
+        self.launch_wall_ns = 0
+        self.launch_cpu_ns = 0
+        self.layer_export_ns = 0  # the last forward's layer-group exports (kv_handoff's hook), wall ns
 
     def _load(self, cfg: EngineConfig, mc: ModelConfig, tp: RankShard | None) -> None:
         """Kernels, backend, the model (this rank's shard at TP > 1), the KV pool and the decode graphs."""
@@ -556,6 +561,7 @@ class ModelRunner:
         `return_logits`, row -> the token's logprob when its sampling asks, row -> log P(prompt[p + 1]) (with
         `top_logprobs` alternatives) for the prompt positions p this step computed, when its sampling asks for
         prompt_logprobs)."""
+        wall0, cpu0 = time.time_ns(), time.thread_time_ns()
         ids: list[int] = []
         for seq, n in zip(seqs, num_new_tokens):
             ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))
@@ -571,6 +577,7 @@ class ModelRunner:
             starts = [s.num_computed_tokens for s in seqs]
             hidden = self._forward(ids, starts, list(num_new_tokens), [s.page_table for s in seqs], num_decode)
         self.launched_ns = time.time_ns()  # the step's forward is queued (its host time ends; the device's goes on)
+        self.launch_wall_ns, self.launch_cpu_ns = self.launched_ns - wall0, time.thread_time_ns() - cpu0
         # penalties / bias / grammar masks of the sampled rows, built on the host while the device runs the step
         plan = LogitsPlan.build([seqs[i] for i in sample_rows], self.model_config.vocab_size, self._eos_token_ids)
         prompt_lps = {} if graph_logits is not None else self._prompt_logprobs(seqs, num_new_tokens, hidden)
