@@ -111,6 +111,13 @@ def main() -> None:
         help="1: one redis-server; N: a Redis Cluster of N shards on this host (as bench/one_gpu.py --redis-shards)",
     )
     ap.add_argument("--fetch-process", default="auto", help="the prefill's --cache-fetch-process")
+    ap.add_argument(
+        "--prefill-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also set this in the stack's environment (repeatable), e.g. PDSERVE_PREFILL_CACHE_FETCH_BATCH_PAGES=16",
+    )
     ap.add_argument("--json", default="", help="also write every request's figures here")
     ap.add_argument("--each", action="store_true", help="also every span of each request")
     args = ap.parse_args()
@@ -136,6 +143,7 @@ def main() -> None:
            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}  # fmt: skip
     if args.redis_shards > 1:
         env["PDSERVE_PREFILL_REDIS_CLUSTER"] = "true"
+    env.update(kv.split("=", 1) for kv in args.prefill_env)
     extra = [] if gpus else ["--torch-threads", "1"]
     stack = start_stack(model, tmp / "stack", kv_dtype="int8", extra=extra, env=env, gpus=gpus)
     out: dict[str, list] = {"cold": [], "hit": []}

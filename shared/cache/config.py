@@ -15,6 +15,7 @@ MiB = 1 << 20
 AUTO = -1.0
 AUTO_LOCAL_SHARE = 1 / 8  # of the available host memory, for `--cache-local-mb -1`
 AUTO_LOCAL_MIN_MB, AUTO_LOCAL_MAX_MB = 256.0, 64 * 1024.0
+MAX_FETCH_BATCH_PAGES = 64  # --cache-fetch-batch-pages: one request's pages (its reply is held whole in memory)
 
 
 @dataclass
@@ -65,6 +66,11 @@ class CacheOptions:
         "computes the rest (on; auto: on GPU engines; off: the lookup waits for them)",
     )
     cache_fetch_connections: int = opt(8, "Redis connections (threads) that fetch cached prefixes in parallel")
+    cache_fetch_batch_pages: int = opt(
+        8,
+        "pages one racing-fetch request reads (one pipelined round trip on one connection; fewer, larger requests "
+        "hand the engine process's GIL over less often)",
+    )
     cache_fetch_process: str = opt(
         "auto",
         "racing prefix fetches read Redis and check MACs in a helper process writing a shared (pinned) arena, so the "
@@ -88,8 +94,12 @@ class CacheOptions:
             raise SystemExit("cache sizes must be >= 0 (--cache-memory-mb > 0)")
         if self.cache_write_behind_mb <= 0 or self.cache_write_wait_s <= 0:
             raise SystemExit("--cache-write-behind-mb and --cache-write-wait-s must be > 0")
-        if self.cache_write_queue < 1 or self.cache_lookup_batch < 1 or self.cache_fetch_connections < 1:
+        if min(self.cache_write_queue, self.cache_lookup_batch, self.cache_fetch_connections) < 1:
             raise SystemExit("--cache-write-queue, --cache-lookup-batch and --cache-fetch-connections must be >= 1")
+        if not 1 <= self.cache_fetch_batch_pages <= MAX_FETCH_BATCH_PAGES:
+            raise SystemExit(
+                f"--cache-fetch-batch-pages must be in 1..{MAX_FETCH_BATCH_PAGES}, got {self.cache_fetch_batch_pages}"
+            )
         if self.cache_fetch_race not in ("auto", "on", "off"):
             raise SystemExit(f"--cache-fetch-race must be auto, on or off, got {self.cache_fetch_race!r}")
         if self.cache_fetch_process not in ("auto", "on", "off"):

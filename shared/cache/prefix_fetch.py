@@ -284,7 +284,7 @@ class PrefixFetch:
             self.cancelled = True
             self._finish_locked()
 
-    def span_attributes(self) -> dict[str, int | float]:
+    def span_attributes(self) -> dict[str, int | float | list[float]]:
         """The fetch so far, for the request's span: where it started, pages fetched and loaded, what the engine
         waited, when its last batch and each batch landed (ms from its start), the store rate its split assumed."""
         with self._cv:

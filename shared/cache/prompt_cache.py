@@ -558,6 +558,7 @@ def build_prompt_cache(opts: CacheOptions, environ: Mapping[str, str] | None = N
         key_prefix=opts.cache_key_prefix,
         keyring=cache_keyring(opts, env, url),
         fetch_connections=opts.cache_fetch_connections,
+        fetch_batch_pages=opts.cache_fetch_batch_pages,
     )
     if not url:
         log.info(

@@ -310,3 +310,16 @@ def test_pages_are_counted_per_scope_and_scopes_are_bounded():
         assert len(scopes) == cache_stats.MAX_SCOPES + 1 and scopes[cache_stats.OTHER_SCOPE] == (2, 0)
     finally:
         cache.close()
+
+
+def test_fetch_batch_pages_option_reaches_the_fetches(redis):
+    """--cache-fetch-batch-pages sizes each racing-fetch request; out of 1..MAX it is refused at start-up."""
+    from pdserve.cache.config import MAX_FETCH_BATCH_PAGES
+
+    cache = build_prompt_cache(CacheOptions(redis_url=redis.url, cache_fetch_batch_pages=16), environ={})
+    assert cache.fetch_batch_pages == 16
+    cache.close()
+    for bad in (0, MAX_FETCH_BATCH_PAGES + 1):
+        with pytest.raises(SystemExit, match="--cache-fetch-batch-pages"):
+            CacheOptions(cache_fetch_batch_pages=bad).validate_cache()
+    CacheOptions(cache_fetch_batch_pages=MAX_FETCH_BATCH_PAGES).validate_cache()
