@@ -94,6 +94,7 @@ class PromptCache(Protocol):
 
 log = logging.getLogger("pdserve.cache")
 ALIGN = 256  # a slot's page data starts on this boundary (device views of any dtype)
+OVERDUE_SHARE = 0.1  # `expected_landing_s` before any batch landed: the least share of its predicted time left
 
 
 @dataclass
@@ -206,18 +207,21 @@ class PrefixFetch:
     def split_page(self) -> int:
         """Where the fetch starts: the engine computes from `first_page` up to here (its chunk stops here:
         `Sequence.prefill_stop`) while the fetch lands the pages after it; a page both fetch and compute cover is
-        work lost. So with both rates measured the fetch starts at the batch boundary that minimises max(compute of
-        the pages before it, fetch of the pages after it) (the last batch is always fetched: a fetch keeps measuring
-        the store); without both rates, after the first chunk (which the engine computes anyway while a first batch
-        probes the store). `first_page` when the span is one chunk or the chunk is unknown."""
-        c, n, b = self.chunk_pages, self.num_pages, self.batch_pages
+        work lost. So with both rates measured the fetch starts at the chunk boundary that minimises max(compute of
+        the pages before it, fetch of the pages after it) (the fetch always has pages left: it keeps measuring the
+        store). Chunk boundaries only: a chunk's forward costs its host launch whatever its length (on a GPU about
+        a 2k-token chunk's device time: docs/benchmarks.md), so a split inside a chunk adds a forward that costs
+        far more than its pages' share of the prefill rate. Without both rates, after the first chunk (which the
+        engine computes anyway while a first batch probes the store). `first_page` when the span is one chunk or
+        the chunk is unknown."""
+        c, n = self.chunk_pages, self.num_pages
         if c <= 0 or n <= c:
             return self.first_page
         compute, fetch = self.prefill_tokens_per_s, self.fetch_bytes_per_s
         if not compute or not fetch:
             return self.first_page + c
         best_k, best_s = 0, math.inf
-        for k in range(0, n, b):
+        for k in range(0, n, c):
             s = max(k * self.page_size / compute, (n - k) * self.value_bytes / fetch)
             if s < best_s:
                 best_k, best_s = k, s
@@ -314,16 +318,23 @@ class PrefixFetch:
 
     def expected_landing_s(self, page_end: int, from_page: int = 0) -> float | None:
         """Seconds until the pages from `from_page` (and what landed or is skipped) up to `page_end` land, at the
-        rate this fetch runs so far (a stall lowers it; before its first batch: the store's recent rate); 0 when
-        they landed or never will; None while no rate is known."""
+        rate this fetch runs so far (a stall lowers it); before its first batch lands, what is left of the time its
+        span from `start_page` takes at the store's recent rate (at least `OVERDUE_SHARE` of it); 0 when they
+        landed or never will; None while no rate is known."""
         with self._cv:
             missing = max(0, min(page_end, self.end_page) - max(self.landed, self.skip_before, from_page))
             if self.finished or not missing:
                 return 0.0
-            elapsed = max(self.landed_s, time.perf_counter() - self.started)
-            rate = self.landed_bytes / elapsed if self.landed_bytes and elapsed > 0 else None
-            rate = rate or self.fetch_bytes_per_s
-            return missing * self.value_bytes / rate if rate else None
+            elapsed = max(self.landed_s, time.perf_counter() - self.started) if self.started else 0.0
+            if self.landed_bytes and elapsed > 0:  # this fetch's own rate so far
+                return missing * self.value_bytes / (self.landed_bytes / elapsed)
+            if not self.fetch_bytes_per_s:
+                return None
+            # Nothing landed yet: its batches are in flight together (one a connection), so its pages land about
+            # when its whole span does at the store's recent (whole-fetch) rate, counted from its start, not from
+            # now. One overdue still takes a share of that span's time (a stall is no landing "now").
+            span_s = (min(page_end, self.end_page) - self.start_page) * self.value_bytes / self.fetch_bytes_per_s
+            return max(span_s - elapsed, OVERDUE_SHARE * span_s)
 
     def take(self, start: int, end: int, host_views: bool = True) -> LandedPages:
         """Landed pages [start, end) for loading (engine thread): host views, and on CUDA their device copy

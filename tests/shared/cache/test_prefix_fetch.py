@@ -324,7 +324,7 @@ def test_waiting_lookup_asks_a_slower_store_again_once_its_measurement_is_old(re
 
 
 def test_the_fetch_starts_where_compute_and_fetch_meet(redis):
-    """`split_page`: the batch boundary minimising max(compute before it, fetch after it), with both rates; after
+    """`split_page`: the chunk boundary minimising max(compute before it, fetch after it), with both rates; after
     the first chunk without them; from the start for one chunk or an unknown chunk."""
     cache, ns, tokens = filled(redis.url)
     keys = ns.page_keys(tokens)
@@ -339,8 +339,10 @@ def test_the_fetch_starts_where_compute_and_fetch_meet(redis):
     assert split(chunk_pages=2, prefill_tokens_per_s=PAGE) == 4  # a page a second each: 4 computed, 6 fetched
     assert split(chunk_pages=2, prefill_tokens_per_s=PAGE / 100) == 0  # the store far faster: all fetched
     assert split(chunk_pages=2, prefill_tokens_per_s=PAGE * 100) == 8  # far slower: the last batch still fetched
-    # computing 2 pages a second: 6 computed, 4 fetched (4 s each), a batch boundary inside the second chunk of 4
-    assert split(chunk_pages=4, prefill_tokens_per_s=2 * PAGE) == 6
+    # computing 2 pages a second, chunks of 4: 8 computed, 2 fetched (4 s against 2 s) beats 4 and 6 (2 s against
+    # 6 s); the even split, 6 computed and 4 fetched, would end the second chunk part-way: an extra forward
+    assert split(chunk_pages=4, prefill_tokens_per_s=2 * PAGE) == 8
+    assert split(chunk_pages=1, prefill_tokens_per_s=2 * PAGE) == 7  # chunks of a page: 3.5 s against 3 s
     fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=2, prefill_tokens_per_s=PAGE, chunk_pages=2)
     assert fetch.start().wait(N_PAGES, 10) == N_PAGES
     assert fetch.usable_end(0) == 0 and fetch.usable_end(4) == N_PAGES and fetch.real_pages == 6

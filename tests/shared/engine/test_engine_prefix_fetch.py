@@ -9,7 +9,7 @@ import pytest
 from engine_testutil import export_payloads, layout_for, random_prompt, run_to_completion
 
 from pdserve.cache.keys import CacheNamespace
-from pdserve.cache.prefix_fetch import PrefixFetch
+from pdserve.cache.prefix_fetch import OVERDUE_SHARE, PrefixFetch
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.store import MemoryStore, StoreError
 from pdserve.cache.value_auth import CacheKeyring
@@ -77,20 +77,22 @@ def start_fetch(cache, ns, prompt, rate=None) -> PrefixFetch:
     return PrefixFetch(cache, ns, keys, 0, (len(prompt) - 1) // PAGE, batch_pages=2, prefill_tokens_per_s=rate).start()
 
 
-def split_fetch(cache, ns, prompt, batch_pages: int, prefill_tokens_per_s: float) -> PrefixFetch:
+def split_fetch(cache, ns, prompt, batch_pages: int, prefill_tokens_per_s: float, chunk_pages: int = 2) -> PrefixFetch:
     """A fetch of the prompt's 10 pages (not started) with both rates measured: the store 5 pages a second, the
-    engine `prefill_tokens_per_s`, chunks of 2 pages (where it starts: `split_page`)."""
+    engine `prefill_tokens_per_s`, chunks of `chunk_pages` (where it starts: `split_page`; the engine's chunks are
+    2 pages: one page splits as a step whose budget other work shares would)."""
     keys = ns.page_keys(prompt)
     probe = PrefixFetch(cache, ns, keys, 0, 0)
     cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)
     return PrefixFetch(cache, ns, keys, 0, 10, batch_pages=batch_pages, prefill_tokens_per_s=prefill_tokens_per_s,
-                       chunk_pages=2)  # fmt: skip
+                       chunk_pages=chunk_pages)  # fmt: skip
 
 
-def landed_split_fetch(cache, store, ns, prompt, batch_pages: int, prefill_tokens_per_s: float, split: int):
+def landed_split_fetch(cache, store, ns, prompt, batch_pages: int, prefill_tokens_per_s: float, split: int,
+                       chunk_pages: int = 2):  # fmt: skip
     """`split_fetch`, checked to start at page `split`, started, and landed whole before the engine starts (so the
     split decides what is computed, not the store's speed)."""
-    fetch = split_fetch(cache, ns, prompt, batch_pages, prefill_tokens_per_s)
+    fetch = split_fetch(cache, ns, prompt, batch_pages, prefill_tokens_per_s, chunk_pages)
     assert fetch.split_page() == split
     for _ in range(-(-(10 - split) // batch_pages)):
         store.gate.release()
@@ -269,7 +271,8 @@ def test_the_compute_stops_where_the_fetch_starts_inside_a_chunk(engine, cached)
     computing 5 pages while the other 5 land is the even split, at page 5, inside the engine's third chunk. That
     chunk ends at page 5 (`prefill_stop`) instead of computing a page on its way; the rest is loaded."""
     prompt, ref, cache, store, ns = cached
-    fetch = landed_split_fetch(cache, store, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0, split=5)
+    fetch = landed_split_fetch(cache, store, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0, split=5,
+                               chunk_pages=1)  # fmt: skip
     tokens, ranges = run(engine, "mid", prompt, fetch, prefill_only=True)
     assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (16, 20), (40, 43)]
     assert fetch.take_loaded() == list(range(5, 10)) and store.reads == 5  # pages 0-4 never read
@@ -279,7 +282,7 @@ def test_the_chunks_before_the_stop_never_skip_the_pages_after_it(engine, cached
     """The fetch (from page 5) still on its way while the engine computes up to it: a chunk before the stop tells
     the fetch what it covers, never past the stop (page 5 is the fetch's to land), so once it lands it is loaded."""
     prompt, ref, cache, store, ns = cached
-    fetch = split_fetch(cache, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0)
+    fetch = split_fetch(cache, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0, chunk_pages=1)
     fetch.start()
     skips: list[int] = []
 
@@ -299,7 +302,7 @@ def test_a_fetch_that_finds_nothing_where_it_starts_lifts_the_stop(engine, cache
     """The store fails its first read (the fetch's first page, 5): nothing will land from there on, so the engine
     drops the fetch and with it the stop: its chunks take their whole budget, none ends at page 5."""
     prompt, ref, cache, store, ns = cached
-    fetch = split_fetch(cache, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0)
+    fetch = split_fetch(cache, ns, prompt, batch_pages=1, prefill_tokens_per_s=20.0, chunk_pages=1)
     store.fail_at = 0
     store.gate.release()
     fetch.start()
@@ -329,3 +332,26 @@ def test_an_idle_engine_does_not_wait_for_pages_the_fetch_skips(engine, cached):
     opener.join()
     assert waits and min(waits) >= 2  # steps 0 and 1 computed pages 0-3 without waiting
     assert tokens == ref[:1] and ranges == [(0, 8), (8, 16), (40, 43)] and fetch.take_loaded() == list(range(4, 10))
+
+
+def test_a_fetch_in_flight_is_expected_from_its_start_not_from_now(engine, cached):
+    """Before its first batch lands, a fetch's pages are expected when its whole span would land at the store's
+    recent rate counted from its start (its batches are in flight together): what is left of that, and once
+    overdue still a share of it, never the whole span again from now (which made an idle engine compute a chunk
+    rather than wait the few ms left)."""
+    prompt, ref, cache, store, ns = cached
+    fetch = split_fetch(cache, ns, prompt, batch_pages=2, prefill_tokens_per_s=16.0)  # the store: 5 pages a second
+    assert fetch.split_page() == 4
+    fetch.start()  # the store holds every read: nothing lands
+    span = (10 - 4) / 5.0  # its 6 pages at 5 a second
+    assert span - 0.2 < fetch.expected_landing_s(10) <= span
+    fetch.started -= 1.0  # a second in flight
+    assert span - 1.2 < fetch.expected_landing_s(10) <= span - 1.0
+    assert fetch.expected_landing_s(6) == pytest.approx(OVERDUE_SHARE * (6 - 4) / 5.0)  # its first 2 pages: overdue
+    fetch.started -= 10.0  # overdue
+    assert fetch.expected_landing_s(10) == pytest.approx(OVERDUE_SHARE * span)
+    for _ in range(3):
+        store.gate.release()
+    assert fetch.wait(10, 10) == 10
+    assert fetch.expected_landing_s(10) == 0.0
+    fetch.close()
