@@ -101,17 +101,9 @@ def test_cuda_fetch_split_inside_a_chunk_stops_the_compute_there(make_engine):
     assert cache.flush()
     probe = PrefixFetch(cache, ns, keys, 0, 0)
     cache.measured_fetch(5 * probe.value_bytes, 1.0, probe.value_bytes)  # the store: 5 pages a second
-    fetch = PrefixFetch(
-        cache,
-        ns,
-        keys,
-        0,
-        9,
-        device=engine.runner.device,
-        batch_pages=1,
-        prefill_tokens_per_s=6.0 * PAGE,
-        chunk_pages=1,
-    )  # fmt: skip  (the engine's: 2)
+    # chunk_pages=1 (the engine's chunk is 2 pages): a split as a step whose token budget other work shares makes
+    fetch = PrefixFetch(cache, ns, keys, 0, 9, device=engine.runner.device, batch_pages=1,
+                        prefill_tokens_per_s=6.0 * PAGE, chunk_pages=1)  # fmt: skip
     assert fetch.split_page() == 5  # computing 5 pages (0.83 s) beside fetching 4 (0.8 s)
     assert fetch.start().wait(9, 30) == 9
     out = generate(engine, "split", prompt, fetch)
