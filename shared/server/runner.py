@@ -3,12 +3,14 @@ drain."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.server.auth import Authenticator
+from pdserve.server.gc_pauses import GcPauses, freeze_startup_heap
 from pdserve.server.gil import set_switch_interval
 from pdserve.server.grpc_util import add_health_and_reflection, announce_ready, bind, make_server, set_serving
 from pdserve.server.host_memory import release_free_heap, tune_malloc
@@ -128,6 +130,11 @@ def run_service(
             else 'OFF (no token list): every caller is tenant "default"',
         )
     log.info("%s: up to %d concurrent streams, %d control threads", name, gate.limit, cfg.control_threads)
+    gc_pauses = GcPauses(telemetry.metrics.gc_pause, cfg.gc_warn_ms / 1e3, name).install()
+    telemetry.metrics.gauge("gc_frozen_objects", "Objects frozen out of the garbage collector (--gc-freeze)",
+                            gc.get_freeze_count)  # fmt: skip
+    if cfg.gc_freeze:  # everything loaded (engine, graphs, warm-up): out of the full collections' walk
+        log.info("%s: %d start-up objects frozen out of the garbage collector", name, freeze_startup_heap())
     announce_ready(
         name,
         f"{cfg.host}:{port}",
@@ -166,5 +173,6 @@ def run_service(
     if internal_server is not None:
         internal_server.stop(0).wait()
     cleanup()
+    gc_pauses.remove()
     telemetry.shutdown()  # flushes batched spans
     log.info("%s stopped", name)

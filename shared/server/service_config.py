@@ -31,6 +31,12 @@ class ServerOptions:
     drain_grace_s: float = opt(
         15.0, "on SIGTERM: how long in-flight streams may run on; then they end with UNAVAILABLE (shutting down)"
     )
+    gc_freeze: bool = opt(
+        True,
+        "once ready, freeze the start-up heap out of the garbage collector (full collections then walk only what "
+        "was made since: short pauses; pdserve.server.gc_pauses)",
+    )
+    gc_warn_ms: float = opt(50.0, "log a garbage-collection pause longer than this, ms (0: never)")
     # security (docs/security.md)
     tls_cert: str = opt("", "PEM certificate (chain) this service presents; TLS on when set ($PDSERVE_TLS_CERT)")
     tls_key: str = opt("", "PEM private key of --tls-cert ($PDSERVE_TLS_KEY)")
@@ -66,6 +72,8 @@ class ServerOptions:
             problems.append("--max-streams must be >= 0 and --control-threads >= 1")
         if not self.max_receive_mb > 0 or self.drain_grace_s < 0:
             problems.append("--max-receive-mb must be > 0 and --drain-grace-s >= 0")
+        if self.gc_warn_ms < 0:
+            problems.append("--gc-warn-ms must be >= 0")
         return problems
 
 

@@ -26,6 +26,7 @@ log = logging.getLogger("pdserve.telemetry.metrics")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 GaugeFn = Callable[[], float | Mapping[tuple[str, ...], float] | None]
 
@@ -77,6 +78,13 @@ class ServiceMetrics:
         )
         self.kv_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV page bytes shipped (prefill) or received (decode)", registry=r
+        )
+        self.gc_pause = Histogram(
+            "pdserve_gc_pause_seconds",
+            "Garbage-collection pauses of this process (every thread stopped), by generation",
+            ["generation"],
+            buckets=GC_BUCKETS,
+            registry=r,
         )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
