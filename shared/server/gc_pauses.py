@@ -10,7 +10,8 @@ middle of a prefill chunk's launch or a decode step, where it lands whole on a r
 `freeze_startup_heap()`, called once the service is ready, collects once and then moves every object alive into
 the permanent generation (`gc.freeze`): later full collections walk only what was made since, so they stay short.
 vLLM does the same after its start-up. `GcPauses` times each collection through `gc.callbacks` and keeps it by
-generation for /metrics (`pdserve_gc_pause_seconds`); a pause over `warn_s` is logged.
+generation for /metrics (`pdserve_gc_pause_seconds`, from the service's readiness on: the freeze's own collection
+is logged, not counted); a pause over `warn_s` is logged.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from typing import Any
 log = logging.getLogger("pdserve")
 
 
-def freeze_startup_heap() -> int:
-    """Collect, then take every object alive out of the collector's reach; returns how many were frozen."""
+def freeze_startup_heap() -> tuple[int, float]:
+    """Collect, then take every object alive out of the collector's reach: (objects frozen, seconds the collection
+    took, i.e. what one full collection of the start-up heap costs)."""
+    t0 = time.perf_counter()
     gc.collect()
+    took = time.perf_counter() - t0
     gc.freeze()
-    return gc.get_freeze_count()
+    return gc.get_freeze_count(), took
 
 
 class GcPauses:
@@ -42,6 +46,8 @@ class GcPauses:
         self._started = 0.0
 
     def install(self) -> GcPauses:
+        for generation in range(len(gc.get_count())):  # every generation exported from the start, at 0
+            self.histogram.labels(str(generation))
         gc.callbacks.append(self._on_gc)
         return self
 

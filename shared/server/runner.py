@@ -130,11 +130,13 @@ def run_service(
             else 'OFF (no token list): every caller is tenant "default"',
         )
     log.info("%s: up to %d concurrent streams, %d control threads", name, gate.limit, cfg.control_threads)
-    gc_pauses = GcPauses(telemetry.metrics.gc_pause, cfg.gc_warn_ms / 1e3, name).install()
+    if cfg.gc_freeze:  # everything loaded (engine, graphs, warm-up): out of the full collections' walk
+        frozen, took = freeze_startup_heap()
+        log.info("%s: %d start-up objects frozen out of the garbage collector (a full collection of them: %.1f ms)",
+                 name, frozen, took * 1e3)  # fmt: skip
+    gc_pauses = GcPauses(telemetry.metrics.gc_pause, cfg.gc_warn_ms / 1e3, name).install()  # serving's pauses
     telemetry.metrics.gauge("gc_frozen_objects", "Objects frozen out of the garbage collector (--gc-freeze)",
                             gc.get_freeze_count)  # fmt: skip
-    if cfg.gc_freeze:  # everything loaded (engine, graphs, warm-up): out of the full collections' walk
-        log.info("%s: %d start-up objects frozen out of the garbage collector", name, freeze_startup_heap())
     announce_ready(
         name,
         f"{cfg.host}:{port}",

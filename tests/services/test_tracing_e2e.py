@@ -256,8 +256,8 @@ def test_metrics_scraped_and_parsed(traced):
     assert router[("pdserve_outstanding_pcs", (("address", stack.prefill[0]), ("role", "prefill")))] == 0
     assert router[("pdserve_outstanding_pcs", (("address", stack.decode[0]), ("role", "decode")))] == 0
     assert router[("pdserve_requests_awaiting_first_token", ())] == 0 and router[("pdserve_queue_depth", ())] == 0
-    for svc in (router, prefill, decode):  # the start-up heap frozen once ready, by one timed full collection
-        assert svc[("pdserve_gc_pause_seconds_count", (("generation", "2"),))] >= 1
+    for svc in (router, prefill, decode):  # the start-up heap frozen once ready; serving's collections timed
+        assert all(("pdserve_gc_pause_seconds_count", (("generation", g),)) in svc for g in "012")
         assert svc[("pdserve_gc_frozen_objects", ())] > 10_000
     for svc in (prefill, decode):
         free, used = svc[("pdserve_kv_pages", (("state", "free"),))], svc[("pdserve_kv_pages", (("state", "used"),))]
