@@ -119,3 +119,19 @@ def submit(engine, request_id: str, prompt: list[int], sampling, **fields) -> No
     from pdserve.engine.request import EngineRequest
 
     engine.add_request(EngineRequest(request_id, prompt, sampling, **fields))
+
+
+# a tiny random Llama for CPU runs of the served-stack diagnostics (bench/diag/)
+TINY_LLAMA = dict(vocab_size=8192, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32)  # fmt: skip
+
+
+def model_or_tiny(model: str, workdir: Path) -> tuple[Path, int]:
+    """The model directory `model`, or (`model` empty) a two-layer `TINY_LLAMA` written under `workdir`; with its
+    vocabulary size."""
+    from pdserve.models.random_llama import write_random_llama
+
+    path = Path(model) if model else workdir / "model"
+    if not model:
+        write_random_llama(path, layers=2, device="cpu", shape=TINY_LLAMA)
+    return path, json.loads((path / "config.json").read_text())["vocab_size"]

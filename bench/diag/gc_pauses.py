@@ -23,11 +23,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchutil import token_times_ms
+from benchutil import model_or_tiny, token_times_ms
 from gpu_serving import fresh
-
-TINY = dict(vocab_size=8192, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32)  # fmt: skip
 
 
 def pauses(address: str) -> dict[str, tuple[int, float, float]]:
@@ -106,15 +103,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--freeze", default="true,false", help="the --gc-freeze settings to run, in order")
     args = ap.parse_args()
-    from pdserve.models.random_llama import write_random_llama
-
     tmp = Path(tempfile.mkdtemp(prefix="gc-pauses-"))
-    model = Path(args.model) if args.model else tmp / "model"
-    if not args.model:
-        write_random_llama(model, layers=2, device="cpu", shape=TINY)
-    import json
-
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    model, vocab = model_or_tiny(args.model, tmp)
     gpus = [int(g) for g in args.gpus.split(",") if g]
     for setting in args.freeze.split(","):
         run(args, model, setting == "true", gpus, tmp, torch.Generator().manual_seed(0), vocab)

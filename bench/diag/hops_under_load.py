@@ -11,7 +11,6 @@ offset from the router's span, median duration). Figures: docs/benchmarks.md, "O
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import subprocess
@@ -21,10 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchutil import token_times_ms
-
-TINY = dict(vocab_size=8192, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32)  # fmt: skip
+from benchutil import model_or_tiny, token_times_ms
 
 
 def main() -> None:
@@ -46,15 +42,12 @@ def main() -> None:
     args = ap.parse_args()
     import pdserve
     from pdserve.cli.launch import start_stack
-    from pdserve.models.random_llama import write_random_llama
     from pdserve.testing.otlp_sink import OTLPSink
     from pdserve.testing.span_breakdown import breakdown, format_breakdown
 
     tmp = Path(tempfile.mkdtemp(prefix="hops-"))
-    model = Path(args.model) if args.model else tmp / "model"
-    if not args.model:
-        write_random_llama(model, layers=2, device="cpu", shape=TINY)
-    vocab = min(8000, json.loads((model / "config.json").read_text())["vocab_size"] - 1)
+    model, vocab = model_or_tiny(args.model, tmp)
+    vocab = min(8000, vocab - 1)
     sink = OTLPSink().start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     gpus = [int(g) for g in args.gpus.split(",") if g]

@@ -26,11 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchutil import token_times_ms
+from benchutil import model_or_tiny, token_times_ms
 from gpu_serving import REDIS_ONLY, SinkProcess, fresh
 
-TINY = dict(vocab_size=8192, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32)  # fmt: skip
 FETCH_KEYS = (
     "fetch_start_page",
     "fetch_pages_fetched",
@@ -122,14 +120,10 @@ def main() -> None:
     ap.add_argument("--each", action="store_true", help="also every span of each request")
     args = ap.parse_args()
     from pdserve.cli.launch import start_stack
-    from pdserve.models.random_llama import write_random_llama
     from pdserve.testing.redis_server import RedisServer
 
     tmp = Path(tempfile.mkdtemp(prefix="redis-hops-"))
-    model = Path(args.model) if args.model else tmp / "model"
-    if not args.model:
-        write_random_llama(model, layers=2, device="cpu", shape=TINY)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    model, vocab = model_or_tiny(args.model, tmp)
     rng = torch.Generator().manual_seed(0)
     gpus = [int(g) for g in args.gpus.split(",") if g]
     if args.redis_shards > 1:
