@@ -163,6 +163,10 @@ def test_one_trace_across_services_with_parent_child_structure(traced):
         assert a.start_ns <= a.end_ns <= b.start_ns
     for c in chunks:  # when its forward was queued: within the chunk's span (on CPU it computed at once)
         assert 0 <= c.attributes["pdserve.chunk.launched_ms"] <= (c.end_ns - c.start_ns) / 1e6
+        a = c.attributes  # of which the forward's launch; its CPU time within it; its layer-group exports within that
+        assert 0 < a["pdserve.chunk.forward_ms"] <= a["pdserve.chunk.launched_ms"]
+        assert 0 < a["pdserve.chunk.forward_cpu_ms"] <= a["pdserve.chunk.forward_ms"] * 1.05 + 0.5
+        assert 0 <= a["pdserve.chunk.layer_export_ms"] <= a["pdserve.chunk.forward_ms"]
     assert prefill.start_ns <= lookup.start_ns <= lookup.end_ns <= chunks[0].start_ns
     assert chunks[-1].end_ns <= prefill.end_ns
     assert router.start_ns <= decode.start_ns <= recv.start_ns <= prefill.start_ns
