@@ -68,8 +68,8 @@ class CacheOptions:
     cache_fetch_connections: int = opt(8, "Redis connections (threads) that fetch cached prefixes in parallel")
     cache_fetch_batch_pages: int = opt(
         8,
-        "pages one racing-fetch request reads (one pipelined round trip on one connection; fewer, larger requests "
-        "hand the engine process's GIL over less often)",
+        "pages one racing-fetch request reads (one pipelined round trip on one connection; larger batches land "
+        "together, later)",
     )
     cache_fetch_process: str = opt(
         "auto",

@@ -2,8 +2,8 @@
 
 A full collection (the oldest generation) walks every tracked object of the process, with every thread stopped
 (it holds the GIL). A service's start-up leaves a couple of hundred thousand of them (torch, transformers, grpc,
-protobuf and OTel modules, the tokenizer's tables): one full collection then takes tens of ms (about 90 ms for a
-CPU prefill process on the 2-core CI box; docs/benchmarks.md). CPython runs one whenever the objects that survived
+protobuf and OTel modules, the tokenizer's tables): one full collection then takes tens of ms (docs/benchmarks.md,
+"Garbage collection of the services"). CPython runs one whenever the objects that survived
 the younger collections since the last full one reach a quarter of the oldest generation: during serving, in the
 middle of a prefill chunk's launch or a decode step, where it lands whole on a request's TTFT or TPOT.
 
