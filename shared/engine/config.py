@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 # torch is imported where it is used: processes that only read engine settings (`pdserve up`, the router) stay
 # without it (about 200 MB of RSS each)
 
-CPU_KV_CACHE_BYTES = 128 << 20  # CPU, kv_cache_memory "auto": the pool is allocated up front; small suits a demo
+CPU_KV_CACHE_BYTES = 128 << 20
+MAX_PREFILL_GRAPH_TOKENS = 8192  # largest prefill graph bucket: past a few thousand tokens a step computes longer
+# than it launches  # CPU, kv_cache_memory "auto": the pool is allocated up front; small suits a demo
 
 
 @dataclass
@@ -75,6 +77,14 @@ class EngineConfig:
     cuda_graphs: bool = opt(True, "decode through CUDA graphs (CUDA + FA3 + fused model path)")
     cuda_graph_max_context: int = opt(
         0, "context the decode CUDA graphs cover (0: the model's whole context); longer contexts run eagerly"
+    )
+    # steps the decode graphs do not take (prefill chunks, mixed steps) of at most this many tokens replay
+    # piecewise graphs, attention eager between them (prefill_graphs.py): their launch no longer costs the host
+    # ~10 kernel launches a layer
+    prefill_graph_tokens: int = opt(
+        1024,
+        "steps with prefill rows of at most this many tokens run through piecewise CUDA graphs (buckets up to it; "
+        "0: off; needs --cuda-graphs)",
     )
     # the KV pool takes this share less the weights and the activation peak measured at start (a forward of one
     # step's tokens and its logits, ModelRunner._auto_num_pages); what stays outside it holds the CUDA context,
@@ -137,6 +147,10 @@ class EngineConfig:
             raise ValueError(f"fa3_num_splits must be >= 0, got {self.fa3_num_splits}")
         self.gemv_projections()
         self.decode_kernel_overrides()
+        if not 0 <= self.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
+            raise ValueError(
+                f"prefill_graph_tokens must be 0..{MAX_PREFILL_GRAPH_TOKENS} (0: off), got {self.prefill_graph_tokens}"
+            )
         if self.cuda_graph_max_context < 0:
             raise ValueError(
                 f"cuda_graph_max_context must be >= 0 (0: whole context), got {self.cuda_graph_max_context}"

@@ -143,6 +143,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] (FP8 qkv_proj: maybe quantized, `norm_for`) -> [T, hidden]; this step's K/V are stored in
         `cache` on the way."""
+        q = self.query_and_store(x, meta, rotary, cache)
+        o = backend.attend(self.layer_idx, q, meta, cache, self.scale)  # [T, H, D]
+        return self.project_out(o.reshape(q.shape[0], -1))
+
+    def query_and_store(self, x: torch.Tensor | Fp8Activation, meta, rotary: RotaryEmbedding, cache: KVCache):
+        """The part before attention: x [T, hidden] -> rotated q [T, H, D]; k/v rotated and stored at
+        `meta.slot_mapping` (only `positions` and `slot_mapping` of `meta` are read)."""
         kc = self.kernels
         qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = project(kc, self.qkv_proj, x, "qkv")  # [T, qd + 2 kvd]
@@ -153,9 +160,11 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # RMSNorm over each head's D (rows [T * H, D])
             q = kc.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm).view(t, self.num_heads, self.head_dim)
             k = kc.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm).view(t, self.num_kv_heads, self.head_dim)
-        q = kc.rope_and_store(self.layer_idx, q, k, v, meta, rotary, cache)
-        o = backend.attend(self.layer_idx, q, meta, cache, self.scale)  # [T, H, D]
-        out = project(kc, self.o_proj, o.reshape(t, qd), "o")  # [T, hidden]
+        return kc.rope_and_store(self.layer_idx, q, k, v, meta, rotary, cache)
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """The part after attention: o [T, H * D] -> [T, hidden] (all-reduced at tensor parallel)."""
+        out = project(self.kernels, self.o_proj, o, "o")
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -247,23 +256,37 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache, backend) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden] (after the last norm). The residual stream lives in
         `residual`, updated in place by each add + RMSNorm."""
-        kc, layers = self.kernels, cast(Sequence[DecoderLayer], self.model.layers)
         residual = self.model.embed_tokens(input_ids)  # [T, hidden]
-        # each norm's output feeds one projection; an FP8 one may take it quantized by the norm (norm_for)
-        h = norm_for(kc, residual, None, layers[0].input_layernorm, layers[0].self_attn.qkv_proj)
+        h = self.first_norm(residual)
         hook = self.layer_hook
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.decoder_layers):
             a = layer.self_attn(h, meta, self.rotary, cache, backend)
             if hook is not None:  # layer i's K/V are in the pool (written before its attention)
                 hook(i)
-            # residual += a; h = norm(residual)
-            h = norm_for(kc, a, residual, layer.post_attention_layernorm, layer.mlp.gate_up_proj)
-            m = layer.mlp(h)
-            last = i + 1 == len(layers)
-            norm = self.model.norm if last else layers[i + 1].input_layernorm
-            h = norm_for(kc, m, residual, norm, None if last else layers[i + 1].self_attn.qkv_proj)
+            h = self.after_attention(i, a, residual)
         assert isinstance(h, torch.Tensor)  # the last norm feeds the LM head: never quantized
         return h
+
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        return cast(Sequence[DecoderLayer], self.model.layers)
+
+    def first_norm(self, residual: torch.Tensor) -> torch.Tensor | Fp8Activation:
+        """The first layer's input norm of the embeddings `residual` [T, hidden]. Each norm's output feeds one
+        projection; an FP8 one may take it quantized by the norm (`norm_for`)."""
+        layer = self.decoder_layers[0]
+        return norm_for(self.kernels, residual, None, layer.input_layernorm, layer.self_attn.qkv_proj)
+
+    def after_attention(self, i: int, a: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | Fp8Activation:
+        """Layer i past its attention output `a` [T, hidden]: residual += a; residual += MLP(norm(residual)) (in
+        place); returns the next layer's input norm of the residual (after the last layer: the final norm)."""
+        kc, layers = self.kernels, self.decoder_layers
+        layer = layers[i]
+        h = norm_for(kc, a, residual, layer.post_attention_layernorm, layer.mlp.gate_up_proj)
+        m = layer.mlp(h)
+        last = i + 1 == len(layers)
+        norm = self.model.norm if last else layers[i + 1].input_layernorm
+        return norm_for(kc, m, residual, norm, None if last else layers[i + 1].self_attn.qkv_proj)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ from pdserve.engine.kv_cache import KVCache, QuantizedKVCache
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.logits_processors import LogitsPlan, masked_logits
 from pdserve.engine.model import load_model
+from pdserve.engine.prefill_graphs import PrefillGraphRunner, make_prefill_graph_runner
 from pdserve.engine.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -140,6 +141,7 @@ class ModelRunner:
         self._leader: PlanLeader | None = None
         self.layer_exports: list[LayerExport] = []  # TP: the layer groups the next forward exports (`kv_handoff`)
         self.kv_sizing: dict[str, float] = {}  # GPU auto sizing: the numbers the pool was sized from (bytes)
+        self.prefill_graphs: PrefillGraphRunner | None = None  # captured after the pool (`_load`)
         try:
             self._load(cfg, mc, tp)
         except BaseException:
@@ -193,6 +195,15 @@ class ModelRunner:
             self.device,
             cfg.cuda_graphs,
             tp=None if tp is None else tp.group,  # TP: every rank captures here, its collectives inside the graphs
+        )
+        self.prefill_graphs = make_prefill_graph_runner(
+            self.model,
+            self.kv_cache,
+            self.backend,
+            self.device,
+            cfg.prefill_graph_tokens,
+            self.graph_runner is not None,
+            tp=tp,
         )
 
     # ---- tensor parallel (rank 0) ------------------------------------------------------------------------
@@ -275,6 +286,9 @@ class ModelRunner:
             with self._supervisor.guard():
                 return self._leader.forward(plan)
         meta = AttentionMetadata(starts, q_lens, tables, self.page_size, self.device, num_decode)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.can_run(len(ids)):
+            return graphs.forward(ids, meta)
         # the ids through pinned memory: a plain device copy would wait for the previous chunk's kernels
         return self.model(to_device(ids, torch.long, self.device), meta, self.kv_cache, self.backend)
 
@@ -429,6 +443,8 @@ class ModelRunner:
             self.backend.kernels = kernels
         if self.graph_runner is not None:
             self.graph_runner.capture()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture()
 
     # ---- per-request generators --------------------------------------------------------------------------
     def add_request(self, request_id: str, sampling: SamplingParams, draws_to_skip: int = 0) -> None:
