@@ -3,14 +3,17 @@ service beside it), per chunk length, and where that CPU time goes (cProfile of 
 
     python bench/diag/prefill_launch.py --model DIR [--tokens 128,416,2048] [--reps 5] [--top 40]
 
-A chunk whose launch takes longer than its GPU time leaves the GPU idle: `launch` against `gpu` (the chunk's
-forward timed on the device, synchronized) says which bounds it. Figures: docs/benchmarks.md, "One GPU"."""
+A chunk whose launch takes longer than its GPU time leaves the GPU idle: `launch` against `step` (the whole engine
+step to the sampled token, synchronized) says which bounds it. Each length runs eagerly and, where the engine
+captured them, through the piecewise prefill graphs (prefill_graphs.py), alternated on the same engine and
+weights. Figures: docs/benchmarks.md, "One GPU"."""
 
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import logging
 import pstats
 import random
 import statistics
@@ -44,33 +47,48 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", default="128,416,2048")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--top", type=int, default=0, help="cProfile the launches: this many rows by own time (0: off)")
     ap.add_argument("--kv-dtype", default="int8")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(EngineConfig(model_dir=args.model, kv_dtype=args.kv_dtype, max_num_seqs=8))
+    runner = engine.runner
+    graphs = runner.prefill_graphs
+    modes = {"eager": None} | ({"graphs": graphs} if graphs is not None else {})
+    print(f"prefill graph buckets: {graphs.buckets if graphs else 'none'}")
     k = 0
     for n in (int(x) for x in args.tokens.split(",")):
-        for _ in range(2):
-            prefill(engine, n, f"w{k}")
-            k += 1
-        got = []
-        for _ in range(args.reps):
-            got.append(prefill(engine, n, f"r{k}"))
-            k += 1
-        med = [statistics.median(g[i] for g in got) for i in range(3)]
-        print(f"{n:>5} tokens: launch {med[0]:.2f} ms (CPU {med[1]:.2f} ms), step {med[2]:.2f} ms", end="")
-        print(f" (medians of {args.reps})")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.reps):
-            prefill(engine, n, f"p{k}")
-            k += 1
-        prof.disable()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
-        print(out.getvalue())
+        got: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
+        for rep in range(args.reps + 2):  # modes alternated; the first two rounds warm up
+            for mode, g in modes.items():
+                runner.prefill_graphs = g
+                r = prefill(engine, n, f"r{k}")
+                k += 1
+                if rep >= 2:
+                    got[mode].append(r)
+        for mode in modes:
+            med = [statistics.median(g[i] for g in got[mode]) for i in range(3)]
+            print(
+                f"{n:>5} tokens {mode:>6}: launch {med[0]:.2f} ms (CPU {med[1]:.2f} ms), step {med[2]:.2f} ms", end=""
+            )
+            print(f" (medians of {args.reps})")
+        if args.top <= 0:
+            continue
+        for mode, g in modes.items():
+            runner.prefill_graphs = g
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.reps):
+                prefill(engine, n, f"p{k}")
+                k += 1
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+            print(f"--- {n} tokens, {mode}")
+            print(out.getvalue())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    runner.prefill_graphs = graphs
 
 
 if __name__ == "__main__":
