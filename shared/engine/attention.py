@@ -260,7 +260,9 @@ class FA3Backend:
         # contiguous K/V per sequence ([B, W * ps] tokens, the first seqlens[b] valid) -> varlen FA3
         kv = self._dense_scratch(layer, cache, table, seqlens, q.dtype)
         b, n = kv.shape[1], kv.shape[2]
-        cu_k = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
+        cu_k = t.get("cu_seqlens_scratch")  # the same for every layer of the step: made once
+        if cu_k is None:
+            cu_k = t["cu_seqlens_scratch"] = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
         k, v = (x.view(b * n, *kv.shape[-2:]) for x in kv)
         return self.fa.varlen(q, k, v, t["cu_seqlens_q"], cu_k, t["max_q"], n, seqlens, scale, causal=True)
 

@@ -40,8 +40,9 @@ from pdserve.engine.attention import AttentionMetadata
 
 log = logging.getLogger("pdserve.engine")
 
-# token buckets: a step pads to the smallest that holds it (at most a quarter of a bucket's rows past 256 tokens)
-DEFAULT_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+# token buckets: a step pads to the smallest that holds it. Multiples of 128 past 128 rows: a 416-token step padded
+# to 448 rows took longer than one of 512 (H100, bench/diag/prefill_launch.py)
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
 
 
 def buckets_up_to(max_tokens: int) -> list[int]:

@@ -37,6 +37,8 @@ PROMPTS = [random_prompt(n, seed=n) for n in (1, 15, 16, 17, 33, 64, 70, 150)]
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 def test_graph_prefill_matches_eager(make_engine, kv):
+    """Each prompt alone (<= 64 tokens: graphs; 70 and 150: chunks past the largest bucket, eager), then all of
+    them batched (mixed steps of up to 80 tokens: graphs where they fit)."""
     eager = make_engine("llama_hd64", **KW, kv_dtype=kv, prefill_graph_tokens=0)
     graph = make_engine("llama_hd64", **KW, kv_dtype=kv, prefill_graph_tokens=64)
     assert eager.runner.prefill_graphs is None
@@ -47,10 +49,11 @@ def test_graph_prefill_matches_eager(make_engine, kv):
     pg.forward = lambda ids, meta: steps.append(len(ids)) or forward(ids, meta)  # type: ignore[method-assign]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     forced = eager.generate(PROMPTS, greedy)
-    le, lg = forced_logits(eager, PROMPTS, forced), forced_logits(graph, PROMPTS, forced)
-    assert lg.isfinite().all()
-    assert ((lg - le).norm() / le.norm()).item() < 2e-2
-    assert steps and max(steps) <= 64 and any(n > 16 for n in steps)  # chunks of 80 (150 tokens) ran eagerly
+    for prompts, fc in [([p], [f]) for p, f in zip(PROMPTS, forced)] + [(PROMPTS, forced)]:
+        le, lg = forced_logits(eager, prompts, fc), forced_logits(graph, prompts, fc)
+        assert lg.isfinite().all()
+        assert ((lg - le).norm() / le.norm()).item() < 2e-2, len(prompts[0])
+    assert steps and max(steps) <= 64 and {1, 15, 16, 17, 33, 64} <= set(steps)
 
 
 def test_full_bucket_is_bit_identical_and_pool_equal(make_engine):

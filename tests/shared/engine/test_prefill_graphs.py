@@ -152,6 +152,7 @@ def test_buckets_and_when_graphs_are_captured():
     assert buckets_up_to(0) == []
     assert buckets_up_to(16) == [16]
     assert buckets_up_to(100) == [16, 32, 64, 112]
+    assert buckets_up_to(300) == [16, 32, 64, 128, 256, 304]
     assert buckets_up_to(1024)[-3:] == [768, 896, 1024]
     assert buckets_up_to(2048)[-2:] == [1024, 2048]
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
