@@ -82,7 +82,7 @@ class EngineConfig:
     # piecewise graphs, attention eager between them (prefill_graphs.py): their launch no longer costs the host
     # ~10 kernel launches a layer
     prefill_graph_tokens: int = opt(
-        1024,
+        2048,
         "steps with prefill rows of at most this many tokens run through piecewise CUDA graphs (buckets up to it; "
         "0: off; needs --cuda-graphs)",
     )

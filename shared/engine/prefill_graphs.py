@@ -42,7 +42,7 @@ log = logging.getLogger("pdserve.engine")
 
 # token buckets: a step pads to the smallest that holds it. Multiples of 128 past 128 rows: a 416-token step padded
 # to 448 rows took longer than one of 512 (H100, bench/diag/prefill_launch.py)
-DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
 
 def buckets_up_to(max_tokens: int) -> list[int]:

@@ -154,7 +154,8 @@ def test_buckets_and_when_graphs_are_captured():
     assert buckets_up_to(100) == [16, 32, 64, 112]
     assert buckets_up_to(300) == [16, 32, 64, 128, 256, 304]
     assert buckets_up_to(1024)[-3:] == [768, 896, 1024]
-    assert buckets_up_to(2048)[-2:] == [1024, 2048]
+    assert buckets_up_to(2048)[-3:] == [1536, 1792, 2048]
+    assert buckets_up_to(4096)[-2:] == [2048, 4096]
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert prefill_graph_mode(1024, True, cuda, True, "fa3", None) == ("thread_local", "")
     assert prefill_graph_mode(0, True, cuda, True, "fa3", None)[1] == "disabled"
