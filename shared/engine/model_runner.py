@@ -142,6 +142,8 @@ class ModelRunner:
         self.layer_exports: list[LayerExport] = []  # TP: the layer groups the next forward exports (`kv_handoff`)
         self.kv_sizing: dict[str, float] = {}  # GPU auto sizing: the numbers the pool was sized from (bytes)
         self.prefill_graphs: PrefillGraphRunner | None = None  # captured after the pool (`_load`)
+        # recorded after each step's forward is queued: `device_busy` (None on CPU, where a launch computes)
+        self._launched = torch.cuda.Event() if self.device.type == "cuda" else None
         try:
             self._load(cfg, mc, tp)
         except BaseException:
@@ -514,6 +516,11 @@ class ModelRunner:
         self.gpu_wait(event)  # read at each wait: the loop sets it after the runner is built
 
     # ---- chained greedy decode (EngineConfig.overlap_decode) ------------------------------------------------
+    def device_busy(self) -> bool:
+        """Whether the device still computes the last step this runner launched: until then the next step's forward
+        could not start on it anyway (a host wait meanwhile costs nothing)."""
+        return self._launched is not None and not self._launched.query()
+
     def can_chain(self, batch_size: int, max_position: int) -> bool:
         """Whether a greedy decode step of `batch_size` rows up to position `max_position` can be launched before
         the previous step's tokens reach the host: through the decode graphs on CUDA, eagerly elsewhere (CPU
@@ -593,6 +600,8 @@ class ModelRunner:
             starts = [s.num_computed_tokens for s in seqs]
             hidden = self._forward(ids, starts, list(num_new_tokens), [s.page_table for s in seqs], num_decode)
         self.launched_ns = time.time_ns()  # the step's forward is queued (its host time ends; the device's goes on)
+        if self._launched is not None:
+            self._launched.record()
         self.launch_wall_ns, self.launch_cpu_ns = self.launched_ns - wall0, time.thread_time_ns() - cpu0
         # penalties / bias / grammar masks of the sampled rows, built on the host while the device runs the step
         plan = LogitsPlan.build([seqs[i] for i in sample_rows], self.model_config.vocab_size, self._eos_token_ids)

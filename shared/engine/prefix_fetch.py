@@ -18,7 +18,9 @@ step waits for every cached page still to land when that is sooner than computin
 after it land (then the fetch skips that chunk's pages: `skip_to`); a wait ends by 1.5x its prediction or the
 next chunk's compute time, whichever is longer (so a fetch that stalls costs at most about one chunk); whatever
 landed is loaded, the rest computed. On a GPU the engine thread reaches
-the next step while the device still computes the last chunk, so that wait overlaps it. While a rate is unknown,
+the next step while the device still computes the last chunk, so that wait overlaps it; first of all, it waits
+for the pages for as long as the device is still busy (`ModelRunner.device_busy`), which costs nothing. While a
+rate is unknown,
 the request waits for the fetch's next batch (which measures it) for at most `PROBE_SHARE` of its cached span's
 compute time (`UNMEASURED_WAIT_S` without a prefill rate): a first hit costs at most that much more than
 computing.
@@ -55,6 +57,7 @@ log = logging.getLogger("pdserve.engine")
 WAIT_SLACK_S = 0.002  # added to a wait's predicted length (thread wake-up)
 PROBE_SHARE = 0.03  # rates unknown: a request waits at most this share of its cached span's compute time ...
 UNMEASURED_WAIT_S = 0.05  # ... or this long when the engine's prefill rate is unknown too (its first prompts)
+BUSY_POLL_S = 0.001  # while the device computes the last chunk: how often the wait for pages checks it
 
 
 def load_landed(engine: LLMEngine) -> None:
@@ -110,6 +113,8 @@ def _advance(engine: LLMEngine, seq: Sequence, may_wait: bool) -> None:
         if not may_wait or page < fetch.skip_before or not _has_pages(engine, seq):  # skip_before: not fetched
             _skip_computed(engine, seq, fetch, page)  # what this step computes is not fetched any more
             return
+        if _wait_while_device_busy(engine, fetch, limit) and fetch.usable_end(page) > page:
+            continue  # pages landed while the device finished the last chunk: load them
         chunk_end = min(limit, page + _chunk_pages(engine))
         t_all = fetch.expected_landing_s(limit)  # every page still wanted, from here
         t_chunk = _compute_s(fetch, chunk_end - page, ps)
@@ -131,6 +136,19 @@ def _advance(engine: LLMEngine, seq: Sequence, may_wait: bool) -> None:
         if fetch.usable_end(page) <= page:
             _skip_computed(engine, seq, fetch, page)
             return  # nothing came within the wait: compute
+
+
+def _wait_while_device_busy(engine: LLMEngine, fetch: PrefixFetch, limit: int) -> bool:
+    """Wait for the pages up to `limit` for as long as the device still computes the chunk the engine launched
+    last (the next chunk could not start before it ends); True when it waited. On a GPU the engine thread is
+    back here long before the device is (a graph-launched chunk returns in a fraction of its compute time), when
+    the fetch may not have landed, or measured, anything yet."""
+    runner, waited = engine.runner, False
+    while runner.device_busy():
+        waited = True
+        if fetch.wait(limit, BUSY_POLL_S) >= min(limit, fetch.end_page) or fetch.finished:
+            break
+    return waited
 
 
 def _skip_computed(engine: LLMEngine, seq: Sequence, fetch: PrefixFetch, page: int) -> None:

@@ -53,7 +53,8 @@ def test_graph_prefill_matches_eager(make_engine, kv):
         le, lg = forced_logits(eager, prompts, fc), forced_logits(graph, prompts, fc)
         assert lg.isfinite().all()
         assert ((lg - le).norm() / le.norm()).item() < 2e-2, len(prompts[0])
-    assert steps and max(steps) <= 64 and {1, 15, 16, 17, 33, 64} <= set(steps)
+    # (the 1-token prompt is a decode row: the decode graphs take it)
+    assert steps and max(steps) <= 64 and {15, 16, 17, 33, 64} <= set(steps)
 
 
 def test_full_bucket_is_bit_identical_and_pool_equal(make_engine):

@@ -4,6 +4,7 @@ before it reaches them (pdserve.engine.prefix_fetch) and computes the rest, with
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from engine_testutil import export_payloads, layout_for, random_prompt, run_to_completion
@@ -355,3 +356,26 @@ def test_a_fetch_in_flight_is_expected_from_its_start_not_from_now(engine, cache
     assert fetch.wait(10, 10) == 10
     assert fetch.expected_landing_s(10) == 0.0
     fetch.close()
+
+
+def test_an_idle_engine_waits_for_pages_while_the_device_computes(engine, cached, monkeypatch):
+    """A first hit (no rate measured: the engine would compute rather than wait past its small probe budget) whose
+    pages land while the device still computes the engine's last launch: the engine waits for them, for free, and
+    computes none of the cached prefix. The same fetch with the device idle computes it (no busy device on CPU:
+    `device_busy` stands in for the GPU's, busy for 0.5 s)."""
+    prompt, ref, cache, store, ns = cached
+    until = [0.0]
+    monkeypatch.setattr(engine.runner, "device_busy", lambda: time.monotonic() < until[0])
+    for busy_s, want in ((0.5, [(40, 43)]), (0.0, None)):
+        fetch = start_fetch(cache, ns, prompt)
+        opener = threading.Timer(0.15, lambda: [store.gate.release() for _ in range(5)])  # past UNMEASURED_WAIT_S
+        until[0] = time.monotonic() + busy_s
+        opener.start()
+        tokens, ranges = run(engine, f"busy-{busy_s}", prompt, fetch, prefill_only=True)
+        opener.join()
+        assert tokens == ref[:1]
+        if want is not None:
+            assert ranges == want and fetch.take_loaded() == list(range(10))
+        else:
+            assert ranges[0] == (0, 8)  # computed from the start: nothing had landed, nothing was waited for
+        fetch.close()
