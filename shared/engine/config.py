@@ -88,7 +88,7 @@ class EngineConfig:
     )
     # the KV pool takes this share less the weights and the activation peak measured at start (a forward of one
     # step's tokens and its logits, ModelRunner._auto_num_pages); what stays outside it holds the CUDA context,
-    # library workspaces and the decode CUDA graphs
+    # library workspaces and the decode and prefill CUDA graphs
     gpu_memory_utilization: float = opt(
         0.9, "GPU: fraction of the device's total memory this instance may fill (weights, activations, KV pool)"
     )
