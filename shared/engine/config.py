@@ -82,9 +82,10 @@ class EngineConfig:
     # piecewise graphs, attention eager between them (prefill_graphs.py): their launch no longer costs the host
     # ~10 kernel launches a layer
     prefill_graph_tokens: int = opt(
-        2048,
+        -1,
         "steps with prefill rows of at most this many tokens run through piecewise CUDA graphs (buckets up to it; "
-        "0: off; needs --cuda-graphs)",
+        "-1: auto, a whole step: the larger of --chunk-size and --step-token-budget, plus --max-num-seqs decode "
+        "rows; 0: off; needs --cuda-graphs)",
     )
     # the KV pool takes this share less the weights and the activation peak measured at start (a forward of one
     # step's tokens and its logits, ModelRunner._auto_num_pages); what stays outside it holds the CUDA context,
@@ -117,6 +118,13 @@ class EngineConfig:
         "divide by it. Decode and colocated instances (prefill: 1 for now; the prompt cache is off at N > 1)",
     )
 
+    def graph_step_tokens(self) -> int:
+        """The largest step the prefill graphs cover: `prefill_graph_tokens`, or (auto) a full chunk or step budget
+        beside a full decode batch (a colocated step's mixed rows), at most MAX_PREFILL_GRAPH_TOKENS."""
+        if self.prefill_graph_tokens >= 0:
+            return self.prefill_graph_tokens
+        return min(MAX_PREFILL_GRAPH_TOKENS, max(self.chunk_size, self.step_token_budget) + self.max_num_seqs)
+
     def validate(self) -> None:
         if self.page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
@@ -147,9 +155,10 @@ class EngineConfig:
             raise ValueError(f"fa3_num_splits must be >= 0, got {self.fa3_num_splits}")
         self.gemv_projections()
         self.decode_kernel_overrides()
-        if not 0 <= self.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
+        if not -1 <= self.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
             raise ValueError(
-                f"prefill_graph_tokens must be 0..{MAX_PREFILL_GRAPH_TOKENS} (0: off), got {self.prefill_graph_tokens}"
+                f"prefill_graph_tokens must be -1..{MAX_PREFILL_GRAPH_TOKENS} (-1: auto, 0: off), got "
+                f"{self.prefill_graph_tokens}"
             )
         if self.cuda_graph_max_context < 0:
             raise ValueError(

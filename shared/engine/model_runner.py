@@ -203,7 +203,7 @@ class ModelRunner:
             self.kv_cache,
             self.backend,
             self.device,
-            cfg.prefill_graph_tokens,
+            cfg.graph_step_tokens(),
             self.graph_runner is not None,
             tp=tp,
         )

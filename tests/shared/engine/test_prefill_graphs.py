@@ -167,6 +167,13 @@ def test_buckets_and_when_graphs_are_captured():
 
 def test_cpu_engine_has_no_prefill_graphs_and_the_setting_is_checked(llama_engine, checkpoint):
     assert llama_engine.runner.prefill_graphs is None
-    for bad in (-1, 8193):
+    for bad in (-2, 8193):
         with pytest.raises(ValueError, match="prefill_graph_tokens"):
             EngineConfig(model_dir=str(checkpoint("llama")), prefill_graph_tokens=bad).validate()
+    cfg = lambda **kw: EngineConfig(model_dir="m", **kw)  # noqa: E731
+    assert cfg().graph_step_tokens() == 2048 + 64  # auto: a full chunk beside a full decode batch
+    assert cfg(step_token_budget=4096, max_num_seqs=8).graph_step_tokens() == 4104
+    assert cfg(step_token_budget=-1).graph_step_tokens() == 2112  # colocated auto budget: not known at load
+    assert cfg(chunk_size=8192).graph_step_tokens() == 8192
+    assert cfg(prefill_graph_tokens=512).graph_step_tokens() == 512
+    assert cfg(prefill_graph_tokens=0).graph_step_tokens() == 0
