@@ -163,3 +163,16 @@ def assert_gathered(out, full, table, lens, page_size: int) -> None:
     for b in range(len(lens)):
         n = int(lens[b])
         assert torch.equal(out[:, b, :n], full[:, page_slots(table[b], n, page_size)])
+
+
+def skip_without_fa3_gpu() -> None:
+    """pytest.skip unless this host has a CUDA sm90 GPU, triton and FA3 (the GPU engine tests' needs)."""
+    from pdserve.engine import kernels
+    from pdserve.engine.attention import select_backend
+    from pdserve.engine.kernel_choice import KernelChoice
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not kernels.HAVE_TRITON:
+        pytest.skip("needs a CUDA sm90 GPU and triton")
+    backend, reason = select_backend("auto", torch.device("cuda"), torch.bfloat16, KernelChoice())
+    if backend.name != "fa3":
+        pytest.skip(f"FA3 unavailable: {reason}")

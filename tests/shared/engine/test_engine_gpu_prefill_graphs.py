@@ -9,27 +9,19 @@ import time
 
 import pytest
 import torch
-from engine_testutil import forced_logits, random_prompt
+from engine_testutil import forced_logits, random_prompt, skip_without_fa3_gpu
 
-from pdserve.engine import kernels
-from pdserve.engine.attention import AttentionMetadata, select_backend
-from pdserve.engine.kernel_choice import KernelChoice
+from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not kernels.HAVE_TRITON,
-    reason="needs a CUDA sm90 GPU and triton",
-)
 KW = dict(
     device="cuda", dtype="bfloat16", attention_backend="fa3", page_size=16, chunk_size=80, num_pages=128, max_num_seqs=8
 )
 
 
 @pytest.fixture(scope="module", autouse=True)
-def need_fa3():
-    backend, reason = select_backend("auto", torch.device("cuda"), torch.bfloat16, KernelChoice())
-    if backend.name != "fa3":
-        pytest.skip(f"FA3 unavailable: {reason}")
+def fa3_gpu():
+    skip_without_fa3_gpu()
 
 
 PROMPTS = [random_prompt(n, seed=n) for n in (1, 15, 16, 17, 33, 64, 70, 150)]
