@@ -165,6 +165,7 @@ class PrefillCall:
                 attrs["pdserve.chunk.forward_ms"] = round(runner.launch_wall_ns / 1e6, 3)
                 attrs["pdserve.chunk.forward_cpu_ms"] = round(runner.launch_cpu_ns / 1e6, 3)
                 attrs["pdserve.chunk.layer_export_ms"] = round(runner.layer_export_ns / 1e6, 3)
+                attrs["pdserve.chunk.graph_tokens"] = runner.launch_graph_tokens  # 0: launched eagerly
             self.scope.record("prefill.chunk", start_ns, attrs)
         if self.upload_pending:  # the step that imported the prefix ran its first chunk
             self.upload_pending = False

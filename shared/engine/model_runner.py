@@ -165,6 +165,7 @@ class ModelRunner:
         self.launch_wall_ns = 0
         self.launch_cpu_ns = 0
         self.layer_export_ns = 0  # the last forward's layer-group exports (kv_handoff's hook), wall ns
+        self.launch_graph_tokens = 0  # the prefill graph bucket the last `run` replayed (0: eager or decode graphs)
 
     def _load(self, cfg: EngineConfig, mc: ModelConfig, tp: RankShard | None) -> None:
         """Kernels, backend, the model (this rank's shard at TP > 1), the KV pool and the decode graphs."""
@@ -290,6 +291,7 @@ class ModelRunner:
         meta = AttentionMetadata(starts, q_lens, tables, self.page_size, self.device, num_decode)
         graphs = self.prefill_graphs
         if graphs is not None and graphs.can_run(len(ids)):
+            self.launch_graph_tokens = graphs.bucket(len(ids))
             return graphs.forward(ids, meta)
         # the ids through pinned memory: a plain device copy would wait for the previous chunk's kernels
         return self.model(to_device(ids, torch.long, self.device), meta, self.kv_cache, self.backend)
@@ -585,6 +587,7 @@ class ModelRunner:
         `top_logprobs` alternatives) for the prompt positions p this step computed, when its sampling asks for
         prompt_logprobs)."""
         wall0, cpu0 = time.time_ns(), time.thread_time_ns()
+        self.launch_graph_tokens = 0
         ids: list[int] = []
         for seq, n in zip(seqs, num_new_tokens):
             ids.extend(seq.tokens(seq.num_computed_tokens, seq.num_computed_tokens + n))

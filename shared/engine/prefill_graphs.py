@@ -218,6 +218,28 @@ class PrefillGraphRunner:
         return self._hidden[:t]
 
 
+def capture_or_release(runner: PrefillGraphRunner) -> bool:
+    """Capture `runner`'s graphs. Should that fail (out of device memory: the graphs live outside the share the KV
+    pool was sized from; or a capture error), log why, drop what was captured and return False: the engine then
+    runs those steps eagerly rather than not start (the GPU tests check that capture succeeds)."""
+    try:
+        runner.capture()
+        return True
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        runner.replays.clear()
+        runner.recorder.clear()
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning(
+            "prefill CUDA graphs off: capturing buckets up to %d tokens failed (%s: %s); steps with prefill rows run "
+            "eagerly (lower --prefill-graph-tokens or --gpu-memory-utilization to leave the graphs room)",
+            runner.buckets[-1],
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
+        return False
+
+
 def prefill_graph_mode(
     max_tokens: int, decode_graphs: bool, device: torch.device, fused: bool, backend_name: str, tp
 ) -> tuple[str, str]:
@@ -242,7 +264,8 @@ def make_prefill_graph_runner(
         return None
     reserved = torch.cuda.memory_reserved(device)
     runner = PrefillGraphRunner(model, cache, backend, device, buckets_up_to(max_tokens), Recorder(device, mode))
-    runner.capture()
+    if not capture_or_release(runner):
+        return None
     log.info(
         "captured piecewise prefill CUDA graphs for token buckets %s (%d segments each) in %.1f s: buffers, graph "
         "pool and outputs %.1f MiB",

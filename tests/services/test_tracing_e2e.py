@@ -167,6 +167,7 @@ def test_one_trace_across_services_with_parent_child_structure(traced):
         assert 0 < a["pdserve.chunk.forward_ms"] <= a["pdserve.chunk.launched_ms"]
         assert 0 < a["pdserve.chunk.forward_cpu_ms"] <= a["pdserve.chunk.forward_ms"] * 1.05 + 0.5
         assert 0 <= a["pdserve.chunk.layer_export_ms"] <= a["pdserve.chunk.forward_ms"]
+        assert a["pdserve.chunk.graph_tokens"] == 0  # CPU: no prefill graphs, every chunk launched eagerly
     assert prefill.start_ns <= lookup.start_ns <= lookup.end_ns <= chunks[0].start_ns
     assert chunks[-1].end_ns <= prefill.end_ns
     assert router.start_ns <= decode.start_ns <= recv.start_ns <= prefill.start_ns

@@ -11,7 +11,7 @@ import torch
 from engine_testutil import random_prompt
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.prefill_graphs import PrefillGraphRunner, buckets_up_to, prefill_graph_mode
+from pdserve.engine.prefill_graphs import PrefillGraphRunner, buckets_up_to, capture_or_release, prefill_graph_mode
 from pdserve.engine.request import EngineRequest
 from pdserve.engine.sampling import SamplingParams
 
@@ -177,3 +177,24 @@ def test_cpu_engine_has_no_prefill_graphs_and_the_setting_is_checked(llama_engin
     assert cfg(chunk_size=8192).graph_step_tokens() == 8192
     assert cfg(prefill_graph_tokens=512).graph_step_tokens() == 512
     assert cfg(prefill_graph_tokens=0).graph_step_tokens() == 0
+
+
+def test_a_capture_that_runs_out_of_memory_leaves_the_engine_eager(make_engine, caplog):
+    """The graphs live outside the memory share the KV pool was sized from: a capture that runs out of device
+    memory drops the graphs (the engine then launches every step eagerly) instead of failing the start."""
+    e = make_engine("llama", page_size=4)
+    r = e.runner
+
+    class OutOfMemoryAtThird(EagerRecorder):
+        def record(self, fn):
+            if self.recorded == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 58.00 MiB")
+            return super().record(fn)
+
+    graphs = PrefillGraphRunner(r.model, SkipPaddingWrites(r.kv_cache), r.backend, r.device, [8], OutOfMemoryAtThird())
+    with caplog.at_level("WARNING", logger="pdserve.engine"):
+        assert not capture_or_release(graphs)
+    assert not graphs.replays and not graphs.can_run(4) and graphs.recorder.recorded == 0
+    assert "prefill CUDA graphs off" in caplog.text and "OutOfMemoryError" in caplog.text
+    ok = PrefillGraphRunner(r.model, SkipPaddingWrites(r.kv_cache), r.backend, r.device, [8], EagerRecorder())
+    assert capture_or_release(ok) and ok.can_run(8)
