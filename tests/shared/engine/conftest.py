@@ -32,6 +32,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "llama",
         dict(seed=1, head_dim=8, attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3_ROPE),
     ),
+    "qwen3": ("qwen3", {}),  # per-head q/k RMSNorm
     "llama_hd64": ("llama", dict(head_dim=64)),  # a head_dim FlashAttention-3 kernels are built for (GPU test)
     "llama_hd128": ("llama", dict(head_dim=128)),  # the int8 byte-plane decode kernels' head_dim (GPU test)
 }

@@ -76,7 +76,7 @@ def run(engine, prompts):
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_variant"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama_variant"])
 def test_graph_steps_give_the_eager_tokens(make_engine, name):
     """Prompts at bucket and page edges, alone and batched (mixed steps: decode rows beside prefill chunks), and
     chunks longer than the largest bucket (those run eagerly)."""
