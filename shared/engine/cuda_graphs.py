@@ -1,6 +1,7 @@
 """CUDA graphs for pure decode steps: one graph per batch size in a fixed set, each capturing the whole model
 forward plus the LM head, replayed over static input buffers. A step that also prefills (a mixed step,
-scheduler.py) runs eagerly: its row count and chunk shapes vary from step to step. The graph also takes the
+scheduler.py) cannot replay these (its row count and chunk shapes vary from step to step): it replays the
+piecewise prefill graphs (prefill_graphs.py: everything but attention, per token bucket) or runs eagerly. The graph also takes the
 argmax of the logits and copies it into pinned host memory, so a greedy step costs the host one event wait (no
 argmax launch, no separate device-to-host copy).
 
