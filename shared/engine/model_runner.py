@@ -166,6 +166,8 @@ class ModelRunner:
         self.launch_cpu_ns = 0
         self.layer_export_ns = 0  # the last forward's layer-group exports (kv_handoff's hook), wall ns
         self.launch_graph_tokens = 0  # the prefill graph bucket the last `run` replayed (0: eager or decode graphs)
+        # steps by how their forward was launched (the engine thread writes, a metrics scrape reads)
+        self.steps_launched = {"decode_graph": 0, "prefill_graph": 0, "eager": 0}
 
     def _load(self, cfg: EngineConfig, mc: ModelConfig, tp: RankShard | None) -> None:
         """Kernels, backend, the model (this rank's shard at TP > 1), the KV pool and the decode graphs."""
@@ -603,6 +605,8 @@ class ModelRunner:
             starts = [s.num_computed_tokens for s in seqs]
             hidden = self._forward(ids, starts, list(num_new_tokens), [s.page_table for s in seqs], num_decode)
         self.launched_ns = time.time_ns()  # the step's forward is queued (its host time ends; the device's goes on)
+        how = "decode_graph" if graph_logits is not None else "prefill_graph" if self.launch_graph_tokens else "eager"
+        self.steps_launched[how] += 1
         if self._launched is not None:
             self._launched.record()
         self.launch_wall_ns, self.launch_cpu_ns = self.launched_ns - wall0, time.thread_time_ns() - cpu0

@@ -152,6 +152,13 @@ def watch_engine(metrics: ServiceMetrics, loop) -> None:
         lambda: {("submitted",): loop.anytime_submitted, ("ran_during_gpu_wait",): loop.ran_during_gpu_wait},
         ["event"],
     )
+    metrics.counter(
+        "engine_steps",
+        "Engine steps by how their forward was launched: decode_graph (a captured decode batch), prefill_graph "
+        "(the piecewise prefill graphs of a token bucket), eager (kernel by kernel)",
+        lambda: {(k,): v for k, v in loop.engine.runner.steps_launched.items()},
+        ["launch"],
+    )
     metrics.gauge(
         "tensor_parallel_size",
         "Ranks (processes) of this instance's tensor-parallel group (1: no tensor parallelism)",

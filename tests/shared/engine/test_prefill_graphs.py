@@ -92,6 +92,8 @@ def test_graph_steps_give_the_eager_tokens(make_engine, name):
     assert [run(graph, [p])[0] for p in prompts] == want
     assert run(graph, prompts) == want  # batched: mixed steps
     assert {4, 8, 16} <= set(used)
+    steps = graph.runner.steps_launched
+    assert steps["prefill_graph"] == len(used) and steps["eager"] > 0 and steps["decode_graph"] == 0  # CPU
 
 
 def test_graph_forward_matches_eager_hidden_states(make_engine):
