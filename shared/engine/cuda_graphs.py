@@ -1,9 +1,9 @@
 """CUDA graphs for pure decode steps: one graph per batch size in a fixed set, each capturing the whole model
 forward plus the LM head, replayed over static input buffers. A step that also prefills (a mixed step,
 scheduler.py) cannot replay these (its row count and chunk shapes vary from step to step): it replays the
-piecewise prefill graphs (prefill_graphs.py: everything but attention, per token bucket) or runs eagerly. The graph also takes the
-argmax of the logits and copies it into pinned host memory, so a greedy step costs the host one event wait (no
-argmax launch, no separate device-to-host copy).
+piecewise prefill graphs (prefill_graphs.py: everything but attention, per token bucket) or runs eagerly. The
+graph also takes the argmax of the logits and copies it into pinned host memory, so a greedy step costs the host
+one event wait (no argmax launch, no separate device-to-host copy).
 
 Static inputs live in one int32 device buffer: input ids, positions, KV slots, cache_seqlens [max_bs] each, then
 the page table [max_bs, W] with W = ceil(max_context / page_size). max_context is the model's whole context (or
