@@ -211,7 +211,7 @@ class PrefillGraphRunner:
         replays[0]()
         for i in range(self.num_layers):
             attn = layers[i].self_attn
-            attn_out.copy_(self.backend.attend(i, q, meta, self.cache, attn.scale).view(t, -1))
+            attn_out.copy_(self.backend.attend(i, q, meta, self.cache, attn.scale).reshape(t, -1))
             if hook is not None:  # layer i's K/V are in the pool (written by segment i)
                 hook(i)
             replays[i + 1]()
