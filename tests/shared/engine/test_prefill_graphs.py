@@ -200,3 +200,37 @@ def test_a_capture_that_runs_out_of_memory_leaves_the_engine_eager(make_engine, 
     assert "prefill CUDA graphs off" in caplog.text and "OutOfMemoryError" in caplog.text
     ok = PrefillGraphRunner(r.model, SkipPaddingWrites(r.kv_cache), r.backend, r.device, [8], EagerRecorder())
     assert capture_or_release(ok) and ok.can_run(8)
+
+
+def test_graph_steps_keep_prompt_logprobs_sampling_and_forks(make_engine):
+    """What a step reads off the hidden states besides the last row: prompt logprobs of every chunk (all rows of
+    the static buffer's view), sampled tokens with their logprobs, and n > 1 forks, equal to eager."""
+    prompt = random_prompt(21, seed=7)  # chunks of 8: 8, 8, 5 (buckets 8, 8, 8)
+    params = [
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=True, top_logprobs=3),
+        SamplingParams(max_tokens=5, temperature=1.1, seed=3, ignore_eos=True, logprobs=True, top_logprobs=2),
+        SamplingParams(max_tokens=4, temperature=0.9, seed=5, ignore_eos=True),  # n = 2 below
+    ]
+
+    def outputs(engine) -> list[tuple]:
+        got = []
+        for k, sp in enumerate(params):
+            engine.add_request(EngineRequest(f"q{k}", prompt, sp, n=2 if k == 2 else 1))
+            toks: dict[int, list[int]] = {}
+            lps, plps = [], []
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    toks.setdefault(o.index, []).extend(o.new_token_ids)
+                    lps += [(lp.token_id, round(lp.logprob, 5)) for lp in o.logprobs]
+                    plps += [(lp.token_id, round(lp.logprob, 5), [t for t, _ in lp.top]) for lp in o.prompt_logprobs]
+            got.append((toks, lps, plps))
+        assert engine.allocator.num_used == 0
+        return got
+
+    want = outputs(make_engine("llama", page_size=4, chunk_size=8))
+    graph = make_engine("llama", page_size=4, chunk_size=8)
+    with_graphs(graph, [8, 16])
+    got = outputs(graph)
+    assert got == want
+    assert len(want[0][2]) == 20 and len(want[2][0]) == 2  # every prompt position scored; two forks
+    assert graph.runner.steps_launched["prefill_graph"] >= 9
