@@ -184,14 +184,15 @@ def redis_fetch_gbps(url: str, page_bytes: int, pages: int = 230, reps: int = 5)
 def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, cache: bool, page_bytes: int,
                 shards: list[int], fetch_modes: list[str] = ("auto",),  # type: ignore[assignment]
                 grpc_transport: str = "grpc-shm", shippers: list[str] = ("",)):  # type: ignore[assignment]  # fmt: skip
-    """gpu_serving stacks on GPU0: the grpc part (the first stack, its KV transport forced to `grpc_transport`:
+    """gpu_serving stacks on GPU0: the grpc part (a stack of its own, its KV transport forced to `grpc_transport`:
     grpc-shm, the gRPC wire with its bytes in the shipper processes, what two hosts use by default, or grpc; one 2k
     request at a time, the second token and the KV GB/s) and the cache part once per `shards` entry (prefill's cache
     on one redis-server, or a Redis Cluster of that many shards on this host, Redis only: 4k TTFT cold, then one 90%
     prefix hit six times; then the prefill's own fetch rate from that Redis), each once per `fetch_modes` entry (the
     prefill's --cache-fetch-process; details `cache_shards_N` for the last, `cache_shards_N_fetch_MODE` for the
-    others). The keys: the last run's. The first token leaves ahead of the KV pages, so the transport leaves the
-    cache part's TTFTs alone. `shippers` other than [""] (--kv-shippers): the grpc part on stacks of its own, once
+    others), on stacks of the one-GPU default transport (a hit ships its whole prefix to decode: through the grpc
+    part's forced transport its pages would leave through host copies beside the tail's compute). The keys: the
+    last run's. `shippers` other than [""] (--kv-shippers): the grpc part on stacks of its own, once
     per entry (the services' --kv-shippers), each followed by a raw gRPC stream of this host
     (`grpc_shippers_side_by_side` in details; the keys, raw_grpc_gbps included, the last entry's)."""
     from pdserve.testing.redis_cluster import RedisClusterServers
@@ -204,7 +205,16 @@ def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, ca
         if not cache:
             return keys, details
         grpc = False
-    runs = [(n, m) for n in shards for m in fetch_modes] if cache else [(0, "auto")]
+    if grpc:  # a stack of its own: its forced transport never carries the cache part's hits
+        stack = gs.start(model, workdir / "served-grpc", grpc_transport, {})
+        try:
+            details["grpc"] = got = gs.served_ttft(stack, grpc_transport, rng, reps=5)
+            got["transport"] = grpc_transport
+            k = "shm" if grpc_transport == "grpc-shm" else "grpc"
+            keys.update(t2t_ms_2k_grpc=got[f"served_t2t_ms_2k_{k}"], kv_gbps_grpc=got[f"kv_gbps_{k}"])
+        finally:
+            stack.stop()
+    runs = [(n, m) for n in shards for m in fetch_modes] if cache else []
     for run, (n, mode) in enumerate(runs):
         redis: Any = None
         if n == 1:
@@ -217,14 +227,8 @@ def served_part(model: Path, workdir: Path, rng: torch.Generator, grpc: bool, ca
             if n > 1:
                 env["PDSERVE_PREFILL_REDIS_CLUSTER"] = "true"
             env["PDSERVE_PREFILL_CACHE_FETCH_PROCESS"] = mode
-            transport = grpc_transport if grpc and run == 0 else "auto"
-            stack = gs.start(model, workdir / f"served-{n}-{run}", transport, env)
+            stack = gs.start(model, workdir / f"served-{n}-{run}", "auto", env)  # the one-GPU default transport
             try:
-                if grpc and run == 0:
-                    details["grpc"] = got = gs.served_ttft(stack, grpc_transport, rng, reps=5)
-                    got["transport"] = grpc_transport
-                    k = "shm" if grpc_transport == "grpc-shm" else "grpc"
-                    keys.update(t2t_ms_2k_grpc=got[f"served_t2t_ms_2k_{k}"], kv_gbps_grpc=got[f"kv_gbps_{k}"])
                 if redis:
                     details[name] = got = gs.redis_repeat_figures(stack, rng)
                     got["fetch_process"] = mode
