@@ -15,9 +15,9 @@ if TYPE_CHECKING:
 # torch is imported where it is used: processes that only read engine settings (`pdserve up`, the router) stay
 # without it (about 200 MB of RSS each)
 
-CPU_KV_CACHE_BYTES = 128 << 20
-MAX_PREFILL_GRAPH_TOKENS = 8192  # largest prefill graph bucket: past a few thousand tokens a step computes longer
-# than it launches  # CPU, kv_cache_memory "auto": the pool is allocated up front; small suits a demo
+CPU_KV_CACHE_BYTES = 128 << 20  # CPU, kv_cache_memory "auto": the pool is allocated up front; small suits a demo
+# largest prefill graph bucket: past a few thousand tokens a step computes far longer than it launches
+MAX_PREFILL_GRAPH_TOKENS = 8192
 
 
 @dataclass

@@ -519,12 +519,12 @@ class ModelRunner:
     def _wait_gpu(self, event: torch.cuda.Event) -> None:
         self.gpu_wait(event)  # read at each wait: the loop sets it after the runner is built
 
-    # ---- chained greedy decode (EngineConfig.overlap_decode) ------------------------------------------------
     def device_busy(self) -> bool:
         """Whether the device still computes the last step this runner launched: until then the next step's forward
         could not start on it anyway (a host wait meanwhile costs nothing)."""
         return self._launched is not None and not self._launched.query()
 
+    # ---- chained greedy decode (EngineConfig.overlap_decode) ------------------------------------------------
     def can_chain(self, batch_size: int, max_position: int) -> bool:
         """Whether a greedy decode step of `batch_size` rows up to position `max_position` can be launched before
         the previous step's tokens reach the host: through the decode graphs on CUDA, eagerly elsewhere (CPU

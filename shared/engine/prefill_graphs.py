@@ -40,8 +40,8 @@ from pdserve.engine.attention import AttentionMetadata
 
 log = logging.getLogger("pdserve.engine")
 
-# token buckets: a step pads to the smallest that holds it. Multiples of 128 past 128 rows: a 416-token step padded
-# to 448 rows took longer than one of 512 (H100, bench/diag/prefill_launch.py)
+# token buckets: a step pads to the smallest that holds it. Multiples of 128 past 128 rows: a GEMM of an odd multiple
+# of 64 rows can take longer than one padded to the next multiple of 128 (bench/diag/prefill_launch.py times them)
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
 
@@ -116,7 +116,8 @@ class PrefillGraphRunner:
         pin = device.type == "cuda"
         # two host buffers in turn: filling one never waits for the copy of the step just launched
         self._rows_host = [torch.zeros(3, top, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        # each buffer's last copy to the device (an event never recorded is complete); none on CPU
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if pin else []
         self._turn = 0
         self._residual = torch.zeros(top, cfg.hidden_size, dtype=dtype, device=device)  # [top, hidden]
         self._q = torch.zeros(top, heads, head_dim, dtype=dtype, device=device)  # [top, H, D] rotated q
@@ -197,14 +198,13 @@ class PrefillGraphRunner:
         t = len(ids)
         bs = self.bucket(t)
         turn = self._turn = 1 - self._turn
-        host, copied = self._rows_host[turn], self._copied[turn]
-        if copied is not None:
-            copied.synchronize()  # this buffer's last copy (two steps ago) has left it
+        host = self._rows_host[turn]
+        if self._copied:
+            self._copied[turn].synchronize()  # this buffer's last copy (two steps ago) has left it
         self._fill_rows(host.numpy(), ids, meta, bs)
         self._rows_dev[:, :bs].copy_(host[:, :bs], non_blocking=True)
-        if self.device.type == "cuda":
-            event = self._copied[turn] = torch.cuda.Event()
-            event.record()
+        if self._copied:
+            self._copied[turn].record()
         self._attn_out[t:bs].zero_()  # padding rows enter every segment as zeros
         replays, layers, hook = self.replays[bs], self.model.decoder_layers, self.model.layer_hook
         q, attn_out = self._q[:t], self._attn_out[:t]

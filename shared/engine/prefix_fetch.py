@@ -17,13 +17,11 @@ prefill), from the measured rates (the fetch's own, or the store's recent one, a
 step waits for every cached page still to land when that is sooner than computing the next chunk while the pages
 after it land (then the fetch skips that chunk's pages: `skip_to`); a wait ends by 1.5x its prediction or the
 next chunk's compute time, whichever is longer (so a fetch that stalls costs at most about one chunk); whatever
-landed is loaded, the rest computed. On a GPU the engine thread reaches
-the next step while the device still computes the last chunk, so that wait overlaps it; first of all, it waits
-for the pages for as long as the device is still busy (`ModelRunner.device_busy`), which costs nothing. While a
-rate is unknown,
-the request waits for the fetch's next batch (which measures it) for at most `PROBE_SHARE` of its cached span's
-compute time (`UNMEASURED_WAIT_S` without a prefill rate): a first hit costs at most that much more than
-computing.
+landed is loaded, the rest computed. On a GPU the engine thread reaches the next step while the device still
+computes the last chunk, so that wait overlaps it; first of all, it waits for the pages for as long as the device
+is still busy (`ModelRunner.device_busy`), which costs nothing. While a rate is unknown, the request waits for the
+fetch's next batch (which measures it) for at most `PROBE_SHARE` of its cached span's compute time
+(`UNMEASURED_WAIT_S` without a prefill rate): a first hit costs at most that much more than computing.
 
 A failure here (a page the pool cannot take) ends that fetch; the sequence computes, the step goes on.
 """
