@@ -3,7 +3,7 @@ device, int8 KV, decode graphs) at batch 1 (context 512) and batch 128 (context 
 step's kernels from torch.profiler (graph replays included) summed by name.
 
     python bench/diag/decode_kernels.py [--formats fp8_channel,fp8_block,bf16] [--steps 10] [--pdl on|off|both]
-                                        [--prefill 8192]
+                                        [--prefill 8192] [--swiglu-ab 3]
 
 Prints, per format and batch, the step's wall median, the GPU kernel time per step and the kernels by total time
 (time a step, launches a step, mean us). Under programmatic dependent launch (--pdl, on by default on Hopper) a
@@ -47,6 +47,27 @@ def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
         print(f"  {t / steps / 1e3:8.3f} ms  {count / steps:6.1f}/step  {t / count:8.2f} us  {name}")
 
 
+def swiglu_ab(e, rounds: int, name: str) -> None:
+    """Batch-1 step wall medians with `Fp8Linear.fuse_swiglu` on and off, alternated, the decode graphs re-captured
+    at each switch; prints each round and the medians' ratio."""
+    from pdserve.engine.quant.fp8_linear import Fp8Linear
+
+    layers = [m for m in e.runner.model.modules() if isinstance(m, Fp8Linear)]
+    got: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for fused in (r % 2 == 0, r % 2 != 0):
+            for m in layers:
+                m.fuse_swiglu = fused
+            e.runner.graph_runner.capture()
+            got[fused].append(statistics.median(ge.time_decode_steps(e, 40)[10:]))
+            print(f"[{name}] b1 round {r} SwiGLU {'in the GEMV' if fused else 'separate'}: {got[fused][-1]:.3f} ms")
+    on, off = statistics.median(got[True]), statistics.median(got[False])
+    print(f"[{name}] b1 SwiGLU in the GEMV {on:.3f} ms vs separate {off:.3f} ms: {on / off:.3f}x")
+    for m in layers:
+        m.fuse_swiglu = True
+    e.runner.graph_runner.capture()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="fp8_channel,fp8_block", help=f"of {', '.join(fw.FORMATS_8B)}")
@@ -62,6 +83,13 @@ def main() -> None:
         default="on",
         choices=("on", "off", "both"),
         help="the engine's programmatic dependent launches (off: each kernel's time is its own)",
+    )
+    ap.add_argument(
+        "--swiglu-ab",
+        type=int,
+        default=0,
+        help="FP8: also time batch 1 with SwiGLU inside the down GEMV and with the separate SwiGLU kernel, "
+        "alternated this many rounds on one engine (graphs re-captured each switch)",
     )
     args = ap.parse_args()
     from pdserve.engine.sampling import SamplingParams
@@ -90,6 +118,8 @@ def main() -> None:
             wall = ge.time_decode_steps(e, 40)[10:]
             print(f"[{name}] b1 ctx512 step wall median {statistics.median(wall):.3f} ms")
             kernel_table(e, args.steps)
+            if args.swiglu_ab and name.startswith("fp8"):
+                swiglu_ab(e, args.swiglu_ab, name)
             e.abort("itl")
             e.step()
             ge.fill_decode_batch(e, 128, 2048, g)

@@ -46,6 +46,7 @@ STREAM_MAX_ROWS = 16  # the CUDA-core path "stream" (its products per row grow w
 # never: it keeps fewer bytes in flight than either), then the tensor cores ("dot")
 AUTO_STREAM_ROWS = 1  # the sweep: "stream" is fastest at M = 1 (8B layer 2.83 TB/s vs dot 2.26), "dot" from M = 2
 AUTO_FMA_ROWS = 0
+ACTIVATIONS = (None, "silu_mul")  # what the "stream" path may apply to x as it loads it (`_x_row`)
 GROUP = 128  # columns of one block-scale group
 K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals
 # "stream": weight bytes a thread loads as one vector; 8 bf16 of x are also 16 bytes, so x's columns land in the
@@ -259,9 +260,23 @@ def _e4m3_bits(w):
 
 
 @triton.jit
+def _x_row(x_row, k, ok, K, SILU_MUL: tl.constexpr):
+    """Columns k [BLOCK_K] of one input row in float32; SILU_MUL: the row is gate_up [2K] (gate | up) and the
+    columns are silu(gate) * up, rounded to the activation dtype as kernels/silu_mul.py rounds them (silu, then
+    the product), so the fused GEMV multiplies the very values the separate SwiGLU kernel would have written."""
+    x = tl.load(x_row + k, mask=ok, other=0.0)
+    if SILU_MUL:
+        u = tl.load(x_row + K + k, mask=ok, other=0.0)
+        gf = x.to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32)
+        x = (a * u.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SBN: tl.constexpr,
-            SCALES: tl.constexpr, ACC_K: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_K: tl.constexpr):  # fmt: skip
+            SCALES: tl.constexpr, ACC_K: tl.constexpr, BITS: tl.constexpr, SILU_MUL: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """acc += the weight tile w [BLOCK_N, BLOCK_K] times x's step `st` columns, row by row of x, in float32.
     Each thread first sums its own runs of W_VEC columns (q [BLOCK_N, BLOCK_K / W_VEC]: no data leaves the
     thread), where the block scale applies (a run lies inside one 128-column group); then q joins acc
@@ -285,7 +300,7 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
         s = tl.load(s_ptr + (n // SBN)[:, None] * KG + grp[None, :], mask=n_ok[:, None] & (grp[None, :] < KG),
                     other=0.0)  # fmt: skip
     for i in tl.static_range(BLOCK_M):
-        x = tl.load(x_ptr + i * x_stride + k, mask=k_ok & (i < M), other=0.0).to(tl.float32)  # [BLOCK_K]
+        x = _x_row(x_ptr + i * x_stride, k, k_ok & (i < M), K, SILU_MUL)  # [BLOCK_K] float32
         if BITS:
             x *= X_SCALE
         q = tl.sum(tl.reshape(wf * x[None, :], (wf.shape[0], RUNS, W_VEC)), axis=2)  # [BLOCK_N, RUNS]
@@ -307,7 +322,8 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
 def _fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride, split,
     SBN: tl.constexpr, SCALES: tl.constexpr, ACC_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BITS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Path "stream": the bf16 GEMV's shape (kernels/gemv.py) over e4m3 bytes; a program streams BLOCK_N rows in
     [BLOCK_N, BLOCK_K] steps (W_VEC contiguous bytes a thread a row), products and sums on the CUDA cores in
@@ -333,14 +349,14 @@ def _fp8_stream_kernel(
         if PREFETCH:  # the next tile's loads issued before this step's math
             w_next = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BITS, BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
             w = w_next
         else:
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BITS, BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
             w = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
     acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, last - 1, SBN, SCALES, ACC_K, BITS,
-                  BLOCK_M, BLOCK_K)  # fmt: skip
+                  SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
     if ACC_K:
         out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     else:
@@ -395,6 +411,7 @@ def fp8_gemv(
     acc_k: bool | None = None,
     prefetch: bool | None = None,
     bits: bool | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; bf16, fp16 or fp32), w e4m3 [N, K], scale float32: [N] per channel (scale_rows=0),
     else [ceil(N/scale_rows), ceil(K/128)] (scale_rows 128: 128x128 blocks, 1: per row per 128 columns); bias [N]
@@ -405,11 +422,16 @@ def fp8_gemv(
     zeroed tensor per call); `pdl`: programmatic dependent launch (Hopper); `path`: "auto" (choose_path),
     "stream", "fma" or "dot" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
     `acc_k`: run sums kept elementwise until after the K loop (where they fit STREAM_ACC_THREAD_ELEMENTS);
-    `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`)."""
-    m, k = x.shape
+    `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`);
+    `act="silu_mul"`: x is gate_up [M, 2K] and the kernel multiplies silu(gate) * up (the separate SwiGLU kernel's
+    values), "stream" only."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
+    m, k = x.shape[0], w.shape[1]
     n = w.shape[0]
     kg = triton.cdiv(k, GROUP)
-    assert m <= MAX_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1 and scale.is_contiguous()
+    assert x.shape[1] == (2 * k if act else k), (x.shape, w.shape, act)
+    assert m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1 and scale.is_contiguous()
     if scale_rows:
         assert scale.shape == (triton.cdiv(n, scale_rows), kg), (scale.shape, n, k, scale_rows)
     else:
@@ -418,6 +440,7 @@ def fp8_gemv(
     if m == 0:
         return y
     path = choose_path(path, m)
+    assert act is None or path == "stream", f"act={act!r} on path {path!r}: the fused SwiGLU is the stream path's"
     cfg = SHAPE_CONFIGS.get((path, triton.next_power_of_2(m), n, k), DEFAULTS[path])
     block_n, num_warps = block_n or cfg["block_n"], num_warps or cfg["num_warps"]
     num_stages, programs_per_sm = num_stages or cfg["num_stages"], programs_per_sm or cfg["programs_per_sm"]
@@ -460,7 +483,7 @@ def fp8_gemv(
     sbn = max(scale_rows, 1)
     if path == "stream":
         _fp8_stream_kernel[(tiles, split)](*args, SBN=sbn, SCALES=scales, ACC_K=acc_k, PREFETCH=prefetch,
-                                           HAS_BIAS=bias is not None, BITS=bits,
+                                           HAS_BIAS=bias is not None, BITS=bits, SILU_MUL=act == "silu_mul",
                                            USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                            **launch)  # fmt: skip
     else:

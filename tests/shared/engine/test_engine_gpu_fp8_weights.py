@@ -133,6 +133,21 @@ def test_fp8_gemv_8b_shapes_in_a_graph(scheme, m):
         assert rel(out, x.float() @ lin.dequantized_weight().t() + lin.bias.float()) < 1e-2
 
 
+@pytest.mark.parametrize("scheme", [ONLINE_FP8, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_swiglu_inside_the_down_gemv_equals_the_separate_kernel(scheme, pdl):
+    """`Fp8Linear.swiglu` (SwiGLU applied by the stream GEMV as it loads gate_up) equals the SwiGLU kernel followed
+    by the same GEMV bit for bit, at the 8B and 70B down shapes and a K tail, inside a CUDA graph."""
+    from pdserve.engine.kernels.silu_mul import silu_mul
+
+    for n, k in [(4096, 14336), (8192, 28672), (136, 1000)]:
+        lin = layer(n, k, scheme, seed=n + k)[0]
+        gate_up = (torch.randn(1, 2 * k, device=DEV) * 2).bfloat16()
+        assert lin.takes_swiglu(gate_up) and not lin.takes_swiglu(gate_up.repeat(2, 1))
+        eager, outs = captured(lambda lin=lin, gu=gate_up: [lin.swiglu(gu, pdl=pdl), lin(silu_mul(gu), pdl=pdl)])
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], eager[0]), (n, k)
+
+
 def fp8_engine(model_dir, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=str(model_dir), **{**KW, **kw}))
 
