@@ -47,24 +47,36 @@ def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
         print(f"  {t / steps / 1e3:8.3f} ms  {count / steps:6.1f}/step  {t / count:8.2f} us  {name}")
 
 
+# SwiGLU variants at batch 1: name -> (Fp8Linear.fuse_swiglu, Fp8Linear.swiglu_launch); every program of the
+# fused GEMV recomputes SwiGLU over its columns, so fewer, wider programs (split along K) do less of it
+SWIGLU_VARIANTS = {
+    "separate": (False, {}),
+    "in the GEMV": (True, {}),
+    "in the GEMV, 32 rows a program": (True, dict(block_n=32, block_k=512, num_stages=3)),
+}
+
+
 def swiglu_ab(e, rounds: int, name: str) -> None:
-    """Batch-1 step wall medians with `Fp8Linear.fuse_swiglu` on and off, alternated, the decode graphs re-captured
-    at each switch; prints each round and the medians' ratio."""
+    """Batch-1 step wall medians of each SWIGLU_VARIANTS entry, rotated round by round, the decode graphs
+    re-captured at each switch; prints each round and each median's ratio to "separate"."""
     from pdserve.engine.quant.fp8_linear import Fp8Linear
 
     layers = [m for m in e.runner.model.modules() if isinstance(m, Fp8Linear)]
-    got: dict[bool, list[float]] = {True: [], False: []}
+    names = list(SWIGLU_VARIANTS)
+    got: dict[str, list[float]] = {v: [] for v in names}
     for r in range(rounds):
-        for fused in (r % 2 == 0, r % 2 != 0):
+        for v in names[r % len(names) :] + names[: r % len(names)]:
             for m in layers:
-                m.fuse_swiglu = fused
+                m.fuse_swiglu, m.swiglu_launch = SWIGLU_VARIANTS[v]
             e.runner.graph_runner.capture()
-            got[fused].append(statistics.median(ge.time_decode_steps(e, 40)[10:]))
-            print(f"[{name}] b1 round {r} SwiGLU {'in the GEMV' if fused else 'separate'}: {got[fused][-1]:.3f} ms")
-    on, off = statistics.median(got[True]), statistics.median(got[False])
-    print(f"[{name}] b1 SwiGLU in the GEMV {on:.3f} ms vs separate {off:.3f} ms: {on / off:.3f}x")
+            got[v].append(statistics.median(ge.time_decode_steps(e, 40)[10:]))
+            print(f"[{name}] b1 round {r} SwiGLU {v}: {got[v][-1]:.3f} ms")
+    base = statistics.median(got["separate"])
+    for v in names:
+        med = statistics.median(got[v])
+        print(f"[{name}] b1 SwiGLU {v}: {med:.3f} ms, {med / base:.3f}x separate")
     for m in layers:
-        m.fuse_swiglu = True
+        m.fuse_swiglu, m.swiglu_launch = True, {}
     e.runner.graph_runner.capture()
 
 

@@ -92,6 +92,7 @@ class Fp8Linear(nn.Module):
         # decode batches the "stream" GEMV takes: SwiGLU applied by the GEMV as it loads gate_up (`swiglu`), one
         # kernel a layer less than the separate silu_mul launch
         self.fuse_swiglu = True
+        self.swiglu_launch: dict = {}  # fp8_gemv launch settings of that fused GEMV ({}: the shape's defaults)
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -134,7 +135,7 @@ class Fp8Linear(nn.Module):
         assert self.takes_swiglu(gate_up), gate_up.shape
         scale_rows = 0 if self.block is None else self.block[0]
         return fp8_gemv(gate_up, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path="stream",
-                        counters=self._tickets(gate_up.device), act="silu_mul")  # fmt: skip
+                        counters=self._tickets(gate_up.device), act="silu_mul", **self.swiglu_launch)  # fmt: skip
 
     def forward(self, x: torch.Tensor | Fp8Activation, pdl: bool = False) -> torch.Tensor:
         """x [T, K] (or that quantized per token, see `takes_fp8`) -> [T, N] in x's dtype. `pdl`: the GEMV as a
