@@ -3,7 +3,7 @@ device, int8 KV, decode graphs) at batch 1 (context 512) and batch 128 (context 
 step's kernels from torch.profiler (graph replays included) summed by name.
 
     python bench/diag/decode_kernels.py [--formats fp8_channel,fp8_block,bf16] [--steps 10] [--pdl on|off|both]
-                                        [--prefill 8192] [--swiglu-ab 3]
+                                        [--prefill 8192] [--gemv-ab 3]
 
 Prints, per format and batch, the step's wall median, the GPU kernel time per step and the kernels by total time
 (time a step, launches a step, mean us). Under programmatic dependent launch (--pdl, on by default on Hopper) a
@@ -47,36 +47,43 @@ def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
         print(f"  {t / steps / 1e3:8.3f} ms  {count / steps:6.1f}/step  {t / count:8.2f} us  {name}")
 
 
-# SwiGLU variants at batch 1: name -> (Fp8Linear.fuse_swiglu, Fp8Linear.swiglu_launch); every program of the
-# fused GEMV recomputes SwiGLU over its columns, so fewer, wider programs (split along K) do less of it
-SWIGLU_VARIANTS = {
-    "separate": (False, {}),
-    "in the GEMV": (True, {}),
-    "in the GEMV, 32 rows a program": (True, dict(block_n=32, block_k=512, num_stages=3)),
+# batch-1 variants: name -> Fp8Linear attributes. SwiGLU separate or inside the down GEMV (every program of the fused
+# GEMV recomputes SwiGLU over its columns, so fewer, wider programs split along K do less of it); the GEMV on the
+# tensor cores ("tc") instead of the CUDA cores ("stream")
+GEMV_VARIANTS = {
+    "SwiGLU separate": dict(fuse_swiglu=False, swiglu_launch={}, gemv_path="auto"),
+    "SwiGLU in the GEMV": dict(fuse_swiglu=True, swiglu_launch={}, gemv_path="auto"),
+    "SwiGLU in the GEMV, 32 rows a program": dict(
+        fuse_swiglu=True, swiglu_launch=dict(block_n=32, block_k=512, num_stages=3), gemv_path="auto"
+    ),
+    "GEMV path tc": dict(fuse_swiglu=False, swiglu_launch={}, gemv_path="tc"),
 }
 
 
-def swiglu_ab(e, rounds: int, name: str) -> None:
-    """Batch-1 step wall medians of each SWIGLU_VARIANTS entry, rotated round by round, the decode graphs
-    re-captured at each switch; prints each round and each median's ratio to "separate"."""
+def gemv_ab(e, rounds: int, name: str) -> None:
+    """Batch-1 step wall medians of each GEMV_VARIANTS entry, rotated round by round, the decode graphs re-captured
+    at each switch; prints each round and each median's ratio to the first entry. Leaves the defaults set."""
     from pdserve.engine.quant.fp8_linear import Fp8Linear
 
     layers = [m for m in e.runner.model.modules() if isinstance(m, Fp8Linear)]
-    names = list(SWIGLU_VARIANTS)
+    names = list(GEMV_VARIANTS)
+    defaults = {k: getattr(layers[0], k) for k in GEMV_VARIANTS[names[0]]}
     got: dict[str, list[float]] = {v: [] for v in names}
     for r in range(rounds):
         for v in names[r % len(names) :] + names[: r % len(names)]:
             for m in layers:
-                m.fuse_swiglu, m.swiglu_launch = SWIGLU_VARIANTS[v]
+                for k, val in GEMV_VARIANTS[v].items():
+                    setattr(m, k, val)
             e.runner.graph_runner.capture()
             got[v].append(statistics.median(ge.time_decode_steps(e, 40)[10:]))
-            print(f"[{name}] b1 round {r} SwiGLU {v}: {got[v][-1]:.3f} ms")
-    base = statistics.median(got["separate"])
+            print(f"[{name}] b1 round {r} {v}: {got[v][-1]:.3f} ms")
+    base = statistics.median(got[names[0]])
     for v in names:
         med = statistics.median(got[v])
-        print(f"[{name}] b1 SwiGLU {v}: {med:.3f} ms, {med / base:.3f}x separate")
+        print(f"[{name}] b1 {v}: {med:.3f} ms, {med / base:.3f}x {names[0]}")
     for m in layers:
-        m.fuse_swiglu, m.swiglu_launch = True, {}
+        for k, val in defaults.items():
+            setattr(m, k, val)
     e.runner.graph_runner.capture()
 
 
@@ -97,11 +104,11 @@ def main() -> None:
         help="the engine's programmatic dependent launches (off: each kernel's time is its own)",
     )
     ap.add_argument(
-        "--swiglu-ab",
+        "--gemv-ab",
         type=int,
         default=0,
-        help="FP8: also time batch 1 with SwiGLU inside the down GEMV and with the separate SwiGLU kernel, "
-        "alternated this many rounds on one engine (graphs re-captured each switch)",
+        help="FP8: also time batch 1 under each GEMV_VARIANTS entry (SwiGLU inside the down GEMV or not, the GEMV "
+        "path), rotated this many rounds on one engine (graphs re-captured each switch)",
     )
     args = ap.parse_args()
     from pdserve.engine.sampling import SamplingParams
@@ -130,8 +137,8 @@ def main() -> None:
             wall = ge.time_decode_steps(e, 40)[10:]
             print(f"[{name}] b1 ctx512 step wall median {statistics.median(wall):.3f} ms")
             kernel_table(e, args.steps)
-            if args.swiglu_ab and name.startswith("fp8"):
-                swiglu_ab(e, args.swiglu_ab, name)
+            if args.gemv_ab and name.startswith("fp8"):
+                gemv_ab(e, args.gemv_ab, name)
             e.abort("itl")
             e.step()
             ge.fill_decode_batch(e, 128, 2048, g)

@@ -13,7 +13,11 @@ power-of-2 multiple of the 128-column scale group) and multiplies it in one of t
 - path "fma" (M <= FMA_MAX_ROWS; "auto" does not take it: AUTO_FMA_ROWS): on the CUDA cores in float32, the tile
   viewed as [BLOCK_N, BLOCK_K / 128, 128] so that each 128-column group's partial sum meets its own block scale;
 - path "dot" (larger M under "auto"): one 128-column group per step on the tensor cores (e4m3 -> activation dtype
-  is exact, fp32 sum).
+  is exact, fp32 sum);
+- path "tc" (16-bit x only): "dot" with the operands swapped (the weight tile as the MMA's rows, x's rows padded
+  to 16 as its columns: Hopper's wgmma wants 64 rows) and in float16: e4m3 -> float16 is one conversion per two
+  weights (bf16 needs integer ops), and each step scales its x columns per row by a power of two that float16
+  holds exactly (`_x_f16`), undone on the step's fp32 partial sums.
 Scales: per channel (scale [N]) once per program at the end; per 128x128 block (scale [ceil(N/128), ceil(K/128)])
 or per row per 128 columns (`scale_rows=1`) per group, before the group's sum joins the accumulator.
 bench/fp8_gemv_sweep.py times every path and PATH_CONFIGS entry (the defaults and AUTO_* come from it).
@@ -74,7 +78,9 @@ DEFAULT_DOT = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_
 # "stream": its K loop software-pipelined 3 deep over 1024-column steps keeps more weight bytes in flight: one 8B
 # layer's four projections at M = 1 in a CUDA graph take 0.0745 ms (H200) against 0.0854 for 2048 columns unpipelined
 DEFAULT_STREAM = dict(block_n=8, block_k=1024, num_warps=4, num_stages=3, programs_per_sm=4, acc_k=True, prefetch=False)
-DEFAULTS = {"stream": DEFAULT_STREAM, "fma": DEFAULT_FMA, "dot": DEFAULT_DOT}
+# "tc": as "dot", the MMA's operands swapped (the weight tile its rows) and in float16 (`_x_f16`)
+DEFAULT_TC = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4)
+DEFAULTS = {"stream": DEFAULT_STREAM, "fma": DEFAULT_FMA, "dot": DEFAULT_DOT, "tc": DEFAULT_TC}
 # (path, M rounded up to a power of 2, N, K) -> launch config for a known decode shape, taken before DEFAULTS[path]
 # (bench/fp8_gemv_sweep.py prints this table from its best configs)
 # the fastest launch per decode shape as bench/fp8_gemv_sweep.py prints it (Hopper); "stream" at M = 1 takes
@@ -143,8 +149,13 @@ PATH_CONFIGS = {
                                 (128, 8, 3, 2), (16, 4, 4, 8), (64, 4, 3, 8), (128, 8, 6, 4), (256, 8, 4, 2)]
     ],
     "fma": [DEFAULT_FMA] + [{k: v for k, v in c.items() if k != "path"} for c in SWEEP_CONFIGS[:-2]],
+    "tc": [DEFAULT_TC] + [
+        dict(block_n=bn, block_k=GROUP, num_warps=nw, num_stages=ns, programs_per_sm=pps)
+        for bn, nw, ns, pps in [(64, 4, 3, 8), (64, 4, 6, 4), (128, 4, 4, 4), (128, 8, 4, 2), (128, 4, 6, 2),
+                                (64, 8, 4, 4), (256, 8, 3, 2), (64, 4, 8, 4)]
+    ],
 }  # fmt: skip
-PATH_MAX_ROWS = {"stream": STREAM_MAX_ROWS, "fma": FMA_MAX_ROWS, "dot": MAX_M}
+PATH_MAX_ROWS = {"stream": STREAM_MAX_ROWS, "fma": FMA_MAX_ROWS, "dot": MAX_M, "tc": MAX_M}
 
 
 @triton.jit
@@ -163,10 +174,38 @@ def _w_tile(w_rows, n_ok, st, K, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
+def _x_f16(x):
+    """x [BLOCK_M, 128] (float32 values of 16-bit activations) -> (x * 2**e as float16, 2**-e [BLOCK_M]) with e per
+    row putting its largest |x| in [2**13, 2**14): float16 then holds every column exactly (bf16's 8 significant
+    bits fit float16's 11 down to 2**-27 of that largest one; nothing reaches 65504) and the tensor cores multiply
+    it by e4m3 (exact in float16) with float32 sums. e from the float32 exponent bits: exact, no log2."""
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+    exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)) (amax normal)
+    # at most 2**126 either way (both factors normal float32): rows below 2**-113 come up part of the way
+    e = tl.minimum(tl.maximum(tl.where(amax > 0, 13 - exp, 0), -126), 126)
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)  # 2**e
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e
+    return (x * up[:, None]).to(tl.float16), down
+
+
+@triton.jit
 def _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, st, SBN: tl.constexpr, PER_CHANNEL: tl.constexpr,
-          FP32: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_M, BLOCK_N] += x's step `st` columns times the weight tile `w` (block scales applied)."""
-    if DOT:
+          FP32: tl.constexpr, DOT: tl.constexpr, TC: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] ([BLOCK_N, BLOCK_M] with TC) += x's step `st` columns times the weight tile `w` (block
+    scales applied)."""
+    if TC:  # weights as the MMA's rows (M >= 64 for Hopper's wgmma), x's rows padded to 16 as its columns
+        k = st * K_GROUP + tl.arange(0, K_GROUP)
+        x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        x16, down = _x_f16(x.to(tl.float32))
+        part = tl.dot(w.to(tl.float16), tl.trans(x16))  # [BLOCK_N, BLOCK_M], |part| < 2**14 * 448 * 128
+        # the weight scale (per channel too), then 2**-e, each step: no sum in raw e4m3 units (up to 448x the output)
+        # that could overflow float32 where the output does not, and no factor s * 2**-e below float32's normals
+        if PER_CHANNEL:
+            s = tl.load(s_ptr + n, mask=n_ok, other=0.0)
+        else:
+            s = tl.load(s_ptr + (n // SBN) * KG + st, mask=n_ok, other=0.0)
+        acc += (part * s[:, None]) * down[None, :]
+    elif DOT:
         k = st * K_GROUP + tl.arange(0, K_GROUP)
         x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         if FP32:
@@ -194,7 +233,8 @@ def _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, st, SBN: tl.cons
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride, split,
     SBN: tl.constexpr, PER_CHANNEL: tl.constexpr, FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr, TC: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,16 +243,23 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + n[:, None].to(tl.int64) * w_stride  # [BLOCK_N, 1]
     first = pid_k * steps_per_split
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
-    w = _w_tile(w_rows, n_ok, first, K, BLOCK_K, DOT)  # in flight before the wait: weights are never written
+    w = _w_tile(w_rows, n_ok, first, K, BLOCK_K, DOT or TC)  # in flight before the wait: weights are never written
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, first, SBN, PER_CHANNEL, FP32, DOT, BLOCK_K)
+    if TC:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, first, SBN, PER_CHANNEL, FP32, DOT, TC,
+                BLOCK_K)  # fmt: skip
     for st in range(first + 1, last):
-        w = _w_tile(w_rows, n_ok, st, K, BLOCK_K, DOT)
-        acc = _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, st, SBN, PER_CHANNEL, FP32, DOT, BLOCK_K)
-    if PER_CHANNEL:
+        w = _w_tile(w_rows, n_ok, st, K, BLOCK_K, DOT or TC)
+        acc = _step(acc, w, x_ptr, s_ptr, m, n, n_ok, M, K, KG, x_stride, st, SBN, PER_CHANNEL, FP32, DOT, TC,
+                    BLOCK_K)  # fmt: skip
+    if TC:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N], every scale applied
+    elif PER_CHANNEL:
         acc *= tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
     split_k_store(acc, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N, split, HAS_BIAS)
 
@@ -420,7 +467,7 @@ def fp8_gemv(
     columns a step at larger BLOCK_M; STREAM_THREAD_ELEMENTS); `split`: programs along K (0: from the SM
     count); `counters`: int32 [>= ceil(N / block_n)], zero (the kernel leaves them zero), for split-K (None: a
     zeroed tensor per call); `pdl`: programmatic dependent launch (Hopper); `path`: "auto" (choose_path),
-    "stream", "fma" or "dot" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
+    "stream", "fma", "dot" or "tc" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
     `acc_k`: run sums kept elementwise until after the K loop (where they fit STREAM_ACC_THREAD_ELEMENTS);
     `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`);
     `act="silu_mul"`: x is gate_up [M, 2K] and the kernel multiplies silu(gate) * up (the separate SwiGLU kernel's
@@ -441,6 +488,7 @@ def fp8_gemv(
         return y
     path = choose_path(path, m)
     assert act is None or path == "stream", f"act={act!r} on path {path!r}: the fused SwiGLU is the stream path's"
+    assert path != "tc" or x.dtype in (torch.bfloat16, torch.float16), f"path 'tc' takes 16-bit x, not {x.dtype}"
     cfg = SHAPE_CONFIGS.get((path, triton.next_power_of_2(m), n, k), DEFAULTS[path])
     block_n, num_warps = block_n or cfg["block_n"], num_warps or cfg["num_warps"]
     num_stages, programs_per_sm = num_stages or cfg["num_stages"], programs_per_sm or cfg["programs_per_sm"]
@@ -449,8 +497,8 @@ def fp8_gemv(
     bits = cfg.get("bits", False) if bits is None else bits
     scales = 0 if not scale_rows else 1 if scale_rows % block_n == 0 else 2  # "stream": 1 = one scale row a program
     acc_k = acc_k and path == "stream"
-    block_m = 16 if path == "dot" else triton.next_power_of_2(m)
-    if path == "dot":
+    block_m = 16 if path in ("dot", "tc") else triton.next_power_of_2(m)
+    if path in ("dot", "tc"):
         block_k = GROUP
     else:  # columns a step within the register budget (a power of 2, at least one group); "stream" multiplies
         # x's rows one after another by the same tile, so its budget does not shrink with M
@@ -489,6 +537,7 @@ def fp8_gemv(
     else:
         _fp8_gemv_kernel[(tiles, split)](
             *args, SBN=sbn, PER_CHANNEL=not scale_rows, FP32=x.dtype == torch.float32, HAS_BIAS=bias is not None,
-            DOT=path == "dot", USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch,
+            DOT=path == "dot", TC=path == "tc", USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            **launch,
         )  # fmt: skip
     return y

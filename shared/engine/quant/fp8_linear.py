@@ -93,6 +93,7 @@ class Fp8Linear(nn.Module):
         # kernel a layer less than the separate silu_mul launch
         self.fuse_swiglu = True
         self.swiglu_launch: dict = {}  # fp8_gemv launch settings of that fused GEMV ({}: the shape's defaults)
+        self.gemv_path = "auto"  # fp8_gemv's path for the GEMV's rows ("tc" only where x is 16-bit, else "auto")
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -123,6 +124,7 @@ class Fp8Linear(nn.Module):
         rows = gate_up.shape[0]
         return (
             self.fuse_swiglu
+            and self.gemv_path in ("auto", "stream")
             and self.triton
             and gate_up.is_cuda
             and 1 <= rows <= min(self.gemv_max_rows, GEMV_MAX_ROWS, AUTO_STREAM_ROWS)
@@ -153,7 +155,8 @@ class Fp8Linear(nn.Module):
             from pdserve.engine.quant.fp8_gemv import fp8_gemv
 
             scale_rows = 0 if self.block is None else self.block[0]
-            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl,
+            path = "auto" if self.gemv_path == "tc" and x.dtype == torch.float32 else self.gemv_path
+            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path=path,
                             counters=self._tickets(x.device))  # fmt: skip
         if self.block is not None:
             out = self._block_gemm(x)

@@ -356,7 +356,7 @@ for m, n, k, split, dt, bk in [(1, 136, 320, 2, torch.float32, 256), (3, 136, 40
     # split-K tickets: one buffer for every call of the case, each call must leave it zero for the next
     counters = torch.zeros(counter_slots(n), dtype=torch.int32)
     # stream also with elementwise accumulators (acc_k) and without the prefetch
-    variants = [(p, False, True) for p, most in PATH_MAX_ROWS.items() if m <= most]
+    variants = [(p, False, True) for p, most in PATH_MAX_ROWS.items() if m <= most and p != "tc"]  # tc: TC_SCRIPT
     # the stream variants at M = 1 only, the rows "auto" gives them (the interpreter takes ~2 s a call): "auto"'s
     # (acc_k, no prefetch) in both cases, acc_k with the prefetch where a program takes several steps (K 1000 in
     # 128-column steps, split 3: the prefetch loop turns over; at K 320 a program takes one or two)
@@ -418,6 +418,53 @@ def test_fp8_gemv_bits_equals_the_conversion_path():
     r = subprocess.run([sys.executable, "-c", BITS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("equal") == 6, r.stdout
+
+
+TC_SCRIPT = r"""
+import torch
+from pdserve.engine.quant.fp8_gemv import fp8_gemv
+from pdserve.engine.quant.fp8_quant import expand_block_scales, quantize_weight_blocks, quantize_weight_per_channel
+torch.manual_seed(0)
+# path "tc" (16-bit x): M 1, 3, 16; N and K tails; split-K; rows of very different magnitudes (each row's own power
+# of two), one all zero, one of ~1e36 (outputs near float32's largest), one tiny (~2**-115: rescaled by the most,
+# 2**126; float32 subnormals stay out: the interpreter multiplies them wrongly)
+for m, n, k, split, dt in [(1, 136, 320, 2, torch.float16), (3, 72, 1000, 3, torch.bfloat16),
+                           (16, 200, 264, 0, torch.bfloat16), (5, 64, 384, 1, torch.float16)]:
+    w = torch.randn(n, k)
+    mags = torch.tensor([1.0, 3e4, 1e-3, 0.0, 2.0**-115, 1e36])[torch.arange(m) % 6].double()
+    if dt == torch.float16:
+        mags = mags.clamp(min=1e-4, max=1e4) * (mags > 0)
+    # |x| in [mags, 2 mags): the tiny row keeps clear of float32's subnormals
+    x = ((torch.rand(m, k).double() + 1) * torch.randn(m, k).sign().double() * mags[:, None]).to(dt)
+    wq, ws = quantize_weight_blocks(w)
+    cq, cs = quantize_weight_per_channel(w)
+    rows = ws.repeat_interleave(128, 0)[:n].contiguous()
+    dense_b = wq.double() * expand_block_scales(ws, n, k, (128, 128)).double()
+    dense_c = cq.double() * cs.double()[:, None]
+    for wt, sc, scale_rows, dense, bn in [(wq, ws, 128, dense_b, 64), (wq, rows, 1, dense_b, 128),
+                                          (cq, cs, 0, dense_c, 64)]:
+        y = fp8_gemv(x, wt, sc, None, scale_rows, torch.float32, path="tc", split=split, block_n=bn).double()
+        ref = x.double() @ dense.t()
+        for i in range(m):  # per row: relative to the row's own size (row 3 is all zero: exactly zero)
+            err = (y[i] - ref[i]).abs().max().item() / max(ref[i].abs().max().item(), 1e-300)
+            assert (err < 1e-5) if ref[i].abs().max() > 0 else y[i].abs().max() == 0, (m, n, k, scale_rows, i, err)
+        print(m, n, k, scale_rows, "ok")
+try:
+    fp8_gemv(torch.zeros(1, 256), cq[:, :256].contiguous(), cs, path="tc")
+except AssertionError as e:
+    print("refused:", e)
+"""
+
+
+def test_fp8_gemv_tc_path_in_the_triton_interpreter():
+    """Path "tc" (weights as the MMA's rows, float16 operands, a power of two per x row and step) equals the float64
+    product of x and the dequantized weight within float32 rounding, per row, over rows of 1e-3 to 1e36, zero rows
+    and rows of ~2**-115; float32 x is refused."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", TC_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count(" ok") == 12 and "refused: path 'tc' takes 16-bit x" in r.stdout, r.stdout
 
 
 SWIGLU_SCRIPT = r"""

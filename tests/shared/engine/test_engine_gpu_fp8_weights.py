@@ -148,6 +148,37 @@ def test_swiglu_inside_the_down_gemv_equals_the_separate_kernel(scheme, pdl):
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], eager[0]), (n, k)
 
 
+@pytest.mark.parametrize("scheme", [ONLINE_FP8, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_fp8_gemv_tc_path_8b_shapes_in_a_graph(scheme, m):
+    """Path "tc" (the weight tile as the MMA's rows, float16 operands) at the four 8B projections in one CUDA graph
+    with PDL: float32 outputs within float32 rounding of the dequantized weight times the bf16 activations (rows of
+    very different sizes each rescaled), and the engine's layers switched to it give the same bf16 outputs as the
+    default path to within bf16 rounding."""
+    from pdserve.engine.quant.fp8_gemv import fp8_gemv
+
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    layers = [layer(n, k, scheme, seed=n + k)[0] for n, k in shapes]
+    mags = torch.tensor([1.0, 300.0, 1e-3, 0.0, 1e4], device=DEV)[torch.arange(m, device=DEV) % 5]
+    xs = [(torch.randn(m, k, device=DEV) * mags[:, None]).bfloat16() for _, k in shapes]
+
+    def tc(lin, x):
+        scale_rows = 0 if lin.block is None else lin.block[0]
+        return fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, scale_rows, torch.float32, path="tc", pdl=True,
+                        counters=lin._tickets(x.device))  # fmt: skip
+
+    eager, outs = captured(lambda: [tc(lin, x) for lin, x in zip(layers, xs)])
+    for lin, x, e, out in zip(layers, xs, eager, outs):
+        assert torch.equal(out, e)
+        ref = x.double() @ lin.dequantized_weight(torch.float64).t() + lin.bias.double()
+        for i in range(m):  # each row against its own size (the zero row: the bias alone)
+            assert (out[i].double() - ref[i]).abs().max() <= 1e-5 * ref[i].abs().max() + 1e-6, (i, mags[i])
+        default = lin(x)
+        lin.gemv_path = "tc"
+        assert rel(lin(x), default) < 1e-2
+        lin.gemv_path = "auto"
+
+
 def fp8_engine(model_dir, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=str(model_dir), **{**KW, **kw}))
 
