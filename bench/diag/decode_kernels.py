@@ -47,22 +47,14 @@ def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
         print(f"  {t / steps / 1e3:8.3f} ms  {count / steps:6.1f}/step  {t / count:8.2f} us  {name}")
 
 
-# batch-1 variants: name -> Fp8Linear attributes. SwiGLU separate or inside the down GEMV (every program of the fused
-# GEMV recomputes SwiGLU over its columns, so fewer, wider programs split along K do less of it); the GEMV on the
-# tensor cores ("tc") instead of the CUDA cores ("stream")
-GEMV_VARIANTS = {
-    "SwiGLU separate": dict(fuse_swiglu=False, swiglu_launch={}, gemv_path="auto"),
-    "SwiGLU in the GEMV": dict(fuse_swiglu=True, swiglu_launch={}, gemv_path="auto"),
-    "SwiGLU in the GEMV, 32 rows a program": dict(
-        fuse_swiglu=True, swiglu_launch=dict(block_n=32, block_k=512, num_stages=3), gemv_path="auto"
-    ),
-    "GEMV path tc": dict(fuse_swiglu=False, swiglu_launch={}, gemv_path="tc"),
-}
+# GEMV variants: name -> Fp8Linear attributes: the path "auto" takes ("stream" at M = 1, "tc" above) or a forced one
+GEMV_VARIANTS = {f"GEMV path {p}": dict(gemv_path=p) for p in ("auto", "stream", "tc", "dot")}
 
 
 def gemv_ab(e, rounds: int, name: str) -> None:
-    """Batch-1 step wall medians of each GEMV_VARIANTS entry, rotated round by round, the decode graphs re-captured
-    at each switch; prints each round and each median's ratio to the first entry. Leaves the defaults set."""
+    """Decode step wall medians (the engine's running batch) of each GEMV_VARIANTS entry, rotated round by round,
+    the decode graphs re-captured at each switch; prints each round and each median's ratio to the first entry.
+    Leaves the defaults set."""
     from pdserve.engine.quant.fp8_linear import Fp8Linear
 
     layers = [m for m in e.runner.model.modules() if isinstance(m, Fp8Linear)]
@@ -76,11 +68,11 @@ def gemv_ab(e, rounds: int, name: str) -> None:
                     setattr(m, k, val)
             e.runner.graph_runner.capture()
             got[v].append(statistics.median(ge.time_decode_steps(e, 40)[10:]))
-            print(f"[{name}] b1 round {r} {v}: {got[v][-1]:.3f} ms")
+            print(f"[{name}] round {r} {v}: {got[v][-1]:.3f} ms")
     base = statistics.median(got[names[0]])
     for v in names:
         med = statistics.median(got[v])
-        print(f"[{name}] b1 {v}: {med:.3f} ms, {med / base:.3f}x {names[0]}")
+        print(f"[{name}] {v}: {med:.3f} ms, {med / base:.3f}x {names[0]}")
     for m in layers:
         for k, val in defaults.items():
             setattr(m, k, val)
@@ -107,8 +99,8 @@ def main() -> None:
         "--gemv-ab",
         type=int,
         default=0,
-        help="FP8: also time batch 1 under each GEMV_VARIANTS entry (SwiGLU inside the down GEMV or not, the GEMV "
-        "path), rotated this many rounds on one engine (graphs re-captured each switch)",
+        help="FP8: also time batch 1 under each GEMV_VARIANTS entry (the GEMV's path), rotated this many rounds on "
+        "one engine (graphs re-captured each switch)",
     )
     args = ap.parse_args()
     from pdserve.engine.sampling import SamplingParams
@@ -138,7 +130,13 @@ def main() -> None:
             print(f"[{name}] b1 ctx512 step wall median {statistics.median(wall):.3f} ms")
             kernel_table(e, args.steps)
             if args.gemv_ab and name.startswith("fp8"):
-                gemv_ab(e, args.gemv_ab, name)
+                gemv_ab(e, args.gemv_ab, f"{name} b1")
+                for i in range(3):  # batch 4 (ctx 512): the GEMV's tensor-core rows
+                    fw.submit(e, f"itl{i}", torch.randint(5, ge.SHAPE["vocab_size"], (512,), generator=g).tolist(), sp)
+                    e.step()
+                gemv_ab(e, args.gemv_ab, f"{name} b4")
+                for i in range(3):
+                    e.abort(f"itl{i}")
             e.abort("itl")
             e.step()
             ge.fill_decode_batch(e, 128, 2048, g)

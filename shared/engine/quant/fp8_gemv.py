@@ -3,7 +3,7 @@
 Weight-only dequantization: the activations stay in their dtype (bf16 in the engine; no activation quantizer
 launch) and the work is reading the weight bytes, so the kernels keep many of them in flight. Each program owns
 BLOCK_N output channels and a contiguous run of K; each step loads a [BLOCK_N, BLOCK_K] e4m3 tile (BLOCK_K a
-power-of-2 multiple of the 128-column scale group) and multiplies it in one of three ways (`choose_path`):
+power-of-2 multiple of the 128-column scale group) and multiplies it in one of four ways (`choose_path`):
 - path "stream" (M <= AUTO_STREAM_ROWS under "auto"): the bf16 GEMV's shape (kernels/gemv.py) over e4m3 bytes, on
   the CUDA cores in float32. The tile is loaded as plain rows, W_VEC bytes a thread (so x's bf16 columns land in
   the same threads without a shared-memory exchange), each thread sums its runs of W_VEC products in registers
@@ -12,14 +12,15 @@ power-of-2 multiple of the 128-column scale group) and multiplies it in one of t
   the loop has no cross-thread traffic at all;
 - path "fma" (M <= FMA_MAX_ROWS; "auto" does not take it: AUTO_FMA_ROWS): on the CUDA cores in float32, the tile
   viewed as [BLOCK_N, BLOCK_K / 128, 128] so that each 128-column group's partial sum meets its own block scale;
-- path "dot" (larger M under "auto"): one 128-column group per step on the tensor cores (e4m3 -> activation dtype
-  is exact, fp32 sum);
-- path "tc" (16-bit x only): "dot" with the operands swapped (the weight tile as the MMA's rows, x's rows padded
-  to 16 as its columns: Hopper's wgmma wants 64 rows) and in float16: e4m3 -> float16 is one conversion per two
-  weights (bf16 needs integer ops), and each step scales its x columns per row by a power of two that float16
-  holds exactly (`_x_f16`), undone on the step's fp32 partial sums.
-Scales: per channel (scale [N]) once per program at the end; per 128x128 block (scale [ceil(N/128), ceil(K/128)])
-or per row per 128 columns (`scale_rows=1`) per group, before the group's sum joins the accumulator.
+- path "dot" (larger M under "auto" for float32 x): one 128-column group per step on the tensor cores (e4m3 ->
+  activation dtype is exact, fp32 sum);
+- path "tc" (larger M under "auto" for 16-bit x, the only x it takes): "dot" with the operands swapped (the weight
+  tile as the MMA's rows, x's rows padded to 16 as its columns: Hopper's wgmma wants 64 rows) and in float16:
+  e4m3 -> float16 is one conversion per two weights (bf16 needs integer ops), and each step scales its x columns
+  per row by a power of two that float16 holds exactly (`_x_f16`), undone on the step's fp32 partial sums.
+Scales: per channel (scale [N]) once per program at the end ("tc": each step); per 128x128 block (scale
+[ceil(N/128), ceil(K/128)]) or per row per 128 columns (`scale_rows=1`) per group, before the group's sum joins
+the accumulator.
 bench/fp8_gemv_sweep.py times every path and PATH_CONFIGS entry (the defaults and AUTO_* come from it).
 
 Split-K (`split` programs along K, where the output channels alone give too few programs): each program writes
@@ -49,8 +50,9 @@ STREAM_MAX_ROWS = 16  # the CUDA-core path "stream" (its products per row grow w
 # which the CUDA cores keep up with at copy bandwidth only for a few rows), then "fma" up to AUTO_FMA_ROWS (0:
 # never: it keeps fewer bytes in flight than either), then the tensor cores ("dot")
 AUTO_STREAM_ROWS = 1  # the sweep: "stream" is fastest at M = 1 (8B layer 2.83 TB/s vs dot 2.26), "dot" from M = 2
+# (H200); past it "tc" for 16-bit x: an H100 sweep's layer graphs (PDL) at M = 4 / 16 ran 1.24x / 1.27x faster
+# than "dot" (8B), 1.21x / 1.16x (70B); at M = 1 "stream" stays ahead of both
 AUTO_FMA_ROWS = 0
-ACTIVATIONS = (None, "silu_mul")  # what the "stream" path may apply to x as it loads it (`_x_row`)
 GROUP = 128  # columns of one block-scale group
 K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals
 # "stream": weight bytes a thread loads as one vector; 8 bf16 of x are also 16 bytes, so x's columns land in the
@@ -110,6 +112,10 @@ SHAPE_CONFIGS: dict[tuple[str, int, int, int], dict] = {
     ('dot', 8, 10240, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
     ('dot', 8, 28672, 4096): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
     ('dot', 8, 57344, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4),
+    # "tc": an H100's sweep (bench/fp8_gemv_sweep.py --paths stream,tc,dot --ms 1,2,4,16 --scales channel)
+    ('tc', 4, 6144, 4096): dict(block_n=128, block_k=128, num_warps=8, num_stages=4, programs_per_sm=2),
+    ('tc', 4, 10240, 8192): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, programs_per_sm=8),
+    ('tc', 16, 10240, 8192): dict(block_n=128, block_k=128, num_warps=8, num_stages=4, programs_per_sm=2),
 }  # fmt: skip
 # the configurations bench/fp8_weights.py times at M = 1 (the last: the tensor-core path, the first version's)
 SWEEP_CONFIGS = [
@@ -307,23 +313,9 @@ def _e4m3_bits(w):
 
 
 @triton.jit
-def _x_row(x_row, k, ok, K, SILU_MUL: tl.constexpr):
-    """Columns k [BLOCK_K] of one input row in float32; SILU_MUL: the row is gate_up [2K] (gate | up) and the
-    columns are silu(gate) * up, rounded to the activation dtype as kernels/silu_mul.py rounds them (silu, then
-    the product), so the fused GEMV multiplies the very values the separate SwiGLU kernel would have written."""
-    x = tl.load(x_row + k, mask=ok, other=0.0)
-    if SILU_MUL:
-        u = tl.load(x_row + K + k, mask=ok, other=0.0)
-        gf = x.to(tl.float32)
-        a = (gf / (1.0 + tl.exp(-gf))).to(x.dtype).to(tl.float32)
-        x = (a * u.to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SBN: tl.constexpr,
-            SCALES: tl.constexpr, ACC_K: tl.constexpr, BITS: tl.constexpr, SILU_MUL: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+            SCALES: tl.constexpr, ACC_K: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_K: tl.constexpr):  # fmt: skip
     """acc += the weight tile w [BLOCK_N, BLOCK_K] times x's step `st` columns, row by row of x, in float32.
     Each thread first sums its own runs of W_VEC columns (q [BLOCK_N, BLOCK_K / W_VEC]: no data leaves the
     thread), where the block scale applies (a run lies inside one 128-column group); then q joins acc
@@ -347,7 +339,7 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
         s = tl.load(s_ptr + (n // SBN)[:, None] * KG + grp[None, :], mask=n_ok[:, None] & (grp[None, :] < KG),
                     other=0.0)  # fmt: skip
     for i in tl.static_range(BLOCK_M):
-        x = _x_row(x_ptr + i * x_stride, k, k_ok & (i < M), K, SILU_MUL)  # [BLOCK_K] float32
+        x = tl.load(x_ptr + i * x_stride + k, mask=k_ok & (i < M), other=0.0).to(tl.float32)  # [BLOCK_K]
         if BITS:
             x *= X_SCALE
         q = tl.sum(tl.reshape(wf * x[None, :], (wf.shape[0], RUNS, W_VEC)), axis=2)  # [BLOCK_N, RUNS]
@@ -369,8 +361,7 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
 def _fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride, split,
     SBN: tl.constexpr, SCALES: tl.constexpr, ACC_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BITS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Path "stream": the bf16 GEMV's shape (kernels/gemv.py) over e4m3 bytes; a program streams BLOCK_N rows in
     [BLOCK_N, BLOCK_K] steps (W_VEC contiguous bytes a thread a row), products and sums on the CUDA cores in
@@ -396,14 +387,14 @@ def _fp8_stream_kernel(
         if PREFETCH:  # the next tile's loads issued before this step's math
             w_next = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BITS, SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, BLOCK_M, BLOCK_K)  # fmt: skip
             w = w_next
         else:
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BITS, SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, BLOCK_M, BLOCK_K)  # fmt: skip
             w = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
     acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, last - 1, SBN, SCALES, ACC_K, BITS,
-                  SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
+                  BLOCK_M, BLOCK_K)  # fmt: skip
     if ACC_K:
         out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     else:
@@ -430,11 +421,13 @@ def counter_slots(n: int) -> int:
     return triton.cdiv(n, MIN_BLOCK_N)
 
 
-def choose_path(path: str, m: int) -> str:
-    """The path `fp8_gemv` runs at `m` rows for `path` ("auto": AUTO_STREAM_ROWS, AUTO_FMA_ROWS, else "dot")."""
+def choose_path(path: str, m: int, sixteen_bit: bool = True) -> str:
+    """The path `fp8_gemv` runs at `m` rows of x for `path` ("auto": "stream" to AUTO_STREAM_ROWS, "fma" to
+    AUTO_FMA_ROWS, then the tensor cores: "tc" for 16-bit x (`sixteen_bit`), else "dot")."""
     assert path in ("auto", *PATH_MAX_ROWS), path
     if path == "auto":
-        path = "stream" if m <= AUTO_STREAM_ROWS else "fma" if m <= AUTO_FMA_ROWS else "dot"
+        tensor_cores = "tc" if sixteen_bit else "dot"
+        path = "stream" if m <= AUTO_STREAM_ROWS else "fma" if m <= AUTO_FMA_ROWS else tensor_cores
     assert m <= PATH_MAX_ROWS[path], (path, m)
     return path
 
@@ -458,7 +451,6 @@ def fp8_gemv(
     acc_k: bool | None = None,
     prefetch: bool | None = None,
     bits: bool | None = None,
-    act: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; bf16, fp16 or fp32), w e4m3 [N, K], scale float32: [N] per channel (scale_rows=0),
     else [ceil(N/scale_rows), ceil(K/128)] (scale_rows 128: 128x128 blocks, 1: per row per 128 columns); bias [N]
@@ -469,16 +461,11 @@ def fp8_gemv(
     zeroed tensor per call); `pdl`: programmatic dependent launch (Hopper); `path`: "auto" (choose_path),
     "stream", "fma", "dot" or "tc" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
     `acc_k`: run sums kept elementwise until after the K loop (where they fit STREAM_ACC_THREAD_ELEMENTS);
-    `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`);
-    `act="silu_mul"`: x is gate_up [M, 2K] and the kernel multiplies silu(gate) * up (the separate SwiGLU kernel's
-    values), "stream" only."""
-    if act not in ACTIVATIONS:
-        raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
-    m, k = x.shape[0], w.shape[1]
+    `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`)."""
+    m, k = x.shape
     n = w.shape[0]
     kg = triton.cdiv(k, GROUP)
-    assert x.shape[1] == (2 * k if act else k), (x.shape, w.shape, act)
-    assert m <= MAX_M and x.stride(1) == 1 and w.stride(1) == 1 and scale.is_contiguous()
+    assert m <= MAX_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1 and scale.is_contiguous()
     if scale_rows:
         assert scale.shape == (triton.cdiv(n, scale_rows), kg), (scale.shape, n, k, scale_rows)
     else:
@@ -486,8 +473,7 @@ def fp8_gemv(
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    path = choose_path(path, m)
-    assert act is None or path == "stream", f"act={act!r} on path {path!r}: the fused SwiGLU is the stream path's"
+    path = choose_path(path, m, x.dtype in (torch.bfloat16, torch.float16))
     assert path != "tc" or x.dtype in (torch.bfloat16, torch.float16), f"path 'tc' takes 16-bit x, not {x.dtype}"
     cfg = SHAPE_CONFIGS.get((path, triton.next_power_of_2(m), n, k), DEFAULTS[path])
     block_n, num_warps = block_n or cfg["block_n"], num_warps or cfg["num_warps"]
@@ -531,7 +517,7 @@ def fp8_gemv(
     sbn = max(scale_rows, 1)
     if path == "stream":
         _fp8_stream_kernel[(tiles, split)](*args, SBN=sbn, SCALES=scales, ACC_K=acc_k, PREFETCH=prefetch,
-                                           HAS_BIAS=bias is not None, BITS=bits, SILU_MUL=act == "silu_mul",
+                                           HAS_BIAS=bias is not None, BITS=bits,
                                            USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                            **launch)  # fmt: skip
     else:

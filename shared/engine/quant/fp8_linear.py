@@ -89,11 +89,7 @@ class Fp8Linear(nn.Module):
         # projections at 8192 tokens take 2.97 ms fused against 3.12 ms with the separate quantizer pass (SwiGLU
         # single pass 0.157 ms vs 0.268 unfused, RMSNorm 0.063 vs 0.099; test_engine_gpu_fp8_fusion.py times them)
         self.fused_input = True
-        # decode batches the "stream" GEMV takes: SwiGLU applied by the GEMV as it loads gate_up (`swiglu`), one
-        # kernel a layer less than the separate silu_mul launch
-        self.fuse_swiglu = True
-        self.swiglu_launch: dict = {}  # fp8_gemv launch settings of that fused GEMV ({}: the shape's defaults)
-        self.gemv_path = "auto"  # fp8_gemv's path for the GEMV's rows ("tc" only where x is 16-bit, else "auto")
+        self.gemv_path = "auto"  # fp8_gemv's path for the GEMV's rows (bench/diag/decode_kernels.py --gemv-ab)
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -116,29 +112,6 @@ class Fp8Linear(nn.Module):
             and rows > min(self.gemv_max_rows, GEMV_MAX_ROWS)
         )
 
-    def takes_swiglu(self, gate_up: torch.Tensor) -> bool:
-        """Whether `swiglu` takes this gate_up [T, 2K]: a CUDA batch that the weight-only GEMV's "stream" path
-        multiplies (M <= fp8_gemv.AUTO_STREAM_ROWS)."""
-        from pdserve.engine.quant.fp8_gemv import AUTO_STREAM_ROWS
-
-        rows = gate_up.shape[0]
-        return (
-            self.fuse_swiglu
-            and self.gemv_path in ("auto", "stream")
-            and self.triton
-            and gate_up.is_cuda
-            and 1 <= rows <= min(self.gemv_max_rows, GEMV_MAX_ROWS, AUTO_STREAM_ROWS)
-        )
-
-    def swiglu(self, gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """gate_up [T, 2K] (gate | up) -> self(silu(gate) * up) [T, N], SwiGLU inside the GEMV (`takes_swiglu`)."""
-        from pdserve.engine.quant.fp8_gemv import fp8_gemv
-
-        assert self.takes_swiglu(gate_up), gate_up.shape
-        scale_rows = 0 if self.block is None else self.block[0]
-        return fp8_gemv(gate_up, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path="stream",
-                        counters=self._tickets(gate_up.device), act="silu_mul", **self.swiglu_launch)  # fmt: skip
-
     def forward(self, x: torch.Tensor | Fp8Activation, pdl: bool = False) -> torch.Tensor:
         """x [T, K] (or that quantized per token, see `takes_fp8`) -> [T, N] in x's dtype. `pdl`: the GEMV as a
         programmatic dependent launch (Hopper)."""
@@ -155,8 +128,7 @@ class Fp8Linear(nn.Module):
             from pdserve.engine.quant.fp8_gemv import fp8_gemv
 
             scale_rows = 0 if self.block is None else self.block[0]
-            path = "auto" if self.gemv_path == "tc" and x.dtype == torch.float32 else self.gemv_path
-            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path=path,
+            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path=self.gemv_path,
                             counters=self._tickets(x.device))  # fmt: skip
         if self.block is not None:
             out = self._block_gemm(x)
