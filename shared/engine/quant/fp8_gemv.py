@@ -12,9 +12,9 @@ power-of-2 multiple of the 128-column scale group) and multiplies it in one of f
   the loop has no cross-thread traffic at all;
 - path "fma" (M <= FMA_MAX_ROWS; "auto" does not take it: AUTO_FMA_ROWS): on the CUDA cores in float32, the tile
   viewed as [BLOCK_N, BLOCK_K / 128, 128] so that each 128-column group's partial sum meets its own block scale;
-- path "dot" (larger M under "auto" for float32 x): one 128-column group per step on the tensor cores (e4m3 ->
-  activation dtype is exact, fp32 sum);
-- path "tc" (larger M under "auto" for 16-bit x, the only x it takes): "dot" with the operands swapped (the weight
+- path "dot" (larger M under "auto"): one 128-column group per step on the tensor cores (e4m3 -> activation dtype
+  is exact, fp32 sum);
+- path "tc" (16-bit x only; "auto" does not take it, see AUTO_STREAM_ROWS): "dot" with the operands swapped (the weight
   tile as the MMA's rows, x's rows padded to 16 as its columns: Hopper's wgmma wants 64 rows) and in float16:
   e4m3 -> float16 is one conversion per two weights (bf16 needs integer ops), and each step scales its x columns
   per row by a power of two that float16 holds exactly (`_x_f16`), undone on the step's fp32 partial sums.
@@ -50,8 +50,9 @@ STREAM_MAX_ROWS = 16  # the CUDA-core path "stream" (its products per row grow w
 # which the CUDA cores keep up with at copy bandwidth only for a few rows), then "fma" up to AUTO_FMA_ROWS (0:
 # never: it keeps fewer bytes in flight than either), then the tensor cores ("dot")
 AUTO_STREAM_ROWS = 1  # the sweep: "stream" is fastest at M = 1 (8B layer 2.83 TB/s vs dot 2.26), "dot" from M = 2
-# (H200); past it "tc" for 16-bit x: an H100 sweep's layer graphs (PDL) at M = 4 / 16 ran 1.24x / 1.27x faster
-# than "dot" (8B), 1.21x / 1.16x (70B); at M = 1 "stream" stays ahead of both
+# (H200). "tc" is not "auto"'s: on an H100 its layer graphs (PDL, the sweep) at M = 4 / 16 ran 1.24x / 1.27x
+# faster than "dot"'s (8B), but the engine's decode step at batch 4 did not move (4.47 vs 4.43 ms), and at M = 1
+# "stream" stays ahead of both (docs/benchmarks.md)
 AUTO_FMA_ROWS = 0
 GROUP = 128  # columns of one block-scale group
 K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals
@@ -421,13 +422,11 @@ def counter_slots(n: int) -> int:
     return triton.cdiv(n, MIN_BLOCK_N)
 
 
-def choose_path(path: str, m: int, sixteen_bit: bool = True) -> str:
-    """The path `fp8_gemv` runs at `m` rows of x for `path` ("auto": "stream" to AUTO_STREAM_ROWS, "fma" to
-    AUTO_FMA_ROWS, then the tensor cores: "tc" for 16-bit x (`sixteen_bit`), else "dot")."""
+def choose_path(path: str, m: int) -> str:
+    """The path `fp8_gemv` runs at `m` rows for `path` ("auto": AUTO_STREAM_ROWS, AUTO_FMA_ROWS, else "dot")."""
     assert path in ("auto", *PATH_MAX_ROWS), path
     if path == "auto":
-        tensor_cores = "tc" if sixteen_bit else "dot"
-        path = "stream" if m <= AUTO_STREAM_ROWS else "fma" if m <= AUTO_FMA_ROWS else tensor_cores
+        path = "stream" if m <= AUTO_STREAM_ROWS else "fma" if m <= AUTO_FMA_ROWS else "dot"
     assert m <= PATH_MAX_ROWS[path], (path, m)
     return path
 
@@ -473,7 +472,7 @@ def fp8_gemv(
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    path = choose_path(path, m, x.dtype in (torch.bfloat16, torch.float16))
+    path = choose_path(path, m)
     assert path != "tc" or x.dtype in (torch.bfloat16, torch.float16), f"path 'tc' takes 16-bit x, not {x.dtype}"
     cfg = SHAPE_CONFIGS.get((path, triton.next_power_of_2(m), n, k), DEFAULTS[path])
     block_n, num_warps = block_n or cfg["block_n"], num_warps or cfg["num_warps"]

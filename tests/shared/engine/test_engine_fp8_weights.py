@@ -469,13 +469,13 @@ def test_fp8_gemv_tc_path_in_the_triton_interpreter():
 
 def test_fp8_gemv_auto_path_by_rows():
     """ "auto": the streaming CUDA-core path up to AUTO_STREAM_ROWS rows, then "fma" up to AUTO_FMA_ROWS, then the
-    tensor cores ("tc" for 16-bit x, "dot" for float32); an explicit path past its most rows is refused."""
+    tensor cores ("dot"); an explicit path past its most rows is refused."""
     pytest.importorskip("triton")
     from pdserve.engine.quant import fp8_gemv as G
 
     for m in range(1, G.MAX_M + 1):
-        want = "stream" if m <= G.AUTO_STREAM_ROWS else "fma" if m <= G.AUTO_FMA_ROWS else "tc"
+        want = "stream" if m <= G.AUTO_STREAM_ROWS else "fma" if m <= G.AUTO_FMA_ROWS else "dot"
         assert G.choose_path("auto", m) == want and G.choose_path("dot", m) == "dot"
-        assert G.choose_path("auto", m, sixteen_bit=False) == ("dot" if want == "tc" else want)
+        assert G.choose_path("tc", m) == "tc"
     with pytest.raises(AssertionError):
         G.choose_path("fma", G.FMA_MAX_ROWS + 1)
