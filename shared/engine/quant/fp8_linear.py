@@ -89,7 +89,9 @@ class Fp8Linear(nn.Module):
         # projections at 8192 tokens take 2.97 ms fused against 3.12 ms with the separate quantizer pass (SwiGLU
         # single pass 0.157 ms vs 0.268 unfused, RMSNorm 0.063 vs 0.099; test_engine_gpu_fp8_fusion.py times them)
         self.fused_input = True
-        self.gemv_path = "auto"  # fp8_gemv's path for the GEMV's rows (bench/diag/decode_kernels.py --gemv-ab)
+        # fp8_gemv's path for the GEMV's rows ("auto" where the path named cannot take them); a bench knob
+        # (bench/diag/decode_kernels.py --gemv-ab)
+        self.gemv_path = "auto"
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -125,10 +127,13 @@ class Fp8Linear(nn.Module):
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         if self.triton and x.shape[0] <= min(self.gemv_max_rows, GEMV_MAX_ROWS):
-            from pdserve.engine.quant.fp8_gemv import fp8_gemv
+            from pdserve.engine.quant.fp8_gemv import PATH_MAX_ROWS, fp8_gemv
 
             scale_rows = 0 if self.block is None else self.block[0]
-            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path=self.gemv_path,
+            path = self.gemv_path
+            if path != "auto" and (x.shape[0] > PATH_MAX_ROWS[path] or (path == "tc" and x.dtype == torch.float32)):
+                path = "auto"
+            return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path=path,
                             counters=self._tickets(x.device))  # fmt: skip
         if self.block is not None:
             out = self._block_gemm(x)

@@ -161,6 +161,8 @@ def test_fp8_gemv_tc_path_8b_shapes_in_a_graph(scheme, m):
         default = lin(x)
         lin.gemv_path = "tc"
         assert rel(lin(x), default) < 1e-2
+        lin.gemv_path = "fma"  # at most FMA_MAX_ROWS (4) rows: larger batches keep "auto"
+        assert m <= 4 or torch.equal(lin(x), default)
         lin.gemv_path = "auto"
 
 
