@@ -35,7 +35,7 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 def test_balanced_assignment(cluster):
     r = cluster.routers["A"]
-    before = assigned(r)
+    before, retries_before = assigned(r), listing(r).retries
     start = threading.Barrier(12)  # all in flight together: least-loaded picks then spread them evenly (requests
     # sent one by one as the pool's threads start could each find an instance whose earlier prefill had ended)
 
@@ -49,9 +49,13 @@ def test_balanced_assignment(cluster):
     d = delta(before, assigned(r))
     pre = [d[a] for a in cluster.p]
     dec = [d[a] for a in cluster.d]
-    print(f"prefill {pre} decode {dec}")
-    assert sum(pre) == 12 and max(pre) - min(pre) <= 2
-    assert sum(dec) == 12 and max(dec) - min(dec) <= 2
+    # an attempt answered UNAVAILABLE is retried on another pair, which counts as an assignment of both halves (on a
+    # loaded 2-core host the first connection to the prefill started last can time out before its SETTINGS frame)
+    retried = listing(r).retries - retries_before
+    print(f"prefill {pre} decode {dec} retried {retried}")
+    assert retried <= 2
+    assert sum(pre) == 12 + retried and max(pre) - min(pre) <= 2
+    assert sum(dec) == 12 + retried and max(dec) - min(dec) <= 2
 
 
 def test_prefix_affinity(cluster):
