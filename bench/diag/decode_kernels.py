@@ -47,7 +47,7 @@ def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
         print(f"  {t / steps / 1e3:8.3f} ms  {count / steps:6.1f}/step  {t / count:8.2f} us  {name}")
 
 
-# GEMV variants: name -> Fp8Linear attributes: the path "auto" takes ("stream" at M = 1, "tc" above) or a forced one
+# GEMV variants: name -> Fp8Linear attributes: the path "auto" takes ("stream" at M = 1, "dot" above) or a forced one
 GEMV_VARIANTS = {f"GEMV path {p}": dict(gemv_path=p) for p in ("auto", "stream", "tc", "dot")}
 
 
@@ -99,8 +99,8 @@ def main() -> None:
         "--gemv-ab",
         type=int,
         default=0,
-        help="FP8: also time batch 1 under each GEMV_VARIANTS entry (the GEMV's path), rotated this many rounds on "
-        "one engine (graphs re-captured each switch)",
+        help="FP8: also time batches 1 and 4 under each GEMV_VARIANTS entry (the GEMV's path), rotated this many "
+        "rounds on one engine (graphs re-captured each switch)",
     )
     args = ap.parse_args()
     from pdserve.engine.sampling import SamplingParams

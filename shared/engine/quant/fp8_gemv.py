@@ -50,9 +50,8 @@ STREAM_MAX_ROWS = 16  # the CUDA-core path "stream" (its products per row grow w
 # which the CUDA cores keep up with at copy bandwidth only for a few rows), then "fma" up to AUTO_FMA_ROWS (0:
 # never: it keeps fewer bytes in flight than either), then the tensor cores ("dot")
 AUTO_STREAM_ROWS = 1  # the sweep: "stream" is fastest at M = 1 (8B layer 2.83 TB/s vs dot 2.26), "dot" from M = 2
-# (H200). "tc" is not "auto"'s: on an H100 its layer graphs (PDL, the sweep) at M = 4 / 16 ran 1.24x / 1.27x
-# faster than "dot"'s (8B), but the engine's decode step at batch 4 did not move (4.47 vs 4.43 ms), and at M = 1
-# "stream" stays ahead of both (docs/benchmarks.md)
+# (H200). "tc" is not "auto"'s: where the sweep's layer graphs favoured it over "dot", the engine's decode step did
+# not move, and at M = 1 "stream" stays ahead of both (docs/benchmarks.md has the figures)
 AUTO_FMA_ROWS = 0
 GROUP = 128  # columns of one block-scale group
 K_GROUP = tl.constexpr(GROUP)  # the same, as kernels read globals
@@ -422,6 +421,11 @@ def counter_slots(n: int) -> int:
     return triton.cdiv(n, MIN_BLOCK_N)
 
 
+def takes(path: str, m: int, dtype: torch.dtype) -> bool:
+    """Whether `path` takes `m` rows of x in `dtype` (PATH_MAX_ROWS; "tc": 16-bit x only)."""
+    return m <= PATH_MAX_ROWS[path] and (path != "tc" or dtype in (torch.bfloat16, torch.float16))
+
+
 def choose_path(path: str, m: int) -> str:
     """The path `fp8_gemv` runs at `m` rows for `path` ("auto": AUTO_STREAM_ROWS, AUTO_FMA_ROWS, else "dot")."""
     assert path in ("auto", *PATH_MAX_ROWS), path
@@ -473,7 +477,7 @@ def fp8_gemv(
     if m == 0:
         return y
     path = choose_path(path, m)
-    assert path != "tc" or x.dtype in (torch.bfloat16, torch.float16), f"path 'tc' takes 16-bit x, not {x.dtype}"
+    assert takes(path, m, x.dtype), f"path {path!r} takes 16-bit x, not {x.dtype}"  # (choose_path checked the rows)
     cfg = SHAPE_CONFIGS.get((path, triton.next_power_of_2(m), n, k), DEFAULTS[path])
     block_n, num_warps = block_n or cfg["block_n"], num_warps or cfg["num_warps"]
     num_stages, programs_per_sm = num_stages or cfg["num_stages"], programs_per_sm or cfg["programs_per_sm"]

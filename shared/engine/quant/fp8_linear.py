@@ -127,11 +127,11 @@ class Fp8Linear(nn.Module):
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         if self.triton and x.shape[0] <= min(self.gemv_max_rows, GEMV_MAX_ROWS):
-            from pdserve.engine.quant.fp8_gemv import PATH_MAX_ROWS, fp8_gemv
+            from pdserve.engine.quant.fp8_gemv import fp8_gemv, takes
 
             scale_rows = 0 if self.block is None else self.block[0]
             path = self.gemv_path
-            if path != "auto" and (x.shape[0] > PATH_MAX_ROWS[path] or (path == "tc" and x.dtype == torch.float32)):
+            if path != "auto" and not takes(path, x.shape[0], x.dtype):
                 path = "auto"
             return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path=path,
                             counters=self._tickets(x.device))  # fmt: skip
