@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import Generator
+from concurrent import futures
 from concurrent.futures import Future
 
 import grpc
@@ -62,6 +63,27 @@ def finish_stream(call, rid: str) -> None:
 ReceiveKV = Generator[internal_pb2.DecodeResponse, None, internal_pb2.PrefillDone]
 
 
+class _Rest:
+    """Between `_beside_first` and its reader thread: whether the early first token joined the request (the import
+    finishes only after it), and the reader's outcome (PrefillDone, or what broke the stream)."""
+
+    def __init__(self) -> None:
+        self.done: Future = Future()
+        self._decided = threading.Event()
+        self._joined = False
+
+    def emitted(self) -> None:
+        self._joined = True
+        self._decided.set()
+
+    def abandoned(self) -> None:
+        self._decided.set()
+
+    def wait_emitted(self) -> bool:
+        self._decided.wait()
+        return self._joined
+
+
 class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def __init__(self, cfg: DecodeConfig, loop: EngineLoop, telemetry: Telemetry | None = None):
         self.cfg = cfg
@@ -105,10 +127,6 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 return
             except PdserveError as e:  # the transfer's errors, through the one status table
                 context.abort(engine_error_code(e), str(e))
-            try:
-                self.loop.finish_import(rid, done.first_token_id)
-            except InvalidRequest as e:  # the prompt was checked at begin_import: prefill's answer is at fault
-                context.abort(grpc.StatusCode.DATA_LOSS, f"bad PrefillDone from {request.prefill_target}: {e}")
             if early.sent:  # the first token went out ahead of the pages (its logprob with it)
                 if not end.finished:
                     yield from relay(outputs, context, deadline, "decode", req, done.cached_tokens, end)
@@ -171,7 +189,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         admitted: Future,
     ) -> ReceiveKV:
         """Open the Prefill stream and hand its messages to the transfer; yields the first token's response when
-        prefill sends it ahead of the pages (`early`). Returns PrefillDone, every page in the pool. `admitted`: the
+        prefill sends it ahead of the pages (`early`). Returns PrefillDone, every page in the pool and the request's
+        import finished (it joins the next decode step). `admitted`: the
         page reservation (`_admit`), taken once the stream is open: where it failed the stream is cancelled and the
         call ends with its status."""
         rid, target = request.request_id, request.prefill_target
@@ -200,8 +219,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 admitted.result()
             except Exception as e:  # abort raises: the finally below closes the transfer (cancelling the call)
                 context.abort(engine_error_code(e), f"decode could not admit request: {e}")
-            done = yield from self._take(rx, call, early)
-            rx.finish(done)
+            done = yield from self._take(rx, call, early, target)
             finish_stream(call, rid)
             self.telemetry.metrics.kv_bytes.inc(rx.pages.bytes_received)
             pages = rx.pages.pages_claimed  # done.num_pages counts shipments: layer groups too
@@ -215,21 +233,73 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             rx.close()  # unless it completed: the pages freed, the stream ended
             req.end_child(span)  # no-op after success; else the status the RPC ends with
 
-    def _take(self, rx: IncomingTransfer, call, early: EarlyFirst) -> ReceiveKV:
-        """The stream's messages up to PrefillDone (returned); the first token, when it comes ahead, to the caller."""
+    def _take(self, rx: IncomingTransfer, call, early: EarlyFirst, target: str) -> ReceiveKV:
+        """The stream's messages up to PrefillDone, then the import finished (`_finish`); returns PrefillDone. A first
+        token that comes ahead goes to the caller while a thread reads the rest (`_beside_first`)."""
         for raw in call:
             msg = rx.receive(raw)
             if msg is None:  # the transport choice or a batch: the transfer's
                 continue
             if msg.HasField("done"):
-                return msg.done
+                return self._finish(rx, msg.done, target)
             if early.forks:  # n > 1: prefill's first token is not used (the forks sample their own)
                 continue
+            return (yield from self._beside_first(rx, call, early, msg.first_token, target))
+        raise PeerUnavailable(f"prefill {rx.peer} ended without finishing")
+
+    def _finish(self, rx: IncomingTransfer, done: internal_pb2.PrefillDone, target: str) -> internal_pb2.PrefillDone:
+        """PrefillDone: every page checked in the pool (`rx.finish`), then the request joins the decode batch."""
+        rx.finish(done)
+        try:
+            self.loop.finish_import(rx.pages.request_id, done.first_token_id)
+        except InvalidRequest as e:  # the prompt was checked at begin_import: prefill's answer is at fault
+            raise TransferError(f"bad PrefillDone from {target}: {e}") from e
+        return done
+
+    def _beside_first(
+        self, rx: IncomingTransfer, call, early: EarlyFirst, first: internal_pb2.PrefillFirstToken, target: str
+    ) -> ReceiveKV:
+        """A first token ahead of the pages: yielded to the caller while a thread reads the rest of the stream and
+        finishes the import (`_rest`) as soon as PrefillDone is in and the token is in the engine. Prefill sends
+        PrefillDone right after a last chunk's first token: read here, it would wait for that token's send to the
+        router, and the first decode step with it."""
+        rest = _Rest()
+        name = f"kv-rest-{rx.pages.request_id[:8]}"
+        threading.Thread(target=self._rest, args=(rx, call, target, rest), name=name, daemon=True).start()
+        try:
             try:
-                yield from early.send(self.loop, rx.pages.request_id, msg.first_token)
+                yield from early.send(self.loop, rx.pages.request_id, first, on_emitted=rest.emitted)
             except InvalidRequest as e:  # outside the vocabulary, or the request cannot take it
                 raise TransferError(f"bad first token from prefill: {e}") from e
-        raise PeerUnavailable(f"prefill {rx.peer} ended without finishing")
+        except BaseException:  # the caller left, or the token was refused: the reader stops and no import finishes
+            call.cancel()
+            rest.abandoned()
+            futures.wait([rest.done], timeout=self.cfg.page_timeout_s)  # before the transfer closes under it
+            raise
+        return rest.done.result()
+
+    def _rest(self, rx: IncomingTransfer, call, target: str, rest: _Rest) -> None:
+        """`_beside_first`'s thread: the stream's messages after the first token, to PrefillDone and `_finish`."""
+        if not rest.done.set_running_or_notify_cancel():
+            return
+        try:
+            for raw in call:
+                msg = rx.receive(raw)
+                if msg is None:
+                    continue
+                if not rest.wait_emitted():  # the first token never joined the request: nothing to finish
+                    rest.done.set_result(None)
+                    return
+                if msg.HasField("done"):
+                    rest.done.set_result(self._finish(rx, msg.done, target))
+                    return
+                try:  # a second first token: the engine refuses it, as it would refuse a first one twice
+                    self.loop.emit_first_token(rx.pages.request_id, msg.first_token.token_id)
+                except InvalidRequest as e:
+                    raise TransferError(f"bad first token from prefill: {e}") from e
+            raise PeerUnavailable(f"prefill {rx.peer} ended without finishing")
+        except BaseException as e:
+            rest.done.set_exception(e)
 
     def _broken(self, e: grpc.RpcError, rx: IncomingTransfer, context: grpc.ServicerContext) -> Exception:
         """The Prefill stream failed: this end's reason (a bad batch, the page timeout), the caller gone (a

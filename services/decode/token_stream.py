@@ -160,10 +160,17 @@ class EarlyFirst:
         self.forks = False  # n / best_of > 1: no first token ahead (the forks sample their own on decode)
 
     def send(
-        self, loop: EngineLoop, rid: str, first: internal_pb2.PrefillFirstToken
+        self,
+        loop: EngineLoop,
+        rid: str,
+        first: internal_pb2.PrefillFirstToken,
+        on_emitted: Callable[[], None] | None = None,
     ) -> Iterator[internal_pb2.DecodeResponse]:
-        """Raises InvalidRequest for a token the request cannot take (outside the vocabulary, twice)."""
+        """Raises InvalidRequest for a token the request cannot take (outside the vocabulary, twice).
+        `on_emitted`: called once the engine took the token, before its response goes out."""
         loop.emit_first_token(rid, first.token_id)
+        if on_emitted is not None:
+            on_emitted()
         out = next_output(self.outputs, self.deadline, self.context, "decode")
         if out is None:
             raise CallerGone

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ class PrefillCall:
         self.first: StepOutput | None = None  # engine thread -> writer: the prompt's last output (early_first)
         self.first_sent = False
         self.shipped: list[ExportedPages] = []  # whole pages for the prompt cache's write-back, after PrefillDone
+        self.kept = threading.Event()  # the last chunk's streamed pages are in `shipped` (set after PromptDone)
         # Layer groups: the engine thread hands each group of a chunk's pages to `_group_computed` during the forward
         # (EngineRequest.layer_stream); `streamed`: the pages that went out so (not exported again after the step).
         self.layer_stream = LayerStream(layout, tx.layer_group, self._group_computed) if tx.layer_group else None
@@ -124,11 +126,21 @@ class PrefillCall:
             ready = [p for p in out.ready_pages if p not in self.streamed]  # streamed: left during the forward
             if ready:  # one device gather per chunk; the writer ships it
                 self.outbox.put(self.loop.engine.export_batch(self.request_id, ready, self.layout))
-            self._keep_streamed(out.ready_pages)
-            if out.finished:
+            if out.finished:  # PrefillDone goes out now; the write-back's gather below is off decode's path
                 self.outbox.put(PromptDone(out))
         except Exception as e:
             self.outbox.put(e)
+            return
+        try:
+            self._keep_streamed(out.ready_pages)
+        except Exception as e:
+            if not out.finished:
+                self.outbox.put(e)
+            else:  # after PromptDone nobody reads the outbox: the write-back goes without these pages
+                log.exception("prefill rid=%s: gathering streamed pages for the prompt cache failed", self.request_id)
+        finally:
+            if out.finished:
+                self.kept.set()
 
     def _group_computed(self, exported: ExportedPages) -> None:
         """Engine thread, during the forward: one layer group of the pages this chunk completes; the writer ships it
