@@ -64,12 +64,13 @@ def package_links(tree: Path, into: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="+", help="NAME (this tree) or NAME=DIR (another commit's tree)")
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens of each request")
     ap.add_argument("--probes", type=int, default=15, help="requests per variant, after three warm-up ones")
-    ap.add_argument("--model", default="", help="a model directory (default: a tiny random Llama, written here)")
-    ap.add_argument("--gpus", default="", help="comma-separated GPU indices for the engines (`pdserve up --gpus`)")
-    ap.add_argument("--transport", default="auto", help="the KV transport (`pdserve up --kv-transport`)")
-    ap.add_argument("variants", nargs="+", help="NAME (this tree) or NAME=DIR (another commit's tree)")
+    stack = ap.add_argument_group("each variant's stack")
+    stack.add_argument("--model", default="", help="a model directory (default: a tiny random Llama, written here)")
+    stack.add_argument("--gpus", default="", help="comma-separated GPU indices for the engines (`pdserve up --gpus`)")
+    stack.add_argument("--transport", default="auto", help="the KV transport (`pdserve up --kv-transport`)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="second-token-"))
     model, vocab = model_or_tiny(args.model, tmp)
