@@ -52,7 +52,8 @@ def test_the_startup_heap_is_frozen_out_of_full_collections():
     held = [[i] for i in range(50_000)]  # tracked containers alive at "start-up"
     try:
         frozen, took = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= len(held) and took > 0
+        # the count only shrinks afterwards (a frozen object freed, e.g. by another thread of this process)
+        assert frozen >= gc.get_freeze_count() >= len(held) and took > 0
         assert not any(o is held for o in gc.get_objects(2))  # a full collection no longer walks them
     finally:
         gc.unfreeze()
