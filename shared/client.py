@@ -43,7 +43,7 @@ import grpc
 from pdserve.client_retry import RetryPolicy
 from pdserve.client_tools import ToolCall, ToolCallDelta, add_tools, chat_message, tool_call_deltas, tool_calls
 from pdserve.server.auth import bearer_metadata
-from pdserve.server.grpc_util import CHANNEL_OPTIONS
+from pdserve.server.grpc_util import CHANNEL_OPTIONS, SYNC_CHANNEL_OPTIONS
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 _FINISH = {
@@ -344,9 +344,11 @@ def _retry_policy(retry: RetryPolicy | bool) -> RetryPolicy:
 
 
 class _ClientBase:
-    """The constructor `Client` and `AsyncClient` share; `_grpc` (`grpc` or `grpc.aio`) opens the channel."""
+    """The constructor `Client` and `AsyncClient` share; `_grpc` (`grpc` or `grpc.aio`) opens the channel with
+    `_options`."""
 
     _grpc: Any
+    _options: list[tuple[str, Any]]
 
     def __init__(
         self,
@@ -363,9 +365,9 @@ class _ClientBase:
     ):
         creds = _credentials(tls, tls_ca, tls_cert, tls_key)
         self._channel = (
-            self._grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+            self._grpc.secure_channel(target, creds, options=self._options)
             if creds is not None
-            else self._grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            else self._grpc.insecure_channel(target, options=self._options)
         )
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self.timeout = timeout
@@ -379,6 +381,7 @@ class Client(_ClientBase):
     RESOURCE_EXHAUSTED is retried (True: `RetryPolicy()`, False: never); `token`, `tls*`: see the module docstring."""
 
     _grpc = grpc
+    _options = SYNC_CHANNEL_OPTIONS
 
     def _backoff(self, err: grpc.RpcError, attempt: int, waited: float, deadline: float | None) -> float:
         """Sleep before the next attempt and return the seconds slept; re-raise `err` when the policy gives up."""
@@ -455,6 +458,7 @@ class AsyncClient(_ClientBase):
     """asyncio client with the same methods as `Client`."""
 
     _grpc = grpc.aio
+    _options = CHANNEL_OPTIONS
 
     async def _backoff(self, err: grpc.RpcError, attempt: int, waited: float, deadline: float | None) -> float:
         d = self.retry.delay(err, attempt, waited, deadline)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.experimental
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -34,6 +35,11 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# A synchronous channel's server-streaming calls (the router reading decode's tokens, the SDK's `Client.stream`)
+# receive on the thread that iterates them instead of through the channel's spin thread: one thread hand-off less
+# per message (bench/diag/grpc_hop.py). Their `code()`, `details()` and `trailing_metadata()` then answer only once
+# the call has ended, which is when pdserve reads them. grpc.aio channels have no such option.
+SYNC_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 
 
 def make_server(
@@ -97,7 +103,7 @@ def announce_ready(
 
 
 def channel(
-    target: str, security: ChannelSecurity | None = None, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS
+    target: str, security: ChannelSecurity | None = None, options: Sequence[tuple[str, Any]] = SYNC_CHANNEL_OPTIONS
 ) -> grpc.Channel:
     """A channel to an internal service. `security` None: the stack-wide identity of this process's environment
     (`ChannelSecurity.from_env`: $PDSERVE_INTERNAL_TOKEN, $PDSERVE_TLS_*); services pass their own."""
