@@ -48,7 +48,9 @@ def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
 
 
 # GEMV variants: name -> Fp8Linear attributes: the path "auto" takes ("stream" at M = 1, "dot" above) or a forced one
-GEMV_VARIANTS = {f"GEMV path {p}": dict(gemv_path=p) for p in ("auto", "stream", "tc", "dot")}
+# ("stream, bits": e4m3 widened by integer ops instead of the conversion instructions, fp8_gemv's `bits`)
+GEMV_VARIANTS = {f"GEMV path {p}": dict(gemv_path=p, gemv_bits=None) for p in ("auto", "stream", "tc", "dot")}
+GEMV_VARIANTS["GEMV path stream, bits"] = dict(gemv_path="stream", gemv_bits=True)
 
 
 def gemv_ab(e, rounds: int, name: str) -> None:

@@ -139,7 +139,7 @@ def test_fp8_gemv_tc_path_8b_shapes_in_a_graph(scheme, m):
     """Path "tc" (the weight tile as the MMA's rows, float16 operands) at the four 8B projections in one CUDA graph
     with PDL: float32 outputs within float32 rounding of the dequantized weight times the bf16 activations (rows of
     very different sizes each rescaled), and a layer switched to it (`gemv_path`) gives its default path's bf16
-    outputs ("stream" at M = 1, "dot" above) to within bf16 rounding."""
+    outputs ("stream" at M = 1, "dot" above) to within bf16 rounding; `gemv_bits` gives them bit for bit."""
     from pdserve.engine.quant.fp8_gemv import fp8_gemv
 
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -163,7 +163,9 @@ def test_fp8_gemv_tc_path_8b_shapes_in_a_graph(scheme, m):
         assert rel(lin(x), default) < 1e-2
         lin.gemv_path = "fma"  # at most FMA_MAX_ROWS (4) rows: larger batches keep "auto"
         assert m <= 4 or torch.equal(lin(x), default)
-        lin.gemv_path = "auto"
+        lin.gemv_path, lin.gemv_bits = "auto", True  # "stream" (M = 1) widened by integer ops: the same bits
+        assert torch.equal(lin(x), default)
+        lin.gemv_bits = None
 
 
 def fp8_engine(model_dir, **kw) -> LLMEngine:
