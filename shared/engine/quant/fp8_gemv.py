@@ -9,7 +9,8 @@ power-of-2 multiple of the 128-column scale group) and multiplies it in one of f
   the same threads without a shared-memory exchange), each thread sums its runs of W_VEC products in registers
   (where a block scale applies), and the next tile's loads are issued before this tile's math (`prefetch`). The
   run sums join the output sum each step, or with `acc_k` stay elementwise until after the K loop: then
-  the loop has no cross-thread traffic at all;
+  the loop has no cross-thread traffic at all. The products are float32 (e4m3 widened by the conversion
+  instructions, or with `bits` by integer ops), or with `half` packed float16 (RUN_F16_ASM: fewer instructions);
 - path "fma" (M <= FMA_MAX_ROWS; "auto" does not take it: AUTO_FMA_ROWS): on the CUDA cores in float32, the tile
   viewed as [BLOCK_N, BLOCK_K / 128, 128] so that each 128-column group's partial sum meets its own block scale;
 - path "dot" (larger M under "auto"): one 128-column group per step on the tensor cores (e4m3 -> activation dtype
@@ -143,6 +144,11 @@ PATH_CONFIGS = {
                                     (8, 1024, 4, 3, 8), (8, 2048, 8, 3, 4), (16, 1024, 8, 3, 4), (4, 2048, 4, 3, 4),
                                     (8, 1024, 4, 3, 2), (8, 1024, 4, 5, 4), (16, 1024, 8, 4, 2), (8, 2048, 8, 2, 4),
                                     (4, 1024, 2, 4, 8)]
+    ] + [  # products in packed float16 (`half`: RUN_F16_ASM), fewer registers, so also larger tiles
+        dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps, acc_k=True, prefetch=False,
+             half=True)
+        for bn, bk, nw, ns, pps in [(8, 1024, 4, 3, 4), (8, 2048, 8, 3, 4), (16, 1024, 8, 3, 4), (8, 1024, 4, 4, 4),
+                                    (8, 1024, 4, 3, 8), (16, 1024, 4, 3, 4), (8, 2048, 4, 3, 4)]
     ] + [  # the same widened by integer ops (`bits`)
         dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps, acc_k=True, prefetch=False,
              bits=True)
@@ -296,11 +302,18 @@ def split_k_store(acc, y_ptr, b_ptr, part_ptr, cnt_ptr, pid_n, pid_k, m, n, M, N
 
 
 @triton.jit
-def _s_tile(w_rows, n_ok, st, K, BLOCK_K: tl.constexpr):
+def _s_tile(w_rows, n_ok, st, K, BLOCK_K: tl.constexpr, HALF: tl.constexpr):
     """Step `st`'s weight tile for the streaming path, e4m3 [BLOCK_N, BLOCK_K] (W_VEC contiguous bytes a thread:
-    the contiguity hint caps the load's vector at W_VEC, which sets the tile's layout)."""
-    k = tl.max_contiguous(st * BLOCK_K + tl.arange(0, BLOCK_K), W_VEC)
-    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+    the contiguity hint caps the load's vector at W_VEC, which sets the tile's layout); HALF: the same bytes as
+    int32 words [BLOCK_N, BLOCK_K / 4] (`w_rows` then points at words; K a multiple of W_VEC)."""
+    if HALF:
+        kw = tl.max_contiguous(st * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4), W_VEC // 4)
+        k_words = tl.multiple_of(K // 4, 2)  # K: a multiple of W_VEC (fp8_gemv checks), so a run is never cut
+        tile = tl.load(w_rows + kw[None, :], mask=n_ok[:, None] & (kw[None, :] < k_words), other=0)
+    else:
+        k = tl.max_contiguous(st * BLOCK_K + tl.arange(0, BLOCK_K), W_VEC)
+        tile = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+    return tile
 
 
 @triton.jit
@@ -312,10 +325,60 @@ def _e4m3_bits(w):
     return (((u & 0x80) << 24) | ((u & 0x7F) << 20)).to(tl.float32, bitcast=True)
 
 
+# "stream" with `half`: a run of W_VEC e4m3 weights (two 32-bit words) times x's 8 columns (four float16 pairs)
+# in packed float16: 4 conversions (e4m3x2 -> f16x2), 4 multiply-adds, the run's sum to float32. Triton's own
+# lowering of the conversion path unpacks each byte to a register and packs the pairs again for the conversion,
+# then converts each f16 to f32 and multiplies per weight: its K loop issues 360 instructions a thread per 64 weight
+# bytes at the default config, 23 bytes a clock per SM at most (4 warp instructions a clock), near the ~18 an
+# H200's memory delivers; this one 182 (bench/diag/gemv_sass.py). Each product is below 448 * 16 (x's run
+# rescaled, `_x_pairs_f16`) and each half of the packed sum adds four: within float16's 65504.
+RUN_F16_ASM = tl.constexpr("""{
+.reg .b16 a0, a1, a2, a3;
+.reg .b32 h0, h1, h2, h3, p;
+.reg .f16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 {a0, a1}, $1;
+mov.b32 {a2, a3}, $2;
+cvt.rn.f16x2.e4m3x2 h0, a0;
+cvt.rn.f16x2.e4m3x2 h1, a1;
+cvt.rn.f16x2.e4m3x2 h2, a2;
+cvt.rn.f16x2.e4m3x2 h3, a3;
+mul.rn.f16x2 p, h0, $3;
+fma.rn.f16x2 p, h1, $4, p;
+fma.rn.f16x2 p, h2, $5, p;
+fma.rn.f16x2 p, h3, $6, p;
+mov.b32 {lo, hi}, p;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
+
+
+@triton.jit
+def _x_pairs_f16(x, RUNS: tl.constexpr):
+    """x [BLOCK_K] float32 (a 16-bit activation row's step columns) -> four [RUNS] int32 words, each a pair of a
+    run's columns as float16x2 (column 2j in the low half), of x * 2**e with e per run putting the run's largest |x|
+    in [8, 16) (every bf16 column down to 2**-18 of it stays exact), and 2**-e [RUNS]. Per run, not per row: the
+    run's columns are one thread's, so no cross-thread max. e from the float32 exponent bits (exact, no log2)."""
+    xr = tl.reshape(x, (RUNS, W_VEC))
+    amax = tl.max(tl.abs(xr), axis=1)  # [RUNS]
+    exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)) (amax normal)
+    e = tl.minimum(tl.maximum(tl.where(amax > 0, 3 - exp, 0), -126), 126)
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    h = (xr * up[:, None]).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [RUNS, W_VEC]
+    lo, hi = tl.split(tl.reshape(h, (RUNS, 4, 2)))  # [RUNS, 4]: columns 2j, 2j + 1 of each run
+    pairs = tl.reshape(lo | (hi << 16), (RUNS, 2, 2))  # pair 2a + b of each run at [run, a, b]
+    p02, p13 = tl.split(pairs)  # b = 0: pairs 0, 2; b = 1: pairs 1, 3
+    p0, p2 = tl.split(p02)
+    p1, p3 = tl.split(p13)
+    return p0, p1, p2, p3, down
+
+
 @triton.jit
 def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SBN: tl.constexpr,
-            SCALES: tl.constexpr, ACC_K: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_K: tl.constexpr):  # fmt: skip
+            SCALES: tl.constexpr, ACC_K: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """acc += the weight tile w [BLOCK_N, BLOCK_K] times x's step `st` columns, row by row of x, in float32.
     Each thread first sums its own runs of W_VEC columns (q [BLOCK_N, BLOCK_K / W_VEC]: no data leaves the
     thread), where the block scale applies (a run lies inside one 128-column group); then q joins acc
@@ -324,12 +387,16 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
     tile's layout (a 3D [M, N, K] product's layout would differ from the load's: a shared-memory round trip a
     step). SCALES 0: per channel (applied by the caller), 1: the program's rows share one scale row, 2: a scale
     row per row. BITS: the weights widened by integer ops instead of the conversion instructions (`_e4m3_bits`),
-    x's columns times 2**X_SHIFT; the caller multiplies the sums by 2**(E4M3_BITS_SHIFT - X_SHIFT)."""
+    x's columns times 2**X_SHIFT; the caller multiplies the sums by 2**(E4M3_BITS_SHIFT - X_SHIFT). HALF: w is
+    the tile as int32 words (`_s_words`), each run multiplied in packed float16 (RUN_F16_ASM, `_x_pairs_f16`), the
+    runs' sums joining acc in float32."""
     RUNS: tl.constexpr = BLOCK_K // W_VEC
     k = st * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
     if BITS:
         wf = _e4m3_bits(w)
+    elif HALF:  # w: [BLOCK_N, BLOCK_K / 4] int32, four e4m3 a word (`_s_words`)
+        w_lo, w_hi = tl.split(tl.reshape(w, (w.shape[0], RUNS, 2)))  # [BLOCK_N, RUNS] each: a run's two words
     else:
         wf = w.to(tl.float32)
     grp = (st * RUNS + tl.arange(0, RUNS)) // (K_GROUP // W_VEC)  # [RUNS] each run's scale group
@@ -342,7 +409,16 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
         x = tl.load(x_ptr + i * x_stride + k, mask=k_ok & (i < M), other=0.0).to(tl.float32)  # [BLOCK_K]
         if BITS:
             x *= X_SCALE
-        q = tl.sum(tl.reshape(wf * x[None, :], (wf.shape[0], RUNS, W_VEC)), axis=2)  # [BLOCK_N, RUNS]
+        if HALF:
+            p0, p1, p2, p3, down = _x_pairs_f16(x, RUNS)
+            q = tl.inline_asm_elementwise(
+                RUN_F16_ASM, "=r,r,r,r,r,r,r",
+                [w_lo, w_hi, tl.broadcast_to(p0[None, :], w_lo.shape), tl.broadcast_to(p1[None, :], w_lo.shape),
+                 tl.broadcast_to(p2[None, :], w_lo.shape), tl.broadcast_to(p3[None, :], w_lo.shape)],
+                dtype=tl.float32, is_pure=True, pack=1,
+            ) * down[None, :]  # fmt: skip
+        else:
+            q = tl.sum(tl.reshape(wf * x[None, :], (wf.shape[0], RUNS, W_VEC)), axis=2)  # [BLOCK_N, RUNS]
         if SCALES != 0:
             q *= s
         if ACC_K:
@@ -361,7 +437,8 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
 def _fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride, split,
     SBN: tl.constexpr, SCALES: tl.constexpr, ACC_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BITS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Path "stream": the bf16 GEMV's shape (kernels/gemv.py) over e4m3 bytes; a program streams BLOCK_N rows in
     [BLOCK_N, BLOCK_K] steps (W_VEC contiguous bytes a thread a row), products and sums on the CUDA cores in
@@ -372,10 +449,14 @@ def _fp8_stream_kernel(
     m = tl.arange(0, BLOCK_M)
     n_ok = n < N
     row_block = (pid_n * BLOCK_N) // SBN  # SCALES 1: every row of the program is in this block row
-    w_rows = w_ptr + n[:, None].to(tl.int64) * w_stride  # [BLOCK_N, 1]
+    if HALF:  # the rows as int32 words (w_stride a multiple of 4)
+        words = tl.multiple_of(w_stride // 4, 2)  # w_stride: a multiple of W_VEC (fp8_gemv checks)
+        w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None].to(tl.int64) * words  # [BLOCK_N, 1]
+    else:
+        w_rows = w_ptr + n[:, None].to(tl.int64) * w_stride  # [BLOCK_N, 1]
     first = pid_k * steps_per_split
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
-    w = _s_tile(w_rows, n_ok, first, K, BLOCK_K)  # in flight before the wait: weights are never written
+    w = _s_tile(w_rows, n_ok, first, K, BLOCK_K, HALF)  # in flight before the wait: weights are never written
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -385,16 +466,16 @@ def _fp8_stream_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for st in range(first + 1, last):
         if PREFETCH:  # the next tile's loads issued before this step's math
-            w_next = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
+            w_next = _s_tile(w_rows, n_ok, st, K, BLOCK_K, HALF)
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BITS, BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, HALF, BLOCK_M, BLOCK_K)  # fmt: skip
             w = w_next
         else:
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BITS, BLOCK_M, BLOCK_K)  # fmt: skip
-            w = _s_tile(w_rows, n_ok, st, K, BLOCK_K)
+                          BITS, HALF, BLOCK_M, BLOCK_K)  # fmt: skip
+            w = _s_tile(w_rows, n_ok, st, K, BLOCK_K, HALF)
     acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, last - 1, SBN, SCALES, ACC_K, BITS,
-                  BLOCK_M, BLOCK_K)  # fmt: skip
+                  HALF, BLOCK_M, BLOCK_K)  # fmt: skip
     if ACC_K:
         out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     else:
@@ -454,6 +535,7 @@ def fp8_gemv(
     acc_k: bool | None = None,
     prefetch: bool | None = None,
     bits: bool | None = None,
+    half: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; bf16, fp16 or fp32), w e4m3 [N, K], scale float32: [N] per channel (scale_rows=0),
     else [ceil(N/scale_rows), ceil(K/128)] (scale_rows 128: 128x128 blocks, 1: per row per 128 columns); bias [N]
@@ -464,7 +546,8 @@ def fp8_gemv(
     zeroed tensor per call); `pdl`: programmatic dependent launch (Hopper); `path`: "auto" (choose_path),
     "stream", "fma", "dot" or "tc" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
     `acc_k`: run sums kept elementwise until after the K loop (where they fit STREAM_ACC_THREAD_ELEMENTS);
-    `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`)."""
+    `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`);
+    `half`: products and run sums in float16 (`_x_run_f16`: x rescaled per row and step by a power of two)."""
     m, k = x.shape
     n = w.shape[0]
     kg = triton.cdiv(k, GROUP)
@@ -484,6 +567,11 @@ def fp8_gemv(
     acc_k = cfg.get("acc_k", False) if acc_k is None else acc_k
     prefetch = cfg.get("prefetch", True) if prefetch is None else prefetch
     bits = cfg.get("bits", False) if bits is None else bits
+    half = cfg.get("half", False) if half is None else half
+    assert not (bits and half), "bits and half are two ways to widen the weights: one at a time"
+    half = half and path == "stream"
+    if half:  # whole runs of W_VEC bytes as int32 words, and 16-bit activations (float16 keeps their bits)
+        assert k % 8 == 0 and w.stride(0) % 8 == 0 and x.dtype in (torch.bfloat16, torch.float16), (k, x.dtype)
     scales = 0 if not scale_rows else 1 if scale_rows % block_n == 0 else 2  # "stream": 1 = one scale row a program
     acc_k = acc_k and path == "stream"
     block_m = 16 if path in ("dot", "tc") else triton.next_power_of_2(m)
@@ -520,7 +608,7 @@ def fp8_gemv(
     sbn = max(scale_rows, 1)
     if path == "stream":
         _fp8_stream_kernel[(tiles, split)](*args, SBN=sbn, SCALES=scales, ACC_K=acc_k, PREFETCH=prefetch,
-                                           HAS_BIAS=bias is not None, BITS=bits,
+                                           HAS_BIAS=bias is not None, BITS=bits, HALF=half,
                                            USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                            **launch)  # fmt: skip
     else:

@@ -94,6 +94,8 @@ class Fp8Linear(nn.Module):
         self.gemv_path = "auto"
         # "stream" only: e4m3 widened by integer ops (fp8_gemv's `bits`; None: as its config says); a bench knob
         self.gemv_bits: bool | None = None
+        # "stream" only: products in packed float16 (fp8_gemv's `half`; None: as its config says); a bench knob
+        self.gemv_half: bool | None = None
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -136,7 +138,7 @@ class Fp8Linear(nn.Module):
             if path != "auto" and not takes(path, x.shape[0], x.dtype):
                 path = "auto"
             return fp8_gemv(x, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path=path,
-                            counters=self._tickets(x.device), bits=self.gemv_bits)  # fmt: skip
+                            counters=self._tickets(x.device), bits=self.gemv_bits, half=self.gemv_half)  # fmt: skip
         if self.block is not None:
             out = self._block_gemm(x)
             if self.bias is not None:

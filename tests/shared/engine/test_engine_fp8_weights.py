@@ -4,11 +4,13 @@ variants fail at load naming themselves; Qwen3 exactness; the block-scaled Trito
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -479,3 +481,19 @@ def test_fp8_gemv_auto_path_by_rows():
         assert G.choose_path("tc", m) == "tc"
     with pytest.raises(AssertionError):
         G.choose_path("fma", G.FMA_MAX_ROWS + 1)
+
+
+def test_fp8_gemv_half_compiles_for_hopper_with_a_shorter_k_loop(tmp_path):
+    """The "stream" GEMV's `half` path compiles for sm_90 on this GPU-less host (ptxas takes RUN_F16_ASM; Triton's
+    interpreter cannot run inline PTX, so this is its CPU check) with no local memory, converts each e4m3 pair once
+    (F2FP) and multiplies in packed float16, and its K loop issues well under the conversion path's instructions
+    per weight byte (bench/diag/gemv_sass.py prints both)."""
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parents[3] / "bench" / "diag" / "gemv_sass.py"
+    spec = importlib.util.spec_from_file_location("gemv_sass", script)
+    gemv_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gemv_sass)
+    conv, half = (gemv_sass.analyse(v, 8, 1024, 4, 3, tmp_path) for v in ("conv", "half"))
+    sass = (tmp_path / "stream_half.sass").read_text()
+    assert half["local_memory"] == 0 and "F2FP.F16.E4M3.UNPACK_B" in sass and "HFMA2" in sass, half
+    assert half["loop_instructions"] < 0.7 * conv["loop_instructions"], (half, conv)

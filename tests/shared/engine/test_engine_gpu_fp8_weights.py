@@ -139,7 +139,8 @@ def test_fp8_gemv_tc_path_8b_shapes_in_a_graph(scheme, m):
     """Path "tc" (the weight tile as the MMA's rows, float16 operands) at the four 8B projections in one CUDA graph
     with PDL: float32 outputs within float32 rounding of the dequantized weight times the bf16 activations (rows of
     very different sizes each rescaled), and a layer switched to it (`gemv_path`) gives its default path's bf16
-    outputs ("stream" at M = 1, "dot" above) to within bf16 rounding; `gemv_bits` gives them bit for bit."""
+    outputs ("stream" at M = 1, "dot" above) to within bf16 rounding; `gemv_bits` gives them bit for bit, `gemv_half`
+    (another summation at M = 1) within bf16 rounding."""
     from pdserve.engine.quant.fp8_gemv import fp8_gemv
 
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -165,7 +166,38 @@ def test_fp8_gemv_tc_path_8b_shapes_in_a_graph(scheme, m):
         assert m <= 4 or torch.equal(lin(x), default)
         lin.gemv_path, lin.gemv_bits = "auto", True  # "stream" (M = 1) widened by integer ops: the same bits
         assert torch.equal(lin(x), default)
-        lin.gemv_bits = None
+        lin.gemv_bits, lin.gemv_half = None, True  # products in packed float16 at M = 1: within bf16 rounding
+        assert rel(lin(x), default) < 1e-2
+        lin.gemv_half = None
+
+
+@pytest.mark.parametrize("scheme", [ONLINE_FP8, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_fp8_gemv_half_8b_shapes_in_a_graph(scheme, m):
+    """`half` (each run's products and sum in packed float16, RUN_F16_ASM) at the four 8B projections in one CUDA
+    graph with PDL: float32 outputs within 2**-8 of the sum of |products| of the float64 reference (rows of very
+    different sizes, each run rescaled to float16's range; the zero row gives the bias alone), and not bit for bit
+    the float32 path's (another summation: the half path was taken)."""
+    from pdserve.engine.quant.fp8_gemv import fp8_gemv
+
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    layers = [layer(n, k, scheme, seed=n + k + 1)[0] for n, k in shapes]
+    mags = torch.tensor([1.0, 300.0, 1e-3, 0.0, 1e4], device=DEV)[torch.arange(m, device=DEV) % 5]
+    xs = [(torch.randn(m, k, device=DEV) * mags[:, None]).bfloat16() for _, k in shapes]
+
+    def gemv(lin, x, half):
+        scale_rows = 0 if lin.block is None else lin.block[0]
+        return fp8_gemv(x, lin.weight, lin.weight_scale, lin.bias, scale_rows, torch.float32, path="stream", pdl=True,
+                        half=half, counters=lin._tickets(x.device))  # fmt: skip
+
+    eager, outs = captured(lambda: [gemv(lin, x, True) for lin, x in zip(layers, xs)])
+    for lin, x, e, out in zip(layers, xs, eager, outs):
+        assert torch.equal(out, e)
+        w = lin.dequantized_weight(torch.float64)
+        ref = x.double() @ w.t() + lin.bias.double()
+        bound = 2**-8 * (x.double().abs() @ w.abs().t()) + 1e-6 * lin.bias.double().abs() + 1e-30
+        assert ((out.double() - ref).abs() <= bound).all(), (out.double() - ref).abs().max()
+        assert not torch.equal(out, gemv(lin, x, False))
 
 
 def fp8_engine(model_dir, **kw) -> LLMEngine:
