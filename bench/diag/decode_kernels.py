@@ -49,12 +49,13 @@ def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
 
 # GEMV variants: name -> Fp8Linear attributes: the path "auto" takes ("stream" at M = 1, "dot" above) or a forced one
 # ("stream, bits": e4m3 widened by integer ops instead of the conversion instructions, fp8_gemv's `bits`; "stream,
-# half": products in packed float16, fp8_gemv's `half`)
+# half": products in packed float16, fp8_gemv's `half`, the default at M = 1 since 4efe8b9; "stream, float32": not)
 GEMV_VARIANTS = {
     f"GEMV path {p}": dict(gemv_path=p, gemv_bits=None, gemv_half=None) for p in ("auto", "stream", "tc", "dot")
 }
 GEMV_VARIANTS["GEMV path stream, bits"] = dict(gemv_path="stream", gemv_bits=True, gemv_half=None)
 GEMV_VARIANTS["GEMV path stream, half"] = dict(gemv_path="stream", gemv_bits=None, gemv_half=True)
+GEMV_VARIANTS["GEMV path stream, float32"] = dict(gemv_path="stream", gemv_bits=None, gemv_half=False)
 
 
 def gemv_ab(e, rounds: int, name: str) -> None:

@@ -78,9 +78,14 @@ STREAM_ACC_THREAD_ELEMENTS = 32  # acc_k's float32 run sums a thread (BLOCK_M x 
 # launch; programs_per_sm: the grid the split aims at (H200: 132 SMs)
 DEFAULT_FMA = dict(block_n=16, block_k=512, num_warps=4, num_stages=3, programs_per_sm=4)
 DEFAULT_DOT = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4)
-# "stream": its K loop software-pipelined 3 deep over 1024-column steps keeps more weight bytes in flight: one 8B
-# layer's four projections at M = 1 in a CUDA graph take 0.0745 ms (H200) against 0.0854 for 2048 columns unpipelined
-DEFAULT_STREAM = dict(block_n=8, block_k=1024, num_warps=4, num_stages=3, programs_per_sm=4, acc_k=True, prefetch=False)
+# "stream": its K loop software-pipelined 3 deep keeps more weight bytes in flight (float32 products, 1024-column
+# steps: one 8B layer's four projections at M = 1 in a CUDA graph took 0.0745 ms on an H200 against 0.0854 for 2048
+# columns unpipelined). The products in packed float16 (`half`): on an H100 (bench/fp8_gemv_sweep.py --paths
+# stream --ms 1 --scales channel, 4efe8b9) every 8B and 70B shape's fastest config was a `half` one, and this one
+# the fastest across all (2.96 TB/s of weights; the 8B layer graph 2.76 against 2.61 with float32 products); 16-bit
+# x on CUDA only
+DEFAULT_STREAM = dict(block_n=8, block_k=2048, num_warps=8, num_stages=3, programs_per_sm=4, acc_k=True, prefetch=False,
+                      half=True)  # fmt: skip
 # "tc": as "dot", the MMA's operands swapped (the weight tile its rows) and in float16 (`_x_f16`)
 DEFAULT_TC = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4)
 DEFAULTS = {"stream": DEFAULT_STREAM, "fma": DEFAULT_FMA, "dot": DEFAULT_DOT, "tc": DEFAULT_TC}
@@ -120,7 +125,7 @@ SHAPE_CONFIGS: dict[tuple[str, int, int, int], dict] = {
 }  # fmt: skip
 # the configurations bench/fp8_weights.py times at M = 1 (the last: the tensor-core path, the first version's)
 SWEEP_CONFIGS = [
-    dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps)
+    dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps, half=False)
     for bn, bk, nw, ns, pps in [
         (8, 1024, 4, 3, 4), (16, 1024, 4, 2, 4), (32, 256, 4, 3, 4), (16, 2048, 8, 2, 2), (8, 512, 2, 3, 8),
         (64, 128, 4, 4, 4),
@@ -129,7 +134,8 @@ SWEEP_CONFIGS = [
 # per path: the launch configs bench/fp8_gemv_sweep.py times at every M (the first: the default), and the most rows
 PATH_CONFIGS = {
     "stream": [DEFAULT_STREAM] + [
-        dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=1, programs_per_sm=pps, acc_k=acc, prefetch=pre)
+        dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=1, programs_per_sm=pps, acc_k=acc, prefetch=pre,
+             half=False)
         for bn, bk, nw, pps, acc, pre in [
             (4, 2048, 4, 4, True, True), (8, 2048, 8, 4, True, True), (16, 512, 4, 4, True, True),
             (4, 1024, 2, 4, True, True), (16, 1024, 8, 2, True, True),
@@ -139,7 +145,8 @@ PATH_CONFIGS = {
             (16, 1024, 4, 2, False, False), (16, 2048, 8, 2, True, False),
         ]
     ] + [  # pipelined K loops (num_stages > 1)
-        dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps, acc_k=True, prefetch=False)
+        dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, programs_per_sm=pps, acc_k=True, prefetch=False,
+             half=False)
         for bn, bk, nw, ns, pps in [(8, 1024, 4, 2, 4), (8, 1024, 4, 4, 4), (8, 512, 4, 3, 4), (16, 512, 4, 3, 4),
                                     (8, 1024, 4, 3, 8), (8, 2048, 8, 3, 4), (16, 1024, 8, 3, 4), (4, 2048, 4, 3, 4),
                                     (8, 1024, 4, 3, 2), (8, 1024, 4, 5, 4), (16, 1024, 8, 4, 2), (8, 2048, 8, 2, 4),
@@ -567,11 +574,13 @@ def fp8_gemv(
     acc_k = cfg.get("acc_k", False) if acc_k is None else acc_k
     prefetch = cfg.get("prefetch", True) if prefetch is None else prefetch
     bits = cfg.get("bits", False) if bits is None else bits
-    half = cfg.get("half", False) if half is None else half
-    assert not (bits and half), "bits and half are two ways to widen the weights: one at a time"
+    # `half` needs whole runs of W_VEC bytes as int32 words, 16-bit activations (float16 keeps their bits) and a
+    # device (Triton's interpreter runs no inline PTX); a config's `half` yields where those lack or to `bits`
+    fits = x.is_cuda and k % 8 == 0 and w.stride(0) % 8 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+    assert not (half and bits), "bits and half are two ways to widen the weights: one at a time"
+    assert not half or fits, f"half takes 16-bit x on a device and K a multiple of 8, not {x.dtype}, {k}"
+    half = (cfg.get("half", False) and fits and not bits) if half is None else half
     half = half and path == "stream"
-    if half:  # whole runs of W_VEC bytes as int32 words, and 16-bit activations (float16 keeps their bits)
-        assert k % 8 == 0 and w.stride(0) % 8 == 0 and x.dtype in (torch.bfloat16, torch.float16), (k, x.dtype)
     scales = 0 if not scale_rows else 1 if scale_rows % block_n == 0 else 2  # "stream": 1 = one scale row a program
     acc_k = acc_k and path == "stream"
     block_m = 16 if path in ("dot", "tc") else triton.next_power_of_2(m)
