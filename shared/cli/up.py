@@ -255,8 +255,9 @@ def cmd_up(argv: list[str]) -> int:
             else f"prefill {', '.join(stack.prefill)}, decode {', '.join(stack.decode)}"
         )
         internal = getattr(stack.router, "internal", stack.router)
-        print(
-            f"pdserve is up: router at {stack.router}  (internal {internal}; {engines}, kv {engine.kv_dtype})",
+        print(  # one write of the line (as PDSERVE_READY): the services share this stdout
+            f"pdserve is up: router at {stack.router}  (internal {internal}; {engines}, kv {engine.kv_dtype})\n",
+            end="",
             flush=True,
         )
         for name, addrs in stack.models.items():

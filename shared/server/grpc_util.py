@@ -89,7 +89,9 @@ def announce_ready(
     """Tell a supervisor (`pdserve up`, tests) where this service listens (and serves /metrics, and, for the router,
     its internal port), once it can serve: `PDSERVE_READY <service> <host:port> [internal=..] [metrics=..]`."""
     extra = (f" internal={internal}" if internal else "") + (f" metrics={metrics}" if metrics else "")
-    print(f"PDSERVE_READY {service} {address}{extra}", flush=True)
+    # one write of the whole line: print's text and newline are two writes on an unbuffered stdout
+    # (PYTHONUNBUFFERED), between which another process sharing the pipe (a tensor-parallel rank) could log
+    print(f"PDSERVE_READY {service} {address}{extra}\n", end="", flush=True)
     log.info("%s ready on %s%s", service, address, f" (internal {internal})" if internal else "")
     if ready_file:
         tmp = Path(ready_file + ".tmp")
