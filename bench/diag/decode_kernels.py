@@ -49,7 +49,7 @@ def kernel_table(e, steps: int, top: int = 22, run=None) -> None:
 
 # GEMV variants: name -> Fp8Linear attributes: the path "auto" takes ("stream" at M = 1, "dot" above) or a forced one
 # ("stream, bits": e4m3 widened by integer ops instead of the conversion instructions, fp8_gemv's `bits`; "stream,
-# half": products in packed float16, fp8_gemv's `half`, the default at M = 1 since 4efe8b9; "stream, float32": not)
+# half": products in packed float16, fp8_gemv's `half`, the default at M = 1; "stream, float32": not)
 GEMV_VARIANTS = {
     f"GEMV path {p}": dict(gemv_path=p, gemv_bits=None, gemv_half=None) for p in ("auto", "stream", "tc", "dot")
 }

@@ -78,12 +78,9 @@ STREAM_ACC_THREAD_ELEMENTS = 32  # acc_k's float32 run sums a thread (BLOCK_M x 
 # launch; programs_per_sm: the grid the split aims at (H200: 132 SMs)
 DEFAULT_FMA = dict(block_n=16, block_k=512, num_warps=4, num_stages=3, programs_per_sm=4)
 DEFAULT_DOT = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=4)
-# "stream": its K loop software-pipelined 3 deep keeps more weight bytes in flight (float32 products, 1024-column
-# steps: one 8B layer's four projections at M = 1 in a CUDA graph took 0.0745 ms on an H200 against 0.0854 for 2048
-# columns unpipelined). The products in packed float16 (`half`): on an H100 (bench/fp8_gemv_sweep.py --paths
-# stream --ms 1 --scales channel, 4efe8b9) every 8B and 70B shape's fastest config was a `half` one, and this one
-# the fastest across all (2.96 TB/s of weights; the 8B layer graph 2.76 against 2.61 with float32 products); 16-bit
-# x on CUDA only
+# "stream": its K loop software-pipelined 3 deep keeps more weight bytes in flight, and its products in packed
+# float16 (`half`: fewer instructions a weight byte, RUN_F16_ASM) where x is 16-bit on a device; the sweep's
+# fastest config across the 8B and 70B shapes (docs/benchmarks.md, "FP8 weights")
 DEFAULT_STREAM = dict(block_n=8, block_k=2048, num_warps=8, num_stages=3, programs_per_sm=4, acc_k=True, prefetch=False,
                       half=True)  # fmt: skip
 # "tc": as "dot", the MMA's operands swapped (the weight tile its rows) and in float16 (`_x_f16`)
@@ -336,9 +333,9 @@ def _e4m3_bits(w):
 # in packed float16: 4 conversions (e4m3x2 -> f16x2), 4 multiply-adds, the run's sum to float32. Triton's own
 # lowering of the conversion path unpacks each byte to a register and packs the pairs again for the conversion,
 # then converts each f16 to f32 and multiplies per weight: its K loop issues 360 instructions a thread per 64 weight
-# bytes at the default config, 23 bytes a clock per SM at most (4 warp instructions a clock), near the ~18 an
-# H200's memory delivers; this one 182 (bench/diag/gemv_sass.py). Each product is below 448 * 16 (x's run
-# rescaled, `_x_pairs_f16`) and each half of the packed sum adds four: within float16's 65504.
+# bytes (8 rows x 1024 columns a step, 4 warps), 23 bytes a clock per SM at most (4 warp instructions a clock),
+# near the ~18 an H200's memory delivers; this one 182 (bench/diag/gemv_sass.py). Each product is below 448 * 16
+# (x's run rescaled, `_x_pairs_f16`) and each half of the packed sum adds four: within float16's 65504.
 RUN_F16_ASM = tl.constexpr("""{
 .reg .b16 a0, a1, a2, a3;
 .reg .b32 h0, h1, h2, h3, p;
@@ -395,14 +392,14 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
     step). SCALES 0: per channel (applied by the caller), 1: the program's rows share one scale row, 2: a scale
     row per row. BITS: the weights widened by integer ops instead of the conversion instructions (`_e4m3_bits`),
     x's columns times 2**X_SHIFT; the caller multiplies the sums by 2**(E4M3_BITS_SHIFT - X_SHIFT). HALF: w is
-    the tile as int32 words (`_s_words`), each run multiplied in packed float16 (RUN_F16_ASM, `_x_pairs_f16`), the
+    the tile as int32 words (`_s_tile`), each run multiplied in packed float16 (RUN_F16_ASM, `_x_pairs_f16`), the
     runs' sums joining acc in float32."""
     RUNS: tl.constexpr = BLOCK_K // W_VEC
     k = st * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
     if BITS:
         wf = _e4m3_bits(w)
-    elif HALF:  # w: [BLOCK_N, BLOCK_K / 4] int32, four e4m3 a word (`_s_words`)
+    elif HALF:  # w: [BLOCK_N, BLOCK_K / 4] int32, four e4m3 a word (`_s_tile`)
         w_lo, w_hi = tl.split(tl.reshape(w, (w.shape[0], RUNS, 2)))  # [BLOCK_N, RUNS] each: a run's two words
     else:
         wf = w.to(tl.float32)
@@ -456,8 +453,8 @@ def _fp8_stream_kernel(
     m = tl.arange(0, BLOCK_M)
     n_ok = n < N
     row_block = (pid_n * BLOCK_N) // SBN  # SCALES 1: every row of the program is in this block row
-    if HALF:  # the rows as int32 words (w_stride a multiple of 4)
-        words = tl.multiple_of(w_stride // 4, 2)  # w_stride: a multiple of W_VEC (fp8_gemv checks)
+    if HALF:  # the rows as int32 words (w_stride a multiple of W_VEC: fp8_gemv checks)
+        words = tl.multiple_of(w_stride // 4, 2)
         w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None].to(tl.int64) * words  # [BLOCK_N, 1]
     else:
         w_rows = w_ptr + n[:, None].to(tl.int64) * w_stride  # [BLOCK_N, 1]
@@ -554,7 +551,7 @@ def fp8_gemv(
     "stream", "fma", "dot" or "tc" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
     `acc_k`: run sums kept elementwise until after the K loop (where they fit STREAM_ACC_THREAD_ELEMENTS);
     `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`);
-    `half`: products and run sums in float16 (`_x_run_f16`: x rescaled per row and step by a power of two)."""
+    `half`: products and run sums in packed float16 (RUN_F16_ASM; x rescaled per run by a power of two)."""
     m, k = x.shape
     n = w.shape[0]
     kg = triton.cdiv(k, GROUP)
