@@ -209,6 +209,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         call = self.prefill.prefill_stream(target)(
             rx.messages(ask), timeout=timeout, metadata=req.outgoing_metadata(span)
         )
+        req.event("prefill_called")
         # our caller went away: stop prefill too, unless every page is in (prefill then ends its side: last acks,
         # the prompt-cache write-back after PrefillDone)
         if not context.add_callback(lambda: rx.pages.completed or call.cancel()):
@@ -219,6 +220,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                 admitted.result()
             except Exception as e:  # abort raises: the finally below closes the transfer (cancelling the call)
                 context.abort(engine_error_code(e), f"decode could not admit request: {e}")
+            req.event("admitted")
             done = yield from self._take(rx, call, early, target)
             finish_stream(call, rid)
             self.telemetry.metrics.kv_bytes.inc(rx.pages.bytes_received)

@@ -89,11 +89,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         t0 = time.perf_counter()
         scope = self.telemetry.request("prefill.request", context)
         req = self._request(request_iterator, context)
+        scope.event("read")  # the stages before the engine has the request, as span events (span_breakdown's rows)
         layout = self._check_peer(req, context)  # the prompt, sampling and sampled_before: the engine checks them
         self.ship_format.check(layout)  # another format than --kv-dtype prepared for: served, logged once
         sampling = sampling_from_proto(req.sampling, self.max_model_len - len(req.prompt_token_ids))
         prompt = list(req.prompt_token_ids)
         tx = self._open_transfer(req, len(prompt), layout, context)  # the transport agreed with this decode
+        scope.event("transfer_open")
         scope.set(
             {
                 "pdserve.request_id": req.request_id,
@@ -109,6 +111,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         rate = self.prefill_rate
         call = PrefillCall(self.loop, req.request_id, prompt, layout, tx, plan, scope, early_first, rate, t0)
         self._admit(call, req, prompt, sampling, context)
+        scope.event("admitted")
         # Only once admitted is the request id this call's in the engine: a rejected duplicate id must never free the
         # engine request of the same id that another call holds.
         if not context.add_callback(tx.abort):  # RPC ended for any reason (cancel, deadline, error, success)

@@ -362,6 +362,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
             )
         assert page_size is not None  # context.abort raised otherwise
         plan = self.plan(rid, ids, max_tokens, priority, page_size, m, sequences=best_of)
+        req.event("planned")  # the stages before the first hop, as span events (span_breakdown's rows)
         job, pcs = plan.job, plan.pcs
         req.set(
             {
@@ -406,6 +407,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 if pair is None:  # cancelled while queued
                     return
                 p, d = pair
+                req.event("dispatched")
                 decode_req.prefill_target = "" if p is d else p.address  # a colocated instance prefills itself
                 # Each attempt has its own internal id: the cleanup of a failed attempt on an instance can never
                 # touch the retry of the same request on that instance.

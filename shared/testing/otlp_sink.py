@@ -48,6 +48,7 @@ class SpanRecord:
     status_code: int  # 0 unset, 1 ok, 2 error
     status_message: str
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    event_ns: list[int] = field(default_factory=list)  # each event's time (epoch ns), in the order of `events`
 
 
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
@@ -74,6 +75,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
                             s.status.code,
                             s.status.message,
                             [(e.name, _attrs(e.attributes)) for e in s.events],
+                            [e.time_unix_nano for e in s.events],
                         )
                     )
         self.sink._add(records)

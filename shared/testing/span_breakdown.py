@@ -1,5 +1,6 @@
 """Where a served request's time goes, from the services' own spans: for each span name (per service) the median
-start offset from the trace's root span and the median duration, plus each hop's first-token event.
+start offset from the trace's root span and the median duration, plus each hop's first-token event and the other
+events its spans mark (a stage of a hop, e.g. prefill's "admitted").
 
     sink = OTLPSink().start()          # the services export to it (OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint)
     ... requests through the router ...
@@ -29,8 +30,9 @@ class Row:
 
 
 def breakdown(spans: Iterable[SpanRecord], root: str = ROOT) -> dict[str, Row]:
-    """Rows keyed "service/span name", and "service/span name@first_token" for a span's first_token event (its
-    offset is start_ms, dur_ms is 0). Traces without a `root` span are skipped (e.g. health checks)."""
+    """Rows keyed "service/span name", "service/span name@first_token" for a span's first_token event (its offset
+    is start_ms, dur_ms is 0) and "service/span name@event" for its other events (their own times; a name repeated
+    within a span counts once, at its first time). Traces without a `root` span are skipped (e.g. health checks)."""
     traces: dict[str, list[SpanRecord]] = {}
     for sp in spans:
         traces.setdefault(sp.trace_id, []).append(sp)
@@ -50,6 +52,13 @@ def breakdown(spans: Iterable[SpanRecord], root: str = ROOT) -> dict[str, Row]:
                 ev = f"{key}@first_token"
                 offsets.setdefault(ev, []).append((sp.start_ns - t0) / 1e6 + float(ttft["pdserve.ttft_ms"]))
                 durations.setdefault(ev, []).append(0.0)
+            seen = {"first_token"}
+            for (name, _), at_ns in zip(sp.events, sp.event_ns, strict=False):
+                if name in seen:
+                    continue
+                seen.add(name)
+                offsets.setdefault(f"{key}@{name}", []).append((at_ns - t0) / 1e6)
+                durations.setdefault(f"{key}@{name}", []).append(0.0)
     return {
         k: Row(statistics.median(offsets[k]), statistics.median(durations[k]), len(offsets[k]))
         for k in sorted(offsets, key=lambda k: statistics.median(offsets[k]))

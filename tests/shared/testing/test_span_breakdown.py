@@ -8,7 +8,9 @@ from pdserve.testing.span_breakdown import ROOT, breakdown, format_breakdown
 MS = 1_000_000
 
 
-def span(trace: str, service: str, name: str, start_ms: float, end_ms: float, parent="p", events=()) -> SpanRecord:
+def span(
+    trace: str, service: str, name: str, start_ms: float, end_ms: float, parent="p", events=(), event_ms=()
+) -> SpanRecord:
     return SpanRecord(
         service=service,
         name=name,
@@ -22,6 +24,7 @@ def span(trace: str, service: str, name: str, start_ms: float, end_ms: float, pa
         status_code=1,
         status_message="",
         events=list(events),
+        event_ns=[int(1e12 + t * MS) for t in event_ms],
     )
 
 
@@ -55,3 +58,20 @@ def test_offsets_are_from_each_trace_root_and_medians_over_traces():
 def test_a_trace_with_two_roots_is_skipped():
     spans = trace("a", 0, 20) + [span("a", "pdserve-router", ROOT, 3, 9, parent="")] + trace("b", 0, 10)
     assert breakdown(spans)["pdserve-prefill/prefill.chunk"].n == 1
+
+
+def test_stage_events_are_rows_at_their_own_times_first_one_of_a_name_counted():
+    spans = []
+    for tid, shift, admitted in (("a", 0, 3.0), ("b", 700, 5.0), ("c", 9000, 4.0)):
+        root = span(tid, "pdserve-router", ROOT, shift, shift + 50, parent="")
+        marks = [("read", {}), ("admitted", {}), ("admitted", {})]
+        times = [shift + 2.5, shift + admitted, shift + 40]
+        request = span(tid, "pdserve-prefill", "prefill.request", shift + 2, shift + 45, events=marks, event_ms=times)
+        spans += [root, request]
+    table = breakdown(spans)
+    admitted = table["pdserve-prefill/prefill.request@admitted"]
+    assert (admitted.start_ms, admitted.dur_ms, admitted.n) == (4.0, 0.0, 3)  # the median of 3, 5, 4; not 40
+    assert table["pdserve-prefill/prefill.request@read"].start_ms == 2.5
+    assert list(table).index("pdserve-prefill/prefill.request@read") < list(table).index(
+        "pdserve-prefill/prefill.request@admitted"
+    )
