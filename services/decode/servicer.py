@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent import futures
 from concurrent.futures import Future
 
@@ -84,6 +84,25 @@ class _Rest:
         return self._joined
 
 
+class _Reservation:
+    """A Generate call's engine request: `submit` queues its page reservation (`begin_import`) once, `future` holds
+    its outcome from then on (None before). Only a reservation this call made and the engine took is this call's
+    to abort: a refused one's id (a duplicate) may be another call's."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, begin_import: Callable[[], Future]) -> None:
+        self.loop, self.request_id, self._begin_import = loop, request_id, begin_import
+        self.future: Future | None = None
+
+    def submit(self) -> Future:
+        if self.future is None:
+            self.future = self._begin_import()
+        return self.future
+
+    def abort(self) -> None:
+        if self.future is not None:
+            self.loop.abort_admitted(self.request_id, self.future)
+
+
 class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def __init__(self, cfg: DecodeConfig, loop: EngineLoop, telemetry: Telemetry | None = None):
         self.cfg = cfg
@@ -115,14 +134,20 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         resumed = request.resumed_tokens  # a failover resume: the prompt ends with this many generated tokens
         sampling = sampling_from_proto(request.sampling, self.max_model_len - (len(prompt) - resumed))
         outputs: queue.Queue = queue.Queue()
-        admitted = self._admit(request, prompt, sampling, outputs, context)
+        reservation = _Reservation(
+            self.loop, rid, functools.partial(self._begin_import, request, prompt, sampling, outputs, context)
+        )
+        if -(-len(prompt) // self.layout.page_size) > self.loop.allocator.num_free:
+            # the pool lacks the pages now (read without a round trip): wait for the engine here, so that a full
+            # pool answers RESOURCE_EXHAUSTED before any prefill work; else the Prefill stream opens first
+            self._admitted(reservation.submit(), context)
         deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
         summary = functools.partial(self._summary, rid, len(prompt), t0)
-        with generate_call(self.loop, rid, self.active, summary, context) as end:
+        with generate_call(self.loop, rid, self.active, summary, context, lambda: reservation.future) as end:
             early = EarlyFirst(outputs, context, deadline, req, end)
             early.forks = request.n > 1 or request.best_of > 1
             try:
-                done = yield from self._receive_kv(request, prompt, context, req, early, admitted)
+                done = yield from self._receive_kv(request, prompt, context, req, early, reservation)
             except CallerGone:
                 return
             except PdserveError as e:  # the transfer's errors, through the one status table
@@ -138,7 +163,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             scores = PromptScores(list(done.prompt_logprobs), list(done.prompt_top_logprobs))
             yield from relay(outputs, context, deadline, "decode", req, done.cached_tokens, end, lead, scores)
 
-    def _admit(
+    def _begin_import(
         self,
         request: internal_pb2.DecodeRequest,
         prompt: list[int],
@@ -146,19 +171,22 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         outputs: queue.Queue,
         context: grpc.ServicerContext,
     ) -> Future:
-        """The request's page reservation (`begin_import`), submitted to the engine loop, which runs it between decode
-        steps or during a step's GPU wait. Where the pool has the prompt's pages free now (read without a round trip),
-        the Prefill stream opens while it waits (`_receive_kv` takes its outcome before the stream's first message);
-        else it is waited for here, so a full pool answers RESOURCE_EXHAUSTED before any prefill work."""
+        """The request's page reservation, submitted to the engine loop, which runs it between decode steps or during
+        a step's GPU wait; its Future."""
         try:
-            admitted = self.loop.begin_import(request.request_id, prompt, sampling, outputs.put,
-                                              request.resumed_tokens, request.resumed_text_chars, request.n or 1,
-                                              request.best_of)  # fmt: skip
-            if -(-len(prompt) // self.layout.page_size) > self.loop.allocator.num_free:
-                admitted.result()
+            return self.loop.begin_import(request.request_id, prompt, sampling, outputs.put, request.resumed_tokens,
+                                          request.resumed_text_chars, request.n or 1, request.best_of)  # fmt: skip
         except Exception as e:
             context.abort(engine_error_code(e), f"decode could not admit request: {e}")
-        return admitted
+            raise  # unreachable: abort raises
+
+    @staticmethod
+    def _admitted(admitted: Future, context: grpc.ServicerContext) -> None:
+        """Wait for the reservation; the engine's refusal ends the call with its status."""
+        try:
+            admitted.result()
+        except Exception as e:
+            context.abort(engine_error_code(e), f"decode could not admit request: {e}")
 
     @staticmethod
     def _check(request: internal_pb2.DecodeRequest, context: grpc.ServicerContext, req: RequestScope) -> None:
@@ -186,17 +214,18 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         context: grpc.ServicerContext,
         req: RequestScope,
         early: EarlyFirst,
-        admitted: Future,
+        reservation: _Reservation,
     ) -> ReceiveKV:
         """Open the Prefill stream and hand its messages to the transfer; yields the first token's response when
         prefill sends it ahead of the pages (`early`). Returns PrefillDone, every page in the pool and the request's
-        import finished (it joins the next decode step). `admitted`: the
-        page reservation (`_admit`), taken once the stream is open: where it failed the stream is cancelled and the
-        call ends with its status."""
+        import finished (it joins the next decode step). `reservation`: submitted once the stream is open, so that
+        the engine thread's work on it does not hold the GIL while the stream starts (its request-writer thread);
+        its outcome is taken before the stream's first message: where it failed the stream is cancelled and the call
+        ends with its status."""
         rid, target = request.request_id, request.prefill_target
         num_pages = -(-len(prompt) // self.layout.page_size)
         import_rows = functools.partial(self._import_rows, rid)
-        rx = self.kv.open(rid, num_pages, lambda: self.loop.abort(rid), import_rows, target)
+        rx = self.kv.open(rid, num_pages, reservation.abort, import_rows, target)
         span = req.child("decode.kv_receive", {"pdserve.prefill": target, "pdserve.kv.dtype": self.layout.dtype})
         ask = internal_pb2.PrefillRequest(
             request_id=rid,
@@ -216,10 +245,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             call.cancel()  # the caller went away before the callback was in place: it would never run
         rx.attach(call.cancel)
         try:
-            try:
-                admitted.result()
-            except Exception as e:  # abort raises: the finally below closes the transfer (cancelling the call)
-                context.abort(engine_error_code(e), f"decode could not admit request: {e}")
+            # abort raises: the finally below closes the transfer (cancelling the call)
+            self._admitted(reservation.submit(), context)
             req.event("admitted")
             done = yield from self._take(rx, call, early, target)
             finish_stream(call, rid)

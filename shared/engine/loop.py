@@ -147,6 +147,16 @@ class EngineLoop:
         """Abort (asynchronously); the callback gets a final "abort" output if the request had not finished."""
         return self.submit(lambda e: e.abort(request_id))
 
+    def abort_admitted(self, request_id: str, admitted: Future) -> Future:
+        """`abort`, unless `admitted` (the request's admission, submitted before this) was refused: the id of a
+        refused request (a duplicate) may be another caller's. Queued after the admission, so it is decided here."""
+
+        def fn(engine: LLMEngine) -> bool:
+            refused = admitted.cancelled() or (admitted.done() and admitted.exception() is not None)
+            return False if refused else engine.abort(request_id)
+
+        return self.submit(fn)
+
     def release(self, request_id: str) -> Future:
         """Free the request's pages (asynchronously); its callback is dropped without further output."""
 

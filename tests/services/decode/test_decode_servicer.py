@@ -131,3 +131,48 @@ def test_silent_prefill_fails_after_page_timeout_and_frees_pages(decode, silent_
     assert "page_timeout_s" in err.value.details()  # decode's own bound, not the caller's 30 s deadline
     assert any(r.request_id == "stuck" for r in servicer.requests)  # the request did reach prefill
     wait_until(lambda: pool_empty(decode), what="decode pages freed")
+
+
+class HoldingPrefill(internal_pb2_grpc.PrefillServicer):
+    """Takes each call's request and holds the call open, sending nothing, until that call ends."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+
+    def Prefill(self, request_iterator, context):
+        self.seen.append(next(request_iterator).request.request_id)
+        ended = threading.Event()
+        context.add_callback(ended.set)
+        ended.wait(60)
+        return iter(())
+
+
+def test_a_refused_duplicate_id_leaves_the_call_that_holds_it_alone(tmp_path):
+    """A second Generate with the id of one in flight gets ALREADY_EXISTS, and the first call's engine request
+    keeps its pages: the refused call's cleanup must not abort an engine request that was never its own."""
+    holder = HoldingPrefill()
+    addr, server = serve(lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(holder, s))
+    try:
+        with tiny_decode(tmp_path, page_size=PAGE, kv_dtype="auto", extra=["--page-timeout-s", "30"]) as stub:
+            first = stub.Generate(decode_request(addr, "twice", n=12), timeout=60)
+            outcome: list = []
+            reader = threading.Thread(target=_drain, args=(first, outcome))
+            reader.start()
+            wait_until(lambda: "twice" in holder.seen and not pool_empty(stub), what="first call in flight")
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(decode_request(addr, "twice", n=8), timeout=10))
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS, err.value
+            time.sleep(0.5)  # an abort the refused call queued runs on the engine thread within this
+            assert reader.is_alive() and not pool_empty(stub), "the first call's engine request was freed"
+            first.cancel()
+            reader.join(10)
+            wait_until(lambda: pool_empty(stub), what="decode pages freed")
+    finally:
+        server.stop(0)
+
+
+def _drain(call, outcome: list) -> None:
+    try:
+        outcome.extend(call)
+    except grpc.RpcError as e:
+        outcome.append(e.code())

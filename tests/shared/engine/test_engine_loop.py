@@ -63,6 +63,20 @@ def test_errors_propagate_to_caller(loop):
     assert loop.call(lambda e: e.request_ids()) == []
 
 
+def test_abort_admitted_spares_a_request_id_whose_admission_was_refused(loop):
+    """A duplicate id's refused admission must not lead to aborting the request that holds the id; an admission the
+    engine took (or one still queued) is aborted, after it runs."""
+    held = loop.begin_import("twice", random_prompt(8, 3), GREEDY, lambda o: None)
+    held.result(10)
+    refused = loop.begin_import("twice", random_prompt(8, 4), GREEDY, lambda o: None)
+    assert not loop.abort_admitted("twice", refused).result(10)  # queued after the refusal: it sees it
+    assert refused.exception() is not None and loop.call(lambda e: e.request_ids()) == ["twice"]
+    assert loop.abort_admitted("twice", held).result(10)
+    pending = loop.begin_import("later", random_prompt(8, 5), GREEDY, lambda o: None)
+    assert loop.abort_admitted("later", pending).result(10)  # submitted before the admission ran: still after it
+    assert loop.call(lambda e: e.request_ids()) == [] and loop.allocator.num_used == 0
+
+
 def test_abort_release_and_idle(loop):
     q: queue.Queue = queue.Queue()
     loop.add_request(
