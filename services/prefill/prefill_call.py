@@ -252,6 +252,7 @@ class PrefillCall:
             ft = internal_pb2.PrefillFirstToken(token_id=self.first.new_token_ids[0], cached_tokens=self.cached_tokens)
             if self.first.logprobs:
                 ft.logprob.CopyFrom(logprob_to_proto(self.first.logprobs[0]))
+            self.scope.event("first_token_out")  # handed to gRPC (the span's first_token event: at PrefillDone)
             yield internal_pb2.PrefillServerMessage(first_token=ft)
 
     def _done(self, out: StepOutput) -> internal_pb2.PrefillDone:

@@ -197,7 +197,7 @@ def test_span_attributes(traced):
     for name, stages in (
         ("router.generate", ["planned", "dispatched"]),
         ("decode.request", ["prefill_called", "admitted"]),
-        ("prefill.request", ["read", "transfer_open", "admitted"]),
+        ("prefill.request", ["read", "transfer_open", "admitted", "first_token_out"]),
     ):
         sp = trace[name][0]
         marks = [(e, t) for (e, _), t in zip(sp.events, sp.event_ns, strict=True) if e != "first_token"]
