@@ -7,7 +7,8 @@ first alone and then while `pdserve bench` (its own process) keeps `--streams` l
 
 Prints each phase's TTFT median and `pdserve.testing.span_breakdown`'s table of the probes' spans (median start
 offset from the router's span, median duration) with the stage events the hops mark (router planned / dispatched,
-decode prefill_called / admitted, prefill read / transfer_open / admitted / first_token_out). Figures: docs/benchmarks.md, "One GPU"."""
+decode prefill_called / admitted, prefill read / transfer_open / admitted / first_token_out). Figures:
+docs/benchmarks.md, "One GPU"."""
 
 from __future__ import annotations
 
