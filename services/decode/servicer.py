@@ -99,6 +99,7 @@ class _Reservation:
         return self.future
 
     def abort(self) -> None:
+        """Abort its engine request, unless never submitted or refused (`EngineLoop.abort_admitted`)."""
         if self.future is not None:
             self.loop.abort_admitted(self.request_id, self.future)
 
@@ -143,7 +144,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             self._admitted(reservation.submit(), context)
         deadline = time.monotonic() + (remaining(context) or self.cfg.request_timeout_s)
         summary = functools.partial(self._summary, rid, len(prompt), t0)
-        with generate_call(self.loop, rid, self.active, summary, context, lambda: reservation.future) as end:
+        with generate_call(self.loop, rid, self.active, summary, context, reservation.abort) as end:
             early = EarlyFirst(outputs, context, deadline, req, end)
             early.forks = request.n > 1 or request.best_of > 1
             try:

@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,23 +209,18 @@ def generate_call(
     active: ActiveCalls,
     summary: Callable[[StreamEnd], None],
     context: grpc.ServicerContext | None = None,
-    admission: Callable[[], Future | None] | None = None,
+    abort: Callable[[], object] | None = None,
 ) -> Iterator[StreamEnd]:
     """A Generate call from the admission of its engine request `rid` on, counted in `active`. However it ends,
     an engine request left unfinished is aborted (its pages freed) and `summary(end)` logs the call. With the call's
     `context`, a caller that cancels or whose deadline passes aborts the request at once, from gRPC's callback:
     its remaining prompt chunks and decode steps never run (the stream's reader notices only at its next poll).
-    `admission`: where the call submits its engine request inside this block, that submission's Future once made
-    (None before): nothing is aborted before it, nor after it was refused (a duplicate id is another call's)."""
+    `abort`: how (default `loop.abort(rid)`), where the call may not own `rid` (its admission refused or not made)."""
     end = StreamEnd()
     live = threading.Event()  # set while this call owns `rid` in the engine (a later call may reuse the id)
     live.set()
 
-    def abort() -> None:
-        if admission is None:
-            loop.abort(rid)
-        elif (admitted := admission()) is not None:
-            loop.abort_admitted(rid, admitted)
+    abort = abort or (lambda: loop.abort(rid))
 
     def caller_gone() -> None:
         if live.is_set() and not end.finished:
