@@ -6,7 +6,9 @@ own.
 
 VARIANT: NAME (this tree) or NAME=DIR, DIR a tree of another commit (its shared/ and services/, e.g. `git archive
 REV shared services | tar -x -C DIR`), made the package `pdserve` as pyproject maps it (a directory of links) and put
-first on the PYTHONPATH of that variant's stack. Order them alternated (new base new base): hosts drift. Per variant:
+first on the PYTHONPATH of that variant's stack; or NAME@KEY=VALUE[,KEY=VALUE...]: this tree, with those environment
+variables set for that variant's stack (a service setting: `PDSERVE_PREFILL_KV_LAYER_GROUP=2`). Order them
+alternated (new base new base): hosts drift. Per variant:
 three warm-up requests, then --probes requests of --prompt fresh random tokens, one at a time, 3 tokens each, greedy;
 prints the medians of the first token, the second, the gap between them and the next gap (the decode step's pace,
 against which the first gap's excess shows what the hand-over from prefill to decode costs). Without --model a tiny
@@ -62,9 +64,19 @@ def package_links(tree: Path, into: Path) -> Path:
     return into
 
 
+def variant_env(settings: str) -> dict[str, str]:
+    """KEY=VALUE[,KEY=VALUE...] -> {KEY: VALUE}."""
+    pairs = [p.partition("=") for p in settings.split(",") if p]
+    if not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise SystemExit(f"variant settings {settings!r}: want KEY=VALUE[,KEY=VALUE...]")
+    return {k: v for k, _, v in pairs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("variants", nargs="+", help="NAME (this tree) or NAME=DIR (another commit's tree)")
+    ap.add_argument(
+        "variants", nargs="+", help="NAME (this tree), NAME=DIR (another commit's tree) or NAME@KEY=VALUE[,...]"
+    )
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens of each request")
     ap.add_argument("--probes", type=int, default=15, help="requests per variant, after three warm-up ones")
     stack = ap.add_argument_group("each variant's stack")
@@ -80,8 +92,13 @@ def main() -> None:
                         vocab=min(30000, vocab - 1), prompt=args.prompt, probes=args.probes)  # fmt: skip
     print(f"{'variant':10s} {'first':>8s} {'second':>8s} {'gap':>7s} {'next':>7s}  code (ms, medians of {args.probes})")
     for i, variant in enumerate(args.variants):
-        name, _, tree = variant.partition("=")
         env = dict(os.environ)
+        name, at, settings = variant.partition("@")
+        tree = ""
+        if at:
+            env.update(variant_env(settings))
+        else:
+            name, _, tree = variant.partition("=")
         if tree:
             path = package_links(Path(tree), tmp / f"variant-{i}")
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH", "")) if p)
@@ -92,6 +109,7 @@ def main() -> None:
             continue
         *figures, where = line.split()[1:]
         first, second, gap, nxt = (float(v) for v in figures)
+        where = f"{where} {settings}" if at else where
         print(f"{name:10s} {first:8.2f} {second:8.2f} {gap:7.2f} {nxt:7.2f}  {where}", flush=True)
 
 

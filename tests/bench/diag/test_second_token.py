@@ -1,5 +1,6 @@
 """bench/diag/second_token.py on this host's CPU: two variants, this tree and the same tree made a package of links
-(the way another commit's tree is run), each on a stack of its own; a row of medians each, from the code named."""
+(the way another commit's tree is run), each on a stack of its own; a row of medians each, from the code named; a
+variant's environment reaches its stack's services."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ def test_each_variant_runs_on_its_own_code_and_prints_its_medians(tmp_path):
         assert 0 < first < second and gap > 0 and step > 0, (name, row)
     assert rows["there"][4].endswith("variant-1/pdserve"), rows  # the package of links, not the installed one
     assert "variant-" not in rows["here"][4], rows
+
+
+def test_a_variants_settings_reach_its_stack():
+    cmd = [sys.executable, str(ROOT / "bench" / "diag" / "second_token.py"), "--prompt", "16", "--probes", "2"]
+    variants = ["g1@PDSERVE_PREFILL_KV_LAYER_GROUP=1", "bad@PDSERVE_PREFILL_KV_LAYER_GROUP=-1"]
+    run = subprocess.run([*cmd, *variants], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = {r[0]: r[1:] for r in (line.split() for line in run.stdout.splitlines()[1:]) if r}
+    first, second = map(float, rows["g1"][:2])
+    assert 0 < first < second and rows["g1"][-1] == "PDSERVE_PREFILL_KV_LAYER_GROUP=1", rows
+    assert rows["bad"][0] == "failed:", run.stdout[-2000:]  # prefill refuses the setting: its stack never starts
