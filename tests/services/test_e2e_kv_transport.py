@@ -24,6 +24,18 @@ def transports(addr: str, stub_cls) -> tuple[dict, tuple[int, int]]:
     return {t.transport: t for t in s.kv_transports}, (s.kv_pages_free, s.kv_pages_total)
 
 
+def prefill_sent(addr: str, requests: int) -> dict:
+    """Prefill's per-transport counters once it has booked `requests` transfers. It books one when the Prefill RPC
+    ends (after decode's last acks and the prompt-cache write-back), which may be just after the client has its
+    answer."""
+
+    def booked() -> dict | None:
+        sent, _ = transports(addr, internal_pb2_grpc.PrefillStub)
+        return sent if sum(t.requests for t in sent.values()) >= requests else None
+
+    return wait_until(booked, what=f"prefill booked {requests} KV transfers")
+
+
 def prefill_pool_empties(addr: str) -> None:
     """Prefill lets a request's pages go once decode acked them and its RPC ended, which may be just after the
     client has its answer: wait for its pool to be empty (no page leaked)."""
@@ -52,7 +64,7 @@ def test_forced_transport_token_identical_and_taken(transport, shippers, model_d
                 ids = torch.randint(5, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                 out = c.generate(token_ids=ids, max_tokens=8, temperature=0, ignore_eos=True)
                 assert out.token_ids == hf_greedy(hf_model, ids, 8), f"{transport}, prompt length {n}"
-        sent, _ = transports(stack.prefill[0], internal_pb2_grpc.PrefillStub)
+        sent = prefill_sent(stack.prefill[0], len(LENGTHS))
         got, _ = transports(stack.decode[0], internal_pb2_grpc.DecodeStub)
         pages = sum(-(-n // PAGE) for n in LENGTHS)
         for side in (sent, got):
@@ -116,7 +128,7 @@ def test_killed_shippers_start_again_and_requests_go_on(model_dir, hf_model, tmp
                 news = _shippers(procs[role])
                 assert len(news) == 2, [ln for ln in stack.log_text().splitlines() if "shipper" in ln]
                 assert survivor in news and old not in news
-        sent, _ = transports(stack.prefill[0], internal_pb2_grpc.PrefillStub)
+        sent = prefill_sent(stack.prefill[0], 3)
         got, _ = transports(stack.decode[0], internal_pb2_grpc.DecodeStub)
         assert sent["grpc-shm"].requests == got["grpc-shm"].requests == 3, (sent, got)
         prefill_pool_empties(stack.prefill[0])

@@ -290,11 +290,17 @@ def test_int8_cache_hits_through_the_real_path(cluster, rds):
     assert agree / total >= 0.6, (agree, total)
 
 
-def sent(cluster, prefill: int, transport: str) -> tuple[int, int, int]:
-    """(requests, pages, batches) prefill[prefill] has sent over `transport`."""
+def sent(cluster, prefill: int, transport: str, after: int = -1) -> tuple[int, int, int]:
+    """(requests, pages, batches) prefill[prefill] has sent over `transport`, once it has booked more than `after`
+    requests (it books one when the Prefill RPC ends, which may be just after the client has its answer)."""
+    return wait_until(lambda: _sent_now(cluster, prefill, transport, after), what=f"prefill booked > {after}")
+
+
+def _sent_now(cluster, prefill: int, transport: str, after: int) -> tuple[int, int, int] | None:
     with channel(cluster.prefill[prefill]) as ch:
         st = internal_pb2_grpc.PrefillStub(ch).Stats(internal_pb2.StatsRequest(), timeout=10)
-    return next(((t.requests, t.pages, t.batches) for t in st.kv_transports if t.transport == transport), (0, 0, 0))
+    got = next(((t.requests, t.pages, t.batches) for t in st.kv_transports if t.transport == transport), (0, 0, 0))
+    return got if got[0] > after else None
 
 
 @pytest.mark.parametrize("n", [6 * PAGE + 1, 2 * CHUNK + 3 * PAGE])
@@ -308,7 +314,7 @@ def test_cached_prefix_over_cuda_ipc(cluster, rds, n):
     r0, p0, b0 = sent(cluster, 1, "cuda-ipc")
     assert cluster.generate(1, ids, ipc=True) == (cold, want)  # p1's local tier
     rds.flushall()
-    r1, p1, b1 = sent(cluster, 1, "cuda-ipc")
+    r1, p1, b1 = sent(cluster, 1, "cuda-ipc", after=r0)
     assert (r1 - r0, p1 - p0) == (1, -(-n // PAGE))
     assert b1 - b0 == 1 + -(-(n - want) // CHUNK)  # the cached rows, then one batch per computed chunk
     cold_ipc, cached = cluster.generate(0, ids, ipc=True)  # p0 (Redis only, now empty): a miss over cuda-ipc
