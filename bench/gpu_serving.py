@@ -111,13 +111,14 @@ def raw_grpc(workdir: Path, msg_mb: int = 4, total_mb: int = 4096) -> dict:
 
 
 # ---- a served stack -------------------------------------------------------------------------------------
-def start(model: Path, workdir: Path, transport: str, env: dict[str, str]) -> Stack:
+def start(model: Path, workdir: Path, transport: str, env: dict[str, str], mps: str = "auto") -> Stack:
     """Prefill on cuda:0, decode on cuda:1 (or both on cuda:0, each with a share of its memory; without CUDA on
     this host's CPU, a smoke run); `env`: the prompt cache's ($REDIS_URL, PDSERVE_PREFILL_* options) and the span
-    exporter's settings."""
+    exporter's settings. `mps`: `pdserve up --mps`, its default auto (MPS where prefill and decode share a GPU), so
+    that a one-GPU figure is of the stack a user starts, not of two time-sliced processes."""
     gpus = [0, 1] if torch.cuda.device_count() >= 2 else [0] if torch.cuda.is_available() else []
     extra = ["--kv-transport", transport, "--max-num-seqs", "64"] + ([] if gpus else ["--torch-threads", "1"])
-    return start_stack(model, workdir, gpus=gpus, extra=extra, env=env, timeout=600)
+    return start_stack(model, workdir, gpus=gpus, extra=extra, env=env, timeout=600, mps=mps)
 
 
 def kv_counters(stack: Stack, side: str = "prefill") -> dict[str, tuple[int, float, int]]:

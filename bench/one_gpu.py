@@ -20,14 +20,15 @@ this order):
   instance logged go in details (`coloc` for auto, `coloc_budget_N` for the others).
   --disagg-mps runs the disaggregated stack once per `pdserve up --mps` setting (off, auto, on, on:P with P the
   prefill's SM percent; default auto), each run in details (`disagg1_mps_<setting>`), the keys from the last.
-- raw, grpc, cache: bench/gpu_serving.py's parts: the raw gRPC stream (`raw_grpc_gbps`); one stack with the KV
-  transport forced to grpc (`t2t_ms_2k_grpc`, `kv_gbps_grpc`) whose prefill has no local cache tier and no pool
-  prefixes, so a 90% prefix comes from Redis only (`ttft_ms_4k_cold`; one 3680-token prefix written once, then hit
-  with fresh tails: `ttft_ms_4k_redis_first`, the first hit, and `_p50`, the median of the five after it), and the
-  store's fetch rate as the prefill fetches (`redis_fetch_gbps`: bench/prompt_cache.py's `PrefixFetch` of a 4k
-  prompt's 90% in pages, 8 connections, into pinned memory and onto the GPU). The cache part runs once per
-  `--redis-shards` entry (1: one redis-server; N: a Redis Cluster of N shards on this host, the prefill with
-  `--redis-cluster`; one redis-server delivers ~1.3 GB/s of megabyte values there), the keys from the last.
+- raw, grpc, cache: bench/gpu_serving.py's parts (stacks on `pdserve up`'s --mps default, auto): the raw gRPC stream
+  (`raw_grpc_gbps`); one stack with the KV transport forced to grpc (`t2t_ms_2k_grpc`, `kv_gbps_grpc`) whose prefill
+  has no local cache tier and no pool prefixes, so a 90% prefix comes from Redis only (`ttft_ms_4k_cold`; one
+  3680-token prefix written once, then hit with fresh tails: `ttft_ms_4k_redis_first`, the first hit, and `_p50`, the
+  median of the five after it), and the store's fetch rate as the prefill fetches (`redis_fetch_gbps`:
+  bench/prompt_cache.py's `PrefixFetch` of a 4k prompt's 90% in pages, 8 connections, into pinned memory and onto the
+  GPU). The cache part runs once per `--redis-shards` entry (1: one redis-server; N: a Redis Cluster of N shards on
+  this host, the prefill with `--redis-cluster`; one redis-server delivers ~1.3 GB/s of megabyte values there), the
+  keys from the last.
 
 After each part: `goodput_limit_rps` once the engine part is in (`goodput_limit` below; docs/benchmarks.md), and
 once both modes are in (this call or an earlier one into the same --json) --mode-data (what `pdserve up` reads to

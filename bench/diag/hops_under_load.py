@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=3, help="decoding streams beside the probes in the second phase")
     ap.add_argument("--probes", type=int, default=15)
     ap.add_argument("--gpus", default="", help="comma-separated GPU indices for the engines (`pdserve up --gpus`)")
-    ap.add_argument("--mps", default="off", choices=("off", "auto", "on"), help="`pdserve up --mps`")
+    ap.add_argument("--mps", default="auto", choices=("off", "auto", "on"), help="`pdserve up --mps` (its default)")
     ap.add_argument("--output", type=int, default=300, help="tokens each decoding stream generates")
     ap.add_argument("--transport", default="auto", help="the KV transport (`pdserve up --kv-transport`)")
     ap.add_argument(

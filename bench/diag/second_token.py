@@ -1,13 +1,14 @@
 """The served first and second token of one prompt at a time, side by side for variants of the code: the stack of
-`pdserve up` on one host (router, prefill, decode; `start_stack`), one variant after another, each on a stack of its
-own.
+`pdserve up` on one host (router, prefill, decode; `start_stack`, with `pdserve up`'s MPS default: --mps), one variant
+after another, each on a stack of its own.
 
     python bench/diag/second_token.py [--model DIR --gpus 0] [--prompt 2048] [--probes 15] VARIANT [VARIANT ...]
 
 VARIANT: NAME (this tree) or NAME=DIR, DIR a tree of another commit (its shared/ and services/, e.g. `git archive
 REV shared services | tar -x -C DIR`), made the package `pdserve` as pyproject maps it (a directory of links) and put
 first on the PYTHONPATH of that variant's stack; or NAME@KEY=VALUE[,KEY=VALUE...]: this tree, with those environment
-variables set for that variant's stack (a service setting: `PDSERVE_PREFILL_KV_LAYER_GROUP=2`). Order them
+variables set for that variant's stack (a service setting: `PDSERVE_PREFILL_KV_LAYER_GROUP=2`; `PDSERVE_MPS=off`, as
+`pdserve up` reads it). Order them
 alternated (new base new base): hosts drift. Per variant:
 three warm-up requests, then --probes requests of --prompt fresh random tokens, one at a time, 3 tokens each, greedy;
 prints the medians of the first token, the second, the gap between them and the next gap (the decode step's pace,
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchutil import model_or_tiny
 
 PROBE = """
-import random, statistics, sys, tempfile, time
+import os, random, statistics, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 from benchutil import token_times_ms
@@ -35,8 +36,9 @@ import pdserve
 from pdserve.cli.launch import start_stack
 gpus = {gpus!r}
 extra = ["--kv-transport", {transport!r}] + ([] if gpus else ["--torch-threads", "1"])
+mps = os.environ.get("PDSERVE_MPS", {mps!r})  # a variant's own (NAME@PDSERVE_MPS=off), else --mps
 stack = start_stack(Path({model!r}), Path(tempfile.mkdtemp(prefix="second-token-")), kv_dtype="int8", extra=extra,
-                    gpus=gpus, timeout=600)
+                    gpus=gpus, timeout=600, mps=mps)
 rng = random.Random(0)
 try:
     with pdserve.Client(stack.router, timeout=120) as c:
@@ -83,12 +85,19 @@ def main() -> None:
     stack.add_argument("--model", default="", help="a model directory (default: a tiny random Llama, written here)")
     stack.add_argument("--gpus", default="", help="comma-separated GPU indices for the engines (`pdserve up --gpus`)")
     stack.add_argument("--transport", default="auto", help="the KV transport (`pdserve up --kv-transport`)")
+    stack.add_argument(
+        "--mps",
+        default="auto",
+        choices=("off", "auto", "on"),
+        help="`pdserve up --mps` (its default: "
+        "auto, MPS where prefill and decode share a GPU); a variant's PDSERVE_MPS overrides it",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="second-token-"))
     model, vocab = model_or_tiny(args.model, tmp)
     gpus = [int(g) for g in args.gpus.split(",") if g]
     bench = str(Path(__file__).resolve().parents[1])
-    code = PROBE.format(bench=bench, gpus=gpus, transport=args.transport, model=str(model),
+    code = PROBE.format(bench=bench, gpus=gpus, transport=args.transport, mps=args.mps, model=str(model),
                         vocab=min(30000, vocab - 1), prompt=args.prompt, probes=args.probes)  # fmt: skip
     print(f"{'variant':10s} {'first':>8s} {'second':>8s} {'gap':>7s} {'next':>7s}  code (ms, medians of {args.probes})")
     for i, variant in enumerate(args.variants):

@@ -30,10 +30,11 @@ def test_each_variant_runs_on_its_own_code_and_prints_its_medians(tmp_path):
 
 def test_a_variants_settings_reach_its_stack():
     cmd = [sys.executable, str(ROOT / "bench" / "diag" / "second_token.py"), "--prompt", "16", "--probes", "2"]
-    variants = ["g1@PDSERVE_PREFILL_KV_LAYER_GROUP=1", "bad@PDSERVE_PREFILL_KV_LAYER_GROUP=-1"]
+    variants = ["g1@PDSERVE_PREFILL_KV_LAYER_GROUP=1", "bad@PDSERVE_PREFILL_KV_LAYER_GROUP=-1", "mps@PDSERVE_MPS=on"]
     run = subprocess.run([*cmd, *variants], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = {r[0]: r[1:] for r in (line.split() for line in run.stdout.splitlines()[1:]) if r}
     first, second = map(float, rows["g1"][:2])
     assert 0 < first < second and rows["g1"][-1] == "PDSERVE_PREFILL_KV_LAYER_GROUP=1", rows
     assert rows["bad"][0] == "failed:", run.stdout[-2000:]  # prefill refuses the setting: its stack never starts
+    assert rows["mps"][0] == "failed:", run.stdout[-2000:]  # --mps on, the stack's MPS setting: no GPU is shared here
