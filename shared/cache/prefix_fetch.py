@@ -95,6 +95,11 @@ class PromptCache(Protocol):
 log = logging.getLogger("pdserve.cache")
 ALIGN = 256  # a slot's page data starts on this boundary (device views of any dtype)
 OVERDUE_SHARE = 0.1  # `expected_landing_s` before any batch landed: the least share of its predicted time left
+# A prefill forward's time that does not shrink with its tokens (the weights read, launches), as a share of a whole
+# chunk's: a chunk cut part-way by `split_page` costs that much more than its pages' share of the measured rate.
+# With prefill CUDA graphs on an H100, an 8B forward of 16 tokens takes 7.8 ms against 49-50 ms for 2048
+# (docs/benchmarks.md, "One GPU"): ~0.16.
+PART_FORWARD_SHARE = 0.2
 
 
 @dataclass
@@ -207,25 +212,34 @@ class PrefixFetch:
     def split_page(self) -> int:
         """Where the fetch starts: the engine computes from `first_page` up to here (its chunk stops here:
         `Sequence.prefill_stop`) while the fetch lands the pages after it; a page both fetch and compute cover is
-        work lost. So with both rates measured the fetch starts at the chunk boundary that minimises max(compute of
-        the pages before it, fetch of the pages after it) (the fetch always has pages left: it keeps measuring the
-        store). Chunk boundaries only: a chunk's forward costs its host launch whatever its length (on a GPU about
-        a 2k-token chunk's device time: docs/benchmarks.md), so a split inside a chunk adds a forward that costs
-        far more than its pages' share of the prefill rate. Without both rates, after the first chunk (which the
-        engine computes anyway while a first batch probes the store). `first_page` when the span is one chunk or
-        the chunk is unknown."""
+        work lost. So with both rates measured the fetch starts at the chunk boundary or batch edge that minimises
+        max(compute of the pages before it, fetch of the pages after it) (`_split_cost`; the fetch always has pages
+        left: it keeps measuring the store); of equal ones, the split that cuts no chunk. Without both rates, after
+        the first chunk (which the engine computes anyway while a first batch probes the store), or at `first_page`
+        when the span is one chunk or the chunk is unknown."""
         c, n = self.chunk_pages, self.num_pages
-        if c <= 0 or n <= c:
-            return self.first_page
         compute, fetch = self.prefill_tokens_per_s, self.fetch_bytes_per_s
+        if c <= 0 or n == 0 or ((not compute or not fetch) and n <= c):
+            return self.first_page
         if not compute or not fetch:
             return self.first_page + c
-        best_k, best_s = 0, math.inf
-        for k in range(0, n, c):
-            s = max(k * self.page_size / compute, (n - k) * self.value_bytes / fetch)
-            if s < best_s:
-                best_k, best_s = k, s
-        return self.first_page + best_k
+        page_s, value_s = self.page_size / compute, self.value_bytes / fetch
+        fixed, b = PART_FORWARD_SHARE * c * page_s, self.batch_pages
+        candidates = set(range(0, n, c))  # chunk boundaries, then in each chunk the batch edges around the balance
+        for f in range(1, -(-n // c) + 1):  # chunk f: pages ((f-1)c, fc), computed as k*page_s + fixed*(f - k/c)
+            k = (n * value_s - fixed * f) / (page_s - fixed / c + value_s)
+            edges = (math.floor(k / b) * b, math.ceil(k / b) * b)
+            candidates.update(p for p in edges if (f - 1) * c < p < min(f * c, n))
+        best = min(candidates, key=lambda k: (self._split_cost(k, page_s, value_s, fixed), k % c != 0, k))
+        return self.first_page + best
+
+    def _split_cost(self, k: int, page_s: float, value_s: float, fixed: float) -> float:
+        """Seconds until both halves of a split at `k` pages are in: the compute of pages [0, k), a chunk cut
+        part-way paying its forward's fixed cost for the pages it does not compute, and the fetch from the batch
+        that holds page `k` on."""
+        c, part = self.chunk_pages, k % self.chunk_pages
+        compute = k * page_s + (fixed * (1 - part / c) if part else 0.0)
+        return max(compute, (self.num_pages - k // self.batch_pages * self.batch_pages) * value_s)
 
     def start(self) -> PrefixFetch:
         """Queue the fetch on the cache's fetch threads (returns at once: the arenas are allocated there too),

@@ -324,13 +324,14 @@ def test_waiting_lookup_asks_a_slower_store_again_once_its_measurement_is_old(re
 
 
 def test_the_fetch_starts_where_compute_and_fetch_meet(redis):
-    """`split_page`: the chunk boundary minimising max(compute before it, fetch after it), with both rates; after
-    the first chunk without them; from the start for one chunk or an unknown chunk."""
+    """`split_page`: the chunk boundary or batch edge minimising max(compute before it, a chunk cut part-way paying
+    its forward's fixed part; fetch from its batch on), with both rates; after the first chunk without them; from
+    the start for one chunk or an unknown chunk."""
     cache, ns, tokens = filled(redis.url)
     keys = ns.page_keys(tokens)
 
-    def split(**kw) -> int:
-        return PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=2, **kw).split_page()
+    def split(batch_pages: int = 2, **kw) -> int:
+        return PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=batch_pages, **kw).split_page()
 
     assert split() == 0 and split(chunk_pages=N_PAGES) == 0  # no chunk known / one chunk: all fetched
     assert split(chunk_pages=2) == 2 and split(chunk_pages=2, prefill_tokens_per_s=PAGE) == 2  # a rate unknown
@@ -339,10 +340,22 @@ def test_the_fetch_starts_where_compute_and_fetch_meet(redis):
     assert split(chunk_pages=2, prefill_tokens_per_s=PAGE) == 4  # a page a second each: 4 computed, 6 fetched
     assert split(chunk_pages=2, prefill_tokens_per_s=PAGE / 100) == 0  # the store far faster: all fetched
     assert split(chunk_pages=2, prefill_tokens_per_s=PAGE * 100) == 8  # far slower: the last batch still fetched
-    # computing 2 pages a second, chunks of 4: 8 computed, 2 fetched (4 s against 2 s) beats 4 and 6 (2 s against
-    # 6 s); the even split, 6 computed and 4 fetched, would end the second chunk part-way: an extra forward
+    # computing 2 pages a second, chunks of 4 (2 s each, 0.4 s of it a forward's fixed part: PART_FORWARD_SHARE):
+    # 8 computed, 2 fetched (4 s against 2 s) ties with 6 (3 s + 0.2 s for the half chunk cut off, against 4 s):
+    # the split that cuts no chunk
     assert split(chunk_pages=4, prefill_tokens_per_s=2 * PAGE) == 8
-    assert split(chunk_pages=1, prefill_tokens_per_s=2 * PAGE) == 7  # chunks of a page: 3.5 s against 3 s
+    # with batches of a page the cut can fall at 7: 3.5 s + 0.1 s against 3 s, sooner than any chunk boundary
+    assert split(chunk_pages=4, prefill_tokens_per_s=2 * PAGE, batch_pages=1) == 7
+    # at 0.9 pages a second the cut at 5 would take 5.6 s + 0.7 s (three quarters of a chunk's fixed part) against
+    # 5 s; the boundary at 4 takes 4.4 s against 6 s: without the fixed part (5.6 s) the cut would have won
+    assert split(chunk_pages=4, prefill_tokens_per_s=0.9 * PAGE, batch_pages=1) == 4
+    # chunks of a page, batches of 2: 6 computed (3 s) against 4 fetched (4 s); a split at 7 reads page 6's batch
+    # all the same (4 s against 3.5)
+    assert split(chunk_pages=1, prefill_tokens_per_s=2 * PAGE) == 6
+    assert split(chunk_pages=1, prefill_tokens_per_s=2 * PAGE, batch_pages=1) == 7  # 3.5 s against 3 s
+    # a span of one chunk is split too: 2 pages a second, one chunk of 10 (5 s, 1 s of it fixed): 7 computed (3.5 s
+    # + 0.3 s) against 3 fetched (3 s), where fetching all takes 10 s and 6 computed 4 s
+    assert split(chunk_pages=N_PAGES, prefill_tokens_per_s=2 * PAGE, batch_pages=1) == 7
     fetch = PrefixFetch(cache, ns, keys, 0, N_PAGES, batch_pages=2, prefill_tokens_per_s=PAGE, chunk_pages=2)
     assert fetch.start().wait(N_PAGES, 10) == N_PAGES
     assert fetch.usable_end(0) == 0 and fetch.usable_end(4) == N_PAGES and fetch.real_pages == 6

@@ -267,6 +267,18 @@ def test_the_fetch_starts_after_the_chunks_the_engine_computes_meanwhile(engine,
     assert fetch.take_loaded() == list(range(4, 10)) and store.reads == 3  # pages 0-3 never read
 
 
+def test_a_split_inside_the_first_chunk_computes_its_head_and_loads_the_rest(engine, cached):
+    """Measured: 5 pages a second from the store, a page a second computed, the engine's chunks of 2 pages: the first
+    chunk cut after its first page (1 s, and 0.2 s for the fixed part of the half chunk it leaves) while the other
+    9 pages land (1.8 s) beats fetching all 10 (2 s) and computing the first chunk whole (2 s): one forward of a
+    page, then the rest loaded."""
+    prompt, ref, cache, store, ns = cached
+    fetch = landed_split_fetch(cache, store, ns, prompt, batch_pages=1, prefill_tokens_per_s=float(PAGE), split=1)
+    tokens, ranges = run(engine, "head", prompt, fetch, prefill_only=True)
+    assert tokens == ref[:1] and ranges == [(0, PAGE), (40, 43)]
+    assert fetch.take_loaded() == list(range(1, 10)) and store.reads == 9  # page 0 never read
+
+
 def test_the_compute_stops_where_the_fetch_starts_inside_a_chunk(engine, cached):
     """Measured: 5 pages a second from the store and from the engine (20 tokens a second), batches of one page:
     computing 5 pages while the other 5 land is the even split, at page 5, inside the engine's third chunk. That
