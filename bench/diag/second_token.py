@@ -4,16 +4,15 @@ after another, each on a stack of its own.
 
     python bench/diag/second_token.py [--model DIR --gpus 0] [--prompt 2048] [--probes 15] VARIANT [VARIANT ...]
 
-VARIANT: NAME (this tree) or NAME=DIR, DIR a tree of another commit (its shared/ and services/, e.g. `git archive
-REV shared services | tar -x -C DIR`), made the package `pdserve` as pyproject maps it (a directory of links) and put
-first on the PYTHONPATH of that variant's stack; or NAME@KEY=VALUE[,KEY=VALUE...]: this tree, with those environment
-variables set for that variant's stack (a service setting: `PDSERVE_PREFILL_KV_LAYER_GROUP=2`; `PDSERVE_MPS=off`, as
-`pdserve up` reads it). Order them
-alternated (new base new base): hosts drift. Per variant:
-three warm-up requests, then --probes requests of --prompt fresh random tokens, one at a time, 3 tokens each, greedy;
-prints the medians of the first token, the second, the gap between them and the next gap (the decode step's pace,
-against which the first gap's excess shows what the hand-over from prefill to decode costs). Without --model a tiny
-random Llama on this host's CPU. Figures: docs/benchmarks.md, "One GPU"."""
+VARIANT: NAME (this tree) or NAME=DIR, DIR a tree of another commit (its shared/ and services/, e.g. `git archive REV
+shared services | tar -x -C DIR`), made the package `pdserve` as pyproject maps it (a directory of links) and put first
+on the PYTHONPATH of that variant's stack; or NAME@KEY=VALUE[,KEY=VALUE...]: this tree, with those environment variables
+set for that variant's stack (a service setting: `PDSERVE_PREFILL_KV_LAYER_GROUP=2`; `PDSERVE_MPS=off`, as `pdserve up`
+reads it). Order them alternated (new base new base): hosts drift. Per variant: three warm-up requests, then --probes
+requests of --prompt fresh random tokens, one at a time, 3 tokens each, greedy; prints the medians of the first token,
+the second, the gap between them and the next gap (the decode step's pace, against which the first gap's excess shows
+what the hand-over from prefill to decode costs). Without --model a tiny random Llama on this host's CPU. Figures:
+docs/benchmarks.md, "One GPU"."""
 
 from __future__ import annotations
 
@@ -89,8 +88,8 @@ def main() -> None:
         "--mps",
         default="auto",
         choices=("off", "auto", "on"),
-        help="`pdserve up --mps` (its default: "
-        "auto, MPS where prefill and decode share a GPU); a variant's PDSERVE_MPS overrides it",
+        help="`pdserve up --mps` (its default: auto, MPS where prefill and decode share a GPU); a variant's "
+        "PDSERVE_MPS overrides it",
     )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="second-token-"))
