@@ -4,7 +4,6 @@ step's kernels from torch.profiler (graph replays included) summed by name.
 
     python bench/diag/decode_kernels.py [--formats fp8_channel,fp8_block,bf16] [--steps 10] [--pdl on|off|both]
                                         [--prefill 8192] [--gemv-ab 3] [--merge-ab 3]
-                                        [--swiglu-ab 3]
 
 Prints, per format and batch, the step's wall median, the GPU kernel time per step and the kernels by total time
 (time a step, launches a step, mean us). Under programmatic dependent launch (--pdl, on by default on Hopper) a
@@ -97,23 +96,6 @@ def gemv_ab(e, rounds: int, name: str) -> None:
     rotate_ab(e, rounds, name, {v: setter(attrs) for v, attrs in GEMV_VARIANTS.items()})
 
 
-def swiglu_ab(e, rounds: int, name: str) -> None:
-    """`rotate_ab` over the FP8 down projection's batch-1 GEMV with SwiGLU inside (the default) and the separate
-    SwiGLU kernel before it (Fp8Linear.gemv_swiglu)."""
-    from pdserve.engine.quant.fp8_linear import Fp8Linear
-
-    layers = [m for m in e.runner.model.modules() if isinstance(m, Fp8Linear)]
-
-    def setter(on: bool) -> Callable[[], None]:
-        def set_all() -> None:
-            for m in layers:
-                m.gemv_swiglu = on
-
-        return set_all
-
-    rotate_ab(e, rounds, name, {"SwiGLU in the GEMV": setter(True), "SwiGLU kernel": setter(False)})
-
-
 def merge_ab(e, rounds: int, name: str) -> None:
     """`rotate_ab` over the decode attention's split merge: fused (the default) and a second kernel
     (`decode_kernel_config`'s "merge", read by the attention backend at each launch, captures included)."""
@@ -139,13 +121,6 @@ def main() -> None:
         default="on",
         choices=("on", "off", "both"),
         help="the engine's programmatic dependent launches (off: each kernel's time is its own)",
-    )
-    ap.add_argument(
-        "--swiglu-ab",
-        type=int,
-        default=0,
-        help="FP8: also time batch 1 with SwiGLU inside the down projection's GEMV and as its own kernel, rotated "
-        "this many rounds on one engine (graphs re-captured each switch)",
     )
     ap.add_argument(
         "--merge-ab",
@@ -190,8 +165,6 @@ def main() -> None:
             kernel_table(e, args.steps)
             if args.merge_ab:
                 merge_ab(e, args.merge_ab, f"{name} b1")
-            if args.swiglu_ab and name.startswith("fp8"):
-                swiglu_ab(e, args.swiglu_ab, f"{name} b1")
             if args.gemv_ab and name.startswith("fp8"):
                 gemv_ab(e, args.gemv_ab, f"{name} b1")
                 for i in range(3):  # batch 4 (ctx 512): the GEMV's tensor-core rows

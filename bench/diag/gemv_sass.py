@@ -37,8 +37,7 @@ INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 def compile_stream(variant: str, block_n: int, block_k: int, num_warps: int, num_stages: int):
     """The stream kernel at M = 1, per-channel scales, PDL, for sm_90: Triton's compiled kernel."""
     constexprs = dict(SBN=1, SCALES=0, ACC_K=True, PREFETCH=False, HAS_BIAS=False, BITS=variant == "bits",
-                      HALF=variant == "half", SILU_MUL=False, USE_PDL=True, BLOCK_M=1, BLOCK_N=block_n,
-                      BLOCK_K=block_k)  # fmt: skip
+                      HALF=variant == "half", USE_PDL=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
     sig = {**ARGS, **dict.fromkeys(constexprs, "constexpr")}
     names = list(sig)
     src = ASTSource(

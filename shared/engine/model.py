@@ -191,8 +191,6 @@ class MLP(nn.Module):
                 from pdserve.engine.kernels.silu_mul import silu_mul, silu_mul_fp8, single_pass_fits
 
                 down = self.down_proj
-                if down.fuses_swiglu(gate_up):  # one GEMV launch: SwiGLU applied as it loads gate_up
-                    return down.swiglu_forward(gate_up, pdl=kc.pdl)
                 if down.takes_fp8(gate_up.shape[0]) and single_pass_fits(down.in_features):
                     # SwiGLU writes e4m3 + row scales (in one pass only: its row loop is slower than the separate
                     # quantizer pass)

@@ -43,8 +43,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from pdserve.engine.kernels.silu_mul import _swiglu_block
-
 MAX_M = 16  # rows one program multiplies (the tensor-core tile's M); Fp8Linear routes larger batches elsewhere
 FMA_MAX_ROWS = 4  # the CUDA-core path "fma" takes at most this many rows
 STREAM_MAX_ROWS = 16  # the CUDA-core path "stream" (its products per row grow with M; "auto" stops far earlier)
@@ -384,7 +382,7 @@ def _x_pairs_f16(x, RUNS: tl.constexpr):
 @triton.jit
 def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SBN: tl.constexpr,
             SCALES: tl.constexpr, ACC_K: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr,
-            SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """acc += the weight tile w [BLOCK_N, BLOCK_K] times x's step `st` columns, row by row of x, in float32.
     Each thread first sums its own runs of W_VEC columns (q [BLOCK_N, BLOCK_K / W_VEC]: no data leaves the
     thread), where the block scale applies (a run lies inside one 128-column group); then q joins acc
@@ -395,8 +393,7 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
     row per row. BITS: the weights widened by integer ops instead of the conversion instructions (`_e4m3_bits`),
     x's columns times 2**X_SHIFT; the caller multiplies the sums by 2**(E4M3_BITS_SHIFT - X_SHIFT). HALF: w is
     the tile as int32 words (`_s_tile`), each run multiplied in packed float16 (RUN_F16_ASM, `_x_pairs_f16`), the
-    runs' sums joining acc in float32. SILU_MUL: x's row is gate | up (up K columns further), x = silu(gate) * up
-    rounded as kernels/silu_mul.py rounds it."""
+    runs' sums joining acc in float32."""
     RUNS: tl.constexpr = BLOCK_K // W_VEC
     k = st * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
@@ -413,10 +410,7 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
         s = tl.load(s_ptr + (n // SBN)[:, None] * KG + grp[None, :], mask=n_ok[:, None] & (grp[None, :] < KG),
                     other=0.0)  # fmt: skip
     for i in tl.static_range(BLOCK_M):
-        if SILU_MUL:
-            x = _swiglu_block(x_ptr + i * x_stride, K, k, k_ok & (i < M))  # [BLOCK_K]
-        else:
-            x = tl.load(x_ptr + i * x_stride + k, mask=k_ok & (i < M), other=0.0).to(tl.float32)  # [BLOCK_K]
+        x = tl.load(x_ptr + i * x_stride + k, mask=k_ok & (i < M), other=0.0).to(tl.float32)  # [BLOCK_K]
         if BITS:
             x *= X_SCALE
         if HALF:
@@ -447,8 +441,8 @@ def _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st, SB
 def _fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KG, steps_per_split, x_stride, w_stride, split,
     SBN: tl.constexpr, SCALES: tl.constexpr, ACC_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BITS: tl.constexpr, HALF: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Path "stream": the bf16 GEMV's shape (kernels/gemv.py) over e4m3 bytes; a program streams BLOCK_N rows in
     [BLOCK_N, BLOCK_K] steps (W_VEC contiguous bytes a thread a row), products and sums on the CUDA cores in
@@ -478,14 +472,14 @@ def _fp8_stream_kernel(
         if PREFETCH:  # the next tile's loads issued before this step's math
             w_next = _s_tile(w_rows, n_ok, st, K, BLOCK_K, HALF)
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BITS, HALF, SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, HALF, BLOCK_M, BLOCK_K)  # fmt: skip
             w = w_next
         else:
             acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, st - 1, SBN, SCALES, ACC_K,
-                          BITS, HALF, SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
+                          BITS, HALF, BLOCK_M, BLOCK_K)  # fmt: skip
             w = _s_tile(w_rows, n_ok, st, K, BLOCK_K, HALF)
     acc = _s_step(acc, w, x_ptr, s_ptr, n, n_ok, row_block, M, K, KG, x_stride, last - 1, SBN, SCALES, ACC_K, BITS,
-                  HALF, SILU_MUL, BLOCK_M, BLOCK_K)  # fmt: skip
+                  HALF, BLOCK_M, BLOCK_K)  # fmt: skip
     if ACC_K:
         out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     else:
@@ -546,7 +540,6 @@ def fp8_gemv(
     prefetch: bool | None = None,
     bits: bool | None = None,
     half: bool | None = None,
-    act: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; bf16, fp16 or fp32), w e4m3 [N, K], scale float32: [N] per channel (scale_rows=0),
     else [ceil(N/scale_rows), ceil(K/128)] (scale_rows 128: 128x128 blocks, 1: per row per 128 columns); bias [N]
@@ -558,12 +551,8 @@ def fp8_gemv(
     "stream", "fma", "dot" or "tc" (PATH_MAX_ROWS: the most rows each takes); "stream" only (None: from the config):
     `acc_k`: run sums kept elementwise until after the K loop (where they fit STREAM_ACC_THREAD_ELEMENTS);
     `prefetch`: the next tile's loads before this tile's math; `bits`: e4m3 widened by integer ops (`_e4m3_bits`);
-    `half`: products and run sums in packed float16 (RUN_F16_ASM; x rescaled per run by a power of two);
-    `act="silu_mul"` ("stream" only): x is [M, 2K] gate | up and the kernel applies SwiGLU while loading it."""
+    `half`: products and run sums in packed float16 (RUN_F16_ASM; x rescaled per run by a power of two)."""
     m, k = x.shape
-    if act is not None:
-        assert act == "silu_mul" and k % 2 == 0, (act, x.shape)
-        k //= 2
     n = w.shape[0]
     kg = triton.cdiv(k, GROUP)
     assert m <= MAX_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1 and scale.is_contiguous()
@@ -576,7 +565,6 @@ def fp8_gemv(
         return y
     path = choose_path(path, m)
     assert takes(path, m, x.dtype), f"path {path!r} takes 16-bit x, not {x.dtype}"  # (choose_path checked the rows)
-    assert act is None or path == "stream", f"SwiGLU runs inside the stream path only, not {path!r}"
     cfg = SHAPE_CONFIGS.get((path, triton.next_power_of_2(m), n, k), DEFAULTS[path])
     block_n, num_warps = block_n or cfg["block_n"], num_warps or cfg["num_warps"]
     num_stages, programs_per_sm = num_stages or cfg["num_stages"], programs_per_sm or cfg["programs_per_sm"]
@@ -627,8 +615,8 @@ def fp8_gemv(
     if path == "stream":
         _fp8_stream_kernel[(tiles, split)](*args, SBN=sbn, SCALES=scales, ACC_K=acc_k, PREFETCH=prefetch,
                                            HAS_BIAS=bias is not None, BITS=bits, HALF=half,
-                                           SILU_MUL=act is not None, USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n,
-                                           BLOCK_K=block_k, **launch)  # fmt: skip
+                                           USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                           **launch)  # fmt: skip
     else:
         _fp8_gemv_kernel[(tiles, split)](
             *args, SBN=sbn, PER_CHANNEL=not scale_rows, FP32=x.dtype == torch.float32, HAS_BIAS=bias is not None,

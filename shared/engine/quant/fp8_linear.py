@@ -96,9 +96,6 @@ class Fp8Linear(nn.Module):
         self.gemv_bits: bool | None = None
         # "stream" only: products in packed float16 (fp8_gemv's `half`; None: as its config says); a bench knob
         self.gemv_half: bool | None = None
-        # a down projection's "stream" GEMV applies SwiGLU while loading x (`fuses_swiglu`: one kernel less a layer at
-        # batch 1); a bench knob (bench/diag/decode_kernels.py --swiglu-ab)
-        self.gemv_swiglu = True
         n, k = out_features, in_features
         self.register_buffer("weight", torch.empty(n, k, dtype=FP8))  # [N, K] e4m3
         scale_shape = (n,) if self.block is None else (-(-n // self.block[0]), -(-k // self.block[1]))
@@ -120,29 +117,6 @@ class Fp8Linear(nn.Module):
             and self.input_scale is None
             and rows > min(self.gemv_max_rows, GEMV_MAX_ROWS)
         )
-
-    def fuses_swiglu(self, gate_up: torch.Tensor) -> bool:
-        """Whether `swiglu_forward` takes gate_up [T, 2K] (gate | up) in one kernel: the GEMV's "stream" path (batch
-        1 under "auto") applies SwiGLU while loading x, rounded as kernels/silu_mul.py rounds it."""
-        from pdserve.engine.quant.fp8_gemv import choose_path, takes
-
-        m = gate_up.shape[0]
-        if not (
-            self.gemv_swiglu and self.triton and gate_up.is_cuda and 0 < m <= min(self.gemv_max_rows, GEMV_MAX_ROWS)
-        ):
-            return False
-        path = self.gemv_path if self.gemv_path != "auto" and takes(self.gemv_path, m, gate_up.dtype) else "auto"
-        return choose_path(path, m) == "stream"
-
-    def swiglu_forward(self, gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """forward(silu(gate) * up) for gate_up [T, 2K] where `fuses_swiglu` says so, in one GEMV launch."""
-        from pdserve.engine.quant.fp8_gemv import fp8_gemv
-
-        assert self.fuses_swiglu(gate_up), "the fused SwiGLU GEMV does not take this input"
-        scale_rows = 0 if self.block is None else self.block[0]
-        return fp8_gemv(gate_up, self.weight, self.weight_scale, self.bias, scale_rows, pdl=pdl, path="stream",
-                        counters=self._tickets(gate_up.device), bits=self.gemv_bits, half=self.gemv_half,
-                        act="silu_mul")  # fmt: skip
 
     def forward(self, x: torch.Tensor | Fp8Activation, pdl: bool = False) -> torch.Tensor:
         """x [T, K] (or that quantized per token, see `takes_fp8`) -> [T, N] in x's dtype. `pdl`: the GEMV as a

@@ -200,23 +200,6 @@ def test_fp8_gemv_half_8b_shapes_in_a_graph(scheme, m):
         assert not torch.equal(out, gemv(lin, x, False))
 
 
-@pytest.mark.parametrize("scheme", [ONLINE_FP8, BLOCK], ids=["channel", "block"])
-def test_down_gemv_with_swiglu_inside_equals_the_two_kernels(scheme):
-    """The 8B down projection at batch 1 (its default "stream" GEMV, packed float16 products, PDL) taking gate_up
-    and applying SwiGLU as it loads it: the bits of the SwiGLU kernel followed by the GEMV, eagerly and in a CUDA
-    graph; larger batches are not fused."""
-    from pdserve.engine.kernels.silu_mul import silu_mul
-
-    lin, _ = layer(4096, 14336, scheme, seed=5)
-    g = torch.Generator(device=DEV).manual_seed(5)
-    gate_up = (torch.randn(1, 2 * 14336, device=DEV, generator=g) * 2).bfloat16()
-    assert lin.fuses_swiglu(gate_up) and not lin.fuses_swiglu(gate_up.expand(2, -1))
-    eager, out = captured(lambda: lin.swiglu_forward(gate_up, pdl=kernels.pdl_supported(DEV)))
-    assert torch.equal(out, eager) and torch.equal(eager, lin(silu_mul(gate_up)))
-    lin.gemv_swiglu = False  # the bench knob
-    assert not lin.fuses_swiglu(gate_up)
-
-
 def fp8_engine(model_dir, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=str(model_dir), **{**KW, **kw}))
 
