@@ -126,8 +126,8 @@ def main() -> None:
         "--merge-ab",
         type=int,
         default=0,
-        help="also time batches 1 and 128 with the decode attention's split merge fused and as a second kernel, "
-        "rotated this many rounds on one engine (graphs re-captured each switch)",
+        help="also time batch 1 with the decode attention's split merge fused and as a second kernel, rotated this "
+        "many rounds on one engine (graphs re-captured each switch; batch 128 runs one split: nothing to merge)",
     )
     ap.add_argument(
         "--gemv-ab",
@@ -179,8 +179,6 @@ def main() -> None:
             wall = ge.time_decode_steps(e, 20)[5:]
             print(f"[{name}] b128 ctx2k step wall median {statistics.median(wall):.3f} ms")
             kernel_table(e, args.steps // 2 or 1)
-            if args.merge_ab:
-                merge_ab(e, args.merge_ab, f"{name} b128")
             del e
             ge.free_memory()
 
