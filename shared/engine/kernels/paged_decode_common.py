@@ -112,11 +112,12 @@ def _combine_if_last(
     """The fused combine, called by every split program of (b, kh) after it stored its partial rows: the last one
     to arrive merges the splits of the KV head's QPK query heads (no second kernel: at small batches its launch
     costs more than its work) and sets the arrival count back to 0 for the next launch. The barrier puts all
-    threads' partial stores before the arrival, whose release (acquire for the last) publishes them at GPU scope."""
+    threads' partial stores before the arrival, whose release (acquire for the last) publishes them at GPU scope:
+    the split-K GEMV's ticket scheme (quant/fp8_gemv.split_k_store)."""
     tl.debug_barrier()
     count = arrivals_ptr + b.to(tl.int64) * KVH + kh
     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        tl.store(count, 0)  # the kernel's end orders it before the next launch's arrivals
+        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero for the next launch (and graph replay)
         for i in tl.static_range(QPK):
             _combine_head(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, b, kh * QPK + i, num_splits, KVH * QPK, D, SP)
 
