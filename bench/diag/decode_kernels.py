@@ -3,7 +3,7 @@ device, int8 KV, decode graphs) at batch 1 (context 512) and batch 128 (context 
 step's kernels from torch.profiler (graph replays included) summed by name.
 
     python bench/diag/decode_kernels.py [--formats fp8_channel,fp8_block,bf16] [--steps 10] [--pdl on|off|both]
-                                        [--prefill 8192] [--gemv-ab 3] [--merge-ab 3]
+                                        [--prefill 8192] [--gemv-ab 3]
 
 Prints, per format and batch, the step's wall median, the GPU kernel time per step and the kernels by total time
 (time a step, launches a step, mean us). Under programmatic dependent launch (--pdl, on by default on Hopper) a
@@ -17,7 +17,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,15 +58,21 @@ GEMV_VARIANTS["GEMV path stream, half"] = dict(gemv_path="stream", gemv_bits=Non
 GEMV_VARIANTS["GEMV path stream, float32"] = dict(gemv_path="stream", gemv_bits=None, gemv_half=False)
 
 
-def rotate_ab(e, rounds: int, name: str, variants: dict[str, Callable[[], None]]) -> None:
-    """Decode step wall medians (the engine's running batch) under each variant (a function that sets it), rotated
-    round by round, the decode graphs re-captured at each switch; prints each round and each median's ratio to the
-    first variant. Leaves the first variant set."""
-    names = list(variants)
+def gemv_ab(e, rounds: int, name: str) -> None:
+    """Decode step wall medians (the engine's running batch) of each GEMV_VARIANTS entry, rotated round by round,
+    the decode graphs re-captured at each switch; prints each round and each median's ratio to the first entry.
+    Leaves the defaults set."""
+    from pdserve.engine.quant.fp8_linear import Fp8Linear
+
+    layers = [m for m in e.runner.model.modules() if isinstance(m, Fp8Linear)]
+    names = list(GEMV_VARIANTS)
+    defaults = {k: getattr(layers[0], k) for k in GEMV_VARIANTS[names[0]]}
     got: dict[str, list[float]] = {v: [] for v in names}
     for r in range(rounds):
         for v in names[r % len(names) :] + names[: r % len(names)]:
-            variants[v]()
+            for m in layers:
+                for k, val in GEMV_VARIANTS[v].items():
+                    setattr(m, k, val)
             e.runner.graph_runner.capture()
             got[v].append(statistics.median(ge.time_decode_steps(e, 40)[10:]))
             print(f"[{name}] round {r} {v}: {got[v][-1]:.3f} ms")
@@ -75,35 +80,10 @@ def rotate_ab(e, rounds: int, name: str, variants: dict[str, Callable[[], None]]
     for v in names:
         med = statistics.median(got[v])
         print(f"[{name}] {v}: {med:.3f} ms, {med / base:.3f}x {names[0]}")
-    variants[names[0]]()
+    for m in layers:
+        for k, val in defaults.items():
+            setattr(m, k, val)
     e.runner.graph_runner.capture()
-
-
-def gemv_ab(e, rounds: int, name: str) -> None:
-    """`rotate_ab` over GEMV_VARIANTS (the first is the default path)."""
-    from pdserve.engine.quant.fp8_linear import Fp8Linear
-
-    layers = [m for m in e.runner.model.modules() if isinstance(m, Fp8Linear)]
-
-    def setter(attrs: dict) -> Callable[[], None]:
-        def set_all() -> None:
-            for m in layers:
-                for k, val in attrs.items():
-                    setattr(m, k, val)
-
-        return set_all
-
-    rotate_ab(e, rounds, name, {v: setter(attrs) for v, attrs in GEMV_VARIANTS.items()})
-
-
-def merge_ab(e, rounds: int, name: str) -> None:
-    """`rotate_ab` over the decode attention's split merge: fused (the default) and a second kernel
-    (`decode_kernel_config`'s "merge", read by the attention backend at each launch, captures included)."""
-    conf = e.runner.kernels.decode_config  # the dict the backend reads (KernelChoice itself is frozen)
-    fused = "merge" not in conf or conf["merge"] == "fused"
-    assert fused, "the engine was made with the kernel merge"
-    rotate_ab(e, rounds, name, {"merge fused": lambda: conf.update(merge="fused"),
-                                "merge kernel": lambda: conf.update(merge="kernel")})  # fmt: skip
 
 
 def main() -> None:
@@ -121,13 +101,6 @@ def main() -> None:
         default="on",
         choices=("on", "off", "both"),
         help="the engine's programmatic dependent launches (off: each kernel's time is its own)",
-    )
-    ap.add_argument(
-        "--merge-ab",
-        type=int,
-        default=0,
-        help="also time batch 1 with the decode attention's split merge fused and as a second kernel, rotated this "
-        "many rounds on one engine (graphs re-captured each switch; batch 128 runs one split: nothing to merge)",
     )
     ap.add_argument(
         "--gemv-ab",
@@ -163,8 +136,6 @@ def main() -> None:
             wall = ge.time_decode_steps(e, 40)[10:]
             print(f"[{name}] b1 ctx512 step wall median {statistics.median(wall):.3f} ms")
             kernel_table(e, args.steps)
-            if args.merge_ab:
-                merge_ab(e, args.merge_ab, f"{name} b1")
             if args.gemv_ab and name.startswith("fp8"):
                 gemv_ab(e, args.gemv_ab, f"{name} b1")
                 for i in range(3):  # batch 4 (ctx 512): the GEMV's tensor-core rows

@@ -218,7 +218,6 @@ class FA3Backend:
         self.fa = FA3Forward(module)  # the op itself where its schema allows (pdserve.engine.fa3_call)
         self.kernels = kernels  # decode/prefill kernel choices, FA3 splits, Triton decode config, PDL
         self._num_sms = 0
-        self._arrivals: list[torch.Tensor] = []  # the fused split merge's counts; [-1] in use (see _split_arrivals)
 
     def attend(self, layer: int, q: torch.Tensor, meta, cache: KVCache, scale: float) -> torch.Tensor:
         """q [T, H, D] -> out [T, H, D]. `meta` is an AttentionMetadata or a CUDA-graph StaticDecodeMeta (only
@@ -291,21 +290,6 @@ class FA3Backend:
 
         return default_num_splits(batch, kv_heads, self._num_sms, split_mult)
 
-    def _split_arrivals(self, device: torch.device, n: int) -> torch.Tensor | None:
-        """The Triton decode kernels' fused split merge (`decode_kernel_config` "merge": "fused", the default, or
-        "kernel": a second kernel): int32 arrival counts [>= n], zero between launches (each launch leaves them 0),
-        shared by every layer (launches on one stream never overlap). Grown outside a CUDA graph capture only (a
-        capture warms its batch size up eagerly first); an older buffer stays alive, since a captured graph holds
-        its address. None: merge in a second kernel."""
-        if self.kernels.decode_config.get("merge", "fused") != "fused":
-            return None
-        if self._arrivals and self._arrivals[-1].numel() >= n and self._arrivals[-1].device == device:
-            return self._arrivals[-1]
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
-        self._arrivals.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-        return self._arrivals[-1]
-
     def _triton_decode(
         self, layer: int, q: torch.Tensor, cache, table: torch.Tensor, seqlens: torch.Tensor, scale: float
     ) -> torch.Tensor:
@@ -325,7 +309,6 @@ class FA3Backend:
             cfg = {**kd.DENSE_CONFIG, **kc.decode_config}
         splits = self._num_splits(q.shape[0], cache.num_kv_heads, cfg["split_mult"])
         kw = dict(block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], pdl=kc.pdl)
-        kw["arrivals"] = self._split_arrivals(q.device, q.shape[0] * cache.num_kv_heads)
         if not cache.quantized:
             k_cache, v_cache = cache.layer_tensors(layer)
             return kd.int8_paged_decode(
@@ -371,7 +354,6 @@ class FA3Backend:
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             pdl=kc.pdl,
-            arrivals=self._split_arrivals(q.device, q.shape[0] * cache.num_kv_heads),
         )
 
 

@@ -73,9 +73,7 @@ class EngineConfig:
     dense_decode_kernel: str = opt("triton", "FA3 + dense pool, decode: triton (reads dense pages) | fa3")
     dense_prefill_kernel: str = opt("paged", "FA3 + dense pool, prefill: paged (FA3 reads pages) | gather (varlen)")
     fa3_num_splits: int = opt(4, "FA3 decode split count (0: FA3's heuristic)")
-    decode_kernel_config: str = opt(
-        "", "JSON overrides of the Triton decode-attention kernel config (block_n, ..., merge: fused | kernel)"
-    )
+    decode_kernel_config: str = opt("", "JSON overrides of the Triton decode-attention kernel config (block_n, ...)")
     cuda_graphs: bool = opt(True, "decode through CUDA graphs (CUDA + FA3 + fused model path)")
     cuda_graph_max_context: int = opt(
         0, "context the decode CUDA graphs cover (0: the model's whole context); longer contexts run eagerly"
@@ -194,12 +192,8 @@ class EngineConfig:
         return plan
 
     def decode_kernel_overrides(self) -> dict:
-        """`decode_kernel_config` parsed ({} when empty). Its "merge" picks how split partials combine: "fused" (the
-        last split program of each sequence and KV head merges) or "kernel" (a second kernel)."""
-        value = _json_object("decode_kernel_config", self.decode_kernel_config) if self.decode_kernel_config else {}
-        if value.get("merge", "fused") not in ("fused", "kernel"):
-            raise ValueError(f"decode_kernel_config's merge must be fused|kernel, got {value['merge']!r}")
-        return value
+        """`decode_kernel_config` parsed ({} when empty)."""
+        return _json_object("decode_kernel_config", self.decode_kernel_config) if self.decode_kernel_config else {}
 
 
 GEMV_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the model's decode GEMVs

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels.paged_decode_common import (
-    _combine_if_last,
     _combine_kernel,
     _online_softmax,
     _pool_rows,
@@ -47,7 +46,6 @@ def _fp8_decode_kernel(
     seqlens_ptr,
     po_ptr,
     pml_ptr,
-    arrivals_ptr,
     out_ptr,
     out_sb,
     out_sh,
@@ -59,8 +57,6 @@ def _fp8_decode_kernel(
     PS: tl.constexpr,
     D: tl.constexpr,
     DIRECT: tl.constexpr,
-    FUSED: tl.constexpr,
-    SP: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -102,8 +98,6 @@ def _fp8_decode_kernel(
     else:
         part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, qmask)  # [QP]
         tl.store(po_ptr + part[:, None] * D + d[None, :], acc, mask=qmask[:, None])
-        if FUSED:
-            _combine_if_last(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, arrivals_ptr, b, kh, num_splits, KVH, QPK, D, SP)
 
 
 def fp8_paged_decode(
@@ -121,12 +115,10 @@ def fp8_paged_decode(
     num_warps: int = FP8_CONFIG["num_warps"],
     num_stages: int = FP8_CONFIG["num_stages"],
     pdl: bool = False,
-    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, HQ, D] (bf16 / fp16) -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] float8_e4m3fn (one layer),
     k_scales / v_scales [P, ps, KVH, 1] fp16 (one per token and KV head), page_table [B, W] int32, seqlens [B] int32
-    (>= 1: keys 0..seqlens-1 are attended). `pdl`: programmatic dependent launch (Hopper). `arrivals`: the fused
-    split merge's counts, as `int8_decode_attention.int8_paged_decode`'s."""
+    (>= 1: keys 0..seqlens-1 are attended). `pdl`: programmatic dependent launch (Hopper)."""
     b, hq, d = q.shape
     _, ps, kvh, _ = k.shape
     assert k.dtype == v.dtype == torch.float8_e4m3fn, f"fp8 pool expected, got {k.dtype}"
@@ -143,9 +135,6 @@ def fp8_paged_decode(
     else:
         po = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
         pml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
-    fused = not direct and arrivals is not None
-    if fused:
-        assert arrivals is not None and arrivals.dtype == torch.int32 and arrivals.numel() >= b * kvh
     launch = dict(launch_pdl=True) if pdl else {}
     _fp8_decode_kernel[(b, kvh, num_splits)](
         q,
@@ -160,7 +149,6 @@ def fp8_paged_decode(
         seqlens,
         po,
         pml,
-        arrivals if fused else out,  # unused unless fused
         out,
         out.stride(0),
         out.stride(1),
@@ -172,15 +160,13 @@ def fp8_paged_decode(
         PS=ps,
         D=d,
         DIRECT=direct,
-        FUSED=fused,
-        SP=triton.next_power_of_2(num_splits),
         BLOCK=block_n,
         USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch,
     )
-    if not direct and not fused:
+    if not direct:
         _combine_kernel[(b, hq)](
             po,
             pml,

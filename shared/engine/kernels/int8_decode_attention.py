@@ -30,7 +30,6 @@ from pdserve.engine.kernels.int8_fold2_decode import _decode_kernel_fold2
 from pdserve.engine.kernels.int8_planes_decode import _planes_decode_kernel
 from pdserve.engine.kernels.kv_quant import dequantize_tile
 from pdserve.engine.kernels.paged_decode_common import (
-    _combine_if_last,
     _combine_kernel,
     _online_softmax,
     _pool_rows,
@@ -97,7 +96,6 @@ def _decode_kernel(
     seqlens_ptr,
     po_ptr,
     pml_ptr,
-    arrivals_ptr,
     out_ptr,
     out_sb,
     out_sh,
@@ -111,8 +109,6 @@ def _decode_kernel(
     G: tl.constexpr,
     ASYM: tl.constexpr,
     DIRECT: tl.constexpr,
-    FUSED: tl.constexpr,
-    SP: tl.constexpr,
     BLOCK: tl.constexpr,
     DENSE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -153,8 +149,6 @@ def _decode_kernel(
     else:
         part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, qmask)  # [QP]
         tl.store(po_ptr + part[:, None] * D + d[None, :], acc, mask=qmask[:, None])
-        if FUSED:
-            _combine_if_last(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, arrivals_ptr, b, kh, num_splits, KVH, QPK, D, SP)
 
 
 def int8_paged_decode(
@@ -174,15 +168,12 @@ def int8_paged_decode(
     num_warps: int = DEFAULT_CONFIG["num_warps"],
     num_stages: int = DEFAULT_CONFIG["num_stages"],
     pdl: bool = False,
-    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, HQ, D] -> out [B, HQ, D] (q's dtype). k/v [P, ps, KVH, D] int8 (one layer), scales/zeros
     [P, ps, KVH, G] fp16, page_table [B, W] int32, seqlens [B] int32 (>= 1: keys 0..seqlens-1 are attended).
     k_scales None: k/v are a dense pool in q's dtype (no dequantization). The kernel follows from the pool's shape
     (the module docstring says which); block_n / num_warps / num_stages are its launch. `pdl`: programmatic
-    dependent launch (Hopper; kernels/gemv.py says how the decode chain uses it). `arrivals`: int32 [>= B * KVH],
-    all 0 (the kernel leaves them 0): with more than one split the last split program of each (sequence, KV head)
-    merges the splits (`paged_decode_common._combine_if_last`) instead of a second kernel."""
+    dependent launch (Hopper; kernels/gemv.py says how the decode chain uses it)."""
     b, hq, d = q.shape
     _, ps, kvh, _ = k.shape
     dense = k_scales is None
@@ -200,10 +191,6 @@ def int8_paged_decode(
     else:
         po = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
         pml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
-    fused = not direct and arrivals is not None
-    if fused:
-        assert arrivals is not None and arrivals.dtype == torch.int32 and arrivals.numel() >= b * kvh
-    merge = dict(FUSED=fused, SP=triton.next_power_of_2(num_splits))
     asym = k_zeros is not None
     launch = dict(launch_pdl=True) if pdl else {}
     if not dense and not asym and g == 2 and d % 8 == 0:  # two groups per head: fold2 or the lean loop
@@ -221,7 +208,6 @@ def int8_paged_decode(
             seqlens,
             po,
             pml,
-            arrivals if fused else out,  # unused unless fused
             out,
             out.stride(0),
             out.stride(1),
@@ -235,7 +221,6 @@ def int8_paged_decode(
             DIRECT=direct,
             BLOCK=block_n,
             USE_PDL=pdl,
-            **merge,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,
@@ -256,7 +241,6 @@ def int8_paged_decode(
             seqlens,
             po,
             pml,
-            arrivals if fused else out,  # unused unless fused
             out,
             out.stride(0),
             out.stride(1),
@@ -273,12 +257,11 @@ def int8_paged_decode(
             BLOCK=block_n,
             DENSE=dense,
             USE_PDL=pdl,
-            **merge,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch,
         )
-    if not direct and not fused:
+    if not direct:
         _combine_kernel[(b, hq)](
             po,
             pml,

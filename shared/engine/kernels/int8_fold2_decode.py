@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from pdserve.engine.kernels.paged_decode_common import (
-    _combine_if_last,
     _load_scale_pair,
     _online_softmax,
     _pool_rows,
@@ -71,7 +70,6 @@ def _decode_kernel_fold2(
     seqlens_ptr,
     po_ptr,
     pml_ptr,
-    arrivals_ptr,
     out_ptr,
     out_sb,
     out_sh,
@@ -83,8 +81,6 @@ def _decode_kernel_fold2(
     PS: tl.constexpr,
     D: tl.constexpr,
     DIRECT: tl.constexpr,
-    FUSED: tl.constexpr,
-    SP: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -133,5 +129,3 @@ def _decode_kernel_fold2(
         part = _store_split_stats(pml_ptr, b, heads, sp, num_splits, KVH * QPK, m, l, qmask)  # [QP]
         tl.store(po_ptr + part[:, None] * D + c[None, :], acc0, mask=qmask[:, None])
         tl.store(po_ptr + part[:, None] * D + H + c[None, :], acc1, mask=qmask[:, None])
-        if FUSED:
-            _combine_if_last(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, arrivals_ptr, b, kh, num_splits, KVH, QPK, D, SP)

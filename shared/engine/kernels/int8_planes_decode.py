@@ -35,13 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels.paged_decode_common import (
-    _combine_if_last,
-    _load_scale_pair,
-    _pool_rows,
-    _split_range,
-    _store_split_stats,
-)
+from pdserve.engine.kernels.paged_decode_common import _load_scale_pair, _pool_rows, _split_range, _store_split_stats
 
 OFFSET = tl.constexpr(1152.0)  # fp16 0x6480: 1024 (the 0x64 exponent byte) + 128 (the xor: signed -> unsigned)
 RESCALE_LOG2 = tl.constexpr(4.0)
@@ -223,9 +217,9 @@ def _block(
 @triton.jit
 def _planes_decode_kernel(
     q_ptr, q_sb, q_sh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, table_stride, seqlens_ptr, po_ptr, pml_ptr,
-    arrivals_ptr, out_ptr, out_sb, out_sh, qk_scale, num_splits,
+    out_ptr, out_sb, out_sh, qk_scale, num_splits,
     KVH: tl.constexpr, QPK: tl.constexpr, QP: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
-    DIRECT: tl.constexpr, FUSED: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    DIRECT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """k_ptr / v_ptr: one layer's pool as int32 words [rows, D/4]; ks_ptr / vs_ptr: fp16 [rows, 2]. Writes the output
     rows (DIRECT) or the split's partial rows and statistics for `_combine_kernel`, like every decode kernel."""
@@ -285,5 +279,3 @@ def _planes_decode_kernel(
         out_ptr, out_sb, out_sh, po_ptr, pml_ptr, b, heads, qmask, sp, num_splits, m, l,
         a0a, a0b, a0c, a0d, a1a, a1b, a1c, a1d, KVH * QPK, D, DIRECT,
     )  # fmt: skip
-    if FUSED and not DIRECT:
-        _combine_if_last(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, arrivals_ptr, b, kh, num_splits, KVH, QPK, D, SP)

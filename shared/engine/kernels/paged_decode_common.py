@@ -1,7 +1,6 @@
 """What the paged decode-attention kernels share (int8: tile, fold2 and lean-loop kernels; fp8): each program's key
 range of a split, the page walk from keys to pool rows, the two-group scale read, the online softmax step, the split
-statistics and the merge of the splits (a kernel of its own, or fused: the last split program merges), and the
-split count.
+statistics and the kernel that merges the splits, and the split count.
 
 Graph-safe: the grid depends only on the batch size and `num_splits`; each split's token range is computed on the
 device from `seqlens` (a split past the end of a short sequence does nothing).
@@ -68,24 +67,6 @@ def _store_split_stats(pml_ptr, b, heads, sp, num_splits, hq, m, l, qmask):
 
 
 @triton.jit
-def _combine_head(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, b, h, num_splits, HQ, D: tl.constexpr, SP: tl.constexpr):
-    """Output row of query head `h` of sequence `b`: the splits' partial rows weighed by their statistics. The
-    reads go to L2 (.cg): in the fused combine other programs wrote them during this kernel, and a line this SM
-    cached in an earlier launch at the same address would be stale."""
-    s = tl.arange(0, SP)
-    ok = s < num_splits
-    part = (b.to(tl.int64) * HQ + h) * num_splits + s
-    ms = tl.load(pml_ptr + part * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    ls = tl.load(pml_ptr + part * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-    mx = tl.max(ms, 0)
-    w = tl.where(ms > float("-inf"), tl.exp2(ms - mx), 0.0)  # empty splits weigh 0
-    d = tl.arange(0, D)
-    po = tl.load(po_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-    o = tl.sum(po * w[:, None], 0) / tl.sum(ls * w, 0)
-    tl.store(out_ptr + b.to(tl.int64) * out_sb + h * out_sh + d, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
 def _combine_kernel(
     po_ptr,
     pml_ptr,
@@ -101,25 +82,19 @@ def _combine_kernel(
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    _combine_head(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, tl.program_id(0), tl.program_id(1), num_splits, HQ, D, SP)
-
-
-@triton.jit
-def _combine_if_last(
-    po_ptr, pml_ptr, out_ptr, out_sb, out_sh, arrivals_ptr, b, kh, num_splits,
-    KVH: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
-):  # fmt: skip
-    """The fused combine, called by every split program of (b, kh) after it stored its partial rows: the last one
-    to arrive merges the splits of the KV head's QPK query heads (no second kernel: at small batches its launch
-    costs more than its work) and sets the arrival count back to 0 for the next launch. The barrier puts all
-    threads' partial stores before the arrival, whose release (acquire for the last) publishes them at GPU scope:
-    the split-K GEMV's ticket scheme (quant/fp8_gemv.split_k_store)."""
-    tl.debug_barrier()
-    count = arrivals_ptr + b.to(tl.int64) * KVH + kh
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero for the next launch (and graph replay)
-        for i in tl.static_range(QPK):
-            _combine_head(po_ptr, pml_ptr, out_ptr, out_sb, out_sh, b, kh * QPK + i, num_splits, KVH * QPK, D, SP)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    ok = s < num_splits
+    part = (b.to(tl.int64) * HQ + h) * num_splits + s
+    ms = tl.load(pml_ptr + part * 2, mask=ok, other=float("-inf"))
+    ls = tl.load(pml_ptr + part * 2 + 1, mask=ok, other=0.0)
+    mx = tl.max(ms, 0)
+    w = tl.where(ms > float("-inf"), tl.exp2(ms - mx), 0.0)  # empty splits weigh 0
+    d = tl.arange(0, D)
+    po = tl.load(po_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(po * w[:, None], 0) / tl.sum(ls * w, 0)
+    tl.store(out_ptr + b.to(tl.int64) * out_sb + h * out_sh + d, o.to(out_ptr.dtype.element_ty))
 
 
 def default_num_splits(batch: int, kv_heads: int, num_sms: int, split_mult: int = 2) -> int:

@@ -221,42 +221,6 @@ def test_int8_decode_attention_vs_fp32(splits, case):
     assert rel(out, ref_paged_decode(q, kv, table, lens, ps, D**-0.5)) < 1e-2
 
 
-@pytest.mark.parametrize("case", ["lean", "lean-pdl", "fold2-pdl", "tile-asym"])
-@pytest.mark.parametrize("splits", [3, 32])
-def test_int8_decode_fused_merge_equals_the_merge_kernel(splits, case):
-    """The fused merge (`arrivals`: the last split program of each sequence and KV head combines) gives the merge
-    kernel's bits, launch after launch (each leaves the counts 0), and inside a CUDA graph replayed over other
-    lengths (as the decode graphs run it); 32 splits leave most of a short sequence's splits empty."""
-    from pdserve.engine.kernels.int8_decode_attention import int8_paged_decode
-
-    _, D, group, asym, launch = INT8_DECODE_CASES[case]
-    g = torch.Generator(device=DEV).manual_seed(splits + 10 * asym + D)
-    P, ps, KVH, HQ, B, W = 256, 16, 8, 32, 5, 40
-    q8, s, z = Q.quantize(torch.randn(2, P, ps, KVH, D, device=DEV, generator=g), group, asym)
-    table = torch.randperm(P, device=DEV, generator=g)[: B * W].view(B, W).int()
-    lens = torch.tensor([1, 15, 16, 333, 640], device=DEV, dtype=torch.int32)
-    q = torch.randn(B, HQ, D, device=DEV, generator=g).bfloat16()
-    kw = dict(launch)
-    kw["pdl"] = kw.get("pdl", False) and kernels.pdl_supported(DEV)
-    zk, zv = (None, None) if z is None else (z[0], z[1])
-    call = lambda **a: int8_paged_decode(q, q8[0], q8[1], s[0], s[1], zk, zv, table, lens, D**-0.5, splits, **kw, **a)  # noqa: E731
-    arrivals = torch.zeros(B * KVH + 3, dtype=torch.int32, device=DEV)
-    for _ in range(3):
-        assert torch.equal(call(arrivals=arrivals), call())
-        assert not arrivals.any()
-    out = torch.empty_like(q)
-    call(arrivals=arrivals, out=out)  # compiled before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(arrivals=arrivals, out=out)
-    for new_lens in ([640, 1, 2, 31, 500], [16, 17, 640, 1, 129], [1, 15, 16, 333, 640]):
-        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, call()), new_lens
-        assert not arrivals.any()
-
-
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("data", ["rising", "rising-large-v", "normal"])
 def test_int8_lean_loop_vs_fp64_on_moving_maxima(splits, data):

@@ -56,7 +56,7 @@ P = B * W
 # scales, which carry the 3000) and the lazy rescales follow the scores alone, so the kernel takes the same branches
 # as with V at normal magnitude; "normal" keeps V at the small scales where P * v_scale rounds lowest
 for data in ("normal", "slow-rise", "fast-rise-large-v"):
-    for splits, fused in ((1, False), (3, False), (3, True)):
+    for splits in (1, 3):
         k, v, q = torch.randn(P, ps, KVH, D), torch.randn(P, ps, KVH, D), torch.randn(B, HQ, D)
         table = torch.randperm(P).view(B, W).int()
         if "rise" in data:  # scores grow along the sequence: below / above the lazy bound per block
@@ -71,22 +71,14 @@ for data in ("normal", "slow-rise", "fast-rise-large-v"):
         q8, s, _ = Q.quantize(torch.stack([k, v]), 64, False)
         q = q.bfloat16()
         assert kd.reads_planes(D, 2, False)
-        arrivals = torch.zeros(B * KVH, dtype=torch.int32) if fused else None
         out = kd.int8_paged_decode(
-            q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, arrivals=arrivals,
+            q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits,
         )  # symmetric, two groups per head, head_dim 128: the lean loop
-        if fused:  # the last split of each (sequence, KV head) merged and set its count back for the next launch
-            assert torch.equal(arrivals, torch.zeros_like(arrivals))
-            again = kd.int8_paged_decode(
-                q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits, arrivals=arrivals,
-            )
-            unfused = kd.int8_paged_decode(q, q8[0], q8[1], s[0], s[1], None, None, table, lens, D**-0.5, splits)
-            assert torch.equal(again, out) and torch.equal(unfused, out)
         kvf = Q.dequantize(q8, s, None, 64, torch.float32).view(2, P * ps, KVH, D)
         ref = reference(q.float(), kvf, table, lens, ps, D**-0.5)
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert out.isfinite().all() and err < 6e-3, (data, splits, err)
-        print(data, splits, fused, f"{err:.2e}")
+        print(data, splits, f"{err:.2e}")
 """
 
 
@@ -94,4 +86,4 @@ def test_lean_loop_vs_fp64_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert len(r.stdout.splitlines()) == 9
+    assert len(r.stdout.splitlines()) == 6

@@ -118,7 +118,6 @@ def test_cpu_kernel_choice_ignores_gpu_knobs(checkpoint):
         dict(gemv_plan='{"x": null}'),
         dict(decode_kernel_config="[1]"),
         dict(decode_kernel_config="{"),
-        dict(decode_kernel_config='{"merge": "last"}'),
         dict(dense_decode_kernel="x"),
         dict(dense_prefill_kernel="x"),
         dict(fa3_num_splits=-1),
@@ -131,13 +130,11 @@ def test_gpu_knobs_are_validated(bad):
 
 def test_gpu_knobs_parse():
     cfg = EngineConfig(
-        model_dir="x",
-        gemv_plan='{"qkv": {"block_n": 8}, "down": null}',
-        decode_kernel_config='{"block_n": 32, "merge": "kernel"}',
+        model_dir="x", gemv_plan='{"qkv": {"block_n": 8}, "down": null}', decode_kernel_config='{"block_n": 32}'
     )
     cfg.validate()
     assert cfg.gemv_projections() == {"qkv": {"block_n": 8}, "down": None}
-    assert cfg.decode_kernel_overrides() == {"block_n": 32, "merge": "kernel"}
+    assert cfg.decode_kernel_overrides() == {"block_n": 32}
 
 
 def test_engine_options_reach_engine_config():
