@@ -97,8 +97,8 @@ ALIGN = 256  # a slot's page data starts on this boundary (device views of any d
 OVERDUE_SHARE = 0.1  # `expected_landing_s` before any batch landed: the least share of its predicted time left
 # A prefill forward's time that does not shrink with its tokens (the weights read, launches), as a share of a whole
 # chunk's: a chunk cut part-way by `split_page` costs that much more than its pages' share of the measured rate.
-# With prefill CUDA graphs on an H100, an 8B forward of 16 tokens takes 7.8 ms against 49-50 ms for 2048
-# (docs/benchmarks.md, "One GPU"): ~0.16.
+# With the prefill CUDA graphs a short forward's cost is a small fraction of a whole chunk's (measured in
+# docs/benchmarks.md, "One GPU"); the share rounds that up, so a cut must win clearly.
 PART_FORWARD_SHARE = 0.2
 
 
