@@ -234,6 +234,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             sampling=request.sampling,
             sampled_before=request.resumed_tokens,
             cache_scope=request.cache_scope,
+            start_key=request.prefill_start_key,  # the router's head start there, taken over by this stream
         )
         timeout = remaining(context) or self.cfg.request_timeout_s
         call = self.prefill.prefill_stream(target)(

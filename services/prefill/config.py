@@ -73,6 +73,15 @@ class PrefillConfig(CacheOptions, EngineServiceConfig):
         "writes them, so even a one-chunk prompt's transfer overlaps its compute (smaller: more overlap, more "
         "messages); 0 or >= the model's layers: whole chunks after the forward. Only to a decode that accepts them",
     )
+    head_start: bool = opt(
+        True,
+        "take the router's head starts (Prefill.Start): a request's prefill begins beside the router's dispatch to "
+        "decode, and decode's stream takes the computed request over (one hop less before the first chunk)",
+    )
+    head_start_wait_s: float = opt(
+        2.0, "a head start no decode stream takes within this many seconds is dropped (its pages freed)"
+    )
+    head_start_limit: int = opt(64, "head starts waiting for their decode streams at once; more are not started")
 
     def default_max_streams(self) -> int:
         """KV streams at once: every decode instance's requests in prefill (several decode instances per prefill)."""
@@ -102,6 +111,8 @@ class PrefillConfig(CacheOptions, EngineServiceConfig):
             problems.append(f"--ack-timeout-s must be > 0, got {self.ack_timeout_s}")
         if not (self.kv_batch_mb > 0 and self.kv_ipc_staging_mb > 0):
             problems.append("--kv-batch-mb and --kv-ipc-staging-mb must be > 0")
+        if not (self.head_start_wait_s > 0 and self.head_start_limit > 0):
+            problems.append("--head-start-wait-s and --head-start-limit must be > 0")
         if self.kv_layer_group < 0:
             problems.append(f"--kv-layer-group must be >= 0, got {self.kv_layer_group}")
         if problems:

@@ -53,7 +53,11 @@ Event = ExportedPages | FirstToken | PromptDone | BaseException
 class PrefillCall:
     """The state of one admitted request. `on_output` runs on the engine thread, everything else on the stream
     writer's. `plan`: where the prompt's prefix comes from; `early_first`: stream the first token ahead; `rate`: the
-    instance's prefill rate, fed per chunk; `started`: time.perf_counter() at the RPC's start."""
+    instance's prefill rate, fed per chunk; `started`: time.perf_counter() at the RPC's start. `layer_group` and
+    `device_to_device`: the transfer's (`OutgoingTransfer`), decided before the engine has the request.
+
+    A call made by the router's head start (`pdserve.prefill.head_start`) computes before any stream exists: `tx` and
+    `scope` come with `attach`, its chunk spans wait for them, and `early_first` is decode's to set there."""
 
     def __init__(
         self,
@@ -61,15 +65,21 @@ class PrefillCall:
         request_id: str,
         prompt: list[int],
         layout: KVLayoutSpec,
-        tx: OutgoingTransfer,
         plan: PrefixPlan,
-        scope: RequestScope,
         early_first: bool,
         rate: WorkRate,
         started: float,
+        *,
+        layer_group: int,
+        device_to_device: bool,
+        tx: OutgoingTransfer | None = None,
+        scope: RequestScope | None = None,
     ) -> None:
-        self.loop, self.request_id, self.prompt, self.layout, self.tx = loop, request_id, prompt, layout, tx
-        self.plan, self.scope, self.early_first, self.rate = plan, scope, early_first, rate
+        self.loop, self.request_id, self.prompt, self.layout = loop, request_id, prompt, layout
+        self.plan, self.early_first, self.rate = plan, early_first, rate
+        self._tx, self._scope = tx, scope
+        self._lock = threading.Lock()  # _scope and _early_spans: the engine thread's chunks vs `attach`
+        self._early_spans: list[tuple[int, int, dict[str, Any]]] = []  # chunk spans computed before `attach`
         self.started = started  # time.perf_counter() when the RPC began (PrefillDone.prefill_ms)
         self.outbox: queue.Queue[Event] = queue.Queue()
         self.computed_from: int | None = None  # engine thread: the first prompt token this request computed
@@ -81,16 +91,38 @@ class PrefillCall:
         self.kept = threading.Event()  # the last chunk's streamed pages are in `shipped` (set after PromptDone)
         # Layer groups: the engine thread hands each group of a chunk's pages to `_group_computed` during the forward
         # (EngineRequest.layer_stream); `streamed`: the pages that went out so (not exported again after the step).
-        self.layer_stream = LayerStream(layout, tx.layer_group, self._group_computed) if tx.layer_group else None
+        self.layer_stream = LayerStream(layout, layer_group, self._group_computed) if layer_group else None
         self.streamed: set[int] = set()
         self.ship: Span | None = None  # prefill.kv_ship span: first page shipped -> PrefillDone
         # The cached prefix ships as stored: the exact cached bytes (the pool may hold them at another precision).
         # A host transport sends the host copies now, beside the compute. A device-to-device one sends the device
         # copy the engine's import makes (one host pass in all), with the first chunk.
-        self.upload_pending = bool(plan.hit.pages) and tx.device_to_device
+        self.upload_pending = bool(plan.hit.pages) and device_to_device
         if plan.hit.pages and not self.upload_pending:
             rows = PageFormat(layout).rows_from_payloads(plan.hit.pages)
             self.outbox.put(ExportedPages(self._cached_indexes(), self._cached_tokens(), rows))
+
+    @property
+    def tx(self) -> OutgoingTransfer:
+        """The transfer to decode (stream writer only; a head start's once attached)."""
+        assert self._tx is not None, "PrefillCall used before attach"
+        return self._tx
+
+    @property
+    def scope(self) -> RequestScope:
+        """The Prefill stream's request scope (stream writer only; a head start's once attached)."""
+        assert self._scope is not None, "PrefillCall used before attach"
+        return self._scope
+
+    def attach(self, tx: OutgoingTransfer, scope: RequestScope, early_first: bool) -> None:
+        """A head start taken over by decode's stream: its transfer, its scope (the chunk spans computed so far go
+        to it with their own times) and whether decode wants the first token ahead of the pages."""
+        self._tx, self.early_first = tx, early_first
+        with self._lock:
+            self._scope = scope
+            spans, self._early_spans = self._early_spans, []
+        for start_ns, end_ns, attrs in spans:
+            scope.record("prefill.chunk", start_ns, attrs, end_ns)
 
     @property
     def cached_tokens(self) -> int:
@@ -120,7 +152,7 @@ class PrefillCall:
                 self.outbox.put(self.loop.engine.export_batch(self.request_id, fetched, self.layout))
             if out.token_range:  # this step computed one chunk of the prompt
                 self._chunk_computed(out)
-            if out.finished and self.early_first:  # decode streams it while the pages below are on their way
+            if out.finished:  # with early_first decode streams it while the pages below are on their way
                 self.first = out  # the writer takes it between an earlier chunk's messages too
                 self.outbox.put(FirstToken(out))
             ready = [p for p in out.ready_pages if p not in self.streamed]  # streamed: left during the forward
@@ -166,8 +198,10 @@ class PrefillCall:
             self.computed_from = token_range[0] or -1  # -1: computed from the start
         self.computed_tokens += token_range[1] - token_range[0]
         self.rate.add_to_step(start_ns, token_range[1] - token_range[0], start_ns / 1e9, time.time_ns() / 1e9)
-        if self.scope.recording:
-            attrs: dict[str, int | float] = {"pdserve.chunk.start": token_range[0], "pdserve.chunk.end": token_range[1],
+        with self._lock:
+            scope = self._scope
+        if scope is None or scope.recording:
+            attrs: dict[str, Any] = {"pdserve.chunk.start": token_range[0], "pdserve.chunk.end": token_range[1],
                                              "pdserve.chunk.ready_pages": len(out.ready_pages)}  # fmt: skip
             runner = self.loop.engine.runner
             launched = runner.launched_ns - start_ns  # step start -> forward queued
@@ -178,11 +212,24 @@ class PrefillCall:
                 attrs["pdserve.chunk.forward_cpu_ms"] = round(runner.launch_cpu_ns / 1e6, 3)
                 attrs["pdserve.chunk.layer_export_ms"] = round(runner.layer_export_ns / 1e6, 3)
                 attrs["pdserve.chunk.graph_tokens"] = runner.launch_graph_tokens  # 0: launched eagerly
-            self.scope.record("prefill.chunk", start_ns, attrs)
+            self._record_chunk(scope, start_ns, attrs)
         if self.upload_pending:  # the step that imported the prefix ran its first chunk
             self.upload_pending = False
             if token_range[0] > 0:  # else preempted before the import: recomputed, in ready_pages
                 self.outbox.put(self._cached_batch())
+
+    def _record_chunk(self, scope: RequestScope | None, start_ns: int, attrs: dict[str, Any]) -> None:
+        """The chunk's span, or (a head start not attached yet) its times and attributes until `attach`."""
+        if scope is not None:
+            scope.record("prefill.chunk", start_ns, attrs)
+            return
+        end_ns = time.time_ns()
+        with self._lock:
+            if self._scope is None:
+                self._early_spans.append((start_ns, end_ns, attrs))
+                return
+            scope = self._scope  # attached meanwhile
+        scope.record("prefill.chunk", start_ns, attrs, end_ns)
 
     def _cached_batch(self) -> ExportedPages:
         """After the prefix's import: the cached prefix as one batch, packed on the device from the engine's upload
@@ -246,8 +293,8 @@ class PrefillCall:
                 raise DeadlineExceeded("prefill exceeded request_timeout_s")
 
     def _first_token(self) -> Iterator[internal_pb2.PrefillServerMessage]:
-        """The early first token, if it is ready and not sent yet."""
-        if self.first is not None and not self.first_sent:
+        """The early first token, if decode wants it, it is ready and not sent yet."""
+        if self.early_first and self.first is not None and not self.first_sent:
             self.first_sent = True
             ft = internal_pb2.PrefillFirstToken(token_id=self.first.new_token_ids[0], cached_tokens=self.cached_tokens)
             if self.first.logprobs:

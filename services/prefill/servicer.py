@@ -8,6 +8,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from functools import partial
 
 import grpc
 
@@ -24,6 +26,7 @@ from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import OutgoingTransfer, for_prefill
 from pdserve.kv.transfer.handshake import ShardLayout
 from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.head_start import DecodeShape, HeadStart, HeadStarts
 from pdserve.prefill.kv_format import ShipFormatCheck
 from pdserve.prefill.prefill_call import PrefillCall
 from pdserve.server.instance_stats import instance_stats
@@ -83,6 +86,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             watch_kv_shipper(self.telemetry.metrics, self.kv.shipper)
         self.prefill_rate = WorkRate()  # prompt tokens per busy second of the engine (Stats; cache decisions)
         self.ship_format = ShipFormatCheck(cfg.engine.kv_dtype, cfg.engine.batch_invariant)
+        # requests the router started here (Start) until decode's stream takes them over
+        self.head_starts = HeadStarts(cfg.head_start_wait_s, cfg.head_start_limit, self._drop_start)
+        for name in ("started", "taken", "mismatched", "expired", "refused"):
+            self.telemetry.metrics.counter(
+                f"head_starts_{name}",
+                f"Router head starts {name} (Prefill.Start; pdserve.prefill.head_start)",
+                partial(getattr, self.head_starts, name),
+            )
 
     # ---- RPC ------------------------------------------------------------------------------------------
     def Prefill(self, request_iterator: Iterator[internal_pb2.PrefillClientMessage], context: grpc.ServicerContext):
@@ -105,12 +116,18 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             }
         )
         ns = CacheNamespace(self.fingerprint, layout, req.cache_scope)  # the router's scope: tenant or shared
-        plan = self._plan(scope, ns, prompt, sampling)
         # prompt logprobs lead decode's first response and come with PrefillDone: no early first token then
         early_first = req.first_token_early and not sampling.prompt_logprobs
-        rate = self.prefill_rate
-        call = PrefillCall(self.loop, req.request_id, prompt, layout, tx, plan, scope, early_first, rate, t0)
-        self._admit(call, req, prompt, sampling, context)
+        shape = DecodeShape(layout, tx.layer_group, tx.device_to_device)
+        self.head_starts.shape = shape  # what the next head start assumes
+        call = self._take_start(req, prompt, shape, tx, scope, early_first) if req.start_key else None
+        if call is None:
+            plan = self._plan(scope, ns, prompt, sampling)
+            call = PrefillCall(
+                self.loop, req.request_id, prompt, layout, plan, early_first, self.prefill_rate, t0,
+                layer_group=tx.layer_group, device_to_device=tx.device_to_device, tx=tx, scope=scope,
+            )  # fmt: skip
+            self._admit(call, req, prompt, sampling, context)
         scope.event("admitted")
         # Only once admitted is the request id this call's in the engine: a rejected duplicate id must never free the
         # engine request of the same id that another call holds.
@@ -128,6 +145,70 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
                 self._active -= 1
             call.end_spans()  # no-op after PrefillDone; else the status the RPC ends with
             # Pages stay allocated until decode acks them all or the RPC ends (tx.abort above).
+
+    def Start(self, request: internal_pb2.PrefillStart, context: grpc.ServicerContext) -> internal_pb2.PrefillStarted:
+        """The router's head start (`pdserve.prefill.head_start`): the request enters the engine now and waits for
+        decode's stream to take it over. Not started (the reply says why): off, no stream served yet (what decode
+        asks for is unknown), full, or refused by the engine; decode's stream then computes it as usual."""
+        t0 = time.perf_counter()
+        if len(request.start_key) != 16 or not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a head start needs a request_id and a 16-byte start_key")
+        shape = self.head_starts.shape
+        if not self.cfg.head_start or shape is None:
+            why = "head starts are off here" if not self.cfg.head_start else "no decode stream served yet"
+            return internal_pb2.PrefillStarted(started=False, reason=why)
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        scope = self.telemetry.request("prefill.start", context, {"pdserve.request_id": rid})
+        sampling = sampling_from_proto(request.sampling, self.max_model_len - len(prompt))
+        ns = CacheNamespace(self.fingerprint, shape.layout, request.cache_scope)
+        plan = self._plan(scope, ns, prompt, sampling)
+        call = PrefillCall(self.loop, rid, prompt, shape.layout, plan, True, self.prefill_rate, t0,
+                           layer_group=shape.layer_group, device_to_device=shape.device_to_device)  # fmt: skip
+        sampling_bytes = request.sampling.SerializeToString(deterministic=True)
+        expires = time.monotonic() + self.cfg.head_start_wait_s
+        start = HeadStart(rid, request.start_key, prompt, sampling_bytes, request.cache_scope, shape, ns, call, expires)
+        why = self.head_starts.admit(start, lambda: self._engine_request(call, rid, prompt, sampling, 0))  # queued
+        scope.finish(0, "not_started" if why else "started", {"pdserve.head_start.reason": why or None})
+        return internal_pb2.PrefillStarted(started=not why, reason=why)
+
+    def _take_start(
+        self,
+        req: internal_pb2.PrefillRequest,
+        prompt: list[int],
+        shape: DecodeShape,
+        tx: OutgoingTransfer,
+        scope: RequestScope,
+        early_first: bool,
+    ) -> PrefillCall | None:
+        """The head start this stream's request names, attached to it; None if there is none or it differs from
+        what this stream asks (then dropped: the stream computes the request anew)."""
+        start = self.head_starts.take(req.request_id, req.start_key)
+        if start is None:
+            return None
+        why = ""
+        if start.admitted.exception() is not None:
+            why = f"its admission failed: {start.admitted.exception()}"
+        elif start.prompt != prompt or req.sampled_before:
+            why = "decode's prompt differs"
+        elif start.sampling != req.sampling.SerializeToString(deterministic=True):
+            why = "decode's sampling differs"
+        elif start.cache_scope != req.cache_scope:
+            why = "decode's cache scope differs"
+        elif start.shape != shape:
+            why = f"decode asks for {shape}, the start assumed {start.shape}"
+        if why:
+            self.head_starts.mismatch(start, why)
+            return None
+        start.call.attach(tx, scope, early_first)
+        ahead_ms = (time.perf_counter() - start.call.started) * 1e3  # since the router's Start reached this instance
+        scope.event("head_start_taken", {"pdserve.head_start.ms": round(ahead_ms, 3)})
+        return start.call
+
+    def _drop_start(self, start: HeadStart) -> None:
+        """A head start no stream will take (expired, differing, shutdown): its pages and engine request freed."""
+        self.loop.release(start.request_id)
+        with self._lock:
+            self._active -= 1
 
     def _stream(self, call: PrefillCall, ns: CacheNamespace, prompt_tokens: int, context: grpc.ServicerContext):
         """The call's messages, PrefillDone, then the wait for decode's last acks and the prompt cache write-back."""
@@ -224,13 +305,23 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
 
     def _admit(self, call: PrefillCall, req, prompt: list[int], sampling: SamplingParams, context) -> None:
         """Queue the request in the engine, counted active; an engine refusal aborts with its status."""
+        try:
+            self._engine_request(call, req.request_id, prompt, sampling, req.sampled_before).result()
+        except Exception as e:
+            context.abort(engine_error_code(e), f"prefill could not admit request: {e}")
+
+    def _engine_request(
+        self, call: PrefillCall, request_id: str, prompt: list[int], sampling: SamplingParams, sampled_before: int
+    ) -> Future:
+        """Submit the request to the engine, counted active; the Future holds the engine's answer (a refusal is
+        not counted)."""
         request = EngineRequest(
-            request_id=req.request_id,
+            request_id=request_id,
             prompt_token_ids=prompt,
             sampling=sampling,
             prefill_only=True,
             cached_pages=call.plan.cached_pages,
-            sampled_before=req.sampled_before,
+            sampled_before=sampled_before,
             keep_cached_upload=call.upload_pending,
             prefix_keys=call.plan.prefix_keys,
             layer_stream=call.layer_stream,  # pages leave layer group by layer group during the forward
@@ -238,12 +329,20 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         )
         with self._lock:
             self._active += 1
+
+        def refused(admission: Future) -> None:
+            if admission.cancelled() or admission.exception() is not None:
+                with self._lock:
+                    self._active -= 1
+
         try:
-            self.loop.add_request(request, call.on_output)
-        except Exception as e:
+            admission = self.loop.submit_request(request, call.on_output)
+        except Exception:
             with self._lock:
                 self._active -= 1
-            context.abort(engine_error_code(e), f"prefill could not admit request: {e}")
+            raise
+        admission.add_done_callback(refused)
+        return admission
 
     def _record_done(self, call: PrefillCall, prompt_tokens: int, done: internal_pb2.PrefillDone) -> None:
         """Metrics and spans of a finished prefill (before PrefillDone is sent)."""
@@ -260,7 +359,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         return active > 0 or self.loop.engine.has_unfinished_requests()
 
     def close(self) -> None:
-        """Service shutdown: the write-behind, the staging buffer (its shared-memory file on CPU), the builders."""
+        """Service shutdown: the head starts, the write-behind, the staging buffer (its shared-memory file on CPU), the
+        builders."""
+        self.head_starts.close()
         self.prefix.close()
         self.kv.close()
 
@@ -290,4 +391,10 @@ def add_prefill_servicer(servicer: PrefillServicer, server: grpc.Server) -> None
             response_serializer=internal_pb2.InstanceStats.SerializeToString,
         ),
     }
+    if hasattr(servicer, "Start"):  # (scripted stand-ins for a prefill serve the stream and Stats only: UNIMPLEMENTED)
+        handlers["Start"] = grpc.unary_unary_rpc_method_handler(
+            servicer.Start,
+            request_deserializer=internal_pb2.PrefillStart.FromString,
+            response_serializer=internal_pb2.PrefillStarted.SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Prefill", handlers),))

@@ -36,6 +36,11 @@ class RouterConfig(RouterLimits, ServerOptions):
         metadata={"help": "static colocated instances host:port (repeat; they prefill and decode themselves)"},
     )
     default_timeout_s: float = opt(600.0, "deadline applied when the client sets none")
+    prefill_head_start: bool = opt(
+        True,
+        "start each request's prefill beside its dispatch to decode (Prefill.Start; decode's stream takes it over): "
+        "the first chunk begins one hop sooner. Off: prefill starts when decode's stream reaches it",
+    )
     policy: str = opt("pcs", "assignment policy: pcs | round_robin | least_requests (baselines)")
     # PCS = w_in·input_len + w_out·estimated_output_len + w_special·num_special_tokens
     pcs_w_in: float = opt(0.3, "PCS weight of input length")

@@ -63,6 +63,9 @@ class Membership:
     def decode_stub(self, address: str) -> internal_pb2_grpc.DecodeStub:
         return internal_pb2_grpc.DecodeStub(self.channel(address))
 
+    def prefill_stub(self, address: str) -> internal_pb2_grpc.PrefillStub:
+        return internal_pb2_grpc.PrefillStub(self.channel(address))
+
     def _forget(self, inst: Instance) -> None:
         self.scheduler.remove(inst.role, inst.address)
         log.info("%s %s forgotten", inst.role, inst.address)

@@ -102,12 +102,16 @@ class EngineLoop:
     # ---- requests (block until the engine thread has applied them; errors propagate) ----------------------
     def add_request(self, request: EngineRequest, callback: OutputCallback) -> None:
         """`LLMEngine.add_request`; `callback` gets the request's outputs."""
+        self.submit_request(request, callback).result()
+
+    def submit_request(self, request: EngineRequest, callback: OutputCallback) -> Future:
+        """`add_request` without the wait: the Future holds the engine's answer (None, or its refusal)."""
 
         def fn(engine: LLMEngine) -> None:
             engine.add_request(request)
             self._callbacks[request.request_id] = callback
 
-        self.call(fn)
+        return self.submit(fn)
 
     def begin_import(
         self,

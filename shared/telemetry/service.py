@@ -104,10 +104,13 @@ class RequestScope:
         span.set_attributes(_clean(attributes))
         end_span(span, *(("OK", "") if ok else self._failure()))
 
-    def record(self, name: str, start_time_ns: int, attributes: Mapping[str, Any] | None = None) -> None:
-        """A finished child span from `start_time_ns` (epoch ns) to now; any thread (e.g. the engine's)."""
+    def record(
+        self, name: str, start_time_ns: int, attributes: Mapping[str, Any] | None = None, end_time_ns: int | None = None
+    ) -> None:
+        """A finished child span from `start_time_ns` (epoch ns) to `end_time_ns` (default now); any thread (e.g. the
+        engine's)."""
         if self.recording:
-            end_span(self.child(name, attributes, start_time_ns))
+            end_span(self.child(name, attributes, start_time_ns), end_time_ns=end_time_ns)
 
     def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         if self.recording:

@@ -26,7 +26,7 @@ from pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 from pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/internal.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\x1a\x13pdserve/v1/kv.proto\"\xc5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x16\n\x0esampled_before\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\t\x12\x19\n\x11\x66irst_token_early\x18\x08 \x01(\x08\x12\x17\n\x0fkv_layer_groups\x18\t \x01(\x08\x12\x32\n\x0ckv_transport\x18\x14 \x01(\x0b\x32\x1c.pdserve.v1.KVTransportOffer\"\x17\n\x05KVAck\x12\x0e\n\x06seq_no\x18\x01 \x01(\x04\"\xa7\x01\n\x14PrefillClientMessage\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.PrefillRequestH\x00\x12 \n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.KVAckH\x00\x12\x37\n\x0ftransport_ready\x18\n \x01(\x0b\x32\x1c.pdserve.v1.KVTransportReadyH\x00\x42\x05\n\x03msg\"\xe9\x01\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x11\n\tnum_pages\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x35\n\x13\x66irst_token_logprob\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"g\n\x11PrefillFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xc2\x02\n\x14PrefillServerMessage\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.PrefillDoneH\x00\x12(\n\x05\x62\x61tch\x18\n \x01(\x0b\x32\x17.pdserve.v1.KVPageBatchH\x00\x12+\n\tipc_batch\x18\x0b \x01(\x0b\x32\x16.pdserve.v1.KVIpcBatchH\x00\x12\x32\n\ttransport\x18\x0c \x01(\x0b\x32\x1d.pdserve.v1.KVTransportChoiceH\x00\x12\x34\n\x0b\x66irst_token\x18\r \x01(\x0b\x32\x1d.pdserve.v1.PrefillFirstTokenH\x00\x12\x33\n\rshipped_batch\x18\x0e \x01(\x0b\x32\x1a.pdserve.v1.KVShippedBatchH\x00\x42\x05\n\x03msgJ\x04\x08\x01\x10\x02\"\xe8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0eprefill_target\x18\x04 \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12resumed_text_chars\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x0f\n\x07\x62\x65st_of\x18\t \x01(\x05\"\xbe\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0fprompt_logprobs\x18\x07 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\r\n\x05index\x18\t \x01(\x05\x12\x19\n\x11unreturned_tokens\x18\n \x01(\r\"\x88\x02\n\rInstanceStats\x12\x16\n\x0ekv_pages_total\x18\x01 \x01(\r\x12\x15\n\rkv_pages_free\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x07 \x01(\x01\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x33\n\rkv_transports\x18\x14 \x03(\x0b\x32\x1c.pdserve.v1.KVTransportStats\"\x0e\n\x0cStatsRequest2\x9a\x01\n\x07Prefill\x12Q\n\x07Prefill\x12 .pdserve.v1.PrefillClientMessage\x1a .pdserve.v1.PrefillServerMessage(\x01\x30\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.InstanceStats2\x8b\x01\n\x06\x44\x65\x63ode\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.InstanceStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/internal.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\x1a\x13pdserve/v1/kv.proto\"\xd8\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x16\n\x0esampled_before\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\t\x12\x19\n\x11\x66irst_token_early\x18\x08 \x01(\x08\x12\x17\n\x0fkv_layer_groups\x18\t \x01(\x08\x12\x32\n\x0ckv_transport\x18\x14 \x01(\x0b\x32\x1c.pdserve.v1.KVTransportOffer\x12\x11\n\tstart_key\x18\n \x01(\x0c\"\x92\x01\n\x0cPrefillStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x04 \x01(\t\x12\x11\n\tstart_key\x18\x05 \x01(\x0c\"1\n\x0ePrefillStarted\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x17\n\x05KVAck\x12\x0e\n\x06seq_no\x18\x01 \x01(\x04\"\xa7\x01\n\x14PrefillClientMessage\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.PrefillRequestH\x00\x12 \n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.KVAckH\x00\x12\x37\n\x0ftransport_ready\x18\n \x01(\x0b\x32\x1c.pdserve.v1.KVTransportReadyH\x00\x42\x05\n\x03msg\"\xe9\x01\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x11\n\tnum_pages\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x35\n\x13\x66irst_token_logprob\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"g\n\x11PrefillFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xc2\x02\n\x14PrefillServerMessage\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.PrefillDoneH\x00\x12(\n\x05\x62\x61tch\x18\n \x01(\x0b\x32\x17.pdserve.v1.KVPageBatchH\x00\x12+\n\tipc_batch\x18\x0b \x01(\x0b\x32\x16.pdserve.v1.KVIpcBatchH\x00\x12\x32\n\ttransport\x18\x0c \x01(\x0b\x32\x1d.pdserve.v1.KVTransportChoiceH\x00\x12\x34\n\x0b\x66irst_token\x18\r \x01(\x0b\x32\x1d.pdserve.v1.PrefillFirstTokenH\x00\x12\x33\n\rshipped_batch\x18\x0e \x01(\x0b\x32\x1a.pdserve.v1.KVShippedBatchH\x00\x42\x05\n\x03msgJ\x04\x08\x01\x10\x02\"\x83\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0eprefill_target\x18\x04 \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12resumed_text_chars\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x0f\n\x07\x62\x65st_of\x18\t \x01(\x05\x12\x19\n\x11prefill_start_key\x18\n \x01(\x0c\"\xbe\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0fprompt_logprobs\x18\x07 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\r\n\x05index\x18\t \x01(\x05\x12\x19\n\x11unreturned_tokens\x18\n \x01(\r\"\x88\x02\n\rInstanceStats\x12\x16\n\x0ekv_pages_total\x18\x01 \x01(\r\x12\x15\n\rkv_pages_free\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x07 \x01(\x01\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x33\n\rkv_transports\x18\x14 \x03(\x0b\x32\x1c.pdserve.v1.KVTransportStats\"\x0e\n\x0cStatsRequest2\xd9\x01\n\x07Prefill\x12Q\n\x07Prefill\x12 .pdserve.v1.PrefillClientMessage\x1a .pdserve.v1.PrefillServerMessage(\x01\x30\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.InstanceStats\x12=\n\x05Start\x12\x18.pdserve.v1.PrefillStart\x1a\x1a.pdserve.v1.PrefillStarted2\x8b\x01\n\x06\x44\x65\x63ode\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.InstanceStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.internal_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=90
-  _globals['_PREFILLREQUEST']._serialized_end=415
-  _globals['_KVACK']._serialized_start=417
-  _globals['_KVACK']._serialized_end=440
-  _globals['_PREFILLCLIENTMESSAGE']._serialized_start=443
-  _globals['_PREFILLCLIENTMESSAGE']._serialized_end=610
-  _globals['_PREFILLDONE']._serialized_start=613
-  _globals['_PREFILLDONE']._serialized_end=846
-  _globals['_PREFILLFIRSTTOKEN']._serialized_start=848
-  _globals['_PREFILLFIRSTTOKEN']._serialized_end=951
-  _globals['_PREFILLSERVERMESSAGE']._serialized_start=954
-  _globals['_PREFILLSERVERMESSAGE']._serialized_end=1276
-  _globals['_DECODEREQUEST']._serialized_start=1279
-  _globals['_DECODEREQUEST']._serialized_end=1511
-  _globals['_DECODERESPONSE']._serialized_start=1514
-  _globals['_DECODERESPONSE']._serialized_end=1832
-  _globals['_INSTANCESTATS']._serialized_start=1835
-  _globals['_INSTANCESTATS']._serialized_end=2099
-  _globals['_STATSREQUEST']._serialized_start=2101
-  _globals['_STATSREQUEST']._serialized_end=2115
-  _globals['_PREFILL']._serialized_start=2118
-  _globals['_PREFILL']._serialized_end=2272
-  _globals['_DECODE']._serialized_start=2275
-  _globals['_DECODE']._serialized_end=2414
+  _globals['_PREFILLREQUEST']._serialized_end=434
+  _globals['_PREFILLSTART']._serialized_start=437
+  _globals['_PREFILLSTART']._serialized_end=583
+  _globals['_PREFILLSTARTED']._serialized_start=585
+  _globals['_PREFILLSTARTED']._serialized_end=634
+  _globals['_KVACK']._serialized_start=636
+  _globals['_KVACK']._serialized_end=659
+  _globals['_PREFILLCLIENTMESSAGE']._serialized_start=662
+  _globals['_PREFILLCLIENTMESSAGE']._serialized_end=829
+  _globals['_PREFILLDONE']._serialized_start=832
+  _globals['_PREFILLDONE']._serialized_end=1065
+  _globals['_PREFILLFIRSTTOKEN']._serialized_start=1067
+  _globals['_PREFILLFIRSTTOKEN']._serialized_end=1170
+  _globals['_PREFILLSERVERMESSAGE']._serialized_start=1173
+  _globals['_PREFILLSERVERMESSAGE']._serialized_end=1495
+  _globals['_DECODEREQUEST']._serialized_start=1498
+  _globals['_DECODEREQUEST']._serialized_end=1757
+  _globals['_DECODERESPONSE']._serialized_start=1760
+  _globals['_DECODERESPONSE']._serialized_end=2078
+  _globals['_INSTANCESTATS']._serialized_start=2081
+  _globals['_INSTANCESTATS']._serialized_end=2345
+  _globals['_STATSREQUEST']._serialized_start=2347
+  _globals['_STATSREQUEST']._serialized_end=2361
+  _globals['_PREFILL']._serialized_start=2364
+  _globals['_PREFILL']._serialized_end=2581
+  _globals['_DECODE']._serialized_start=2584
+  _globals['_DECODE']._serialized_end=2723
 # @@protoc_insertion_point(module_scope)

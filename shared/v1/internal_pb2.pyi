@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_layout", "model_fingerprint", "sampled_before", "cache_scope", "first_token_early", "kv_layer_groups", "kv_transport")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_layout", "model_fingerprint", "sampled_before", "cache_scope", "first_token_early", "kv_layer_groups", "kv_transport", "start_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class PrefillRequest(_message.Message):
     FIRST_TOKEN_EARLY_FIELD_NUMBER: _ClassVar[int]
     KV_LAYER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    START_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -30,7 +31,30 @@ class PrefillRequest(_message.Message):
     first_token_early: bool
     kv_layer_groups: bool
     kv_transport: _kv_pb2.KVTransportOffer
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampled_before: _Optional[int] = ..., cache_scope: _Optional[str] = ..., first_token_early: _Optional[bool] = ..., kv_layer_groups: _Optional[bool] = ..., kv_transport: _Optional[_Union[_kv_pb2.KVTransportOffer, _Mapping]] = ...) -> None: ...
+    start_key: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv_layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampled_before: _Optional[int] = ..., cache_scope: _Optional[str] = ..., first_token_early: _Optional[bool] = ..., kv_layer_groups: _Optional[bool] = ..., kv_transport: _Optional[_Union[_kv_pb2.KVTransportOffer, _Mapping]] = ..., start_key: _Optional[bytes] = ...) -> None: ...
+
+class PrefillStart(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_scope", "start_key")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    START_KEY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generate_pb2.SamplingParams
+    cache_scope: str
+    start_key: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., cache_scope: _Optional[str] = ..., start_key: _Optional[bytes] = ...) -> None: ...
+
+class PrefillStarted(_message.Message):
+    __slots__ = ("started", "reason")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    started: bool
+    reason: str
+    def __init__(self, started: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KVAck(_message.Message):
     __slots__ = ("seq_no",)
@@ -93,7 +117,7 @@ class PrefillServerMessage(_message.Message):
     def __init__(self, done: _Optional[_Union[PrefillDone, _Mapping]] = ..., batch: _Optional[_Union[_kv_pb2.KVPageBatch, _Mapping]] = ..., ipc_batch: _Optional[_Union[_kv_pb2.KVIpcBatch, _Mapping]] = ..., transport: _Optional[_Union[_kv_pb2.KVTransportChoice, _Mapping]] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., shipped_batch: _Optional[_Union[_kv_pb2.KVShippedBatch, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_target", "resumed_tokens", "resumed_text_chars", "cache_scope", "n", "best_of")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_target", "resumed_tokens", "resumed_text_chars", "cache_scope", "n", "best_of", "prefill_start_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +127,7 @@ class DecodeRequest(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_START_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -112,7 +137,8 @@ class DecodeRequest(_message.Message):
     cache_scope: str
     n: int
     best_of: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_target: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ..., cache_scope: _Optional[str] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ...) -> None: ...
+    prefill_start_key: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., prefill_target: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., resumed_text_chars: _Optional[int] = ..., cache_scope: _Optional[str] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., prefill_start_key: _Optional[bytes] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stop_reason", "usage", "logprobs", "prompt_logprobs", "prompt_top_logprobs", "index", "unreturned_tokens")

@@ -44,6 +44,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_internal__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_internal__pb2.InstanceStats.FromString,
                 _registered_method=True)
+        self.Start = channel.unary_unary(
+                '/pdserve.v1.Prefill/Start',
+                request_serializer=pdserve_dot_v1_dot_internal__pb2.PrefillStart.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_internal__pb2.PrefillStarted.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -62,6 +67,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Start(self, request, context):
+        """The router starts a request's prefill beside its dispatch to decode (a head start; see PrefillStart).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +86,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_internal__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_internal__pb2.InstanceStats.SerializeToString,
+            ),
+            'Start': grpc.unary_unary_rpc_method_handler(
+                    servicer.Start,
+                    request_deserializer=pdserve_dot_v1_dot_internal__pb2.PrefillStart.FromString,
+                    response_serializer=pdserve_dot_v1_dot_internal__pb2.PrefillStarted.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +147,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Stats',
             pdserve_dot_v1_dot_internal__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_internal__pb2.InstanceStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Start(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/Start',
+            pdserve_dot_v1_dot_internal__pb2.PrefillStart.SerializeToString,
+            pdserve_dot_v1_dot_internal__pb2.PrefillStarted.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,172 @@
+"""The router's head start (`Prefill.Start`): a request's prefill begins while the router's call to decode and
+decode's Prefill stream are still on their way, and the stream takes the computed request over.
+
+Without it the prefill starts two hops after the router's dispatch (router -> decode, decode -> prefill); with it, one
+hop after, in parallel with decode's. The request waits here, in the engine, its pages in this instance's pool,
+until decode's stream names the same request id and start key (`take`); pages computed before that ship as soon as it
+attaches. What the stream would have decided before the engine had the request comes from the last stream this
+instance served (`DecodeShape`: decode's page layout, whether it takes layer groups, whether its transport moves
+bytes device to device); a stream that differs, or a request that differs from what was started, drops the start and
+computes anew, counted in `HeadStarts.mismatched`. A start no stream takes within `wait_s` is dropped (`expired`):
+decode refused the request, or the router's call to decode failed.
+
+States of a start: admitting (the engine's admission runs) -> waiting -> taken (by its stream) or expired."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from pdserve.cache.keys import CacheNamespace
+from pdserve.kv.codec import KVLayoutSpec
+from pdserve.prefill.prefill_call import PrefillCall
+
+log = logging.getLogger("pdserve.prefill")
+
+ADMITTING, WAITING, TAKEN, EXPIRED = "admitting", "waiting", "taken", "expired"
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What a Prefill stream decides before its request reaches the engine, as the last stream decided it."""
+
+    layout: KVLayoutSpec  # the pages' format decode asks for
+    layer_group: int  # layers per shipment (`OutgoingTransfer.layer_group`)
+    device_to_device: bool  # the transport moves bytes device to device (a cached prefix ships from the device)
+
+
+@dataclass
+class HeadStart:
+    """One started request: what it was started with (compared with its stream's request) and its call."""
+
+    request_id: str
+    key: bytes
+    prompt: list[int]
+    sampling: bytes  # SamplingParams, serialized deterministically
+    cache_scope: str
+    shape: DecodeShape
+    ns: CacheNamespace
+    call: PrefillCall
+    expires: float  # time.monotonic()
+    admitted: Future = field(default_factory=Future)  # True once the engine has it; its refusal's exception
+    state: str = ADMITTING
+
+
+class HeadStarts:
+    """The started requests not yet taken by a stream, at most `limit`. `drop(start)` gives an admitted start's
+    engine request and pages back (the caller of `expire`, `close` and a mismatch)."""
+
+    def __init__(self, wait_s: float, limit: int, drop: Callable[[HeadStart], None]) -> None:
+        self.wait_s, self.limit, self._drop = wait_s, limit, drop
+        self._cv = threading.Condition()
+        self._starts: dict[str, HeadStart] = {}
+        self._closed = False
+        self.shape: DecodeShape | None = None  # the last stream's (any thread; replaced whole)
+        # counters (Stats, metrics): started, taken by their stream, dropped for a difference, expired, refused here
+        self.started = self.taken = self.mismatched = self.expired = self.refused = 0
+        self._thread = threading.Thread(target=self._expire_loop, name="head-start-expiry", daemon=True)
+        self._thread.start()
+
+    def admit(self, start: HeadStart, submit: Callable[[], Future]) -> str:
+        """Register `start`, then `submit` its admission to the engine (its Future: the engine's answer, which
+        `start.admitted` relays); "" once submitted, else why it did not start (full, a start of that id already
+        here, shutdown)."""
+        with self._cv:
+            if self._closed:
+                return "prefill is shutting down"
+            if len(self._starts) >= self.limit:
+                self.refused += 1
+                return f"{self.limit} head starts already wait for their streams"
+            if start.request_id in self._starts:
+                self.refused += 1
+                return "a head start of this request id is here already"
+            self._starts[start.request_id] = start
+            self._cv.notify()
+        try:
+            admission = submit()
+        except Exception as e:
+            self._admitted(start, e)
+            return f"not admitted: {e}"
+        admission.add_done_callback(lambda f: self._admitted(start, f.exception()))
+        return ""
+
+    def _admitted(self, start: HeadStart, error: BaseException | None) -> None:
+        """The engine's answer (on its thread): the start waits for its stream, or is gone (refused)."""
+        with self._cv:
+            if error is not None:
+                if self._starts.get(start.request_id) is start:
+                    del self._starts[start.request_id]
+                self.refused += 1
+            else:
+                self.started += 1
+            expired = start.state == EXPIRED
+            if start.state == ADMITTING:
+                start.state = WAITING
+        if error is not None:
+            log.info("prefill rid=%s: head start not admitted: %s", start.request_id, error)
+            start.admitted.set_exception(error)
+            return
+        start.admitted.set_result(True)
+        if expired:  # its time ran out during the admission: dropped now that the engine has it
+            self._drop(start)
+
+    def take(self, request_id: str, key: bytes) -> HeadStart | None:
+        """The start of `request_id` whose key is `key`, now its stream's; None if there is none (never started,
+        expired, another key). The caller waits for `admitted` and attaches or drops it."""
+        with self._cv:
+            start = self._starts.get(request_id)
+            if start is None or not hmac.compare_digest(start.key, key):
+                return None
+            del self._starts[request_id]
+            start.state = TAKEN
+            self.taken += 1
+            return start
+
+    def mismatch(self, start: HeadStart, why: str) -> None:
+        """A taken start its stream cannot use: dropped (once admitted); the stream computes the request anew."""
+        with self._cv:
+            self.taken -= 1
+            self.mismatched += 1
+        log.info("prefill rid=%s: head start dropped (%s)", start.request_id, why)
+        if start.admitted.exception() is None:
+            self._drop(start)
+
+    @property
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._starts)
+
+    def _expire_loop(self) -> None:
+        while True:
+            with self._cv:
+                now = time.monotonic()
+                due: list[HeadStart] = []
+                for s in [s for s in self._starts.values() if s.expires <= now]:
+                    del self._starts[s.request_id]
+                    self.expired += 1
+                    if s.state == WAITING:  # an admitting one: `admit` drops it once the engine has it
+                        due.append(s)
+                    s.state = EXPIRED
+                if not due:
+                    if self._closed:
+                        return
+                    nxt = min((s.expires for s in self._starts.values()), default=now + 3600.0)
+                    self._cv.wait(max(0.0, nxt - now))
+                    continue
+            for s in due:
+                log.info("prefill rid=%s: head start expired (no stream within %.1f s)", s.request_id, self.wait_s)
+                self._drop(s)
+
+    def close(self) -> None:
+        """Shutdown: every start still waiting is dropped."""
+        with self._cv:
+            self._closed = True
+            for s in self._starts.values():
+                s.expires = 0.0
+            self._cv.notify()
+        self._thread.join(timeout=5.0)
