@@ -34,7 +34,7 @@ from pdserve.server.proto_convert import sampling_from_proto
 from pdserve.server.status import engine_error_code
 from pdserve.telemetry.metrics import watch_kv_shipper
 from pdserve.telemetry.rates import WorkRate
-from pdserve.telemetry.service import RequestScope, Telemetry
+from pdserve.telemetry.service import RequestScope, RpcSpan, Telemetry
 from pdserve.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
@@ -158,17 +158,21 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             why = "head starts are off here" if not self.cfg.head_start else "no decode stream served yet"
             return internal_pb2.PrefillStarted(started=False, reason=why)
         rid, prompt = request.request_id, list(request.prompt_token_ids)
-        scope = self.telemetry.request("prefill.start", context, {"pdserve.request_id": rid})
-        sampling = sampling_from_proto(request.sampling, self.max_model_len - len(prompt))
-        ns = CacheNamespace(self.fingerprint, shape.layout, request.cache_scope)
-        plan = self._plan(scope, ns, prompt, sampling)
-        call = PrefillCall(self.loop, rid, prompt, shape.layout, plan, True, self.prefill_rate, t0,
-                           layer_group=shape.layer_group, device_to_device=shape.device_to_device)  # fmt: skip
-        sampling_bytes = request.sampling.SerializeToString(deterministic=True)
-        expires = time.monotonic() + self.cfg.head_start_wait_s
-        start = HeadStart(rid, request.start_key, prompt, sampling_bytes, request.cache_scope, shape, ns, call, expires)
-        why = self.head_starts.admit(start, lambda: self._engine_request(call, rid, prompt, sampling, 0))  # queued
-        scope.finish(0, "not_started" if why else "started", {"pdserve.head_start.reason": why or None})
+        span = self.telemetry.rpc_span("prefill.start", context, {"pdserve.request_id": rid})
+        try:
+            sampling = sampling_from_proto(request.sampling, self.max_model_len - len(prompt))
+            ns = CacheNamespace(self.fingerprint, shape.layout, request.cache_scope)
+            plan = self._plan(span, ns, prompt, sampling)
+            call = PrefillCall(self.loop, rid, prompt, shape.layout, plan, True, self.prefill_rate, t0,
+                               layer_group=shape.layer_group, device_to_device=shape.device_to_device)  # fmt: skip
+            sampling_bytes = request.sampling.SerializeToString(deterministic=True)
+            expires = time.monotonic() + self.cfg.head_start_wait_s
+            start = HeadStart(rid, request.start_key, prompt, sampling_bytes, request.cache_scope, shape, ns, call,
+                              expires)  # fmt: skip
+            why = self.head_starts.admit(start, lambda: self._engine_request(call, rid, prompt, sampling, 0))
+        except Exception as e:  # a request the stream will refuse with its status (e.g. an empty prompt)
+            why = f"not started: {e}"
+        span.end({"pdserve.head_start.started": not why, "pdserve.head_start.reason": why or None})
         return internal_pb2.PrefillStarted(started=not why, reason=why)
 
     def _take_start(
@@ -295,7 +299,9 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             context.abort(engine_error_code(e), str(e))
             raise  # unreachable: abort raises
 
-    def _plan(self, scope: RequestScope, ns: CacheNamespace, prompt: list[int], sampling: SamplingParams) -> PrefixPlan:
+    def _plan(
+        self, scope: RequestScope | RpcSpan, ns: CacheNamespace, prompt: list[int], sampling: SamplingParams
+    ) -> PrefixPlan:
         """The prefix decision; prompt_logprobs score every prompt token: nothing may come from the pool or cache."""
         lookup_ns = time.time_ns()
         held = self.loop.engine.prefix_pages_held

@@ -39,6 +39,11 @@ class Telemetry:
     ) -> RequestScope:
         return RequestScope(self, name, context, attributes)
 
+    def rpc_span(
+        self, name: str, context: grpc.ServicerContext, attributes: Mapping[str, Any] | None = None
+    ) -> RpcSpan:
+        return RpcSpan(self, name, context, attributes)
+
     def shutdown(self) -> None:
         self.metrics.stop()
         self.tracing.shutdown()
@@ -46,6 +51,29 @@ class Telemetry:
 
 def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (attributes or {}).items() if v is not None}
+
+
+class RpcSpan:
+    """The server span of a short RPC that is no request in the service's metrics (prefill's `Start`): child spans
+    recorded after the fact, then `end`."""
+
+    def __init__(
+        self, telemetry: Telemetry, name: str, context: grpc.ServicerContext, attributes: Mapping[str, Any] | None
+    ):
+        self._t = telemetry
+        self.span: Span = telemetry.tracing.server_span(name, context.invocation_metadata(), _clean(attributes))
+
+    def record(
+        self, name: str, start_time_ns: int, attributes: Mapping[str, Any] | None = None, end_time_ns: int | None = None
+    ) -> None:
+        """A finished child span from `start_time_ns` (epoch ns) to `end_time_ns` (default now)."""
+        if self.span.is_recording():
+            end_span(self._t.tracing.child(name, self.span, _clean(attributes), start_time_ns), end_time_ns=end_time_ns)
+
+    def end(self, attributes: Mapping[str, Any] | None = None) -> None:
+        if self.span.is_recording():
+            self.span.set_attributes(_clean(attributes))
+        end_span(self.span)
 
 
 class RequestScope:

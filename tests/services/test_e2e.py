@@ -170,3 +170,36 @@ def test_health_and_reflection(auto_stack):
                 for s in r.list_services_response.service
             ]
             assert "grpc.health.v1.Health" in names and any(n.startswith("pdserve.v1.") for n in names)
+
+
+def head_starts_taken(stack) -> float:
+    """The prefill's `pdserve_head_starts_taken_total` (its /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{stack.prefill[0].metrics}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "pdserve_head_starts_taken_total"
+    )
+
+
+@pytest.mark.parametrize("head_start", [True, False])
+def test_router_head_start_on_and_off_exact(head_start, model_dir, tmp_path, hf_model):
+    """The router's head start (default on): from the prefill's second request on, its prefill begins at the
+    router's dispatch and decode's stream takes it over, with HF's tokens at chunk and page edges; off
+    (`--prefill-head-start false`) the prefill starts from decode's stream, with the same tokens."""
+    router = [] if head_start else ["--prefill-head-start", "false"]
+    with tiny_stack(model_dir, tmp_path, kv_dtype="auto", router_extra=router) as stack:
+        with pdserve.Client(stack.router, timeout=120) as c:
+            for n in [PAGE, CHUNK + 1, 3 * CHUNK + 5]:
+                ids = prompts(n, seed=5)
+                assert c.generate(token_ids=ids, max_tokens=6, temperature=0, ignore_eos=True).token_ids == hf_greedy(
+                    hf_model, ids, 6
+                )
+        wait_pools_empty(stack)
+        assert head_starts_taken(stack) == (2 if head_start else 0)  # the first request told prefill decode's shape

@@ -241,6 +241,17 @@ def test_async_stream_continues_client_trace(traced):
     assert ranges[0][0] == hit * PAGE and ranges[-1][1] == PROMPT_LEN
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert trace["prefill.kv_ship"][0].attributes["pdserve.kv.pages"] == -(-PROMPT_LEN // PAGE)  # cached ones too
+    # the router's head start (the prefill had served a stream before): the lookup ran in Prefill.Start, beside the
+    # dispatch to decode, and decode's stream took the request over
+    (router,) = trace["router.generate"]
+    (start,) = trace["prefill.start"]
+    (prefill,) = trace["prefill.request"]
+    assert start.parent_id == router.span_id and start.attributes["pdserve.head_start.started"] is True
+    assert trace["prefill.cache_lookup"][0].parent_id == start.span_id
+    assert all(c.parent_id == prefill.span_id for c in trace["prefill.chunk"])
+    taken = [a for e, a in prefill.events if e == "head_start_taken"]
+    assert len(taken) == 1 and taken[0]["pdserve.head_start.ms"] > 0
+    assert start.start_ns <= trace["decode.kv_receive"][0].end_ns
 
 
 def test_error_recorded_with_status(traced):
