@@ -37,7 +37,7 @@ TOKENS = {"tok-alpha-0123456789abcdef": "alpha", "tok-beta-0123456789abcdef0": "
 ALPHA = "tok-alpha-0123456789abcdef"
 FORGED = "forged-token-0123456789abcdef"
 RPCS = [
-    *("Prefill.Stats", "Prefill.Prefill", "Decode.Stats", "Decode.Generate"),
+    *("Prefill.Stats", "Prefill.Prefill", "Prefill.Start", "Decode.Stats", "Decode.Generate"),
     *("Registry.Register", "Registry.Deregister", "Registry.ListInstances"),
 ]
 
@@ -115,6 +115,7 @@ def _calls(stack) -> dict[str, tuple[str, Callable[[grpc.Channel], object]]]:
         prefill_target="127.0.0.1:1",  # the attack: decode dialing a target the caller names
         sampling=generate_pb2.SamplingParams(max_tokens=2),
     )
+    start = internal_pb2.PrefillStart(request_id="intruder", prompt_token_ids=[5, 6, 7], start_key=b"k" * 16)
     reg = router_admin_pb2_grpc.RegistryStub
     bogus = admin_pb2.RegisterRequest(role=admin_pb2.INSTANCE_ROLE_DECODE, address="127.0.0.1:9")
     real_decode = admin_pb2.DeregisterRequest(role=admin_pb2.INSTANCE_ROLE_DECODE, address=stack.decode[0])
@@ -125,6 +126,7 @@ def _calls(stack) -> dict[str, tuple[str, Callable[[grpc.Channel], object]]]:
             p,
             lambda ch: list(internal_pb2_grpc.PrefillStub(ch).Prefill(iter([prefill_msg]), timeout=5)),
         ),
+        "Prefill.Start": (p, lambda ch: internal_pb2_grpc.PrefillStub(ch).Start(start, timeout=5)),
         "Decode.Stats": (d, lambda ch: internal_pb2_grpc.DecodeStub(ch).Stats(stats, timeout=5)),
         "Decode.Generate": (d, lambda ch: list(internal_pb2_grpc.DecodeStub(ch).Generate(decode_req, timeout=5))),
         "Registry.Register": (r, lambda ch: reg(ch).Register(bogus, timeout=5)),
