@@ -21,7 +21,7 @@ from pdserve.models.checkpoints import build_checkpoint
 from pdserve.server.grpc_util import channel
 from pdserve.v1 import generate_pb2, internal_pb2, internal_pb2_grpc
 
-PAGE, CHUNK, WAIT_S, LIMIT = 4, 8, 0.6, 3
+PAGE, CHUNK, WAIT_S, LIMIT = 4, 8, 1.5, 3
 HELD_S = 0.3  # how long a test keeps a started request waiting before its stream comes
 
 
