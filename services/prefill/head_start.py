@@ -39,6 +39,13 @@ class DecodeShape:
     layer_group: int  # layers per shipment (`OutgoingTransfer.layer_group`)
     device_to_device: bool  # the transport moves bytes device to device (a cached prefix ships from the device)
 
+    def serves(self, stream: DecodeShape, cached_prefix: bool) -> bool:
+        """Whether a start made for this shape serves `stream`'s: the transport's kind matters only to a request
+        with a cached prefix (where its pages ship from), so decode instances on this host and elsewhere share
+        starts."""
+        same_transport = self.device_to_device == stream.device_to_device or not cached_prefix
+        return self.layout == stream.layout and self.layer_group == stream.layer_group and same_transport
+
 
 @dataclass
 class HeadStart:

@@ -198,7 +198,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             why = "decode's sampling differs"
         elif start.cache_scope != req.cache_scope:
             why = "decode's cache scope differs"
-        elif start.shape != shape:
+        elif not start.shape.serves(shape, bool(start.call.plan.hit.pages)):
             why = f"decode asks for {shape}, the start assumed {start.shape}"
         if why:
             self.head_starts.mismatch(start, why)

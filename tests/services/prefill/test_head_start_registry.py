@@ -117,3 +117,16 @@ def test_close_drops_every_waiting_start(registry):
     reg.close()
     assert sorted(dropped) == ["a", "b"]
     assert "shutting down" in reg.admit(make("c"), admitted)
+
+
+def test_a_start_serves_streams_of_the_same_layout_and_groups_whatever_the_transport_without_a_cached_prefix():
+    from pdserve.kv.codec import KVLayoutSpec
+    from pdserve.prefill.head_start import DecodeShape
+
+    int8 = KVLayoutSpec("int8", 16, 2, 2, 64, 64)
+    ipc = DecodeShape(int8, 0, True)
+    assert ipc.serves(DecodeShape(int8, 0, False), cached_prefix=False)
+    assert not ipc.serves(DecodeShape(int8, 0, False), cached_prefix=True)  # its cached pages ship from the device
+    assert ipc.serves(DecodeShape(int8, 0, True), cached_prefix=True)
+    assert not ipc.serves(DecodeShape(int8, 4, True), cached_prefix=False)
+    assert not ipc.serves(DecodeShape(KVLayoutSpec("bfloat16", 16, 2, 2, 64), 0, True), cached_prefix=False)
