@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 from pdserve.cache.keys import CacheNamespace
@@ -66,15 +66,21 @@ class HeadStart:
 
 class HeadStarts:
     """The started requests not yet taken by a stream, at most `limit`. `drop(start)` gives an admitted start's
-    engine request and pages back (the caller of `expire`, `close` and a mismatch)."""
+    engine request and pages back: it only queues that on the engine loop, and is called under the registry's lock,
+    so that a stream that finds no start afterwards queues its own admission of the id behind the drop.
+
+    Start and stream race (they come by different hops): a stream that carries a key and finds no start leaves a
+    mark for `wait_s`, and a Start arriving after its stream is refused, never admitted beside it. A start whose
+    admission is still queued does not expire (a stream may still wait for it); it does once admitted."""
 
     def __init__(self, wait_s: float, limit: int, drop: Callable[[HeadStart], None]) -> None:
         self.wait_s, self.limit, self._drop = wait_s, limit, drop
         self._cv = threading.Condition()
         self._starts: dict[str, HeadStart] = {}
+        self._streamed: dict[str, float] = {}  # request id -> until when a Start for it comes too late
         self._closed = False
         self.shape: DecodeShape | None = None  # the last stream's (any thread; replaced whole)
-        # counters (Stats, metrics): started, taken by their stream, dropped for a difference, expired, refused here
+        # counters (metrics): started, taken by their stream, dropped for a difference, expired, refused here
         self.started = self.taken = self.mismatched = self.expired = self.refused = 0
         self._thread = threading.Thread(target=self._expire_loop, name="head-start-expiry", daemon=True)
         self._thread.start()
@@ -82,16 +88,12 @@ class HeadStarts:
     def admit(self, start: HeadStart, submit: Callable[[], Future]) -> str:
         """Register `start`, then `submit` its admission to the engine (its Future: the engine's answer, which
         `start.admitted` relays); "" once submitted, else why it did not start (full, a start of that id already
-        here, shutdown)."""
+        here, its stream came first, shutdown)."""
         with self._cv:
-            if self._closed:
-                return "prefill is shutting down"
-            if len(self._starts) >= self.limit:
+            why = self._refusal(start.request_id)
+            if why:
                 self.refused += 1
-                return f"{self.limit} head starts already wait for their streams"
-            if start.request_id in self._starts:
-                self.refused += 1
-                return "a head start of this request id is here already"
+                return why
             self._starts[start.request_id] = start
             self._cv.notify()
         try:
@@ -99,7 +101,18 @@ class HeadStarts:
         except Exception as e:
             self._admitted(start, e)
             return f"not admitted: {e}"
-        admission.add_done_callback(lambda f: self._admitted(start, f.exception()))
+        admission.add_done_callback(lambda f: self._admitted(start, _error(f)))
+        return ""
+
+    def _refusal(self, request_id: str) -> str:
+        if self._closed:
+            return "prefill is shutting down"
+        if request_id in self._streamed:
+            return "decode's stream for this request came first"
+        if request_id in self._starts:
+            return "a head start of this request id is here already"
+        if len(self._starts) >= self.limit:
+            return f"{self.limit} head starts already wait for their streams"
         return ""
 
     def _admitted(self, start: HeadStart, error: BaseException | None) -> None:
@@ -111,23 +124,27 @@ class HeadStarts:
                 self.refused += 1
             else:
                 self.started += 1
-            expired = start.state == EXPIRED
-            if start.state == ADMITTING:
-                start.state = WAITING
+                if start.state == ADMITTING:
+                    start.state = WAITING
+                self._cv.notify()  # it may be due already
         if error is not None:
             log.info("prefill rid=%s: head start not admitted: %s", start.request_id, error)
             start.admitted.set_exception(error)
-            return
-        start.admitted.set_result(True)
-        if expired:  # its time ran out during the admission: dropped now that the engine has it
-            self._drop(start)
+        else:
+            start.admitted.set_result(True)
 
     def take(self, request_id: str, key: bytes) -> HeadStart | None:
-        """The start of `request_id` whose key is `key`, now its stream's; None if there is none (never started,
-        expired, another key). The caller waits for `admitted` and attaches or drops it."""
+        """The start of `request_id` whose key is `key`, now its stream's; None if there is none (expired, another
+        key, or not come yet: then none will be admitted for `wait_s`). The caller waits for `admitted` and attaches
+        or drops it."""
         with self._cv:
             start = self._starts.get(request_id)
-            if start is None or not hmac.compare_digest(start.key, key):
+            if start is None:
+                if not self._closed:
+                    self._streamed[request_id] = time.monotonic() + self.wait_s
+                    self._cv.notify()
+                return None
+            if not hmac.compare_digest(start.key, key):
                 return None
             del self._starts[request_id]
             start.state = TAKEN
@@ -139,9 +156,9 @@ class HeadStarts:
         with self._cv:
             self.taken -= 1
             self.mismatched += 1
-        log.info("prefill rid=%s: head start dropped (%s)", start.request_id, why)
-        if start.admitted.exception() is None:
-            self._drop(start)
+            log.info("prefill rid=%s: head start dropped (%s)", start.request_id, why)
+            if start.admitted.exception() is None:
+                self._drop(start)
 
     @property
     def waiting(self) -> int:
@@ -149,31 +166,33 @@ class HeadStarts:
             return len(self._starts)
 
     def _expire_loop(self) -> None:
-        while True:
-            with self._cv:
+        with self._cv:
+            while True:
                 now = time.monotonic()
-                due: list[HeadStart] = []
-                for s in [s for s in self._starts.values() if s.expires <= now]:
+                for rid in [r for r, until in self._streamed.items() if until <= now]:
+                    del self._streamed[rid]
+                for s in [s for s in self._starts.values() if s.state == WAITING and s.expires <= now]:
                     del self._starts[s.request_id]
                     self.expired += 1
-                    if s.state == WAITING:  # an admitting one: `admit` drops it once the engine has it
-                        due.append(s)
                     s.state = EXPIRED
-                if not due:
-                    if self._closed:
-                        return
-                    nxt = min((s.expires for s in self._starts.values()), default=now + 3600.0)
-                    self._cv.wait(max(0.0, nxt - now))
-                    continue
-            for s in due:
-                log.info("prefill rid=%s: head start expired (no stream within %.1f s)", s.request_id, self.wait_s)
-                self._drop(s)
+                    log.info("prefill rid=%s: head start expired (no stream within %.1f s)", s.request_id, self.wait_s)
+                    self._drop(s)
+                if self._closed and not self._starts:
+                    return
+                times = [s.expires for s in self._starts.values() if s.state == WAITING]
+                nxt = min([*times, *self._streamed.values()], default=now + 3600.0)
+                self._cv.wait(max(0.001, nxt - now))
 
     def close(self) -> None:
-        """Shutdown: every start still waiting is dropped."""
+        """Shutdown: every start still waiting is dropped (one still admitting, once admitted)."""
         with self._cv:
             self._closed = True
             for s in self._starts.values():
                 s.expires = 0.0
             self._cv.notify()
         self._thread.join(timeout=5.0)
+
+
+def _error(admission: Future) -> BaseException | None:
+    """The admission's refusal (a cancelled one: the engine loop stopped), None when admitted."""
+    return CancelledError("the engine loop stopped") if admission.cancelled() else admission.exception()
