@@ -38,7 +38,7 @@ from pdserve.router.choices import ChoiceShaping, RequestUsage, Shape, choice_co
 from pdserve.router.config import RouterConfig
 from pdserve.router.estimator import Features, OutputLengthEstimator, features
 from pdserve.router.estimator_store import Persistence, open_store
-from pdserve.router.head_start import head_start, wants_head_start
+from pdserve.router.head_start import HeadStarts
 from pdserve.router.instances import DECODE, PREFILL, Instance
 from pdserve.router.limits import DEFAULT_TENANT
 from pdserve.router.membership import Membership
@@ -132,6 +132,7 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
         }
         self.scheduler = Scheduler(cfg, default_model=name)
         self.membership = Membership(cfg, self.scheduler)
+        self.head_starts = HeadStarts()  # Prefill.Start beside each dispatch to decode (--prefill-head-start)
         self.estimator = estimator  # the default model's (ListInstances reports it)
         self.prefill = self.scheduler.view(PREFILL)  # .role/.snapshot() for the metrics gauges
         self.decode = self.scheduler.view(DECODE)
@@ -423,10 +424,14 @@ class RouterServicer(generate_pb2_grpc.GenerationServicer):
                 )
                 stub, timeout_s = self.membership.decode_stub(d.address), max(0.001, deadline - time.monotonic())
                 decode_req.prefill_start_key = b""
-                if self.cfg.prefill_head_start and p is not d and per_choice is None and wants_head_start(decode_req):
-                    # prefill starts now, beside decode's call (decode's stream takes it over with this key)
+                if (
+                    self.cfg.prefill_head_start
+                    and p is not d
+                    and per_choice is None
+                    and self.head_starts.wants(p.address, decode_req)
+                ):  # prefill starts now, beside decode's call (decode's stream takes it over with this key)
                     prefill = self.membership.prefill_stub(p.address)
-                    decode_req.prefill_start_key = head_start(prefill, decode_req, metadata)
+                    decode_req.prefill_start_key = self.head_starts.start(p.address, prefill, decode_req, metadata)
                 if per_choice is None:
                     call = stub.Generate(decode_req, timeout=timeout_s, metadata=metadata)
                 else:  # n > 1 after a failover: each unfinished choice on its own (choice_resume.py)
