@@ -22,7 +22,6 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
-from pdserve.cache.keys import CacheNamespace
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.prefill.prefill_call import PrefillCall
 
@@ -57,9 +56,8 @@ class HeadStart:
     sampling: bytes  # SamplingParams, serialized deterministically
     cache_scope: str
     shape: DecodeShape
-    ns: CacheNamespace
-    call: PrefillCall
     expires: float  # time.monotonic()
+    call: PrefillCall | None = None  # set by `admit`, before the engine has it (a stream reads it once admitted)
     admitted: Future = field(default_factory=Future)  # True once the engine has it; its refusal's exception
     state: str = ADMITTING
 
@@ -85,10 +83,10 @@ class HeadStarts:
         self._thread = threading.Thread(target=self._expire_loop, name="head-start-expiry", daemon=True)
         self._thread.start()
 
-    def admit(self, start: HeadStart, submit: Callable[[], Future]) -> str:
-        """Register `start`, then `submit` its admission to the engine (its Future: the engine's answer, which
-        `start.admitted` relays); "" once submitted, else why it did not start (full, a start of that id already
-        here, its stream came first, shutdown)."""
+    def reserve(self, start: HeadStart) -> str:
+        """Register `start` (admitting) before its lookup and call are made, so that its stream, from now on, waits
+        for it rather than computing the request beside it; "" once registered, else why not (full, a start of that
+        id already here, its stream came first, shutdown). `admit` or `abandon` must follow."""
         with self._cv:
             why = self._refusal(start.request_id)
             if why:
@@ -96,13 +94,22 @@ class HeadStarts:
                 return why
             self._starts[start.request_id] = start
             self._cv.notify()
+        return ""
+
+    def admit(self, start: HeadStart, call: PrefillCall, submit: Callable[[], Future]) -> None:
+        """A reserved start's call, and its admission to the engine (`submit`: its Future, the engine's answer, which
+        `start.admitted` relays)."""
+        start.call = call
         try:
             admission = submit()
         except Exception as e:
             self._admitted(start, e)
-            return f"not admitted: {e}"
+            return
         admission.add_done_callback(lambda f: self._admitted(start, _error(f)))
-        return ""
+
+    def abandon(self, start: HeadStart, error: BaseException) -> None:
+        """A reserved start that could not be made (its stream then gets the same request's own answer)."""
+        self._admitted(start, error)
 
     def _refusal(self, request_id: str) -> str:
         if self._closed:

@@ -159,19 +159,21 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             return internal_pb2.PrefillStarted(started=False, reason=why)
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         span = self.telemetry.rpc_span("prefill.start", context, {"pdserve.request_id": rid})
-        try:
-            sampling = sampling_from_proto(request.sampling, self.max_model_len - len(prompt))
-            ns = CacheNamespace(self.fingerprint, shape.layout, request.cache_scope)
-            plan = self._plan(span, ns, prompt, sampling)
-            call = PrefillCall(self.loop, rid, prompt, shape.layout, plan, True, self.prefill_rate, t0,
-                               layer_group=shape.layer_group, device_to_device=shape.device_to_device)  # fmt: skip
-            sampling_bytes = request.sampling.SerializeToString(deterministic=True)
-            expires = time.monotonic() + self.cfg.head_start_wait_s
-            start = HeadStart(rid, request.start_key, prompt, sampling_bytes, request.cache_scope, shape, ns, call,
-                              expires)  # fmt: skip
-            why = self.head_starts.admit(start, lambda: self._engine_request(call, rid, prompt, sampling, 0))
-        except Exception as e:  # a request the stream will refuse with its status (e.g. an empty prompt)
-            why = f"not started: {e}"
+        sampling_bytes = request.sampling.SerializeToString(deterministic=True)
+        expires = time.monotonic() + self.cfg.head_start_wait_s
+        start = HeadStart(rid, request.start_key, prompt, sampling_bytes, request.cache_scope, shape, expires)
+        why = self.head_starts.reserve(start)  # before the lookup: a stream arriving meanwhile waits for this start
+        if not why:
+            try:
+                sampling = sampling_from_proto(request.sampling, self.max_model_len - len(prompt))
+                ns = CacheNamespace(self.fingerprint, shape.layout, request.cache_scope)
+                plan = self._plan(span, ns, prompt, sampling)
+                call = PrefillCall(self.loop, rid, prompt, shape.layout, plan, True, self.prefill_rate, t0,
+                                   layer_group=shape.layer_group, device_to_device=shape.device_to_device)  # fmt: skip
+                self.head_starts.admit(start, call, lambda: self._engine_request(call, rid, prompt, sampling, 0))
+            except Exception as e:  # a request the stream will refuse with its status (e.g. an empty prompt)
+                self.head_starts.abandon(start, e)
+                why = f"not started: {e}"
         span.end({"pdserve.head_start.started": not why, "pdserve.head_start.reason": why or None})
         return internal_pb2.PrefillStarted(started=not why, reason=why)
 
@@ -189,24 +191,25 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         start = self.head_starts.take(req.request_id, req.start_key)
         if start is None:
             return None
-        why = ""
-        if start.admitted.exception() is not None:
-            why = f"its admission failed: {start.admitted.exception()}"
+        error = start.admitted.exception()  # waits for the admission (a start taken while its lookup runs)
+        why, call = "", start.call  # set before the admission was submitted
+        if error is not None or call is None:
+            why = f"its admission failed: {error}"
         elif start.prompt != prompt or req.sampled_before:
             why = "decode's prompt differs"
         elif start.sampling != req.sampling.SerializeToString(deterministic=True):
             why = "decode's sampling differs"
         elif start.cache_scope != req.cache_scope:
             why = "decode's cache scope differs"
-        elif not start.shape.serves(shape, bool(start.call.plan.hit.pages)):
+        elif not start.shape.serves(shape, bool(call.plan.hit.pages)):
             why = f"decode asks for {shape}, the start assumed {start.shape}"
-        if why:
+        if why or call is None:
             self.head_starts.mismatch(start, why)
             return None
-        start.call.attach(tx, scope, early_first)
-        ahead_ms = (time.perf_counter() - start.call.started) * 1e3  # since the router's Start reached this instance
+        call.attach(tx, scope, early_first)
+        ahead_ms = (time.perf_counter() - call.started) * 1e3  # since the router's Start reached this instance
         scope.event("head_start_taken", {"pdserve.head_start.ms": round(ahead_ms, 3)})
-        return start.call
+        return call
 
     def _drop_start(self, start: HeadStart) -> None:
         """A head start no stream will take (expired, differing, shutdown): its pages and engine request freed."""

@@ -246,12 +246,16 @@ def test_async_stream_continues_client_trace(traced):
     (router,) = trace["router.generate"]
     (start,) = trace["prefill.start"]
     (prefill,) = trace["prefill.request"]
-    assert start.parent_id == router.span_id and start.attributes["pdserve.head_start.started"] is True
-    assert trace["prefill.cache_lookup"][0].parent_id == start.span_id
+    (lookup,) = trace["prefill.cache_lookup"]
+    assert start.parent_id == router.span_id
     assert all(c.parent_id == prefill.span_id for c in trace["prefill.chunk"])
     taken = [a for e, a in prefill.events if e == "head_start_taken"]
-    assert len(taken) == 1 and taken[0]["pdserve.head_start.ms"] > 0
-    assert start.start_ns <= trace["decode.kv_receive"][0].end_ns
+    if start.attributes["pdserve.head_start.started"]:
+        assert lookup.parent_id == start.span_id
+        assert len(taken) == 1 and taken[0]["pdserve.head_start.ms"] > 0
+    else:  # the two hops raced on a loaded box and decode's stream reached the prefill first: it computed the request
+        assert "came first" in start.attributes["pdserve.head_start.reason"]
+        assert lookup.parent_id == prefill.span_id and taken == []
 
 
 def test_error_recorded_with_status(traced):
