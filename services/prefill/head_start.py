@@ -10,7 +10,8 @@ bytes device to device); a stream that differs, or a request that differs from w
 computes anew, counted in `HeadStarts.mismatched`. A start no stream takes within `wait_s` is dropped (`expired`):
 decode refused the request, or the router's call to decode failed.
 
-States of a start: admitting (the engine's admission runs) -> waiting -> taken (by its stream) or expired."""
+States of a start: admitting (reserved before its lookup; then the engine's admission runs) -> waiting -> taken (by
+its stream) or expired."""
 
 from __future__ import annotations
 

@@ -149,7 +149,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     def Start(self, request: internal_pb2.PrefillStart, context: grpc.ServicerContext) -> internal_pb2.PrefillStarted:
         """The router's head start (`pdserve.prefill.head_start`): the request enters the engine now and waits for
         decode's stream to take it over. Not started (the reply says why): off, no stream served yet (what decode
-        asks for is unknown), full, or refused by the engine; decode's stream then computes it as usual."""
+        asks for is unknown), full, its stream came first, or the request could not be made; decode's stream then
+        computes it as usual. The engine's own admission is asynchronous: its refusal reaches the stream instead."""
         t0 = time.perf_counter()
         if len(request.start_key) != 16 or not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a head start needs a request_id and a 16-byte start_key")
