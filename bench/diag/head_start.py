@@ -25,6 +25,21 @@ from benchutil import log, model_or_tiny
 from gpu_serving import served_ttft
 
 
+def head_start_counts(stack) -> dict[str, int]:
+    """The prefill's `pdserve_head_starts_*_total` counters ({} where its /metrics is off)."""
+    from pdserve.testing.scrape import metric_samples
+
+    if not stack.prefill[0].metrics:
+        return {}
+    samples = metric_samples(stack.prefill[0].metrics)
+    prefix = "pdserve_head_starts_"
+    return {
+        k[len(prefix) : -len("_total")]: int(v)
+        for k, v in samples.items()
+        if k.startswith(prefix) and k.endswith("_total")
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="a model directory (default: a tiny random Llama, written here)")
@@ -55,7 +70,9 @@ def main() -> None:
                     got = served_ttft(stack, transport, torch.Generator().manual_seed(rnd), args.reps)
                     row = (transport, on, got[f"served_ttft_ms_2k_{key}"], got[f"served_t2t_ms_2k_{key}"])
                     rows.append(row)
-                    log(f"{transport} head start {'on ' if on else 'off'}: TTFT {row[2]:.2f} ms, t2t {row[3]:.2f} ms")
+                    counts = head_start_counts(stack)  # taken: the stream used the router's start
+                    log(f"{transport} head start {'on ' if on else 'off'}: TTFT {row[2]:.2f} ms, t2t {row[3]:.2f} ms; "
+                        f"prefill's head starts {counts}")  # fmt: skip
                 finally:
                     stack.stop()
     print("| transport | head start | stacks | served TTFT 2k ms (median of stacks) | second token ms |")

@@ -174,18 +174,9 @@ def test_health_and_reflection(auto_stack):
 
 def head_starts_taken(stack) -> float:
     """The prefill's `pdserve_head_starts_taken_total` (its /metrics)."""
-    import urllib.request
+    from pdserve.testing.scrape import metric_samples
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{stack.prefill[0].metrics}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "pdserve_head_starts_taken_total"
-    )
+    return metric_samples(stack.prefill[0].metrics).get("pdserve_head_starts_taken_total", 0.0)
 
 
 @pytest.mark.parametrize("head_start", [True, False])
