@@ -56,8 +56,11 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}  # whoever has the engine: its thread, or an anytime command
         self._stopping = False
         self._gpu_waiting = False  # under _cv: the engine thread waits on the GPU and has let go of the engine
+        self._idle = False  # under _cv: the engine thread waits for work between steps (in _cv.wait)
+        self._ran_idle = False  # under _cv: an anytime command ran on its caller's thread while idle: step again
         self.anytime_submitted = 0  # anytime commands submitted, under _cv (metrics: pdserve.telemetry.metrics)
         self.ran_during_gpu_wait = 0  # ... of which ran while a step computed on the GPU, not after it
+        self.ran_while_idle = 0  # ... of which ran at once on their callers' threads, the engine thread idle
         engine.runner.gpu_wait = self._gpu_wait
         self.step_started_ns = 0  # epoch ns when the current/last step began (callbacks: their step's start)
         # called on the engine thread after each step with (engine, start ns, end ns), before its outputs go out
@@ -74,16 +77,24 @@ class EngineLoop:
     def submit(self, fn: Callable[[LLMEngine], T], anytime: Anytime = None, overtakes: bool = False) -> Future:
         """Run `fn(engine)` on the engine thread before the next step; the Future holds its result. With `anytime`
         (a check of the engine, e.g. that the request does not fork), `fn` touches host state only and may run as
-        soon as the engine thread waits on the GPU: at once on this thread if it waits now and nothing is queued
-        (with `overtakes`, whatever is queued: the caller vouches that `fn` depends on none of it)."""
+        soon as the engine thread waits on the GPU: at once on this thread if it waits now, on the GPU or for work,
+        and nothing is queued (with `overtakes`, whatever is queued: the caller vouches that `fn` depends on none of
+        it). Run at once, it spares the caller two thread switches (an idle decode's first token: its way out)."""
         fut: Future = Future()
         overtakes = overtakes and anytime is not None
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine loop is stopped")
             self.anytime_submitted += anytime is not None
-            if anytime is not None and self._gpu_waiting and (overtakes or not self._cmds) and anytime(self.engine):
+            now = self._gpu_waiting or self._idle
+            if anytime is not None and now and (overtakes or not self._cmds) and anytime(self.engine):
                 self._run_now(fn, fut)
+                if self._idle:  # what it changed may let a step schedule: the engine thread looks again
+                    self.ran_while_idle += 1
+                    self._ran_idle = True
+                    self._cv.notify()
+                else:
+                    self.ran_during_gpu_wait += 1
                 return fut
             self._cmds.append((fn, fut, anytime, overtakes))
             self._cv.notify()
@@ -186,6 +197,7 @@ class EngineLoop:
         if self.anytime_submitted:
             what = "host-only commands (import reservations, first tokens, ends) ran while a step computed on the GPU"
             log.info("%s: %d of %d %s", self._thread.name, self.ran_during_gpu_wait, self.anytime_submitted, what)
+            log.info("%s: %d ran at once, the engine thread idle", self._thread.name, self.ran_while_idle)
         if self.share_mark is not None:
             log.info("%s: marked %d steps for a decode sharing the GPU", self._thread.name, self.share_marks)
         if self.share_yield is not None:
@@ -199,8 +211,18 @@ class EngineLoop:
         blocked = False  # last step scheduled nothing: wait for a command before stepping again
         while True:
             with self._cv:
-                while not self._stopping and not self._cmds and (blocked or not self.engine.has_unfinished_requests()):
-                    self._cv.wait()
+                while (
+                    not self._stopping
+                    and not self._cmds
+                    and not self._ran_idle
+                    and (blocked or not self.engine.has_unfinished_requests())
+                ):
+                    self._idle = True  # anytime commands run on their callers' threads meanwhile (`submit`)
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._idle = False
+                self._ran_idle = False
                 if self._stopping:
                     cmds = list(self._cmds)
                     self._cmds.clear()
@@ -250,9 +272,8 @@ class EngineLoop:
                 fut.set_exception(e)
 
     def _run_now(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
-        """An anytime command while the engine thread waits on the GPU (caller holds _cv), and its outputs."""
+        """An anytime command while the engine thread waits (caller holds _cv), and its outputs."""
         self._apply(fn, fut)
-        self.ran_during_gpu_wait += 1
         for o in self.engine.take_pending():  # only anytime commands add outputs while a step computes
             self._dispatch(o)
 
@@ -264,11 +285,13 @@ class EngineLoop:
             while self._cmds and (anytime := self._cmds[0][2]) is not None and anytime(self.engine):
                 fn, fut, _, _ = self._cmds.popleft()
                 self._run_now(fn, fut)
+                self.ran_during_gpu_wait += 1
             for cmd in [c for c in self._cmds if c[3]]:
                 anytime = cmd[2]
                 if anytime is not None and anytime(self.engine):
                     self._cmds.remove(cmd)
                     self._run_now(cmd[0], cmd[1])
+                    self.ran_during_gpu_wait += 1
             self._gpu_waiting = True
         try:
             synchronize(event)

@@ -148,8 +148,13 @@ def watch_engine(metrics: ServiceMetrics, loop) -> None:
     metrics.counter(
         "engine_host_commands",
         "Host-only engine commands (an import's page reservation, its first token, its end): submitted, and "
-        "ran_during_gpu_wait: run while a step computed on the GPU instead of after it",
-        lambda: {("submitted",): loop.anytime_submitted, ("ran_during_gpu_wait",): loop.ran_during_gpu_wait},
+        "ran_during_gpu_wait: run while a step computed on the GPU instead of after it; ran_while_idle: run at once "
+        "on the caller's thread, the engine thread waiting for work",
+        lambda: {
+            ("submitted",): loop.anytime_submitted,
+            ("ran_during_gpu_wait",): loop.ran_during_gpu_wait,
+            ("ran_while_idle",): loop.ran_while_idle,
+        },
         ["event"],
     )
     metrics.counter(

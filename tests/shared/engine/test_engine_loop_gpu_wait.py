@@ -278,3 +278,28 @@ def test_a_page_reservation_runs_beside_the_step_unless_it_compiles_or_resumes(l
     loop.release("p").result(20)
     loop.release("r").result(20)
     queued_tokens(bg)
+
+
+def test_an_idle_engine_runs_them_on_the_callers_thread_and_then_steps(loop, llama_engine):
+    """Nothing decoding: the engine thread waits for work, so the import's reservation, first token and end run at
+    once on their callers' threads (the first token's output dispatched from there), and the end wakes the engine
+    thread, which decodes the reference tokens."""
+    assert wait_until(lambda: loop._idle, timeout=20)
+    prompt = random_prompt(9, 23)
+    ref = llama_engine.generate([prompt], GREEDY)[0]
+    first, batch = prefill_and_export(llama_engine, "i", prompt, GREEDY)
+    q: queue.Queue = queue.Queue()
+    where: list[int] = []
+    loop.begin_import("i", prompt, GREEDY, lambda o: (where.append(threading.get_ident()), q.put(o))).result(20)
+    assert loop.ran_while_idle == 1
+    loop.call(lambda e: e.import_batch("i", batch.page_indexes, batch.num_tokens, batch.rows, layout_for(llama_engine)))
+    assert wait_until(lambda: loop._idle, timeout=20)
+    t, _ = in_thread(lambda: (loop.emit_first_token("i", first), where.append(threading.get_ident())))
+    t.join(10)
+    assert not t.is_alive() and loop.ran_while_idle == 2 and loop.ran_during_gpu_wait == 0
+    assert where[0] == where[1]  # the output went out on the caller's thread, not the engine's
+    assert q.get(timeout=5).new_token_ids == [first]
+    loop.finish_import("i", first)
+    assert loop.ran_while_idle == 3
+    assert [first, *queued_tokens(q)] == ref  # the engine thread woke to decode it
+    assert loop.call(lambda e: e.allocator.num_used) == 0

@@ -121,17 +121,18 @@ def test_watch_engine_reads_the_loop_at_scrape_time(metrics):
     runner = SimpleNamespace(tp_size=1, steps_launched=steps)
     engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[1, 2], running=[3]), runner=runner)
     loop = SimpleNamespace(allocator=SimpleNamespace(num_used=3, num_pages=8), engine=engine, anytime_submitted=0,
-                           ran_during_gpu_wait=0, share_mark=None, share_yield=None)  # fmt: skip
+                           ran_during_gpu_wait=0, ran_while_idle=0, share_mark=None, share_yield=None)  # fmt: skip
     watch_engine(metrics, loop)
     port = metrics.serve("127.0.0.1", 0)
     assert port
-    loop.anytime_submitted, loop.ran_during_gpu_wait = 5, 4
+    loop.anytime_submitted, loop.ran_during_gpu_wait, loop.ran_while_idle = 5, 4, 1
     steps["prefill_graph"], steps["decode_graph"] = 7, 30
     fams = {f.name: f for f in text_string_to_metric_families(get(port))}
     val = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
     assert val[("pdserve_kv_pages", (("state", "free"),))] == 5 and val[("pdserve_queue_depth", ())] == 2
     assert val[("pdserve_engine_host_commands_total", (("event", "submitted"),))] == 5
     assert val[("pdserve_engine_host_commands_total", (("event", "ran_during_gpu_wait"),))] == 4
+    assert val[("pdserve_engine_host_commands_total", (("event", "ran_while_idle"),))] == 1
     assert fams["pdserve_engine_host_commands"].type == "counter"
     assert val[("pdserve_engine_steps_total", (("launch", "prefill_graph"),))] == 7
     assert val[("pdserve_engine_steps_total", (("launch", "decode_graph"),))] == 30
@@ -149,7 +150,8 @@ def test_watch_engine_counts_a_shared_gpus_marks_and_holds(metrics):
     )
     held = SimpleNamespace(waits=0, waited_ms=0.0)
     loop = SimpleNamespace(allocator=SimpleNamespace(num_used=0, num_pages=8), engine=engine, anytime_submitted=0,
-                           ran_during_gpu_wait=0, share_mark=object(), share_marks=0, share_yield=held)  # fmt: skip
+                           ran_during_gpu_wait=0, ran_while_idle=0, share_mark=object(), share_marks=0,
+                           share_yield=held)  # fmt: skip
     watch_engine(metrics, loop)
     port = metrics.serve("127.0.0.1", 0)
     loop.share_marks, held.waits, held.waited_ms = 7, 3, 1500.0
