@@ -1,5 +1,5 @@
 """The router's head start side by side: the disaggregated stack on this host's GPU 0 (`pdserve up`'s one-GPU
-stack: MPS auto) with the router's `--prefill-head-start` on and off, alternated stack by stack on one host (a
+stack: MPS auto, `--mps`) with the router's `--prefill-head-start` on and off, alternated stack by stack on one host (a
 fresh host's stacks differ by ~1 ms: the order decides nothing here), each serving single 2048-token requests of
 fresh prompts (`bench/gpu_serving.py`'s served_ttft: first and second token at the client, medians of `--reps`).
 
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="on/off pairs per transport")
     ap.add_argument("--reps", type=int, default=9, help="single requests per stack (after one warm-up)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no stack past this many seconds")
+    ap.add_argument("--mps", default="auto", choices=("off", "auto", "on"), help="`pdserve up --mps` (its default)")
     args = ap.parse_args()
     from pdserve.cli.launch import start_stack
 
@@ -64,7 +65,7 @@ def main() -> None:
                     [] if gpus else ["--torch-threads", "1"]
                 )
                 router = [] if on else ["--prefill-head-start", "false"]
-                stack = start_stack(model, work, gpus=gpus, extra=extra, timeout=600, router_extra=router)
+                stack = start_stack(model, work, gpus=gpus, extra=extra, timeout=600, router_extra=router, mps=args.mps)
                 try:
                     key = {"cuda-ipc": "ipc", "grpc-shm": "shm"}.get(transport, "grpc")
                     got = served_ttft(stack, transport, torch.Generator().manual_seed(rnd), args.reps)
