@@ -90,11 +90,8 @@ class EngineLoop:
             if anytime is not None and now and (overtakes or not self._cmds) and anytime(self.engine):
                 self._run_now(fn, fut)
                 if self._idle:  # what it changed may let a step schedule: the engine thread looks again
-                    self.ran_while_idle += 1
                     self._ran_idle = True
                     self._cv.notify()
-                else:
-                    self.ran_during_gpu_wait += 1
                 return fut
             self._cmds.append((fn, fut, anytime, overtakes))
             self._cv.notify()
@@ -272,8 +269,13 @@ class EngineLoop:
                 fut.set_exception(e)
 
     def _run_now(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
-        """An anytime command while the engine thread waits (caller holds _cv), and its outputs."""
+        """An anytime command while the engine thread waits, on the GPU or for work (caller holds _cv), and its
+        outputs."""
         self._apply(fn, fut)
+        if self._idle:
+            self.ran_while_idle += 1
+        else:
+            self.ran_during_gpu_wait += 1
         for o in self.engine.take_pending():  # only anytime commands add outputs while a step computes
             self._dispatch(o)
 
@@ -285,13 +287,11 @@ class EngineLoop:
             while self._cmds and (anytime := self._cmds[0][2]) is not None and anytime(self.engine):
                 fn, fut, _, _ = self._cmds.popleft()
                 self._run_now(fn, fut)
-                self.ran_during_gpu_wait += 1
             for cmd in [c for c in self._cmds if c[3]]:
                 anytime = cmd[2]
                 if anytime is not None and anytime(self.engine):
                     self._cmds.remove(cmd)
                     self._run_now(cmd[0], cmd[1])
-                    self.ran_during_gpu_wait += 1
             self._gpu_waiting = True
         try:
             synchronize(event)
