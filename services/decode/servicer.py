@@ -61,6 +61,7 @@ def finish_stream(call, rid: str) -> None:
 
 
 ReceiveKV = Generator[internal_pb2.DecodeResponse, None, internal_pb2.PrefillDone]
+Mark = Callable[[str], None]  # a span event of the request (RequestScope.event)
 
 
 class _Rest:
@@ -250,7 +251,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             # abort raises: the finally below closes the transfer (cancelling the call)
             self._admitted(reservation.submit(), context)
             req.event("admitted")
-            done = yield from self._take(rx, call, early, target)
+            done = yield from self._take(rx, call, early, target, req.event)
             finish_stream(call, rid)
             self.telemetry.metrics.kv_bytes.inc(rx.pages.bytes_received)
             pages = rx.pages.pages_claimed  # done.num_pages counts shipments: layer groups too
@@ -264,31 +265,43 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             rx.close()  # unless it completed: the pages freed, the stream ended
             req.end_child(span)  # no-op after success; else the status the RPC ends with
 
-    def _take(self, rx: IncomingTransfer, call, early: EarlyFirst, target: str) -> ReceiveKV:
+    def _take(self, rx: IncomingTransfer, call, early: EarlyFirst, target: str, mark: Mark) -> ReceiveKV:
         """The stream's messages up to PrefillDone, then the import finished (`_finish`); returns PrefillDone. A first
-        token that comes ahead goes to the caller while a thread reads the rest (`_beside_first`)."""
+        token that comes ahead goes to the caller while a thread reads the rest (`_beside_first`). `mark`: the request
+        span's events (prefill_done_read, import_finished, first_token_read)."""
         for raw in call:
             msg = rx.receive(raw)
             if msg is None:  # the transport choice or a batch: the transfer's
                 continue
             if msg.HasField("done"):
-                return self._finish(rx, msg.done, target)
+                return self._finish(rx, msg.done, target, mark)
             if early.forks:  # n > 1: prefill's first token is not used (the forks sample their own)
                 continue
-            return (yield from self._beside_first(rx, call, early, msg.first_token, target))
+            mark("first_token_read")
+            return (yield from self._beside_first(rx, call, early, msg.first_token, target, mark))
         raise PeerUnavailable(f"prefill {rx.peer} ended without finishing")
 
-    def _finish(self, rx: IncomingTransfer, done: internal_pb2.PrefillDone, target: str) -> internal_pb2.PrefillDone:
+    def _finish(
+        self, rx: IncomingTransfer, done: internal_pb2.PrefillDone, target: str, mark: Mark
+    ) -> internal_pb2.PrefillDone:
         """PrefillDone: every page checked in the pool (`rx.finish`), then the request joins the decode batch."""
+        mark("prefill_done_read")
         rx.finish(done)
         try:
             self.loop.finish_import(rx.pages.request_id, done.first_token_id)
         except InvalidRequest as e:  # the prompt was checked at begin_import: prefill's answer is at fault
             raise TransferError(f"bad PrefillDone from {target}: {e}") from e
+        mark("import_finished")
         return done
 
     def _beside_first(
-        self, rx: IncomingTransfer, call, early: EarlyFirst, first: internal_pb2.PrefillFirstToken, target: str
+        self,
+        rx: IncomingTransfer,
+        call,
+        early: EarlyFirst,
+        first: internal_pb2.PrefillFirstToken,
+        target: str,
+        mark: Mark,
     ) -> ReceiveKV:
         """A first token ahead of the pages: yielded to the caller while a thread reads the rest of the stream and
         finishes the import (`_rest`) as soon as PrefillDone is in and the token is in the engine. Prefill sends
@@ -296,7 +309,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         router, and the first decode step with it."""
         rest = _Rest()
         name = f"kv-rest-{rx.pages.request_id[:8]}"
-        threading.Thread(target=self._rest, args=(rx, call, target, rest), name=name, daemon=True).start()
+        threading.Thread(target=self._rest, args=(rx, call, target, rest, mark), name=name, daemon=True).start()
         try:
             try:
                 yield from early.send(self.loop, rx.pages.request_id, first, on_emitted=rest.emitted)
@@ -309,7 +322,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
             raise
         return rest.done.result()
 
-    def _rest(self, rx: IncomingTransfer, call, target: str, rest: _Rest) -> None:
+    def _rest(self, rx: IncomingTransfer, call, target: str, rest: _Rest, mark: Mark) -> None:
         """`_beside_first`'s thread: the stream's messages after the first token, to PrefillDone and `_finish`."""
         if not rest.done.set_running_or_notify_cancel():
             return
@@ -322,7 +335,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
                     rest.done.set_result(None)
                     return
                 if msg.HasField("done"):
-                    rest.done.set_result(self._finish(rx, msg.done, target))
+                    rest.done.set_result(self._finish(rx, msg.done, target, mark))
                     return
                 try:  # a second first token: the engine refuses it, as it would refuse a first one twice
                     self.loop.emit_first_token(rx.pages.request_id, msg.first_token.token_id)

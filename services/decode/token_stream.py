@@ -137,6 +137,8 @@ def relay(
             prompt_lps.extend(*prompt_logprobs_to_proto(out.prompt_logprobs))
         if not out.new_token_ids and not out.finished:
             continue  # a prompt chunk before the last: its prompt logprobs wait for the first token
+        if end.completion_tokens < 2 <= out.num_completion_tokens:  # the second token's way out, on the trace
+            req.event("second_token")
         end.completion_tokens = out.num_completion_tokens
         msg = decode_response(out, req, cached_tokens, lead, prompt_lps)
         lead, prompt_lps = [], PromptScores()

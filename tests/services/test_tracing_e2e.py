@@ -196,7 +196,11 @@ def test_span_attributes(traced):
     # the engine thread marks: a tiny model's may come before the servicer's last stage)
     for name, stages in (
         ("router.generate", ["planned", "dispatched"]),
-        ("decode.request", ["prefill_called", "admitted"]),
+        # (decode asks for the first token ahead of the pages by default: read off the stream before PrefillDone)
+        (
+            "decode.request",
+            ["prefill_called", "admitted", "first_token_read", "prefill_done_read", "import_finished", "second_token"],
+        ),
         ("prefill.request", ["read", "transfer_open", "admitted", "first_token_out"]),
     ):
         sp = trace[name][0]
