@@ -119,6 +119,10 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         if self.kv.shipper is not None:
             watch_kv_shipper(self.telemetry.metrics, self.kv.shipper)
         self.active = ActiveCalls()
+        # readers of Prefill streams after an early first token (`_beside_first`), one per call at most: threads kept
+        # between requests, because Thread.start waits until the new thread runs, which it does only once it gets
+        # the GIL, on the first token's way out
+        self._readers = futures.ThreadPoolExecutor(max_workers=cfg.stream_limit(), thread_name_prefix="kv-rest")
 
     def Generate(self, request: internal_pb2.DecodeRequest, context: grpc.ServicerContext):
         t0 = time.perf_counter()
@@ -308,8 +312,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         PrefillDone right after a last chunk's first token: read here, it would wait for that token's send to the
         router, and the first decode step with it."""
         rest = _Rest()
-        name = f"kv-rest-{rx.pages.request_id[:8]}"
-        threading.Thread(target=self._rest, args=(rx, call, target, rest, mark), name=name, daemon=True).start()
+        self._readers.submit(self._rest, rx, call, target, rest, mark)
         try:
             try:
                 yield from early.send(self.loop, rx.pages.request_id, first, on_emitted=rest.emitted)
@@ -373,9 +376,11 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
         return self.loop.submit(lambda e: e.import_batch(rid, indexes, tokens, rows, self.layout, layers))
 
     def close(self) -> None:
-        """Service shutdown: the channels to prefill instances, the copy threads."""
+        """Service shutdown: the channels to prefill instances, the copy threads, the stream readers (those still
+        reading end with their streams)."""
         self.prefill.close()
         self.kv.close()
+        self._readers.shutdown(wait=False)
 
     def Stats(self, request, context):
         return instance_stats(self.loop, self.active.count, self.kv.stats)
