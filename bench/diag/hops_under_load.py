@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=300, help="tokens each decoding stream generates")
     ap.add_argument("--transport", default="auto", help="the KV transport (`pdserve up --kv-transport`)")
     ap.add_argument(
+        "--up-args", default="", help="more `pdserve up` flags, one string (e.g. '--gil-switch-interval-us 200')"
+    )
+    ap.add_argument(
         "--each",
         action="store_true",
         help="also every span of each phase's last probe (a prompt of "
@@ -53,7 +57,7 @@ def main() -> None:
     sink = OTLPSink().start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     gpus = [int(g) for g in args.gpus.split(",") if g]
-    extra = ([] if gpus else ["--torch-threads", "1"]) + ["--kv-transport", args.transport]
+    extra = ([] if gpus else ["--torch-threads", "1"]) + ["--kv-transport", args.transport] + shlex.split(args.up_args)
     stack = start_stack(model, tmp / "stack", kv_dtype="int8", extra=extra, env=env, gpus=gpus, mps=args.mps)
     rng = random.Random(0)
 
