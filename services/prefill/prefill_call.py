@@ -87,8 +87,9 @@ class PrefillCall:
         self.prompt_logprobs: list[TokenLogprob] = []  # sampling.prompt_logprobs, chunk by chunk (engine thread)
         self.first: StepOutput | None = None  # engine thread -> writer: the prompt's last output (early_first)
         self.first_sent = False
-        self.shipped: list[ExportedPages] = []  # whole pages for the prompt cache's write-back, after PrefillDone
-        self.kept = threading.Event()  # the last chunk's streamed pages are in `shipped` (set after PromptDone)
+        # The shipped batches the prompt cache's write-back takes after PrefillDone: whole pages, and with a write-back
+        # due the layer groups too (it joins them on the host, behind the engine, instead of a second device gather)
+        self.shipped: list[ExportedPages] = []
         # Layer groups: the engine thread hands each group of a chunk's pages to `_group_computed` during the forward
         # (EngineRequest.layer_stream); `streamed`: the pages that went out so (not exported again after the step).
         self.layer_stream = LayerStream(layout, layer_group, self._group_computed) if layer_group else None
@@ -158,38 +159,16 @@ class PrefillCall:
             ready = [p for p in out.ready_pages if p not in self.streamed]  # streamed: left during the forward
             if ready:  # one device gather per chunk; the writer ships it
                 self.outbox.put(self.loop.engine.export_batch(self.request_id, ready, self.layout))
-            if out.finished:  # PrefillDone goes out now; the write-back's gather below is off decode's path
+            if out.finished:
                 self.outbox.put(PromptDone(out))
         except Exception as e:
             self.outbox.put(e)
-            return
-        try:
-            self._keep_streamed(out.ready_pages)
-        except Exception as e:
-            if not out.finished:
-                self.outbox.put(e)
-            else:  # after PromptDone nobody reads the outbox: the write-back goes without these pages
-                log.exception("prefill rid=%s: gathering streamed pages for the prompt cache failed", self.request_id)
-        finally:
-            if out.finished:
-                self.kept.set()
 
     def _group_computed(self, exported: ExportedPages) -> None:
         """Engine thread, during the forward: one layer group of the pages this chunk completes; the writer ships it
         (after its `ready` event) while the forward computes the next layers."""
         self.streamed.update(exported.page_indexes)
         self.outbox.put(exported)
-
-    def _keep_streamed(self, ready_pages: list[int]) -> None:
-        """Engine thread, after a chunk whose pages streamed in layer groups: the prompt cache's write-back wants
-        whole pages, so its full pages with a key are gathered whole once more (device rows, held like a shipped
-        batch until the write-back)."""
-        keys, ps = len(self.plan.write_keys), self.layout.page_size
-        if not self.streamed or not keys:
-            return
-        keep = [p for p in ready_pages if p in self.streamed and p < keys and (p + 1) * ps <= len(self.prompt)]
-        if keep:
-            self.shipped.append(self.loop.engine.export_batch(self.request_id, keep, self.layout))
 
     def _chunk_computed(self, out: StepOutput) -> None:
         token_range, start_ns = out.token_range, self.loop.step_started_ns  # its step's start (outputs follow it)
@@ -271,7 +250,7 @@ class PrefillCall:
             for msg in self.tx.send(event):  # an earlier chunk's batches: the first token overtakes the rest
                 yield msg
                 yield from self._first_token()
-            if event.layers is None:  # a layer group's rows are no page of the write-back (`_keep_streamed`)
+            if event.layers is None or self.plan.write_keys:
                 self.shipped.append(event)
 
     def _next_event(

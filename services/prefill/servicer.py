@@ -231,9 +231,6 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         # (cuda-ipc: staging regions; grpc: nothing).
         yield internal_pb2.PrefillServerMessage(done=done)
         call.tx.finish(max(0.0, min(ack_timeout, deadline - time.monotonic())))
-        # off the first token's path: decode has every page already
-        if not call.kept.wait(ack_timeout):  # the engine thread gathers them after PromptDone
-            log.warning("prefill rid=%s: streamed pages not gathered for the prompt cache", call.request_id)
         self.prefix.write_back(ns, call.plan, call.prefix_pages, call.shipped, call.layout)
         call.log_done(done)
 

@@ -6,11 +6,15 @@ decides to write, and when).
                                                                           `ask` the store lacks, as host copies
                                                                           (on a `WriteBehind` thread in prefill);
                                                                           `local=`: pages for the local tier alone
+    whole_pages(batches, layout)                                           layer-group batches joined into whole
+                                                                          pages (host rows), the others as they are
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+
+import torch
 
 from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import PromptCache
@@ -19,14 +23,44 @@ from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.payload import PagePayload
 from pdserve.kv.transfer import ExportedPages
 from pdserve.kv.transfer.grpc_transport import to_host
+from pdserve.kv.transfer.page_format import PageFormat
 
 
 def pages_to_write(keys: list[bytes], pages: Collection[int], batches: list[ExportedPages]) -> tuple[int, int]:
     """(pages, bytes) `write_back` would write at most of `batches` (`pages`: the page indexes it may write), and
     the bytes those batches hold."""
     want = set(pages)
-    n = sum(idx in want and idx < len(keys) for b in batches for idx in b.page_indexes)
+    n = len({idx for b in batches for idx in b.page_indexes if idx in want and idx < len(keys)})  # groups: once
     return n, sum(b.nbytes for b in batches)
+
+
+def whole_pages(batches: list[ExportedPages], layout: KVLayoutSpec) -> list[ExportedPages]:
+    """`batches` as whole pages: those of all layers as they are; the layer groups of one set of pages (a chunk that
+    streamed group by group, `pdserve.kv.transfer.layers`) joined into one host batch, each group's rows copied into
+    its layers of the whole rows. Pages whose groups do not cover every layer exactly once are left out."""
+    whole: list[ExportedPages] = []
+    grouped: dict[tuple[int, ...], list[ExportedPages]] = {}
+    for b in batches:
+        if b.layers is None or b.layers.is_all(layout.num_layers):
+            whole.append(b)
+        else:
+            grouped.setdefault(tuple(b.page_indexes), []).append(b)
+    fmt = PageFormat(layout)
+    for indexes, parts in grouped.items():
+        parts.sort(key=lambda b: b.layers.start if b.layers else 0)
+        bounds = [(b.layers.start, b.layers.stop) for b in parts if b.layers is not None]
+        if [a for a, _ in bounds] != [0] + [z for _, z in bounds[:-1]] or bounds[-1][1] != layout.num_layers:
+            continue  # a gap or an overlap: these pages are not whole
+        rows = torch.empty(len(indexes), fmt.page_bytes, dtype=torch.uint8)  # [N, page_bytes]
+        dst = fmt.unpack(rows)  # data [N, 2, layers, ...], scales / zeros alike or None
+        for b in parts:
+            assert b.layers is not None
+            src = PageFormat(layout, b.layers.count).unpack(b.host if b.host is not None else to_host(b))
+            for d, s in zip(dst, src):
+                if d is not None and s is not None:
+                    d[:, :, b.layers.start : b.layers.stop] = s
+        whole.append(ExportedPages(list(indexes), list(parts[0].num_tokens), rows, host=rows))
+    return whole
 
 
 def write_back(
@@ -46,6 +80,7 @@ def write_back(
     With a local tier, the pages the store holds, and those of `local` (a fetch's, verified), go to the local tier
     alone. `wait_idle` is called before each page (`WriteBehind.wait_idle`); when it says False the chain ends
     there. Returns the pages handed to the cache."""
+    batches = whole_pages(batches, layout)
     held = cache.stored(ns, [keys[i] for i in ask]) if ask else []
     in_store = {i for i, h in zip(ask, held) if h}
     to_store = set(write) | (set(ask) - in_store)

@@ -6,6 +6,8 @@ grpc and cuda-ipc, outputs are token-identical to HF with unquantized KV and eve
 from __future__ import annotations
 
 import queue
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -39,9 +41,9 @@ def layout(dtype: str) -> KVLayoutSpec:
     return KVLayoutSpec(dtype=dtype, page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16, group_size=g)
 
 
-def run(stub, fp: str, rid: str, n: int, dtype: str, groups: bool) -> tuple[list, dict[int, bytes], int]:
+def run(stub, fp: str, rid: str, n: int, dtype: str, groups: bool) -> tuple[list, dict[int, bytes], Any]:
     """One Prefill stream acked as it goes: ([(first seq, pages, layer range)] per batch, page -> its whole row
-    bytes (groups put side by side per page), PrefillDone.num_pages)."""
+    bytes (groups put side by side per page), PrefillDone)."""
     lay = layout(dtype)
     acks: queue.Queue = queue.Queue()
     req = internal_pb2.PrefillRequest(
@@ -86,15 +88,16 @@ def run(stub, fp: str, rid: str, n: int, dtype: str, groups: bool) -> tuple[list
             if pieces[0][1][i] is not None
         ]
         whole[p] = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in segs)
-    return batches, whole, done.num_pages
+    return batches, whole, done
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float32"])
 def test_groups_leave_in_layer_order_with_the_whole_pages_bytes(prefill, dtype):
     stub, fp = prefill
     n = 2 * CHUNK + 3  # three chunks, the last page partial
-    grouped, rows, shipments = run(stub, fp, f"g-{dtype}", n, dtype, groups=True)
-    old, whole_rows, whole_shipments = run(stub, fp, f"w-{dtype}", n, dtype, groups=False)
+    grouped, rows, done = run(stub, fp, f"g-{dtype}", n, dtype, groups=True)
+    old, whole_rows, whole_done = run(stub, fp, f"w-{dtype}", n, dtype, groups=False)
+    shipments, whole_shipments = done.num_pages, whole_done.num_pages
     pages = -(-n // PAGE)
     assert all(r == (0, 2) for _, _, r in old) and whole_shipments == pages  # an older decode: whole chunks
     assert shipments == 2 * pages and [s for s, _, _ in grouped] == [
@@ -104,6 +107,37 @@ def test_groups_leave_in_layer_order_with_the_whole_pages_bytes(prefill, dtype):
     want = [(p, r) for c in chunk_pages for r in [(0, 1), (1, 2)] for p in [c]]
     assert [(b[1], b[2]) for b in grouped] == want  # per chunk: layer 0 of its pages, then layer 1
     assert rows == whole_rows  # bit-identical to whole-chunk shipping
+
+
+@pytest.fixture(scope="module")
+def prefill_cache_only(tmp_path_factory):
+    """Layer groups of one layer, prompt prefixes from the prompt cache only (not the pool's)."""
+    work = tmp_path_factory.mktemp("prefill-layers-cache")
+    model = build_checkpoint(work / "ckpt", arch="llama", seed=3)
+    args = ["--model", str(model), "--page-size", str(PAGE), "--chunk-size", str(CHUNK), "--num-pages", "200"]
+    args += ["--kv-layer-group", "1", "--prefix-reuse", "false", "--torch-threads", "1"]
+    with running_service("prefill", args, work) as addr, channel(addr) as ch:
+        yield internal_pb2_grpc.PrefillStub(ch), model_fingerprint(str(model))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_pages_streamed_in_groups_reach_the_prompt_cache(prefill_cache_only, dtype):
+    """The write-back joins a chunk's layer groups into whole pages: the next request for the prompt gets every full
+    page before its last token from the cache, with the bytes the groups carried."""
+    stub, fp = prefill_cache_only
+    n = 2 * CHUNK + 3
+    _, computed, done = run(stub, fp, f"c-{dtype}", n, dtype, groups=True)
+    assert done.cached_tokens == 0
+    want = (n - 1) // PAGE * PAGE
+    for attempt in range(50):  # the write-back runs after PrefillDone
+        batches, again, done = run(stub, fp, f"c-{dtype}.{attempt}", n, dtype, groups=True)
+        if done.cached_tokens == want:
+            break
+        time.sleep(0.1)
+    assert done.cached_tokens == want, "the prompt cache never held the prefix streamed in layer groups"
+    cached = range(want // PAGE)  # (the last page is computed again, on the cached prefix: int8's differs)
+    assert [again[p] for p in cached] == [computed[p] for p in cached] and len(again) == len(computed)
+    assert [r for _, _, r in batches[:1]] == [(0, 2)]  # the cached prefix ships whole, as stored
 
 
 @pytest.mark.parametrize("transport", ["grpc", "grpc-shm"])  # cuda-ipc's: tests/shared/kv/transfer/test_layer_groups.py
