@@ -36,31 +36,55 @@ def pages_to_write(keys: list[bytes], pages: Collection[int], batches: list[Expo
 
 def whole_pages(batches: list[ExportedPages], layout: KVLayoutSpec) -> list[ExportedPages]:
     """`batches` as whole pages: those of all layers as they are; the layer groups of one set of pages (a chunk that
-    streamed group by group, `pdserve.kv.transfer.layers`) joined into one host batch, each group's rows copied into
-    its layers of the whole rows. Pages whose groups do not cover every layer exactly once are left out."""
-    whole: list[ExportedPages] = []
-    grouped: dict[tuple[int, ...], list[ExportedPages]] = {}
-    for b in batches:
-        if b.layers is None or b.layers.is_all(layout.num_layers):
-            whole.append(b)
-        else:
-            grouped.setdefault(tuple(b.page_indexes), []).append(b)
-    fmt = PageFormat(layout)
-    for indexes, parts in grouped.items():
-        parts.sort(key=lambda b: b.layers.start if b.layers else 0)
-        bounds = [(b.layers.start, b.layers.stop) for b in parts if b.layers is not None]
-        if [a for a, _ in bounds] != [0] + [z for _, z in bounds[:-1]] or bounds[-1][1] != layout.num_layers:
-            continue  # a gap or an overlap: these pages are not whole
-        rows = torch.empty(len(indexes), fmt.page_bytes, dtype=torch.uint8)  # [N, page_bytes]
-        dst = fmt.unpack(rows)  # data [N, 2, layers, ...], scales / zeros alike or None
-        for b in parts:
-            assert b.layers is not None
-            src = PageFormat(layout, b.layers.count).unpack(b.host if b.host is not None else to_host(b))
-            for d, s in zip(dst, src):
-                if d is not None and s is not None:
-                    d[:, :, b.layers.start : b.layers.stop] = s
-        whole.append(ExportedPages(list(indexes), list(parts[0].num_tokens), rows, host=rows))
+    streamed group by group, `pdserve.kv.transfer.layers`) joined into one host batch (`_joined`). Pages whose
+    groups do not cover every layer exactly once are left out."""
+    whole = []
+    for unit in _units(batches, layout):
+        if _is_whole(unit, layout):
+            whole.append(unit[0])
+        elif (rows := _host_rows(unit, layout)) is not None:
+            whole.append(ExportedPages(list(unit[0].page_indexes), list(unit[0].num_tokens), rows, host=rows))
     return whole
+
+
+def _is_whole(unit: list[ExportedPages], layout: KVLayoutSpec) -> bool:
+    """A unit of one batch of all layers."""
+    return len(unit) == 1 and (unit[0].layers is None or unit[0].layers.is_all(layout.num_layers))
+
+
+def _units(batches: list[ExportedPages], layout: KVLayoutSpec) -> list[list[ExportedPages]]:
+    """`batches` in prompt order as units of whole pages: a batch of all layers alone, or the layer groups of one
+    set of pages together (sorted by layer)."""
+    units: dict[tuple[int, ...], list[ExportedPages]] = {}
+    out: list[list[ExportedPages]] = []
+    for b in batches:
+        if _is_whole([b], layout):
+            out.append([b])
+        else:
+            units.setdefault(tuple(b.page_indexes), []).append(b)
+    for parts in units.values():
+        out.append(sorted(parts, key=lambda b: b.layers.start if b.layers else 0))
+    return sorted(out, key=lambda u: u[0].page_indexes[0] if u[0].page_indexes else 0)
+
+
+def _host_rows(unit: list[ExportedPages], layout: KVLayoutSpec) -> torch.Tensor | None:
+    """A unit's whole rows on the host, uint8 [pages, page_bytes]: the batch's own (or its device rows copied),
+    or its groups joined, each group's rows copied into its layers of the rows; None for groups that do not cover
+    every layer exactly once."""
+    if _is_whole(unit, layout):
+        return unit[0].host if unit[0].host is not None else to_host(unit[0])
+    bounds = [(b.layers.start, b.layers.stop) for b in unit if b.layers is not None]
+    if [a for a, _ in bounds] != [0] + [z for _, z in bounds[:-1]] or bounds[-1][1] != layout.num_layers:
+        return None  # a gap or an overlap: these pages are not whole
+    fmt = PageFormat(layout)
+    rows = torch.empty(len(unit[0].page_indexes), fmt.page_bytes, dtype=torch.uint8)
+    dst = fmt.unpack(rows)  # data [N, 2, layers, ...], scales / zeros alike or None
+    for b, (start, stop) in zip(unit, bounds):
+        src = PageFormat(layout, stop - start).unpack(b.host if b.host is not None else to_host(b))
+        for d, part in zip(dst, src):
+            if d is not None and part is not None:
+                d[:, :, start:stop].copy_(part)
+    return rows
 
 
 def write_back(
@@ -80,27 +104,31 @@ def write_back(
     With a local tier, the pages the store holds, and those of `local` (a fetch's, verified), go to the local tier
     alone. `wait_idle` is called before each page (`WriteBehind.wait_idle`); when it says False the chain ends
     there. Returns the pages handed to the cache."""
-    batches = whole_pages(batches, layout)
     held = cache.stored(ns, [keys[i] for i in ask]) if ask else []
     in_store = {i for i, h in zip(ask, held) if h}
     to_store = set(write) | (set(ask) - in_store)
     wanted = to_store | ((in_store | set(local)) if cache.local is not None else set())
     items: list[tuple[int, bytes, bytes, PagePayload]] = []  # (page index, key, value, page as views of it)
-    stopped = False
-    for batch in sorted(batches, key=lambda b: b.page_indexes[0] if b.page_indexes else 0):
-        want = [i for i, idx in enumerate(batch.page_indexes) if idx in wanted and idx < len(keys)]
-        if not want or stopped:
-            continue
-        rows = batch.host if batch.host is not None else to_host(batch)  # uint8 [pages, page_bytes]
-        for i in sorted(want, key=lambda i: batch.page_indexes[i]):
-            idx = batch.page_indexes[i]
-            if batch.num_tokens[i] != layout.page_size:  # only full pages have keys; kept as a guard
-                continue
+    for unit in _units(batches, layout):
+        head = unit[0]  # a unit's batches hold the same pages
+        want = [i for i, idx in enumerate(head.page_indexes) if idx in wanted and idx < len(keys)]
+        want = [i for i in want if head.num_tokens[i] == layout.page_size]  # only full pages have keys (a guard)
+        rows = None  # uint8 [pages, page_bytes] on the host, made once the engine is idle
+        for i in sorted(want, key=lambda i: head.page_indexes[i]):
             if not wait_idle():
-                stopped = True
-                break
+                return _put(cache, ns, items, to_store)
+            rows = _host_rows(unit, layout) if rows is None else rows
+            if rows is None:
+                break  # groups that are not whole pages: none of these
+            idx = head.page_indexes[i]
             value, page = encode_row(rows[i], ns, keys[idx], idx)  # one copy of the page in all
             items.append((idx, keys[idx], value, page))
+    return _put(cache, ns, items, to_store)
+
+
+def _put(
+    cache: PromptCache, ns: CacheNamespace, items: list[tuple[int, bytes, bytes, PagePayload]], to_store: set[int]
+) -> int:
     items.sort(key=lambda it: it[0])
     cache.put_many(
         ns, [(k, p) for _, k, _, p in items], [v for _, _, v, _ in items], [i in to_store for i, *_ in items]

@@ -71,3 +71,32 @@ def test_write_back_of_layer_groups_caches_the_pages():
     for got, want in zip(hit.pages, pages):
         assert got.data.equal(want.data) and got.scales is not None and got.scales.equal(want.scales)
     cache.close()
+
+
+def test_a_write_back_that_stops_copies_no_more_groups(monkeypatch):
+    """The groups' device rows are copied to the host only once the engine is idle for their first page: a write-back
+    stopped before a unit copies none of it."""
+    import pdserve.cache.serving as serving
+
+    copied: list[int] = []
+
+    def to_host(b: ExportedPages):
+        copied.append(b.page_indexes[0])
+        return b.rows
+
+    monkeypatch.setattr(serving, "to_host", to_host)
+    ns, layout = namespace(), INT8
+    cache = PromptCache(MemoryStore(1 << 20))
+    prompt = list(range(300, 300 + 4 * PAGE))
+    keys = ns.page_keys(prompt)
+    rows = PageFormat(layout).rows_from_payloads([make_page(layout, i) for i in range(4)])
+    batches = [group_batch(rows[a : a + 2], layout, r, [a, a + 1]) for a in (0, 2) for r in layer_groups(2, 1)]
+    left = [2]
+
+    def wait_idle() -> bool:
+        left[0] -= 1
+        return left[0] >= 0
+
+    assert write_back(cache, ns, keys, range(4), [], batches, layout, wait_idle) == 2
+    assert copied == [0, 0]  # the first unit's two groups; the second unit's never left the device
+    cache.close()
