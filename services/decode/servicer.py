@@ -288,7 +288,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeServicer):
     def _finish(
         self, rx: IncomingTransfer, done: internal_pb2.PrefillDone, target: str, mark: Mark
     ) -> internal_pb2.PrefillDone:
-        """PrefillDone: every page checked in the pool (`rx.finish`), then the request joins the decode batch."""
+        """PrefillDone: every page checked in the pool (`rx.finish`), then the request joins the decode batch (after
+        an early first token it joined as its last page landed: its token is only checked, also if it ended since)."""
         mark("prefill_done_read")
         rx.finish(done)
         try:

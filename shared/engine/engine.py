@@ -286,6 +286,7 @@ class LLMEngine:
         """Drop a request in any state and free its pages. If it had not finished, the next `step()` returns a
         final StepOutput with finish_reason "abort" (a forked request: one per choice still running). Returns
         False for unknown ids."""
+        self.handoff.abandon(request_id)  # also when it ended already: a join on landing's finish_import won't come
         group = self._groups.pop(request_id, None)
         if group is not None:
             self._abort_forks(group)
@@ -301,6 +302,7 @@ class LLMEngine:
     def release(self, request_id: str) -> bool:
         """Free the pages of a request (normally a finished prefill-only one whose pages were shipped). Works in
         any state like `abort`, but never produces an output. Returns False for unknown ids."""
+        self.handoff.abandon(request_id)
         group = self._groups.pop(request_id, None)
         if group is not None:
             for m in group.members:
@@ -447,7 +449,8 @@ class LLMEngine:
         self.handoff.import_batch(request_id, page_indexes, num_tokens, rows, layout, layers)
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
-        """`KVHandoff.emit_first_token`: stream the first token before the pages are in."""
+        """`KVHandoff.emit_first_token`: stream the first token before the pages are in (the request joins the batch
+        as soon as they are)."""
         seq = self._seqs.get(request_id)
         if seq is not None and seq.choices is not None:
             raise InvalidRequest(f"request {request_id!r} forks (n / best_of > 1): its first tokens are sampled here")
@@ -459,9 +462,10 @@ class LLMEngine:
         return seq is not None and seq.choices is not None
 
     def finish_import(self, request_id: str, first_token_id: int) -> None:
-        """`KVHandoff.finish_import`: all pages are in, the request joins the running batch (a forking one forks)."""
+        """`KVHandoff.finish_import`: all pages are in, the request joins the running batch (a forking one forks;
+        one that joined as its last page landed is only checked, also once it ended)."""
         seq = self._seqs.get(request_id)
-        if seq is None or seq.choices is None:
+        if self.handoff.joined(request_id) or seq is None or seq.choices is None:
             self.handoff.finish_import(request_id, first_token_id)
             return
         if seq.status != SequenceStatus.IMPORTING or seq.pages_imported is None:
@@ -565,7 +569,9 @@ class LLMEngine:
         """Launch the next step of `done`'s batch before its tokens are processed, if the scheduler would run
         exactly that batch again: nothing to admit or prefill, no sequence gone, pages for one more token each, and
         no import whose pages all just landed (its `finish_import`, an anytime command of the EngineLoop, runs while
-        `done` computes: chained, the step after would leave it out and its second token would wait a step more)."""
+        `done` computes: chained, the step after would leave it out and its second token would wait a step more). One
+        that joined as it landed (its first token came early), or at its first token during a GPU wait, waits in the
+        scheduler's queue: that holds the chain back too."""
         seqs = done.seqs
         if self.scheduler.running != seqs or self.scheduler.has_schedulable_waiting():
             return None

@@ -1,6 +1,7 @@
 """The engine's side of disaggregated serving: a prefill instance exports the computed KV pages of a request as one
 batch buffer; a decode instance reserves pages for a prompt computed elsewhere, imports batches of them, takes the
-prefill side's first token, and joins its running batch.
+prefill side's first token, and joins its running batch: at `finish_import` (prefill's PrefillDone read), or, when
+the first token came ahead of the pages (`emit_first_token`), as soon as the last layer of the last page lands.
 
 `KVHandoff` is an object `LLMEngine` owns (`engine.handoff`; the engine keeps methods of the same names that call
 it). It reads and updates the engine's live sequences, page allocator, scheduler and model runner, and asks the
@@ -31,7 +32,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tp.page_export import LayerExport
-from pdserve.errors import InvalidRequest
+from pdserve.errors import DuplicateRequest, InvalidRequest
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer.base import ExportedPages
 from pdserve.kv.transfer.layers import LayerRange, LayerStream
@@ -89,6 +90,11 @@ class KVHandoff:
         # `finish_import` is on its way, and an overlapped decode step chained now would leave them out of the next
         # step (at most the importing requests: `finish_import` and `forget` take them out)
         self._landed: set[str] = set()
+        # imports that joined the batch as their last page landed (`_join_on_landing`), by request id: the early first
+        # token their `finish_import` must match. Kept when the request ends, which may come before that
+        # finish_import (a short max_tokens); removed by it, or by `abandon` (an abort or release: the service gave
+        # up on the request, so its finish_import will not come)
+        self._joined: dict[str, int] = {}
 
     @property
     def kv_group_size(self) -> int:
@@ -216,6 +222,8 @@ class KVHandoff:
         this request by an instance that died. They count as completion tokens (max_tokens, usage, stop strings
         spanning the boundary), and the first `resumed_text_chars` characters of their text were delivered
         already: text held back there (a possible stop-string prefix, an incomplete character) comes out here."""
+        if request_id in self._joined:  # joined on landing, its finish_import still to come: the id is in use
+            raise DuplicateRequest(f"duplicate request id {request_id!r}")
         request = EngineRequest(
             request_id,
             prompt_token_ids,
@@ -250,7 +258,8 @@ class KVHandoff:
         layers: LayerRange | None = None,
     ) -> None:
         """Write received pages (rows uint8 [N, row bytes] in `layout`, on the pool's device: every layer, or the
-        `layers` of a layer group) in one scatter. A page's layers land in order from layer 0. Raises
+        `layers` of a layer group) in one scatter. A page's layers land in order from layer 0. The batch that
+        completes an import whose first token came early joins it to the batch (`_join_on_landing`). Raises
         InvalidRequest on any mismatch."""
         seq = self._importing(request_id)
         imported = seq.pages_imported
@@ -274,12 +283,39 @@ class KVHandoff:
         self.runner.kv_cache.scatter_pages(physical_pages, data, scales, zeros, layout.group_size, span)
         for idx in page_indexes:
             imported[idx] = r.stop
-        if r.stop == num_layers and all(n == num_layers for n in imported):
+        if r.stop == num_layers and self._all_landed(imported):
             self._landed.add(request_id)
+            self._join_on_landing(seq)
+
+    def _all_landed(self, pages_imported: list[int]) -> bool:
+        return all(n == self.model_config.num_layers for n in pages_imported)
+
+    def _join_on_landing(self, seq: Sequence) -> None:
+        """An importing `seq` whose first token came early without ending it joins the running batch once every
+        page has all its layers, not at its `finish_import`, which waits for prefill's PrefillDone to be read: its
+        first decode step need not wait for that message. A forking one waits for it (`_fork` copies a page)."""
+        early, imported = seq.early_first_token, seq.pages_imported
+        if early is None or seq.early_finished or seq.choices is not None or imported is None:
+            return
+        if not self._all_landed(imported):
+            return
+        seq.pages_imported = None
+        self.scheduler.add(seq)  # WAITING, decode-ready (its first token is in)
+        self._joined[seq.request_id] = early
+
+    def joined(self, request_id: str) -> bool:
+        """Whether the request joined the batch as its last page landed and its `finish_import` is still to come."""
+        return request_id in self._joined
 
     def forget(self, request_id: str) -> None:
-        """The request ended (finished its import, aborted, released): no longer a landing to wait for."""
+        """The request ended (finished its import, aborted, released): no longer a landing to wait for. A join on
+        landing stays remembered: the request may end before its `finish_import` comes."""
         self._landed.discard(request_id)
+
+    def abandon(self, request_id: str) -> None:
+        """The request was aborted or released (the service gave up on it): no `finish_import` of a join on landing
+        will come."""
+        self._joined.pop(request_id, None)
 
     def take_landed(self) -> bool:
         """Whether an import's last page landed since the last call (then forgotten: a chained step is held back
@@ -290,26 +326,34 @@ class KVHandoff:
 
     def emit_first_token(self, request_id: str, first_token_id: int) -> bool:
         """Before the pages are all in: append the first token (stop checks apply) and stream it now (the next
-        `take_pending` / `step`); the request keeps importing. `finish_import` then only checks the token and
-        joins the batch, or drops the request when this token ended it. Returns whether it ended the request."""
+        `take_pending` / `step`); the request keeps importing. Unless the token ended it, it joins the batch as soon
+        as its last page lands (here, if that happened already): `finish_import` then only checks the token. One it
+        ended is dropped by `finish_import`. Returns whether it ended the request."""
         seq = self._importing(request_id)
         if seq.early_first_token is not None:
             raise InvalidRequest(f"request {request_id!r}: first token sent twice")
         self._append_first(seq, first_token_id)
         seq.early_first_token = int(first_token_id)
-        # the output says whether the token ended the request; the pages keep arriving until finish_import
+        # the output says whether the token ended the request; it joins the batch once the pages are in (or now)
         seq.early_finished, seq.status = seq.finished, SequenceStatus.IMPORTING
+        self._join_on_landing(seq)
         return seq.early_finished
 
     def finish_import(self, request_id: str, first_token_id: int) -> None:
         """All pages are in: append the first token (stop checks apply) and join the running batch. The
         StepOutput carrying the first token comes from the next `step()`. After `emit_first_token` the token must
-        be the same one, and nothing more is output here."""
+        be the same one, and nothing more is output here. A request that joined on landing is only checked: it may
+        have finished and been dropped since, which is no error."""
+        early = self._joined.get(request_id)
+        if early is not None:
+            if early != first_token_id:  # the entry stays, as an importing request would: the service aborts it
+                raise InvalidRequest(f"first token {first_token_id} differs from the one streamed early ({early})")
+            del self._joined[request_id]
+            return
         seq = self._importing(request_id)
         self.forget(request_id)
         assert seq.pages_imported is not None  # set by begin_import while IMPORTING
-        num_layers = self.model_config.num_layers
-        missing = [i for i, landed in enumerate(seq.pages_imported) if landed != num_layers]
+        missing = [i for i, landed in enumerate(seq.pages_imported) if landed != self.model_config.num_layers]
         if missing:
             raise InvalidRequest(f"request {request_id!r}: pages {missing} not imported")
         early = seq.early_first_token

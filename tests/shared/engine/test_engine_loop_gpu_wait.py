@@ -282,8 +282,9 @@ def test_a_page_reservation_runs_beside_the_step_unless_it_compiles_or_resumes(l
 
 def test_an_idle_engine_runs_them_on_the_callers_thread_and_then_steps(loop, llama_engine):
     """Nothing decoding: the engine thread waits for work, so the import's reservation, first token and end run at
-    once on their callers' threads (the first token's output dispatched from there), and the end wakes the engine
-    thread, which decodes the reference tokens."""
+    once on their callers' threads (the first token's output dispatched from there). The first token, its pages in,
+    joins the request and wakes the engine thread, which decodes the reference tokens; the end (PrefillDone read
+    late) then only checks the token."""
     assert wait_until(lambda: loop._idle, timeout=20)
     prompt = random_prompt(9, 23)
     ref = llama_engine.generate([prompt], GREEDY)[0]
@@ -294,12 +295,13 @@ def test_an_idle_engine_runs_them_on_the_callers_thread_and_then_steps(loop, lla
     assert loop.ran_while_idle == 1
     loop.call(lambda e: e.import_batch("i", batch.page_indexes, batch.num_tokens, batch.rows, layout_for(llama_engine)))
     assert wait_until(lambda: loop._idle, timeout=20)
-    t, _ = in_thread(lambda: (loop.emit_first_token("i", first), where.append(threading.get_ident())))
+    t, caller = in_thread(lambda: (loop.emit_first_token("i", first), threading.get_ident())[1])
     t.join(10)
     assert not t.is_alive() and loop.ran_while_idle == 2 and loop.ran_during_gpu_wait == 0
-    assert where[0] == where[1]  # the output went out on the caller's thread, not the engine's
+    assert where[0] == caller[0]  # the output went out on the caller's thread, not the engine's
     assert q.get(timeout=5).new_token_ids == [first]
+    assert [first, *queued_tokens(q)] == ref  # the engine thread woke to decode it
+    assert wait_until(lambda: loop._idle, timeout=20)
     loop.finish_import("i", first)
     assert loop.ran_while_idle == 3
-    assert [first, *queued_tokens(q)] == ref  # the engine thread woke to decode it
-    assert loop.call(lambda e: e.allocator.num_used) == 0
+    assert loop.call(lambda e: (e.allocator.num_used, e.handoff.joined("i"))) == (0, False)
