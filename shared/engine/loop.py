@@ -15,7 +15,8 @@
   order they were submitted: one runs early only when nothing is queued before it, except an `overtakes` one
   (an imported request's first token): it depends on nothing that may be queued (the pages still importing, other
   requests' commands), so it runs at the step's GPU wait ahead of them, and the token leaves within the step
-  instead of after it (a request's layer-group imports arrive just before its first token).
+  instead of after it (a request's layer-group imports arrive just before its first token); between steps it
+  likewise runs ahead of the commands queued before it.
 """
 
 from __future__ import annotations
@@ -228,8 +229,7 @@ class EngineLoop:
                     return
                 cmds = list(self._cmds)
                 self._cmds.clear()
-            for fn, fut, _, _ in cmds:
-                self._apply(fn, fut)
+            self._apply_commands(cmds)
             blocked = False
             for o in self.engine.take_pending():  # e.g. an imported request's first token: stream it now
                 self._dispatch(o)
@@ -260,6 +260,27 @@ class EngineLoop:
                 blocked = not outputs and not self.engine.last_step_scheduled
                 for o in outputs:
                     self._dispatch(o)
+
+    def _apply_commands(self, cmds: list[Command]) -> None:
+        """Engine thread, between steps: the commands taken from the queue, in order, except that an overtaking one
+        (an imported request's first token) runs first, its outputs dispatched at once: one in `cmds`, or one
+        submitted while they run (before the next of them, or the step after them). It depends on none of them
+        (`submit`); a first token that arrives with its request's last layer-group import queued would otherwise
+        leave after that import."""
+        pending = deque([c for c in cmds if c[3]] + [c for c in cmds if not c[3]])
+        while True:
+            with self._cv:
+                late = [c for c in self._cmds if c[3]]
+                for c in late:
+                    self._cmds.remove(c)
+            batch = [*late, pending.popleft()] if pending else late
+            if not batch:
+                return
+            for fn, fut, _, overtakes in batch:
+                self._apply(fn, fut)
+                if overtakes:
+                    for o in self.engine.take_pending():
+                        self._dispatch(o)
 
     def _apply(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
         if fut.set_running_or_notify_cancel():

@@ -204,9 +204,9 @@ def test_a_first_token_overtakes_the_commands_queued_before_it(loop, llama_engin
     overtook(loop, v, gate, order, imported)
 
 
-def test_a_first_token_queued_behind_commands_runs_at_the_next_wait(loop, llama_engine):
-    """Submitted while the engine thread is busy between steps, behind an import: it runs as the next step's GPU
-    wait begins, ahead of that import (which waits for the step)."""
+def test_a_first_token_queued_behind_commands_runs_before_the_next_step(loop, llama_engine):
+    """Submitted while the engine thread is busy between steps, behind an import: it runs as soon as the busy command
+    ended, ahead of that import (which waits for the next step) and before that step."""
     u = start_import(loop, llama_engine, "u", 21, pages=False)
     gate, go = Gate(), threading.Event()
     busy_between_steps(loop, gate, go)
@@ -214,9 +214,9 @@ def test_a_first_token_queued_behind_commands_runs_at_the_next_wait(loop, llama_
     imported = loop.submit(lambda e: (order.append("import"), e.import_batch("u", *u.rows)))
     t, _ = in_thread(lambda: (loop.emit_first_token("u", u.first), order.append("first")))
     assert wait_until(lambda: len(loop._cmds) == 2, timeout=10)  # both queued: the engine is busy
-    go.set()  # the engine steps (both came after its batch of commands): that step waits on the gate
+    go.set()  # the first token runs at once; the import comes after the next step, which waits on the gate
     t.join(20)
-    assert not t.is_alive()  # out at that step's wait
+    assert not t.is_alive() and loop.ran_during_gpu_wait == 0  # out between the steps
     overtook(loop, u, gate, order, imported)
 
 
@@ -239,9 +239,9 @@ def test_a_forking_import_ends_between_steps(loop, llama_engine):
     queued_tokens(z.bg)
 
 
-def test_one_queued_while_the_engine_was_busy_runs_as_the_next_step_waits(loop, llama_engine):
+def test_one_queued_while_the_engine_was_busy_runs_right_after_that_command(loop, llama_engine):
     """A first token submitted while the engine thread runs a command (not waiting on the GPU) is queued; it runs
-    as soon as the next step's wait begins, not after that step."""
+    as soon as that command ended, before the next step (not at that step's wait, nor after it)."""
     w = start_import(loop, llama_engine, "w", 17)
     gate, go = Gate(), threading.Event()
     busy_between_steps(loop, gate, go)
@@ -249,7 +249,7 @@ def test_one_queued_while_the_engine_was_busy_runs_as_the_next_step_waits(loop, 
     assert wait_until(lambda: len(loop._cmds) == 1, timeout=10)  # queued: the engine is busy
     go.set()
     t.join(10)
-    assert not t.is_alive() and loop.ran_during_gpu_wait == 1 and not gate.is_set()  # the next step still held
+    assert not t.is_alive() and loop.ran_during_gpu_wait == 0 and not gate.is_set()  # the next step still held
     assert w.q.get(timeout=5).new_token_ids == [w.first]
     gate.set()
     loop.finish_import("w", w.first)
