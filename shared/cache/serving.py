@@ -36,7 +36,7 @@ def pages_to_write(keys: list[bytes], pages: Collection[int], batches: list[Expo
 
 def whole_pages(batches: list[ExportedPages], layout: KVLayoutSpec) -> list[ExportedPages]:
     """`batches` as whole pages: those of all layers as they are; the layer groups of one set of pages (a chunk that
-    streamed group by group, `pdserve.kv.transfer.layers`) joined into one host batch (`_joined`). Pages whose
+    streamed group by group, `pdserve.kv.transfer.layers`) joined into one host batch (`_host_rows`). Pages whose
     groups do not cover every layer exactly once are left out."""
     whole = []
     for unit in _units(batches, layout):

@@ -118,6 +118,19 @@ def queued_tokens(q: queue.Queue, timeout: float = 20.0) -> list[int]:
             return out
 
 
+def record_launches(engine: LLMEngine) -> list[tuple[bool, int]]:
+    """Wrap the runner's launch_decode: the list it returns gets (chained, rows) of each launch from now on."""
+    launches: list[tuple[bool, int]] = []
+    launch = engine.runner.launch_decode
+
+    def recorded(seqs, positions, prev):
+        launches.append((prev is not None, len(seqs)))
+        return launch(seqs, positions, prev)
+
+    engine.runner.launch_decode = recorded  # type: ignore[method-assign]
+    return launches
+
+
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
     """Step until idle; returns {request_id: {"tokens": [...], "text": str, "outputs": [StepOutput]}}."""
     res: dict = {}

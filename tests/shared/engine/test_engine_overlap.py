@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from engine_testutil import layout_for, prefill_and_export, random_prompt, run_to_completion
+from engine_testutil import layout_for, prefill_and_export, random_prompt, record_launches, run_to_completion
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import EngineRequest
@@ -181,14 +181,7 @@ def test_an_import_whose_pages_landed_holds_the_chain_once(make_engine):
     want, bg_want = prefill.generate([prompt], sp)[0], prefill.generate([bg_prompt], long)[0]
     first, batch = prefill_and_export(prefill, "x", prompt, sp)
     eng = make_engine(overlap_decode="on")
-    launches: list[tuple[bool, int]] = []  # (chained, rows) of each launch
-    launch = eng.runner.launch_decode
-
-    def counted(seqs, positions, prev):
-        launches.append((prev is not None, len(seqs)))
-        return launch(seqs, positions, prev)
-
-    eng.runner.launch_decode = counted  # type: ignore[method-assign]
+    launches = record_launches(eng)  # (chained, rows) of each launch
     eng.add_request(EngineRequest("bg", bg_prompt, long))
     got: dict[str, list[int]] = {"bg": [], "x": []}
 

@@ -7,7 +7,7 @@ ended the request, nor for a forking one (n > 1), which join at finish_import as
 from __future__ import annotations
 
 import pytest
-from engine_testutil import layout_for, random_prompt, run_to_completion
+from engine_testutil import layout_for, random_prompt, record_launches, run_to_completion
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import EngineRequest
@@ -236,14 +236,7 @@ def test_a_join_holds_back_the_chained_step(make_engine):
     want = prefill_side.generate([prompt], sp)[0]
     first, pages = prefill(prefill_side, "x", prompt, sp)
     eng = make_engine(overlap_decode="on")
-    rows: list[tuple[bool, int]] = []  # (chained, rows) of each launch
-    launch = eng.runner.launch_decode
-
-    def counted(seqs, positions, prev):
-        rows.append((prev is not None, len(seqs)))
-        return launch(seqs, positions, prev)
-
-    eng.runner.launch_decode = counted  # type: ignore[method-assign]
+    rows = record_launches(eng)  # (chained, rows) of each launch
     eng.add_request(EngineRequest("bg", bg_prompt, bg_sp))
     got: list[int] = []
 
