@@ -44,6 +44,22 @@ def test_groups_join_into_the_whole_rows(name):
     assert joined[1].rows is second
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: groups still on the device join there")
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_groups_on_the_device_join_there_into_the_whole_rows(name):
+    layout, device = LAYOUTS[name], torch.device("cuda")
+    first = rows_of(layout, 3)
+    groups = []
+    for r in layer_groups(layout.num_layers, 2):
+        g = group_batch(first, layout, r, [0, 1, 2])
+        rows = g.rows.to(device)
+        ready = torch.cuda.Event()
+        ready.record()
+        groups.append(ExportedPages(g.page_indexes, g.num_tokens, rows, ready=ready, layers=r))
+    (joined,) = whole_pages(groups[::-1], layout)
+    assert joined.rows.device.type == "cpu" and joined.rows.is_pinned() and joined.rows.equal(first)
+
+
 def test_groups_with_a_gap_or_an_overlap_are_left_out():
     layout = ASYM  # 3 layers
     rows = rows_of(layout, 2)
