@@ -70,14 +70,15 @@ def _units(batches: list[ExportedPages], layout: KVLayoutSpec) -> list[list[Expo
 def _host_rows(unit: list[ExportedPages], layout: KVLayoutSpec) -> torch.Tensor | None:
     """A unit's whole rows on the host, uint8 [pages, page_bytes]: the batch's own (or its device rows copied),
     or its groups joined, each group's rows copied into its layers of the rows; None for groups that do not cover
-    every layer exactly once. Groups still on the device are joined there (`_device_join`): a host join of a 2k
-    prompt's groups is ~140 MB of strided copies on every core, beside the services' threads."""
+    every layer exactly once. Groups on the device are joined there (`_device_join`), also where the transport made
+    host copies: a host join of a 2k prompt's groups is ~140 MB of strided copies on every core, beside the
+    services' threads, where the device does it in well under a millisecond and one copy brings it over."""
     if _is_whole(unit, layout):
         return unit[0].host if unit[0].host is not None else to_host(unit[0])
     bounds = [(b.layers.start, b.layers.stop) for b in unit if b.layers is not None]
     if [a for a, _ in bounds] != [0] + [z for _, z in bounds[:-1]] or bounds[-1][1] != layout.num_layers:
         return None  # a gap or an overlap: these pages are not whole
-    if all(b.host is None and b.rows.is_cuda for b in unit):
+    if all(b.rows.is_cuda for b in unit):
         return _device_join(unit, bounds, layout)
     rows = torch.empty(len(unit[0].page_indexes), PageFormat(layout).page_bytes, dtype=torch.uint8)
     _join_into(rows, [b.host if b.host is not None else to_host(b) for b in unit], bounds, layout)
