@@ -50,7 +50,7 @@ def test_groups_on_the_device_join_there_into_the_whole_rows(name):
     layout, device = LAYOUTS[name], torch.device("cuda")
     first = rows_of(layout, 3)
     groups = []
-    for r in layer_groups(layout.num_layers, 2):
+    for r in layer_groups(layout.num_layers, 1):  # one layer a group: several groups for every layout
         g = group_batch(first, layout, r, [0, 1, 2])
         rows = g.rows.to(device)
         ready = torch.cuda.Event()
