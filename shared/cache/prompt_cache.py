@@ -129,7 +129,7 @@ class PromptCache:
         self._fetch_pool: ThreadPoolExecutor | None = None
         self._fetch_lock = threading.Lock()
         self.fetch_process: FetchProcess | None = None  # the prefix fetches' helper process (`use_fetch_process`)
-        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._copy_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
     # ---- counters (for metrics) ------------------------------------------------------------------------
     hits = property(lambda self: self.stats.hits)
@@ -230,14 +230,15 @@ class PromptCache:
                 self._fetch_pool = ThreadPoolExecutor(self.fetch_connections, thread_name_prefix="cache-fetch")
             return self._fetch_pool
 
-    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream of the prefix fetches' copies to `device` (one: their device arenas, allocated on it, are
-        reused from the allocator's cache of that stream; a stream per fetch left them to other streams' pools,
-        so each fetch allocated anew)."""
+    def copy_stream(self, device: torch.device, role: str = "fetch") -> torch.cuda.Stream:
+        """The side stream of the prefix fetches' copies to `device` (role "fetch"), or of the write-backs' joins and
+        copies from it ("write": a fetch never queues behind a write-back's copy). One per role: their device
+        buffers, allocated on it, are reused from the allocator's cache of that stream; a stream per fetch left them
+        to other streams' pools, so each fetch allocated anew."""
         with self._fetch_lock:
-            stream = self._copy_streams.get(device)
+            stream = self._copy_streams.get((device, role))
             if stream is None:
-                stream = self._copy_streams[device] = torch.cuda.Stream(device)
+                stream = self._copy_streams[(device, role)] = torch.cuda.Stream(device)
             return stream
 
     def use_fetch_process(self, arena_bytes: int, pin: bool) -> bool:

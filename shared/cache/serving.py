@@ -34,15 +34,17 @@ def pages_to_write(keys: list[bytes], pages: Collection[int], batches: list[Expo
     return n, sum(b.nbytes for b in batches)
 
 
-def whole_pages(batches: list[ExportedPages], layout: KVLayoutSpec) -> list[ExportedPages]:
+def whole_pages(
+    batches: list[ExportedPages], layout: KVLayoutSpec, cache: PromptCache | None = None
+) -> list[ExportedPages]:
     """`batches` as whole pages: those of all layers as they are; the layer groups of one set of pages (a chunk that
     streamed group by group, `pdserve.kv.transfer.layers`) joined into one host batch (`_host_rows`). Pages whose
-    groups do not cover every layer exactly once are left out."""
+    groups do not cover every layer exactly once are left out. `cache`: whose "write" stream joins device groups."""
     whole = []
     for unit in _units(batches, layout):
         if _is_whole(unit, layout):
             whole.append(unit[0])
-        elif (rows := _host_rows(unit, layout)) is not None:
+        elif (rows := _host_rows(unit, layout, cache)) is not None:
             whole.append(ExportedPages(list(unit[0].page_indexes), list(unit[0].num_tokens), rows, host=rows))
     return whole
 
@@ -67,7 +69,7 @@ def _units(batches: list[ExportedPages], layout: KVLayoutSpec) -> list[list[Expo
     return sorted(out, key=lambda u: u[0].page_indexes[0] if u[0].page_indexes else 0)
 
 
-def _host_rows(unit: list[ExportedPages], layout: KVLayoutSpec) -> torch.Tensor | None:
+def _host_rows(unit: list[ExportedPages], layout: KVLayoutSpec, cache: PromptCache | None) -> torch.Tensor | None:
     """A unit's whole rows on the host, uint8 [pages, page_bytes]: the batch's own (or its device rows copied),
     or its groups joined, each group's rows copied into its layers of the rows; None for groups that do not cover
     every layer exactly once. Groups on the device are joined there (`_device_join`), also where the transport made
@@ -79,7 +81,7 @@ def _host_rows(unit: list[ExportedPages], layout: KVLayoutSpec) -> torch.Tensor 
     if [a for a, _ in bounds] != [0] + [z for _, z in bounds[:-1]] or bounds[-1][1] != layout.num_layers:
         return None  # a gap or an overlap: these pages are not whole
     if all(b.rows.is_cuda for b in unit):
-        return _device_join(unit, bounds, layout)
+        return _device_join(unit, bounds, layout, cache)
     rows = torch.empty(len(unit[0].page_indexes), PageFormat(layout).page_bytes, dtype=torch.uint8)
     _join_into(rows, [b.host if b.host is not None else to_host(b) for b in unit], bounds, layout)
     return rows
@@ -95,11 +97,14 @@ def _join_into(rows: torch.Tensor, parts: list[torch.Tensor], bounds: list[tuple
                 d[:, :, start:stop].copy_(src)
 
 
-def _device_join(unit: list[ExportedPages], bounds: list[tuple[int, int]], layout: KVLayoutSpec) -> torch.Tensor:
-    """Device groups joined into whole rows on the device, on a side stream (after each group's gather), then one
-    copy to pinned host memory: the engine's stream and this process's CPU cores do none of it."""
+def _device_join(
+    unit: list[ExportedPages], bounds: list[tuple[int, int]], layout: KVLayoutSpec, cache: PromptCache | None
+) -> torch.Tensor:
+    """Device groups joined into whole rows on the device, on a side stream (after each group's gather; the cache's
+    "write" stream, whose allocator pool keeps the joined rows' memory for the next join), then one copy to pinned
+    host memory: the engine's stream and this process's CPU cores do none of it."""
     device = unit[0].rows.device
-    stream = torch.cuda.Stream(device=device)
+    stream = cache.copy_stream(device, "write") if cache is not None else torch.cuda.Stream(device=device)
     with torch.cuda.stream(stream):
         for b in unit:
             if b.ready is not None:
@@ -144,7 +149,7 @@ def write_back(
         for i in sorted(want, key=lambda i: head.page_indexes[i]):
             if not wait_idle():
                 return _put(cache, ns, items, to_store)
-            rows = _host_rows(unit, layout) if rows is None else rows
+            rows = _host_rows(unit, layout, cache) if rows is None else rows
             if rows is None:
                 break  # groups that are not whole pages: none of these
             idx = head.page_indexes[i]

@@ -58,7 +58,9 @@ def test_groups_on_the_device_join_there_into_the_whole_rows(name):
         # a transport's host copy (grpc) is not what gets joined: the device rows are (zeros here would show it)
         host = torch.zeros_like(g.rows).pin_memory() if r.start == 0 else None
         groups.append(ExportedPages(g.page_indexes, g.num_tokens, rows, ready=ready, host=host, layers=r))
-    (joined,) = whole_pages(groups[::-1], layout)
+    cache = PromptCache(MemoryStore(1 << 20))
+    (joined,) = whole_pages(groups[::-1], layout, cache)  # on the cache's "write" stream, not its fetch stream
+    assert cache.copy_stream(device, "write") is not cache.copy_stream(device)
     assert joined.rows.device.type == "cpu" and joined.rows.is_pinned() and joined.rows.equal(first)
 
 
