@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import torch
@@ -230,7 +230,7 @@ class PromptCache:
                 self._fetch_pool = ThreadPoolExecutor(self.fetch_connections, thread_name_prefix="cache-fetch")
             return self._fetch_pool
 
-    def copy_stream(self, device: torch.device, role: str = "fetch") -> torch.cuda.Stream:
+    def copy_stream(self, device: torch.device, role: Literal["fetch", "write"] = "fetch") -> torch.cuda.Stream:
         """The side stream of the prefix fetches' copies to `device` (role "fetch"), or of the write-backs' joins and
         copies from it ("write": a fetch never queues behind a write-back's copy). One per role: their device
         buffers, allocated on it, are reused from the allocator's cache of that stream; a stream per fetch left them

@@ -87,7 +87,9 @@ def _host_rows(unit: list[ExportedPages], layout: KVLayoutSpec, cache: PromptCac
     return rows
 
 
-def _join_into(rows: torch.Tensor, parts: list[torch.Tensor], bounds: list[tuple[int, int]], layout: KVLayoutSpec):
+def _join_into(
+    rows: torch.Tensor, parts: list[torch.Tensor], bounds: list[tuple[int, int]], layout: KVLayoutSpec
+) -> None:
     """Copy each layer group's rows `parts[i]` (uint8 [N, its page_bytes]) into layers `bounds[i]` of `rows` (uint8
     [N, page_bytes], same device)."""
     dst = PageFormat(layout).unpack(rows)  # data [N, 2, layers, ...], scales / zeros alike or None
