@@ -34,6 +34,12 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=15)
     ap.add_argument("--gpus", default="", help="comma-separated GPU indices for the engines (`pdserve up --gpus`)")
     ap.add_argument("--mps", default="auto", choices=("off", "auto", "on"), help="`pdserve up --mps` (its default)")
+    ap.add_argument(
+        "--gap-s",
+        type=float,
+        default=0.0,
+        help="pause between probes (0: back to back; a gap lets the last probe's prompt-cache write-back finish first)",
+    )
     ap.add_argument("--output", type=int, default=300, help="tokens each decoding stream generates")
     ap.add_argument("--transport", default="auto", help="the KV transport (`pdserve up --kv-transport`)")
     ap.add_argument(
@@ -61,16 +67,22 @@ def main() -> None:
     stack = start_stack(model, tmp / "stack", kv_dtype="int8", extra=extra, env=env, gpus=gpus, mps=args.mps)
     rng = random.Random(0)
 
-    def probe(n: int) -> list[float]:
+    def probe(n: int) -> list[list[float]]:
+        """Each probe's first and second token times, ms."""
+        times = []
         with pdserve.Client(stack.router, timeout=120) as c:
-            return [token_times_ms(c, [rng.randrange(5, vocab) for _ in range(args.prompt)])[0][0] for _ in range(n)]
+            for _ in range(n):
+                time.sleep(args.gap_s)
+                times.append(token_times_ms(c, [rng.randrange(5, vocab) for _ in range(args.prompt)])[0][:2])
+        return times
 
-    def report(label: str, ttfts: list[float]) -> None:
+    def report(label: str, times: list[list[float]]) -> None:
         time.sleep(2.0)  # the services' span processors export every 200 ms
         spans = sink.spans()
         probes = {s.trace_id for s in spans if s.name == "prefill.chunk"
                   and s.attributes.get("pdserve.chunk.end") == args.prompt}  # fmt: skip
-        print(f"{label}: TTFT median {statistics.median(ttfts):.1f} ms over {len(ttfts)}")
+        ttft, t2t = statistics.median(t[0] for t in times), statistics.median(t[-1] for t in times)
+        print(f"{label}: TTFT median {ttft:.1f} ms, second token {t2t:.1f} ms, over {len(times)}")
         print(format_breakdown(breakdown([s for s in spans if s.trace_id in probes])))
         if args.each and probes:
             last = max((s for s in spans if s.trace_id in probes and s.name == "router.generate"),
