@@ -113,8 +113,8 @@ def main() -> None:
             load.kill()
         stack.stop()
         sink.stop()
-    for line in stack.log_text().splitlines():  # the decode's first tokens during its steps' GPU waits (EngineLoop)
-        if "host-only commands" in line:
+    for line in stack.log_text().splitlines():  # EngineLoop: first tokens during GPU waits; steps held for prefill
+        if any(s in line for s in ("host-only commands", "held steps back", "sharing the GPU")):
             print(line.split(" INFO ", 1)[-1])
 
 
