@@ -25,6 +25,7 @@ from pdserve.cache.keys import CacheNamespace
 from pdserve.cache.prompt_cache import PromptCache
 from pdserve.cache.redis_store import RedisStore
 from pdserve.cache.serving import write_back
+from pdserve.cache.store import MemoryStore
 from pdserve.kv.codec import KVLayoutSpec
 from pdserve.kv.transfer import ExportedPages
 from pdserve.kv.transfer.page_format import PageFormat
@@ -84,12 +85,14 @@ def stats(samples: list[tuple[float, float]], t0: float, t1: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the store (memory: the in-process one that "
+                    "`pdserve up` uses without a Redis URL, --cache-memory-mb's default size)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=128, help="pages of the prompt (16 tokens each)")
     ap.add_argument("--local-mb", type=float, default=0.0, help="the cache's local tier (0: off)")
     args = ap.parse_args()
-    cache = PromptCache(RedisStore(args.redis), local_bytes=int(args.local_mb * (1 << 20)))
+    store = MemoryStore(1 << 30) if args.redis == "memory" else RedisStore(args.redis)
+    cache = PromptCache(store, local_bytes=int(args.local_mb * (1 << 20)))
     rows = torch.randint(0, 256, (args.pages, PageFormat(LAYOUT).page_bytes), dtype=torch.uint8)
     print(f"{args.pages} pages of {PageFormat(LAYOUT).page_bytes} bytes ({rows.numel() / 1e6:.0f} MB), {args.redis}")
     print(f"{'phase':<28} {'hop p50':>8} {'p90':>8} {'n':>5}   {'work p50':>8} {'p90':>8} {'n':>5}")
