@@ -85,8 +85,12 @@ def stats(samples: list[tuple[float, float]], t0: float, t1: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the store (memory: the in-process one that "
-                    "`pdserve up` uses without a Redis URL, --cache-memory-mb's default size)")
+    ap.add_argument(
+        "--redis",
+        default="redis://127.0.0.1:6379/0",
+        help="the store (memory: the in-process one that "
+        "`pdserve up` uses without a Redis URL, --cache-memory-mb's default size)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=128, help="pages of the prompt (16 tokens each)")
     ap.add_argument("--local-mb", type=float, default=0.0, help="the cache's local tier (0: off)")

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from functools import partial
 
 import grpc
@@ -55,6 +56,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         self.max_model_len: int = engine.model_config.max_position_embeddings
         self._lock = threading.Lock()
         self._active = 0
+        self._arriving = 0  # RPCs (Prefill, Start) not admitted to the engine yet: their lookups count as busy
         self._prompt_tokens = self._cached_tokens = 0  # of finished prefills (the cache hit ratio gauge)
         if cache is None:  # with a cache, its own page hit ratio (pdserve.telemetry.metrics.watch_prompt_cache)
             self.telemetry.metrics.gauge(
@@ -99,6 +101,30 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
     def Prefill(self, request_iterator: Iterator[internal_pb2.PrefillClientMessage], context: grpc.ServicerContext):
         t0 = time.perf_counter()
         scope = self.telemetry.request("prefill.request", context)
+        with self._arrival():
+            call, tx, ns, prompt = self._arrive(request_iterator, context, scope, t0)
+        # Only once admitted is the request id this call's in the engine: a rejected duplicate id must never free the
+        # engine request of the same id that another call holds.
+        if not context.add_callback(tx.abort):  # RPC ended for any reason (cancel, deadline, error, success)
+            tx.abort()  # ... already
+        tx.listen(request_iterator)
+        try:
+            # Inside the try: a stream cancelled at its first message still gives back its `_active` count.
+            yield tx.choice
+            yield from self._stream(call, ns, len(prompt), context)
+        except Exception as e:  # the transfer's and the engine's errors, through the one status table
+            context.abort(engine_error_code(e), str(e))
+        finally:
+            with self._lock:
+                self._active -= 1
+            call.end_spans()  # no-op after PrefillDone; else the status the RPC ends with
+            # Pages stay allocated until decode acks them all or the RPC ends (tx.abort above).
+
+    def _arrive(
+        self, request_iterator, context: grpc.ServicerContext, scope: RequestScope, t0: float
+    ) -> tuple[PrefillCall, OutgoingTransfer, CacheNamespace, list[int]]:
+        """A Prefill stream up to its admission: its request checked, its transfer open, its head start taken or its
+        prefix planned and the request queued in the engine (counted active)."""
         req = self._request(request_iterator, context)
         scope.event("read")  # the stages before the engine has the request, as span events (span_breakdown's rows)
         layout = self._check_peer(req, context)  # the prompt, sampling and sampled_before: the engine checks them
@@ -129,22 +155,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             )  # fmt: skip
             self._admit(call, req, prompt, sampling, context)
         scope.event("admitted")
-        # Only once admitted is the request id this call's in the engine: a rejected duplicate id must never free the
-        # engine request of the same id that another call holds.
-        if not context.add_callback(tx.abort):  # RPC ended for any reason (cancel, deadline, error, success)
-            tx.abort()  # ... already
-        tx.listen(request_iterator)
-        try:
-            # Inside the try: a stream cancelled at its first message still gives back its `_active` count.
-            yield tx.choice
-            yield from self._stream(call, ns, len(prompt), context)
-        except Exception as e:  # the transfer's and the engine's errors, through the one status table
-            context.abort(engine_error_code(e), str(e))
-        finally:
-            with self._lock:
-                self._active -= 1
-            call.end_spans()  # no-op after PrefillDone; else the status the RPC ends with
-            # Pages stay allocated until decode acks them all or the RPC ends (tx.abort above).
+        return call, tx, ns, prompt
 
     def Start(self, request: internal_pb2.PrefillStart, context: grpc.ServicerContext) -> internal_pb2.PrefillStarted:
         """The router's head start (`pdserve.prefill.head_start`): the request enters the engine now and waits for
@@ -158,6 +169,13 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
         if not self.cfg.head_start or shape is None:
             why = "head starts are off here" if not self.cfg.head_start else "no decode stream served yet"
             return internal_pb2.PrefillStarted(started=False, reason=why)
+        with self._arrival():
+            return self._start(request, context, shape, t0)
+
+    def _start(
+        self, request: internal_pb2.PrefillStart, context: grpc.ServicerContext, shape: DecodeShape, t0: float
+    ) -> internal_pb2.PrefillStarted:
+        """A head start reserved, its prefix planned and its engine admission submitted (or why not)."""
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         span = self.telemetry.rpc_span("prefill.start", context, {"pdserve.request_id": rid})
         sampling_bytes = request.sampling.SerializeToString(deterministic=True)
@@ -359,10 +377,23 @@ class PrefillServicer(internal_pb2_grpc.PrefillServicer):
             self._cached_tokens += done.cached_tokens
         call.record_done(done)
 
-    def _busy(self) -> bool:
-        """Whether this instance computes or ships anything now (any thread; the write-behind waits it out)."""
+    @contextmanager
+    def _arrival(self) -> Iterator[None]:
+        """An RPC's way to its engine admission (the read, the prefix lookup): busy already (`_busy`), so that a
+        write-back's page copies wait for its end instead of sharing this process's GIL with it."""
         with self._lock:
-            active = self._active
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._arriving -= 1
+
+    def _busy(self) -> bool:
+        """Whether this instance computes or ships anything now, or a request is on its way to the engine (any
+        thread; the write-behind waits it out)."""
+        with self._lock:
+            active = self._active + self._arriving
         return active > 0 or self.loop.engine.has_unfinished_requests()
 
     def close(self) -> None:
