@@ -138,11 +138,17 @@ def kv_gbps(before: dict, after: dict, transport: str) -> float:
     return (b1 - b0) / max(s1 - s0, 1e-9) / 1e9 if b1 > b0 else float("nan")
 
 
-def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 7) -> dict:
+def served_ttft(stack: Stack, transport: str, rng: torch.Generator, reps: int = 7, gap_s: float = 0.0) -> dict:
+    """One fresh 2k prompt at a time, `reps` times: first and second token times and the KV GB/s both ends
+    measured. `gap_s`: a pause before each (0: back to back, each prompt's write-back still running beside the
+    next)."""
     with pdserve.Client(stack.router, timeout=120) as c:
         ttft_ms(c, fresh(2048, rng))  # warm-up (and the transport's first handshake)
         before, before_r = kv_counters(stack), kv_counters(stack, "decode")
-        both = [token_times_ms(c, fresh(2048, rng))[0] for _ in range(reps)]  # first and second token
+        both = []  # first and second token
+        for _ in range(reps):
+            time.sleep(gap_s)
+            both.append(token_times_ms(c, fresh(2048, rng))[0])
         time.sleep(0.5)  # the last request's acks reach prefill after its first token
         after, after_r = kv_counters(stack), kv_counters(stack, "decode")
     key = {"cuda-ipc": "ipc", "grpc-shm": "shm"}.get(transport, "grpc")
