@@ -88,8 +88,7 @@ def main() -> None:
     ap.add_argument(
         "--redis",
         default="redis://127.0.0.1:6379/0",
-        help="the store (memory: the in-process one that "
-        "`pdserve up` uses without a Redis URL, --cache-memory-mb's default size)",
+        help="the store; memory: the in-process one of `pdserve up` without a Redis URL (its default size)",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=128, help="pages of the prompt (16 tokens each)")
